@@ -1,27 +1,31 @@
-"""A commit's merge of the shard indexes into the manifest (`store.manifest.merge_measured`, rank 0 while every
-other rank waits; also a URL's commit and `store repair`) over a real store of N samples (bench/scale_store.py
-builds it): its memory and time, the former merge against the current one, each in a fresh process.
+"""A commit's merge of the shard indexes into the manifest, and the manifest written (`store.manifest.merge_runs`
++ `MergedIndexes.write`, rank 0 while every other rank waits; also a URL's commit) over a real store of N samples
+(bench/scale_store.py builds it): its memory and time, the former merge against the current one, each in a fresh
+process.
 
-  old   the former `_merged` (kept below verbatim): the parts concatenated, `Table.sort_by` (the sort and the
-        take over one chunk per index), the parts held until the end: two copies of the rows at the peak, plus
-        each column's chunks joined for its take
-  new   `_merged`: the order from the key and shard columns joined, then one column at a time joined, taken and
-        dropped from the parts: ~one copy of the rows
-For each table's v1, each side --repeat times, interleaved; checks both give the same manifest bytes (sha256 of
-its parquet). Prints per side the growth of the process's peak RSS (VmHWM, from the reads' end), Arrow's peak
-allocation in the merge, and its seconds; then old / new.
+  old   the former commit (store/manifest.py at daf0fa4, kept below verbatim): the indexes joined 256 at a time,
+        then sorted one column at a time into one table (~one copy of the rows decoded), then `fmt.parquet_bytes`
+        (the file's bytes in memory too) written to the file
+  new   `merge_runs`: the rows sorted 131k at a time into runs held as parquet bytes (~1/5 of their Arrow size),
+        only the key and shard columns decoded; then `write` streams the manifest row group by row group
+For each table's v1, each side --repeat times, interleaved; checks both write the same manifest bytes (sha256 of
+the file). Prints per side the growth of the process's peak RSS (VmHWM, from the reads' end), Arrow's peak
+allocation, and its seconds; then old / new.
 
-    python bench/merge_memory.py --samples 30000 100000 300000 --dir /tmp/scale
+    python bench/merge_memory.py --samples 100000 300000 --dir /tmp/scale
 
-2-core machine shared with other helpers (load ~6: times swing, memory is steady), ext4, page cache warm, best
-of 2 (the RSS has ~70-80 MB that do not grow with N: the readers' threads, first reads):
-  N=30k   vae     116 indexes  old 0.70 s +111 MB RSS  35 MB Arrow   new 0.37 s +113 MB RSS  32 MB Arrow
-          images  177 indexes  old 1.25 s +138 MB RSS  46 MB Arrow   new 0.50 s +140 MB RSS  42 MB Arrow
-  N=100k  vae     384 indexes  old 1.35 s +203 MB RSS 117 MB Arrow   new 0.87 s +175 MB RSS  75 MB Arrow
-          images  590 indexes  old 4.37 s +296 MB RSS 153 MB Arrow   new 2.16 s +220 MB RSS  91 MB Arrow
-  N=300k  vae    1152 indexes  old 2.14 s +523 MB RSS 352 MB Arrow   new 1.71 s +339 MB RSS 225 MB Arrow
-          images 1769 indexes  old 5.59 s +722 MB RSS 459 MB Arrow   new 5.78 s +452 MB RSS 264 MB Arrow
-At 1M (linear from 100k-300k): vae ~+1.65 GB -> ~+1.0 GB, images ~+2.2 GB -> ~+1.3 GB. Times swing ~2x with load.
+2-core machine shared with other helpers (load 2-4), ext4, page cache warm, best of 2 (the RSS has ~70-80 MB that
+do not grow with N: the readers' threads, first reads):
+  N=100k  images  590 indexes  old 4.92 s +190 MB RSS  91 MB Arrow   new 3.68 s +187 MB RSS  84 MB Arrow
+          vae     384 indexes  old 1.51 s +149 MB RSS  75 MB Arrow   new 2.57 s +149 MB RSS  67 MB Arrow
+  N=300k  images 1769 indexes  old 22.1 s +427 MB RSS 264 MB Arrow   new 9.61 s +299 MB RSS 120 MB Arrow
+          vae    1152 indexes  old 4.14 s +326 MB RSS 225 MB Arrow   new 5.78 s +255 MB RSS  99 MB Arrow
+At 1M (linear from 100k-300k): images ~+1.25 GB -> ~+0.69 GB RSS (Arrow ~0.87 GB -> ~0.25 GB), vae ~+0.94 GB ->
+~+0.63 GB. Most of the new peak does not grow with N (~2 runs being sorted, one row group being written, the
+allocator's retained pages); what does is the runs' bytes (~17 MB per 100k rows) and the keys (~5 MB). Times
+swing ~2x with load (the new merge encodes and decodes each row once more: ~1.4x the old at low load).
+
+The former merge before daf0fa4 (`old_merged` below, the reference the tests compare with) held two copies.
 """
 
 from __future__ import annotations
@@ -71,6 +75,54 @@ def old_merged(parts: list[pa.Table]) -> pa.Table:
     return table.filter(pa.array(keep))
 
 
+# ---------------------------------------------------------------- the former commit (store/manifest.py at daf0fa4)
+
+
+def joined_merge_measured(paths: list[Path]) -> pa.Table:
+    """`merge_measured` at daf0fa4, verbatim but for the checksums it returned."""
+    parts = []
+    for i in range(0, len(paths), 256):
+        batch = paths[i:i + 256]
+        reads = manifest.read_indexes(batch)
+        parts.append(pa.concat_tables([r.rows for r in reads], promote_options="permissive").combine_chunks())
+        del reads
+    return joined_merged(parts)
+
+
+def joined_merged(parts: list[pa.Table]) -> pa.Table:
+    """`_merged` at daf0fa4, verbatim."""
+    if not parts:
+        return empty_manifest()
+    table = pa.concat_tables(parts, promote_options="permissive")
+    parts.clear()
+    keys = table.column("key").combine_chunks()
+    order = pc.sort_indices(pa.table({"key": keys, "shard": table.column("shard").combine_chunks()}),
+                            sort_keys=[("key", "ascending"), ("shard", "ascending")])  # a rank's shards: by number
+    schema, columns = table.schema, []
+    for name in schema.names:
+        column = keys if name == "key" else table.column(name).combine_chunks()
+        table = table.drop_columns([name])
+        columns.append(column.take(order))
+        del column
+    del keys
+    table = pa.Table.from_arrays(columns, schema=schema)
+    del columns
+    keys = table.column("key").combine_chunks()
+    again = np.flatnonzero(pc.equal(keys.slice(1), keys.slice(0, len(keys) - 1)).to_numpy(zero_copy_only=False)) + 1 \
+        if len(keys) > 1 else np.zeros(0, np.int64)
+    if not len(again):
+        return table
+    content = [c for c in table.column_names if c not in WHERE_COLUMNS]
+    later = table.take(pa.array(again)).to_pylist()
+    earlier = table.take(pa.array(again - 1)).to_pylist()
+    for a, b in zip(earlier, later):
+        if _rank(a["shard"]) != _rank(b["shard"]) or any(a[c] != b[c] for c in content):
+            raise UserError("duplicate keys across shards")
+    keep = np.ones(len(keys), bool)
+    keep[again] = False
+    return table.filter(pa.array(keep))
+
+
 def _status(name: str) -> int:
     """A /proc/self/status figure in MB."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -79,27 +131,34 @@ def _status(name: str) -> int:
     return 0
 
 
-def old_merge_measured(paths: list[Path]) -> pa.Table:
-    """The former `merge_measured` (at e98f9b5): every index read and held, then `old_merged`."""
-    reads = manifest.read_indexes(paths)
-    return old_merged([r.rows for r in reads])
-
-
 def child(vdir: Path, side: str) -> None:
-    """One merge in this fresh process, the indexes listed (as the commit does) and the peak RSS reset first.
-    Prints a JSON line."""
+    """One merge and its manifest written (to a temp file) in this fresh process, the indexes listed (as the commit
+    does) and the peak RSS reset first. Prints a JSON line."""
+    import tempfile
+
     from store.writer_open import index_paths
 
     paths = index_paths(vdir)
+    import pandas  # noqa: F401  # pyarrow's parquet writer imports it on first use: ~80 MB that do not grow with N
     rss = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    t0 = time.perf_counter()
-    table = old_merge_measured(paths) if side == "old" else manifest.merge_measured(paths)[0]
-    seconds = time.perf_counter() - t0
-    peak_rss = _status("VmHWM") - rss
-    print(json.dumps({"indexes": len(paths), "rows": table.num_rows, "s": seconds, "rss_mb": peak_rss,
-                      "arrow_mb": pa.default_memory_pool().max_memory() / 2**20,
-                      "sha": hashlib.sha256(fmt.parquet_bytes(table)).hexdigest()}))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / fmt.MANIFEST
+        t0 = time.perf_counter()
+        if side == "old":
+            table = joined_merge_measured(paths)
+            rows = table.num_rows
+            fmt.atomic_write_bytes(out, fmt.parquet_bytes(table))
+        else:
+            merged = manifest.merge_runs(paths)
+            rows = merged.num_rows
+            with fmt.atomic_file(out) as f:
+                merged.write(f)
+        seconds = time.perf_counter() - t0
+        peak_rss = _status("VmHWM") - rss
+        sha = hashlib.sha256(out.read_bytes()).hexdigest()
+    print(json.dumps({"indexes": len(paths), "rows": rows, "s": seconds, "rss_mb": peak_rss,
+                      "arrow_mb": pa.default_memory_pool().max_memory() / 2**20, "sha": sha}))
 
 
 def measure(vdir: Path, side: str) -> dict:

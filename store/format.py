@@ -18,7 +18,7 @@ import socket
 import stat
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -190,10 +190,19 @@ def atomic_write_bytes(path: Path, data: bytes, replace: bool = True, sync_dir: 
     `path` is never replaced (`rename_new`: FileExistsError). `sync_dir=False`: the folder not fsynced here - the
     caller fsyncs it once after many such files, before anything that counts on their names surviving a power
     loss (the file's bytes are durable before its name: a name that survives always has its bytes)."""
+    with atomic_file(path, replace, sync_dir) as f:
+        f.write(data)
+
+
+@contextmanager
+def atomic_file(path: Path, replace: bool = True, sync_dir: bool = True) -> Iterator[BinaryIO]:
+    """`atomic_write_bytes` for bytes written in pieces (a manifest streamed row group by row group, never whole
+    in memory): the yielded file is the temp file, renamed to `path` when the block ends without error (what the
+    block does after its last write, e.g. another file that must exist first, happens before the rename)."""
     tmp = temp_of(path)
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path) if replace else rename_new(tmp, path)

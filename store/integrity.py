@@ -91,13 +91,15 @@ def where(vdir: Path) -> str:
 # ---------------------------------------------------------------- checksums.json
 
 
-def write_version_checksums(vdir: Path, manifest: pa.Table, manifest_bytes: bytes,
+def write_version_checksums(vdir: Path, manifest: pa.Table, manifest_bytes: bytes | tuple[str, int],
                             measured: Mapping[str, tuple[str, int]] | None = None) -> None:
-    """The version's checksums.json. `measured`: file name -> (crc32c, nbytes) of the bytes the caller read already
-    (the commit's shard indexes, `store.manifest.merge_measured`: the very bytes the manifest's rows came from), not
-    read again; every other file is read here."""
+    """The version's checksums.json. `manifest`: its rows, or one row per shard (`store.manifest.Written.shards`);
+    `manifest_bytes`: its bytes, or their (crc32c, nbytes) when it was streamed to its file. `measured`: file name
+    -> (crc32c, nbytes) of the bytes the caller read already (the commit's shard indexes, `store.manifest.merge_runs`:
+    the very bytes the manifest's rows came from), not read again; every other file is read here."""
     measured = measured or {}
-    files: dict[str, dict[str, Any]] = {fmt.MANIFEST: {"nbytes": len(manifest_bytes), "crc32c": crc_hex(manifest_bytes)}}
+    own = (crc_hex(manifest_bytes), len(manifest_bytes)) if isinstance(manifest_bytes, bytes) else manifest_bytes
+    files: dict[str, dict[str, Any]] = {fmt.MANIFEST: {"nbytes": own[1], "crc32c": own[0]}}
     shards: dict[str, tuple[str | None, int]] = {}
     if manifest.num_rows:
         crcs = (manifest.column("shard_crc32c").to_pylist() if "shard_crc32c" in manifest.column_names

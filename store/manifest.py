@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -12,7 +12,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from schemas.errors import UserError
-from store.checksum import crc_hex
+from store import format as fmt
+from store.checksum import RunningCrc, crc_hex
 from store.shard import SampleRecord
 
 TENSOR_STRUCT = pa.struct([
@@ -82,9 +83,8 @@ WHERE_COLUMNS = frozenset({"shard", "shard_sha256", "shard_nbytes", "shard_crc32
 # shard indexes read at a time by a commit: parquet decoding releases the GIL, and on a shared file system each
 # file is a round trip or more
 INDEX_READERS = 8
-# shard indexes whose rows a merge joins into one table as it reads them (~50-100k rows): a merge's memory is
-# then ~one copy of the rows in a few large buffers, not ~20-30k indexes' small ones (bench/merge_memory.py)
-JOINED_INDEXES = 256
+# shard indexes a merge reads at a time (~2-20k rows), each batch's rows then sorted into the current run
+JOINED_INDEXES = 64
 
 
 class IndexRead(NamedTuple):
@@ -131,69 +131,224 @@ def merge_indexes(paths: Iterable[Path]) -> pa.Table:
 
 def merge_measured(paths: Iterable[Path], check: Callable[[Path, tuple[str, int]], None] | None = None,
                    ) -> tuple[pa.Table, dict[str, tuple[str, int]]]:
-    """Concatenate per-shard indexes into one manifest sorted by key; with it, each index file's name -> (crc32c,
-    nbytes) of the bytes read, for the commit's checksums.json.
+    """The manifest of `merge_runs` as one table (`store repair`, tests: a commit streams it, `MergedIndexes.write`);
+    with it, each index file's name -> (crc32c, nbytes) of the bytes read."""
+    merged = merge_runs(paths, check)
+    return pa.concat_tables(list(merged.groups()), promote_options="none"), merged.measured
+
+
+# rows of the indexes sorted together into one run, and rows per parquet row group of a run's encoded bytes: the
+# merge holds each run encoded (LZ4: ~1/4 of its Arrow size, decoded ~3x faster than snappy), and decodes ~one
+# such group per run at a time. The peak beyond the runs: ~2 runs' rows decoded while one is sorted, and while the
+# manifest is written, one row group of it plus ~RUN_GROUP_ROWS rows per run (~1M / RUN_ROWS runs)
+RUN_ROWS = 32_768
+RUN_GROUP_ROWS = 1_024
+
+
+def merge_runs(paths: Iterable[Path], check: Callable[[Path, tuple[str, int]], None] | None = None,
+               ) -> MergedIndexes:
+    """Per-shard indexes merged into one manifest sorted by key (then shard), ready to be written row group by row
+    group (`MergedIndexes.write`); each index file's name -> (crc32c, nbytes) of the bytes read, for the commit's
+    checksums.json, in its `measured`.
 
     A key in two shards of one rank with the same content (every column but `WHERE_COLUMNS`: the sample's bytes,
     whose sha256 covers its meta, and the meta columns) keeps the earlier shard's row: a resumed writer whose view
     of a shared folder hid the first shard's index wrote the sample again, and the later shard's other rows stay.
     Any other duplicate key (two ranks, or other content) is an error naming both shards. `check`: as in
-    `read_indexes`."""
+    `read_indexes`.
+
+    An external merge in memory: the indexes are read `JOINED_INDEXES` at a time, their rows sorted `RUN_ROWS` at a
+    time into runs held as parquet bytes; only the key and shard columns stay decoded, for the order of all rows.
+    The whole manifest is never in memory (~1 GB at 1M samples; bench/merge_memory.py)."""
     paths = list(paths)
     measured: dict[str, tuple[str, int]] = {}
-    parts = []
+    runs: list[bytes] = []
+    schemas: list[pa.Schema] = []
+    keys: list[pa.ChunkedArray] = []  # per run, its rows' keys and shards (sorted)
+    shards: list[pa.Array] = []
+    pending: list[pa.Table] = []
+
+    def flush() -> None:
+        rows = pa.concat_tables(pending, promote_options="permissive").combine_chunks()  # a take over one chunk
+        pending.clear()
+        rows = rows.take(pc.sort_indices(rows, sort_keys=[("key", "ascending"), ("shard", "ascending")]))
+        keys.append(rows.column("key"))
+        shards.append(pc.dictionary_encode(rows.column("shard").combine_chunks()))
+        sink = pa.BufferOutputStream()
+        pq.write_table(rows, sink, row_group_size=RUN_GROUP_ROWS, compression="lz4")
+        runs.append(sink.getvalue().to_pybytes())  # bytes of their own: freed whole, not amid Arrow's pool
+        schemas.append(rows.schema)
+
     for i in range(0, len(paths), JOINED_INDEXES):
         batch = paths[i:i + JOINED_INDEXES]
         reads = read_indexes(batch, check=check)
         measured.update((p.name, r.measured) for p, r in zip(batch, reads))
-        # one chunk per column for the batch: the indexes' small buffers freed now (and reused by the next batch's),
-        # not held, scattered, until the end of the merge
-        parts.append(pa.concat_tables([r.rows for r in reads], promote_options="permissive").combine_chunks())
+        pending.extend(r.rows for r in reads)
         del reads
-    return _merged(parts), measured  # `_merged` releases each part's columns as it goes: nothing else holds them
+        if sum(t.num_rows for t in pending) >= RUN_ROWS:
+            flush()
+    if pending:
+        flush()
+    return MergedIndexes(runs, schemas, keys, shards, measured)
 
 
-def _merged(parts: list[pa.Table]) -> pa.Table:
-    """The parts' rows sorted by key (then shard), duplicates dropped or refused (`merge_measured`). Empties `parts`.
+class Written(NamedTuple):
+    """A streamed manifest's (crc32c, nbytes), for checksums.json, and one row per shard its rows refer to (shard,
+    shard_nbytes and, format 2, shard_crc32c: what checksums.json lists of the shards)."""
+    measured: tuple[str, int]
+    shards: pa.Table
 
-    Sorted one column at a time: each column's chunks joined, taken in key order and dropped from the parts, so
-    that the parts' copy shrinks as the sorted one grows (~one copy of the rows, not two plus a column's joined
-    chunks: bench/merge_memory.py); the order from the key and shard columns joined, not over their chunks."""
-    if not parts:
-        return empty_manifest()
-    table = pa.concat_tables(parts, promote_options="permissive")
-    parts.clear()
-    keys = table.column("key").combine_chunks()
-    order = pc.sort_indices(pa.table({"key": keys, "shard": table.column("shard").combine_chunks()}),
-                            sort_keys=[("key", "ascending"), ("shard", "ascending")])  # a rank's shards: by number
-    schema, columns = table.schema, []
-    for name in schema.names:
-        column = keys if name == "key" else table.column(name).combine_chunks()
-        table = table.drop_columns([name])
-        columns.append(column.take(order))
-        del column
-    del keys
-    table = pa.Table.from_arrays(columns, schema=schema)
-    del columns
-    keys = table.column("key").combine_chunks()
-    # rows whose key is the one before (sorted): found in Arrow, not as a Python str per row
-    again = np.flatnonzero(pc.equal(keys.slice(1), keys.slice(0, len(keys) - 1)).to_numpy(zero_copy_only=False)) + 1 \
-        if len(keys) > 1 else np.zeros(0, np.int64)
-    if not len(again):
-        return table
-    content = [c for c in table.column_names if c not in WHERE_COLUMNS]
-    later = table.take(pa.array(again)).to_pylist()
-    earlier = table.take(pa.array(again - 1)).to_pylist()
-    for a, b in zip(earlier, later):
-        if _rank(a["shard"]) != _rank(b["shard"]) or any(a[c] != b[c] for c in content):
-            raise UserError(
-                f"duplicate keys across shards: {a['key']} in {a['shard']} and {b['shard']}"
-                f"{' (other content)' if _rank(a['shard']) == _rank(b['shard']) else ''}: each sample must be "
-                "written once; nothing committed. Delete the later shard's .tar and .index.parquet, then rerun: "
-                "its samples are written again")
-    keep = np.ones(len(keys), bool)
-    keep[again] = False
-    return table.filter(pa.array(keep))
+
+class MergedIndexes:
+    """`merge_runs`' result: the runs (each a key-sorted slice of the rows, as parquet bytes) and the manifest's
+    rows as (run, row in run) in key order, duplicates dropped or refused."""
+
+    def __init__(self, runs: list[bytes], schemas: list[pa.Schema], keys: list[pa.ChunkedArray],
+                 shards: list[pa.Array], measured: dict[str, tuple[str, int]]) -> None:
+        self.runs, self.measured = runs, measured
+        # the schema `pa.concat_tables(every index, promote_options="permissive")` has
+        self.schema = pa.unify_schemas(schemas, promote_options="permissive") if schemas else empty_manifest().schema
+        self._files = [pq.ParquetFile(pa.BufferReader(b)) for b in runs]
+        self._firsts = [np.cumsum([0] + [f.metadata.row_group(g).num_rows for g in range(f.num_row_groups)])
+                        for f in self._files]
+        sizes = np.array([len(k) for k in keys], np.int64)
+        order, again = _key_order(keys, shards)
+        del keys, shards
+        run = np.repeat(np.arange(len(runs), dtype=np.int32), sizes)[order]
+        row = order - np.concatenate([[0], np.cumsum(sizes)])[run]
+        del order
+        if len(again):
+            self._check_duplicates(run, row, again)
+            keep = np.ones(len(run), bool)
+            keep[again] = False
+            run, row = run[keep], row[keep]
+        self.run_of, self.row_of = run, row
+        self.num_rows = len(run)
+        self.nbytes = sum(len(b) for b in runs)  # ~the manifest's size: its rows, encoded alike
+
+    def _decoded(self, r: int, groups: list[int]) -> tuple[pa.Table, np.ndarray]:
+        """Run `r`'s row groups `groups` (increasing) decoded, and where each starts in the result."""
+        sizes = np.diff(self._firsts[r])[groups]
+        return (self._files[r].read_row_groups(groups, use_threads=False),
+                np.concatenate([[0], np.cumsum(sizes)])[:-1])
+
+    def _rows(self, run: np.ndarray, row: np.ndarray) -> list[dict[str, Any]]:
+        """The rows at (run, row) pairs as dicts, in the order given (the duplicates' check: a few rows)."""
+        out: list[dict[str, Any]] = [{}] * len(run)
+        for r in np.unique(run).tolist():
+            at = np.flatnonzero(run == r)
+            group = np.searchsorted(self._firsts[r], row[at], side="right") - 1
+            groups = np.unique(group)
+            table, starts = self._decoded(r, groups.tolist())
+            take = starts[np.searchsorted(groups, group)] + row[at] - self._firsts[r][group]
+            for i, d in zip(at.tolist(), table.take(pa.array(take)).to_pylist()):
+                out[i] = d
+        return out
+
+    def _check_duplicates(self, run: np.ndarray, row: np.ndarray, again: np.ndarray) -> None:
+        content = [c for c in self.schema.names if c not in WHERE_COLUMNS]
+        later, earlier = self._rows(run[again], row[again]), self._rows(run[again - 1], row[again - 1])
+        for a, b in zip(earlier, later):
+            if _rank(a["shard"]) != _rank(b["shard"]) or any(a.get(c) != b.get(c) for c in content):
+                raise UserError(
+                    f"duplicate keys across shards: {a['key']} in {a['shard']} and {b['shard']}"
+                    f"{' (other content)' if _rank(a['shard']) == _rank(b['shard']) else ''}: each sample must be "
+                    "written once; nothing committed. Delete the later shard's .tar and .index.parquet, then rerun: "
+                    "its samples are written again")
+
+    def groups(self) -> Iterator[pa.Table]:
+        """The manifest in key order, `fmt.ROW_GROUP_ROWS` rows at a time (one row group of the written file each),
+        of `schema`: each run's rows for a group decoded from the few row groups of the run that hold them, kept
+        while the next group may need them."""
+        if not self.num_rows:
+            yield self.schema.empty_table()
+            return
+        held: list[dict[int, pa.Table]] = [{} for _ in self.runs]  # per run: its decoded row groups, by number
+        empty = self.schema.empty_table()
+        for g0 in range(0, self.num_rows, fmt.ROW_GROUP_ROWS):
+            run, row = self.run_of[g0:g0 + fmt.ROW_GROUP_ROWS], self.row_of[g0:g0 + fmt.ROW_GROUP_ROWS]
+            windows, take, offset = [empty], np.empty(len(run), np.int64), 0
+            for r in np.unique(run).tolist():
+                at = np.flatnonzero(run == r)
+                rows = row[at]  # increasing: a run is sorted, and so is the manifest
+                firsts = self._firsts[r]
+                lo = int(np.searchsorted(firsts, rows[0], side="right")) - 1
+                hi = int(np.searchsorted(firsts, rows[-1], side="right"))
+                for g in range(lo, hi):  # each its own buffers: the one kept for the next group holds no others
+                    if g not in held[r]:
+                        held[r][g] = self._files[r].read_row_group(g, use_threads=False)
+                windows.extend(held[r][g] for g in range(lo, hi))
+                take[at] = offset + rows - firsts[lo]
+                offset += int(firsts[hi] - firsts[lo])
+            window = pa.concat_tables(windows, promote_options="permissive")
+            del windows
+            for h in held:  # a later group's rows of a run start in its last group used, or after it
+                for g in sorted(h)[:-1]:
+                    del h[g]
+            # taken one column at a time over the windows' chunks, each column of the windows freed once taken:
+            # ~one copy of the group's rows, in manifest order
+            index, names, columns = pa.array(take), window.schema.names, []
+            for name in names:
+                columns.append(window.column(name).take(index))
+                window = window.drop_columns([name])
+            out = pa.Table.from_arrays(columns, names=names)
+            del columns
+            yield out if out.schema == self.schema else out.cast(self.schema)
+
+    def write(self, f: BinaryIO) -> Written:
+        """The manifest's parquet into the open file `f`, one row group at a time: the bytes `fmt.parquet_bytes`
+        writes for the whole table, never all in memory."""
+        sink = _CountingSink(f)
+        cols = [c for c in ("shard", "shard_crc32c", "shard_nbytes") if c in self.schema.names]
+        shards = []
+        with pq.ParquetWriter(sink, self.schema) as writer:
+            for group in self.groups():
+                writer.write_table(group, row_group_size=fmt.ROW_GROUP_ROWS)
+                shards.append(_first_of_each(group.select(cols)))
+        return Written((sink.crc.hex(), sink.nbytes), _first_of_each(pa.concat_tables(shards)))
+
+
+class _CountingSink:
+    """A file object's writes, counted and CRC32C'd on the way (pyarrow writes through its `write`)."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.crc, self.nbytes, self.closed = f, RunningCrc(), 0, False
+
+    def write(self, data: bytes) -> int:
+        self.crc.update(data)
+        self.nbytes += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def close(self) -> None:  # the caller closes `f`
+        self.closed = True
+
+
+def _first_of_each(rows: pa.Table) -> pa.Table:
+    """`rows`' first row of each value of its first column, in order of first appearance."""
+    codes = pc.dictionary_encode(rows.column(0).combine_chunks()).indices.to_numpy(zero_copy_only=False)
+    _, first = np.unique(codes, return_index=True)
+    return rows.take(pa.array(np.sort(first)))
+
+
+def _key_order(keys: list[pa.ChunkedArray], shards: list[pa.Array]) -> tuple[np.ndarray, np.ndarray]:
+    """Positions in the runs' rows joined, in (key, shard) order (a stable sort, as `Table.sort_by`), and the sorted
+    positions whose key is the one before's. A shard sorts by its name's place among all names (a rank's shards: by
+    number), an int32 per row, not the name again."""
+    names = pa.chunked_array([s.dictionary for s in shards], pa.string()).unique().sort()
+    shard = pa.chunked_array([pc.index_in(s.dictionary, names).take(s.indices) for s in shards], pa.int32())
+    key = pa.chunked_array([c for k in keys for c in k.chunks], pa.string())
+    order = pc.sort_indices(pa.table({"key": key, "shard": shard}),
+                            sort_keys=[("key", "ascending"), ("shard", "ascending")]).to_numpy().astype(np.int64)
+    del shard
+    again, step = [], fmt.ROW_GROUP_ROWS
+    for a in range(0, max(len(order) - 1, 0), step):  # the keys in order a slice at a time, not a copy of them all
+        ordered = key.take(pa.array(order[a:a + step + 1]))
+        same = pc.equal(ordered.slice(1), ordered.slice(0, len(ordered) - 1)).to_numpy(zero_copy_only=False)
+        again.append(np.flatnonzero(same) + a + 1)
+    return order, np.concatenate(again) if again else np.zeros(0, np.int64)
 
 
 def rows_by_shard(rows: pa.Table) -> dict[str, pa.Table]:

@@ -187,8 +187,8 @@ def commit_remote(writer: TableWriter, allow_empty: bool) -> int:
         with remote_errors(url, f"commit of table '{table}' v{version}"):
             listing = _listing(remote, table, version)
             recorded, dones = _gather(writer, remote, listing, staging)
-            manifest_bytes = _manifest(writer, staging, recorded, dones, allow_empty)
-            with _progress(len(manifest_bytes), f"commit {url}") as bar:
+            manifest_nbytes = _manifest(writer, staging, recorded, dones, allow_empty)
+            with _progress(manifest_nbytes, f"commit {url}") as bar:
                 _upload(remote, staging / fmt.CHECKSUMS, f"{base}/{fmt.CHECKSUMS}", _entry(staging / fmt.CHECKSUMS),
                         listing, bar)
                 _still_there(writer, remote, staging)
@@ -277,31 +277,31 @@ def _gather(writer: TableWriter, remote, listing: dict[str, int],
 
 
 def _manifest(writer: TableWriter, staging: Path, recorded: dict[str, dict[str, Any]], dones: list[dict[str, Any]],
-              allow_empty: bool) -> bytes:
+              allow_empty: bool) -> int:
     """manifest.parquet and checksums.json in `staging` (as a writer on one disk writes them: the shards' sizes and
-    CRC32Cs from the manifest, the small files' from their bytes); the manifest's bytes. Refused unless its rows
+    CRC32Cs from the manifest, the small files' from their bytes); the manifest's size. Refused unless its rows
     plus the rejected samples are the keys the ranks were given."""
     from store.integrity import write_version_checksums
-    from store.manifest import merge_measured
+    from store.manifest import merge_runs
     from store.writer_commit import check_rows
 
     table, version = writer.table, writer.version
     # checksums.json takes each index's CRC32C from the bytes the merge read (each read once); checked below
     # against its rank's record, as the fetch checked the same file
-    manifest, measured = merge_measured(sorted(staging.glob("shard-r*-*.index.parquet")))
-    if manifest.num_rows == 0 and not allow_empty:
+    merged = merge_runs(sorted(staging.glob("shard-r*-*.index.parquet")))
+    if merged.num_rows == 0 and not allow_empty:
         raise UserError(f"table '{table}' v{version} would be empty: every input was rejected (reasons in each "
                         "node's cached quarantine.parquet); fix the inputs or the settings")
-    check_rows(table, version, dones, manifest.num_rows, required=True)
-    manifest_bytes = fmt.parquet_bytes(manifest)
-    write_version_checksums(staging, manifest, manifest_bytes, measured)
-    fmt.atomic_write_bytes(staging / fmt.MANIFEST, manifest_bytes)
+    check_rows(table, version, dones, merged.num_rows, required=True)
+    with fmt.atomic_file(staging / fmt.MANIFEST) as f:  # streamed, never whole in memory (as a local commit)
+        written = merged.write(f)
+        write_version_checksums(staging, written.shards, written.measured, merged.measured)
     listed = json.loads((staging / fmt.CHECKSUMS).read_bytes()).get("files", {})
     differs = [n for n, e in recorded.items()
                if n in listed and (listed[n]["nbytes"], listed[n]["crc32c"]) != (e["nbytes"], e["crc32c"])]
     if differs:
         raise UserError(f"table '{table}' v{version}: {differs[0]} differs from its index; rerun every node")
-    return manifest_bytes
+    return written.measured[1]
 
 
 def _still_there(writer: TableWriter, remote, staging: Path) -> None:

@@ -11,7 +11,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store.integrity import write_version_checksums
 from store.io_errors import writing
-from store.manifest import merge_measured
+from store.manifest import merge_runs
 from store.writer_open import index_paths, seen_in_time
 
 if TYPE_CHECKING:
@@ -56,20 +56,22 @@ def commit_local(writer: TableWriter, allow_empty: bool) -> int:
                         "call commit() on rank 0 after a barrier")
     dones = [fmt.read_json(vdir / fmt.rank_done_name(r), "a rank-done file") for r in range(writer.world_size)]
     # each index read once: its rows and, from the same bytes, its CRC32C for checksums.json
-    manifest, measured = merge_measured(listed_indexes(vdir, dones, f"table '{table}' v{version}"))
-    if manifest.num_rows == 0 and not allow_empty:
+    merged = merge_runs(listed_indexes(vdir, dones, f"table '{table}' v{version}"))
+    if merged.num_rows == 0 and not allow_empty:
         writer.close()
         raise UserError(f"table '{table}' v{version} would be empty: every input was rejected "
                         f"(reasons in {writer.store.root / 'quarantine.parquet'}); fix the inputs or the settings")
-    check_rows(table, version, dones, manifest.num_rows)
+    check_rows(table, version, dones, merged.num_rows)
     for p in vdir.iterdir():  # temp files of killed writes: never part of a committed version
         if fmt.is_litter(p.name):
             p.unlink(missing_ok=True)
-    manifest_bytes = fmt.parquet_bytes(manifest)
-    with writing(f"the manifest of table '{table}' v{version}", vdir, need=2 * len(manifest_bytes)):
-        # checksums.json before the manifest: a complete version (manifest present) always has its checksums.
-        write_version_checksums(vdir, manifest, manifest_bytes, measured)
-        fmt.atomic_write_bytes(vdir / fmt.MANIFEST, manifest_bytes)  # version complete from here on
+    with writing(f"the manifest of table '{table}' v{version}", vdir, need=2 * merged.nbytes):
+        # streamed row group by row group, never whole in memory; checksums.json before the manifest's rename: a
+        # complete version (manifest present) always has its checksums
+        with fmt.atomic_file(vdir / fmt.MANIFEST) as f:
+            written = merged.write(f)
+            write_version_checksums(vdir, written.shards, written.measured, merged.measured)
+        # version complete from here on
     fmt.crash_point("after_manifest")
     fmt.pause_point("commit_after_manifest")
     writer.store.set_current(table, version)

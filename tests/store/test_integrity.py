@@ -243,19 +243,29 @@ def test_full_disk_writing_the_manifest_leaves_no_temp_file_and_rerun_commits(st
     from store.io_errors import DiskFullError
     from store_samples import vae_schema
 
-    real = fmt.atomic_write_bytes
+    from contextlib import contextmanager
 
-    def full_for_manifest(path, data, *args):
-        if path.name == fmt.MANIFEST:
-            tmp = path.with_name(f".{path.name}.tmp-{__import__('os').getpid()}")
-            tmp.write_bytes(data[: len(data) // 2])
-            try:
+    real = fmt.atomic_file
+
+    class Full:  # the manifest's temp file: a first write lands, the next one finds the disk full
+        def __init__(self, f) -> None:
+            self.f, self.writes = f, 0
+
+        def write(self, data) -> int:
+            self.writes += 1
+            if self.writes > 1:
                 raise OSError(errno.ENOSPC, "No space left on device")
-            finally:
-                tmp.unlink()  # what atomic_write_bytes does on a failed write
-        real(path, data, *args)
+            return self.f.write(data)
 
-    monkeypatch.setattr(fmt, "atomic_write_bytes", full_for_manifest)
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    @contextmanager
+    def full_for_manifest(path, *args):
+        with real(path, *args) as f:
+            yield Full(f) if path.name == fmt.MANIFEST else f
+
+    monkeypatch.setattr(fmt, "atomic_file", full_for_manifest)
     with pytest.raises(DiskFullError, match="disk full while writing the manifest of table 'vae' v1"):
         fill(store, 5)
     assert "vae" not in store.tables() and not fmt.is_complete(store.root / "vae" / "v1")
