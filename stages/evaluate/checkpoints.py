@@ -705,6 +705,10 @@ def _recorded_if_up_to_date(run: _Evaluation, settings: dict, checkpoints: list[
                 why.insert(0, whose)
             say_recomputed(out, why, redone(out, known, checkpoints, shas, now_settings, run.cfg, earlier, keys))
     if ranks.from_main([int(done is not None)])[0]:
+        if ranks.main:  # the figures are the same, and so is what makes them not held out
+            from stages.evaluate.trained_val import say_recorded
+
+            say_recorded(done)
         return True, (CheckpointsResult(done, out / "index.html", up_to_date=True) if ranks.main else None)
     return False, None
 

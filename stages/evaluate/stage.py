@@ -684,7 +684,11 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     checked = checked_digest(lora_weight_file(lora))
     why: list[str] = []
     if skip_if_done and report_up_to_date(cfg, store, model, lora, out, checked.sha256, why):
-        return EvaluateResult(json.loads((out / "metrics.json").read_text()), out / "index.html", up_to_date=True)
+        from stages.evaluate.trained_val import say_recorded
+
+        metrics = json.loads((out / "metrics.json").read_text())
+        say_recorded(metrics)  # the figures are the same, and so is what makes them not held out
+        return EvaluateResult(metrics, out / "index.html", up_to_date=True)
     from stages.evaluate.checkpoints import say_recomputed
 
     say_recomputed(out, why)
