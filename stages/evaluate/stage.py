@@ -430,6 +430,24 @@ def cap_spellings(cfg: EvaluateConfig, n: int | None, recorded_cap) -> list[Eval
                     if c != cfg.max_loss_samples and _reads_all(c, n)]
 
 
+def same_config(recorded: str | None, cfg: EvaluateConfig, n: int | None, metrics: dict) -> bool:
+    """Is a report's recorded `config_fingerprint` these settings (`cfg`, resolved) under another spelling: as set
+    (`earlier_config_fingerprints`; the attention backend recorded unset, where the report's own run record says
+    which it used), or with another cap that reads every one of the val split's `n` samples too (256, then null:
+    `cap_spellings`)? One rule for a single-LoRA report and an --all-checkpoints one (that one compared only the
+    spellings as set: 256 then null rewrote its report, the same figures)."""
+    from stages.evaluate.backend import unset_backend
+    from stages.evaluate.checkpoints import earlier_config_fingerprints
+
+    if not isinstance(metrics, dict):
+        return False
+    unset_used = unset_backend(cfg.dtype, metrics)
+    recorded_cap = ((metrics.get("run") or {}).get("config") or {}).get("max_loss_samples")
+    spellings = cap_spellings(cfg, n, recorded_cap)
+    return recorded in [c.fingerprint() for c in spellings] + \
+        [h for c in spellings for h in earlier_config_fingerprints(c, unset_used)]
+
+
 def version_table_ids(store: str | Path) -> dict:
     """The store's current images / text / vae version ids: how a report named its tables before they were named
     by content (`read_table_ids`), and what they fall back to."""
@@ -474,9 +492,7 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
                       lora_sha256: str | None = None, why: list[str] | None = None) -> bool:
     """Is OUT's report this run's (`schemas.up_to_date`)? `why`: filled, when it holds one that is not, with what
     differs (`checkpoints.differences`)."""
-    from stages.evaluate.backend import unset_backend
-    from stages.evaluate.checkpoints import (damaged_current, differences, earlier_config_fingerprints,
-                                              nonfinite_current)
+    from stages.evaluate.checkpoints import damaged_current, differences, nonfinite_current
 
     metrics = Path(out) / "metrics.json"
     if not metrics.is_file() or not (Path(out) / "index.html").is_file():
@@ -502,14 +518,7 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
         present = evaluate_inputs(cfg, store, model, lora, lora_sha256, tables, table_ids)
         n = len(tables)
     resolved = resolved_config(cfg, model)
-    # a report recorded unset before the backend was hashed as resolved: its own run record says which it used
-    unset_used = unset_backend(resolved.dtype, metrics_of)
-    # recorded as set (`earlier_config_fingerprints`), or with another cap that read every sample too (256, then
-    # null; or as set before `config_fingerprint` spelled it null): the same settings
-    recorded_cap = ((metrics_of.get("run") or {}).get("config") or {}).get("max_loss_samples")
-    spellings = cap_spellings(resolved, n, recorded_cap)
-    if recorded.get("config_fingerprint") in [c.fingerprint() for c in spellings] + \
-            [h for c in spellings for h in earlier_config_fingerprints(c, unset_used)]:
+    if same_config(recorded.get("config_fingerprint"), resolved, n, metrics_of):
         present["config_fingerprint"] = recorded["config_fingerprint"]
     if current.is_current(recorded, present) and damaged_current(metrics_of, cfg) \
             and nonfinite_current(metrics_of, cfg):
