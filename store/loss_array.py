@@ -558,8 +558,9 @@ class CellDonor:
     """A group of the same setting but another seed / σ grid (`same_but_grid`): the (seed, σ) cells it shares
     with `seeds` x `sigmas` (`known`) are taken from it, by coordinates, and only the others are computed (one
     seed added to a grid: its cells alone, for the base and every checkpoint recorded there with the same bytes;
-    one removed: nothing computed). It is only read: the group written is filled with whole rows, one commit
-    each."""
+    one removed: nothing computed). Built from the group's index alone (its coordinates, steps and hashes; no
+    losses read: `cell_donor` weighs every candidate so); its losses are read where a row is taken. It is only
+    read: the group written is filled with whole rows, one commit each."""
 
     def __init__(self, group: LossGroup, seeds: list[int], sigmas: list[float]):
         self.path, self.group = group.path, group.group
@@ -567,8 +568,20 @@ class CellDonor:
         self._seed = [recorded[0].index(s) if s in recorded[0] else -1 for s in seeds]
         self._sigma = [recorded[1].index(float(t)) if float(t) in recorded[1] else -1 for t in sigmas]
         self.known = np.array([[a >= 0 and b >= 0 for b in self._sigma] for a in self._seed], dtype=bool)
-        self.steps = group.steps()  # step -> LoRA sha256
-        self._rows = {int(s): i for i, s in enumerate(self.group["step"][:])} if self.steps else {}
+        self._steps: dict[int, str] | None = None  # read on first use (`_index`): a bound weighs it before
+
+    @property
+    def steps(self) -> dict[int, str]:
+        """step -> LoRA sha256 of every row whose cells may be taken."""
+        if self._steps is None:
+            self._index()
+        return self._steps  # type: ignore[return-value]
+
+    def _index(self) -> None:
+        n = self.group["step"].shape[0]
+        steps = [int(s) for s in self.group["step"][:]] if n else []
+        self._steps = dict(zip(steps, (str(h) for h in self.group["lora_sha256"][:]))) if n else {}
+        self._rows = {s: i for i, s in enumerate(steps)}
         self._base = "base_loss" in self.group
         if self.group.attrs.get("format") == UNCHECKED:
             # an earlier release wrote no chunk that was all NaN: one absent is a lost file or a non-finite row,
@@ -577,7 +590,18 @@ class CellDonor:
             self._base = self._base and not any(c.startswith("base_loss/") for c in lost)
             per = self.group["loss"].chunks[0]
             rows = {int(c.split("/")[2]) * per + j for c in lost if c.startswith("loss/") for j in range(per)}
-            self.steps = {s: h for s, h in self.steps.items() if self._rows[s] not in rows}
+            self._steps = {s: h for s, h in self._steps.items() if self._rows[s] not in rows}
+
+    def bound(self, base: bool, rows: dict[int, str]) -> int:
+        """The most `saves` can be, from the commit record and the coordinates alone (no step read)."""
+        return int(self.known.sum()) * (int(base and "base_loss" in self.group) + len(rows))
+
+    def saves(self, base: bool, rows: dict[int, str]) -> int:
+        """The cells (per sample) a plan takes from here instead of computing them: the cells shared, for the
+        base when the plan computes it (`base`) and for each of its checkpoints (`rows`: step -> sha256) recorded
+        here with the same bytes."""
+        served = int(base and self.has_base()) + sum(1 for step, sha in rows.items() if self.holds(step, sha))
+        return int(self.known.sum()) * served
 
     def _fill(self, recorded: np.ndarray, computed: np.ndarray) -> np.ndarray:
         """`computed` ([sample, seed, σ, region] in `seeds` x `sigmas` order, NaN where not computed) with every
@@ -593,6 +617,7 @@ class CellDonor:
         return self._fill(np.asarray(self.group["base_loss"][:], dtype=np.float64), computed)
 
     def has_base(self) -> bool:
+        self.steps  # noqa: B018 - the index read (an earlier release's absent base chunk: no base)
         return self._base
 
     def holds(self, step: int, sha: str) -> bool:
@@ -600,18 +625,24 @@ class CellDonor:
         return self.steps.get(step) == sha
 
     def step(self, step: int, computed: np.ndarray) -> np.ndarray:
+        self.steps  # noqa: B018 - the index read
         return self._fill(np.asarray(self.group["loss"][self._rows[step]], dtype=np.float64), computed)
 
 
 def cell_donor(folder: str | Path, settings: dict, seeds: list[int], sigmas: list[float],
-               keys: list[str] | None) -> CellDonor | None:
+               keys: list[str] | None, base: bool, rows: dict[int, str]) -> CellDonor | None:
     """The group at or kept aside beside `folder/losses.zarr` of these settings but another seed / σ grid
     (`same_but_grid`; one of these very settings is not: evaluate takes such a group back whole, or sets it aside
-    as another run's), of these samples (`keys`; None: those the settings name, before the split is read), every
-    chunk intact (an earlier release's group, which wrote no all-NaN chunk: not its rows whose chunk is absent),
-    sharing the most (seed, σ) cells with `seeds` x `sigmas` (then holding the most steps); None:
-    none shares a cell."""
-    best, most = None, (0, 0)
+    as another run's), of these samples (`keys`; None: those the settings name, before the split is read), that
+    saves this plan the most forwards (`CellDonor.saves`: the cells shared, for the base when it is computed
+    (`base`) and for each checkpoint to evaluate (`rows`: step -> sha256) it records with those bytes; ties: the
+    most cells shared, then the first found); None: none saves one. Each candidate is weighed by its index (the
+    commit record and coordinates; its steps and hashes only where its bound can beat the best so far), and only
+    the one picked is read whole and checked, every
+    chunk intact (`_verify`; a damaged one gives no cell: the next is taken). An earlier release's group, which
+    wrote no all-NaN chunk: not its rows whose chunk is absent. Before, every candidate was read whole on every
+    plan and the one sharing the most cells was taken, whatever rows this plan needed of it."""
+    candidates = []
     # the group in place too: before an evaluate of the grown grid sets it aside (its line says what is computed)
     for kept in [p for p in (Path(folder) / GROUP,) if p.exists()] + sorted(Path(folder).glob("losses.*.zarr")):
         try:
@@ -622,14 +653,31 @@ def cell_donor(folder: str | Path, settings: dict, seeds: list[int], sigmas: lis
                     not same_but_grid(attrs.get("settings"), settings) or \
                     (keys is not None and [str(k) for k in group.group["sample"][:]] != list(keys)):
                 continue
-            _verify(group.group, kept)
-            donor = CellDonor(group, seeds, sigmas)
-        except Exception:  # noqa: BLE001 - a damaged kept group gives no cell
+            candidates.append(CellDonor(group, seeds, sigmas))
+        except Exception:  # noqa: BLE001 - unreadable: gives no cell
             continue
-        held = (int(donor.known.sum()), len(donor.steps))
-        if held[0] and held > most:
-            best, most = donor, held
-    return best
+    # the most saved first (ties: the most cells shared, then the first found); a candidate whose bound cannot beat
+    # the best so far is not indexed: several groups of one run's 500 checkpoints read the steps of one
+    candidates.sort(key=lambda d: (-d.bound(base, rows), -int(d.known.sum())))
+    while candidates:
+        best, most = None, (0, 0)
+        for donor in candidates:
+            if (donor.bound(base, rows), int(donor.known.sum())) <= most:
+                continue
+            try:
+                held = (donor.saves(base, rows), int(donor.known.sum()))
+            except Exception:  # noqa: BLE001 - an unreadable index gives no cell
+                held = (0, 0)
+            if held[0] and held > most:
+                best, most = donor, held
+        if best is None:
+            return None
+        try:
+            _verify(best.group, best.path)
+            return best
+        except Exception:  # noqa: BLE001 - a damaged group gives no cell: the next best
+            candidates.remove(best)
+    return None
 
 
 def _steps_of(path: Path, fingerprint: str) -> dict[int, str] | None:

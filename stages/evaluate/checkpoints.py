@@ -1026,8 +1026,9 @@ def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int
     recorded = losses.steps()
     plan = [int(losses.has_base())] + [int(step not in recorded) for step, _ in checkpoints]
     axes = losses.axes
-    donor = cell_donor(losses.path.parent, losses.settings, axes.seeds, axes.sigmas, axes.keys) \
-        if not plan[0] or any(plan[1:]) else None
+    needed = {step: shas[step] for (step, _), todo in zip(checkpoints, plan[1:]) if todo}  # the rows to compute
+    donor = cell_donor(losses.path.parent, losses.settings, axes.seeds, axes.sigmas, axes.keys, not plan[0],
+                       needed) if not plan[0] or needed else None
     if first and donor is not None:
         n = sum(1 for (step, _), todo in zip(checkpoints, plan[1:]) if todo and donor.holds(step, shas[step]))
         rows = ["the base"] * (not plan[0] and donor.has_base()) + [f"{n} checkpoint{'s' if n != 1 else ''}"]
@@ -1041,7 +1042,8 @@ def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int
 def _grown(out: Path, checkpoints: list[tuple[int, Path]], shas: dict[int, str], settings: dict | None,
            cfg: EvaluateConfig | None, keys: list[str] | None) -> str | None:
     """`redone`'s line when a group kept aside gives these settings' grid some of its (seed, σ) cells; else None."""
-    donor = cell_donor(out, settings, *cfg.loss_axes, keys) if settings is not None and cfg is not None else None
+    donor = cell_donor(out, settings, *cfg.loss_axes, keys, True, {step: shas[step] for step, _ in checkpoints}) \
+        if settings is not None and cfg is not None else None  # a new group: the base and every checkpoint
     if donor is None:
         return None
     held = sum(1 for step, _ in checkpoints if donor.holds(step, shas[step]))
