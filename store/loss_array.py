@@ -3,6 +3,8 @@
     losses.zarr/
       base_loss   float32 (sample, seed, sigma, region)         the model without LoRA: the reference line
       loss        float32 (step, sample, seed, sigma, region)   one chunk per checkpoint step
+                  (float64 both in a single-LoRA report's group, `stages.evaluate.lora_losses`: its figures are
+                  of the numbers as computed, and a grown grid's kept cells must be those numbers to the bit)
       step        int64   (step)        checkpoint        str (step)  its folder   lora_sha256 str (step)
       sample      str (sample: keys)    bucket  str (sample)   seed int64   sigma float64   region str
       zarr.json   group attrs (settings, fingerprint, trainings: step -> what trained it) + consolidated
@@ -193,8 +195,9 @@ class LossStore(LossGroup):
 
     def __init__(self, folder: str | Path, fingerprint: str, axes: Axes, settings: dict,
                  versions: dict | None = None, measured: dict | None = None, take_back: bool = False,
-                 spelled: Callable[[dict], bool] | None = None):
+                 spelled: Callable[[dict], bool] | None = None, dtype: str = "float32"):
         self.path = Path(folder) / GROUP
+        self.dtype = dtype  # of the losses of a group created here (one opened keeps its own)
         self.spelled = spelled  # `kept_groups`: recorded settings that are these under an earlier spelling
         self.axes, self.fingerprint, self.settings = axes, fingerprint, settings
         # `note`: recorded with a new group (no commit of their own)
@@ -319,7 +322,7 @@ class LossStore(LossGroup):
         g.create_array("seed", data=np.asarray(a.seeds, dtype="int64"), dimension_names=["seed"], **_checked())
         g.create_array("sigma", data=np.asarray(a.sigmas, dtype="float64"), dimension_names=["sigma"], **_checked())
         g.create_array("region", shape=(len(REGIONS),), dimension_names=["region"], **_STR, **_checked())[:] = np.array(REGIONS, dtype=object)
-        g.create_array("loss", shape=(0, *full), chunks=(1, *full), dtype="float32", fill_value=np.nan,
+        g.create_array("loss", shape=(0, *full), chunks=(1, *full), dtype=self.dtype, fill_value=np.nan,
                        dimension_names=["step", "sample", "seed", "sigma", "region"], **_checked())
         g.create_array("step", shape=(0,), chunks=(1,), dtype="int64", dimension_names=["step"], **_checked())
         for name in ("checkpoint", "lora_sha256"):
@@ -387,7 +390,7 @@ class LossStore(LossGroup):
         n = self.group["step"].shape[0]
         loss = self.group["loss"].with_config(WRITE)  # an all-NaN row is a file too (`store.loss_chunks`)
         loss.resize((n + 1, *self.axes.shape))
-        loss[n] = self._to_axes(grid, 1, undo=True).astype("float32")
+        loss[n] = self._to_axes(grid, 1, undo=True).astype(loss.dtype)
         for name, value in (("step", step), ("checkpoint", checkpoint), ("lora_sha256", lora_sha256)):
             arr = self.group[name].with_config(WRITE)  # step 0, an empty sha (validation): files too
             arr.resize((n + 1,))
@@ -421,7 +424,8 @@ def _placement(group, axes: Axes) -> tuple[np.ndarray | None, np.ndarray | None]
 
 
 def _create_base(group, grid: np.ndarray) -> None:
-    group.create_array("base_loss", data=grid.astype("float32"), fill_value=np.nan,
+    """The base grid in the dtype of the group's losses."""
+    group.create_array("base_loss", data=grid.astype(group["loss"].dtype), fill_value=np.nan,
                        dimension_names=["sample", "seed", "sigma", "region"], overwrite=True, **_checked())
 
 

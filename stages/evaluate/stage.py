@@ -105,26 +105,32 @@ def finite_samples(samples: list[TrainSample], grids: dict, cfg: EvaluateConfig)
 
 
 def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig,
-                  base_cache: tuple | None = None, load=None) -> dict:
+                  base_cache: tuple | None = None, load=None, recorded: tuple | None = None) -> dict:
     """Base vs LoRA loss: per sample the mean over noise seeds x σ grid; then overall, per bucket, per σ, mask.
     One forward per row and LoRA state, weighted all / inside / outside the mask (`loss_grid`). `base_cache`:
     (report folder, key of every input of the base losses): the base grid reused from there when recorded under
-    the key (`stages.evaluate.base_losses`). `load`: sample i in full where `samples` are outlines
-    (`loss_grid`)."""
-    from stages.evaluate import base_losses
+    the key (`stages.evaluate.base_losses`). `recorded`: (folder, settings, LoRA path): both grids kept there, and
+    only the (seed, σ) cells no group there holds computed (`stages.evaluate.lora_losses`). `load`: sample i in
+    full where `samples` are outlines (`loss_grid`)."""
+    from stages.evaluate import base_losses, lora_losses
+    from store.loss_array import Axes
 
-    grids = {}
-    for name, on in (("base", False), ("lora", True)):
-        def compute(on=on, name=name):
-            with lora_enabled(transformer, on):
-                return loss_grid(transformer, samples, *cfg.loss_axes,
-                                 cfg.batch_size, desc=f"held-out loss ({name})", load=load)
+    def compute(name: str, cells=None):
+        with lora_enabled(transformer, name == "lora"):
+            return loss_grid(transformer, samples, *cfg.loss_axes, cfg.batch_size, desc=f"held-out loss ({name})",
+                             load=load, cells=cells)
 
+    def check_base(base):  # a non-finite base loss = bad stored features (on_nonfinite=stop names them): stop
+        finite_samples(samples, {"base": base}, cfg)  # before the LoRA pass, as --all-checkpoints does
+
+    if recorded is not None:
+        axes = Axes([s.key for s in samples], [bucket_of(s) for s in samples], *cfg.loss_axes)
+        grids = lora_losses.grids(*recorded, axes, compute, base_cache, check_base)
+    else:
         shape = (len(samples), len(cfg.noise_seeds), len(cfg.timesteps), 3)
-        grids[name] = (base_losses.cached(*base_cache, shape, compute)
-                       if name == "base" and base_cache else compute())
-        if name == "base":  # a non-finite base loss = bad stored features (on_nonfinite=stop names them): stop
-            finite_samples(samples, grids, cfg)  # before the LoRA pass, as --all-checkpoints does
+        grids = {"base": base_losses.cached(*base_cache, shape, lambda: compute("base")) if base_cache else compute("base")}
+        check_base(grids["base"])
+        grids["lora"] = compute("lora")
     kept, nonfinite = finite_samples(samples, grids, cfg)
     result = loss_summary({m: g[kept] for m, g in grids.items()}, [samples[i] for i in kept], *cfg.loss_axes,
                           protocol(cfg, samples))
@@ -664,8 +670,9 @@ def _only_report_files(out: Path) -> bool:
     from stages.evaluate.base_images import FOLDER as BASE_IMAGES
 
     from stages.evaluate.base_losses import FILE as BASE_LOSSES
+    from stages.evaluate.lora_losses import FOLDER as LORA_LOSSES
 
-    return all(p.name in ("grid.png", "index.html", REPORT_LOCK, BASE_IMAGES, BASE_LOSSES)
+    return all(p.name in ("grid.png", "index.html", REPORT_LOCK, BASE_IMAGES, BASE_LOSSES, LORA_LOSSES)
                or (p.name.startswith(("losses", ".losses")) and ".zarr" in p.name)
                or (p.is_file() and is_litter(p.name))
                for p in out.iterdir())
@@ -719,8 +726,13 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     transformer = load_transformer(cfg, model)
     attach_checked(transformer, lora, cfg.lora_scale, checked.sha256)
 
-    loss = held_out_loss(transformer, samples, cfg, (out, base_inputs_key(cfg, store, model, samples, tables)),
-                         load=reader(tables, share))
+    from stages.evaluate.base_images import losses_key
+    from stages.evaluate.lora_losses import FOLDER, settings_of
+
+    features = read_inputs(cfg, store, model, tables)
+    loss = held_out_loss(transformer, samples, cfg, (out, losses_key(cfg, features, [s.key for s in samples])),
+                         load=reader(tables, share),
+                         recorded=(out / FOLDER, settings_of(features, checked.sha256), lora_weight_file(lora)))
 
     rows: list[SampleRow] = []
     if cfg.num_samples > 0 or cfg.extra_prompts:  # the pictured samples read in full
@@ -736,15 +748,6 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     tables.close()  # readers and read lease: a process that goes on (`run all`) holds nothing of them
     return EvaluateResult(metrics, write_report(out, metrics, rows), seconds=time.perf_counter() - started,
                           damaged=damaged)
-
-
-def base_inputs_key(cfg: EvaluateConfig, store: str | Path, model: str, samples: list[TrainSample],
-                    tables) -> str:
-    """The key of every input of the base's losses over `samples` (`base_images.losses_key` over all of them: store
-    tables, model files, loss settings, device, libraries, this project's sources)."""
-    from stages.evaluate.base_images import losses_key
-
-    return losses_key(cfg, read_inputs(cfg, store, model, tables), [s.key for s in samples])
 
 
 def read_inputs(cfg: EvaluateConfig, store: str | Path, model: str, tables) -> dict:
