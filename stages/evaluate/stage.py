@@ -128,7 +128,8 @@ def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig,
         grids = lora_losses.grids(*recorded, axes, compute, base_cache, check_base)
     else:
         shape = (len(samples), len(cfg.noise_seeds), len(cfg.timesteps), 3)
-        grids = {"base": base_losses.cached(*base_cache, shape, lambda: compute("base")) if base_cache else compute("base")}
+        base = base_losses.cached(*base_cache, shape, lambda: compute("base")) if base_cache else compute("base")
+        grids = {"base": base}
         check_base(grids["base"])
         grids["lora"] = compute("lora")
     kept, nonfinite = finite_samples(samples, grids, cfg)
