@@ -3,6 +3,8 @@
     losses.zarr/
       base_loss   float32 (sample, seed, sigma, region)         the model without LoRA: the reference line
       loss        float32 (step, sample, seed, sigma, region)   one chunk per checkpoint step
+                  (float64 both in a single-LoRA report's group, `stages.evaluate.lora_losses`: its figures are
+                  of the numbers as computed, and a grown grid's kept cells must be those numbers to the bit)
       step        int64   (step)        checkpoint        str (step)  its folder   lora_sha256 str (step)
       sample      str (sample: keys)    bucket  str (sample)   seed int64   sigma float64   region str
       zarr.json   group attrs (settings, fingerprint, trainings: step -> what trained it) + consolidated
@@ -193,8 +195,9 @@ class LossStore(LossGroup):
 
     def __init__(self, folder: str | Path, fingerprint: str, axes: Axes, settings: dict,
                  versions: dict | None = None, measured: dict | None = None, take_back: bool = False,
-                 spelled: Callable[[dict], bool] | None = None):
+                 spelled: Callable[[dict], bool] | None = None, dtype: str = "float32"):
         self.path = Path(folder) / GROUP
+        self.dtype = dtype  # of the losses of a group created here (one opened keeps its own)
         self.spelled = spelled  # `kept_groups`: recorded settings that are these under an earlier spelling
         self.axes, self.fingerprint, self.settings = axes, fingerprint, settings
         # `note`: recorded with a new group (no commit of their own)
@@ -319,7 +322,7 @@ class LossStore(LossGroup):
         g.create_array("seed", data=np.asarray(a.seeds, dtype="int64"), dimension_names=["seed"], **_checked())
         g.create_array("sigma", data=np.asarray(a.sigmas, dtype="float64"), dimension_names=["sigma"], **_checked())
         g.create_array("region", shape=(len(REGIONS),), dimension_names=["region"], **_STR, **_checked())[:] = np.array(REGIONS, dtype=object)
-        g.create_array("loss", shape=(0, *full), chunks=(1, *full), dtype="float32", fill_value=np.nan,
+        g.create_array("loss", shape=(0, *full), chunks=(1, *full), dtype=self.dtype, fill_value=np.nan,
                        dimension_names=["step", "sample", "seed", "sigma", "region"], **_checked())
         g.create_array("step", shape=(0,), chunks=(1,), dtype="int64", dimension_names=["step"], **_checked())
         for name in ("checkpoint", "lora_sha256"):
@@ -387,7 +390,7 @@ class LossStore(LossGroup):
         n = self.group["step"].shape[0]
         loss = self.group["loss"].with_config(WRITE)  # an all-NaN row is a file too (`store.loss_chunks`)
         loss.resize((n + 1, *self.axes.shape))
-        loss[n] = self._to_axes(grid, 1, undo=True).astype("float32")
+        loss[n] = self._to_axes(grid, 1, undo=True).astype(loss.dtype)
         for name, value in (("step", step), ("checkpoint", checkpoint), ("lora_sha256", lora_sha256)):
             arr = self.group[name].with_config(WRITE)  # step 0, an empty sha (validation): files too
             arr.resize((n + 1,))
@@ -421,7 +424,8 @@ def _placement(group, axes: Axes) -> tuple[np.ndarray | None, np.ndarray | None]
 
 
 def _create_base(group, grid: np.ndarray) -> None:
-    group.create_array("base_loss", data=grid.astype("float32"), fill_value=np.nan,
+    """The base grid in the dtype of the group's losses."""
+    group.create_array("base_loss", data=grid.astype(group["loss"].dtype), fill_value=np.nan,
                        dimension_names=["sample", "seed", "sigma", "region"], overwrite=True, **_checked())
 
 
@@ -558,8 +562,9 @@ class CellDonor:
     """A group of the same setting but another seed / σ grid (`same_but_grid`): the (seed, σ) cells it shares
     with `seeds` x `sigmas` (`known`) are taken from it, by coordinates, and only the others are computed (one
     seed added to a grid: its cells alone, for the base and every checkpoint recorded there with the same bytes;
-    one removed: nothing computed). It is only read: the group written is filled with whole rows, one commit
-    each."""
+    one removed: nothing computed). Built from the group's index alone (its coordinates, steps and hashes; no
+    losses read: `cell_donor` weighs every candidate so); its losses are read where a row is taken. It is only
+    read: the group written is filled with whole rows, one commit each."""
 
     def __init__(self, group: LossGroup, seeds: list[int], sigmas: list[float]):
         self.path, self.group = group.path, group.group
@@ -567,8 +572,20 @@ class CellDonor:
         self._seed = [recorded[0].index(s) if s in recorded[0] else -1 for s in seeds]
         self._sigma = [recorded[1].index(float(t)) if float(t) in recorded[1] else -1 for t in sigmas]
         self.known = np.array([[a >= 0 and b >= 0 for b in self._sigma] for a in self._seed], dtype=bool)
-        self.steps = group.steps()  # step -> LoRA sha256
-        self._rows = {int(s): i for i, s in enumerate(self.group["step"][:])} if self.steps else {}
+        self._steps: dict[int, str] | None = None  # read on first use (`_index`): a bound weighs it before
+
+    @property
+    def steps(self) -> dict[int, str]:
+        """step -> LoRA sha256 of every row whose cells may be taken."""
+        if self._steps is None:
+            self._index()
+        return self._steps  # type: ignore[return-value]
+
+    def _index(self) -> None:
+        n = self.group["step"].shape[0]
+        steps = [int(s) for s in self.group["step"][:]] if n else []
+        self._steps = dict(zip(steps, (str(h) for h in self.group["lora_sha256"][:]))) if n else {}
+        self._rows = {s: i for i, s in enumerate(steps)}
         self._base = "base_loss" in self.group
         if self.group.attrs.get("format") == UNCHECKED:
             # an earlier release wrote no chunk that was all NaN: one absent is a lost file or a non-finite row,
@@ -577,7 +594,18 @@ class CellDonor:
             self._base = self._base and not any(c.startswith("base_loss/") for c in lost)
             per = self.group["loss"].chunks[0]
             rows = {int(c.split("/")[2]) * per + j for c in lost if c.startswith("loss/") for j in range(per)}
-            self.steps = {s: h for s, h in self.steps.items() if self._rows[s] not in rows}
+            self._steps = {s: h for s, h in self._steps.items() if self._rows[s] not in rows}
+
+    def bound(self, base: bool, rows: dict[int, str]) -> int:
+        """The most `saves` can be, from the commit record and the coordinates alone (no step read)."""
+        return int(self.known.sum()) * (int(base and "base_loss" in self.group) + len(rows))
+
+    def saves(self, base: bool, rows: dict[int, str]) -> int:
+        """The cells (per sample) a plan takes from here instead of computing them: the cells shared, for the
+        base when the plan computes it (`base`) and for each of its checkpoints (`rows`: step -> sha256) recorded
+        here with the same bytes."""
+        served = int(base and self.has_base()) + sum(1 for step, sha in rows.items() if self.holds(step, sha))
+        return int(self.known.sum()) * served
 
     def _fill(self, recorded: np.ndarray, computed: np.ndarray) -> np.ndarray:
         """`computed` ([sample, seed, σ, region] in `seeds` x `sigmas` order, NaN where not computed) with every
@@ -593,6 +621,7 @@ class CellDonor:
         return self._fill(np.asarray(self.group["base_loss"][:], dtype=np.float64), computed)
 
     def has_base(self) -> bool:
+        self.steps  # noqa: B018 - the index read (an earlier release's absent base chunk: no base)
         return self._base
 
     def holds(self, step: int, sha: str) -> bool:
@@ -600,18 +629,24 @@ class CellDonor:
         return self.steps.get(step) == sha
 
     def step(self, step: int, computed: np.ndarray) -> np.ndarray:
+        self.steps  # noqa: B018 - the index read
         return self._fill(np.asarray(self.group["loss"][self._rows[step]], dtype=np.float64), computed)
 
 
 def cell_donor(folder: str | Path, settings: dict, seeds: list[int], sigmas: list[float],
-               keys: list[str] | None) -> CellDonor | None:
+               keys: list[str] | None, base: bool, rows: dict[int, str]) -> CellDonor | None:
     """The group at or kept aside beside `folder/losses.zarr` of these settings but another seed / σ grid
     (`same_but_grid`; one of these very settings is not: evaluate takes such a group back whole, or sets it aside
-    as another run's), of these samples (`keys`; None: those the settings name, before the split is read), every
-    chunk intact (an earlier release's group, which wrote no all-NaN chunk: not its rows whose chunk is absent),
-    sharing the most (seed, σ) cells with `seeds` x `sigmas` (then holding the most steps); None:
-    none shares a cell."""
-    best, most = None, (0, 0)
+    as another run's), of these samples (`keys`; None: those the settings name, before the split is read), that
+    saves this plan the most forwards (`CellDonor.saves`: the cells shared, for the base when it is computed
+    (`base`) and for each checkpoint to evaluate (`rows`: step -> sha256) it records with those bytes; ties: the
+    most cells shared, then the first found); None: none saves one. Each candidate is weighed by its index (the
+    commit record and coordinates; its steps and hashes only where its bound can beat the best so far), and only
+    the one picked is read whole and checked, every
+    chunk intact (`_verify`; a damaged one gives no cell: the next is taken). An earlier release's group, which
+    wrote no all-NaN chunk: not its rows whose chunk is absent. Before, every candidate was read whole on every
+    plan and the one sharing the most cells was taken, whatever rows this plan needed of it."""
+    candidates = []
     # the group in place too: before an evaluate of the grown grid sets it aside (its line says what is computed)
     for kept in [p for p in (Path(folder) / GROUP,) if p.exists()] + sorted(Path(folder).glob("losses.*.zarr")):
         try:
@@ -622,14 +657,31 @@ def cell_donor(folder: str | Path, settings: dict, seeds: list[int], sigmas: lis
                     not same_but_grid(attrs.get("settings"), settings) or \
                     (keys is not None and [str(k) for k in group.group["sample"][:]] != list(keys)):
                 continue
-            _verify(group.group, kept)
-            donor = CellDonor(group, seeds, sigmas)
-        except Exception:  # noqa: BLE001 - a damaged kept group gives no cell
+            candidates.append(CellDonor(group, seeds, sigmas))
+        except Exception:  # noqa: BLE001 - unreadable: gives no cell
             continue
-        held = (int(donor.known.sum()), len(donor.steps))
-        if held[0] and held > most:
-            best, most = donor, held
-    return best
+    # the most saved first (ties: the most cells shared, then the first found); a candidate whose bound cannot beat
+    # the best so far is not indexed: several groups of one run's 500 checkpoints read the steps of one
+    candidates.sort(key=lambda d: (-d.bound(base, rows), -int(d.known.sum())))
+    while candidates:
+        best, most = None, (0, 0)
+        for donor in candidates:
+            if (donor.bound(base, rows), int(donor.known.sum())) <= most:
+                continue
+            try:
+                held = (donor.saves(base, rows), int(donor.known.sum()))
+            except Exception:  # noqa: BLE001 - an unreadable index gives no cell
+                held = (0, 0)
+            if held[0] and held > most:
+                best, most = donor, held
+        if best is None:
+            return None
+        try:
+            _verify(best.group, best.path)
+            return best
+        except Exception:  # noqa: BLE001 - a damaged group gives no cell: the next best
+            candidates.remove(best)
+    return None
 
 
 def _steps_of(path: Path, fingerprint: str) -> dict[int, str] | None:

@@ -203,17 +203,17 @@ def unset_array_backend(out: Path) -> str | None:
 
 
 def content_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str, settings: dict,
-                        out: Path | None = None) -> tuple[str, dict, list, list[str]]:
+                        out: Path | None = None) -> tuple[str, dict, list, list[str], int]:
     """`read_fingerprint` of the val split as evaluate would read it now (opened and closed here: the up-to-date
-    check before anything is loaded), its `earlier_settings` and the keys of the val samples the loss passes
-    will read (`val_share.loss_keys`: the loss array's sample axis)."""
+    check before anything is loaded), its `earlier_settings`, the keys of the val samples the loss passes
+    will read (`val_share.loss_keys`: the loss array's sample axis) and the split's size."""
     from features.open import open_configured
     from models.loading import model_files
     from stages.evaluate.val_share import loss_keys
 
     with open_configured(cfg, "evaluate", store, model, model_files(model), "val") as tables:
         fingerprint, settings = read_fingerprint(settings, tables)
-        return fingerprint, settings, earlier_settings(settings, tables, cfg, out), loss_keys(cfg, tables)
+        return fingerprint, settings, earlier_settings(settings, tables, cfg, out), loss_keys(cfg, tables), len(tables)
 
 
 def _hash(settings: dict) -> str:
@@ -456,12 +456,14 @@ class CheckpointsResult:
 
 
 def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
-                cfg: EvaluateConfig, settings: dict | None = None, why: list[str] | None = None) -> dict | None:
+                cfg: EvaluateConfig, settings: dict | None = None, why: list[str] | None = None,
+                n: int | None = None) -> dict | None:
     """The report's metrics when it is current (`schemas.up_to_date`): the same loss array (`fingerprint`),
     every checkpoint recorded with its present bytes (`shas`) and path (a moved run: the report names the new
-    paths), the same evaluate settings and extra prompts' image bytes (pictures only: the array is kept). `why`:
-    filled, when OUT holds a report that is not current, with what differs (`differences`; `settings`: the loss
-    array's settings of this run, `loss_fingerprint`)."""
+    paths), the same evaluate settings (`stage.same_config`; `n`: the val split's size, which says which caps
+    read every sample) and extra prompts' image bytes (pictures only: the array is kept). `why`: filled, when
+    OUT holds a report that is not current, with what differs (`differences`; `settings`: the loss array's
+    settings of this run, `loss_fingerprint`)."""
     metrics_file = out / "metrics.json"
     if not metrics_file.is_file() or not (out / "index.html").is_file():
         return None
@@ -493,10 +495,10 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
     # deleted by hand) left the report "up to date" naming a path that is gone as the best
     recorded_inputs["named_on_disk"] = named
     present["named_on_disk"] = [step for step in named if step in dict(checkpoints)]
-    from stages.evaluate.backend import unset_backend
+    from stages.evaluate.stage import same_config
 
-    if recorded_inputs["config_fingerprint"] in earlier_config_fingerprints(cfg, unset_backend(cfg.dtype, metrics)):
-        present["config_fingerprint"] = recorded_inputs["config_fingerprint"]  # recorded as set: the same settings
+    if same_config(recorded_inputs["config_fingerprint"], cfg, n, metrics):  # the same settings, spelled otherwise
+        present["config_fingerprint"] = recorded_inputs["config_fingerprint"]
     if recorded is not None and current.is_current(recorded_inputs, present) and damaged_current(metrics, cfg) \
             and nonfinite_current(metrics, cfg):
         return metrics
@@ -696,15 +698,19 @@ def _recorded_if_up_to_date(run: _Evaluation, settings: dict, checkpoints: list[
     ranks, out = run.ranks, run.out
     done = None
     if skip_if_done and ranks.main:  # the val split named by content, as the array records it (`read_tables`)
-        now, now_settings, earlier, keys = content_fingerprint(run.cfg, run.store, run.model, settings, run.out)
+        now, now_settings, earlier, keys, n = content_fingerprint(run.cfg, run.store, run.model, settings, run.out)
         why: list[str] = []
         known = known_fingerprint(out, now, now_settings, earlier)
-        done = _up_to_date(out, known, checkpoints, shas, run.cfg, now_settings, why)
+        done = _up_to_date(out, known, checkpoints, shas, run.cfg, now_settings, why, n)
         if done is None:
             if why and whose_report is not None and (whose := whose_report(out)):
                 why.insert(0, whose)
             say_recomputed(out, why, redone(out, known, checkpoints, shas, now_settings, run.cfg, earlier, keys))
     if ranks.from_main([int(done is not None)])[0]:
+        if ranks.main:  # the figures are the same, and so is what makes them not held out
+            from stages.evaluate.trained_val import say_recorded
+
+            say_recorded(done)
         return True, (CheckpointsResult(done, out / "index.html", up_to_date=True) if ranks.main else None)
     return False, None
 
@@ -1020,8 +1026,9 @@ def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int
     recorded = losses.steps()
     plan = [int(losses.has_base())] + [int(step not in recorded) for step, _ in checkpoints]
     axes = losses.axes
-    donor = cell_donor(losses.path.parent, losses.settings, axes.seeds, axes.sigmas, axes.keys) \
-        if not plan[0] or any(plan[1:]) else None
+    needed = {step: shas[step] for (step, _), todo in zip(checkpoints, plan[1:]) if todo}  # the rows to compute
+    donor = cell_donor(losses.path.parent, losses.settings, axes.seeds, axes.sigmas, axes.keys, not plan[0],
+                       needed) if not plan[0] or needed else None
     if first and donor is not None:
         n = sum(1 for (step, _), todo in zip(checkpoints, plan[1:]) if todo and donor.holds(step, shas[step]))
         rows = ["the base"] * (not plan[0] and donor.has_base()) + [f"{n} checkpoint{'s' if n != 1 else ''}"]
@@ -1035,7 +1042,8 @@ def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int
 def _grown(out: Path, checkpoints: list[tuple[int, Path]], shas: dict[int, str], settings: dict | None,
            cfg: EvaluateConfig | None, keys: list[str] | None) -> str | None:
     """`redone`'s line when a group kept aside gives these settings' grid some of its (seed, σ) cells; else None."""
-    donor = cell_donor(out, settings, *cfg.loss_axes, keys) if settings is not None and cfg is not None else None
+    donor = cell_donor(out, settings, *cfg.loss_axes, keys, True, {step: shas[step] for step, _ in checkpoints}) \
+        if settings is not None and cfg is not None else None  # a new group: the base and every checkpoint
     if donor is None:
         return None
     held = sum(1 for step, _ in checkpoints if donor.holds(step, shas[step]))

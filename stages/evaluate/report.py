@@ -250,9 +250,9 @@ p.trained-val { color: #8a1f11; background: #fdecea; padding: 6px 10px; border-l
 def page(title: str, sections: list[str], metrics: dict, extra_css: str = "") -> str:
     """One self-contained report page (no script): a warning of val samples the run trained on first (its held-out
     loss is not held out: stages/evaluate/trained_val.py; one per training), the sections, then the run record."""
-    trained = (metrics.get("run") or {}).get("trained_val")
-    warnings = [t["warning"] for t in (trained if isinstance(trained, list) else [trained])
-                if isinstance(t, dict) and t.get("warning")]
+    from stages.evaluate.trained_val import recorded_warnings
+
+    warnings = recorded_warnings(metrics)
     sections = ([f"<p class='trained-val'>{html.escape(w)}</p>" for w in warnings] + sections
                 + ["<h2>Run</h2>", f"<pre>{html.escape(json.dumps(metrics.get('run', {}), indent=2))}</pre>"])
     return f"""<!doctype html>

@@ -105,26 +105,33 @@ def finite_samples(samples: list[TrainSample], grids: dict, cfg: EvaluateConfig)
 
 
 def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig,
-                  base_cache: tuple | None = None, load=None) -> dict:
+                  base_cache: tuple | None = None, load=None, recorded: tuple | None = None) -> dict:
     """Base vs LoRA loss: per sample the mean over noise seeds x σ grid; then overall, per bucket, per σ, mask.
     One forward per row and LoRA state, weighted all / inside / outside the mask (`loss_grid`). `base_cache`:
     (report folder, key of every input of the base losses): the base grid reused from there when recorded under
-    the key (`stages.evaluate.base_losses`). `load`: sample i in full where `samples` are outlines
-    (`loss_grid`)."""
-    from stages.evaluate import base_losses
+    the key (`stages.evaluate.base_losses`). `recorded`: (folder, settings, LoRA path): both grids kept there, and
+    only the (seed, σ) cells no group there holds computed (`stages.evaluate.lora_losses`). `load`: sample i in
+    full where `samples` are outlines (`loss_grid`)."""
+    from stages.evaluate import base_losses, lora_losses
+    from store.loss_array import Axes
 
-    grids = {}
-    for name, on in (("base", False), ("lora", True)):
-        def compute(on=on, name=name):
-            with lora_enabled(transformer, on):
-                return loss_grid(transformer, samples, *cfg.loss_axes,
-                                 cfg.batch_size, desc=f"held-out loss ({name})", load=load)
+    def compute(name: str, cells=None):
+        with lora_enabled(transformer, name == "lora"):
+            return loss_grid(transformer, samples, *cfg.loss_axes, cfg.batch_size, desc=f"held-out loss ({name})",
+                             load=load, cells=cells)
 
+    def check_base(base):  # a non-finite base loss = bad stored features (on_nonfinite=stop names them): stop
+        finite_samples(samples, {"base": base}, cfg)  # before the LoRA pass, as --all-checkpoints does
+
+    if recorded is not None:
+        axes = Axes([s.key for s in samples], [bucket_of(s) for s in samples], *cfg.loss_axes)
+        grids = lora_losses.grids(*recorded, axes, compute, base_cache, check_base)
+    else:
         shape = (len(samples), len(cfg.noise_seeds), len(cfg.timesteps), 3)
-        grids[name] = (base_losses.cached(*base_cache, shape, compute)
-                       if name == "base" and base_cache else compute())
-        if name == "base":  # a non-finite base loss = bad stored features (on_nonfinite=stop names them): stop
-            finite_samples(samples, grids, cfg)  # before the LoRA pass, as --all-checkpoints does
+        base = base_losses.cached(*base_cache, shape, lambda: compute("base")) if base_cache else compute("base")
+        grids = {"base": base}
+        check_base(grids["base"])
+        grids["lora"] = compute("lora")
     kept, nonfinite = finite_samples(samples, grids, cfg)
     result = loss_summary({m: g[kept] for m, g in grids.items()}, [samples[i] for i in kept], *cfg.loss_axes,
                           protocol(cfg, samples))
@@ -430,6 +437,24 @@ def cap_spellings(cfg: EvaluateConfig, n: int | None, recorded_cap) -> list[Eval
                     if c != cfg.max_loss_samples and _reads_all(c, n)]
 
 
+def same_config(recorded: str | None, cfg: EvaluateConfig, n: int | None, metrics: dict) -> bool:
+    """Is a report's recorded `config_fingerprint` these settings (`cfg`, resolved) under another spelling: as set
+    (`earlier_config_fingerprints`; the attention backend recorded unset, where the report's own run record says
+    which it used), or with another cap that reads every one of the val split's `n` samples too (256, then null:
+    `cap_spellings`)? One rule for a single-LoRA report and an --all-checkpoints one (that one compared only the
+    spellings as set: 256 then null rewrote its report, the same figures)."""
+    from stages.evaluate.backend import unset_backend
+    from stages.evaluate.checkpoints import earlier_config_fingerprints
+
+    if not isinstance(metrics, dict):
+        return False
+    unset_used = unset_backend(cfg.dtype, metrics)
+    recorded_cap = ((metrics.get("run") or {}).get("config") or {}).get("max_loss_samples")
+    spellings = cap_spellings(cfg, n, recorded_cap)
+    return recorded in [c.fingerprint() for c in spellings] + \
+        [h for c in spellings for h in earlier_config_fingerprints(c, unset_used)]
+
+
 def version_table_ids(store: str | Path) -> dict:
     """The store's current images / text / vae version ids: how a report named its tables before they were named
     by content (`read_table_ids`), and what they fall back to."""
@@ -474,9 +499,7 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
                       lora_sha256: str | None = None, why: list[str] | None = None) -> bool:
     """Is OUT's report this run's (`schemas.up_to_date`)? `why`: filled, when it holds one that is not, with what
     differs (`checkpoints.differences`)."""
-    from stages.evaluate.backend import unset_backend
-    from stages.evaluate.checkpoints import (damaged_current, differences, earlier_config_fingerprints,
-                                              nonfinite_current)
+    from stages.evaluate.checkpoints import damaged_current, differences, nonfinite_current
 
     metrics = Path(out) / "metrics.json"
     if not metrics.is_file() or not (Path(out) / "index.html").is_file():
@@ -502,14 +525,7 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
         present = evaluate_inputs(cfg, store, model, lora, lora_sha256, tables, table_ids)
         n = len(tables)
     resolved = resolved_config(cfg, model)
-    # a report recorded unset before the backend was hashed as resolved: its own run record says which it used
-    unset_used = unset_backend(resolved.dtype, metrics_of)
-    # recorded as set (`earlier_config_fingerprints`), or with another cap that read every sample too (256, then
-    # null; or as set before `config_fingerprint` spelled it null): the same settings
-    recorded_cap = ((metrics_of.get("run") or {}).get("config") or {}).get("max_loss_samples")
-    spellings = cap_spellings(resolved, n, recorded_cap)
-    if recorded.get("config_fingerprint") in [c.fingerprint() for c in spellings] + \
-            [h for c in spellings for h in earlier_config_fingerprints(c, unset_used)]:
+    if same_config(recorded.get("config_fingerprint"), resolved, n, metrics_of):
         present["config_fingerprint"] = recorded["config_fingerprint"]
     if current.is_current(recorded, present) and damaged_current(metrics_of, cfg) \
             and nonfinite_current(metrics_of, cfg):
@@ -655,8 +671,9 @@ def _only_report_files(out: Path) -> bool:
     from stages.evaluate.base_images import FOLDER as BASE_IMAGES
 
     from stages.evaluate.base_losses import FILE as BASE_LOSSES
+    from stages.evaluate.lora_losses import FOLDER as LORA_LOSSES
 
-    return all(p.name in ("grid.png", "index.html", REPORT_LOCK, BASE_IMAGES, BASE_LOSSES)
+    return all(p.name in ("grid.png", "index.html", REPORT_LOCK, BASE_IMAGES, BASE_LOSSES, LORA_LOSSES)
                or (p.name.startswith(("losses", ".losses")) and ".zarr" in p.name)
                or (p.is_file() and is_litter(p.name))
                for p in out.iterdir())
@@ -684,7 +701,11 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     checked = checked_digest(lora_weight_file(lora))
     why: list[str] = []
     if skip_if_done and report_up_to_date(cfg, store, model, lora, out, checked.sha256, why):
-        return EvaluateResult(json.loads((out / "metrics.json").read_text()), out / "index.html", up_to_date=True)
+        from stages.evaluate.trained_val import say_recorded
+
+        metrics = json.loads((out / "metrics.json").read_text())
+        say_recorded(metrics)  # the figures are the same, and so is what makes them not held out
+        return EvaluateResult(metrics, out / "index.html", up_to_date=True)
     from stages.evaluate.checkpoints import say_recomputed
 
     say_recomputed(out, why)
@@ -706,8 +727,13 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     transformer = load_transformer(cfg, model)
     attach_checked(transformer, lora, cfg.lora_scale, checked.sha256)
 
-    loss = held_out_loss(transformer, samples, cfg, (out, base_inputs_key(cfg, store, model, samples, tables)),
-                         load=reader(tables, share))
+    from stages.evaluate.base_images import losses_key
+    from stages.evaluate.lora_losses import FOLDER, settings_of
+
+    features = read_inputs(cfg, store, model, tables)
+    loss = held_out_loss(transformer, samples, cfg, (out, losses_key(cfg, features, [s.key for s in samples])),
+                         load=reader(tables, share),
+                         recorded=(out / FOLDER, settings_of(features, checked.sha256), lora_weight_file(lora)))
 
     rows: list[SampleRow] = []
     if cfg.num_samples > 0 or cfg.extra_prompts:  # the pictured samples read in full
@@ -723,15 +749,6 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     tables.close()  # readers and read lease: a process that goes on (`run all`) holds nothing of them
     return EvaluateResult(metrics, write_report(out, metrics, rows), seconds=time.perf_counter() - started,
                           damaged=damaged)
-
-
-def base_inputs_key(cfg: EvaluateConfig, store: str | Path, model: str, samples: list[TrainSample],
-                    tables) -> str:
-    """The key of every input of the base's losses over `samples` (`base_images.losses_key` over all of them: store
-    tables, model files, loss settings, device, libraries, this project's sources)."""
-    from stages.evaluate.base_images import losses_key
-
-    return losses_key(cfg, read_inputs(cfg, store, model, tables), [s.key for s in samples])
 
 
 def read_inputs(cfg: EvaluateConfig, store: str | Path, model: str, tables) -> dict:

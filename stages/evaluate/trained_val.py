@@ -150,6 +150,21 @@ def check_checkpoints(st, checkpoints: list[tuple[int, Path]], val_keys: list[st
     return out
 
 
+def recorded_warnings(metrics: dict) -> list[str]:
+    """The trained-on warning lines a report's metrics.json records (`run.trained_val`: one record, or one per
+    training for --all-checkpoints)."""
+    trained = (metrics.get("run") or {}).get("trained_val") if isinstance(metrics, dict) else None
+    return [t["warning"] for t in (trained if isinstance(trained, list) else [trained])
+            if isinstance(t, dict) and isinstance(t.get("warning"), str) and t["warning"]]
+
+
+def say_recorded(metrics: dict) -> None:
+    """An up-to-date report's trained-on warnings said again: its figures are the same, and so is what makes
+    them not held out (a rerun said nothing, as if the val split were clean)."""
+    for line in recorded_warnings(metrics):
+        tqdm.write(line)
+
+
 def val_images_version(tables) -> int | None:
     """The `images` version the val split's tables were encoded from (their lineage)."""
     try:

@@ -111,6 +111,14 @@ def test_a_single_lora_report_is_current_under_reordered_seeds_and_sigmas(run_an
     real = stage.loss_grid
     monkeypatch.setattr(stage, "loss_grid", lambda *a, **k: (passes.append(k.get("desc")), real(*a, **k))[1])
     forced = stage.run(reordered, root / "store", tiny_edit_model, lora, out)
+    assert passes == [], passes  # both grids kept in OUT/lora-losses, by their coordinates
+    assert forced.metrics["loss"] == first.metrics["loss"]
+    import shutil
+
+    from stages.evaluate.lora_losses import FOLDER
+
+    shutil.rmtree(out / FOLDER)  # as a report made before the grids were kept: the base from its file
+    forced = stage.run(reordered, root / "store", tiny_edit_model, lora, out)
     assert passes == ["held-out loss (lora)"], passes
     assert forced.metrics["loss"]["per_timestep"] == first.metrics["loss"]["per_timestep"]
     assert forced.metrics["loss"]["overall"] == first.metrics["loss"]["overall"]

@@ -70,12 +70,20 @@ def test_val_samples_the_run_trained_on_are_said_and_counted(tiny_edit_model, ed
     page = (tmp_path / "resplit" / "index.html").read_text()
     assert page.index("<p class='trained-val'>warning: evaluate: 2 of 3 val samples") < page.index("<h2>")
     assert "class='trained-val'" not in (tmp_path / "same" / "index.html").read_text()
+    # an up-to-date rerun says it again: the same figures, not held out all the same (it printed nothing)
+    written = (tmp_path / "resplit" / "metrics.json").read_bytes()
+    output, again = evaluate(edit_store, model, run, tmp_path / "resplit")
+    assert "is up to date" in output and (tmp_path / "resplit" / "metrics.json").read_bytes() == written
+    assert [ln for ln in output.splitlines() if "training samples of run" in ln] == line and again == found
 
     # --all-checkpoints: the same count, once for the run's one training, in the report's JSON
     output, found = evaluate(edit_store, model, run, tmp_path / "ckpts", "all")
     assert sum("2 of 3 val samples were training samples" in ln for ln in output.splitlines()) == 1
     assert [(f["trained_on"], f["val_samples"]) for f in found] == [(2, 3)]
     assert "<p class='trained-val'>warning: evaluate: 2 of 3" in (tmp_path / "ckpts" / "index.html").read_text()
+    output, _ = evaluate(edit_store, model, run, tmp_path / "ckpts", "all")
+    assert "is up to date" in output
+    assert sum("2 of 3 val samples were training samples" in ln for ln in output.splitlines()) == 1
 
     # the run's tables collected: the check cannot be made, said so (not silence, not "0")
     st = Store(edit_store)

@@ -1,0 +1,81 @@
+"""Single-LoRA evaluate's held-out loss grids kept in OUT/lora-losses/losses.zarr (`store.loss_array`: the base and
+one row, the LoRA's, float64 as computed), so that a rerun whose seed / σ grid grew or shrank computes only the
+(seed, σ) cells no group there holds, the others taken from the group of the earlier grid (`cell_donor`, the
+mechanism --all-checkpoints uses); a seed removed computes nothing, and a rerun for the pictures alone
+(num_samples, extra prompts) runs no loss pass. The numbers are a fresh run's to the bit: a cell computed alone is
+that cell of a whole grid (`models.held_out.loss_grid`), and the kept cells are float64 as computed.
+
+The group's settings are the loss array's (`checkpoints.read_fingerprint`: the tables read, the model, the loss
+settings, the evaluation revision) and the LoRA's bytes: a retrained LoRA is another group (the old one kept aside
+beside it, for a return to it), its base taken from OUT/base-losses.safetensors. A folder of its own: `pipeline
+compare` and --all-checkpoints read OUT/losses.zarr, and would take the one LoRA for a checkpoint curve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from store.io_errors import writing
+from store.loss_array import Axes, LossStore, cell_donor
+
+FOLDER = "lora-losses"
+STEP = 0  # the LoRA's row (no checkpoint step: the LoRA is named by its bytes)
+
+
+def settings_of(features: dict, lora_sha256: str) -> dict:
+    """The group's settings: `features` (`stage.read_inputs`) and the LoRA's sha256."""
+    return {**features, "lora_sha256": lora_sha256}
+
+
+def grids(folder: Path, settings: dict, lora: str | Path, axes: Axes,
+          compute: Callable[[str, np.ndarray | None], np.ndarray], base_cache: tuple | None,
+          check_base: Callable[[np.ndarray], None]) -> dict[str, np.ndarray]:
+    """{"base": grid, "lora": grid} over `axes`: each recorded in FOLDER's group of `settings`, else the base from
+    the base-losses file (`base_cache`: (OUT, key), whole grids only), else computed - `compute(name, cells)`, only
+    the cells (a [seed, σ] mask; None: all) no group of the earlier grid holds - and recorded. `check_base` runs
+    on the base before the LoRA's pass (a non-finite base loss: bad stored features, stopped there)."""
+    from stages.evaluate import base_losses
+    from stages.evaluate.checkpoints import _cells_line, _hash
+
+    sha = settings["lora_sha256"]  # hashed: a group holds no row of other bytes
+    with writing("the held-out losses (lora-losses) of the report", folder):
+        losses = LossStore(folder, _hash(settings), axes, settings, take_back=True, dtype="float64")
+    need_base, need_lora = not losses.has_base(), losses.steps().get(STEP) != sha
+    donor = cell_donor(folder, settings, axes.seeds, axes.sigmas, axes.keys, need_base,
+                       {STEP: sha} if need_lora else {}) if need_base or need_lora else None
+    if donor is not None:
+        rows = ["the base"] * (need_base and donor.has_base()) + ["the LoRA"] * (need_lora and donor.holds(STEP, sha))
+        tqdm.write(f"held-out loss: the (seed, σ) cells both grids hold are taken from {donor.path} "
+                   f"({' and '.join(rows)}): {_cells_line(donor.known)}")
+
+    def computed(name: str, from_donor: bool) -> np.ndarray:
+        cells = ~donor.known if from_donor else None
+        return compute(name, cells) if cells is None or cells.any() else np.full(axes.shape, np.nan)
+
+    if not need_base:
+        base = losses.base()
+    else:
+        shape = axes.shape
+        base = base_losses.read(Path(base_cache[0]) / base_losses.FILE, base_cache[1], shape) if base_cache else None
+        if base is not None:
+            tqdm.write(f"base held-out loss: unchanged inputs, reused from {Path(base_cache[0]) / base_losses.FILE}")
+        elif donor is not None and donor.has_base():
+            base = donor.base(computed("base", True))
+        else:
+            base = computed("base", False)
+            if base_cache:  # whole computations only, as --all-checkpoints writes it
+                base_losses.write(Path(base_cache[0]) / base_losses.FILE, base_cache[1], base)
+        with writing("the held-out losses (lora-losses) of the report", folder):
+            losses.write_base(base)
+    check_base(base)
+    if not need_lora:
+        on = losses.losses()[2][0]
+    else:
+        partial = donor is not None and donor.holds(STEP, sha)
+        on = donor.step(STEP, computed("lora", True)) if partial else computed("lora", False)
+        with writing("the held-out losses (lora-losses) of the report", folder):
+            losses.append(STEP, str(Path(lora).resolve()), sha, on)
+    return {"base": base, "lora": on}

@@ -1,0 +1,67 @@
+"""Single-LoRA evaluate, as --all-checkpoints: a noise seed (or σ) added computes only its (seed, σ) cells, for the
+base and the LoRA, the others taken from the grids the earlier report kept (OUT/lora-losses, `cell_donor`); a
+seed removed computes nothing; a rerun for the pictures alone runs no loss pass. The report is a fresh run's to
+the bit. Before, every cell of both passes was computed again (the base too: its cached grid is keyed by the
+whole grid)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from schemas.config import EvaluateConfig
+from stages.evaluate import stage
+from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
+from test_evaluate_grown_grid import _forwards
+
+ONE = EvaluateConfig(**{**CFG, "noise_seeds": [0]})
+TWO = EvaluateConfig(**{**CFG, "noise_seeds": [0, 1]})
+
+
+@pytest.fixture(scope="module")
+def fresh(run_and_store, tiny_edit_model, tmp_path_factory):
+    """A fresh single-LoRA report with seeds [0, 1] (checkpoint 20's LoRA), and its forwards' rows."""
+    import models.held_out as held_out
+
+    root, out = run_and_store, tmp_path_factory.mktemp("fresh") / "report"
+    rows, real = [], held_out.target_predictions
+    held_out.target_predictions = lambda t, fb: (rows.append(len(fb.targets)), real(t, fb))[1]
+    try:
+        res = stage.run(TWO, root / "store", tiny_edit_model, dict(_ckpts(root))[20], out)
+    finally:
+        held_out.target_predictions = real
+    return out, res, rows
+
+
+def test_an_added_seed_computes_its_cells_alone_and_equals_a_fresh_report(run_and_store, tiny_edit_model, tmp_path,
+                                                                         monkeypatch, capsys, fresh):
+    root, out = run_and_store, tmp_path / "report"
+    lora = dict(_ckpts(root))[20]
+    _, fresh_res, fresh_rows = fresh
+    stage.run(ONE, root / "store", tiny_edit_model, lora, out)
+    rows = _forwards(monkeypatch)
+    capsys.readouterr()
+    grown = stage.run(TWO, root / "store", tiny_edit_model, lora, out, skip_if_done=True)
+    said = capsys.readouterr().out
+    # the base and the LoRA, each only at seed 1's two σ cells: half the fresh report's forwards and rows
+    assert len(rows) * 2 == len(fresh_rows) and sum(rows) * 2 == sum(fresh_rows), (rows, fresh_rows)
+    assert "(the base and the LoRA): computing 2 new (seed, σ) cells of 4" in said, said
+    assert grown.metrics["loss"] == fresh_res.metrics["loss"]  # every figure, to the bit
+    # a rerun for the pictures alone runs no loss pass (it ran the LoRA's again)
+    rows.clear()
+    stage.run(EvaluateConfig(**{**TWO.model_dump(), "num_samples": 1}), root / "store", tiny_edit_model, lora, out,
+              skip_if_done=True)
+    assert rows == []
+
+
+def test_a_removed_seed_computes_nothing(run_and_store, tiny_edit_model, tmp_path, monkeypatch, fresh):
+    root, out = run_and_store, tmp_path / "report"
+    lora = dict(_ckpts(root))[20]
+    shutil.copytree(fresh[0], out)
+    rows = _forwards(monkeypatch)
+    one = EvaluateConfig(**{**CFG, "noise_seeds": [1]})
+    res = stage.run(one, root / "store", tiny_edit_model, lora, out, skip_if_done=True)
+    assert rows == [] and not res.up_to_date
+    alone = stage.run(one, root / "store", tiny_edit_model, lora, tmp_path / "alone")
+    assert rows and res.metrics["loss"] == alone.metrics["loss"]
