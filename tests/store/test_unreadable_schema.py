@@ -1,0 +1,46 @@
+"""A version whose schema.json does not read (empty, truncated or a flipped bit after a crash; its checksums.json
+damaged) and that nothing has recorded as damaged yet: `find_version` treats it as a version `store verify`
+marked (skipped, and recorded), never as a reason to stop every rerun nor as a version to reuse; `store inspect`
+names it and describes the rest; `store gc` keeps what it may have been made from; a writer opens a new version
+past an in-progress one whose schema.json a crash emptied."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from damage import flip_bit
+from pipeline.cli import app
+from schemas import FieldSpec, Lineage, TableSchema
+from store import Store
+from store import format as fmt
+from store_samples import fill, lineage, vae_schema
+
+runner = CliRunner()
+
+
+def damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "empty":
+        path.write_bytes(b"")
+    elif how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "renamed-field":  # still valid JSON and a valid schema, one bit off: "mask_weight" -> "mask_weighu"
+        flip_bit(path, data.index(b"mask_weight") + len("mask_weigh"), 0)
+    elif how == "checksums":
+        flip_bit(path.with_name(fmt.CHECKSUMS), 30, 1)
+
+
+@pytest.mark.parametrize("how", ["empty", "truncated", "renamed-field", "checksums"])
+def test_find_version_skips_and_records_a_version_whose_schema_does_not_read(store: Store, how: str) -> None:
+    """Before: "empty"/"truncated" raised from find_version for every lineage asked about (every rerun of the
+    stage stopped there); "renamed-field" and "checksums" were reused as up to date, the damage unseen."""
+    fill(store, 3, tag="a")
+    fill(store, 3, tag="b")  # v2, current
+    damage(store.root / "vae" / "v1" / fmt.SCHEMA_JSON, how)
+    assert store.find_version("vae", lineage("b")) == 2  # another lineage's run goes on as before
+    assert store.find_version("vae", lineage("a")) is None  # its own: a new version is written
+    assert fmt.damaged_marker(store.root, "vae", 1).is_file()  # as `store verify` would have marked it
+    assert store.find_version("vae", lineage("b")) == 2
