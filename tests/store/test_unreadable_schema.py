@@ -44,3 +44,30 @@ def test_find_version_skips_and_records_a_version_whose_schema_does_not_read(sto
     assert store.find_version("vae", lineage("a")) is None  # its own: a new version is written
     assert fmt.damaged_marker(store.root, "vae", 1).is_file()  # as `store verify` would have marked it
     assert store.find_version("vae", lineage("b")) == 2
+
+
+def _images(store: Store, tag: str) -> int:
+    schema = TableSchema(name="images", lineage=Lineage("resize-bucket", config_hash=tag, upstream={}),
+                         fields=[FieldSpec("target.png", "png", kind="file"),
+                                 FieldSpec("split", "string", kind="column"),
+                                 FieldSpec("img_shapes", "json", kind="column")])
+    w = store.writer("images", schema)
+    w.add("0123456789abcdef0123456789abcdef", files={"target.png": tag.encode()},
+          meta={"split": "train", "img_shapes": [[1, 2, 2]]})
+    return w.commit()
+
+
+def test_gc_keeps_what_a_kept_version_with_an_unreadable_schema_may_name(store: Store) -> None:
+    """Before: `store gc` stopped with "schema.json is not valid JSON" (nothing collected until the stage was
+    rerun). Now the versions it may have been made from are kept, and the line says why and what to run."""
+    assert _images(store, "a") == 1  # what vae v1 names as upstream (store_samples.lineage)
+    fill(store, 3)
+    assert _images(store, "b") == 2  # current
+    _images(store, "c")
+    store.set_current("images", 2)
+    (store.root / "vae" / "v1" / fmt.SCHEMA_JSON).write_bytes(b"")
+    r = runner.invoke(app, ["store", "gc", str(store.root)])
+    assert r.exit_code == 0, r.output
+    assert "vae v1" in r.output and fmt.SCHEMA_JSON in r.output and "pipeline run encode-vae" in r.output
+    assert all((store.root / "images" / f"v{v}").is_dir() for v in (1, 2, 3))
+    assert not fmt.damaged_marker(store.root, "vae", 1).exists()  # gc records nothing (a dry run writes nothing)
