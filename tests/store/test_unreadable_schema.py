@@ -71,3 +71,15 @@ def test_gc_keeps_what_a_kept_version_with_an_unreadable_schema_may_name(store: 
     assert "vae v1" in r.output and fmt.SCHEMA_JSON in r.output and "pipeline run encode-vae" in r.output
     assert all((store.root / "images" / f"v{v}").is_dir() for v in (1, 2, 3))
     assert not fmt.damaged_marker(store.root, "vae", 1).exists()  # gc records nothing (a dry run writes nothing)
+
+
+def test_inspect_names_a_version_whose_schema_does_not_read_and_describes_the_rest(store: Store) -> None:
+    """Before: `store inspect` stopped at the first such version, describing nothing."""
+    fill(store, 3, tag="a")
+    fill(store, 4, tag="b")
+    (store.root / "vae" / "v1" / fmt.SCHEMA_JSON).write_bytes(b"{")
+    r = runner.invoke(app, ["store", "inspect", str(store.root)])
+    assert r.exit_code == 0, r.output
+    v1 = next(ln for ln in r.output.splitlines() if "v1:" in ln)
+    assert "damaged" in v1 and fmt.SCHEMA_JSON in v1
+    assert "v2: schema v2, 4 samples" in r.output
