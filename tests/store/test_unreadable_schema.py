@@ -83,3 +83,12 @@ def test_inspect_names_a_version_whose_schema_does_not_read_and_describes_the_re
     v1 = next(ln for ln in r.output.splitlines() if "v1:" in ln)
     assert "damaged" in v1 and fmt.SCHEMA_JSON in v1
     assert "v2: schema v2, 4 samples" in r.output
+
+
+def test_a_writer_opens_a_new_version_past_an_in_progress_one_whose_schema_a_crash_emptied(store: Store) -> None:
+    """Before: every writer of the table (every run of its stage) stopped with "schema.json is not valid JSON"."""
+    fill(store, 2)
+    (store.root / "vae" / "v2").mkdir()
+    (store.root / "vae" / "v2" / fmt.SCHEMA_JSON).write_bytes(b"")
+    assert fill(store, 2, tag="b") == 3
+    assert store.reader("vae").schema == vae_schema("b")
