@@ -97,3 +97,33 @@ def test_an_encode_stage_rerun_writes_a_new_version_past_an_unreadable_schema(ed
     r = cli("run", "train", "--store", edit_store, *model, "--out", tmp_path / "run", "--max-steps", "1",
             "--batch-size", "2")
     assert r.exit_code == 0, r.output
+
+
+def test_a_damaged_current_checksums_json_names_the_split_rule_command_that_gets_out(source, tmp_path):
+    """checksums.json is what shows schema.json intact: damaged, the split rule cannot be trusted either (before:
+    the rerun it named took the rule from schema.json unchecked). The command named runs, then the plain stage."""
+    store = tmp_path / "store"
+    assert resize(source, store).exit_code == 0
+    (store / "images" / "v1" / fmt.CHECKSUMS).write_bytes(b"")
+    r = resize(source, store)
+    error = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 1 and len(error) == 1 and fmt.CHECKSUMS in error[0], r.output
+    assert "--set resize.split_by=pictures or =key" in error[0]
+    assert resize(source, store, "--set", "resize.split_by=pictures").exit_code == 0
+    r = resize(source, store)
+    assert r.exit_code == 0 and "images v2 is up to date" in r.output, r.output
+
+
+def test_a_damaged_images_manifest_names_store_repair_which_gets_out(source, tmp_path):
+    """A manifest (schema.json intact) is refused naming `store repair`, which rebuilds it from the shard indexes;
+    the stage then runs."""
+    store = tmp_path / "store"
+    assert resize(source, store).exit_code == 0
+    (store / "images" / "v1" / fmt.MANIFEST).write_bytes(b"")
+    r = resize(source, store)
+    error = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 1 and len(error) == 1 and fmt.MANIFEST in error[0], r.output
+    assert f"run `pipeline store repair {store}`" in error[0]
+    assert cli("store", "repair", store).exit_code == 0
+    r = resize(source, store)
+    assert r.exit_code == 0 and "images v2 is up to date" in r.output, r.output
