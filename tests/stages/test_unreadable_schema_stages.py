@@ -127,3 +127,21 @@ def test_a_damaged_images_manifest_names_store_repair_which_gets_out(source, tmp
     assert cli("store", "repair", store).exit_code == 0
     r = resize(source, store)
     assert r.exit_code == 0 and "images v2 is up to date" in r.output, r.output
+
+
+def test_train_refuses_an_unreadable_schema_naming_the_encode_rerun_which_gets_out(edit_store, tiny_edit_model,
+                                                                                  tmp_path):
+    """Train (and evaluate: the same reader) refuses the current version in one line naming its schema.json and
+    the encode stage's rerun; that rerun writes a new version and training then runs."""
+    model = ["--model", tiny_edit_model, "--device", "cpu"]
+    for stage in ("encode-text", "encode-vae"):
+        assert cli("run", stage, "--store", edit_store, *model).exit_code == 0
+    flip_bit(edit_store / "vae" / "v1" / fmt.SCHEMA_JSON, 40, 2)
+    train = ["run", "train", "--store", edit_store, *model, "--max-steps", "1", "--batch-size", "2"]
+    r = cli(*train, "--out", tmp_path / "a")
+    error = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 1 and len(error) == 1 and f"vae/v1): {fmt.SCHEMA_JSON} is damaged" in error[0], r.output
+    assert "rerun `pipeline run encode-vae`" in error[0]
+    assert cli("run", "encode-vae", "--store", edit_store, *model).exit_code == 0
+    r = cli(*train, "--out", tmp_path / "b")
+    assert r.exit_code == 0, r.output
