@@ -74,9 +74,10 @@ def _kept(root: Path, current: dict[str, int] | list[tuple[str, int]],
         except WrittenByNewer:
             raise
         except UserError as e:
-            if unknown is not None:
+            others = [(t, u) for t in _tables(root) if t != table for u in fmt.list_versions(root, t)]
+            if unknown is not None and others:  # (a store of that table alone: nothing kept for it to say)
                 unknown[(table, v)] = str(e)
-            todo += [(t, u) for t in _tables(root) if t != table for u in fmt.list_versions(root, t)]
+            todo += others
             continue
         todo += [(t, int(u)) for t, u in upstream.items() if fmt.version_dir(root, t, int(u)).is_dir()]
     return keep

@@ -73,6 +73,14 @@ def test_gc_keeps_what_a_kept_version_with_an_unreadable_schema_may_name(store: 
     assert not fmt.damaged_marker(store.root, "vae", 1).exists()  # gc records nothing (a dry run writes nothing)
 
 
+def test_gc_of_a_store_of_that_table_alone_says_nothing_kept_for_it(store: Store) -> None:
+    """No other table: nothing is kept for the unreadable version, so no line claims so (before: one did)."""
+    fill(store, 3)
+    (store.root / "vae" / "v1" / fmt.SCHEMA_JSON).write_bytes(b"")
+    r = runner.invoke(app, ["store", "gc", str(store.root)])
+    assert r.exit_code == 0 and "keep every version" not in r.output, r.output
+
+
 def test_inspect_names_a_version_whose_schema_does_not_read_and_describes_the_rest(store: Store) -> None:
     """Before: `store inspect` stopped at the first such version, describing nothing."""
     fill(store, 3, tag="a")
