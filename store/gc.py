@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import Callable
 
 from schemas.errors import UserError
+from schemas.newer import WrittenByNewer
 from store import format as fmt
 from store import integrity
 from store import lease as leases
-from store.manifest_files import read_schema
+from store.manifest_files import checked_schema
 from store.version_notes import notes_of
 
 DELETING_SUFFIX = ".gc-deleting"
@@ -49,9 +50,15 @@ class GcPlan:
     nbytes: int = 0  # bytes freed (files whose last link goes)
     leased: dict[tuple[str, int], list[str]] = field(default_factory=dict)  # kept only for live leases: by whom
     dead_leases: list[leases.Found] = field(default_factory=list)  # lease files of gone processes (removed)
+    # kept versions whose schema.json does not read -> why: every version of the other tables kept for them
+    unknown_upstream: dict[tuple[str, int], str] = field(default_factory=dict)
 
 
-def _kept(root: Path, current: dict[str, int] | list[tuple[str, int]]) -> set[tuple[str, int]]:
+def _kept(root: Path, current: dict[str, int] | list[tuple[str, int]],
+          unknown: dict[tuple[str, int], str] | None = None) -> set[tuple[str, int]]:
+    """`current` and the versions they were made from (their lineage's upstream, transitively). A version whose
+    schema.json does not read names none that can be trusted: then every version of every other table is kept
+    (`unknown`: that version -> why), where stopping there made every gc fail until the stage was rerun."""
     keep: set[tuple[str, int]] = set()
     todo = list(current.items()) if isinstance(current, dict) else list(current)
     while todo:
@@ -60,10 +67,24 @@ def _kept(root: Path, current: dict[str, int] | list[tuple[str, int]]) -> set[tu
             continue
         keep.add((table, v))
         vdir = fmt.version_dir(root, table, v)
-        if (vdir / fmt.SCHEMA_JSON).is_file():
-            todo += [(t, int(u)) for t, u in read_schema(vdir).lineage.upstream.items()
-                     if fmt.version_dir(root, t, int(u)).is_dir()]
+        if not (vdir / fmt.SCHEMA_JSON).is_file() and not fmt.is_complete(vdir):
+            continue
+        try:  # checked: a flipped bit in an upstream version number would let gc remove the version it names
+            upstream = checked_schema(vdir, record=False).lineage.upstream
+        except WrittenByNewer:
+            raise
+        except UserError as e:
+            others = [(t, u) for t in _tables(root) if t != table for u in fmt.list_versions(root, t)]
+            if unknown is not None and others:  # (a store of that table alone: nothing kept for it to say)
+                unknown[(table, v)] = str(e)
+            todo += others
+            continue
+        todo += [(t, int(u)) for t, u in upstream.items() if fmt.version_dir(root, t, int(u)).is_dir()]
     return keep
+
+
+def _tables(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
 def _writer_active(table_dir: Path) -> bool:
@@ -102,14 +123,14 @@ def _unreferenced(vdir: Path) -> list[Path]:
 
 def plan(root: Path) -> GcPlan:
     current = {t: int(v["current"]) for t, v in fmt.read_store_record(root)["tables"].items()}
-    keep = _kept(root, current)
     out = GcPlan()
+    keep = _kept(root, current, out.unknown_upstream)
     for found in leases.leases(root):
         if not found.live:
             out.dead_leases.append(found)
             continue
         named = [(t, v) for t, v in found.versions() if fmt.version_dir(root, t, v).is_dir()]
-        for tv in sorted(_kept(root, named) - keep):
+        for tv in sorted(_kept(root, named, out.unknown_upstream) - keep):
             out.leased.setdefault(tv, []).append(found.describe())
     keep |= set(out.leased)
     out.keep = sorted(keep)
@@ -147,6 +168,9 @@ def collect(root: Path, dry_run: bool = False, echo: Callable[[str], None] = pri
             echo(f"keep {table}/v{v}: not current, but read by " + "; ".join(by))
         for found in p.dead_leases:
             echo(f"{'would remove' if dry_run else 'remove'} the lease of a gone reader: {found.describe()}")
+        for (table, v), why in sorted(p.unknown_upstream.items()):
+            echo(f"keep every version of the other tables: {table} v{v} is kept and the versions it was made from "
+                 f"are unknown: {why}")
         if dry_run:
             echo(f"dry run: {len(p.remove)} version(s){_files_note(p)}, {p.nbytes / 1e6:.1f} MB would be freed")
             return p

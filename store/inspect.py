@@ -9,12 +9,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from schemas.errors import UserError
+from schemas.newer import WrittenByNewer
 from schemas.resize_sizes import sizes_in_force
 from store import format as fmt
 from store import quarantine
 from store.arrow_columns import size_counts
 from store.integrity import DamagedData
-from store.manifest_files import checked_manifest, read_schema
+from store.manifest_files import checked_manifest, checked_schema
 from store.store import Store
 
 
@@ -35,9 +37,16 @@ def describe(root: Path) -> dict[str, Any]:
 
 def _describe_version(vdir: Path, v: int) -> dict[str, Any]:
     d: dict[str, Any] = {"version": v, "complete": fmt.is_complete(vdir)}
-    if (vdir / fmt.SCHEMA_JSON).is_file():
-        schema = read_schema(vdir)
-        d.update(schema_version=schema.schema_version, lineage=schema.lineage.to_dict(), attrs=schema.attrs)
+    if (vdir / fmt.SCHEMA_JSON).is_file() or d["complete"]:
+        try:  # checked, as the manifest: a flipped bit would show another lineage
+            schema = checked_schema(vdir, record=False)
+            d.update(schema_version=schema.schema_version, lineage=schema.lineage.to_dict(), attrs=schema.attrs)
+        except WrittenByNewer:
+            raise
+        except UserError as e:  # named, as a damaged manifest is: one version's damage does not stop the report
+            if d["complete"]:
+                d["damaged"] = str(e)
+                return d
     if not d["complete"]:
         committed = list(vdir.glob("shard-r*-*.index.parquet"))
         d["committed_shards"] = len(committed)

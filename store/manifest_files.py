@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas.errors import UserError
-from schemas.newer import refuse_newer
+from schemas.newer import WrittenByNewer, refuse_newer
 from schemas.table import CURRENT_SCHEMA_VERSION, KNOWN_SCHEMA_VERSIONS, TableSchema
 from store import format as fmt
 from store import integrity
@@ -40,6 +40,27 @@ def read_schema(vdir: Path, data: bytes | None = None, intact: bool = False) -> 
         return TableSchema.from_dict(raw)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise UserError(f"{vdir / fmt.SCHEMA_JSON}: not a valid table schema ({type(e).__name__}: {e})") from None
+
+
+def checked_schema(vdir: Path, record: bool = True) -> TableSchema:
+    """A complete version's schema.json, its bytes checked against checksums.json (when the version has one): for
+    those that pick a version by what its schema says (`Store.find_version`, the split rule a resize keeps), where
+    a flipped bit that still parses would name another lineage or setting. One that does not read (damaged,
+    truncated, empty, unparsable, its checksums.json damaged) is recorded as damage, as a reader records it, and
+    raised (`DamagedData`): the version is then treated as one `store verify` marked. A newer release's
+    (`WrittenByNewer`) is raised as it is, never recorded. `record=False`: raised only (what writes nothing:
+    `store inspect`, `store gc --dry-run`)."""
+    try:
+        sums = integrity.read_version_checksums(vdir)
+        return read_schema(vdir, integrity.read_checked(vdir, fmt.SCHEMA_JSON, sums), intact=sums is not None)
+    except WrittenByNewer:
+        raise
+    except UserError as e:
+        found = e if isinstance(e, DamagedData) else \
+            DamagedData(f"{integrity.where(vdir)}: {e}; {integrity.repair_hint(vdir, fmt.SCHEMA_JSON)}")
+        if record:
+            integrity.record_damage(vdir, problems=[str(found)])
+        raise found from None
 
 
 def unreadable(vdir: Path, e: Exception) -> DamagedData:

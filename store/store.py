@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from pathlib import Path
@@ -16,10 +17,12 @@ from schemas.table import TableSchema
 from store import format as fmt
 from store import quarantine
 from store.join import JoinedTables
-from store.manifest_files import read_schema
+from store.integrity import DamagedData
+from store.manifest_files import checked_schema, read_schema
 from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader
 from store.writer import TableWriter
 
+log = logging.getLogger("store")
 
 # (manifest path, its `fmt.file_identity`) -> `Store.version_id`: what reads a version's id again (a resize rerun
 # reads a note of every complete version, each tied to its id; evaluate names its tables) hashes its manifest once
@@ -100,8 +103,15 @@ class Store:
         wanted = [lineage.to_dict(), *(s.to_dict() for s in serving)]
 
         def serves(v: int) -> int | None:
-            """The first of `wanted` that version v is of (0: exactly this lineage), None for none."""
-            recorded = read_schema(self.version_dir(table, v)).lineage.to_dict()
+            """The first of `wanted` that version v is of (0: exactly this lineage), None for none. A version whose
+            schema.json does not read (or fails its checksum) is none: `checked_schema` records it as damaged, so
+            it is treated as one `store verify` marked (the stage writes a new version) - raising here stopped
+            every rerun of the stage at this version, whose only way out was that rerun."""
+            try:
+                recorded = checked_schema(self.version_dir(table, v)).lineage.to_dict()
+            except DamagedData as e:
+                log.warning("%s: not reused, recorded as damaged", e)
+                return None
             return next((i for i, w in enumerate(wanted) if up_to_date.is_current(recorded, w)), None)
 
         matches = {v: rank for v in self.versions(table)

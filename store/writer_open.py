@@ -56,7 +56,11 @@ def candidate_version(root: Path, table: str, want: dict[str, Any], world: int |
             continue
         if world is not None and not parts_resumable(vdir, world):
             continue
-        if fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json") == want:
+        try:
+            begun = fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json")
+        except UserError:  # damaged (a crash left it empty): not this schema, so a new version past it; raising
+            continue       # here stopped every run of the stage at it, and gc removes it
+        if begun == want:
             return v
     return (versions[-1] if versions else 0) + 1
 

@@ -51,19 +51,33 @@ def store_rule(st: Store, table: str = "images") -> str | None:
     """The rule of the store's current `images` version; None: it has none. Its schema.json unreadable, refused in
     one line: an older version's rule may be another, and guessing it would move samples between the splits."""
     from schemas.errors import UserError
-    from store.manifest_files import read_schema
+    from schemas.newer import WrittenByNewer
+    from store import format as fmt
+    from store import integrity
+    from store.manifest_files import checked_schema
 
     current = st.tables().get(table)
     if current is None:
         return None
-    try:
-        return recorded_rule(read_schema(st.version_dir(table, current)).attrs)
+    try:  # checked: a flipped bit in a schema.json that still parses would name another rule
+        return recorded_rule(checked_schema(st.version_dir(table, current)).attrs)
+    except WrittenByNewer:
+        raise
     except (UserError, OSError, ValueError) as e:
         older = st.newest_complete(table)
-        hint = "" if older is None else \
+        hint = "" if older is None or older[0] == current else \
             f"; v{older[0]}, the newest that reads, was split by {recorded_rule(older[1].attrs)}"
-        raise UserError(f"{e}: it records the train/val split rule of table '{table}' v{current}, which a rerun keeps; "
-                        f"rerun with --set resize.split_by=pictures or =key, the rule it was made with{hint}") from None
+        # the damage's own advice (rerun the stage) is left out: that rerun is this one, which needs the rule
+        vdir = st.version_dir(table, current)
+        what = str(e)
+        for name in (fmt.SCHEMA_JSON, fmt.CHECKSUMS):
+            what = what.removesuffix(f"; {integrity.repair_hint(vdir, name)}")
+        what = what.removeprefix(f"{integrity.where(vdir)}: ")
+        if str(vdir) not in what:  # "schema.json is damaged (...)": the file named whole, as other causes name it
+            what = f"{vdir / fmt.SCHEMA_JSON}: {what}"
+        raise UserError(f"{what}: table '{table}' v{current}'s {fmt.SCHEMA_JSON} records the train/val split rule a "
+                        "rerun keeps; rerun `pipeline run resize-bucket` with --set resize.split_by=pictures or =key, "
+                        f"the rule it was made with (it writes a new version){hint}") from None
 
 
 def rule_in_force(st: Store, split_by: str | None) -> str:

@@ -1,0 +1,102 @@
+"""A version whose schema.json does not read (empty, truncated or a flipped bit after a crash; its checksums.json
+damaged) and that nothing has recorded as damaged yet: `find_version` treats it as a version `store verify`
+marked (skipped, and recorded), never as a reason to stop every rerun nor as a version to reuse; `store inspect`
+names it and describes the rest; `store gc` keeps what it may have been made from; a writer opens a new version
+past an in-progress one whose schema.json a crash emptied."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from damage import flip_bit
+from pipeline.cli import app
+from schemas import FieldSpec, Lineage, TableSchema
+from store import Store
+from store import format as fmt
+from store_samples import fill, lineage, vae_schema
+
+runner = CliRunner()
+
+
+def damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "empty":
+        path.write_bytes(b"")
+    elif how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "renamed-field":  # still valid JSON and a valid schema, one bit off: "mask_weight" -> "mask_weighu"
+        flip_bit(path, data.index(b"mask_weight") + len("mask_weigh"), 0)
+    elif how == "checksums":
+        flip_bit(path.with_name(fmt.CHECKSUMS), 30, 1)
+
+
+@pytest.mark.parametrize("how", ["empty", "truncated", "renamed-field", "checksums"])
+def test_find_version_skips_and_records_a_version_whose_schema_does_not_read(store: Store, how: str) -> None:
+    """Before: "empty"/"truncated" raised from find_version for every lineage asked about (every rerun of the
+    stage stopped there); "renamed-field" and "checksums" were reused as up to date, the damage unseen."""
+    fill(store, 3, tag="a")
+    fill(store, 3, tag="b")  # v2, current
+    damage(store.root / "vae" / "v1" / fmt.SCHEMA_JSON, how)
+    assert store.find_version("vae", lineage("b")) == 2  # another lineage's run goes on as before
+    assert store.find_version("vae", lineage("a")) is None  # its own: a new version is written
+    assert fmt.damaged_marker(store.root, "vae", 1).is_file()  # as `store verify` would have marked it
+    assert store.find_version("vae", lineage("b")) == 2
+
+
+def _images(store: Store, tag: str) -> int:
+    schema = TableSchema(name="images", lineage=Lineage("resize-bucket", config_hash=tag, upstream={}),
+                         fields=[FieldSpec("target.png", "png", kind="file"),
+                                 FieldSpec("split", "string", kind="column"),
+                                 FieldSpec("img_shapes", "json", kind="column")])
+    w = store.writer("images", schema)
+    w.add("0123456789abcdef0123456789abcdef", files={"target.png": tag.encode()},
+          meta={"split": "train", "img_shapes": [[1, 2, 2]]})
+    return w.commit()
+
+
+def test_gc_keeps_what_a_kept_version_with_an_unreadable_schema_may_name(store: Store) -> None:
+    """Before: `store gc` stopped with "schema.json is not valid JSON" (nothing collected until the stage was
+    rerun). Now the versions it may have been made from are kept, and the line says why and what to run."""
+    assert _images(store, "a") == 1  # what vae v1 names as upstream (store_samples.lineage)
+    fill(store, 3)
+    assert _images(store, "b") == 2  # current
+    _images(store, "c")
+    store.set_current("images", 2)
+    (store.root / "vae" / "v1" / fmt.SCHEMA_JSON).write_bytes(b"")
+    r = runner.invoke(app, ["store", "gc", str(store.root)])
+    assert r.exit_code == 0, r.output
+    assert "vae v1" in r.output and fmt.SCHEMA_JSON in r.output and "pipeline run encode-vae" in r.output
+    assert all((store.root / "images" / f"v{v}").is_dir() for v in (1, 2, 3))
+    assert not fmt.damaged_marker(store.root, "vae", 1).exists()  # gc records nothing (a dry run writes nothing)
+
+
+def test_gc_of_a_store_of_that_table_alone_says_nothing_kept_for_it(store: Store) -> None:
+    """No other table: nothing is kept for the unreadable version, so no line claims so (before: one did)."""
+    fill(store, 3)
+    (store.root / "vae" / "v1" / fmt.SCHEMA_JSON).write_bytes(b"")
+    r = runner.invoke(app, ["store", "gc", str(store.root)])
+    assert r.exit_code == 0 and "keep every version" not in r.output, r.output
+
+
+def test_inspect_names_a_version_whose_schema_does_not_read_and_describes_the_rest(store: Store) -> None:
+    """Before: `store inspect` stopped at the first such version, describing nothing."""
+    fill(store, 3, tag="a")
+    fill(store, 4, tag="b")
+    (store.root / "vae" / "v1" / fmt.SCHEMA_JSON).write_bytes(b"{")
+    r = runner.invoke(app, ["store", "inspect", str(store.root)])
+    assert r.exit_code == 0, r.output
+    v1 = next(ln for ln in r.output.splitlines() if "v1:" in ln)
+    assert "damaged" in v1 and fmt.SCHEMA_JSON in v1
+    assert "v2: schema v2, 4 samples" in r.output
+
+
+def test_a_writer_opens_a_new_version_past_an_in_progress_one_whose_schema_a_crash_emptied(store: Store) -> None:
+    """Before: every writer of the table (every run of its stage) stopped with "schema.json is not valid JSON"."""
+    fill(store, 2)
+    (store.root / "vae" / "v2").mkdir()
+    (store.root / "vae" / "v2" / fmt.SCHEMA_JSON).write_bytes(b"")
+    assert fill(store, 2, tag="b") == 3
+    assert store.reader("vae").schema == vae_schema("b")
