@@ -22,9 +22,29 @@ class Section(BaseModel):
     # allow_inf_nan=False: `.inf` / `.nan` (valid YAML floats) are refused for every float setting with its key
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: Any) -> Any:
+        """YAML reads `yes` / `on` / `true` as a boolean, and pydantic takes a boolean for a number (1 / 0): `max_steps:
+        yes` trained one step, unsaid. A setting that holds no boolean refuses one, in a list too."""
+        if (isinstance(value, bool) or isinstance(value, list) and any(isinstance(v, bool) for v in value)) \
+                and not _takes_bool(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"a boolean (YAML reads yes / no / on / off / true / false as one) is no value for "
+                             f"this setting")
+        return value
+
     def fingerprint(self) -> str:
         """Stable hash of the settings that change what this section's stage produces (features + identity)."""
         return section_fingerprint(self)
+
+
+def _takes_bool(annotation: Any) -> bool:
+    """Does a field's type hold a boolean anywhere (bool, `bool | str`, Any, a section of its own)?"""
+    from typing import get_args
+
+    if annotation is bool or annotation is Any or isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return True
+    return any(_takes_bool(a) for a in get_args(annotation))
 
 
 class Paths(Section):
