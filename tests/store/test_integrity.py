@@ -526,3 +526,21 @@ def test_repair_that_cannot_write_the_damage_marker_says_so_in_one_line(store: S
     assert len(failed) == 1 and re.match(r"vae v1: disk full while writing the damage marker of table 'vae' v1",
                                          failed[0])
     assert not fmt.damaged_marker(store.root, "vae", 1).exists()
+
+
+def test_a_full_disk_line_gives_small_sizes_in_kb(tmp_path: Path, monkeypatch) -> None:
+    """On a nearly full disk the manifest's need (two copies of a 15 kB file) read "about 0.0 MB needed" and the
+    space left "0.0 MB free": a figure of nothing. Below 0.1 MB the line counts kB."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    from store.io_errors import describe
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(300_000, 272_000, 28_000))
+    line = str(describe(OSError(errno.ENOSPC, "No space left on device"), "the manifest", tmp_path, need=30_000))
+    assert "(28 kB free, about 30 kB needed)" in line, line
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 0, 5 * 10**8))
+    line = str(describe(OSError(errno.ENOSPC, "No space left on device"), "the manifest", tmp_path, need=3 * 10**6))
+    assert "(500.0 MB free, about 3.0 MB needed)" in line, line
