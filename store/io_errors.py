@@ -33,6 +33,14 @@ def is_disk_full(e: BaseException) -> bool:
     return "os error 28" in text or "No space left on device" in text
 
 
+def is_file_too_large(e: BaseException) -> bool:
+    """EFBIG: a file grew past the file-size limit (`ulimit -f`, RLIMIT_FSIZE) or its file system's largest file
+    (FAT32: 4 GiB). Not a full disk: freeing space does not help."""
+    if isinstance(e, OSError) and e.errno == errno.EFBIG:
+        return True
+    return "(os error 27)" in str(e)  # safetensors (Rust): "File too large (os error 27)"
+
+
 def is_not_writable(e: BaseException) -> bool:
     if isinstance(e, PermissionError) or (isinstance(e, OSError) and e.errno in _READ_ONLY):
         return True
@@ -63,6 +71,11 @@ def describe(e: BaseException, what: str, where: Path, need: int | None = None, 
         return DiskFullError(f"disk full while writing {what} in {where} ({_free(where)}{needed}); free space"
                              f"{f' ({instead})' if instead else ''} and rerun: what was already committed is kept, "
                              "the partial write was removed")
+    if is_file_too_large(e):
+        return DiskFullError(f"file too large while writing {what} in {where}: it passed the largest file allowed "
+                             f"here (the process's file-size limit, `ulimit -f`, or the file system's, e.g. FAT32's "
+                             f"4 GiB); raise the limit or write to another file system and rerun: what was already "
+                             f"committed is kept, the partial write was removed")
     if is_not_writable(e):
         name = getattr(e, "filename", None) or where
         return UserError(f"cannot write {what}: {name} is not writable ({getattr(e, 'strerror', None) or e}); "

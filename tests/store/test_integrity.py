@@ -544,3 +544,30 @@ def test_a_full_disk_line_gives_small_sizes_in_kb(tmp_path: Path, monkeypatch) -
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 0, 5 * 10**8))
     line = str(describe(OSError(errno.ENOSPC, "No space left on device"), "the manifest", tmp_path, need=3 * 10**6))
     assert "(500.0 MB free, about 3.0 MB needed)" in line, line
+
+
+def test_a_file_size_limit_is_one_line_and_the_rerun_completes(tmp_path: Path) -> None:
+    """A write past the largest file allowed (EFBIG: `ulimit -f`, FAT32's 4 GiB) was a traceback ending in
+    "OSError: [Errno 27] File too large"; now one line saying so and what to do, and the rerun completes."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    from pipeline.demo_data import make_demo_data
+
+    make_demo_data(tmp_path / "data", n=12, fmt="folder", max_controls=1, seed=3)
+    repo = Path(__file__).resolve().parents[2]
+    args = [sys.executable, "-m", "pipeline.cli", "run", "resize-bucket", "--source", str(tmp_path / "data"),
+            "--store", str(tmp_path / "store"), "--area", "9216"]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+
+    def limited() -> None:  # files of at most 40 kB: the first shard passes it
+        resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, resource.RLIM_INFINITY))
+
+    res = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, preexec_fn=limited)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "error: file too large while writing a shard of table 'images' v1" in res.stderr, res.stderr[-3000:]
+    res = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not verify_store(tmp_path / "store")
