@@ -336,3 +336,5 @@ def test_a_yaml_boolean_for_a_number_is_refused_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match="'evaluate.timesteps': .*boolean"):
         load_config(None, {"evaluate.timesteps": [True, 0.5]})
     assert load_config(None, {"train.gradient_checkpointing": True}).train.gradient_checkpointing is True
+    with pytest.raises(ConfigError, match=r"'train.offload': Input should be 'none' or 'blocks' \(got False\)"):
+        load_config(None, {"train.offload": False})  # a choice of words lists them, as before (`offload: no`)
