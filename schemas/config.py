@@ -22,9 +22,36 @@ class Section(BaseModel):
     # allow_inf_nan=False: `.inf` / `.nan` (valid YAML floats) are refused for every float setting with its key
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: Any) -> Any:
+        """YAML reads `yes` / `on` / `true` as a boolean, and pydantic takes a boolean for a number (1 / 0): `max_steps:
+        yes` trained one step, unsaid. A number setting refuses one, in a list too."""
+        if (isinstance(value, bool) or isinstance(value, list) and any(isinstance(v, bool) for v in value)) \
+                and _takes_only_numbers(cls.model_fields[info.field_name].annotation):
+            raise ValueError("a boolean (YAML reads yes / no / on / off / true / false as one) is no number")
+        return value
+
     def fingerprint(self) -> str:
         """Stable hash of the settings that change what this section's stage produces (features + identity)."""
         return section_fingerprint(self)
+
+
+def _takes_only_numbers(annotation: Any) -> bool:
+    """Is a field a number (int / float, a list of them, or None), where pydantic reads a boolean as 1 / 0? A
+    choice of words (Literal) refuses a boolean itself, listing the words; bool, Any and sections take one."""
+    from typing import get_args, get_origin
+
+    def kinds(a: Any) -> set:  # the types a value may take: int | None -> {int, NoneType}, list[float] -> {float}
+        if get_origin(a) is Annotated:
+            return kinds(get_args(a)[0])
+        args = get_args(a)
+        if not args or any(not isinstance(x, type) and not get_args(x) for x in args):  # Literal: values
+            return {a}
+        return set().union(*(kinds(x) for x in args))
+
+    found = kinds(annotation) - {type(None)}
+    return bool(found) and found <= {int, float}
 
 
 class Paths(Section):

@@ -381,7 +381,10 @@ def read_store_record(root: Path) -> dict[str, Any]:
         except SealError as e:
             raise UserError(f"{path} is damaged: {e}; run `pipeline store repair {root}`") from None
     else:  # format 1 wrote no checksum; every later format seals, so an unsealed record claiming one is damaged
-        rec = read_json(path, "store.json")
+        try:
+            rec = read_json(path, "store.json")
+        except UserError as e:  # not JSON: damaged as a record whose seal fails, and rebuilt the same way
+            raise UserError(f"{e}; it is damaged: run `pipeline store repair {root}`") from None
         if isinstance(rec, dict) and rec.get("format") == STORE_FORMAT and rec.get("format_version") != 1:
             raise UserError(f"{path} has no checksum, which only format version 1 lacks; it is damaged: "
                             f"run `pipeline store repair {root}`")

@@ -76,7 +76,8 @@ def repair_hint(vdir: Path, name: str | None = None) -> str:
     if name in (fmt.SCHEMA_JSON, fmt.CHECKSUMS):
         stage = _written_by(vdir)
         how = f"`pipeline run {stage}` with the same store, model and config" if stage else "the stage that wrote it"
-        return (f"rerun {how}: it writes a new version of '{vdir.parent.name}' (reusing its intact samples); "
+        # nothing of it is carried forward: the lineage that would vouch for its samples is in the damaged file
+        return (f"rerun {how}: it writes a new version of '{vdir.parent.name}' (its samples computed again); "
                 "`pipeline store repair` cannot rebuild this file")
     return f"run `pipeline store repair {repair_target(store_root(vdir))}`"
 

@@ -33,6 +33,14 @@ def is_disk_full(e: BaseException) -> bool:
     return "os error 28" in text or "No space left on device" in text
 
 
+def is_file_too_large(e: BaseException) -> bool:
+    """EFBIG: a file grew past the file-size limit (`ulimit -f`, RLIMIT_FSIZE) or its file system's largest file
+    (FAT32: 4 GiB). Not a full disk: freeing space does not help."""
+    if isinstance(e, OSError) and e.errno == errno.EFBIG:
+        return True
+    return "(os error 27)" in str(e)  # safetensors (Rust): "File too large (os error 27)"
+
+
 def is_not_writable(e: BaseException) -> bool:
     if isinstance(e, PermissionError) or (isinstance(e, OSError) and e.errno in _READ_ONLY):
         return True
@@ -40,12 +48,17 @@ def is_not_writable(e: BaseException) -> bool:
     return any(f"(os error {n})" in text for n in _READ_ONLY)
 
 
+def _size(nbytes: int) -> str:
+    """MB, or kB below 0.1 MB: a manifest's 30 kB needed read "about 0.0 MB needed"."""
+    return f"{nbytes / 1e6:.1f} MB" if nbytes >= 100_000 else f"{nbytes / 1e3:.0f} kB"
+
+
 def _free(where: Path) -> str:
     p = Path(where)
     while not p.exists() and p != p.parent:
         p = p.parent
     try:
-        return f"{shutil.disk_usage(p).free / 1e6:.1f} MB free"
+        return f"{_size(shutil.disk_usage(p).free)} free"
     except OSError:
         return "free space unknown"
 
@@ -54,10 +67,15 @@ def describe(e: BaseException, what: str, where: Path, need: int | None = None, 
     """The one-line error for a disk-full / not-writable failure, else None. `instead`: what else helps with a full
     disk than freeing space (a rerun alone meets the same full disk at the same point)."""
     if is_disk_full(e):
-        needed = f", about {need / 1e6:.1f} MB needed" if need else ""
+        needed = f", about {_size(need)} needed" if need else ""
         return DiskFullError(f"disk full while writing {what} in {where} ({_free(where)}{needed}); free space"
                              f"{f' ({instead})' if instead else ''} and rerun: what was already committed is kept, "
                              "the partial write was removed")
+    if is_file_too_large(e):
+        return DiskFullError(f"file too large while writing {what} in {where}: it passed the largest file allowed "
+                             f"here (the process's file-size limit, `ulimit -f`, or the file system's, e.g. FAT32's "
+                             f"4 GiB); raise the limit or write to another file system and rerun: what was already "
+                             f"committed is kept, the partial write was removed")
     if is_not_writable(e):
         name = getattr(e, "filename", None) or where
         return UserError(f"cannot write {what}: {name} is not writable ({getattr(e, 'strerror', None) or e}); "

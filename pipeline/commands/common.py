@@ -155,7 +155,7 @@ def user_errors(output: Path | str | None = None) -> Iterator[None]:
         from models.collective import failure_line  # one node's own copy of the path: the others stop too
 
         name = e.filename or output
-        report_error(failure_line(e, f"{name} (or a folder on its path) is a file, not a folder: pass a folder path"))
+        report_error(failure_line(e, _not_a_folder(name)))
         raise typer.Exit(1) from None
     except Exception as e:  # a full disk / read-only folder missed by a closer handler: still one line
         from models.collective import failure_line, peer_line, rank_error_line
@@ -168,6 +168,17 @@ def user_errors(output: Path | str | None = None) -> Iterator[None]:
             raise
         report_error(failure_line(e, str(err)))
         raise typer.Exit(1) from None
+
+
+def _not_a_folder(name: Path | str | None) -> str:
+    """Why a folder could not be made at NAME: a file is there, or a symbolic link to nothing (a store or run
+    linked onto a disk not mounted, which the line called a file)."""
+    import os
+
+    if name is not None and os.path.islink(name) and not os.path.exists(name):
+        return (f"{name} is a symbolic link to {os.readlink(name)}, which does not exist (a disk not mounted?): "
+                "mount or create it, or pass another folder")
+    return f"{name} (or a folder on its path) is a file, not a folder: pass a folder path"
 
 
 def checked_lora(lora: Path | str, model: str | None = None, strict_base: bool = False) -> None:

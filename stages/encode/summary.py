@@ -82,9 +82,11 @@ class Summary:
             f"{self.bytes_written / 1e6:.2f} MB written in {self.seconds:.1f} s (encoding {rate:.1f} samples/s)"
         )
         if self.repaired_from is not None:
-            line += (f"; v{self.repaired_from} was recorded as damaged: its damaged samples recomputed, the rest "
-                     f"carried forward, v{self.version} verified (v{self.repaired_from} moved to "
-                     f"v{self.repaired_from}.damaged/)")
+            # a damaged schema.json / checksums.json carries nothing forward: every sample is encoded again
+            rest = "the rest carried forward" if self.reused or self.skipped else \
+                "none of its samples carried forward (every sample encoded again)"
+            line += (f"; v{self.repaired_from} was recorded as damaged: its damaged samples recomputed, {rest}, "
+                     f"v{self.version} verified (v{self.repaired_from} moved to v{self.repaired_from}.damaged/)")
         if self.damaged:
             shown = few(self.damaged)
             if self.damaged_count > len(self.damaged) and not shown.endswith(" …"):

@@ -529,7 +529,17 @@ def differences(recorded: dict, present: dict, metrics: dict, cfg: EvaluateConfi
     the evaluation revision) and of the hashed evaluate settings (the report's `run.config`). Empty when only the
     damaged samples it left out differ (on_damaged, which enters no hash: the stage says so itself)."""
     run = metrics.get("run") or {}
-    found = current.stale_named(recorded, present, _INPUT_LABELS)
+    # checkpoints trained since the report (a resumed run's): named by step, not as each one's sha256 and path
+    # against None (a line of 150 characters per checkpoint)
+    new = [step for step, sha in present["loras"].items() if sha is not None and recorded["loras"].get(step) is None] \
+        if isinstance(present.get("loras"), dict) and isinstance(recorded.get("loras"), dict) else []
+    recorded, present = dict(recorded), dict(present)
+    for side in (recorded, present):
+        for name in ("loras", "paths"):
+            if isinstance(side.get(name), dict):
+                side[name] = {k: v for k, v in side[name].items() if k not in new}
+    found = [f"checkpoints not in the report: step{'s' if len(new) > 1 else ''} {', '.join(new)}"] if new else []
+    found += current.stale_named(recorded, present, _INPUT_LABELS)
     if isinstance(run.get("settings"), dict) and settings is not None:
         found += current.changed_settings(run["settings"], settings, "")
     if isinstance(run.get("config"), dict):
@@ -578,12 +588,13 @@ def redone(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], sha
             return f"evaluating every checkpoint again (the losses in {group.path} are another run's, kept aside)"
     where, recorded = group.path, group.steps()
     todo = [step for step, _ in checkpoints if recorded.get(step) != shas[step]]
-    n = len(checkpoints) - len(todo)
+    # steps pruned since stay on the curve, as the end line counts them ("evaluated 1 of 3 (2 already in ...)")
+    n = len([step for step in recorded if step not in todo])
     kept = (f"the losses of {n} checkpoint{'s' if n != 1 else ''} in {where}"
             f"{', taken back,' if where.name != GROUP else ''} kept")
     if not todo:
         return f"writing the report again ({kept}: no checkpoint evaluated again)"
-    return f"evaluating {len(todo)} of {len(checkpoints)} checkpoints ({kept})"
+    return f"evaluating {len(todo)} of {n + len(todo)} checkpoints ({kept})"
 
 
 # ------------------------------------------------------------------------------------------------ the stage

@@ -732,6 +732,22 @@ def _jsonl_path(p: Path) -> Path:
     return p if p.is_file() else sorted(p.glob("*.jsonl"))[0]
 
 
+class _FieldTwice(ValueError):
+    pass
+
+
+def _fields_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose read field is given twice with two values: Python's json keeps the last, and the first
+    (a target, a control, a caption) was dropped unsaid."""
+    obj: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in obj and name in _JSONL_FIELDS and obj[name] != value:
+            raise _FieldTwice(f"field {name!r} is given twice on this line ({obj[name]!r}, then {value!r}): JSON "
+                              "readers keep the last and drop the first; keep one")
+        obj[name] = value
+    return obj
+
+
 def _jsonl_objects(path: Path) -> Iterator[tuple[int, object, str | None]]:
     """(line number, parsed object or None, error) per non-blank line."""
     for no, raw in manifest_lines(path):
@@ -739,9 +755,11 @@ def _jsonl_objects(path: Path) -> Iterator[tuple[int, object, str | None]]:
             continue
         try:
             # a UTF-8 BOM before the first line (Windows editors, PowerShell 5's utf8) is not part of the JSON
-            yield no, json.loads(raw.decode("utf-8-sig" if no == 1 else "utf-8")), None
+            yield no, json.loads(raw.decode("utf-8-sig" if no == 1 else "utf-8"), object_pairs_hook=_fields_once), None
         except UnicodeDecodeError:
             yield no, None, "line is not valid UTF-8"
+        except _FieldTwice as e:
+            yield no, None, str(e)
         except json.JSONDecodeError as e:
             yield no, None, f"line is not valid JSON: {e.msg}"
         except RecursionError:  # arrays nested 100k deep: one bad line, not the run's traceback

@@ -685,8 +685,9 @@ def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any,
     carry: dict[str, str] = {}
     done = resumed_sources(writer.dir) if writer.done_keys else {}
 
-    def to_render(bar: tqdm) -> Iterator[tuple[SourceSample, str, str]]:
-        for rec in bar:
+    def to_render(bar: tqdm, records: Iterator[SourceSample]) -> Iterator[tuple[SourceSample, str, str]]:
+        for rec in records:
+            bar.update()  # by hand: a tqdm iterated closes itself when exhausted, before the total is settled below
             if rec.done_key is None and rec.problem is None:  # a reader that read it anyway (a parquet row)
                 rec.done_key = done.get(rec.source)
             if rec.known is not None and rec.done_key is None and not _carried_unread(rec, writer, rendered_before,
@@ -728,11 +729,13 @@ def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any,
 
     render_one = partial(_render_item, rc=rc, rules=_rules(rc))
     columns = read_columns if read_columns is not None else rc.columns
-    with tqdm(iter_source(source, rc.max_file_bytes, columns, done, known), desc=f"{STAGE} ({fmt})", unit="sample",
-              total=count_samples(source, fmt, known), dynamic_ncols=True) as bar:
+    with tqdm(desc=f"{STAGE} ({fmt})", unit="sample", total=count_samples(source, fmt, known),
+              dynamic_ncols=True) as bar:
+        records = iter_source(source, rc.max_file_bytes, columns, done, known)
         # at most 2 x workers samples in flight: memory stays bounded whatever the dataset size; a worker that
         # dies (out of memory, a crash in an image library) costs its sample, not the run (render_pool.py)
-        for (rec, key, _), out in rendered_in_order(render_one, to_render(bar), rc.workers, ahead=2 * rc.workers,
+        for (rec, key, _), out in rendered_in_order(render_one, to_render(bar, records), rc.workers,
+                                                    ahead=2 * rc.workers,
                                                     on_crash=_worker_died):
             intake.store(writer, rec, key, out)
         _revive(intake, writer, rendered_before, limit, carry, rc, render_one)

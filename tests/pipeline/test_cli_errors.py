@@ -186,3 +186,21 @@ def test_all_checkpoints_of_a_run_without_any_names_the_run_and_writes_no_report
     assert r.output.startswith(f"error: no checkpoints to evaluate: {tmp_path / 'run'} holds no checkpoints/step-N")
     assert not (tmp_path / "report").exists()
 
+
+
+def test_a_store_linked_to_a_folder_that_is_gone_is_named_as_such(tmp_path):
+    """A store (or run) folder that is a symbolic link onto a disk not mounted: the line called it "a file, not a
+    folder"; it says the link's target does not exist now. A real file keeps its line."""
+    from pipeline.demo_data import make_demo_data
+
+    make_demo_data(tmp_path / "data", n=2, fmt="folder", max_controls=1, seed=1)
+    (tmp_path / "store").symlink_to(tmp_path / "unmounted" / "store")
+    for store in (tmp_path / "store", tmp_path / "store" / "sub"):
+        res = _run(["run", "resize-bucket", "--source", str(tmp_path / "data"), "--store", str(store)])
+        assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+        assert f"{tmp_path / 'store'} is a symbolic link to {tmp_path / 'unmounted' / 'store'}, which does not " \
+               "exist" in res.output, res.output
+        assert not (tmp_path / "unmounted").exists()
+    (tmp_path / "file").write_text("x")
+    res = _run(["run", "resize-bucket", "--source", str(tmp_path / "data"), "--store", str(tmp_path / "file" / "s")])
+    assert res.exit_code == 1 and "is a file, not a folder" in res.output, res.output

@@ -320,3 +320,21 @@ def test_a_noise_seed_or_sigma_listed_twice_is_refused_naming_key_and_value(key,
     assert line.startswith(f"  '{key}': ") and named in line
     section, name = key.split(".")
     assert getattr(getattr(load_config(None, {key: each_once}), section), name) == each_once
+
+
+def test_a_yaml_boolean_for_a_number_is_refused_naming_the_key(tmp_path):
+    """YAML 1.1 reads `yes` / `on` / `true` as a boolean and pydantic took it for the number 1: `max_steps: yes`
+    trained one step, `val_fraction: on` was 1.0, with no word said. Refused now, in a list too; a boolean
+    setting still takes one."""
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  max_steps: yes\n  learning_rate: on\n  gradient_checkpointing: yes\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    said = str(e.value)
+    assert "'train.max_steps': " in said and "'train.learning_rate': " in said and "boolean" in said, said
+    assert "gradient_checkpointing" not in said, said
+    with pytest.raises(ConfigError, match="'evaluate.timesteps': .*boolean"):
+        load_config(None, {"evaluate.timesteps": [True, 0.5]})
+    assert load_config(None, {"train.gradient_checkpointing": True}).train.gradient_checkpointing is True
+    with pytest.raises(ConfigError, match=r"'train.offload': Input should be 'none' or 'blocks' \(got False\)"):
+        load_config(None, {"train.offload": False})  # a choice of words lists them, as before (`offload: no`)

@@ -211,3 +211,24 @@ def test_a_version_that_skipped_damaged_inputs_is_not_up_to_date_under_stop(tiny
         assert r.version == 2 and sorted(r.keys()) == sorted(Store(store).reader("images").keys())
         r.close()
         assert encode_json(stage, store, tiny_plus_model, "--config", config)["up_to_date"]  # whole: current
+
+
+def test_a_version_whose_schema_json_is_damaged_says_every_sample_is_encoded_again(tiny_edit_model, edit_store,
+                                                                                    tmp_path):
+    """A damaged schema.json holds the lineage that vouches for the version's samples: nothing of it is carried
+    forward. The advice and the rerun's line said "(reusing its intact samples)" and "the rest carried forward"
+    over "encoded 8, reused 0"."""
+    import shutil
+
+    store = Path(shutil.copytree(edit_store, tmp_path / "store"))
+    version = encode_json("encode-text", store, tiny_edit_model)["version"]
+    (store / "text" / f"v{version}" / fmt.SCHEMA_JSON).write_text("nope")
+    assert invoke("store", "verify", store).exit_code == 1  # records the damage
+    res = invoke("store", "repair", store, "--dry-run")
+    assert "it writes a new version of 'text' (its samples computed again)" in res.output, res.output
+    assert "reusing" not in res.output, res.output
+    res = invoke("run", "encode-text", "--store", store, "--model", tiny_edit_model, "--device", "cpu")
+    n = len(Store(store).reader("images"))
+    [line] = [ln for ln in res.output.splitlines() if "was recorded as damaged" in ln]
+    assert f"encoded {n}, reused 0, skipped (already done) 0" in line, line
+    assert "none of its samples carried forward (every sample encoded again)" in line and "the rest" not in line, line

@@ -841,6 +841,29 @@ def test_a_step_retrained_with_other_weights_says_every_checkpoint_is_evaluated_
         in said and "1 of 3" not in said, said
 
 
+def test_a_run_trained_on_past_its_pruned_checkpoints_counts_their_kept_losses(run_and_store, tiny_edit_model,
+                                                                               tmp_path, capsys):
+    """A run resumed to more steps (`run all --set train.max_steps=...`): keep_checkpoints pruned the steps the
+    report holds, one new step is on disk. Their losses stay in the report, and the line saying why it is redone
+    counts them as the end line does; it said "evaluating 1 of 1 checkpoints (the losses of 0 checkpoints ...
+    kept)" and then "evaluated 1 of 3 checkpoints (2 already in ...)"."""
+    import shutil
+
+    root, out = tmp_path / "root", tmp_path / "report"
+    shutil.copytree(run_and_store / "run", root / "run")
+    ckpts = _ckpts(root)
+    ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, ckpts[:2], out)
+    for _, path in ckpts[:2]:
+        shutil.rmtree(path.parent)  # pruned by the resumed training
+    capsys.readouterr()
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, ckpts[2:], out, skip_if_done=True)
+    said = capsys.readouterr().out
+    assert res.evaluated == 1 and res.metrics["checkpoints"]["steps"] == [10, 20, 30]
+    assert "): evaluating 1 of 3 checkpoints (the losses of 2 checkpoints in " in said, said
+    # the step trained since is named as such, not as its sha256 and path against None
+    assert "(checkpoints not in the report: step 30; " in said and "None" not in said, said
+
+
 def test_compare_names_the_best_checkpoint_still_on_disk_as_the_report_does(run_and_store, tiny_edit_model, tmp_path):
     """keep_checkpoints pruned the lowest-loss step after evaluate recorded it: the report names the best of the
     checkpoints still there, and so does `pipeline compare` (it named the pruned step, a path that is gone); the

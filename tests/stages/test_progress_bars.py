@@ -93,3 +93,17 @@ def test_the_val_read_bar_counts_samples(capsys):
     assert read_intact(Tables(range(3)), 3, lambda i: i * 10, "read val samples") == [0, 10, 20]
     err = capsys.readouterr().err
     assert "read val samples:" in err and "sample/s" in err and "it/s" not in err, err
+
+
+def test_resize_bar_ends_at_100_percent_past_an_orphan_file(tmp_path):
+    """A folder source's total counts targets; an orphan control file is one more entry read. The bar's total is
+    settled to what was read at the end: before, the bar (a tqdm iterated, closed when exhausted) was already
+    closed there, so it ended as a bare count past its total ('6sample [...]'), no percentage."""
+    from PIL import Image
+
+    make_demo_data(tmp_path / "data", n=5, fmt="folder", max_controls=1, seed=4)
+    Image.new("RGB", (32, 32)).save(tmp_path / "data" / "control" / "no_such_target.png")
+    resize = _cli("run", "resize-bucket", "--source", str(tmp_path / "data"), "--store", str(tmp_path / "store"),
+                  "--area", "4096")
+    final = resize.stderr.rsplit("resize-bucket (folder):", 1)[-1].split("\n")[0]
+    assert "100%|" in final and "6/6 [" in final and "sample/s" in final, resize.stderr

@@ -129,6 +129,25 @@ def test_jsonl_lines_json_cannot_take_cost_their_line_only(tmp_path):
     assert _captions(tmp_path / "store") == ["fine"]
 
 
+def test_a_jsonl_field_given_twice_costs_its_line_not_its_first_value(tmp_path):
+    """`{"target": "a.png", ..., "target": "b.png"}` (a line joined from two, a hand edit): json keeps the last,
+    so b trained and a was dropped with no row. The line is quarantined naming the field; a field repeated with
+    the same value, or a field no reader reads, drops nothing and is read as before."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, seed in (("a.png", 0), ("b.png", 1), ("c.png", 2)):
+        (src / name).write_bytes(_image(seed=seed))
+    lines = ['{"target": "a.png", "caption": "first", "target": "b.png"}',
+             '{"target": "c.png", "caption": "same twice", "caption": "same twice", "id": 1, "id": 2}']
+    (src / "data.jsonl").write_text("\n".join(lines) + "\n")
+    result = _resize(src, tmp_path / "store")
+    assert result.exit_code == 0, result.output
+    q = {s.split(":")[1]: v for s, v in _quarantine(tmp_path / "store").items()}
+    assert q == {"1": ("bad-source", "field 'target' is given twice on this line ('a.png', then 'b.png'): JSON "
+                                     "readers keep the last and drop the first; keep one")}
+    assert _captions(tmp_path / "store") == ["same twice"]
+
+
 def test_a_tar_made_on_a_mac_reads_as_the_same_tar_without_its_litter(tmp_path):
     """macOS tar writes an AppleDouble `._x` member before every file with extended attributes (a downloaded
     one), and `.DS_Store`: they split each sample's run of members in two, so the whole shard was quarantined

@@ -536,3 +536,48 @@ def test_repair_that_cannot_write_the_damage_marker_says_so_in_one_line(store: S
     assert len(failed) == 1 and re.match(r"vae v1: disk full while writing the damage marker of table 'vae' v1",
                                          failed[0])
     assert not fmt.damaged_marker(store.root, "vae", 1).exists()
+
+
+def test_a_full_disk_line_gives_small_sizes_in_kb(tmp_path: Path, monkeypatch) -> None:
+    """On a nearly full disk the manifest's need (two copies of a 15 kB file) read "about 0.0 MB needed" and the
+    space left "0.0 MB free": a figure of nothing. Below 0.1 MB the line counts kB."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    from store.io_errors import describe
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(300_000, 272_000, 28_000))
+    line = str(describe(OSError(errno.ENOSPC, "No space left on device"), "the manifest", tmp_path, need=30_000))
+    assert "(28 kB free, about 30 kB needed)" in line, line
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 0, 5 * 10**8))
+    line = str(describe(OSError(errno.ENOSPC, "No space left on device"), "the manifest", tmp_path, need=3 * 10**6))
+    assert "(500.0 MB free, about 3.0 MB needed)" in line, line
+
+
+def test_a_file_size_limit_is_one_line_and_the_rerun_completes(tmp_path: Path) -> None:
+    """A write past the largest file allowed (EFBIG: `ulimit -f`, FAT32's 4 GiB) was a traceback ending in
+    "OSError: [Errno 27] File too large"; now one line saying so and what to do, and the rerun completes."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    from pipeline.demo_data import make_demo_data
+
+    make_demo_data(tmp_path / "data", n=12, fmt="folder", max_controls=1, seed=3)
+    repo = Path(__file__).resolve().parents[2]
+    args = [sys.executable, "-m", "pipeline.cli", "run", "resize-bucket", "--source", str(tmp_path / "data"),
+            "--store", str(tmp_path / "store"), "--area", "9216"]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+
+    def limited() -> None:  # files of at most 40 kB: the first shard passes it
+        resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, resource.RLIM_INFINITY))
+
+    res = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, preexec_fn=limited)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "error: file too large while writing a shard of table 'images' v1" in res.stderr, res.stderr[-3000:]
+    res = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not verify_store(tmp_path / "store")

@@ -218,3 +218,16 @@ def test_verify_holds_a_group_of_shards_rows_at_a_time(store: Store, monkeypatch
     for shard, key in hit.items():
         assert any(shard in p and key in p and "disagree with the safetensors header" in p for p in problems), \
             (shard, problems)
+
+
+@pytest.mark.parametrize("damage", [b"{garbage", b"", b"\xff\xfe"])
+def test_a_store_json_that_is_no_json_names_the_repair_that_rebuilds_it(store: Store, damage: bytes) -> None:
+    """A store.json cut or overwritten into no JSON at all was one line without what to do (a seal that fails
+    names `pipeline store repair`, which rebuilds the record); every command that opens the store says it now."""
+    fill(store, 3)
+    (store.root / "store.json").write_bytes(damage)
+    for command in ("inspect", "gc"):
+        res = runner.invoke(app, ["store", command, str(store.root)])
+        assert res.exit_code == 1 and f"run `pipeline store repair {store.root}`" in res.output, res.output
+    assert runner.invoke(app, ["store", "repair", str(store.root)]).exit_code == 0
+    assert verify(store.root).exit_code == 0
