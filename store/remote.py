@@ -41,6 +41,11 @@ PARTS_AT_ONCE = 4
 # file object held an 8 MiB block, the piece and copies (~15 MiB a transfer, bench/store_transfer_memory.py)
 READ_PIECE = 2**20
 IN_FLIGHT = 128 * 2**20  # of file bytes (held as reserved: store/remote_upload._read_body)
+# s3fs's own loop of tries around each request (its default 5), on top of botocore's (AWS_MAX_ATTEMPTS, default 5):
+# against a server that accepts and never answers, every try waits s3fs's read timeout (15 s), so 25 tries were over
+# 6 minutes of silence per request before the one line. Twice still retries what botocore does not (a body cut off
+# while s3fs reads it, a garbled throttling answer); `-o retries=N` sets it.
+S3FS_TRIES = 2
 
 
 def each_at_once(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
@@ -572,4 +577,7 @@ def open_remote(url: str, storage_options: dict[str, Any] | None = None) -> Remo
         # into a store no pull, verify or later push could find)
         fixed = url.split("://", 1)[0] + "://" + "/".join(p for p in root.split("/") if p)
         raise UserError(f"{url}: an empty folder name (//) in the URL; write it without: {fixed}")
-    return Remote(url, fs, root)
+    remote = Remote(url, fs, root)
+    if remote.is_s3 and "retries" not in (storage_options or {}):
+        fs.retries = S3FS_TRIES
+    return remote
