@@ -73,7 +73,7 @@ def drop_damaged_copy(vdir: Path, shard: str, problem: str) -> bool:
         return False
     try:
         os.unlink(os.path.join(vdir, shard))
-    except FileNotFoundError:
+    except OSError:  # gone already; or a cache this process may not write (refused as damage, as before)
         return False
     from store import integrity
 
@@ -91,25 +91,46 @@ def refetch_metadata(vdir: Path) -> bool:
     recorded the damage in the cache, whose every later open on the node refused the version, and advised `store
     repair` (or a rerun of the encoder) for a URL that holds it intact."""
     from store import integrity
-    from tqdm import tqdm
-
-    from store.checksum import file_crc, unseal
-    from store.remote_sync import _File, fetch_checked
 
     if not is_lazy(vdir):
         return False
     source = json.loads((vdir / MARKER).read_text())
     url, base = source["url"], f"{source['table']}/v{int(source['version'])}"
     fixed: list[str] = []
+    try:
+        _refetch_metadata(vdir, url, base, fixed)
+    except OSError as e:
+        if not e.filename:  # the remote's, as one line
+            raise
+        # a cache this process may not write, a full disk: the damage is refused as before (the caller's line)
+        log.warning("%s: could not fetch the damaged cached metadata again (%s)", url, e)
+        return False
+    if fixed:
+        log.warning("%s: the cached copy of %s was damaged on this node: fetched again from the URL",
+                    integrity.where(vdir), ", ".join(fixed))
+    return bool(fixed)
+
+
+def _refetch_metadata(vdir: Path, url: str, base: str, fixed: list[str]) -> None:
+    from tqdm import tqdm
+
+    from store import integrity
+    from store.checksum import SealError, file_crc, unseal
+    from store.remote_sync import _File, fetch_checked
+
     with remote_errors(url, f"fetch {base}"):
         remote = open_remote(url)
         try:
             sums = integrity.read_version_checksums(vdir) or {}
         except integrity.DamagedData:
             record = remote.read(f"{base}/{fmt.CHECKSUMS}")
-            unseal(record)  # the URL's own damaged: refused as before (the caller raises the cached copy's line)
+            try:
+                unseal(record)
+            except SealError:  # the URL's own is damaged: refused as before (the caller's line)
+                return
             fmt.atomic_write_bytes(vdir / fmt.CHECKSUMS, record)
-            sums, fixed = integrity.read_version_checksums(vdir) or {}, [fmt.CHECKSUMS]
+            sums = integrity.read_version_checksums(vdir) or {}
+            fixed.append(fmt.CHECKSUMS)
         for name, entry in sorted(sums.items()):
             path = vdir / name
             if is_shard(name) or not path.exists() or file_crc(path) == (entry["crc32c"], entry["nbytes"]):
@@ -118,10 +139,6 @@ def refetch_metadata(vdir: Path) -> bool:
             fetch_checked(remote, _File(f"{base}/{name}", int(entry["nbytes"]), entry["crc32c"]), path,
                           tqdm(disable=True))
             fixed.append(name)
-    if fixed:
-        log.warning("%s: the cached copy of %s was damaged on this node: fetched again from the URL",
-                    integrity.where(vdir), ", ".join(fixed))
-    return bool(fixed)
 
 
 def is_cache_file(name: str) -> bool:
