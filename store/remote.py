@@ -207,6 +207,11 @@ def remote_errors(url: str, action: str, missing: str | None = None) -> Iterator
             raise UserError(f"{action}: no credentials for {url} ({type(e).__name__}: {_first_line(e)}); "
                             + (f"check {given}" if given is not None else
                                "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)")) from None
+        if _is_endpoint_error(e):
+            given = os.environ.get("AWS_ENDPOINT_URL")
+            raise UserError(f"{action}: the endpoint of {url} is not a valid URL ({_first_line(e)}); check "
+                            + (f"AWS_ENDPOINT_URL ({given!r}) or " if given is not None else "")
+                            + "-o endpoint_url=...: a URL with its scheme, e.g. http://127.0.0.1:9000") from None
         if not _is_transport_error(e):
             raise
         raise UserError(f"{action}: lost the connection to {url} ({type(e).__name__}: {_first_line(e)}); "
@@ -281,6 +286,12 @@ def lost_version(remote: "Remote", table: str, version: int) -> UserError | None
 def _is_credentials_error(e: BaseException) -> bool:
     # botocore's NoCredentialsError / PartialCredentialsError (by name: botocore is imported only with s3fs)
     return any(c.__name__ in ("NoCredentialsError", "PartialCredentialsError") for c in type(e).__mro__)
+
+
+def _is_endpoint_error(e: BaseException) -> bool:
+    """botocore's refusal of a malformed endpoint URL (no scheme: a ValueError; a stray space: its own type)."""
+    return (isinstance(e, ValueError) and str(e).startswith("Invalid endpoint")) or any(
+        c.__name__ == "EndpointResolutionError" for c in type(e).__mro__)
 
 
 def _first_line(e: BaseException) -> str:
