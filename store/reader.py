@@ -92,6 +92,8 @@ class TableReader(ReaderManifest):
             done, problem = self._ahead.take(i)
             if done and problem is None:
                 check.mark_checked(i)
+            elif problem is not None and self.shards.lazy:
+                problem = None  # read here: the thread's descriptor may be of a damaged cached copy dropped since
         if problem is None:  # a bad shard's intact samples are still checked byte by byte
             got, problem = self._read_bytes(i, shard, start, n)
         if problem is not None and self.shards.drop_damaged_copy(shard, problem):

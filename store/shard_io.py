@@ -162,6 +162,11 @@ class ShardFiles:
         got = self.pread(shard, start, n)
         return got if isinstance(got, str) else (got, -start)
 
+    @property
+    def lazy(self) -> bool:
+        """A lazily cached version of a store URL (its shards fetched on a miss)."""
+        return self._fetcher is not None
+
     def drop_damaged_copy(self, shard: str, problem: str) -> bool:
         """In a lazily cached version, the cached file whose bytes failed a sample's check removed (closed here,
         unlinked: store/remote_shards.drop_damaged_copy); True when the sample's next read goes to the URL."""

@@ -171,6 +171,33 @@ def test_a_shard_damaged_in_the_nodes_cache_is_read_again_from_the_url(s3_env, s
     assert cached.read_bytes() == (store.root / "vae" / "v1" / shard).read_bytes()
 
 
+def test_several_samples_damaged_in_a_cached_shard_read_with_check_ahead_are_read_from_the_url(
+        s3_env, store: Store, tmp_path: Path) -> None:
+    """Every third sample damaged in the node's cached shards, read in order with the check-ahead thread (as train
+    reads): the thread's results for the later damaged samples came from its descriptor of the dropped copy, and
+    the consumer refused them (no cached file left to blame). Now the consumer reads them itself: all intact."""
+    url = _pushed(s3_env, store)
+    root = local_store(url, ["vae"], tmp_path / "cache", whole=True)
+    vdir = fmt.version_dir(root, "vae", 1)
+    with store.reader("vae") as local:
+        keys = local.keys()
+        for k in keys[::3]:
+            shard, start, n = local.view.samples.locate(local.row_of(k))
+            path = vdir / shard
+            st = path.stat()
+            data = bytearray(path.read_bytes())
+            data[start + n - 3] ^= 0xFF
+            os.chmod(path, 0o644)
+            path.write_bytes(bytes(data))
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        root = local_store(url, ["vae"], tmp_path / "cache")
+        with Store(root, create=False).reader("vae") as reader:
+            reader.check_ahead([reader.row_of(k) for k in keys])
+            for k in keys:
+                assert _same(reader.tensors(k), local.tensors(k))
+    assert not fmt.damaged_marker(root, "vae", 1).exists()
+
+
 @pytest.mark.parametrize("name", [fmt.MANIFEST, fmt.SCHEMA_JSON, fmt.CHECKSUMS])
 def test_metadata_damaged_in_the_nodes_cache_are_fetched_again_from_the_url(s3_env, store: Store, tmp_path: Path,
                                                                             name: str) -> None:
