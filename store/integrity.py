@@ -197,7 +197,7 @@ def shard_problems(vdir: Path, manifest: pa.Table, sums: dict[str, dict[str, Any
     sizes = np.zeros(len(shard.dictionary), np.int64)
     sizes[idx] = manifest.column("shard_nbytes").to_numpy()
     base = str(vdir)
-    from store.remote_shards import is_lazy
+    from store.remote_shards import drop_damaged_copy, is_lazy
 
     lazy = is_lazy(vdir)  # a cached version of a store at a URL: a shard not there yet is fetched when read
     for name, n_samples, recorded in zip(shard.dictionary.to_pylist(), counts.tolist(), sizes.tolist()):
@@ -211,7 +211,9 @@ def shard_problems(vdir: Path, manifest: pa.Table, sums: dict[str, dict[str, Any
                 out[name] = f"shard {name} is missing ({n_samples} samples)"
             continue
         if size != want:
-            out[name] = f"shard {name} is {size} bytes, {want} recorded ({'truncated' if size < want else 'grown'})"
+            problem = f"shard {name} is {size} bytes, {want} recorded ({'truncated' if size < want else 'grown'})"
+            if not (lazy and drop_damaged_copy(vdir, name, problem)):  # a cached copy: fetched again when read
+                out[name] = problem
     return out
 
 

@@ -67,13 +67,20 @@ class ManifestView:
         if not fmt.is_complete(vdir):
             raise UserError(f"table '{table}' v{version} at {vdir} is incomplete (no {fmt.MANIFEST}); "
                             "rerun the stage that writes it to resume")
-        try:
-            sums = integrity.read_version_checksums(vdir)
-            schema_bytes = integrity.read_checked(vdir, fmt.SCHEMA_JSON, sums)
-            manifest_bytes = mapped_checked(vdir, fmt.MANIFEST, sums)
-        except DamagedData as e:  # recorded: the stage that wrote the version must not call it up to date
-            integrity.record_damage(vdir, problems=[str(e)])
-            raise
+        from store.remote_shards import refetch_metadata
+
+        for attempt in (1, 2):
+            try:
+                sums = integrity.read_version_checksums(vdir)
+                schema_bytes = integrity.read_checked(vdir, fmt.SCHEMA_JSON, sums)
+                manifest_bytes = mapped_checked(vdir, fmt.MANIFEST, sums)
+                break
+            except DamagedData as e:
+                if attempt == 1 and refetch_metadata(vdir):  # a store URL's cached copy: fetched again
+                    continue
+                # recorded: the stage that wrote the version must not call it up to date
+                integrity.record_damage(vdir, problems=[str(e)])
+                raise
         schema = read_schema(vdir, schema_bytes, intact=sums is not None)
         path = vdir / fmt.MANIFEST
         try:

@@ -92,18 +92,28 @@ class TableReader(ReaderManifest):
             done, problem = self._ahead.take(i)
             if done and problem is None:
                 check.mark_checked(i)
+            elif problem is not None and self.shards.lazy:
+                problem = None  # read here: the thread's descriptor may be of a damaged cached copy dropped since
         if problem is None:  # a bad shard's intact samples are still checked byte by byte
-            got = self.shards.sample(shard, start, n)
-            if isinstance(got, str):
-                problem = got
-            elif not check.is_checked(i):
-                problem = check.bytes_problem(i, got[0], start + got[1], n)
+            got, problem = self._read_bytes(i, shard, start, n)
+        if problem is not None and self.shards.drop_damaged_copy(shard, problem):
+            # the node's cached copy of a store URL's shard was at fault: the sample is read again from the URL
+            got, problem = self._read_bytes(i, shard, start, n)
         if problem is not None:
             if self._ahead is not None:
                 self._ahead.damaged(i)
             raise check.refuse(i, shard, problem)
         check.mark_checked(i)
         return got
+
+    def _read_bytes(self, i: int, shard: str, start: int, n: int) -> tuple[Any, str | None]:
+        """(buffer and where shard offset 0 lies in it, None), or (None, what is wrong with them)."""
+        got = self.shards.sample(shard, start, n)
+        if isinstance(got, str):
+            return None, got
+        if not self.checks.is_checked(i):
+            return got, self.checks.bytes_problem(i, got[0], start + got[1], n)
+        return got, None
 
     def _intact_bytes(self, i: int) -> tuple[Any, int]:
         """Checked bytes of a sample in a shard that is whole (a bad shard's samples are not served)."""

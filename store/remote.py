@@ -41,6 +41,11 @@ PARTS_AT_ONCE = 4
 # file object held an 8 MiB block, the piece and copies (~15 MiB a transfer, bench/store_transfer_memory.py)
 READ_PIECE = 2**20
 IN_FLIGHT = 128 * 2**20  # of file bytes (held as reserved: store/remote_upload._read_body)
+# s3fs's own loop of tries around each request (its default 5), on top of botocore's (AWS_MAX_ATTEMPTS, default 5):
+# against a server that accepts and never answers, every try waits s3fs's read timeout (15 s), so 25 tries were over
+# 6 minutes of silence per request before the one line. Twice still retries what botocore does not (a body cut off
+# while s3fs reads it, a garbled throttling answer); `-o retries=N` sets it.
+S3FS_TRIES = 2
 
 
 def each_at_once(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
@@ -202,6 +207,11 @@ def remote_errors(url: str, action: str, missing: str | None = None) -> Iterator
             raise UserError(f"{action}: no credentials for {url} ({type(e).__name__}: {_first_line(e)}); "
                             + (f"check {given}" if given is not None else
                                "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)")) from None
+        if _is_endpoint_error(e):
+            given = os.environ.get("AWS_ENDPOINT_URL")
+            raise UserError(f"{action}: the endpoint of {url} is not a valid URL ({_first_line(e)}); check "
+                            + (f"AWS_ENDPOINT_URL ({given!r}) or " if given is not None else "")
+                            + "-o endpoint_url=...: a URL with its scheme, e.g. http://127.0.0.1:9000") from None
         if not _is_transport_error(e):
             raise
         raise UserError(f"{action}: lost the connection to {url} ({type(e).__name__}: {_first_line(e)}); "
@@ -276,6 +286,12 @@ def lost_version(remote: "Remote", table: str, version: int) -> UserError | None
 def _is_credentials_error(e: BaseException) -> bool:
     # botocore's NoCredentialsError / PartialCredentialsError (by name: botocore is imported only with s3fs)
     return any(c.__name__ in ("NoCredentialsError", "PartialCredentialsError") for c in type(e).__mro__)
+
+
+def _is_endpoint_error(e: BaseException) -> bool:
+    """botocore's refusal of a malformed endpoint URL (no scheme: a ValueError; a stray space: its own type)."""
+    return (isinstance(e, ValueError) and str(e).startswith("Invalid endpoint")) or any(
+        c.__name__ == "EndpointResolutionError" for c in type(e).__mro__)
 
 
 def _first_line(e: BaseException) -> str:
@@ -572,4 +588,7 @@ def open_remote(url: str, storage_options: dict[str, Any] | None = None) -> Remo
         # into a store no pull, verify or later push could find)
         fixed = url.split("://", 1)[0] + "://" + "/".join(p for p in root.split("/") if p)
         raise UserError(f"{url}: an empty folder name (//) in the URL; write it without: {fixed}")
-    return Remote(url, fs, root)
+    remote = Remote(url, fs, root)
+    if remote.is_s3 and "retries" not in (storage_options or {}):
+        fs.retries = S3FS_TRIES
+    return remote

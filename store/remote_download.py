@@ -6,7 +6,7 @@ plus the piece read from it plus the copies in between (~15 MiB a transfer measu
 bench/store_transfer_memory.py), and a 256 MB shard cost 32 GETs. Here one GET per object, its body read a piece at
 a time (aiohttp pauses the socket while its small buffer is full); a body cut off mid-way (the retryable errors
 s3fs retries itself) is resumed with a Range GET from the bytes already received (If-Match its ETag: never another
-object's bytes), up to the file system's retries, as s3fs's own `get_file` does. Other back ends: their file
+object's bytes), up to RESUMES times (or the file system's retries, if more), as s3fs's own `get_file` does. Other back ends: their file
 object, read a piece at a time.
 """
 
@@ -16,6 +16,10 @@ from typing import Any, Iterator
 
 from schemas.errors import UserError
 from store.checksum import CHUNK
+
+# a cut body's resumes: each goes on from the bytes received (s3fs's default tries; store/remote.py sets fewer for
+# a whole request, whose every try against a silent server waits a read timeout)
+RESUMES = 5
 
 
 def pieces(fs: Any, path: str, piece: int, is_s3: bool) -> Iterator[bytes]:
@@ -59,7 +63,7 @@ def pieces(fs: Any, path: str, piece: int, is_s3: bool) -> Iterator[bytes]:
                 chunk = sync(fs.loop, fill, body)
             except S3_RETRYABLE_ERRORS:
                 failures += 1
-                if failures >= max(1, getattr(fs, "retries", 5)) or received >= size:  # nothing left to ask for
+                if failures >= max(RESUMES, getattr(fs, "retries", 1)) or received >= size:  # nothing left to ask for
                     raise
                 body.close()
                 body, _ = sync(fs.loop, open_at, received)

@@ -62,6 +62,85 @@ def is_lazy(vdir: Path | str) -> bool:
     return os.path.isfile(os.path.join(vdir, MARKER))
 
 
+def drop_damaged_copy(vdir: Path, shard: str, problem: str) -> bool:
+    """A shard file of a lazily cached version whose bytes failed a check (the cut or flipped bytes of this node's
+    disk: a whole fetch is checked before its rename into place): removed, so that its samples are read again from
+    the URL, the copy every node reads; False when no file was there (the bytes came from the URL: theirs is the
+    damage). Refusing it instead recorded the damage in the cache, whose every later run on the node refused the
+    sample (or, with on_damaged=skip, left it out) and advised `store repair` of a URL that holds it intact. The
+    node's running total keeps counting the file till the next walk (more than is there: never over the limit)."""
+    if not is_lazy(vdir):
+        return False
+    try:
+        os.unlink(os.path.join(vdir, shard))
+    except OSError:  # gone already; or a cache this process may not write (refused as damage, as before)
+        return False
+    from store import integrity
+
+    log.warning("%s: the cached copy of %s is damaged on this node (%s): removed, read again from the URL",
+                integrity.where(vdir), shard, problem)
+    return True
+
+
+def refetch_metadata(vdir: Path) -> bool:
+    """A lazily cached version whose metadata failed their check on a reader's open (this node's disk damaged the
+    cached copy: the cache's open trusts a file whose size, mtime and inode are those recorded when it was fetched,
+    store/remote_checked.py): its checksums.json, if damaged, and every other metadata file whose bytes differ from
+    it fetched again from the URL, each checked; True when any was. False for a version that is not a cached copy,
+    or whose cached metadata are intact (the damage is then the URL's, refused as before). Refusing a damaged copy
+    recorded the damage in the cache, whose every later open on the node refused the version, and advised `store
+    repair` (or a rerun of the encoder) for a URL that holds it intact."""
+    from store import integrity
+
+    if not is_lazy(vdir):
+        return False
+    source = json.loads((vdir / MARKER).read_text())
+    url, base = source["url"], f"{source['table']}/v{int(source['version'])}"
+    fixed: list[str] = []
+    try:
+        _refetch_metadata(vdir, url, base, fixed)
+    except OSError as e:
+        if not e.filename:  # the remote's, as one line
+            raise
+        # a cache this process may not write, a full disk: the damage is refused as before (the caller's line)
+        log.warning("%s: could not fetch the damaged cached metadata again (%s)", url, e)
+        return False
+    if fixed:
+        log.warning("%s: the cached copy of %s was damaged on this node: fetched again from the URL",
+                    integrity.where(vdir), ", ".join(fixed))
+    return bool(fixed)
+
+
+def _refetch_metadata(vdir: Path, url: str, base: str, fixed: list[str]) -> None:
+    from tqdm import tqdm
+
+    from store import integrity
+    from store.checksum import SealError, file_crc, unseal
+    from store.remote_sync import _File, fetch_checked
+
+    with remote_errors(url, f"fetch {base}"):
+        remote = open_remote(url)
+        try:
+            sums = integrity.read_version_checksums(vdir) or {}
+        except integrity.DamagedData:
+            record = remote.read(f"{base}/{fmt.CHECKSUMS}")
+            try:
+                unseal(record)
+            except SealError:  # the URL's own is damaged: refused as before (the caller's line)
+                return
+            fmt.atomic_write_bytes(vdir / fmt.CHECKSUMS, record)
+            sums = integrity.read_version_checksums(vdir) or {}
+            fixed.append(fmt.CHECKSUMS)
+        for name, entry in sorted(sums.items()):
+            path = vdir / name
+            if is_shard(name) or not path.exists() or file_crc(path) == (entry["crc32c"], entry["nbytes"]):
+                continue
+            path.unlink()  # else `fetch_checked` trusts its record of the bytes fetched first
+            fetch_checked(remote, _File(f"{base}/{name}", int(entry["nbytes"]), entry["crc32c"]), path,
+                          tqdm(disable=True))
+            fixed.append(name)
+
+
 def is_cache_file(name: str) -> bool:
     """What the cache keeps beside a lazily cached version's own files (the marker, fetches in progress, the range
     counts, the fetch locks): never part of the version (verify skips them)."""

@@ -115,7 +115,8 @@ def version_files(record: bytes, where: str) -> dict[str, dict[str, Any]]:
     try:
         obj = unseal(record)
     except SealError as e:
-        raise UserError(f"{where} is damaged ({e}); push it again from an intact store, or run "
+        fix = f"delete {where} (objects are never overwritten) and push" if "://" in where else "push"
+        raise UserError(f"{where} is damaged ({e}); {fix} its version again from an intact store, or run "
                         "`pipeline store verify` on the store it came from") from None
     refuse_newer(where, obj, integrity.CHECKSUMS_FORMAT, intact=True)  # its files are not this code's to copy
     files = obj.get("files") or {}
@@ -238,6 +239,9 @@ def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int] | No
             if not _same(remote, listing, manifest):
                 raise _conflict(table, version, url, src)
             summary.present.append(f"{table}/v{version}")
+            # objects of the committed version deleted behind the tool's back (pull, inspect and the readers say
+            # to push the version again from an intact store): sent again, from the listing made anyway
+            todo += [f for f in files[:-1] if f.rel not in listing]
             continue
         summary.copied.append(f"{table}/v{version}")
         files_of[manifest.rel] = files
@@ -429,8 +433,8 @@ def _remote_record(remote: Remote, listing: dict[str, int] | None) -> dict[str, 
 def damaged_object(url: str, f: _File, nbytes: int, crc: str) -> UserError:
     """A fetched object whose bytes are not what its version's checksums.json records: refused, in one line."""
     return UserError(f"{url}/{f.rel} is damaged ({nbytes} bytes, crc32c {crc}; its version's {fmt.CHECKSUMS} "
-                     f"records {f.nbytes} bytes, crc32c {f.crc}); refused: push that version again from an intact "
-                     "store")
+                     f"records {f.nbytes} bytes, crc32c {f.crc}); refused: delete {url}/{f.rel} (objects are "
+                     "never overwritten) and push that version again from an intact store")
 
 
 def wanted_versions(rec: dict[str, Any] | None, url: str, tables: list[str] | None, optional: tuple[str, ...],

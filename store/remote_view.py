@@ -17,7 +17,7 @@ from typing import Any, Iterator
 from schemas.errors import UserError
 from store import format as fmt
 from store.checksum import crc_hex
-from store.remote import Remote, open_remote, remote_errors
+from store.remote import Remote, lost_object, open_remote, remote_errors
 from store import quarantine
 from store.remote_sync import _MANIFEST_RE, version_files, _progress, damaged_quarantine, marker_rel
 
@@ -62,7 +62,12 @@ def metadata_copy(url: str, storage_options: dict[str, Any] | None = None) -> It
 def _version_metadata(remote: Remote, url: str, base: str, vdir: Path, bar) -> None:
     """A version's checksums.json (checked by its seal) and METADATA files (against it) into `vdir`."""
     vdir.mkdir(parents=True)
-    record = remote.read(f"{base}/{fmt.CHECKSUMS}")
+    try:
+        record = remote.read(f"{base}/{fmt.CHECKSUMS}")
+    except FileNotFoundError as e:  # deleted behind the tool's back: named, not "rerun" failing alike for ever
+        if (lost := lost_object(remote, f"{base}/{fmt.CHECKSUMS}", e)) is not None:
+            raise lost from None
+        raise
     bar.update(len(record))
     files = version_files(record, f"{url}/{base}/{fmt.CHECKSUMS}")
     (vdir / fmt.CHECKSUMS).write_bytes(record)
@@ -73,5 +78,6 @@ def _version_metadata(remote: Remote, url: str, base: str, vdir: Path, bar) -> N
         bar.update(len(data))
         if (len(data), crc_hex(data)) != (int(files[name]["nbytes"]), files[name]["crc32c"]):
             raise UserError(f"{url}/{base}/{name} is damaged (it does not match its version's "
-                            f"{fmt.CHECKSUMS}); push that version again from an intact store")
+                            f"{fmt.CHECKSUMS}); delete it (objects are never overwritten) and push that version "
+                            "again from an intact store")
         (vdir / name).write_bytes(data)

@@ -162,6 +162,23 @@ class ShardFiles:
         got = self.pread(shard, start, n)
         return got if isinstance(got, str) else (got, -start)
 
+    @property
+    def lazy(self) -> bool:
+        """A lazily cached version of a store URL (its shards fetched on a miss)."""
+        return self._fetcher is not None
+
+    def drop_damaged_copy(self, shard: str, problem: str) -> bool:
+        """In a lazily cached version, the cached file whose bytes failed a sample's check removed (closed here,
+        unlinked: store/remote_shards.drop_damaged_copy); True when the sample's next read goes to the URL."""
+        if self._fetcher is None:
+            return False
+        from store.remote_shards import drop_damaged_copy
+
+        h = self._open.pop(shard, None)
+        if h is not None:
+            _close(h)
+        return drop_damaged_copy(self.dir, shard, problem)
+
     def open_handles(self) -> list[int | mmap.mmap]:
         """The descriptors and maps held now (tests, bench)."""
         return list(self._open.values())

@@ -27,6 +27,32 @@ def unreachable_endpoint():
         yield f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
+@contextlib.contextmanager
+def silent_endpoint():
+    """An endpoint URL that accepts connections and never answers (a blackholing proxy, a stuck server), and the
+    list of the connections it accepted so far: each request attempt of the client opens one."""
+    import threading
+
+    accepted: list[socket.socket] = []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)
+
+        def accept() -> None:
+            while True:
+                try:
+                    accepted.append(s.accept()[0])
+                except OSError:  # the socket was closed: the block ended
+                    return
+
+        threading.Thread(target=accept, daemon=True).start()
+        try:
+            yield f"http://127.0.0.1:{s.getsockname()[1]}", accepted
+        finally:
+            for c in accepted:
+                c.close()
+
+
 class _Server:
     """moto's S3 app served from a thread. The socket is bound here, in the caller: a taken port is an OSError at
     once (moto's ThreadedMotoServer binds in its thread, and its start() then waits forever)."""

@@ -130,3 +130,23 @@ def test_a_connection_lost_mid_file_leaves_nothing_half_written_in_the_cache(s3_
         assert verify_store(root) == []  # the other shards fetched (and checked) by verify
     finally:
         proxy.stop()
+
+
+def test_a_server_that_accepts_and_never_answers_is_one_line_after_two_tries_of_s3fs(monkeypatch) -> None:
+    """An endpoint that accepts connections and never answers (a blackholing proxy): each request attempt waits
+    s3fs's read timeout (15 s), botocore tries AWS_MAX_ATTEMPTS times, and s3fs's own loop tried all that 5 times
+    over: with the default 5 attempts, 25 tries and over 6 minutes of silence per request before the one line.
+    Now s3fs tries twice: the line comes after 2 x AWS_MAX_ATTEMPTS connections (one attempt each here)."""
+    from s3_server import aws_env, silent_endpoint
+    from store.remote import open_remote, remote_errors
+
+    with silent_endpoint() as (endpoint, accepted):
+        aws_env(monkeypatch, endpoint)
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+        url = "s3://bucket/store"
+        # read_timeout of 1 s: the test waits seconds, not 15 s a try (the count of tries is what is checked)
+        remote = open_remote(url, {"config_kwargs": {"read_timeout": 1}})
+        with pytest.raises(UserError, match=f"inspect: lost the connection to {url} \\(ReadTimeoutError"):
+            with remote_errors(url, "inspect"):
+                remote.listing()
+        assert len(accepted) == 2

@@ -275,3 +275,38 @@ def test_a_current_version_deleted_behind_the_tools_back_is_named_not_rerun_for_
     line = str(e.value)
     assert f"{url}/vae/v1" in line and "store.json names it current" in line and "push" in line, line
     assert "rerun" not in line and "\n" not in line
+
+
+def test_push_from_an_intact_store_refills_what_was_deleted_or_damaged_on_the_url(s3_env, store: Store,
+                                                                                    tmp_path: Path) -> None:
+    """Pull, inspect and a reader advise "push that version again from an intact store" for an object of a
+    committed version lost or damaged on the URL; that push said "copied nothing new; 1 version(s) already there"
+    (its manifest is there) and the URL stayed broken for ever. Now push sends the objects of a version already
+    there that its listing lacks (write-once: a name not taken), and a damaged object's line says to delete it
+    first (objects are never overwritten); the pull then completes, every file checked."""
+    from store.verify import verify_store
+
+    fill(store, 12, shard_size_mb=0.02)
+    url = s3_env.url()
+    push(store.root, url)
+    client = s3_env.client()
+    for lost in ("vae/v1/shard-r00-000001.tar", "vae/v1/checksums.json"):
+        client.delete_object(Bucket=s3_env.bucket, Key=f"store/{lost}")
+    damaged = "store/vae/v1/shard-r00-000000.tar"
+    data = bytearray(client.get_object(Bucket=s3_env.bucket, Key=damaged)["Body"].read())
+    data[len(data) // 2] ^= 1
+    client.put_object(Bucket=s3_env.bucket, Key=damaged, Body=bytes(data))
+
+    r = _cli("store", "inspect", url)  # said "(an object disappeared meanwhile?); rerun", failing alike for ever
+    assert r.exit_code == 1 and f"{url}/vae/v1/checksums.json is missing" in r.output
+    summary = push(store.root, url)
+    assert summary.objects_sent == 2 and summary.present == ["vae/v1"]
+    with pytest.raises(UserError) as e:
+        pull(url, tmp_path / "pulled")
+    assert f"{url}/vae/v1/shard-r00-000000.tar is damaged" in str(e.value)
+    assert f"delete {url}/vae/v1/shard-r00-000000.tar" in str(e.value)
+    client.delete_object(Bucket=s3_env.bucket, Key=damaged)  # as the line says
+    assert push(store.root, url).objects_sent == 1
+    pull(url, tmp_path / "pulled")
+    assert verify_store(tmp_path / "pulled") == []
+    assert Store(tmp_path / "pulled", create=False).tables() == {"vae": 1}

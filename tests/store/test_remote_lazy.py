@@ -133,6 +133,98 @@ def test_an_object_damaged_on_the_server_is_refused_on_first_read_and_not_cached
 
 
 @pytest.mark.parametrize("how", ["random", "scan"])
+@pytest.mark.parametrize("damage", ["flipped", "truncated"])
+def test_a_shard_damaged_in_the_nodes_cache_is_read_again_from_the_url(s3_env, store: Store, tmp_path: Path,
+                                                                        how: str, damage: str) -> None:
+    """A shard cached whole, then damaged on this node's disk (a byte flipped with its size and mtime kept - bit
+    rot; or cut short), the copy on the server intact: the sample was refused as damaged, recorded so in the cache,
+    with `pipeline store repair URL` as advice (recomputing a sample the server holds intact) and on_damaged=skip
+    leaving it out of every run on the node for ever. Now the cached copy is dropped and the sample read again
+    from the URL: every sample reads back as written, nothing is recorded as damaged, the shard is cached again
+    intact."""
+    url = _pushed(s3_env, store)
+    root = local_store(url, ["vae"], tmp_path / "cache", whole=True)
+    vdir = fmt.version_dir(root, "vae", 1)
+    with store.reader("vae") as local:
+        group = local.shard_groups()[1]
+        bad = group[len(group) // 2]
+        shard, start, n = local.view.samples.locate(local.row_of(bad))
+        cached = vdir / shard
+        st = cached.stat()
+        data = bytearray(cached.read_bytes())
+        if damage == "flipped":
+            data[start + n - 3] ^= 0xFF  # inside the sample's tensor bytes
+        else:
+            data = data[: start + n - 3]
+        os.chmod(cached, 0o644)
+        cached.write_bytes(bytes(data))
+        os.utime(cached, ns=(st.st_atime_ns, st.st_mtime_ns))
+        root = local_store(url, ["vae"], tmp_path / "cache")
+        with Store(root, create=False).reader("vae") as reader:
+            for k in group if how == "scan" else [bad]:
+                assert _same(reader.tensors(k), local.tensors(k))
+    assert not fmt.damaged_marker(root, "vae", 1).exists()
+    with Store(root, create=False).reader("vae") as reader, store.reader("vae") as local:
+        for group in local.shard_groups():  # a scan: the shard is cached whole again, intact
+            for k in group:
+                assert _same(reader.tensors(k), local.tensors(k))
+    assert cached.read_bytes() == (store.root / "vae" / "v1" / shard).read_bytes()
+
+
+def test_several_samples_damaged_in_a_cached_shard_read_with_check_ahead_are_read_from_the_url(
+        s3_env, store: Store, tmp_path: Path) -> None:
+    """Every third sample damaged in the node's cached shards, read in order with the check-ahead thread (as train
+    reads): the thread's results for the later damaged samples came from its descriptor of the dropped copy, and
+    the consumer refused them (no cached file left to blame). Now the consumer reads them itself: all intact."""
+    url = _pushed(s3_env, store)
+    root = local_store(url, ["vae"], tmp_path / "cache", whole=True)
+    vdir = fmt.version_dir(root, "vae", 1)
+    with store.reader("vae") as local:
+        keys = local.keys()
+        for k in keys[::3]:
+            shard, start, n = local.view.samples.locate(local.row_of(k))
+            path = vdir / shard
+            st = path.stat()
+            data = bytearray(path.read_bytes())
+            data[start + n - 3] ^= 0xFF
+            os.chmod(path, 0o644)
+            path.write_bytes(bytes(data))
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        root = local_store(url, ["vae"], tmp_path / "cache")
+        with Store(root, create=False).reader("vae") as reader:
+            reader.check_ahead([reader.row_of(k) for k in keys])
+            for k in keys:
+                assert _same(reader.tensors(k), local.tensors(k))
+    assert not fmt.damaged_marker(root, "vae", 1).exists()
+
+
+@pytest.mark.parametrize("name", [fmt.MANIFEST, fmt.SCHEMA_JSON, fmt.CHECKSUMS])
+def test_metadata_damaged_in_the_nodes_cache_are_fetched_again_from_the_url(s3_env, store: Store, tmp_path: Path,
+                                                                            name: str) -> None:
+    """A version's metadata file in the cache damaged on this node's disk (a byte flipped, size and mtime kept: the
+    cache's open trusts its record of the file), the URL's intact: the reader's open refused the version for
+    ever on the node (the damage recorded in the cache; the advice `store repair URL` or a rerun of the encoder).
+    Now the file is fetched again from the URL and the version reads back as written."""
+    url = _pushed(s3_env, store)
+    root = local_store(url, ["vae"], tmp_path / "cache")
+    vdir = fmt.version_dir(root, "vae", 1)
+    path = vdir / name
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    root = local_store(url, ["vae"], tmp_path / "cache")
+    with Store(root, create=False).reader("vae") as reader, store.reader("vae") as local:
+        assert reader.keys() == local.keys()
+        for k in _one_key_per_shard(local):
+            assert _same(reader.tensors(k), local.tensors(k))
+    assert not fmt.damaged_marker(root, "vae", 1).exists()
+    assert path.read_bytes() == (store.root / "vae" / "v1" / name).read_bytes()
+
+
+@pytest.mark.parametrize("how", ["random", "scan"])
 def test_a_shard_deleted_on_the_server_is_named_not_rerun_for_ever(s3_env, store: Store, tmp_path: Path,
                                                                    how: str) -> None:
     """A shard deleted behind the tool's back (its version's manifest still there): a lazy read said "(an object

@@ -129,6 +129,22 @@ def test_server_stopped_is_one_line(store: Store, monkeypatch, tmp_path: Path) -
         assert "lost the connection to s3://stopped-bucket/s" in out and "AWS_ENDPOINT_URL" in out
 
 
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:9000", "http://127.0.0.1:9000 "])
+def test_a_malformed_endpoint_url_is_one_line(store: Store, monkeypatch, endpoint: str) -> None:
+    """AWS_ENDPOINT_URL without its scheme, or with a trailing space (a copy-paste): botocore's ValueError
+    ("Invalid endpoint") or EndpointResolutionError ended push, pull and inspect in a traceback. Now one line
+    naming the variable."""
+    from s3_server import aws_env
+
+    fill(store, 2)
+    aws_env(monkeypatch, endpoint)
+    for args in (["push", str(store.root), "s3://some-bucket/s"], ["inspect", "s3://some-bucket/s"]):
+        res = runner.invoke(app, ["store", *args])
+        assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output
+        out = res.output.strip().splitlines()[-1]
+        assert "is not a valid URL" in out and "check AWS_ENDPOINT_URL" in out and repr(endpoint) in out
+
+
 def test_bad_credentials_and_missing_bucket_are_one_line(s3_env, store: Store, monkeypatch) -> None:
     fill(store, 4)
     res = runner.invoke(app, ["store", "push", str(store.root), "s3://no-such-bucket/store"])
