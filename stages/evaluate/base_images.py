@@ -87,20 +87,24 @@ def extra_id(cfg, extra) -> str:
 
 def _inputs(cfg, features: dict, hashed) -> dict:
     """What both keys hold: the features read, the hashed evaluate settings named by `hashed` (never the LoRA's
-    scale), the device, the libraries' versions and this project's source."""
-    import diffusers
-    import peft
-    import torch
-    import transformers
-
+    scale), the device, the libraries' versions and this project's source (`machine`)."""
     from schemas.lineage import hashed_settings
 
     # the LoRA's scale is no input of the base images nor losses (LoRA off): another scale reuses them
     settings = {k: v for k, v in hashed_settings(cfg).items() if k != "lora_scale" and hashed(k)}
     features = {**features, "evaluate": {k: v for k, v in features.get("evaluate", {}).items() if k != "lora_scale"}}
+    return {"features": features, "settings": settings, **machine(cfg)}
+
+
+def machine(cfg) -> dict:
+    """What computes the numbers beside the settings: the device, the libraries' versions and this project's
+    source (another GPU model or library rounds otherwise)."""
+    import diffusers
+    import peft
+    import torch
+    import transformers
+
     return {
-        "features": features,
-        "settings": settings,
         "device": [str(cfg.device), _device_names(cfg.device)],
         "libraries": {m.__name__: m.__version__ for m in (torch, diffusers, transformers, peft)},
         "sources": _sources_digest(),

@@ -25,9 +25,11 @@ FOLDER = "lora-losses"
 STEP = 0  # the LoRA's row (no checkpoint step: the LoRA is named by its bytes)
 
 
-def settings_of(features: dict, lora_sha256: str) -> dict:
-    """The group's settings: `features` (`stage.read_inputs`) and the LoRA's sha256."""
-    return {**features, "lora_sha256": lora_sha256}
+def settings_of(features: dict, lora_sha256: str, machine: dict) -> dict:
+    """The group's settings: `features` (`stage.read_inputs`), the LoRA's sha256 and what computed the numbers
+    (`base_images.machine`: as the base-losses file's key; without it a report on another GPU, or after a library
+    or source update, took the earlier grids as its own)."""
+    return {**features, "lora_sha256": lora_sha256, "machine": machine}
 
 
 def grids(folder: Path, settings: dict, lora: str | Path, axes: Axes,

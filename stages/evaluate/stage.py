@@ -727,13 +727,13 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     transformer = load_transformer(cfg, model)
     attach_checked(transformer, lora, cfg.lora_scale, checked.sha256)
 
-    from stages.evaluate.base_images import losses_key
+    from stages.evaluate.base_images import losses_key, machine
     from stages.evaluate.lora_losses import FOLDER, settings_of
 
     features = read_inputs(cfg, store, model, tables)
+    settings = settings_of(features, checked.sha256, machine(cfg))
     loss = held_out_loss(transformer, samples, cfg, (out, losses_key(cfg, features, [s.key for s in samples])),
-                         load=reader(tables, share),
-                         recorded=(out / FOLDER, settings_of(features, checked.sha256), lora_weight_file(lora)))
+                         load=reader(tables, share), recorded=(out / FOLDER, settings, lora_weight_file(lora)))
 
     rows: list[SampleRow] = []
     if cfg.num_samples > 0 or cfg.extra_prompts:  # the pictured samples read in full

@@ -65,3 +65,18 @@ def test_a_removed_seed_computes_nothing(run_and_store, tiny_edit_model, tmp_pat
     assert rows == [] and not res.up_to_date
     alone = stage.run(one, root / "store", tiny_edit_model, lora, tmp_path / "alone")
     assert rows and res.metrics["loss"] == alone.metrics["loss"]
+
+
+def test_grids_of_another_release_or_device_are_computed_again(run_and_store, tiny_edit_model, tmp_path,
+                                                               monkeypatch, fresh):
+    """The kept grids are keyed by what computed them too (device, libraries, this project's source: as the
+    base-losses file): a rerun after an update computes both passes whole, as a fresh report would. Before, the
+    earlier grids were taken as this run's (no forward at all)."""
+    from stages.evaluate import base_images
+
+    root, out = run_and_store, tmp_path / "report"
+    shutil.copytree(fresh[0], out)
+    monkeypatch.setattr(base_images, "_sources_digest", lambda: "another release")
+    rows = _forwards(monkeypatch)
+    stage.run(TWO, root / "store", tiny_edit_model, dict(_ckpts(root))[20], out)
+    assert sum(rows) == sum(fresh[2]), (rows, fresh[2])
