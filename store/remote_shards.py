@@ -65,10 +65,11 @@ def is_lazy(vdir: Path | str) -> bool:
 def drop_damaged_copy(vdir: Path, shard: str, problem: str) -> bool:
     """A shard file of a lazily cached version whose bytes failed a check (the cut or flipped bytes of this node's
     disk: a whole fetch is checked before its rename into place): removed, so that its samples are read again from
-    the URL, the copy every node reads (also when another process of the node removed it first). Call only for
-    bytes read from the file (bytes of the URL's own are its damage). Refusing it instead recorded the damage in the cache, whose every later run on the node refused the
-    sample (or, with on_damaged=skip, left it out) and advised `store repair` of a URL that holds it intact. The
-    node's running total keeps counting the file till the next walk (more than is there: never over the limit)."""
+    the URL, the copy every node reads (also when another process of the node removed it first). Called only for
+    bytes read from the file (bytes of the URL's own are its damage). Refusing it instead recorded the damage in
+    the cache, whose every later run on the node refused the sample (or, with on_damaged=skip, left it out) and
+    advised `store repair` of a URL that holds it intact. The node's running total keeps counting the file till
+    the next walk (more than is there: never over the limit)."""
     if not is_lazy(vdir):
         return False
     try:
@@ -91,9 +92,9 @@ def refetch_metadata(vdir: Path) -> bool:
     it fetched again from the URL, each checked, each replacing the damaged copy in one rename (the node's other
     ranks, opening it meanwhile, never find it missing); True when the cached metadata now match the record (fixed
     here, or by another process of the node since the caller's read): the caller reads them again, once. False
-    for a version that is not a cached copy, or whose record on the URL is damaged (refused as before). Refusing a damaged copy
-    recorded the damage in the cache, whose every later open on the node refused the version, and advised `store
-    repair` (or a rerun of the encoder) for a URL that holds it intact."""
+    for a version that is not a cached copy, or whose record on the URL is damaged (refused as before). Refusing
+    a damaged copy recorded the damage in the cache, whose every later open on the node refused the version, and
+    advised `store repair` (or a rerun of the encoder) for a URL that holds it intact."""
     from store import integrity
 
     if not is_lazy(vdir):

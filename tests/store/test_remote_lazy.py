@@ -542,8 +542,8 @@ def test_a_damaged_cached_shard_another_rank_of_the_node_dropped_first_is_read_f
 
 
 @pytest.mark.parametrize("name", [fmt.MANIFEST, fmt.SCHEMA_JSON, fmt.CHECKSUMS])
-def test_cached_metadata_another_rank_of_the_node_fetched_again_first_are_read(s3_env, store: Store, tmp_path: Path,
-                                                                              monkeypatch, name: str) -> None:
+def test_cached_metadata_another_rank_of_the_node_fetched_again_first_are_read(
+        s3_env, store: Store, tmp_path: Path, monkeypatch, name: str) -> None:
     """The node's ranks open a version together, each finding its cached metadata file damaged: the first rank
     fetches it again from the URL; a rank whose own fetch then found nothing left to fetch refused the version
     as damage (recorded so in the cache, for every later run on the node) though its copy was intact by then. It
