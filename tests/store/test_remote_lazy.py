@@ -604,3 +604,25 @@ def test_a_damaged_cached_metadata_file_is_never_missing_while_it_is_fetched_aga
     assert remote_shards.refetch_metadata(vdir)
     assert seen == [True]
     assert path.read_bytes() == (store.root / "vae" / "v1" / fmt.SCHEMA_JSON).read_bytes()
+
+
+def test_a_schema_damaged_in_the_nodes_cache_is_fetched_again_when_a_stage_looks_for_its_version(
+        s3_env, store: Store, tmp_path: Path) -> None:
+    """A stage's rerun through a store URL looks for the version of its settings in the node's cache
+    (`find_version`): a schema.json damaged on the node's disk there was recorded as damage in the cache and the
+    version not reused (the whole table computed again, though the URL holds it intact), where a reader's open
+    fetches it again. It is fetched again here too: the version is found, nothing is recorded."""
+    from store_samples import lineage
+
+    url = _pushed(s3_env, store)
+    root = local_store(url, ["vae"], tmp_path / "cache")
+    path = fmt.version_dir(root, "vae", 1) / fmt.SCHEMA_JSON
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert Store(root, create=False).find_version("vae", lineage()) == 1
+    assert not fmt.damaged_marker(root, "vae", 1).exists()
+    assert path.read_bytes() == (store.root / "vae" / "v1" / fmt.SCHEMA_JSON).read_bytes()
