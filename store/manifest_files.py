@@ -49,18 +49,25 @@ def checked_schema(vdir: Path, record: bool = True) -> TableSchema:
     truncated, empty, unparsable, its checksums.json damaged) is recorded as damage, as a reader records it, and
     raised (`DamagedData`): the version is then treated as one `store verify` marked. A newer release's
     (`WrittenByNewer`) is raised as it is, never recorded. `record=False`: raised only (what writes nothing:
-    `store inspect`, `store gc --dry-run`)."""
-    try:
-        sums = integrity.read_version_checksums(vdir)
-        return read_schema(vdir, integrity.read_checked(vdir, fmt.SCHEMA_JSON, sums), intact=sums is not None)
-    except WrittenByNewer:
-        raise
-    except UserError as e:
-        found = e if isinstance(e, DamagedData) else \
-            DamagedData(f"{integrity.where(vdir)}: {e}; {integrity.repair_hint(vdir, fmt.SCHEMA_JSON)}")
-        if record:
-            integrity.record_damage(vdir, problems=[str(found)])
-        raise found from None
+    `store inspect`, `store gc --dry-run`). A store URL's cached copy damaged on the node's disk is fetched again
+    first, as a reader's open fetches it (store/manifest_view.py)."""
+    from store.remote_shards import refetch_metadata
+
+    for attempt in (1, 2):
+        try:
+            sums = integrity.read_version_checksums(vdir)
+            return read_schema(vdir, integrity.read_checked(vdir, fmt.SCHEMA_JSON, sums), intact=sums is not None)
+        except WrittenByNewer:
+            raise
+        except UserError as e:
+            if record and attempt == 1 and refetch_metadata(vdir):
+                continue
+            found = e if isinstance(e, DamagedData) else \
+                DamagedData(f"{integrity.where(vdir)}: {e}; {integrity.repair_hint(vdir, fmt.SCHEMA_JSON)}")
+            if record:
+                integrity.record_damage(vdir, problems=[str(found)])
+            raise found from None
+    raise AssertionError("unreachable")
 
 
 def unreadable(vdir: Path, e: Exception) -> DamagedData:

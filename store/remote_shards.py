@@ -65,15 +65,18 @@ def is_lazy(vdir: Path | str) -> bool:
 def drop_damaged_copy(vdir: Path, shard: str, problem: str) -> bool:
     """A shard file of a lazily cached version whose bytes failed a check (the cut or flipped bytes of this node's
     disk: a whole fetch is checked before its rename into place): removed, so that its samples are read again from
-    the URL, the copy every node reads; False when no file was there (the bytes came from the URL: theirs is the
-    damage). Refusing it instead recorded the damage in the cache, whose every later run on the node refused the
-    sample (or, with on_damaged=skip, left it out) and advised `store repair` of a URL that holds it intact. The
-    node's running total keeps counting the file till the next walk (more than is there: never over the limit)."""
+    the URL, the copy every node reads (also when another process of the node removed it first). Called only for
+    bytes read from the file (bytes of the URL's own are its damage). Refusing it instead recorded the damage in
+    the cache, whose every later run on the node refused the sample (or, with on_damaged=skip, left it out) and
+    advised `store repair` of a URL that holds it intact. The node's running total keeps counting the file till
+    the next walk (more than is there: never over the limit)."""
     if not is_lazy(vdir):
         return False
     try:
         os.unlink(os.path.join(vdir, shard))
-    except OSError:  # gone already; or a cache this process may not write (refused as damage, as before)
+    except FileNotFoundError:  # the caller saw it: another process of the node (its ranks read together) dropped it
+        return True
+    except OSError:  # a cache this process may not write: refused as damage, as before
         return False
     from store import integrity
 
@@ -86,10 +89,12 @@ def refetch_metadata(vdir: Path) -> bool:
     """A lazily cached version whose metadata failed their check on a reader's open (this node's disk damaged the
     cached copy: the cache's open trusts a file whose size, mtime and inode are those recorded when it was fetched,
     store/remote_checked.py): its checksums.json, if damaged, and every other metadata file whose bytes differ from
-    it fetched again from the URL, each checked; True when any was. False for a version that is not a cached copy,
-    or whose cached metadata are intact (the damage is then the URL's, refused as before). Refusing a damaged copy
-    recorded the damage in the cache, whose every later open on the node refused the version, and advised `store
-    repair` (or a rerun of the encoder) for a URL that holds it intact."""
+    it fetched again from the URL, each checked, each replacing the damaged copy in one rename (the node's other
+    ranks, opening it meanwhile, never find it missing); True when the cached metadata now match the record (fixed
+    here, or by another process of the node since the caller's read): the caller reads them again, once. False
+    for a version that is not a cached copy, or whose record on the URL is damaged (refused as before). Refusing
+    a damaged copy recorded the damage in the cache, whose every later open on the node refused the version, and
+    advised `store repair` (or a rerun of the encoder) for a URL that holds it intact."""
     from store import integrity
 
     if not is_lazy(vdir):
@@ -98,7 +103,7 @@ def refetch_metadata(vdir: Path) -> bool:
     url, base = source["url"], f"{source['table']}/v{int(source['version'])}"
     fixed: list[str] = []
     try:
-        _refetch_metadata(vdir, url, base, fixed)
+        intact = _refetch_metadata(vdir, url, base, fixed)
     except OSError as e:
         if not e.filename:  # the remote's, as one line
             raise
@@ -108,10 +113,10 @@ def refetch_metadata(vdir: Path) -> bool:
     if fixed:
         log.warning("%s: the cached copy of %s was damaged on this node: fetched again from the URL",
                     integrity.where(vdir), ", ".join(fixed))
-    return bool(fixed)
+    return intact
 
 
-def _refetch_metadata(vdir: Path, url: str, base: str, fixed: list[str]) -> None:
+def _refetch_metadata(vdir: Path, url: str, base: str, fixed: list[str]) -> bool:
     from tqdm import tqdm
 
     from store import integrity
@@ -127,7 +132,7 @@ def _refetch_metadata(vdir: Path, url: str, base: str, fixed: list[str]) -> None
             try:
                 unseal(record)
             except SealError:  # the URL's own is damaged: refused as before (the caller's line)
-                return
+                return False
             fmt.atomic_write_bytes(vdir / fmt.CHECKSUMS, record)
             sums = integrity.read_version_checksums(vdir) or {}
             fixed.append(fmt.CHECKSUMS)
@@ -135,10 +140,14 @@ def _refetch_metadata(vdir: Path, url: str, base: str, fixed: list[str]) -> None
             path = vdir / name
             if is_shard(name) or not path.exists() or file_crc(path) == (entry["crc32c"], entry["nbytes"]):
                 continue
-            path.unlink()  # else `fetch_checked` trusts its record of the bytes fetched first
-            fetch_checked(remote, _File(f"{base}/{name}", int(entry["nbytes"]), entry["crc32c"]), path,
-                          tqdm(disable=True))
+            # to a name of its own (`fetch_checked` would trust its record of the bytes first fetched to `path`;
+            # a process tag: the node's ranks may fetch it at once), then one rename over the damaged copy
+            part = vdir / f".{name}{FETCH_TAG}{process_tag()}-{threading.get_ident()}"
+            fetch_checked(remote, _File(f"{base}/{name}", int(entry["nbytes"]), entry["crc32c"]), part,
+                          tqdm(disable=True), part=part)
+            os.replace(part, path)
             fixed.append(name)
+    return True
 
 
 def is_cache_file(name: str) -> bool:

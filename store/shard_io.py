@@ -175,8 +175,9 @@ class ShardFiles:
         from store.remote_shards import drop_damaged_copy
 
         h = self._open.pop(shard, None)
-        if h is not None:
-            _close(h)
+        if h is None:  # no descriptor of the file: the bytes came from the URL by range, theirs is the damage
+            return False
+        _close(h)
         return drop_damaged_copy(self.dir, shard, problem)
 
     def open_handles(self) -> list[int | mmap.mmap]:

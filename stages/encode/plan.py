@@ -450,7 +450,17 @@ def _note_damaged_current(job: EncodeJob, store: Store, stage: str, table: str) 
     if current is not None and fmt.damaged_marker(store.root, table, current).exists() and not repair_context.active():
         from tqdm.auto import tqdm
 
+        from schemas.newer import WrittenByNewer
+        from store.manifest_files import checked_schema
+
         job.repairing = current
+        try:
+            checked_schema(store.version_dir(table, current), record=False)
+            how = "recomputing its damaged samples into a new version, carrying the intact ones forward"
+        except WrittenByNewer:
+            raise
+        except UserError:  # the lineage that vouches for its samples is in the damaged file: none is carried
+            how = (f"its {fmt.SCHEMA_JSON} / {fmt.CHECKSUMS} does not read, so every sample is encoded again into "
+                   "a new version")
         tqdm.write(f"{stage}: table '{table}' v{current} is recorded as damaged "
-                   f"({fmt.damaged_marker(store.root, table, current)}): recomputing its damaged samples into a new "
-                   "version, carrying the intact ones forward")
+                   f"({fmt.damaged_marker(store.root, table, current)}): {how}")

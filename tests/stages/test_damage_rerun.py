@@ -232,3 +232,4 @@ def test_a_version_whose_schema_json_is_damaged_says_every_sample_is_encoded_aga
     [line] = [ln for ln in res.output.splitlines() if "was recorded as damaged" in ln]
     assert f"encoded {n}, reused 0, skipped (already done) 0" in line, line
     assert "none of its samples carried forward (every sample encoded again)" in line and "the rest" not in line, line
+    assert "carrying the intact ones forward" not in res.output, res.output  # the run's first line too

@@ -500,3 +500,129 @@ def test_the_cache_walk_counts_what_is_on_disk(s3_env, store: Store, tmp_path: P
     total, candidates, _ = _candidates(cache, set(), whole_versions=False)
     assert total == _cache_bytes(cache)
     assert [p.name for _, _, p, _ in candidates] == [p.name for p in _shard_files(root)]  # only shards may go
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated"])
+def test_a_damaged_cached_shard_another_rank_of_the_node_dropped_first_is_read_from_the_url(
+        s3_env, store: Store, tmp_path: Path, monkeypatch, damage: str) -> None:
+    """The node's ranks open and read a version together, so each meets a shard damaged in the node's cache (cut
+    short: every open's size check; a flipped byte: the sample read) and drops it: another rank's unlink came
+    first, and this rank, its own unlink finding no file, refused the shard as damage (recorded so in the cache,
+    and its samples refused on this rank alone). The drop of another rank is as good as its own: the samples
+    are read again from the URL, intact, and nothing is recorded."""
+    import store.remote_shards as remote_shards
+
+    url = _pushed(s3_env, store)
+    root = local_store(url, ["vae"], tmp_path / "cache", whole=True)
+    vdir = fmt.version_dir(root, "vae", 1)
+    own = remote_shards.drop_damaged_copy
+
+    def after_another_rank(vdir: Path, shard: str, problem: str) -> bool:
+        (Path(vdir) / shard).unlink(missing_ok=True)  # the other rank's drop, just before this rank's
+        return own(vdir, shard, problem)
+
+    monkeypatch.setattr(remote_shards, "drop_damaged_copy", after_another_rank)
+    with store.reader("vae") as local:
+        group = local.shard_groups()[1]
+        bad = group[len(group) // 2]
+        shard, start, n = local.view.samples.locate(local.row_of(bad))
+        cached = vdir / shard
+        st = cached.stat()
+        data = bytearray(cached.read_bytes())
+        data = data[: start + n - 3] if damage == "truncated" else data
+        if damage == "flipped":
+            data[start + n - 3] ^= 0xFF
+        os.chmod(cached, 0o644)
+        cached.write_bytes(bytes(data))
+        os.utime(cached, ns=(st.st_atime_ns, st.st_mtime_ns))
+        root = local_store(url, ["vae"], tmp_path / "cache")
+        with Store(root, create=False).reader("vae") as reader:
+            assert _same(reader.tensors(bad), local.tensors(bad))
+    assert not fmt.damaged_marker(root, "vae", 1).exists()
+
+
+@pytest.mark.parametrize("name", [fmt.MANIFEST, fmt.SCHEMA_JSON, fmt.CHECKSUMS])
+def test_cached_metadata_another_rank_of_the_node_fetched_again_first_are_read(
+        s3_env, store: Store, tmp_path: Path, monkeypatch, name: str) -> None:
+    """The node's ranks open a version together, each finding its cached metadata file damaged: the first rank
+    fetches it again from the URL; a rank whose own fetch then found nothing left to fetch refused the version
+    as damage (recorded so in the cache, for every later run on the node) though its copy was intact by then. It
+    reads the copy the other rank fetched."""
+    import store.remote_shards as remote_shards
+
+    url = _pushed(s3_env, store)
+    root = local_store(url, ["vae"], tmp_path / "cache")
+    vdir = fmt.version_dir(root, "vae", 1)
+    path = vdir / name
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    own = remote_shards.refetch_metadata
+
+    def after_another_rank(vdir: Path) -> bool:
+        assert own(vdir)  # the other rank's fetch, just before this rank's
+        return own(vdir)
+
+    monkeypatch.setattr(remote_shards, "refetch_metadata", after_another_rank)
+    root = local_store(url, ["vae"], tmp_path / "cache")
+    with Store(root, create=False).reader("vae") as reader, store.reader("vae") as local:
+        assert reader.keys() == local.keys()
+        for k in _one_key_per_shard(local):
+            assert _same(reader.tensors(k), local.tensors(k))
+    assert not fmt.damaged_marker(root, "vae", 1).exists()
+
+
+def test_a_damaged_cached_metadata_file_is_never_missing_while_it_is_fetched_again(
+        s3_env, store: Store, tmp_path: Path, monkeypatch) -> None:
+    """A rank fetching a damaged cached metadata file again removed it first: another rank of the node opening
+    the version meanwhile found it missing, and refused the version as damage with nothing left to fetch. The
+    intact copy now replaces the damaged one in one rename: at every moment of the fetch the file is there."""
+    import store.remote_shards as remote_shards
+    import store.remote_sync as remote_sync
+
+    url = _pushed(s3_env, store)
+    root = local_store(url, ["vae"], tmp_path / "cache")
+    vdir = fmt.version_dir(root, "vae", 1)
+    path = vdir / fmt.SCHEMA_JSON
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    seen = []
+    own = remote_sync.fetch_checked
+
+    def looked_at_meanwhile(*args, **kwargs):
+        seen.append(path.exists())  # what another rank's open finds while this fetch streams
+        return own(*args, **kwargs)
+
+    monkeypatch.setattr(remote_sync, "fetch_checked", looked_at_meanwhile)
+    assert remote_shards.refetch_metadata(vdir)
+    assert seen == [True]
+    assert path.read_bytes() == (store.root / "vae" / "v1" / fmt.SCHEMA_JSON).read_bytes()
+
+
+def test_a_schema_damaged_in_the_nodes_cache_is_fetched_again_when_a_stage_looks_for_its_version(
+        s3_env, store: Store, tmp_path: Path) -> None:
+    """A stage's rerun through a store URL looks for the version of its settings in the node's cache
+    (`find_version`): a schema.json damaged on the node's disk there was recorded as damage in the cache and the
+    version not reused (the whole table computed again, though the URL holds it intact), where a reader's open
+    fetches it again. It is fetched again here too: the version is found, nothing is recorded."""
+    from store_samples import lineage
+
+    url = _pushed(s3_env, store)
+    root = local_store(url, ["vae"], tmp_path / "cache")
+    path = fmt.version_dir(root, "vae", 1) / fmt.SCHEMA_JSON
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert Store(root, create=False).find_version("vae", lineage()) == 1
+    assert not fmt.damaged_marker(root, "vae", 1).exists()
+    assert path.read_bytes() == (store.root / "vae" / "v1" / fmt.SCHEMA_JSON).read_bytes()
