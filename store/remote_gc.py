@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from schemas.errors import UserError
 from store import format as fmt
-from store import remote_lease
+from store import remote_endpoint, remote_lease
 from store.gc import kept_closure, unknown_lines
 from store.lease import Found
 from store.manifest_files import checked_schema
@@ -135,7 +135,7 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
     now = remote.now() if now is None else now
     listing = remote.listing_times()
     if not listing:
-        raise UserError(f"no store at {remote.url} (nothing there); check the URL")
+        raise UserError(remote_endpoint.not_s3(remote.url) or f"no store at {remote.url} (nothing there); check the URL")
     versions: dict[tuple[str, int], Version] = {}
     out = RemoteGcPlan()
     for rel, info in listing.items():
