@@ -56,9 +56,28 @@ class GcPlan:
 
 def _kept(root: Path, current: dict[str, int] | list[tuple[str, int]],
           unknown: dict[tuple[str, int], str] | None = None) -> set[tuple[str, int]]:
-    """`current` and the versions they were made from (their lineage's upstream, transitively). A version whose
-    schema.json does not read names none that can be trusted: then every version of every other table is kept
-    (`unknown`: that version -> why), where stopping there made every gc fail until the stage was rerun."""
+    """`kept_closure` of `current` in the store at `root`."""
+    def upstream_of(table: str, v: int) -> list[tuple[str, int]] | None:
+        vdir = fmt.version_dir(root, table, v)
+        if not (vdir / fmt.SCHEMA_JSON).is_file() and not fmt.is_complete(vdir):
+            return None
+        upstream = checked_schema(vdir, record=False).lineage.upstream
+        return [(t, int(u)) for t, u in upstream.items() if fmt.version_dir(root, t, int(u)).is_dir()]
+
+    every = [(t, u) for t in _tables(root) for u in fmt.list_versions(root, t)]
+    return kept_closure(current, upstream_of, every, unknown)
+
+
+def kept_closure(current: dict[str, int] | list[tuple[str, int]],
+                 upstream_of: Callable[[str, int], list[tuple[str, int]] | None],
+                 every: list[tuple[str, int]], unknown: dict[tuple[str, int], str] | None = None
+                 ) -> set[tuple[str, int]]:
+    """`current` and the versions they were made from (their lineage's upstream, transitively), for a local store
+    and one at a URL (store/remote_gc.py) alike. `upstream_of(table, v)`: those a version names (None: no schema
+    yet, an incomplete version), its schema.json checked against its checksums.json (a flipped bit in an upstream
+    version number would let gc remove the version it names); UserError when it does not read. Such a version
+    names none that can be trusted: then every version (`every`) of every other table is kept (`unknown`: that
+    version -> why), where stopping there removed what it may have been built from."""
     keep: set[tuple[str, int]] = set()
     todo = list(current.items()) if isinstance(current, dict) else list(current)
     while todo:
@@ -66,21 +85,24 @@ def _kept(root: Path, current: dict[str, int] | list[tuple[str, int]],
         if (table, v) in keep:
             continue
         keep.add((table, v))
-        vdir = fmt.version_dir(root, table, v)
-        if not (vdir / fmt.SCHEMA_JSON).is_file() and not fmt.is_complete(vdir):
-            continue
-        try:  # checked: a flipped bit in an upstream version number would let gc remove the version it names
-            upstream = checked_schema(vdir, record=False).lineage.upstream
+        try:
+            upstream = upstream_of(table, v)
         except WrittenByNewer:
             raise
         except UserError as e:
-            others = [(t, u) for t in _tables(root) if t != table for u in fmt.list_versions(root, t)]
+            others = [(t, u) for t, u in every if t != table]
             if unknown is not None and others:  # (a store of that table alone: nothing kept for it to say)
                 unknown[(table, v)] = str(e)
             todo += others
             continue
-        todo += [(t, int(u)) for t, u in upstream.items() if fmt.version_dir(root, t, int(u)).is_dir()]
+        todo += upstream or []
     return keep
+
+
+def unknown_lines(unknown: dict[tuple[str, int], str]) -> list[str]:
+    """What gc says of the versions `kept_closure` kept every other table's versions for."""
+    return [f"keep every version of the other tables: {table} v{v} is kept and the versions it was made from are "
+            f"unknown: {why}" for (table, v), why in sorted(unknown.items())]
 
 
 def _tables(root: Path) -> list[str]:
@@ -168,9 +190,8 @@ def collect(root: Path, dry_run: bool = False, echo: Callable[[str], None] = pri
             echo(f"keep {table}/v{v}: not current, but read by " + "; ".join(by))
         for found in p.dead_leases:
             echo(f"{'would remove' if dry_run else 'remove'} the lease of a gone reader: {found.describe()}")
-        for (table, v), why in sorted(p.unknown_upstream.items()):
-            echo(f"keep every version of the other tables: {table} v{v} is kept and the versions it was made from "
-                 f"are unknown: {why}")
+        for line in unknown_lines(p.unknown_upstream):
+            echo(line)
         if dry_run:
             echo(f"dry run: {len(p.remove)} version(s){_files_note(p)}, {p.nbytes / 1e6:.1f} MB would be freed")
             return p

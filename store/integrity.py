@@ -69,17 +69,40 @@ def _written_by(vdir: Path) -> str | None:
     return next((f for f in found if f), None)
 
 
+# ends the advice of damage `store repair` cannot fix: verify's summary repeats the advice before it, not repair's
+NO_REPAIR = "`pipeline store repair` cannot fix this"
+
+
 def repair_hint(vdir: Path, name: str | None = None) -> str:
     """The advice that works for damage to `name` of version `vdir`: repair recomputes damaged samples and
     rebuilds a manifest, but a version whose schema.json or checksums.json is damaged has lost its identity, so
-    only rerunning its stage (a new version) helps; saying "repair" there would go in a circle."""
+    only rerunning its stage (a new version) helps; saying "repair" there would go in a circle. At a URL (a cache
+    of it, or verify's copy of its metadata) the object is the remote's: a rerun would not replace it, pushing the
+    version again from an intact store does (what push and pull say of it)."""
     if name in (fmt.SCHEMA_JSON, fmt.CHECKSUMS):
-        stage = _written_by(vdir)
-        how = f"`pipeline run {stage}` with the same store, model and config" if stage else "the stage that wrote it"
+        if (url := repair_target(store_root(vdir))) != str(store_root(vdir)):
+            return (f"delete {url}/{vdir.parent.name}/{vdir.name}/{name} (objects are never overwritten) and push "
+                    f"that version again from an intact store; {NO_REPAIR}")
         # nothing of it is carried forward: the lineage that would vouch for its samples is in the damaged file
-        return (f"rerun {how}: it writes a new version of '{vdir.parent.name}' (its samples computed again); "
-                "`pipeline store repair` cannot rebuild this file")
+        return (f"{rerun_hint(vdir)}: it writes a new version of '{vdir.parent.name}' (its samples computed again); "
+                f"{NO_REPAIR}")
     return f"run `pipeline store repair {repair_target(store_root(vdir))}`"
+
+
+def missing_version_hint(vdir: Path) -> str:
+    """The advice for a version store.json names current whose manifest is missing (a commit cut short, a deleted
+    file): repair has no version to recompute from; the stage's rerun completes it (the samples written kept), and
+    at a URL a push of it from an intact store does."""
+    if (url := repair_target(store_root(vdir))) != str(store_root(vdir)):
+        return f"push {vdir.parent.name}/{vdir.name} again to {url} from an intact store; {NO_REPAIR}"
+    return f"{rerun_hint(vdir)}: it completes the version; {NO_REPAIR}"
+
+
+def rerun_hint(vdir: Path) -> str:
+    """`rerun <the stage that wrote vdir's table>`, named as its versions record it."""
+    stage = _written_by(vdir)
+    return "rerun " + (f"`pipeline run {stage}` with the same store, model and config" if stage else
+                       "the stage that wrote it")
 
 
 def where(vdir: Path) -> str:

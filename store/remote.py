@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from schemas.errors import UserError
-from store import remote_download, remote_local, remote_upload
+from store import remote_download, remote_endpoint, remote_local, remote_upload
 from store.checksum import CHUNK, RunningCrc, SealError, unseal
 
 # user metadata recorded on every object we upload to S3: a rerun can tell an object is already there (same size,
@@ -198,6 +198,10 @@ def remote_errors(url: str, action: str, missing: str | None = None) -> Iterator
     except OSError as e:
         if e.filename or e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):  # local: the CLI's handler says
             raise
+        # an answer that is no S3 server's (not a denial, not a lost connection): its HTML read as S3 says nothing true
+        if not isinstance(e, PermissionError) and not _is_transport_error(e) and \
+                (line := remote_endpoint.not_s3(url)) is not None:
+            raise UserError(f"{action}: {line}") from None
         if missing and isinstance(e, FileNotFoundError) and not no_bucket(e):
             raise UserError(f"{action}: {url} does not exist ({_first_line(e)}); {missing}") from None
         _remote_os_error(e, url, action, source=missing is not None)
@@ -588,6 +592,7 @@ def open_remote(url: str, storage_options: dict[str, Any] | None = None) -> Remo
         # into a store no pull, verify or later push could find)
         fixed = url.split("://", 1)[0] + "://" + "/".join(p for p in root.split("/") if p)
         raise UserError(f"{url}: an empty folder name (//) in the URL; write it without: {fixed}")
+    remote_endpoint.remember(url, fs, root)
     remote = Remote(url, fs, root)
     if remote.is_s3 and "retries" not in (storage_options or {}):
         fs.retries = S3FS_TRIES

@@ -27,16 +27,19 @@ grace period. docs/store-format.md, "On an object store", states the remaining r
 
 from __future__ import annotations
 
-import json
 import re
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from schemas.errors import UserError
 from store import format as fmt
-from store import remote_lease
+from store import remote_endpoint, remote_lease
+from store.gc import kept_closure, unknown_lines
 from store.lease import Found
+from store.manifest_files import checked_schema
 from store.remote import CLOCK_DIR, Remote, open_remote, remote_errors
 from store.remote_local import UPLOAD_DIR
 
@@ -83,6 +86,8 @@ class RemoteGcPlan:
     strays: list[str] = field(default_factory=list)
     uploads: list[tuple[str, str]] = field(default_factory=list)  # (key, upload id): unfinished multipart uploads
     now: float = 0.0  # the server's clock at the plan
+    # kept versions whose schema.json does not read -> why: every version of the other tables kept for them
+    unknown_upstream: dict[tuple[str, int], str] = field(default_factory=dict)
     nbytes: int = 0
 
 
@@ -98,24 +103,31 @@ def _current(remote: Remote) -> dict[str, int] | None:
     return {t: int(e["current"]) for t, e in rec["tables"].items()}
 
 
-def _closure(remote: Remote, roots: list[tuple[str, int]], versions: dict[tuple[str, int], Version]) -> set:
-    """`roots` and, transitively, the versions their schema.json lineage names as upstream."""
-    keep: set[tuple[str, int]] = set()
-    todo = list(roots)
-    while todo:
-        tv = todo.pop()
-        if tv in keep:
-            continue
-        keep.add(tv)
-        v = versions.get(tv)
-        if v is None or f"{v.name}/{fmt.SCHEMA_JSON}" not in v.objects:
-            continue
-        try:
-            upstream = (json.loads(remote.read(f"{v.name}/{fmt.SCHEMA_JSON}")).get("lineage") or {}).get("upstream")
-        except (FileNotFoundError, ValueError):
-            continue  # gone or unreadable: nothing more to keep through it (verify reports damage)
-        todo += [(t, int(u)) for t, u in (upstream or {}).items()]
-    return keep
+def _closure(remote: Remote, roots: list[tuple[str, int]], versions: dict[tuple[str, int], Version],
+             unknown: dict[tuple[str, int], str] | None = None) -> set:
+    """`roots` and, transitively, the versions their schema.json lineage names as upstream: store/gc.py's
+    `kept_closure`, each schema.json checked against its version's checksums.json as on a local disk (through a
+    temporary copy of the two objects); one that does not read keeps every version of the other tables."""
+    with tempfile.TemporaryDirectory(prefix="store-gc-") as tmp:
+        def upstream_of(table: str, number: int) -> list[tuple[str, int]] | None:
+            v = versions.get((table, number))
+            if v is None or (not v.complete and f"{v.name}/{fmt.SCHEMA_JSON}" not in v.objects):
+                return None  # gone, or an incomplete version without one yet
+            vdir = fmt.version_dir(Path(tmp), table, number)
+            vdir.mkdir(parents=True, exist_ok=True)
+            for name in (fmt.CHECKSUMS, fmt.SCHEMA_JSON):
+                if f"{v.name}/{name}" in v.objects:
+                    try:
+                        (vdir / name).write_bytes(remote.read(f"{v.name}/{name}"))
+                    except FileNotFoundError:  # removed meanwhile: read as missing
+                        pass
+            try:
+                upstream = checked_schema(vdir, record=False).lineage.upstream
+            except UserError as e:  # named by its URL, not the temporary copy
+                raise type(e)(str(e).replace(str(vdir), f"{remote.url}/{v.name}")) from None
+            return [(t, int(u)) for t, u in upstream.items()]
+
+        return kept_closure(roots, upstream_of, sorted(versions), unknown)
 
 
 def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = None) -> RemoteGcPlan:
@@ -123,7 +135,7 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
     now = remote.now() if now is None else now
     listing = remote.listing_times()
     if not listing:
-        raise UserError(f"no store at {remote.url} (nothing there); check the URL")
+        raise UserError(remote_endpoint.not_s3(remote.url) or f"no store at {remote.url} (nothing there); check the URL")
     versions: dict[tuple[str, int], Version] = {}
     out = RemoteGcPlan()
     for rel, info in listing.items():
@@ -138,13 +150,13 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
             out.leftovers.append(rel)
     current = _current(remote)
     roots = sorted(current.items()) if current is not None else [tv for tv, v in versions.items() if v.complete]
-    keep = _closure(remote, roots, versions)
+    keep = _closure(remote, roots, versions, out.unknown_upstream)
     found_leases = remote_lease.leases(remote, listing, now)  # one GET per lease object (a reader per rank)
     for found in found_leases:
         if not found.live:
             out.dead_leases.append(found)
             continue
-        for tv in sorted(_closure(remote, list(found.versions()), versions) - keep):
+        for tv in sorted(_closure(remote, list(found.versions()), versions, out.unknown_upstream) - keep):
             out.leased.setdefault(tv, []).append(found.describe())
     keep |= set(out.leased)
     held = {tv for found in found_leases if found.live for tv in found.versions()}
@@ -288,6 +300,8 @@ def collect(url: str, dry_run: bool = False, grace_s: float = GRACE_SECONDS,
         if p.uploads:
             echo(f"{'would abort' if dry_run else 'abort'} {len(p.uploads)} unfinished multipart upload(s) of killed "
                  "pushes (their parts are stored, and billed, but are no object)")
+        for line in unknown_lines(p.unknown_upstream):
+            echo(line)
         if dry_run:
             echo(f"dry run: {len(p.remove)} version(s), {p.nbytes / 1e6:.1f} MB would be freed")
             return p

@@ -36,7 +36,7 @@ from schemas.errors import UserError
 from schemas.newer import refuse_newer
 from schemas.temp_files import temp_of
 from store import format as fmt
-from store import integrity, remote_checked, remote_lease
+from store import integrity, remote_checked, remote_endpoint, remote_lease
 from store.checksum import SealError, crc_hex, seal, unseal
 from store.remote import Remote, SharedBar, each_at_once, lost_object, lost_version, open_remote, remote_errors
 from store.lease import process_tag
@@ -407,6 +407,8 @@ def _parse_record(data: bytes, url: str) -> dict[str, Any]:
     try:
         rec = unseal(data)
     except SealError as e:
+        if (line := remote_endpoint.not_s3(url)) is not None:  # the HTML page read as its bytes
+            raise UserError(line) from None
         raise UserError(f"{where} is damaged ({e}); push the store again into an empty prefix") from None
     fmt.check_store_record(rec, where)
     return rec
@@ -445,7 +447,8 @@ def wanted_versions(rec: dict[str, Any] | None, url: str, tables: list[str] | No
     if rec is None and tables is not None and set(tables) <= set(optional):
         rec = fmt.new_store_record()  # an empty prefix, of which nothing is needed: a store's first writer
     if rec is None:
-        raise UserError(f"no store at {url} (no {fmt.STORE_JSON} there); check the URL, or push a store first")
+        raise UserError(remote_endpoint.not_s3(url) or f"no store at {url} (no {fmt.STORE_JSON} there); check the "
+                        "URL, or push a store first")
     if tables is None:
         listing = listing or {}
         return rec, None, {(m.group(1), int(m.group(2))) for rel in listing if (m := _MANIFEST_RE.fullmatch(rel))

@@ -35,6 +35,7 @@ from store import remote_download
 from store.checksum import RunningCrc
 from store.remote import READ_PIECE, Remote, SharedBar, each_at_once, is_transport_error
 from store.remote_lease import hold_reading, release_reading
+from store.remote_parts import SOURCE_URL
 from store import quarantine
 from store.remote_sync import _MANIFEST_RE, _parse_record, damaged_quarantine, marker_rel
 from store.remote_view import listed_store
@@ -58,6 +59,8 @@ def verify_url(url: str, storage_options: dict[str, Any] | None = None, progress
     url = url.rstrip("/")
     with listed_store(url, storage_options, "verify") as (remote, root, listing):
         (root / fmt.STORE_JSON).write_bytes(remote.read(fmt.STORE_JSON))  # as it is: verify checks it
+        # the copy of `url`'s metadata, as a cache is: what cannot be repaired is advised as at a URL (push again)
+        (root / SOURCE_URL).write_text(url)
         damaged: list[str] = []
         if fmt.QUARANTINE in listing:  # damaged: named by its URL (as pull, push say it), versions still checked
             data = remote.read(fmt.QUARANTINE)

@@ -18,7 +18,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store.checksum import crc_hex
 from store.remote import Remote, lost_object, open_remote, remote_errors
-from store import quarantine
+from store import quarantine, remote_endpoint
 from store.remote_sync import _MANIFEST_RE, version_files, _progress, damaged_quarantine, marker_rel
 
 METADATA = (fmt.SCHEMA_JSON, fmt.MANIFEST)
@@ -34,6 +34,8 @@ def listed_store(url: str, storage_options: dict[str, Any] | None, what: str
     with tempfile.TemporaryDirectory(prefix=f"store-{what}-") as tmp, remote_errors(url, what):
         listing = remote.listing()
         if fmt.STORE_JSON not in listing:
+            if (line := remote_endpoint.not_s3(url)) is not None:  # an HTML page's "listing" holds nothing
+                raise UserError(line)
             raise UserError(f"no store at {url} (no {fmt.STORE_JSON} there); check the URL, or push a store first")
         yield remote, Path(tmp), listing
 

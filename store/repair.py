@@ -136,7 +136,7 @@ def scan_table(root: Path, table: str, version: int, progress: bool = True) -> T
     plan = TablePlan(table, version)
     vdir = fmt.version_dir(root, table, version)
     if not fmt.is_complete(vdir):
-        plan.unrepairable = f"v{version} is missing or incomplete; rerun the stage that writes '{table}'"
+        plan.unrepairable = f"v{version} is missing or incomplete; {integrity.missing_version_hint(vdir)}"
         return plan
     try:
         sums = integrity.read_version_checksums(vdir)

@@ -73,7 +73,8 @@ def verify_store(root: Path, progress: bool = True, objects: ObjectCheck | None 
     for table in tables:
         current = rec["tables"].get(table, {}).get("current")
         if current is not None and not fmt.is_complete(fmt.version_dir(root, table, int(current))):
-            problems.append(f"{table}: store.json names v{current} as current, but it is missing or incomplete")
+            problems.append(f"{table}: store.json names v{current} as current, but it is missing or incomplete; "
+                            + integrity.missing_version_hint(fmt.version_dir(root, table, int(current))))
         for v in fmt.list_versions(root, table):
             vdir = fmt.version_dir(root, table, v)
             if fmt.is_complete(vdir):  # incomplete folders are writes in progress (or killed): not yet data

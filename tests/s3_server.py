@@ -53,6 +53,39 @@ def silent_endpoint():
                 c.close()
 
 
+@contextlib.contextmanager
+def html_endpoint(listing_status: int = 200):
+    """An endpoint URL that answers every request with an HTML page, 200 OK (a web console on the wrong port, e.g.
+    MinIO's console): a server, but no S3 one. `listing_status`: the status of its answer to a listing (a 404 there:
+    the listing reads as empty, the object reads as the page's bytes)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    page = b"<!doctype html><html><head><title>MinIO Console</title></head><body></body></html>"
+
+    class Page(BaseHTTPRequestHandler):
+        def _page(self) -> None:
+            self.send_response(listing_status if "list-type=" in self.path else 200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(page)
+
+        do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _page
+
+        def log_message(self, *args) -> None:  # quiet
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 class _Server:
     """moto's S3 app served from a thread. The socket is bound here, in the caller: a taken port is an OSError at
     once (moto's ThreadedMotoServer binds in its thread, and its start() then waits forever)."""

@@ -102,11 +102,16 @@ def _verify_advice(store: str, current: dict[str, int], problems: list[str]) -> 
     no longer current (an old version sharing a repaired shard by hard link) stay until gc removes them."""
     import re
 
-    found = [re.match(r"([A-Za-z0-9_]+)/v(\d+)/", p) for p in problems]
-    old = sorted({f"{m[1]}/v{m[2]}" for m in found if m and current.get(m[1]) != int(m[2])})
-    advice = []
+    from store.integrity import NO_REPAIR
     from store.remote import is_url
 
+    # damage repair cannot fix (a version's schema.json / checksums.json, a current version without its manifest):
+    # its line's own advice, once per distinct one, and no `store repair` for it (which refuses it)
+    own = [re.search(rf"; ([^;]*); {re.escape(NO_REPAIR)}", p) for p in problems]
+    advice = list(dict.fromkeys(m[1] for m in own if m))
+    problems_ = [p for p, m in zip(problems, own) if m is None]
+    found = [re.match(r"([A-Za-z0-9_]+)/v(\d+)/", p) for p in problems_]
+    old = sorted({f"{m[1]}/v{m[2]}" for m in found if m and current.get(m[1]) != int(m[2])})
     if is_url(store) and any(p.startswith(f"{store.rstrip('/')}/store.json ") for p in problems):
         # a remote's store.json: no repair rebuilds it (`store repair URL` opens the store through it first)
         advice.append("push the store again into an empty prefix (from the local store it was pushed from)")

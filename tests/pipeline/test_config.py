@@ -175,6 +175,9 @@ CONFIG_MISTAKES = {  # what the user wrote -> the start of the one line that mus
     "unknown key": ("train:\n  batch_sise: 2\n", [], "error: invalid config ({f}"),
     "wrong type": ("train:\n  batch_size: two\n", [], "error: invalid config ({f}"),
     "--set naming nothing": ("{}\n", ["--set", "x=y"], "error: invalid config ({f} + --set / flags):"),
+    # typer's boxed usage panel, not the one line
+    "--set without =": ("{}\n", ["--set", "train.max_steps"],
+                        "error: --set: expected SECTION.KEY=VALUE, got 'train.max_steps'\n"),
 }
 
 
@@ -193,6 +196,8 @@ def test_a_config_mistake_is_an_error_line_and_exit_2_from_every_command(args, m
     assert r.output.startswith(first.format(f=f)), r.output
     if mistake == "bad YAML":
         assert r.output.count("\n") == 1 and "fix the file there" in r.output, r.output
+    if mistake == "--set without =":
+        assert r.output == first, r.output
 
 
 def test_a_folder_passed_as_the_config_is_named_as_a_folder_with_its_yaml(tmp_path):

@@ -100,3 +100,25 @@ def test_a_writer_opens_a_new_version_past_an_in_progress_one_whose_schema_a_cra
     (store.root / "vae" / "v2" / fmt.SCHEMA_JSON).write_bytes(b"")
     assert fill(store, 2, tag="b") == 3
     assert store.reader("vae").schema == vae_schema("b")
+
+
+def test_gc_of_a_url_keeps_what_a_kept_version_with_an_unreadable_schema_may_name(s3_env, store: Store) -> None:
+    """Before: `store gc URL` read the damaged schema.json as naming nothing and removed images v1 (what vae v1
+    was built from) and v3, where the local gc keeps every version of the other tables; one mechanism now."""
+    from store.remote_sync import push
+
+    assert _images(store, "a") == 1
+    fill(store, 3)
+    assert _images(store, "b") == 2
+    _images(store, "c")
+    store.set_current("images", 2)
+    url = s3_env.url()
+    push(store.root, url)
+    client = s3_env.client()
+    listed = lambda: {o["Key"] for o in client.list_objects_v2(Bucket=s3_env.bucket).get("Contents", [])}
+    assert {f"store/images/v{v}/{fmt.MANIFEST}" for v in (1, 2, 3)} <= listed()
+    client.put_object(Bucket=s3_env.bucket, Key=f"store/vae/v1/{fmt.SCHEMA_JSON}", Body=b"")
+    r = runner.invoke(app, ["store", "gc", url])
+    assert r.exit_code == 0, r.output
+    assert "keep every version of the other tables: vae v1" in r.output and f"{url}/vae/v1" in r.output, r.output
+    assert {f"store/images/v{v}/{fmt.MANIFEST}" for v in (1, 2, 3)} <= listed()
