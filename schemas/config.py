@@ -30,6 +30,10 @@ class Section(BaseModel):
         if (isinstance(value, bool) or isinstance(value, list) and any(isinstance(v, bool) for v in value)) \
                 and _takes_only_numbers(cls.model_fields[info.field_name].annotation):
             raise ValueError("a boolean (YAML reads yes / no / on / off / true / false as one) is no number")
+        if isinstance(value, bool) and (words := _boolean_words(cls.model_fields[info.field_name].annotation)):
+            # `mixed_precision: no` is a YAML boolean: pydantic's "should be 'no' ... (got False)" reads as nonsense
+            raise ValueError(f"YAML reads an unquoted {' / '.join(words)} as a boolean ({value}): write the word "
+                             f"in quotes, e.g. '{words[0]}'")
         return value
 
     def fingerprint(self) -> str:
@@ -52,6 +56,19 @@ def _takes_only_numbers(annotation: Any) -> bool:
 
     found = kinds(annotation) - {type(None)}
     return bool(found) and found <= {int, float}
+
+
+#: the words of a choice that YAML 1.1 (PyYAML) reads unquoted as a boolean
+_YAML_BOOLEANS = {"yes", "no", "on", "off", "true", "false", "y", "n"}
+
+
+def _boolean_words(annotation: Any) -> list[str]:
+    """The words of a choice (Literal, in an Annotated or a union too) that YAML reads unquoted as a boolean."""
+    from typing import get_args, get_origin
+
+    if get_origin(annotation) is Literal:
+        return [w for w in get_args(annotation) if isinstance(w, str) and w.lower() in _YAML_BOOLEANS]
+    return [w for a in get_args(annotation) for w in _boolean_words(a)]
 
 
 class Paths(Section):

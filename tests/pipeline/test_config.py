@@ -343,3 +343,14 @@ def test_a_yaml_boolean_for_a_number_is_refused_naming_the_key(tmp_path):
     assert load_config(None, {"train.gradient_checkpointing": True}).train.gradient_checkpointing is True
     with pytest.raises(ConfigError, match=r"'train.offload': Input should be 'none' or 'blocks' \(got False\)"):
         load_config(None, {"train.offload": False})  # a choice of words lists them, as before (`offload: no`)
+
+
+def test_an_unquoted_yaml_no_for_a_choice_of_words_says_to_quote_it(tmp_path):
+    """`mixed_precision: no` is a YAML boolean: the line said "should be 'no', 'bf16' or 'fp16' (got False)", as if
+    `no` were not one of the words. Now it says that YAML read a boolean and to quote the word."""
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("train:\n  mixed_precision: no\n")
+    with pytest.raises(ConfigError, match=r"'train.mixed_precision': .*unquoted no as a boolean .*in quotes, e.g. 'no'"):
+        load_config(cfg, {})
+    cfg.write_text("train:\n  mixed_precision: 'no'\n")
+    assert load_config(cfg, {}).train.mixed_precision == "no"
