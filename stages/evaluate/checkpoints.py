@@ -548,10 +548,25 @@ def differences(recorded: dict, present: dict, metrics: dict, cfg: EvaluateConfi
     return list(dict.fromkeys(found))
 
 
-def say_recomputed(out: Path, why: list[str], redone: str = "evaluating again") -> None:
-    """One line: why the report in OUT is computed again (`differences`), and what is (`redone`)."""
+def say_recomputed(out: Path, why: list[str], redone: str = "evaluating again", trained_on: bool = False) -> None:
+    """One line: why the report in OUT is computed again (`differences`), and what is (`redone`). `trained_on`:
+    the report is this run's from before it trained on (`trained_on_since`): said so, where the line called the
+    same run with more checkpoints "not this run's"."""
     if why:
-        tqdm.write(f"evaluate: the report in {out} is not this run's ({'; '.join(why)}): {redone}")
+        head = "is this run's from before it trained on" if trained_on else "is not this run's"
+        tqdm.write(f"evaluate: the report in {out} {head} ({'; '.join(why)}): {redone}")
+
+
+def trained_on_since(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str]) -> bool:
+    """Is OUT's loss array of these settings this run's (`_this_runs`: no step of other weights, of another run
+    folder or training) with fewer checkpoints than it has now (the run resumed to more steps since)?"""
+    if recorded_steps(out, fingerprint) is None:
+        return False
+    try:
+        group = LossGroup(out / GROUP)
+        return any(step not in group.steps() for step in shas) and _this_runs(group, checkpoints, shas)
+    except Exception:  # noqa: BLE001 - unreadable: not known to be this run's, the plain line
+        return False
 
 
 def redone(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
@@ -714,9 +729,11 @@ def _recorded_if_up_to_date(run: _Evaluation, settings: dict, checkpoints: list[
         known = known_fingerprint(out, now, now_settings, earlier)
         done = _up_to_date(out, known, checkpoints, shas, run.cfg, now_settings, why, n)
         if done is None:
-            if why and whose_report is not None and (whose := whose_report(out)):
+            whose = whose_report(out) if why and whose_report is not None else None
+            if whose:
                 why.insert(0, whose)
-            say_recomputed(out, why, redone(out, known, checkpoints, shas, now_settings, run.cfg, earlier, keys))
+            say_recomputed(out, why, redone(out, known, checkpoints, shas, now_settings, run.cfg, earlier, keys),
+                           trained_on=not whose and bool(why) and trained_on_since(out, known, checkpoints, shas))
     if ranks.from_main([int(done is not None)])[0]:
         if ranks.main:  # the figures are the same, and so is what makes them not held out
             from stages.evaluate.trained_val import say_recorded
@@ -1122,7 +1139,8 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
     _base_row(ranks, losses, transformer, samples, mine, cfg, load, attached, base_cache,
               recorded=bool(plan[0]), from_donor=bool(plan[n + 1]), donor=donor, known=known)
     evaluated, pruned = 0, []
-    for step, path in tqdm(todo, desc="checkpoints", unit="ckpt", disable=not ranks.main):
+    # no bar with nothing to do: tqdm drew "checkpoints: 0ckpt [00:00, ?ckpt/s]" (no total, no percentage)
+    for step, path in tqdm(todo, desc="checkpoints", unit="ckpt", disable=not ranks.main or not todo):
         partial = bool(from_donor[step])
         if partial and known.all():  # a shrunk grid: every cell of its row recorded under these very bytes
             with together(ranks.world, f"record checkpoint step {step}"):
