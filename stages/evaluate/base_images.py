@@ -31,6 +31,8 @@ from pathlib import Path
 
 from PIL import Image
 
+from store.loss_array import GRID
+
 FOLDER = "base-images"
 LORA_FOLDER = "lora-images"  # single-LoRA evaluate's LoRA column, kept alike (`lora_group_key`)
 INDEX = "index.json"
@@ -63,9 +65,9 @@ def losses_key(cfg, features: dict, sample_keys: list[str]) -> str:
 EXTRA_SETTINGS = ("extra_prompts", "negative_prompt")
 
 
-#: the held-out loss's grid: no input of any picture (generation draws its own noise from `seed`), so another grid
-#: keeps the images (a single-LoRA report regenerated both columns when only the seeds / σ changed)
-GRID_SETTINGS = ("noise_seeds", "timesteps")
+#: the held-out loss's seed / σ grid (`store.loss_array.GRID`): no input of any picture (generation draws its own
+#: noise from `seed`), so another grid keeps the images (a single-LoRA report regenerated both columns for it)
+GRID_SETTINGS = GRID
 
 
 def group_key(cfg, features: dict) -> str:
