@@ -7,7 +7,8 @@ from but which samples are pictured and the extra prompts: every file of the mod
 scheduler too), the text / vae tables read, by content (the stored features; `checkpoints.read_tables`), every
 hashed evaluate setting but `num_samples` and the extra prompts' own (seed, steps, true CFG, dtype, attention
 backend, quantisation; not the LoRA's scale, nor on_damaged: a damaged sample skipped changes the samples read,
-which the tables' content and the sample keys name, nor the held-out loss's seeds / σ grid, `GRID_SETTINGS`), the device (and the GPU's name), the versions of the libraries
+which the tables' content and the sample keys name, nor the held-out loss's seeds / σ grid, `GRID_SETTINGS`),
+the device (and the GPU's name), the versions of the libraries
 that compute them and the source of this project's packages that do (`SOURCE_PACKAGES`); within a group an image
 is named by its item (`item_ids`): the val sample's key, or a hash of the extra prompt's own inputs (its settings,
 its control images' bytes, the negative prompt as read). A sample's picture depends on no other sample (the same

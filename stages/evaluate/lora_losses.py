@@ -52,7 +52,8 @@ def grids(folder: Path, settings: dict, lora: str | Path, axes: Axes,
     donor = cell_donor(folder, settings, axes.seeds, axes.sigmas, axes.keys, compute_base,
                        {STEP: sha} if need_lora else {}) if compute_base or need_lora else None
     if donor is not None:
-        rows = ["the base"] * (compute_base and donor.has_base()) + ["the LoRA"] * (need_lora and donor.holds(STEP, sha))
+        rows = ["the base"] * (compute_base and donor.has_base()) \
+            + ["the LoRA"] * (need_lora and donor.holds(STEP, sha))
         tqdm.write(f"held-out loss: the (seed, σ) cells both grids hold are taken from {donor.path} "
                    f"({' and '.join(rows)}): {_cells_line(donor.known)}")
 
