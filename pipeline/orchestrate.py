@@ -244,7 +244,8 @@ def _base_caches_back(report: Path, kept_report: Path) -> None:
     losses are hard-linked into the new REPORT, where evaluate reuses each whose recorded inputs are this run's
     (`stages.evaluate.base_images`, `base_losses`: keyed by them, and checked against their recorded sha256 on read,
     so a link cut short by a kill is computed afresh). Before, every changed train setting generated the base
-    images and computed the base losses again. A cache REPORT holds already is left as it is."""
+    images and computed the base losses again. A cache REPORT holds already is left as it is. Not lora-losses/ nor
+    lora-images/: keyed by the LoRA's bytes, which a fresh training changes, they would serve the new LoRA nothing."""
     from stages.evaluate.base_images import FOLDER as BASE_IMAGES
     from stages.evaluate.base_losses import FILE as BASE_LOSSES
     from store.format import link_or_copy

@@ -7,7 +7,8 @@ from but which samples are pictured and the extra prompts: every file of the mod
 scheduler too), the text / vae tables read, by content (the stored features; `checkpoints.read_tables`), every
 hashed evaluate setting but `num_samples` and the extra prompts' own (seed, steps, true CFG, dtype, attention
 backend, quantisation; not the LoRA's scale, nor on_damaged: a damaged sample skipped changes the samples read,
-which the tables' content and the sample keys name), the device (and the GPU's name), the versions of the libraries
+which the tables' content and the sample keys name, nor the held-out loss's seeds / σ grid, `GRID_SETTINGS`),
+the device (and the GPU's name), the versions of the libraries
 that compute them and the source of this project's packages that do (`SOURCE_PACKAGES`); within a group an image
 is named by its item (`item_ids`): the val sample's key, or a hash of the extra prompt's own inputs (its settings,
 its control images' bytes, the negative prompt as read). A sample's picture depends on no other sample (the same
@@ -15,6 +16,8 @@ seed for every one, one denoising run each) nor on the extra prompts or the nega
 prompt is its negative), and an extra prompt's on no other row: more or fewer `num_samples`, or another extra
 prompt added, changed or moved, generate only the images not kept yet. Any other change: another group,
 regenerated. The PNGs are checked against their recorded sha256 on reuse (a damaged or missing one: regenerated).
+Single-LoRA evaluate keeps its LoRA column the same way in OUT/lora-images/ (`lora_group_key`: these inputs, the
+LoRA's bytes and scale), so a rerun for the loss grid alone generates no image.
 
 Any change to the source of models/, features/, schemas/ or stages/evaluate/ (`SOURCE_PACKAGES`), or to the
 libraries' versions, regenerates the base images (and the base losses, `base_losses`, keyed the same way). There
@@ -29,7 +32,10 @@ from pathlib import Path
 
 from PIL import Image
 
+from store.loss_array import GRID
+
 FOLDER = "base-images"
+LORA_FOLDER = "lora-images"  # single-LoRA evaluate's LoRA column, kept alike (`lora_group_key`)
 INDEX = "index.json"
 #: this project's packages whose code turns those inputs into the base images: the source of every module in them
 #: enters the key (an upgrade changing how they generate regenerates them). Whole packages, not a list of modules:
@@ -60,10 +66,24 @@ def losses_key(cfg, features: dict, sample_keys: list[str]) -> str:
 EXTRA_SETTINGS = ("extra_prompts", "negative_prompt")
 
 
+#: the held-out loss's seed / σ grid (`store.loss_array.GRID`): no input of any picture (generation draws its own
+#: noise from `seed`), so another grid keeps the images (a single-LoRA report regenerated both columns for it)
+GRID_SETTINGS = GRID
+
+
 def group_key(cfg, features: dict) -> str:
-    """Hash of every input of the base images but which val samples are pictured (`num_samples`) and the extra
-    prompts' own (`EXTRA_SETTINGS`, their images' bytes): each image is kept under it and its item (`item_ids`)."""
-    return _digest(_inputs(cfg, features, lambda k: k not in ("num_samples", *EXTRA_SETTINGS)))
+    """Hash of every input of the base images but which val samples are pictured (`num_samples`), the extra
+    prompts' own (`EXTRA_SETTINGS`, their images' bytes) and the loss grid (`GRID_SETTINGS`): each image is kept
+    under it and its item (`item_ids`)."""
+    features = {**features, "evaluate": {k: v for k, v in features.get("evaluate", {}).items()
+                                         if k not in GRID_SETTINGS}}
+    return _digest(_inputs(cfg, features, lambda k: k not in ("num_samples", *EXTRA_SETTINGS, *GRID_SETTINGS)))
+
+
+def lora_group_key(cfg, features: dict, lora_sha256: str) -> str:
+    """The key of single-LoRA evaluate's LoRA images (kept in OUT/`LORA_FOLDER`, the same mechanism): the base
+    images' inputs, the LoRA's bytes and its scale."""
+    return _digest({"base": group_key(cfg, features), "lora_sha256": lora_sha256, "lora_scale": cfg.lora_scale})
 
 
 def item_ids(cfg, sample_keys: list[str]) -> list[str]:
@@ -189,7 +209,7 @@ def write(folder: Path, group: str, images: dict[str, Image.Image]) -> None:
     from store.format import atomic_write_bytes
     from store.io_errors import writing
 
-    with writing("the base images of the evaluate report", folder):  # full disk / read-only: one line
+    with writing(f"the kept images ({folder.name}) of the evaluate report", folder):  # full disk / read-only: one line
         folder.mkdir(parents=True, exist_ok=True)
         try:
             index = json.loads((folder / INDEX).read_text())

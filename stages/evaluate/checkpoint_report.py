@@ -93,32 +93,41 @@ def base_column(jobs: list[_Job], transformer, vae, cfg, qwen21: bool, samples,
     generated and kept there: more `num_samples` generate only the samples not pictured yet. Both evaluate entries
     (one LoRA, --all-checkpoints) take it from here."""
     from stages.evaluate import base_images
+
+    kept = (base_cache[0], base_images.group_key(cfg, base_cache[1])) if base_cache is not None else None
+    return kept_column(jobs, transformer, vae, cfg, qwen21, samples, kept, "base", lora_off)
+
+
+def kept_column(jobs: list[_Job], transformer, vae, cfg, qwen21: bool, samples, kept: tuple | None, label: str,
+                lora_off: bool = False) -> list[Image.Image]:
+    """A column (`label`: base, lora) whose images are kept in `kept` = (folder, group key: `base_images`' mechanism)
+    and reused from there, only the others generated (the LoRA bypassed when `lora_off`) and kept there."""
+    from stages.evaluate import base_images
     from stages.evaluate.stage import lora_enabled, pick_samples
 
-    base: list[Image.Image | None] = [None] * len(jobs)
-    if base_cache is not None:
-        folder, features = base_cache
-        picked = [s.key for s in pick_samples(samples, cfg.num_samples)]
-        group, ids = base_images.group_key(cfg, features), base_images.item_ids(cfg, picked)
-        base = base_images.read(folder, group, ids)
-        kept = sum(b is not None for b in base)
-        if kept == len(jobs):
-            tqdm.write(f"base images: unchanged inputs, reused from {folder}")
-            return base
-        if kept:
-            tqdm.write(f"base images: {kept} of {len(jobs)} reused from {folder}, {len(jobs) - kept} generated")
-    missing = [i for i, b in enumerate(base) if b is None]
+    made_of: list[Image.Image | None] = [None] * len(jobs)
+    if kept is not None:
+        folder, group = kept
+        ids = base_images.item_ids(cfg, [s.key for s in pick_samples(samples, cfg.num_samples)])
+        made_of = base_images.read(folder, group, ids)
+        found = sum(b is not None for b in made_of)
+        if found == len(jobs):
+            tqdm.write(f"{label} images: unchanged inputs, reused from {folder}")
+            return made_of
+        if found:
+            tqdm.write(f"{label} images: {found} of {len(jobs)} reused from {folder}, {len(jobs) - found} generated")
+    missing = [i for i, b in enumerate(made_of) if b is None]
     todo = [jobs[i] for i in missing]
     if lora_off:
         with lora_enabled(transformer, False):
-            made = column(todo, transformer, vae, cfg, qwen21, "base")
+            made = column(todo, transformer, vae, cfg, qwen21, label)
     else:
-        made = column(todo, transformer, vae, cfg, qwen21, "base")
+        made = column(todo, transformer, vae, cfg, qwen21, label)
     for i, img in zip(missing, made):
-        base[i] = img
-    if base_cache is not None:
+        made_of[i] = img
+    if kept is not None:
         base_images.write(folder, group, {ids[i]: img for i, img in zip(missing, made)})
-    return base
+    return made_of
 
 
 def _jobs(cfg, model: str, store, tables, transformer, vae, samples, damaged: dict, qwen21: bool) -> list[_Job]:

@@ -548,10 +548,25 @@ def differences(recorded: dict, present: dict, metrics: dict, cfg: EvaluateConfi
     return list(dict.fromkeys(found))
 
 
-def say_recomputed(out: Path, why: list[str], redone: str = "evaluating again") -> None:
-    """One line: why the report in OUT is computed again (`differences`), and what is (`redone`)."""
+def say_recomputed(out: Path, why: list[str], redone: str = "evaluating again", trained_on: bool = False) -> None:
+    """One line: why the report in OUT is computed again (`differences`), and what is (`redone`). `trained_on`:
+    the report is this run's from before it trained on (`trained_on_since`): said so, where the line called the
+    same run with more checkpoints "not this run's"."""
     if why:
-        tqdm.write(f"evaluate: the report in {out} is not this run's ({'; '.join(why)}): {redone}")
+        head = "is this run's from before it trained on" if trained_on else "is not this run's"
+        tqdm.write(f"evaluate: the report in {out} {head} ({'; '.join(why)}): {redone}")
+
+
+def trained_on_since(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str]) -> bool:
+    """Is OUT's loss array of these settings this run's (`_this_runs`: no step of other weights, of another run
+    folder or training) with fewer checkpoints than it has now (the run resumed to more steps since)?"""
+    if recorded_steps(out, fingerprint) is None:
+        return False
+    try:
+        group = LossGroup(out / GROUP)
+        return any(step not in group.steps() for step in shas) and _this_runs(group, checkpoints, shas)
+    except Exception:  # noqa: BLE001 - unreadable: not known to be this run's, the plain line
+        return False
 
 
 def redone(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
@@ -714,9 +729,11 @@ def _recorded_if_up_to_date(run: _Evaluation, settings: dict, checkpoints: list[
         known = known_fingerprint(out, now, now_settings, earlier)
         done = _up_to_date(out, known, checkpoints, shas, run.cfg, now_settings, why, n)
         if done is None:
-            if why and whose_report is not None and (whose := whose_report(out)):
+            whose = whose_report(out) if why and whose_report is not None else None
+            if whose:
                 why.insert(0, whose)
-            say_recomputed(out, why, redone(out, known, checkpoints, shas, now_settings, run.cfg, earlier, keys))
+            say_recomputed(out, why, redone(out, known, checkpoints, shas, now_settings, run.cfg, earlier, keys),
+                           trained_on=not whose and bool(why) and trained_on_since(out, known, checkpoints, shas))
     if ranks.from_main([int(done is not None)])[0]:
         if ranks.main:  # the figures are the same, and so is what makes them not held out
             from stages.evaluate.trained_val import say_recorded
@@ -1013,10 +1030,11 @@ def _grid(ranks, transformer, samples, mine: list[int], seeds: list[int], sigmas
 
 
 def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
-          first: bool) -> tuple[list[int], CellDonor | None]:
+          first: bool, base_kept=lambda: False) -> tuple[list[int], CellDonor | None]:
     """Rank 0's decisions as integers: [base recorded, then per checkpoint whether it is to be evaluated], and
     the group kept aside whose (seed, σ) cells the missing rows take (`store.loss_array.cell_donor`; None: none).
-    `first`: the checkpoints listed at the start (later ones: written by the training meanwhile)."""
+    `first`: the checkpoints listed at the start (later ones: written by the training meanwhile). `base_kept()`:
+    is the base in the base-losses file (`_base_row` reads it from there: no donor's cells, nor named in the line)?"""
     # the group the open set aside for other settings: said below, once it is known whether its cells are reused
     opened_aside = f"{losses.aside_reason}: the earlier losses are kept in {losses.kept_aside}; " \
         if losses.kept_aside is not None and losses.taken_back is None and first else None
@@ -1038,11 +1056,12 @@ def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int
     plan = [int(losses.has_base())] + [int(step not in recorded) for step, _ in checkpoints]
     axes = losses.axes
     needed = {step: shas[step] for (step, _), todo in zip(checkpoints, plan[1:]) if todo}  # the rows to compute
-    donor = cell_donor(losses.path.parent, losses.settings, axes.seeds, axes.sigmas, axes.keys, not plan[0],
-                       needed) if not plan[0] or needed else None
+    compute_base = not plan[0] and not base_kept()
+    donor = cell_donor(losses.path.parent, losses.settings, axes.seeds, axes.sigmas, axes.keys, compute_base,
+                       needed) if compute_base or needed else None
     if first and donor is not None:
         n = sum(1 for (step, _), todo in zip(checkpoints, plan[1:]) if todo and donor.holds(step, shas[step]))
-        rows = ["the base"] * (not plan[0] and donor.has_base()) + [f"{n} checkpoint{'s' if n != 1 else ''}"]
+        rows = ["the base"] * (compute_base and donor.has_base()) + [f"{n} checkpoint{'s' if n != 1 else ''}"]
         tqdm.write(f"{opened_aside or ''}the (seed, σ) cells both grids hold are taken from {donor.path} "
                    f"({' and '.join(rows)}): {_cells_line(donor.known)}")
     elif opened_aside is not None:
@@ -1052,14 +1071,23 @@ def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int
 
 def _grown(out: Path, checkpoints: list[tuple[int, Path]], shas: dict[int, str], settings: dict | None,
            cfg: EvaluateConfig | None, keys: list[str] | None) -> str | None:
-    """`redone`'s line when a group kept aside gives these settings' grid some of its (seed, σ) cells; else None."""
-    donor = cell_donor(out, settings, *cfg.loss_axes, keys, True, {step: shas[step] for step, _ in checkpoints}) \
-        if settings is not None and cfg is not None else None  # a new group: the base and every checkpoint
+    """`redone`'s line when a group kept aside gives these settings' grid some of its (seed, σ) cells; else None.
+    The base is not one of them when the base-losses file holds it (`_base_row` reads it from there)."""
+    if settings is None or cfg is None:
+        return None
+    from stages.evaluate import base_losses
+    from stages.evaluate.base_images import losses_key
+
+    seeds, sigmas = cfg.loss_axes
+    base = keys is None or base_losses.read(out / base_losses.FILE, losses_key(cfg, settings, list(keys)),
+                                            (len(keys), len(seeds), len(sigmas), 3)) is None
+    # a new group: the base (unless kept in the file) and every checkpoint
+    donor = cell_donor(out, settings, seeds, sigmas, keys, base, {step: shas[step] for step, _ in checkpoints})
     if donor is None:
         return None
     held = sum(1 for step, _ in checkpoints if donor.holds(step, shas[step]))
     rest = len(checkpoints) - held
-    return (f"{_cells_line(donor.known)} for {'the base and ' if donor.has_base() else ''}{held} of "
+    return (f"{_cells_line(donor.known)} for {'the base and ' if base and donor.has_base() else ''}{held} of "
             f"{len(checkpoints)} checkpoints (the cells {donor.path} holds reused)"
             + (f", evaluating {rest} other{'s' if rest != 1 else ''} whole" if rest else ""))
 
@@ -1104,6 +1132,7 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
     an array without base losses takes them from there when recorded under the key, and records them there when
     computed (`stages.evaluate.base_losses`)."""
     from models.collective import together
+    from stages.evaluate import base_losses
 
     seeds, sigmas = cfg.loss_axes
     n, cells = len(checkpoints), len(seeds) * len(sigmas)
@@ -1112,7 +1141,9 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
     with together(ranks.world, "the loss array"):
         if ranks.main:
             with _writing_losses(losses.path.parent):  # may set an earlier array aside (a rename)
-                head, donor = _plan(losses, checkpoints, shas, first)
+                head, donor = _plan(losses, checkpoints, shas, first, lambda: base_cache is not None and (
+                    base_losses.read(Path(base_cache[0]) / base_losses.FILE, base_cache[1],
+                                     (len(samples), len(seeds), len(sigmas), 3)) is not None))
             plan = head + ([int(donor.has_base())] + [int(donor.holds(step, shas[step])) for step, _ in checkpoints]
                            + donor.known.astype(int).reshape(-1).tolist() if donor else [0] * (n + 1 + cells))
     plan = ranks.from_main(plan)
@@ -1122,7 +1153,8 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
     _base_row(ranks, losses, transformer, samples, mine, cfg, load, attached, base_cache,
               recorded=bool(plan[0]), from_donor=bool(plan[n + 1]), donor=donor, known=known)
     evaluated, pruned = 0, []
-    for step, path in tqdm(todo, desc="checkpoints", unit="ckpt", disable=not ranks.main):
+    # no bar with nothing to do: tqdm drew "checkpoints: 0ckpt [00:00, ?ckpt/s]" (no total, no percentage)
+    for step, path in tqdm(todo, desc="checkpoints", unit="ckpt", disable=not ranks.main or not todo):
         partial = bool(from_donor[step])
         if partial and known.all():  # a shrunk grid: every cell of its row recorded under these very bytes
             with together(ranks.world, f"record checkpoint step {step}"):

@@ -46,10 +46,16 @@ def grids(folder: Path, settings: dict, lora: str | Path, axes: Axes,
     with writing("the held-out losses (lora-losses) of the report", folder):
         losses = LossStore(folder, _hash(settings), axes, settings, take_back=True, dtype="float64")
     need_base, need_lora = not losses.has_base(), losses.steps().get(STEP) != sha
-    donor = cell_donor(folder, settings, axes.seeds, axes.sigmas, axes.keys, need_base,
-                       {STEP: sha} if need_lora else {}) if need_base or need_lora else None
+    # the base-losses file first: a base read from it takes no cell of a donor, and the line says so (it named
+    # "the base" among the rows taken from a kept group while the base came from the file)
+    kept_base = base_losses.read(Path(base_cache[0]) / base_losses.FILE, base_cache[1], axes.shape) \
+        if need_base and base_cache else None
+    compute_base = need_base and kept_base is None
+    donor = cell_donor(folder, settings, axes.seeds, axes.sigmas, axes.keys, compute_base,
+                       {STEP: sha} if need_lora else {}) if compute_base or need_lora else None
     if donor is not None:
-        rows = ["the base"] * (need_base and donor.has_base()) + ["the LoRA"] * (need_lora and donor.holds(STEP, sha))
+        rows = ["the base"] * (compute_base and donor.has_base()) \
+            + ["the LoRA"] * (need_lora and donor.holds(STEP, sha))
         tqdm.write(f"held-out loss: the (seed, σ) cells both grids hold are taken from {donor.path} "
                    f"({' and '.join(rows)}): {_cells_line(donor.known)}")
 
@@ -60,8 +66,7 @@ def grids(folder: Path, settings: dict, lora: str | Path, axes: Axes,
     if not need_base:
         base = losses.base()
     else:
-        shape = axes.shape
-        base = base_losses.read(Path(base_cache[0]) / base_losses.FILE, base_cache[1], shape) if base_cache else None
+        base = kept_base
         if base is not None:
             tqdm.write(f"base held-out loss: unchanged inputs, reused from {Path(base_cache[0]) / base_losses.FILE}")
         elif donor is not None and donor.has_base():

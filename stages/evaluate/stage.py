@@ -239,14 +239,15 @@ def extra_prompt_inputs(model: str, transformer, vae, cfg: EvaluateConfig):
 
 
 def paired_rows(jobs: list, transformer, vae, cfg: EvaluateConfig, qwen21: bool, samples: list | None = None,
-                base_cache: tuple | None = None) -> list[SampleRow]:
+                base_cache: tuple | None = None, lora_cache: tuple | None = None) -> list[SampleRow]:
     """Each job's base image (LoRA bypassed; reused from `base_cache` when every input of it is unchanged: the
-    mechanism --all-checkpoints uses, `checkpoint_report.base_column`) and LoRA image, same seed, scored against
-    its target. `samples`: the val samples the jobs were picked from (the cache key names them)."""
-    from stages.evaluate.checkpoint_report import base_column, column
+    mechanism --all-checkpoints uses, `checkpoint_report.base_column`) and LoRA image (reused alike from
+    `lora_cache` = (folder, `base_images.lora_group_key`)), same seed, scored against its target. `samples`: the
+    val samples the jobs were picked from (the cache key names them)."""
+    from stages.evaluate.checkpoint_report import base_column, kept_column
 
     base = base_column(jobs, transformer, vae, cfg, qwen21, samples or [], base_cache, lora_off=True)
-    lora = column(jobs, transformer, vae, cfg, qwen21, "lora")
+    lora = kept_column(jobs, transformer, vae, cfg, qwen21, samples or [], lora_cache, "lora")
     return [SampleRow(j.title, j.caption, j.controls, j.target, b, l, _scores(j.target, b, l))
             for j, b, l in zip(jobs, base, lora)]
 
@@ -668,12 +669,12 @@ def _only_report_files(out: Path) -> bool:
     it; anything else is someone's folder."""
     from store.format import is_litter
 
-    from stages.evaluate.base_images import FOLDER as BASE_IMAGES
+    from stages.evaluate.base_images import FOLDER as BASE_IMAGES, LORA_FOLDER as LORA_IMAGES
 
     from stages.evaluate.base_losses import FILE as BASE_LOSSES
     from stages.evaluate.lora_losses import FOLDER as LORA_LOSSES
 
-    return all(p.name in ("grid.png", "index.html", REPORT_LOCK, BASE_IMAGES, BASE_LOSSES, LORA_LOSSES)
+    return all(p.name in ("grid.png", "index.html", REPORT_LOCK, BASE_IMAGES, LORA_IMAGES, BASE_LOSSES, LORA_LOSSES)
                or (p.name.startswith(("losses", ".losses")) and ".zarr" in p.name)
                or (p.is_file() and is_litter(p.name))
                for p in out.iterdir())
@@ -738,7 +739,8 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     rows: list[SampleRow] = []
     if cfg.num_samples > 0 or cfg.extra_prompts:  # the pictured samples read in full
         rows = sample_rows(cfg, store, model, transformer, tables,
-                           complete(tables, share, pick_samples(samples, cfg.num_samples)), damaged, out)
+                           complete(tables, share, pick_samples(samples, cfg.num_samples)), damaged, out,
+                           checked.sha256)
 
     metrics = {
         "loss": loss,
@@ -771,19 +773,23 @@ def attach_checked(transformer, lora: str | Path, scale: float, sha256: str) -> 
 
 
 def sample_rows(cfg: EvaluateConfig, store: str | Path, model: str, transformer, tables, samples: list,
-                damaged: dict, out: Path | None = None) -> list[SampleRow]:
+                damaged: dict, out: Path | None = None, lora_sha256: str | None = None) -> list[SampleRow]:
     """Base and LoRA images of `num_samples` val samples (with their stored target and controls) and of the
     extra prompts: the VAE and the scheduler are loaded only here. The base column is kept in OUT/base-images/
-    and reused by a rerun whose every input of it is unchanged (`stages.evaluate.base_images`)."""
-    from stages.evaluate.base_images import FOLDER
+    and reused by a rerun whose every input of it is unchanged (`stages.evaluate.base_images`), and the LoRA's
+    (of `lora_sha256`) in OUT/lora-images/ alike: a rerun for the loss grid alone generates no image."""
+    from stages.evaluate.base_images import FOLDER, LORA_FOLDER, lora_group_key
     from stages.evaluate.checkpoint_report import _jobs
 
     vae = load_component(model, "vae", dtype=parse_dtype(cfg.dtype), device=cfg.device)
     check_loaded_dtype(vae, cfg.dtype, "evaluate.dtype")
     qwen21 = is_qwen21(transformer)
     jobs = _jobs(cfg, model, store, tables, transformer, vae, samples, damaged, qwen21)
-    cache = (Path(out) / FOLDER, read_inputs(cfg, store, model, tables)) if out is not None else None
-    return paired_rows(jobs, transformer, vae, cfg, qwen21, samples, cache)
+    features = read_inputs(cfg, store, model, tables) if out is not None else None
+    cache = (Path(out) / FOLDER, features) if out is not None else None
+    lora_cache = (Path(out) / LORA_FOLDER, lora_group_key(cfg, features, lora_sha256)) \
+        if out is not None and lora_sha256 is not None else None
+    return paired_rows(jobs, transformer, vae, cfg, qwen21, samples, cache, lora_cache)
 
 
 def _run_record(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, tables, val_samples: int,

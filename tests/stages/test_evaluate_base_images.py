@@ -203,6 +203,40 @@ def test_single_lora_evaluate_reuses_its_base_images_through_the_same_cache(run_
     assert len(_files(out)) == 2
 
 
+def test_another_loss_grid_generates_no_image_of_a_single_lora_report(run_and_store, tiny_edit_model, tmp_path,
+                                                                       monkeypatch):
+    """The seeds / σ of the held-out loss are no input of the pictures: a single-LoRA report rerun for another grid
+    generates no image (it generated both columns again, 4 images), and its pictures and their scores are a fresh
+    report's of that grid; the LoRA images are kept under the LoRA's bytes (another LoRA: its column alone)."""
+    import models.generate
+    from stages.evaluate import report as report_mod
+    from stages.evaluate import stage
+
+    calls, rows = [], []
+    generate, write = models.generate.generate, report_mod.write_report
+    monkeypatch.setattr(models.generate, "generate", lambda *a, **k: (calls.append(1), generate(*a, **k))[1])
+    monkeypatch.setattr(stage, "write_report", lambda out, metrics, r: (rows.append(r), write(out, metrics, r))[1])
+    root, ckpts = run_and_store, dict(_ckpts(run_and_store))
+
+    def run(cfg, lora, out) -> tuple[int, dict]:
+        calls.clear()
+        res = stage.run(cfg, root / "store", tiny_edit_model, lora, out, skip_if_done=True)
+        return len(calls), res.metrics
+
+    cfg = EvaluateConfig(**{**CFG, "num_samples": 2, "num_inference_steps": 2})
+    grid = cfg.model_copy(update={"noise_seeds": [0, 2], "timesteps": [0.5]})
+    assert run(cfg, ckpts[10], tmp_path / "report")[0] == 4
+    made, metrics = run(grid, ckpts[10], tmp_path / "report")
+    assert made == 0 and "noise seeds [0, 2]" in metrics["loss"]["protocol"]  # the losses of the new grid
+    kept = rows[-1]
+    made, fresh = run(grid, ckpts[10], tmp_path / "fresh")
+    assert made == 4 and metrics["generation"] == fresh["generation"]
+    for a, b in zip(kept, rows[-1]):
+        np.testing.assert_array_equal(np.asarray(a.base), np.asarray(b.base))
+        np.testing.assert_array_equal(np.asarray(a.lora), np.asarray(b.lora))
+    assert run(grid, ckpts[20], tmp_path / "report")[0] == 2  # another LoRA: its own column
+
+
 def test_single_lora_evaluate_reuses_its_base_losses(run_and_store, tiny_edit_model, tmp_path, monkeypatch):
     """The base's held-out loss pass (LoRA off) cost as much as the LoRA's and was run again by every rerun.
     Now it is kept in OUT/base-losses.safetensors under the base images' key over all val samples: another LoRA

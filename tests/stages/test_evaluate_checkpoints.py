@@ -862,6 +862,22 @@ def test_a_run_trained_on_past_its_pruned_checkpoints_counts_their_kept_losses(r
     assert "): evaluating 1 of 3 checkpoints (the losses of 2 checkpoints in " in said, said
     # the step trained since is named as such, not as its sha256 and path against None
     assert "(checkpoints not in the report: step 30; " in said and "None" not in said, said
+    # the same run with more checkpoints: said so (it was called "not this run's")
+    assert "is this run's from before it trained on (" in said and "not this run's" not in said, said
+
+
+def test_a_bar_with_nothing_to_do_is_not_drawn(run_and_store, tiny_edit_model, tmp_path, capsys):
+    """Evaluated again with every checkpoint in the array: no checkpoints bar (it read "checkpoints: 0ckpt
+    [00:00, ?ckpt/s]": no total, no percentage); one with work shows its count, rate and ETA."""
+    out = tmp_path / "report"
+    capsys.readouterr()
+    ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(run_and_store), out)
+    bars = [b for b in re.split(r"[\r\n]", capsys.readouterr().err) if b.startswith("checkpoints:")]
+    assert bars and re.match(r"checkpoints: 100%.* 3/3 \[\d\d:\d\d<00:00, .*ckpt/s\]", bars[-1]), bars
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(run_and_store), out)
+    drawn = capsys.readouterr().err
+    assert res.evaluated == 0 and not re.search(r"[: ]0ckpt \[", drawn), drawn
+    assert not [b for b in re.split(r"[\r\n]", drawn) if b.startswith("checkpoints:")], drawn
 
 
 def test_compare_names_the_best_checkpoint_still_on_disk_as_the_report_does(run_and_store, tiny_edit_model, tmp_path):

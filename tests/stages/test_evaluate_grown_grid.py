@@ -82,6 +82,29 @@ def test_an_added_seed_computes_its_cells_alone_and_equals_a_fresh_evaluation(ru
     assert len(kept) == 1 and [int(s) for s in LossGroup(kept[0]).group["seed"][:]] == [0]
 
 
+def test_a_base_from_the_base_losses_file_is_not_said_to_come_from_the_kept_group(run_and_store, tiny_edit_model,
+                                                                                  tmp_path, monkeypatch, capsys,
+                                                                                  fresh):
+    """Seeds [0] then [0, 1] with the base losses of [0, 1] in OUT/base-losses (as a single-LoRA report of that
+    grid keeps them): the base is read from the file, only the checkpoints take the kept group's cells, and both
+    lines say so (they said "the base and 3 checkpoints" were taken from the group)."""
+    from stages.evaluate import base_losses
+
+    root, out = run_and_store, tmp_path / "report"
+    fresh_out, fresh_res, fresh_rows = fresh
+    ev.run(ONE, root / "store", tiny_edit_model, _ckpts(root), out)
+    shutil.copy2(fresh_out / base_losses.FILE, out / base_losses.FILE)  # [0, 1]'s, computed whole
+    passes = _counting(monkeypatch)
+    capsys.readouterr()
+    grown = ev.run(TWO, root / "store", tiny_edit_model, _ckpts(root), out, skip_if_done=True)
+    said = capsys.readouterr().out
+    assert sorted(passes) == sorted(f"held-out loss (step {s})" for s in (10, 20, 30))
+    assert "base held-out loss: unchanged inputs, reused from " in said, said
+    assert "): computing 2 new (seed, σ) cells of 4 for 3 of 3 checkpoints (the cells " in said, said
+    assert " (3 checkpoints): computing 2 new (seed, σ) cells of 4" in said and "the base and" not in said, said
+    assert _report(grown) == _report(fresh_res)
+
+
 def test_a_removed_seed_is_served_from_the_recorded_cells(run_and_store, tiny_edit_model, tmp_path, monkeypatch,
                                                           fresh):
     root, out = run_and_store, tmp_path / "report"

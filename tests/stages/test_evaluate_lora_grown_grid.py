@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from schemas.config import EvaluateConfig
-from stages.evaluate import stage
+from stages.evaluate import base_losses, stage
 from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
 from test_evaluate_grown_grid import _forwards
 
@@ -80,3 +80,24 @@ def test_grids_of_another_release_or_device_are_computed_again(run_and_store, ti
     rows = _forwards(monkeypatch)
     stage.run(TWO, root / "store", tiny_edit_model, dict(_ckpts(root))[20], out)
     assert sum(rows) == sum(fresh[2]), (rows, fresh[2])
+
+
+def test_a_base_from_the_base_losses_file_is_not_said_to_come_from_a_kept_group(run_and_store, tiny_edit_model,
+                                                                                tmp_path, monkeypatch, capsys, fresh):
+    """Checkpoint 20's report of seeds [0, 1] kept the base in OUT/base-losses; checkpoint 10 (other bytes)
+    evaluated at seeds [0, 1] after [0]: its base is the file's, only the LoRA's cells come from its group of
+    seed [0]. The line named "the base and the LoRA" as taken from that group; the figures are a fresh report's."""
+    root, out = run_and_store, tmp_path / "report"
+    lora = dict(_ckpts(root))[10]
+    stage.run(ONE, root / "store", tiny_edit_model, lora, out)
+    # the base losses of seeds [0, 1] (checkpoint 20's report computed them: the LoRA is no input of them)
+    shutil.copy2(fresh[0] / base_losses.FILE, out / base_losses.FILE)
+    rows = _forwards(monkeypatch)
+    capsys.readouterr()
+    grown = stage.run(TWO, root / "store", tiny_edit_model, lora, out, skip_if_done=True)
+    said = capsys.readouterr().out
+    assert "base held-out loss: unchanged inputs, reused from " in said, said
+    assert "(the LoRA): computing 2 new (seed, σ) cells of 4" in said and "the base and" not in said, said
+    assert len(rows) * 2 == len(fresh[2]) // 2  # the LoRA's seed-1 cells alone: a quarter of a fresh report's
+    alone = stage.run(TWO, root / "store", tiny_edit_model, lora, tmp_path / "alone")
+    assert grown.metrics["loss"] == alone.metrics["loss"]
