@@ -10,6 +10,7 @@ import yaml
 from typer.testing import CliRunner
 
 from pipeline.cli import app
+from store import Store
 
 
 def _config(tmp_path: Path) -> Path:
@@ -34,6 +35,7 @@ def test_run_names_the_lora_evaluated(tmp_path, monkeypatch):
     monkeypatch.setattr("models.loading.resolve_model", Path)
     monkeypatch.setattr("models.lora_files.lora_weight_file", Path)
     cfg = _config(tmp_path)
+    Store(tmp_path / "store")  # empty: a folder without store.json is refused before the stage
     CliRunner().invoke(app, ["run", "evaluate", "--config", str(cfg), "--run", str(tmp_path / "named-run")])
     CliRunner().invoke(app, ["run", "evaluate", "--config", str(cfg)])
     assert seen == [str(tmp_path / "named-run" / "lora"), str(tmp_path / "configured-run" / "lora")]

@@ -10,6 +10,8 @@ from pathlib import Path
 import warm_start  # launcher and ranks started warm
 from rank_hook import launch_with_hook
 
+from store import Store
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -17,6 +19,7 @@ def test_a_failed_launch_ends_in_one_line_per_rank_and_one_for_the_launcher(tmp_
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     missing = tmp_path / "no-model"
+    Store(tmp_path / "store")  # empty: a folder without store.json is refused before the model's path
     p = warm_start.run(
         # --standalone: a free port (torchrun's default 29500 may be another test's on a shared machine)
         [sys.executable, "-m", "pipeline.cli", "launch", "--standalone", "--nproc-per-node", "2", "run", "train",
@@ -39,6 +42,7 @@ def test_a_launch_where_one_rank_sees_a_gpu_and_the_other_none_is_refused_by_bot
     the collective timeout, or trained mixed)."""
     # Told to the device decisions only (this project's and accelerate's): libraries that probe the GPU further
     # at import (torchao) would fail on a CPU machine told there is one.
+    Store(tmp_path / "store")  # empty: a folder without store.json is refused first
     p = launch_with_hook(tmp_path, (
         "import os, sys\n"
         "if os.environ.get('RANK') == '1':  # a launched rank 1 only (the launcher's own process has no RANK)\n"

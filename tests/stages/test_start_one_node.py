@@ -38,12 +38,21 @@ def _missing_model_line(path: str) -> str:
     return str(refused.value)
 
 
+def _empty_store(tmp_path) -> str:
+    """A store with no table: the start's own checks come after --store's (a folder without store.json is refused
+    before them, on every node)."""
+    from store import Store
+
+    Store(tmp_path / "store")
+    return str(tmp_path / "store")
+
+
 def _case(name: str, tmp_path, model: str) -> tuple[list[str], tuple[list[str], list[str]], dict, str]:
     """(command, each node's own arguments, node 1's hook or {}, the line every node ends with)."""
     cpu = ["--device", "cpu"]
     if name == "train: node 1's --out holds other files":
         theirs = _other_files(tmp_path / "theirs")
-        out = ["--store", str(tmp_path / "store"), "--model", model, *cpu]
+        out = ["--store", _empty_store(tmp_path), "--model", model, *cpu]
         return (["run", "train"], ([*out, "--out", str(tmp_path / "run")], [*out, "--out", theirs]), {},
                 f"rank 1: --out {theirs} holds other files (notes.txt) and no training run: train writes lora/, "
                 "checkpoints/ and logs/ there; pass a new or empty folder, or the folder of an earlier run")
@@ -51,7 +60,7 @@ def _case(name: str, tmp_path, model: str) -> tuple[list[str], tuple[list[str], 
         hook = tmp_path / "hook"
         hook.mkdir()
         (hook / "sitecustomize.py").write_text(WANDB_ON_RANK_1)
-        args = ["--store", str(tmp_path / "store"), "--model", model, "--out", str(tmp_path / "run"), "--new-run",
+        args = ["--store", _empty_store(tmp_path), "--model", model, "--out", str(tmp_path / "run"), "--new-run",
                 "--set", "train.log_with=[wandb]", *cpu]
         return (["run", "train"], (args, args), {"PYTHONPATH": os.pathsep.join([str(hook), str(REPO)])},
                 "train.log_with: wandb is not installed; `pip install wandb` or log with tensorboard")
@@ -63,12 +72,12 @@ def _case(name: str, tmp_path, model: str) -> tuple[list[str], tuple[list[str], 
                 f"rank 0: config file not found: {tmp_path / 'absent.yaml'}")
     if name == "encode-text: node 0 lacks the model":
         absent = str(tmp_path / "model")
-        args = ["--store", str(tmp_path / "store"), *cpu]
+        args = ["--store", _empty_store(tmp_path), *cpu]
         return (["run", "encode-text"], ([*args, "--model", absent], [*args, "--model", model]), {},
                 f"rank 0: {_missing_model_line(absent)}")
     if name == "evaluate --all-checkpoints: node 1 lacks the run folder":
         (tmp_path / "run").mkdir()
-        args = ["--store", str(tmp_path / "store"), "--model", model, "--out", str(tmp_path / "report"), *cpu]
+        args = ["--store", _empty_store(tmp_path), "--model", model, "--out", str(tmp_path / "report"), *cpu]
         # paths.run: torchrun's own parser takes `--run` after the module for its --run-path
         return (["run", "evaluate", "--all-checkpoints"], ([*args, "--set", f"paths.run={tmp_path / 'run'}"],
                                                           [*args, "--set", f"paths.run={tmp_path / 'absent'}"]), {},
