@@ -99,6 +99,17 @@ def test_a_scan_caches_whole_checked_shards(s3_env, store: Store, tmp_path: Path
     assert Store(root, create=False).versions("vae") == [1]
 
 
+def _flip_in_place(path: Path, at: int, bits: int) -> None:
+    """Damage a cached file on this node's disk as a failing disk does: a byte flipped, size and mtime kept (the
+    cache's open trusts its record of the file)."""
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[at] ^= bits
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
 def _damage_on_server(s3_env, shard: str, at: int) -> None:
     """Flip one byte of an object on the server (same size), through boto3, as a disk or a bad copy would."""
     client = s3_env.client()
@@ -184,12 +195,7 @@ def test_several_samples_damaged_in_a_cached_shard_read_with_check_ahead_are_rea
         for k in keys[::3]:
             shard, start, n = local.view.samples.locate(local.row_of(k))
             path = vdir / shard
-            st = path.stat()
-            data = bytearray(path.read_bytes())
-            data[start + n - 3] ^= 0xFF
-            os.chmod(path, 0o644)
-            path.write_bytes(bytes(data))
-            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+            _flip_in_place(path, start + n - 3, 0xFF)
         root = local_store(url, ["vae"], tmp_path / "cache")
         with Store(root, create=False).reader("vae") as reader:
             reader.check_ahead([reader.row_of(k) for k in keys])
@@ -209,12 +215,7 @@ def test_metadata_damaged_in_the_nodes_cache_are_fetched_again_from_the_url(s3_e
     root = local_store(url, ["vae"], tmp_path / "cache")
     vdir = fmt.version_dir(root, "vae", 1)
     path = vdir / name
-    st = path.stat()
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    os.chmod(path, 0o644)
-    path.write_bytes(bytes(data))
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    _flip_in_place(path, len(path.read_bytes()) // 2, 0x01)
     root = local_store(url, ["vae"], tmp_path / "cache")
     with Store(root, create=False).reader("vae") as reader, store.reader("vae") as local:
         assert reader.keys() == local.keys()
@@ -554,12 +555,7 @@ def test_cached_metadata_another_rank_of_the_node_fetched_again_first_are_read(
     root = local_store(url, ["vae"], tmp_path / "cache")
     vdir = fmt.version_dir(root, "vae", 1)
     path = vdir / name
-    st = path.stat()
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    os.chmod(path, 0o644)
-    path.write_bytes(bytes(data))
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    _flip_in_place(path, len(path.read_bytes()) // 2, 0x01)
     own = remote_shards.refetch_metadata
 
     def after_another_rank(vdir: Path) -> bool:
@@ -587,12 +583,7 @@ def test_a_damaged_cached_metadata_file_is_never_missing_while_it_is_fetched_aga
     root = local_store(url, ["vae"], tmp_path / "cache")
     vdir = fmt.version_dir(root, "vae", 1)
     path = vdir / fmt.SCHEMA_JSON
-    st = path.stat()
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    os.chmod(path, 0o644)
-    path.write_bytes(bytes(data))
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    _flip_in_place(path, len(path.read_bytes()) // 2, 0x01)
     seen = []
     own = remote_sync.fetch_checked
 
@@ -617,12 +608,7 @@ def test_a_schema_damaged_in_the_nodes_cache_is_fetched_again_when_a_stage_looks
     url = _pushed(s3_env, store)
     root = local_store(url, ["vae"], tmp_path / "cache")
     path = fmt.version_dir(root, "vae", 1) / fmt.SCHEMA_JSON
-    st = path.stat()
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    os.chmod(path, 0o644)
-    path.write_bytes(bytes(data))
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    _flip_in_place(path, len(path.read_bytes()) // 2, 0x01)
     assert Store(root, create=False).find_version("vae", lineage()) == 1
     assert not fmt.damaged_marker(root, "vae", 1).exists()
     assert path.read_bytes() == (store.root / "vae" / "v1" / fmt.SCHEMA_JSON).read_bytes()
