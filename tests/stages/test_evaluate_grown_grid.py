@@ -7,6 +7,8 @@ written; a seed removed computes nothing."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -30,6 +32,13 @@ def _forwards(monkeypatch) -> list[int]:
     return rows
 
 
+@contextmanager
+def forwards_counted() -> Iterator[list[int]]:
+    """`_forwards` for a module's fixture (no monkeypatch there)."""
+    with pytest.MonkeyPatch.context() as mp:
+        yield _forwards(mp)
+
+
 def _arrays(out) -> xr.Dataset:
     return xr.open_zarr(out / GROUP).sortby("step").load()
 
@@ -49,12 +58,8 @@ def _report(res) -> dict:
 def fresh(run_and_store, tiny_edit_model, tmp_path_factory):
     """A fresh evaluation with seeds [0, 1], and the forwards it ran."""
     root, out = run_and_store, tmp_path_factory.mktemp("fresh") / "report"
-    rows, real = [], held_out.target_predictions
-    held_out.target_predictions = lambda t, fb: (rows.append(len(fb.targets)), real(t, fb))[1]
-    try:
+    with forwards_counted() as rows:
         res = ev.run(TWO, root / "store", tiny_edit_model, _ckpts(root), out)
-    finally:
-        held_out.target_predictions = real
     assert res.evaluated == 3
     return out, res, rows
 

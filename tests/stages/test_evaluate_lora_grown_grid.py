@@ -13,7 +13,7 @@ import pytest
 from schemas.config import EvaluateConfig
 from stages.evaluate import base_losses, stage
 from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
-from test_evaluate_grown_grid import _forwards
+from test_evaluate_grown_grid import _forwards, forwards_counted
 
 ONE = EvaluateConfig(**{**CFG, "noise_seeds": [0]})
 TWO = EvaluateConfig(**{**CFG, "noise_seeds": [0, 1]})
@@ -22,15 +22,9 @@ TWO = EvaluateConfig(**{**CFG, "noise_seeds": [0, 1]})
 @pytest.fixture(scope="module")
 def fresh(run_and_store, tiny_edit_model, tmp_path_factory):
     """A fresh single-LoRA report with seeds [0, 1] (checkpoint 20's LoRA), and its forwards' rows."""
-    import models.held_out as held_out
-
     root, out = run_and_store, tmp_path_factory.mktemp("fresh") / "report"
-    rows, real = [], held_out.target_predictions
-    held_out.target_predictions = lambda t, fb: (rows.append(len(fb.targets)), real(t, fb))[1]
-    try:
+    with forwards_counted() as rows:
         res = stage.run(TWO, root / "store", tiny_edit_model, dict(_ckpts(root))[20], out)
-    finally:
-        held_out.target_predictions = real
     return out, res, rows
 
 
