@@ -121,7 +121,11 @@ def _closure(remote: Remote, roots: list[tuple[str, int]], versions: dict[tuple[
     """`roots` and, transitively, the versions their schema.json lineage names as upstream: store/gc.py's
     `kept_closure`, each schema.json checked against its version's checksums.json as on a local disk (through a
     temporary copy of the two objects); one that does not read keeps every version of the other tables."""
+    from store.remote_parts import SOURCE_URL
+
     with tempfile.TemporaryDirectory(prefix="store-gc-") as tmp:
+        # the copy of `remote`'s metadata, as verify's is: damage is advised as at a URL (delete, push again)
+        (Path(tmp) / SOURCE_URL).write_text(remote.url)
         def upstream_of(table: str, number: int) -> list[tuple[str, int]] | None:
             v = versions.get((table, number))
             if v is None or (not v.complete and f"{v.name}/{fmt.SCHEMA_JSON}" not in v.objects):
@@ -137,7 +141,8 @@ def _closure(remote: Remote, roots: list[tuple[str, int]], versions: dict[tuple[
             try:
                 upstream = checked_schema(vdir, record=False).lineage.upstream
             except UserError as e:  # named by its URL, not the temporary copy
-                raise type(e)(str(e).replace(str(vdir), f"{remote.url}/{v.name}")) from None
+                raise type(e)(str(e).replace(f", cached in {vdir}", "").replace(str(vdir), f"{remote.url}/{v.name}")) \
+                    from None
             return [(t, int(u)) for t, u in upstream.items()]
 
         return kept_closure(roots, upstream_of, sorted(versions), unknown)
