@@ -28,7 +28,7 @@ def remember(url: str, fs: Any, root: str) -> None:
 
 def not_s3(url: str) -> str | None:
     """The line saying the endpoint of `url` does not speak S3 (naming it and what came back), or None: an S3
-    server, AWS itself, no answer at all (the caller's own line says so), or no endpoint known."""
+    server, AWS itself, no answer at all or a server error (the caller's own line says so), or no endpoint known."""
     if (known := _endpoints.get(url.rstrip("/"))) is None:
         return None
     endpoint, bucket = known
@@ -41,8 +41,9 @@ def not_s3(url: str) -> str | None:
         amz = any(h.lower().startswith("x-amz") for h in e.headers)
     except (OSError, ValueError):
         return None
-    # an S3 server's every answer carries its request id (x-amz-request-id; x-amzn-RequestId), a page of its own too
-    if amz or ("html" not in kind.lower() and not body.lstrip()[:15].lower().startswith((b"<!doctype html", b"<html"))):
+    # an S3 server's every answer carries its request id (x-amz-request-id; x-amzn-RequestId), a page of its own too.
+    # A 5xx page is a proxy's in front of a server that is down (nginx's 502 before MinIO): the caller's line (rerun)
+    if amz or status >= 500 or ("html" not in kind.lower() and not body.lstrip()[:15].lower().startswith((b"<!doctype html", b"<html"))):
         return None
     title = re.search(rb"<title>(.*?)</title>", body, re.IGNORECASE | re.DOTALL)
     page = f"an HTML page titled {title[1].decode(errors='replace').strip()!r}" if title else "an HTML page"

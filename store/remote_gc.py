@@ -103,12 +103,29 @@ def _current(remote: Remote) -> dict[str, int] | None:
     return {t: int(e["current"]) for t, e in rec["tables"].items()}
 
 
+def _once(remote: Remote) -> Callable[[str], bytes]:
+    """`remote.read`, each object fetched once per plan: the closure, each live lease's and the strays' check
+    read the same schema.json / checksums.json (a version's checksums.json can be megabytes)."""
+    got: dict[str, bytes] = {}
+
+    def read(rel: str) -> bytes:
+        if rel not in got:
+            got[rel] = remote.read(rel)
+        return got[rel]
+
+    return read
+
+
 def _closure(remote: Remote, roots: list[tuple[str, int]], versions: dict[tuple[str, int], Version],
-             unknown: dict[tuple[str, int], str] | None = None) -> set:
+             unknown: dict[tuple[str, int], str] | None = None, read: Callable[[str], bytes] | None = None) -> set:
     """`roots` and, transitively, the versions their schema.json lineage names as upstream: store/gc.py's
     `kept_closure`, each schema.json checked against its version's checksums.json as on a local disk (through a
     temporary copy of the two objects); one that does not read keeps every version of the other tables."""
+    from store.remote_parts import SOURCE_URL
+
     with tempfile.TemporaryDirectory(prefix="store-gc-") as tmp:
+        # the copy of `remote`'s metadata, as verify's is: damage is advised as at a URL (delete, push again)
+        (Path(tmp) / SOURCE_URL).write_text(remote.url)
         def upstream_of(table: str, number: int) -> list[tuple[str, int]] | None:
             v = versions.get((table, number))
             if v is None or (not v.complete and f"{v.name}/{fmt.SCHEMA_JSON}" not in v.objects):
@@ -118,13 +135,14 @@ def _closure(remote: Remote, roots: list[tuple[str, int]], versions: dict[tuple[
             for name in (fmt.CHECKSUMS, fmt.SCHEMA_JSON):
                 if f"{v.name}/{name}" in v.objects:
                     try:
-                        (vdir / name).write_bytes(remote.read(f"{v.name}/{name}"))
+                        (vdir / name).write_bytes((read or remote.read)(f"{v.name}/{name}"))
                     except FileNotFoundError:  # removed meanwhile: read as missing
                         pass
             try:
                 upstream = checked_schema(vdir, record=False).lineage.upstream
             except UserError as e:  # named by its URL, not the temporary copy
-                raise type(e)(str(e).replace(str(vdir), f"{remote.url}/{v.name}")) from None
+                raise type(e)(str(e).replace(f", cached in {vdir}", "").replace(str(vdir), f"{remote.url}/{v.name}")) \
+                    from None
             return [(t, int(u)) for t, u in upstream.items()]
 
         return kept_closure(roots, upstream_of, sorted(versions), unknown)
@@ -150,19 +168,20 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
             out.leftovers.append(rel)
     current = _current(remote)
     roots = sorted(current.items()) if current is not None else [tv for tv, v in versions.items() if v.complete]
-    keep = _closure(remote, roots, versions, out.unknown_upstream)
+    read = _once(remote)
+    keep = _closure(remote, roots, versions, out.unknown_upstream, read)
     found_leases = remote_lease.leases(remote, listing, now)  # one GET per lease object (a reader per rank)
     for found in found_leases:
         if not found.live:
             out.dead_leases.append(found)
             continue
-        for tv in sorted(_closure(remote, list(found.versions()), versions, out.unknown_upstream) - keep):
+        for tv in sorted(_closure(remote, list(found.versions()), versions, out.unknown_upstream, read) - keep):
             out.leased.setdefault(tv, []).append(found.describe())
     keep |= set(out.leased)
     held = {tv for found in found_leases if found.live for tv in found.versions()}
     out.uploads = _stale_uploads(remote, now, grace_s, held)
     out.keep = sorted(tv for tv in keep if tv in versions)
-    out.strays = _strays(remote, [versions[tv] for tv in out.keep if versions[tv].complete], now, grace_s)
+    out.strays = _strays(remote, [versions[tv] for tv in out.keep if versions[tv].complete], now, grace_s, read)
     doomed = [v for tv, v in sorted(versions.items()) if tv not in keep]
     out.remove = [v for v in doomed if v.complete]
     for v in (v for v in doomed if not v.complete):
@@ -173,11 +192,13 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
     return out
 
 
-def _strays(remote: Remote, kept: list[Version], now: float, grace_s: float) -> list[str]:
+def _strays(remote: Remote, kept: list[Version], now: float, grace_s: float,
+            read: Callable[[str], bytes] | None = None) -> list[str]:
     """Objects of these complete versions that their checksums.json does not list, untouched for the grace
     period. Two pushes of different stores into one empty prefix race for a version number: the loser's
     write-once shards stay inside the winner's version, which `store verify` then reports for ever ("not listed")
-    and no reader reads. One GET of checksums.json per kept version; one unreadable: nothing removed from it."""
+    and no reader reads. One GET of checksums.json per kept version (`read`: the closure's); one unreadable: nothing
+    removed from it."""
     from store.remote_sync import version_files
 
     out = []
@@ -186,7 +207,7 @@ def _strays(remote: Remote, kept: list[Version], now: float, grace_s: float) -> 
         if all(name in (fmt.CHECKSUMS, fmt.MANIFEST) or age < grace_s for name, age in ages.items()):
             continue  # nothing old enough to judge: no GET
         try:
-            listed = version_files(remote.read(f"{v.name}/{fmt.CHECKSUMS}"), f"{v.name}/{fmt.CHECKSUMS}")
+            listed = version_files((read or remote.read)(f"{v.name}/{fmt.CHECKSUMS}"), f"{v.name}/{fmt.CHECKSUMS}")
         except (FileNotFoundError, UserError):  # gone or damaged: `store verify` names it; nothing judged here
             continue
         out += [f"{v.name}/{name}" for name, age in sorted(ages.items())

@@ -54,10 +54,11 @@ def silent_endpoint():
 
 
 @contextlib.contextmanager
-def html_endpoint(listing_status: int = 200):
+def html_endpoint(listing_status: int = 200, status: int = 200):
     """An endpoint URL that answers every request with an HTML page, 200 OK (a web console on the wrong port, e.g.
     MinIO's console): a server, but no S3 one. `listing_status`: the status of its answer to a listing (a 404 there:
-    the listing reads as empty, the object reads as the page's bytes)."""
+    the listing reads as empty, the object reads as the page's bytes); `status`: of every other answer (a 502: a
+    proxy's error page in front of an S3 server that is down)."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -65,7 +66,7 @@ def html_endpoint(listing_status: int = 200):
 
     class Page(BaseHTTPRequestHandler):
         def _page(self) -> None:
-            self.send_response(listing_status if "list-type=" in self.path else 200)
+            self.send_response(listing_status if "list-type=" in self.path else status)
             self.send_header("Content-Type", "text/html")
             self.send_header("Content-Length", str(len(page)))
             self.end_headers()

@@ -31,3 +31,14 @@ def test_an_endpoint_that_answers_html_is_named_as_not_s3(monkeypatch, store: St
                              "'MinIO Console' (HTTP 200, text/html); point AWS_ENDPOINT_URL (or -o endpoint_url=...) "
                              "at the S3 API, not a web console (MinIO: the API port, 9000 by default, not the "
                              "console's 9001)"), r.output
+
+
+def test_a_proxys_error_page_in_front_of_an_s3_server_is_not_named_as_not_s3(monkeypatch, tmp_path) -> None:
+    """nginx's "502 Bad Gateway" page (HTML, no x-amz header) before a MinIO that is down: the server is an S3 one,
+    and the way out is to start it and rerun, not to point AWS_ENDPOINT_URL elsewhere."""
+    url = "s3://bucket/store"
+    with html_endpoint(502, 502) as endpoint:
+        aws_env(monkeypatch, endpoint)
+        r = CliRunner().invoke(app, ["store", "verify", url])
+    assert r.exit_code != 0, r.output
+    assert "does not speak S3" not in r.output and "502" in r.output, r.output

@@ -121,4 +121,7 @@ def test_gc_of_a_url_keeps_what_a_kept_version_with_an_unreadable_schema_may_nam
     r = runner.invoke(app, ["store", "gc", url])
     assert r.exit_code == 0, r.output
     assert "keep every version of the other tables: vae v1" in r.output and f"{url}/vae/v1" in r.output, r.output
+    # the advice verify gives for it at a URL (a rerun writes a new local version; the remote's object stays)
+    assert f"delete {url}/vae/v1/{fmt.SCHEMA_JSON} (objects are never overwritten) and push that version again" \
+        in r.output and "rerun" not in r.output and "cached in" not in r.output, r.output
     assert {f"store/images/v{v}/{fmt.MANIFEST}" for v in (1, 2, 3)} <= listed()
