@@ -43,7 +43,8 @@ def not_s3(url: str) -> str | None:
         return None
     # an S3 server's every answer carries its request id (x-amz-request-id; x-amzn-RequestId), a page of its own too.
     # A 5xx page is a proxy's in front of a server that is down (nginx's 502 before MinIO): the caller's line (rerun)
-    if amz or status >= 500 or ("html" not in kind.lower() and not body.lstrip()[:15].lower().startswith((b"<!doctype html", b"<html"))):
+    html = "html" in kind.lower() or body.lstrip()[:15].lower().startswith((b"<!doctype html", b"<html"))
+    if amz or status >= 500 or not html:
         return None
     title = re.search(rb"<title>(.*?)</title>", body, re.IGNORECASE | re.DOTALL)
     page = f"an HTML page titled {title[1].decode(errors='replace').strip()!r}" if title else "an HTML page"

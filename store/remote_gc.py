@@ -153,7 +153,8 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
     now = remote.now() if now is None else now
     listing = remote.listing_times()
     if not listing:
-        raise UserError(remote_endpoint.not_s3(remote.url) or f"no store at {remote.url} (nothing there); check the URL")
+        raise UserError(remote_endpoint.not_s3(remote.url)
+                        or f"no store at {remote.url} (nothing there); check the URL")
     versions: dict[tuple[str, int], Version] = {}
     out = RemoteGcPlan()
     for rel, info in listing.items():
