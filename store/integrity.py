@@ -163,6 +163,10 @@ def read_version_checksums(vdir: Path) -> dict[str, dict[str, Any]] | None:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
+        from store.remote_shards import MARKER
+
+        if os.path.isfile(os.path.join(vdir, MARKER)):  # a store URL's cached copy always has one: deleted here
+            raise DamagedData(f"{path} is missing; {repair_hint(vdir, fmt.CHECKSUMS)}") from None
         return None
     try:
         obj = unseal(data)

@@ -64,10 +64,13 @@ class ManifestView:
         from a re-read. The map's pages are the page cache's: shared by every rank reading the version and
         dropped by the kernel when memory runs short, where a private copy (hundreds of MB at 1M samples) would
         be held by each process. Versions are immutable (replaced by rename, never rewritten)."""
-        if not fmt.is_complete(vdir):
+        from store.remote_shards import refetch_metadata
+
+        # a store URL's cached copy is committed whole (renamed into place): one without a manifest lost it on the
+        # node's disk, fetched again
+        if not fmt.is_complete(vdir) and not (refetch_metadata(vdir) and fmt.is_complete(vdir)):
             raise UserError(f"table '{table}' v{version} at {vdir} is incomplete (no {fmt.MANIFEST}); "
                             "rerun the stage that writes it to resume")
-        from store.remote_shards import refetch_metadata
 
         for attempt in (1, 2):
             try:

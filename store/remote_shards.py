@@ -88,8 +88,9 @@ def drop_damaged_copy(vdir: Path, shard: str, problem: str) -> bool:
 def refetch_metadata(vdir: Path) -> bool:
     """A lazily cached version whose metadata failed their check on a reader's open (this node's disk damaged the
     cached copy: the cache's open trusts a file whose size, mtime and inode are those recorded when it was fetched,
-    store/remote_checked.py): its checksums.json, if damaged, and every other metadata file whose bytes differ from
-    it fetched again from the URL, each checked, each replacing the damaged copy in one rename (the node's other
+    store/remote_checked.py; or deleted it: a cleanup, a cache folder partly wiped): its checksums.json, if damaged
+    or missing, and every other metadata file missing or whose bytes differ from it fetched again from the URL,
+    each checked, each replacing the damaged copy in one rename (the node's other
     ranks, opening it meanwhile, never find it missing); True when the cached metadata now match the record (fixed
     here, or by another process of the node since the caller's read): the caller reads them again, once. False
     for a version that is not a cached copy, or whose record on the URL is damaged (refused as before). Refusing
@@ -127,7 +128,7 @@ def _refetch_metadata(vdir: Path, url: str, base: str, fixed: list[str]) -> bool
         remote = open_remote(url)
         try:
             sums = integrity.read_version_checksums(vdir) or {}
-        except integrity.DamagedData:
+        except integrity.DamagedData:  # damaged, or missing (a cached copy always has one)
             record = remote.read(f"{base}/{fmt.CHECKSUMS}")
             try:
                 unseal(record)
@@ -136,9 +137,12 @@ def _refetch_metadata(vdir: Path, url: str, base: str, fixed: list[str]) -> bool
             fmt.atomic_write_bytes(vdir / fmt.CHECKSUMS, record)
             sums = integrity.read_version_checksums(vdir) or {}
             fixed.append(fmt.CHECKSUMS)
-        for name, entry in sorted(sums.items()):
+        # the manifest last: it marks a version complete (`fmt.is_complete`), its other files there before it
+        for name, entry in sorted(sorted(sums.items()), key=lambda item: item[0] == fmt.MANIFEST):
             path = vdir / name
-            if is_shard(name) or not path.exists() or file_crc(path) == (entry["crc32c"], entry["nbytes"]):
+            # missing too: the open fetched every file but the shards, so one not there was deleted on the node (a
+            # cleanup, a cache folder partly wiped), not yet to be fetched
+            if is_shard(name) or (path.exists() and file_crc(path) == (entry["crc32c"], entry["nbytes"])):
                 continue
             # to a name of its own (`fetch_checked` would trust its record of the bytes first fetched to `path`;
             # a process tag: the node's ranks may fetch it at once), then one rename over the damaged copy

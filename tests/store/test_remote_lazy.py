@@ -612,3 +612,37 @@ def test_a_schema_damaged_in_the_nodes_cache_is_fetched_again_when_a_stage_looks
     assert Store(root, create=False).find_version("vae", lineage()) == 1
     assert not fmt.damaged_marker(root, "vae", 1).exists()
     assert path.read_bytes() == (store.root / "vae" / "v1" / fmt.SCHEMA_JSON).read_bytes()
+
+
+@pytest.mark.parametrize("name", [fmt.MANIFEST, fmt.SCHEMA_JSON, fmt.CHECKSUMS])
+def test_metadata_deleted_from_the_nodes_cache_are_fetched_again_from_the_url(s3_env, store: Store, tmp_path: Path,
+                                                                             name: str) -> None:
+    """A version's metadata file deleted from the node's cache (an over-eager cleanup, a cache folder partly
+    wiped), the URL's intact: it was refused as damage (recorded in the cache, every later run on the node refusing
+    the version) or, for checksums.json, the version read unchecked. It is fetched again from the URL, checked, as
+    a damaged one is, and the version reads back as written."""
+    url = _pushed(s3_env, store)
+    root = local_store(url, ["vae"], tmp_path / "cache")
+    vdir = fmt.version_dir(root, "vae", 1)
+    (vdir / name).unlink()
+    with Store(root, create=False).reader("vae") as reader, store.reader("vae") as local:
+        assert reader.keys() == local.keys()
+        for k in _one_key_per_shard(local):
+            assert _same(reader.tensors(k), local.tensors(k))
+    assert not fmt.damaged_marker(root, "vae", 1).exists()
+    assert (vdir / name).read_bytes() == (store.root / "vae" / "v1" / name).read_bytes()
+
+
+def test_a_schema_deleted_from_the_nodes_cache_is_fetched_again_when_a_stage_looks_for_its_version(
+        s3_env, store: Store, tmp_path: Path) -> None:
+    """`find_version` through the cache (`checked_schema`): a schema.json missing there is fetched again, the
+    version found, nothing recorded."""
+    from store_samples import lineage
+
+    url = _pushed(s3_env, store)
+    root = local_store(url, ["vae"], tmp_path / "cache")
+    path = fmt.version_dir(root, "vae", 1) / fmt.SCHEMA_JSON
+    path.unlink()
+    assert Store(root, create=False).find_version("vae", lineage()) == 1
+    assert not fmt.damaged_marker(root, "vae", 1).exists()
+    assert path.read_bytes() == (store.root / "vae" / "v1" / fmt.SCHEMA_JSON).read_bytes()
