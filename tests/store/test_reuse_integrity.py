@@ -140,3 +140,19 @@ def test_a_version_note_is_read_back_for_its_version_only_and_goes_with_it(store
     _write(store, "b", range(2))
     collect(store.root, echo=lambda _: None)
     assert store.versions("vae") == [2] and not note.exists()
+
+
+def test_a_schema_json_flipped_to_the_wanted_lineage_is_not_reused_by_reusable_keys(store: Store) -> None:
+    """`reusable_keys` (which of a version's values a resize carries) read schema.json unchecked: a flipped byte
+    that still parses and names the wanted feature lineage reused the rows of another lineage. Checked now, the
+    version is skipped (recorded as damaged, as a reader records it)."""
+    from store.reuse import reusable_keys
+
+    _write(store, "a", range(6))
+    path = store.version_dir("vae", 1) / fmt.SCHEMA_JSON
+    data = path.read_bytes()
+    assert data.count(LINEAGE.encode()) == 1
+    path.write_bytes(data.replace(LINEAGE.encode(), LINEAGE[:-1].encode() + b"8"))
+    assert reusable_keys(store, "vae", LINEAGE[:-1] + "8", "split") == {}
+    assert fmt.damaged_marker(store.root, "vae", 1).exists()
+    assert reusable_keys(store, "vae", LINEAGE, "split") == {}  # the damaged version is not reused either
