@@ -18,7 +18,7 @@ from store import format as fmt
 from store import quarantine
 from store.join import JoinedTables
 from store.integrity import DamagedData
-from store.manifest_files import checked_schema, read_schema
+from store.manifest_files import checked_schema
 from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader
 from store.writer import TableWriter
 
@@ -130,9 +130,9 @@ class Store:
             vdir = self.version_dir(table, v)
             if not fmt.is_complete(vdir):
                 continue
-            try:
-                return v, read_schema(vdir)
-            except UserError:  # unreadable: the next older one
+            try:  # checked: a flipped bit that still parses must not stand for the version in what is compared
+                return v, checked_schema(vdir)
+            except UserError:  # unreadable or damaged (recorded, as a reader records it): the next older one
                 continue
         return None
 

@@ -125,3 +125,15 @@ def test_gc_of_a_url_keeps_what_a_kept_version_with_an_unreadable_schema_may_nam
     assert f"delete {url}/vae/v1/{fmt.SCHEMA_JSON} (objects are never overwritten) and push that version again" \
         in r.output and "rerun" not in r.output and "cached in" not in r.output, r.output
     assert {f"store/images/v{v}/{fmt.MANIFEST}" for v in (1, 2, 3)} <= listed()
+
+
+def test_newest_complete_skips_a_version_whose_schema_reads_but_fails_its_checksum(store: Store) -> None:
+    """`newest_complete` (what a run writing a new version compares itself with, and the version whose notes
+    resize reads) parsed schema.json unchecked: a flipped bit that still parses ("mask_weight" -> "mask_weighu")
+    stood for the version. Checked now, the version is skipped for the next older one and recorded as damaged."""
+    fill(store, 3, tag="a")
+    fill(store, 3, tag="b")
+    damage(store.version_dir("vae", 2) / fmt.SCHEMA_JSON, "renamed-field")
+    v, schema = store.newest_complete("vae")
+    assert (v, schema.lineage) == (1, lineage("a"))
+    assert fmt.damaged_marker(store.root, "vae", 2).exists()
