@@ -49,7 +49,8 @@ def run_record(lora: str | Path) -> tuple[Path, dict[str, str]] | None:
 def training_images(st, tables: dict[str, str]) -> tuple[int | None, str | None]:
     """(the `images` version the run's text / vae tables were encoded from, None) or (None, why it cannot be
     told: a version collected or rebuilt since)."""
-    from store.manifest_files import read_schema
+    from schemas.errors import UserError
+    from store.manifest_files import checked_schema
 
     for table in ("vae", "text"):
         vid = tables.get(table)
@@ -59,11 +60,14 @@ def training_images(st, tables: dict[str, str]) -> tuple[int | None, str | None]
         version = int(m.group(1))
         try:
             same = st.version_id(table, version) == vid
-            upstream = read_schema(st.version_dir(table, version)).lineage.upstream.get("images") if same else None
         except Exception:  # noqa: BLE001 - gone or unreadable: the check cannot be made, said as such
-            same, upstream = False, None
+            same = False
         if not same:
             return None, f"table '{table}' {vid} it trained on is no longer in the store (collected or rebuilt)"
+        try:  # checked: a flipped digit that still parses would name another images version's val rows
+            upstream = checked_schema(st.version_dir(table, version)).lineage.upstream.get("images")
+        except UserError as e:  # damaged (recorded, as a reader records it) or unreadable
+            return None, f"table '{table}' {vid} it trained on does not read ({e})"
         try:
             return int(upstream), None
         except (TypeError, ValueError):

@@ -137,3 +137,22 @@ def test_newest_complete_skips_a_version_whose_schema_reads_but_fails_its_checks
     v, schema = store.newest_complete("vae")
     assert (v, schema.lineage) == (1, lineage("a"))
     assert fmt.damaged_marker(store.root, "vae", 2).exists()
+
+
+def test_evaluate_never_takes_the_images_version_trained_on_from_a_schema_that_fails_its_checksum(
+        store: Store) -> None:
+    """evaluate's trained-on check reads which `images` version a run's `vae` table was encoded from in its
+    schema.json: read unchecked, a flipped bit that still parses ("images": 1 -> 0) named another version, whose
+    train rows the val samples were then compared with. Checked now, the check says it cannot be made."""
+    import re
+
+    from stages.evaluate.trained_val import training_images
+
+    fill(store, 3, tag="a")
+    path = store.version_dir("vae", 1) / fmt.SCHEMA_JSON
+    data = path.read_bytes()
+    at = re.search(rb'"images":\s*1', data).end() - 1
+    flip_bit(path, at, 0)
+    assert path.read_bytes()[at:at + 1] == b"0"
+    images, why = training_images(store, {"vae": store.version_id("vae", 1)})
+    assert images is None and "does not read" in why and fmt.SCHEMA_JSON in why
