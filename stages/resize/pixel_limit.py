@@ -3,8 +3,9 @@
 The limit is checked while decoding; a carried sample is not decoded. A limit lowered since its rows were rendered
 must still quarantine them as a fresh run does, and a limit raised must read nothing. So each version records the
 limit all its rows were checked under (a version note, `NOTE`); a version without one (written before the note, or
-on a store URL) counts as checked under the highest limit any complete version of the table records. A key held by
-a version checked under a limit no higher than now's is within it. Any other is checked: by its target's recorded
+on a store URL) counts as checked under the highest limit any complete version of the table records (its
+schema.json checked against checksums.json; one that does not read makes that limit unknown: every such row is
+checked). A key held by a version checked under a limit no higher than now's is within it. Any other is checked: by its target's recorded
 size (`source_size`) when that is its only image, else by the image headers of its bytes (the reader's `reread`).
 One that is over the limit (or whose header cannot be read) is rendered, so rejected exactly as a fresh run
 rejects it: `image-too-large` (`bad-mask` for a mask) naming the first such file.
@@ -50,20 +51,25 @@ def pixel_limit(st: Store, limit: int) -> PixelLimit:
     from schemas import UserError
     from schemas.config import ResizeConfig
     from store import format as fmt
-    from store.manifest_files import checked_manifest, read_schema
+    from store.manifest_files import checked_manifest, checked_schema
     from store.version_notes import read_note
 
     recorded: dict[int, int] = {}
+    unknown = False  # a complete version whose schema.json does not read: the limit it records is unknown
     for v in st.versions(TABLE):
         vdir = st.version_dir(TABLE, v)
         try:
             if fmt.is_complete(vdir):
-                resize = read_schema(vdir).attrs.get("resize")
+                # checked: a flipped digit that still parses would lower the bound and skip the recheck
+                resize = checked_schema(vdir).attrs.get("resize")
                 value = resize.get("max_image_pixels") if isinstance(resize, dict) else None
                 recorded[v] = value if isinstance(value, int) else ResizeConfig().max_image_pixels
-        except UserError:  # unreadable: nothing is carried from it (store/reuse.py)
+        except UserError:  # unreadable or damaged: nothing is carried from it (store/reuse.py), but the versions
+            unknown = True  # without a note may hold rows carried from it, checked under a limit it no longer tells
             continue
-    highest = max(recorded.values(), default=0)
+    # an unknown limit may be the highest: those versions' rows are all checked, never taken as within one a
+    # damaged schema.json names
+    highest = float("inf") if unknown else max(recorded.values(), default=0)
     checked = {v: _note(read_note(st, TABLE, v, NOTE), highest) for v in recorded}
     if all(bound <= limit for bound in checked.values()):
         return PixelLimit(limit)
@@ -91,7 +97,7 @@ def pixel_limit(st: Store, limit: int) -> PixelLimit:
     return PixelLimit(limit, recheck)
 
 
-def _note(value: object, highest: int) -> int:
+def _note(value: object, highest: float) -> float:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else highest
 
 

@@ -156,3 +156,30 @@ def test_evaluate_never_takes_the_images_version_trained_on_from_a_schema_that_f
     assert path.read_bytes()[at:at + 1] == b"0"
     images, why = training_images(store, {"vae": store.version_id("vae", 1)})
     assert images is None and "does not read" in why and fmt.SCHEMA_JSON in why
+
+
+def test_a_schema_that_fails_its_checksum_never_lowers_the_pixel_limit_carried_rows_count_as_checked_under(
+        store: Store) -> None:
+    """resize's pixel limit: a version without a note counts as checked under the highest limit any complete
+    version's schema.json records. Read unchecked, a flipped digit that still parses (3000000 -> 2000000) lowered
+    that bound under a lowered limit, and the note-less version's rows were carried unchecked. Checked now, a
+    limit that does not read is unknown: those rows are all checked."""
+    from dataclasses import replace
+
+    from stages.resize.pixel_limit import pixel_limit
+    from store_samples import key_of, sample
+
+    for tag, most, idx in (("a", 2_000_000, range(3)), ("b", 3_000_000, range(3, 6))):
+        s = vae_schema(tag)
+        w = store.writer("images", replace(s, name="images", attrs={**s.attrs, "resize": {"max_image_pixels": most}}),
+                         shard_size_mb=0.004)
+        for i in idx:
+            got = sample(i)
+            w.add(got["key"], tensors=got["tensors"], files=got["files"], meta=got["meta"])
+        w.commit()
+    path = store.version_dir("images", 2) / fmt.SCHEMA_JSON
+    data = path.read_bytes()
+    at = data.index(b"3000000")
+    flip_bit(path, at, 0)
+    assert path.read_bytes()[at:at + 7] == b"2000000"
+    assert set(pixel_limit(store, 2_500_000).recheck) == {key_of(i) for i in range(3)}
