@@ -5,8 +5,9 @@ must still quarantine them as a fresh run does, and a limit raised must read not
 limit all its rows were checked under (a version note, `NOTE`); a version without one (written before the note, or
 on a store URL) counts as checked under the highest limit any complete version of the table records (its
 schema.json checked against checksums.json; one that does not read makes that limit unknown: every such row is
-checked). A key held by a version checked under a limit no higher than now's is within it. Any other is checked: by its target's recorded
-size (`source_size`) when that is its only image, else by the image headers of its bytes (the reader's `reread`).
+checked). A key held by a version checked under a limit no higher than now's is within it. Any other is checked:
+by its target's recorded size (`source_size`) when that is its only image, else by the image headers of its bytes
+(the reader's `reread`).
 One that is over the limit (or whose header cannot be read) is rendered, so rejected exactly as a fresh run
 rejects it: `image-too-large` (`bad-mask` for a mask) naming the first such file.
 """
