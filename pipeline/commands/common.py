@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, NoReturn
 
 import typer
 
@@ -56,9 +56,8 @@ def with_variant(record: dict, model: str | None) -> dict:
 
 def parse_sets(items: list[str], flag: str = "--set", form: str = "SECTION.KEY=VALUE") -> dict[str, Any]:
     """`["train.batch_size=8", ...]` -> `{"train.batch_size": 8}` (values parsed as YAML). `flag` / `form`: how
-    the mistake names the option (`store push -o KEY=VALUE` parses its items here too). A mistake is a usage error
-    told as every other one is: one red `error: ` line, exit 2 (a `typer.BadParameter` raised here, outside typer's
-    own parsing, printed typer's boxed usage panel instead)."""
+    the mistake names the option (`store push -o KEY=VALUE` parses its items here too). A mistake is a
+    `usage_error`."""
     import yaml
 
     from pipeline.config import yaml_problem
@@ -68,18 +67,21 @@ def parse_sets(items: list[str], flag: str = "--set", form: str = "SECTION.KEY=V
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            _usage_error(f"{flag}: expected {form}, got {without_secrets(item)!r}")
+            usage_error(f"{flag}: expected {form}, got {without_secrets(item)!r}")
         try:
             out[key.strip()] = yaml.safe_load(value)
         except yaml.YAMLError as e:  # PyYAML's own message is a caret drawing over several lines
             # no caret drawing either: it shows the value, and a `-o secret=...` never goes into a message
             where = "" if without_secrets(item) != item else f" ({yaml_problem(e)})"
-            _usage_error(f"{flag} {without_secrets(item)!r}: the value is not valid YAML{where}; fix it, or quote a "
+            usage_error(f"{flag} {without_secrets(item)!r}: the value is not valid YAML{where}; fix it, or quote a "
                          "string value")
     return out
 
 
-def _usage_error(line: str) -> None:
+def usage_error(line: str) -> NoReturn:
+    """A mistake on the command line found by the command's own checks (a flag's callback, or after parsing): one
+    red `error: LINE` and exit 2, as `config_from`'s; a `typer.BadParameter` raised there printed typer's boxed
+    usage panel instead."""
     report_error(line)
     raise typer.Exit(2)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from pipeline.commands.common import JsonOpt, emit, json_mode, user_errors
+from pipeline.commands.common import JsonOpt, emit, json_mode, usage_error, user_errors
 from pipeline.launched import one_process
 
 
@@ -18,12 +18,12 @@ def command(
 ) -> None:
     one_process("compare")  # every rank would write the same page and table
     if len(inputs) < 2:  # a usage mistake (exit 2), like a missing argument; write_compare refuses it too
-        raise typer.BadParameter("pass at least two reports or runs", param_hint="INPUTS")
+        usage_error("INPUTS: pass at least two reports or runs")
     from stages.evaluate.compare import given_twice, write_compare
 
     # `R R` or `R ./R/`: judged on the paths alone (the lookup of their loss groups finds R and R/losses.zarr)
     if twice := given_twice(inputs, [Path(p).resolve() for p in inputs]):
-        raise typer.BadParameter(twice, param_hint="INPUTS")
+        usage_error(f"INPUTS: {twice}")
 
     with user_errors(), json_mode(as_json):
         result = write_compare(inputs, out)

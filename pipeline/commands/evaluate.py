@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from pipeline.commands.common import (ConfigOpt, JsonOpt, SetOpt, config_from, emit, existing_store, json_mode, require,
-                                     user_errors)
+                                     usage_error, user_errors)
 from pipeline.commands.store_remote import CacheDirOpt, CacheGbOpt
 
 
@@ -38,10 +38,10 @@ def command(
     cache_gb: Optional[float] = CacheGbOpt,
 ) -> None:
     if lora and (all_checkpoints or run_dir):  # one of them would be ignored: the report of another LoRA than named
-        raise typer.BadParameter("--all-checkpoints evaluates every checkpoint of --run (or paths.run), --lora one "
-                                 "LoRA, and --run RUN alone its RUN/lora: pass --lora or --run, not both"
-                                 if not all_checkpoints else "--lora names one LoRA, --all-checkpoints evaluates "
-                                 "every checkpoint of --run (or paths.run): pass one of them", param_hint="--lora")
+        usage_error("--all-checkpoints evaluates every checkpoint of --run (or paths.run), --lora one LoRA, and "
+                    "--run RUN alone its RUN/lora: pass --lora or --run, not both" if not all_checkpoints else
+                    "--lora names one LoRA, --all-checkpoints evaluates every checkpoint of --run (or paths.run): "
+                    "pass one of them")
     if not all_checkpoints:  # refused before anything is read: every rank would pull a store URL's cache first
         from pipeline.launched import one_process
 

@@ -7,7 +7,7 @@ from typing import Optional, get_args
 
 import typer
 
-from pipeline.commands.common import StrictBaseOpt, checked_lora, echo, finite, one_of, user_errors
+from pipeline.commands.common import StrictBaseOpt, checked_lora, echo, finite, one_of, usage_error, user_errors
 from schemas.config import DType
 from pipeline.launched import one_process
 
@@ -25,12 +25,12 @@ def _safetensors_file(out: Path) -> Path:
     from schemas.temp_files import check_name_fits
 
     if out is not None and out.suffix != ".safetensors":  # export_lora refuses it too (its callers outside the CLI)
-        raise typer.BadParameter(f"{out}: the export is one .safetensors file; name it *.safetensors")
+        usage_error(f"--out {out}: the export is one .safetensors file; name it *.safetensors")
     try:
         if out is not None:
             check_name_fits(out, "--out")  # export_lora too
     except UserError as e:
-        raise typer.BadParameter(str(e).removeprefix("--out ")) from None
+        usage_error(str(e))
     return out
 
 

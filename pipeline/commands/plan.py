@@ -10,14 +10,14 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import (ConfigOpt, SetOpt, config_from, echo, finite, require, usage_errors,
+from pipeline.commands.common import (ConfigOpt, SetOpt, config_from, echo, finite, require, usage_error, usage_errors,
                                      user_errors)
 
 
 def _device_type(device: str) -> str:
     # anything else was planned as a CPU (auto = float32) under the name given: `--device tpu`, `--device gpu`
     if device.split(":")[0] not in ("cuda", "cpu"):
-        raise typer.BadParameter(f"{device!r}: plan for cuda (cuda:N) or cpu")
+        usage_error(f"--device {device!r}: plan for cuda (cuda:N) or cpu")
     return device
 
 

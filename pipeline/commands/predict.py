@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from pipeline.commands.common import (ConfigOpt, SetOpt, StrictBaseOpt, checked_lora, config_from, echo, finite,
-                                     usage_errors, user_errors)
+                                     usage_error, usage_errors, user_errors)
 from pipeline.launched import one_process
 from schemas.img_shapes import PIXELS_PER_PATCH
 
@@ -35,7 +35,7 @@ def _image_file(out: Path) -> Path:
     try:
         image_format(out)
     except UserError as e:
-        raise typer.BadParameter(str(e).removeprefix("--out ")) from None
+        usage_error(str(e))
     return out
 
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, one_of, user_errors
+from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, one_of, usage_error, user_errors
 from pipeline.launched import one_process
 
 
@@ -20,11 +20,11 @@ def make_tiny_model(
 ) -> None:
     one_process("make-tiny-model")  # every rank would build the same model into OUT
     if variant not in ("edit", "edit-plus", "edit-2511", "qwen-image-2.1"):
-        raise typer.BadParameter("use 'edit', 'edit-plus', 'edit-2511' or 'qwen-image-2.1'", param_hint="--variant")
+        usage_error(f"--variant {variant!r}: use 'edit', 'edit-plus', 'edit-2511' or 'qwen-image-2.1'")
     if layers is not None and not full_width:
-        raise typer.BadParameter("--layers needs --full-width", param_hint="--layers")
+        usage_error("--layers needs --full-width")
     if full_width and variant == "edit-2511":  # models/full_width.py builds no other (exit 1 there, after parsing)
-        raise typer.BadParameter("--full-width builds 'edit', 'edit-plus' or 'qwen-image-2.1'", param_hint="--variant")
+        usage_error(f"--variant {variant!r}: --full-width builds 'edit', 'edit-plus' or 'qwen-image-2.1'")
     with user_errors():
         write_tiny_model(out, variant, seed, full_width=full_width, layers=layers)
     echo(f"wrote {'full-width' if full_width else 'tiny'} {variant} model to {out}")

@@ -45,6 +45,10 @@ def grids(folder: Path, settings: dict, lora: str | Path, axes: Axes,
     sha = settings["lora_sha256"]  # hashed: a group holds no row of other bytes
     with writing("the held-out losses (lora-losses) of the report", folder):
         losses = LossStore(folder, _hash(settings), axes, settings, take_back=True, dtype="float64")
+    if losses.kept_aside is not None and losses.aside_reason != "the settings changed":
+        # a damaged / unreadable group (or other samples) set aside: said as --all-checkpoints' `_plan` says it (a
+        # retrained LoRA's or a changed setting's group goes aside as this module's doc says, silently)
+        tqdm.write(f"held-out loss: {losses.aside_reason}: the earlier losses are kept in {losses.kept_aside}")
     need_base, need_lora = not losses.has_base(), losses.steps().get(STEP) != sha
     # the base-losses file first: a base read from it takes no cell of a donor, and the line says so (it named
     # "the base" among the rows taken from a kept group while the base came from the file)

@@ -97,8 +97,37 @@ def test_a_flag_value_out_of_its_range_is_a_usage_error_before_any_work(args, fl
     monkeypatch.chdir(tmp_path)
     r = _run(args)
     assert r.exit_code == 2, r.output
-    assert f"'{flag}'" in r.output and "Traceback" not in r.output, r.output
+    # typer's own range check says "'--flag'"; the command's own checks start their one line with the flag
+    assert (f"'{flag}'" in r.output or r.output.startswith(f"error: {flag} ")) and "Traceback" not in r.output, \
+        r.output
     assert not (tmp_path / "OUT").exists()
+
+
+@pytest.mark.parametrize("args, said", [
+    (["compare", "a", "--out", "cmp"], "error: INPUTS: pass at least two reports or runs"),
+    (["compare", "a", "a", "--out", "cmp"], "error: INPUTS: a is given twice: pass each run once"),
+    (["plan", "--model", "M", "--device", "tpu"], "error: --device 'tpu': plan for cuda (cuda:N) or cpu"),
+    (["lora", "export", "L", "--out", "OUT"],
+     "error: --out OUT: the export is one .safetensors file; name it *.safetensors"),
+    (["lora", "export", "L", "--out", "ü" * 128 + ".safetensors"], "error: --out "),
+    (["predict", "--model", "M", "--image", "I.png", "--prompt", "x", "--out", "OUT"],
+     "error: --out OUT: no extension is not an image type"),
+    (["make-tiny-model", "OUT", "--variant", "edit-3000"],
+     "error: --variant 'edit-3000': use 'edit', 'edit-plus', 'edit-2511' or 'qwen-image-2.1'"),
+    (["make-tiny-model", "OUT", "--layers", "2"], "error: --layers needs --full-width"),
+    (["make-tiny-model", "OUT", "--full-width", "--variant", "edit-2511"],
+     "error: --variant 'edit-2511': --full-width builds 'edit', 'edit-plus' or 'qwen-image-2.1'"),
+    (["run", "evaluate", "--store", "ST", "--model", "M", "--lora", "L", "--all-checkpoints"],
+     "error: --lora names one LoRA, --all-checkpoints evaluates every checkpoint"),
+], ids=lambda a: " ".join(a[:2]) if isinstance(a, list) else None)
+def test_a_mistake_the_command_checks_itself_is_one_error_line_not_a_usage_box(args, said, tmp_path, monkeypatch):
+    """A `typer.BadParameter` raised by a command's own check (a flag's callback, or after parsing) printed typer's
+    boxed usage panel over several lines; every other mistake is one red `error: ` line. Exit 2 either way."""
+    monkeypatch.chdir(tmp_path)
+    r = _run(args)
+    assert r.exit_code == 2 and r.output.startswith(said) and r.output.count("\n") == 1, r.output
+    assert not set(r.output) & set("╭│╰─"), r.output
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_usage_mistake_found_after_parsing_is_exit_2(tmp_path):

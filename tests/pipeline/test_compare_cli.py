@@ -42,6 +42,5 @@ def test_the_same_folder_given_twice_is_a_usage_mistake(tmp_path, monkeypatch):
     for args, said in ((["run", "run"], "run is given twice: pass each run once"),
                        (["run", "./run/", "other"], "./run/ and run are the same report: pass each run once")):
         r = CliRunner().invoke(app, ["compare", *args, "--out", "cmp"])
-        shown = " ".join(r.output.replace("│", " ").split())  # the usage error's box wraps the line
-        assert r.exit_code == 2 and f"Invalid value for INPUTS: {said}" in shown, r.output
+        assert r.exit_code == 2 and r.output == f"error: INPUTS: {said}\n", r.output
     assert not (tmp_path / "cmp").exists()

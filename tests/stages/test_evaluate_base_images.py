@@ -237,6 +237,36 @@ def test_another_loss_grid_generates_no_image_of_a_single_lora_report(run_and_st
     assert run(grid, ckpts[20], tmp_path / "report")[0] == 2  # another LoRA: its own column
 
 
+def test_another_lora_scale_generates_the_lora_column_alone(run_and_store, tiny_edit_model, tmp_path, monkeypatch):
+    """evaluate.lora_scale is in the key of the LoRA images (OUT/lora-images), not of the base images: a report
+    rerun at another scale generates its LoRA column again (the base column kept), and pictures the LoRA at that
+    scale; a rerun at that scale generates nothing."""
+    import models.generate
+    from stages.evaluate import report as report_mod
+    from stages.evaluate import stage
+
+    calls, rows = [], []
+    generate, write = models.generate.generate, report_mod.write_report
+    monkeypatch.setattr(models.generate, "generate", lambda *a, **k: (calls.append(1), generate(*a, **k))[1])
+    monkeypatch.setattr(stage, "write_report", lambda out, metrics, r: (rows.append(r), write(out, metrics, r))[1])
+    lora, out = dict(_ckpts(run_and_store))[10], tmp_path / "report"
+
+    def made(cfg) -> int:
+        calls.clear()
+        stage.run(cfg, run_and_store / "store", tiny_edit_model, lora, out, skip_if_done=True)
+        return len(calls)
+
+    cfg = EvaluateConfig(**{**CFG, "num_samples": 2, "num_inference_steps": 2})
+    half = cfg.model_copy(update={"lora_scale": 0.5})
+    assert made(cfg) == 4
+    full_scale = rows[-1]
+    assert made(half) == 2  # the LoRA column alone
+    for a, b in zip(full_scale, rows[-1]):
+        np.testing.assert_array_equal(np.asarray(a.base), np.asarray(b.base))
+        assert not np.array_equal(np.asarray(a.lora), np.asarray(b.lora))  # the LoRA at half strength
+    assert made(half) == 0
+
+
 def test_single_lora_evaluate_reuses_its_base_losses(run_and_store, tiny_edit_model, tmp_path, monkeypatch):
     """The base's held-out loss pass (LoRA off) cost as much as the LoRA's and was run again by every rerun.
     Now it is kept in OUT/base-losses.safetensors under the base images' key over all val samples: another LoRA

@@ -95,3 +95,23 @@ def test_a_base_from_the_base_losses_file_is_not_said_to_come_from_a_kept_group(
     assert len(rows) * 2 == len(fresh[2]) // 2  # the LoRA's seed-1 cells alone: a quarter of a fresh report's
     alone = stage.run(TWO, root / "store", tiny_edit_model, lora, tmp_path / "alone")
     assert grown.metrics["loss"] == alone.metrics["loss"]
+
+
+def test_a_damaged_group_of_lora_losses_is_set_aside_saying_so(run_and_store, tiny_edit_model, tmp_path, capsys,
+                                                               fresh):
+    """A cut-short OUT/lora-losses/losses.zarr/zarr.json: the group is set aside and the grids computed again, as a
+    fresh report's, and one line says what was found and where the earlier losses are kept (--all-checkpoints says
+    it; single-LoRA evaluate said nothing)."""
+    from stages.evaluate import lora_losses
+
+    root, out = run_and_store, tmp_path / "report"
+    shutil.copytree(fresh[0], out)
+    group = out / lora_losses.FOLDER / "losses.zarr"
+    (group / "zarr.json").write_bytes((group / "zarr.json").read_bytes()[:100])
+    capsys.readouterr()
+    res = stage.run(TWO, root / "store", tiny_edit_model, dict(_ckpts(root))[20], out)
+    said = [line for line in capsys.readouterr().out.splitlines() if "losses are kept in" in line]
+    assert len(said) == 1 and f"held-out loss: {group} could not be read" in said[0], said
+    aside = said[0].rsplit("kept in ", 1)[1]
+    assert aside.startswith(str(group.parent / "losses.")) and (group.parent / aside.rsplit("/", 1)[1]).is_dir()
+    assert res.metrics["loss"] == fresh[1].metrics["loss"]
