@@ -836,7 +836,7 @@ def _refuse_a_switch_without_hashes(st: Store, rc: ResizeConfig, schema: TableSc
     rendered, not after (`_carry_forward` checks every version it carries from). One column of the manifest read,
     on a switch only. A switch that renders every sample anew (other pixels' settings) needs none."""
     from stages.resize.split_rule import recorded_rule
-    from store.manifest_files import checked_manifest, read_schema
+    from store.manifest_files import checked_manifest, checked_schema
     from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR, same_features
 
     current = st.tables().get(TABLE)
@@ -844,13 +844,13 @@ def _refuse_a_switch_without_hashes(st: Store, rc: ResizeConfig, schema: TableSc
         return
     vdir = st.version_dir(TABLE, current)
     now = schema.attrs[FEATURE_LINEAGE_ATTR]
-    try:
-        attrs = read_schema(vdir).attrs
+    try:  # checked: a flipped bit that still parses is no old release's version to refuse the switch for
+        attrs = checked_schema(vdir).attrs
         before = schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR) or now
         if recorded_rule(attrs) == "pictures" or not same_features(attrs, (now, before)):
             return
         rows = checked_manifest(vdir, ["source_hashes"])
-    except (UserError, OSError):  # unreadable: the run says so where it reads it
+    except (UserError, OSError):  # damaged (recorded: nothing is carried from it) or unreadable: said where read
         return
     missing = rows.column("source_hashes").null_count if "source_hashes" in rows.column_names else rows.num_rows
     if missing:

@@ -188,24 +188,29 @@ def test_store_repair_re_renders_a_version_under_its_recorded_rule(tmp_path):
     assert _attrs(store, Store(store).tables()["images"])["split_by"] == "key"
 
 
-def test_a_version_without_source_hashes_refuses_the_pictures_split_in_one_line(tmp_path):
-    """A version written before `source_hashes` was recorded (no such column in its manifest): the switch to
-    pictures has no pictures' identity for the samples it carries. One line naming the version and what to do
-    (it was an internal ValueError); the key split still carries them."""
+def _as_written_without_source_hashes(vdir) -> None:
+    """The version as a release before `source_hashes` wrote it: the column dropped, checksums.json recording
+    that manifest."""
     import pyarrow.parquet as pq
 
     from store import format as fmt
     from store.checksum import file_crc, seal, unseal
 
-    _source(tmp_path / "src", pairs=6)
-    store = tmp_path / "st"
-    old, _ = _resize(tmp_path / "src", store, **{"resize.split_by": "key"})
-    vdir = Store(store, create=False).version_dir("images", old["version"])
     pq.write_table(pq.read_table(vdir / fmt.MANIFEST).drop_columns(["source_hashes"]), vdir / fmt.MANIFEST)
-    sums = unseal((vdir / fmt.CHECKSUMS).read_bytes())  # the manifest as that release recorded it
+    sums = unseal((vdir / fmt.CHECKSUMS).read_bytes())
     crc, nbytes = file_crc(vdir / fmt.MANIFEST)
     sums["files"][fmt.MANIFEST] = {"nbytes": nbytes, "crc32c": crc}
     (vdir / fmt.CHECKSUMS).write_bytes(seal(sums))
+
+
+def test_a_version_without_source_hashes_refuses_the_pictures_split_in_one_line(tmp_path):
+    """A version written before `source_hashes` was recorded (no such column in its manifest): the switch to
+    pictures has no pictures' identity for the samples it carries. One line naming the version and what to do
+    (it was an internal ValueError); the key split still carries them."""
+    _source(tmp_path / "src", pairs=6)
+    store = tmp_path / "st"
+    old, _ = _resize(tmp_path / "src", store, **{"resize.split_by": "key"})
+    _as_written_without_source_hashes(Store(store, create=False).version_dir("images", old["version"]))
     sets = [a for k, v in {**SETTINGS, "resize.split_by": "pictures"}.items() for a in ("--set", f"{k}={v}")]
     res = CliRunner().invoke(app, ["run", "resize-bucket", "--source", str(tmp_path / "src" / "m.jsonl"),
                                    "--store", str(store), *sets])
@@ -219,6 +224,27 @@ def test_a_version_without_source_hashes_refuses_the_pictures_split_in_one_line(
     other = {"resize.split_by": "pictures", "resize.target_area": 48 * 48}
     fresh, _ = _resize(tmp_path / "src", store, **other)
     assert fresh["version"] == old["version"] + 1 and fresh["split_by"] == "pictures" and not fresh["reused"]
+
+
+def test_a_switch_past_a_version_whose_schema_fails_its_checksum_is_not_refused_for_its_hashes(tmp_path):
+    """The switch's refusal read the current version's schema.json unchecked: a flipped bit that still parses (a
+    letter of its recorded source path) was taken for an older release's intact version and the switch refused,
+    telling the user to keep the key split or render into a new store. Checked, the version is recorded as
+    damaged, nothing is carried from it, and the switch renders every sample anew."""
+    from damage import flip_bit
+    from store import format as fmt
+
+    _source(tmp_path / "src", pairs=6)
+    store = tmp_path / "st"
+    old, _ = _resize(tmp_path / "src", store, **{"resize.split_by": "key"})
+    vdir = Store(store, create=False).version_dir("images", old["version"])
+    _as_written_without_source_hashes(vdir)
+    data = (vdir / fmt.SCHEMA_JSON).read_bytes()
+    flip_bit(vdir / fmt.SCHEMA_JSON, data.index(b'm.jsonl"') + len("m.json"), 0)  # "m.jsonl" -> "m.jsonm"
+    assert read_schema(vdir).attrs["source"].endswith("m.jsonm")  # still parses
+    new, _ = _resize(tmp_path / "src", store, **{"resize.split_by": "pictures"})
+    assert new["version"] == old["version"] + 1 and new["split_by"] == "pictures" and not new["reused"]
+    assert fmt.damaged_marker(store, "images", old["version"]).is_file()
 
 
 def test_an_unreadable_current_schema_refuses_rather_than_take_an_older_versions_rule(tmp_path):
