@@ -10,6 +10,7 @@ Leftover `*.migrating` folders from a kill are removed on the next run.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -20,14 +21,15 @@ import pyarrow as pa
 
 from schemas.errors import UserError
 from schemas.img_shapes import img_shapes_from_v1
-from schemas.table import SCHEMA_V1, SCHEMA_V2, FieldSpec
+from schemas.table import SCHEMA_V1, SCHEMA_V2, FieldSpec, TableSchema
 from store import format as fmt
-from store.manifest_files import checked_manifest, read_schema
-from store.integrity import write_version_checksums
+from store.integrity import DamagedData, write_version_checksums
+from store.manifest_files import checked_manifest, checked_schema
 from store.store import Store
 from store.verify import verify_version
 
 MIGRATING_SUFFIX = ".migrating"
+log = logging.getLogger("store")
 
 
 @dataclass
@@ -40,33 +42,45 @@ class Step:
     reuse: bool  # a previous (killed) run already built the new version
 
 
-def plan(st: Store) -> list[Step]:
+def plan(st: Store, record: bool = True) -> list[Step]:
+    """`record=False` (a dry run): a damaged schema.json is skipped alike but not recorded."""
     steps = []
     for table, cur in st.tables().items():
         old_dir = st.version_dir(table, cur)
-        if read_schema(old_dir).schema_version != SCHEMA_V1:
+        s = _intact_schema(old_dir, "not migrated", record)
+        if s is None or s.schema_version != SCHEMA_V1:  # damaged: its stage's rerun writes a v2 version
             continue
         manifest = checked_manifest(old_dir, ["key", "shard"])
-        done = _finished_migration(st, table, cur)
+        done = _finished_migration(st, table, cur, record)
         new = done if done is not None else max(st.versions(table)) + 1
         steps.append(Step(table, cur, new, manifest.num_rows, len(set(manifest.column("shard").to_pylist())),
                           done is not None))
     return steps
 
 
-def _finished_migration(st: Store, table: str, old: int) -> int | None:
+def _finished_migration(st: Store, table: str, old: int, record: bool) -> int | None:
     for v in st.versions(table):
         vdir = st.version_dir(table, v)
         if fmt.is_complete(vdir):
-            s = read_schema(vdir)
-            if s.schema_version == SCHEMA_V2 and s.attrs.get("migrated_from") == old:
+            s = _intact_schema(vdir, "not taken as the finished migration", record)  # whose verify failed every rerun
+            if s is not None and s.schema_version == SCHEMA_V2 and s.attrs.get("migrated_from") == old:
                 return v
     return None
 
 
+def _intact_schema(vdir: Path, what: str, record: bool) -> TableSchema | None:
+    """The version's schema.json checked against its checksums.json (a flipped bit that still parses decides
+    nothing here); None, with one warning line, for a damaged one (recorded, as a reader records it)."""
+    try:
+        return checked_schema(vdir, record=record)
+    except DamagedData as e:
+        log.warning("%s: %s%s", e, what, ", recorded as damaged" if record else "")
+        return None
+
+
 def migrate_v1_to_v2(root: Path, dry_run: bool = False, echo: Callable[[str], None] = print) -> list[Step]:
     st = Store(root, create=False)
-    steps = plan(st)
+    steps = plan(st, record=not dry_run)
     if not steps:
         echo("nothing to do: every table's current version is schema v2")
         return []
@@ -110,7 +124,7 @@ def _build(old_dir: Path, new_dir: Path, old_version: int) -> None:
     for shard in sorted(set(manifest.column("shard").to_pylist())):
         fmt.link_or_copy(old_dir / shard, tmp / shard)
     fmt.crash_point("migrate_after_links")
-    schema = read_schema(old_dir)
+    schema = checked_schema(old_dir)  # the new version's checksums.json vouches for what is copied from it
     fields = list(schema.fields)
     if not any(f.name == "img_shapes" for f in fields):
         fields.append(FieldSpec("img_shapes", "json", kind="column"))

@@ -156,3 +156,40 @@ def test_kill_during_migration_leaves_a_valid_store(tmp_path: Path, point: str) 
     assert sorted(p.name for p in (root / "vae").iterdir() if not p.name.startswith(".")) == ["v1", "v2"]
     assert runner.invoke(app, ["store", "verify", str(root)]).exit_code == 0
     shutil.rmtree(root)
+
+
+def test_a_finished_migration_whose_schema_fails_its_checksum_is_built_again(v1_store: Path) -> None:
+    """A migration killed after its version was renamed into place (store.json still names v1), then a bit of
+    that version's schema.json flipped that still parses. Read unchecked, it was taken as the finished migration
+    and refused by its verify on every rerun ("failed verification"); checked, it is recorded as damaged and the
+    migration is built again."""
+    from damage import flip_bit
+    from store import format as fmt
+
+    assert runner.invoke(app, ["migrate", "v1-to-v2", str(v1_store)]).exit_code == 0
+    Store(v1_store).set_current("vae", 1)  # as a kill at migrate_before_switch leaves it
+    path = v1_store / "vae" / "v2" / fmt.SCHEMA_JSON
+    flip_bit(path, path.read_bytes().index(b'"old"') + 3, 0)  # config_hash "old" -> "ole"
+    res = runner.invoke(app, ["migrate", "v1-to-v2", str(v1_store)])
+    assert res.exit_code == 0, res.output
+    assert Store(v1_store).tables() == {"vae": 3} and fmt.damaged_marker(v1_store, "vae", 2).is_file()
+    assert Store(v1_store).reader("vae").schema.lineage.config_hash == "old"
+
+
+def test_a_current_version_whose_schema_version_was_flipped_to_1_is_not_migrated(v1_store: Path) -> None:
+    """A current schema-v2 version whose schema.json reads "schema_version": 1 after one damaged byte: read
+    unchecked, the plan migrated it (a new version vouching for the damaged schema's other bytes); checked, it is
+    skipped (its stage's rerun writes a new version), and a dry run records nothing."""
+    from store import format as fmt
+
+    assert runner.invoke(app, ["migrate", "v1-to-v2", str(v1_store)]).exit_code == 0
+    path = v1_store / "vae" / "v2" / fmt.SCHEMA_JSON
+    data = path.read_bytes()
+    path.write_bytes(data.replace(b'"schema_version": 2', b'"schema_version": 1'))
+    assert path.read_bytes() != data
+    dry = runner.invoke(app, ["migrate", "v1-to-v2", str(v1_store), "--dry-run"])
+    assert dry.exit_code == 0 and "nothing to do" in dry.output, dry.output
+    assert not fmt.damaged_marker(v1_store, "vae", 2).exists()
+    res = runner.invoke(app, ["migrate", "v1-to-v2", str(v1_store)])
+    assert res.exit_code == 0 and "nothing to do" in res.output, res.output
+    assert Store(v1_store).tables() == {"vae": 2} and fmt.damaged_marker(v1_store, "vae", 2).is_file()
