@@ -117,6 +117,7 @@ def reusable(store: Store, table: str, lineage_hash: str | Iterable[str], keys: 
         if not fmt.is_complete(vdir):
             continue
         try:  # the lineage first, from schema.json alone: another version's manifest and shards are never read
+            # (unchecked: a pre-filter; the reader's open checks schema.json before a row is carried, and records)
             if not same_features(read_schema(vdir).attrs, accepted):
                 continue
             reader = TableReader(vdir, table, v, on_damaged="skip")

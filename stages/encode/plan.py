@@ -379,7 +379,8 @@ def _repairs_whole_lineage(store: Store, table: str, whole: set[str]) -> bool:
     """Under `store repair`: is the version repaired one whose samples are recorded under the images' whole
     lineage (`whole`: this run's feature lineages over it), encoded before its stage left out what it does not
     read? The repair version holds that version's schema, which the stage's writer resumes only as it is (under
-    the read lineage it made another version, and the repair stopped: "did not complete")."""
+    the read lineage it made another version, and the repair stopped: "did not complete"). Read unchecked: the
+    repair version is in progress (no checksums.json yet), and repair checked the schema it copies."""
     from store.manifest_files import read_schema
 
     expected = repair_context.expected()
@@ -412,7 +413,8 @@ def _read_lineage(schema, unread: tuple[str, ...], before_fixes: bool = False) -
 
 def _same_read_lineages(store: Store, reads: str | None, unread: tuple[str, ...]) -> list[str]:
     """The whole feature lineages of the complete `images` versions whose read part is `reads` (schema.json of
-    each: a few versions, read once per run)."""
+    each: a few versions, read once per run). Unchecked: `read_lineage` rehashes the recorded settings and code
+    version and matches them against the recorded lineage, so a flipped bit in any of the three matches none."""
     from store.manifest_files import read_schema
 
     if reads is None:

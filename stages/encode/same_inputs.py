@@ -62,7 +62,8 @@ def _rows_holding(manifest: pa.Table, raw: list[Any]) -> pa.Table:
 
 def _any_version(store, table: str, lineages: tuple[str, ...]) -> bool:
     """A complete version of `table` of one of these feature lineages (schema.json alone): else no `images`
-    manifest is read (a first encode, or new render settings)."""
+    manifest is read (a first encode, or new render settings). Unchecked: a gate only (a damaged schema's yes
+    costs a manifest read, its no an encode); `reusable` checks each version before a latent is carried."""
     from store import format as fmt
     from store.manifest_files import read_schema
     from store.reuse import same_features

@@ -46,7 +46,8 @@ class Moved:
 
 
 def recorded_source(st: Store, version: int) -> str:
-    """Where `version` recorded reading its source ("" when it did not)."""
+    """Where `version` recorded reading its source ("" when it did not): for the summary only, of a version
+    `find_version` has just read checked."""
     from store.manifest_files import read_schema
 
     return str(read_schema(st.version_dir(TABLE, version)).attrs.get("source") or "")
