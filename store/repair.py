@@ -40,6 +40,7 @@ from store.io_errors import writing
 from store.manifest import merge_measured, rows_by_shard
 from store.manifest_files import read_schema
 from store.reader import TableReader
+from store.remote_shards import fetch_problem, is_lazy
 from store.verify import verify_version
 
 DAMAGED_SUFFIX = ".damaged"  # `v<N>.damaged/`: not a version name, so every reader and writer ignores it
@@ -165,7 +166,10 @@ def scan_table(root: Path, table: str, version: int, progress: bool = True) -> T
     with tqdm(total=sum(int(want["nbytes"]) for _, want in listed), desc=f"checksum {table}/v{version}", unit="B",
               unit_scale=True, unit_divisor=1024, disable=not progress or not listed, dynamic_ncols=True) as bar:
         for shard, want in listed:  # whole-file check: damage between samples too
-            if file_crc(vdir / shard) != (want["crc32c"], want["nbytes"]):
+            found = _whole_crc(vdir / shard)
+            if found is None:  # a cached shard not fetched whole: its samples are read by range below, each checked
+                pass
+            elif found != (want["crc32c"], want["nbytes"]):
                 shards_with_damage.add(shard)
             elif shard in as_written:
                 read_once.add(shard)
@@ -187,11 +191,27 @@ def scan_table(root: Path, table: str, version: int, progress: bool = True) -> T
     plan.copied = [k for k, s in zip(keys, shard_col) if s in shards_with_damage and k not in plan.damaged]
     if sums is not None:  # without this, verify fails on such a file forever while repair finds nothing to do
         derived = {n: e for n, e in sums.items() if n not in (fmt.MANIFEST, fmt.SCHEMA_JSON) and n not in shards}
-        plan.derived_damaged = sorted(n for n, e in derived.items() if not (vdir / n).is_file()
+        # fetched first in a store URL's cached copy: one deleted on the node is no damage (the URL holds it)
+        plan.derived_damaged = sorted(n for n, e in derived.items() if fetch_problem(vdir / n) is not None
+                                      or not (vdir / n).is_file()
                                       or (measured.get(n) or file_crc(vdir / n)) != (e["crc32c"], e["nbytes"]))
     plan.intact_shards = sorted(shards - shards_with_damage - set(plan.trimmed))
     reader.close()
     return plan
+
+
+def _whole_crc(path: Path) -> tuple[str, int] | None:
+    """(crc32c, size) of a shard file; in a store URL's cached copy fetched whole first, as verify fetches it, and
+    None where it cannot be (no room in the cache, damaged on the server, evicted meanwhile): the reader then reads
+    its samples by range, each checked. (A missing local shard is the reader's `bad_shards`, never listed here.)"""
+    if fetch_problem(path) is not None:
+        return None
+    try:
+        return file_crc(path)
+    except FileNotFoundError:
+        if is_lazy(path.parent):
+            return None
+        raise
 
 
 def _as_written(manifest: pa.Table, sums: dict | None) -> set[str]:

@@ -646,3 +646,50 @@ def test_a_schema_deleted_from_the_nodes_cache_is_fetched_again_when_a_stage_loo
     assert Store(root, create=False).find_version("vae", lineage()) == 1
     assert not fmt.damaged_marker(root, "vae", 1).exists()
     assert path.read_bytes() == (store.root / "vae" / "v1" / fmt.SCHEMA_JSON).read_bytes()
+
+
+def _carry_ready(s3_env, store: Store, tmp_path: Path, whole: bool = False) -> tuple[Path, str]:
+    """A version with a feature lineage (what `reusable` carries by), pushed and lazily cached: no shard fetched
+    (`whole`: every shard fetched)."""
+    from test_reuse_integrity import LINEAGE, _write
+
+    _write(store, "a", range(12))
+    url = s3_env.url()
+    push(store.root, url)
+    return local_store(url, ["vae"], tmp_path / "cache", whole=whole), LINEAGE
+
+
+def test_samples_carried_from_a_lazily_cached_version_recorded_damaged_are_checked_from_the_url(
+        s3_env, store: Store, tmp_path: Path) -> None:
+    """A cached version recorded as damaged on the node (by a reader there): a stage run through the
+    cache (encode at a URL) checks every version it carries from in full first (`reuse.damage_scan`). That scan
+    read each shard file whole from the folder, so a shard not fetched yet was a FileNotFoundError traceback; it is
+    fetched (or its samples read by range), checked, and the intact samples carried."""
+    from store import integrity
+    from store.reuse import reusable
+    from store_samples import key_of
+
+    root, lineage = _carry_ready(s3_env, store, tmp_path)
+    integrity.record_damage(fmt.version_dir(root, "vae", 1), problems=["found by a reader on this node"])
+    found = reusable(Store(root, create=False), "vae", lineage, [key_of(i) for i in range(12)])
+    assert sorted(found[1].column("key").to_pylist()) == sorted(key_of(i) for i in range(12))
+
+
+def test_shard_indexes_and_rank_done_deleted_from_the_nodes_cache_are_fetched_again_by_a_scan(
+        s3_env, store: Store, tmp_path: Path) -> None:
+    """A full scan of a cached version (`store.repair.scan_table`: what repair and a carry under damage read) found
+    a shard index or rank-NN.done deleted from the node's cache (a cleanup) "damaged", to be written afresh in a
+    new version: the one decision taken from their absence (a reader and verify need none of them, or fetch them).
+    They are fetched again from the URL, checked, and the version needs no repair."""
+    from store.repair import scan_table
+
+    root, _ = _carry_ready(s3_env, store, tmp_path, whole=True)  # the shards there: the scan reads them
+    vdir = fmt.version_dir(root, "vae", 1)
+    assert (vdir / MARKER).is_file() and _shard_files(root)
+    derived = sorted(p for p in vdir.iterdir() if p.name.endswith((".index.parquet", ".done")))
+    assert len(derived) >= 2 and any(p.name.endswith(".done") for p in derived)
+    for p in derived:
+        p.unlink()
+    plan = scan_table(root, "vae", 1, progress=False)
+    assert plan.derived_damaged == [] and not plan.needs_repair and plan.samples == 12
+    assert all(p.read_bytes() == (store.root / "vae" / "v1" / p.name).read_bytes() for p in derived)
