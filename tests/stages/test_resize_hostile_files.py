@@ -107,6 +107,10 @@ def test_hostile_image_files_each_end_deliberately(tmp_path):
     assert pixels(t["la.png"][1]["target.png"])[8, 8].tolist() == [255, 255, 255]
     assert pixels(t["i16.png"][1]["target.png"])[8, 8].tolist() == [255, 255, 255]  # 65535 -> 255
     assert pixels(t["rgb16.png"][1]["target.png"])[8, 8].tolist() == [128, 64, 255]  # 16-bit RGB: high bytes
+    # noted as every other conversion is (the grayscale one below too); before, only 16-bit RGB went unsaid
+    sixteen = "16-bit RGB read as 8-bit RGB (each channel's high byte)"
+    assert t["rgb16.png"][0]["conversions"] == [sixteen] and s.conversions[sixteen] == 1
+    assert t["i16.png"][0]["conversions"] == ["16-bit I;16 scaled to 8-bit RGB"]
     for anim in ("animgif.gif", "animwebp.webp"):  # the first frame, said so
         assert pixels(t[anim][1]["target.png"])[8, 8].tolist() == [250, 0, 0]
         assert "first frame of 2 used" in t[anim][0]["conversions"]
