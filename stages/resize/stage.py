@@ -768,8 +768,8 @@ def _revive(intake: _Intake, writer: Any, rendered_before: dict[str, str], limit
             elif _rendered_alike(rec, key, rendered_before, limit):
                 carry[key] = rec.source
                 intake.kept_instead(key, rec, recs)
-            else:
-                items.append((rec, key, ""))
+            else:  # its caption as its first copy's (the same key): the row's instruction, not ""
+                items.append((rec, key, clean_caption(rec.caption)))
         for (rec, key, _), out in rendered_in_order(render_one, items, rc.workers, ahead=2 * rc.workers,
                                                     on_crash=_worker_died):
             if intake.store(writer, rec, key, out):

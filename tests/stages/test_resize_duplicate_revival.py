@@ -45,6 +45,8 @@ def test_the_next_copy_of_a_sample_whose_first_copy_was_rejected_is_kept(source,
     st = Store(store)
     rows = {r["source"].rsplit("/", 1)[-1]: r for r in st.reader("images").manifest.to_pylist()}
     assert set(rows) == {"a2.png", "b1.png"}, rows
+    # the revived copy keeps its caption (it was stored as "": encode-text encoded an empty instruction for it)
+    assert rows["a2.png"]["caption"] == rows["b1.png"]["caption"] == "make it blue"
     mask = np.asarray(Image.open(io.BytesIO(st.reader("images").files(rows["a2.png"]["key"])["mask.png"])))
     assert mask[:, :8].min() == 255 and mask[:, 24:].max() == 0  # a2's mask (left 16 px edited), not a3's
     q = {r["source"].rsplit("/", 1)[-1]: r for r in st.quarantine().to_pylist()}
