@@ -34,7 +34,7 @@ from features.decode import Decoded, ImageRejected, decode_image, decode_keeping
 from stages.resize.render_pool import rendered_in_order
 from stages.resize.content import Listing, content_listing_hash
 from stages.resize.first_read import pending_tars, record_pending, settle_listing, settling
-from stages.resize.known_sources import clean_caption
+from stages.resize.caption_text import CONTROLS_REMOVED, clean_caption, had_controls
 from stages.resize.folder_listing import remembered
 from stages.resize.parquet_source import columns_in_force, remembered_footers
 from stages.resize.moved_source import Moved, recorded_source
@@ -1060,7 +1060,7 @@ def _judge(rec: SourceSample, rc: ResizeConfig, first_source: dict[str, str]) ->
     except UnicodeDecodeError as e:
         raise Rejected("caption-not-utf8", f"caption is not valid UTF-8 (byte {e.start}); re-save it as UTF-8") from None
     if not caption:
-        raise Rejected("empty-caption", "caption is empty or whitespace only")
+        raise Rejected("empty-caption", "caption is empty, or whitespace or control characters only")
     n = len(rec.controls)
     key = sample_key(rec.target, rec.controls, caption)  # before the count check: its row names the key, so its
     # would-be split is known (`run all`'s val check tells a val split emptied by this quarantine from the hash's)
@@ -1108,7 +1108,7 @@ def render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: d
 
 def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: dict[str, BucketRule]) -> Rendered:
     assert rec.target is not None
-    notes: list[str] = []
+    notes: list[str] = [CONTROLS_REMOVED] if had_controls(rec.caption) else []
     decoded = _decode(rec.target, "target", rec, key, 0, rc, notes)
     target = decoded.image
     tw, th = target.size
