@@ -29,7 +29,7 @@ from schemas.lineage import code_version
 from schemas.up_to_date import is_current
 from schemas.img_shapes import PIXELS_PER_PATCH, img_shapes_from_pixels
 from schemas.resize_sizes import sizes_in_force
-from stages.resize.bucketing import BucketRule, bucket_size, crop_box_for_aspect
+from stages.resize.bucketing import BucketRule, bucket_size, crop_box_for_aspect, same_aspect
 from features.decode import Decoded, ImageRejected, decode_image, decode_keeping_alpha, decode_mask, oriented_as
 from stages.resize.render_pool import rendered_in_order
 from stages.resize.content import Listing, content_listing_hash
@@ -470,6 +470,8 @@ class _Intake:
         """A held duplicate is rendered after all, and judged on its own: its "duplicate" row goes."""
         del self.rejects[next(i for i, r in enumerate(self.rejects) if r is row)]
         self.summary.quarantined["duplicate"] -= 1
+        if not self.summary.quarantined["duplicate"]:  # not "duplicate 0" in the summary and --json
+            del self.summary.quarantined["duplicate"]
         self.summary.duplicates.remove((self.first_source[key], rec.source))
 
     def kept_instead(self, key: str, kept: SourceSample, later: list[tuple[SourceSample, dict[str, Any]]]) -> None:
@@ -1138,6 +1140,7 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
             mask = oriented_as(mask, decoded.orientation)
             notes.append(f"mask turned as its target (EXIF orientation {decoded.orientation})")
         if mask.size != target.size:  # resized with its target: first onto the target's pixel grid
+            _check_mask_aspect(mask, target, rec, key)
             mask = mask.resize(target.size, Image.Resampling.BILINEAR)
             notes.append("mask resized to its target")
         # bilinear keeps partial coverage at the edges as grey (a fractional weight), never rings like Lanczos
@@ -1177,6 +1180,24 @@ def _note_crop(notes: list[str], what: str, im: Image.Image, max_aspect: float) 
     an edit near its edge all of it): counted in the summary's `converted:` line, as a stretch is, not unsaid."""
     if crop_box_for_aspect(im.width, im.height, max_aspect) != (0, 0, im.width, im.height):
         notes.append(f"{what} centre-cropped to resize.max_aspect {max_aspect:g} (its sides beyond it dropped)")
+
+
+MASK_ASPECT_TOLERANCE = 0.05  # relative, beyond the rounding of its sides (bucketing.same_aspect): a few pixels
+# cropped or padded are a small shift; 4:3 for 16:9 (33%), a square for 3:2 (50%), a transposed mask are not
+
+
+def _check_mask_aspect(mask: Image.Image, target: Image.Image, rec: SourceSample, key: str) -> None:
+    """A mask of another size than its target is resized onto it: normal at the target's aspect (a mask saved at
+    half size), but one of another aspect (10x300 for a 300x10 target, a square for a 3:2 photo) was made for
+    another picture, a crop or a rotation of it: stretched, its edit region lay over the wrong pixels, unsaid.
+    Rejected as a bad mask (its sample quarantined; a duplicate with another mask is rendered instead)."""
+    if not same_aspect(mask.size, target.size, MASK_ASPECT_TOLERANCE):
+        (mw, mh), (tw, th) = mask.size, target.size
+        raise Rejected("bad-mask", f"mask{_where(rec, 1 + len(rec.controls))} is {mw}x{mh}, its target {tw}x{th} "
+                       f"(as shown): another aspect ratio ({mw / mh:.3g} vs {tw / th:.3g}), a mask of another picture "
+                       "or of a crop or rotation of it, which stretched onto the target would mark the wrong pixels; "
+                       "make the mask from the target's pixels (any size of the target's aspect is resized onto it)",
+                       key=key)
 
 
 def _drawn_on_stored_pixels(mask: Image.Image, mask_orientation: int, target: Image.Image,
