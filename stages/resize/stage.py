@@ -681,54 +681,13 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
 
 def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
                     intake: _Intake, known: Any, limit: Any, read_columns: Any = None) -> dict[str, str]:
+    """Read the source, triage each sample (`_Triage`), render those to render in `rc.workers` processes and add
+    them to the writer, then the copies revived for rejected first copies. Returns the samples to carry forward."""
     from stages.resize.resumed_sources import resumed_sources
     from stages.resize.source_count import count_samples
 
-    carry: dict[str, str] = {}
     done = resumed_sources(writer.dir) if writer.done_keys else {}
-
-    def to_render(bar: tqdm, records: Iterator[SourceSample]) -> Iterator[tuple[SourceSample, str, str]]:
-        for rec in records:
-            bar.update()  # by hand: a tqdm iterated closes itself when exhausted, before the total is settled below
-            if rec.done_key is None and rec.problem is None:  # a reader that read it anyway (a parquet row)
-                rec.done_key = done.get(rec.source)
-            if rec.known is not None and rec.done_key is None and not _carried_unread(rec, writer, rendered_before,
-                                                                                      intake, limit):
-                # a copy of a key met before, one a resumed run holds, or one perhaps over a lowered
-                # resize.max_image_pixels: judged from its bytes
-                rec = rec.reread()
-            try:
-                if rec.done_key is not None:  # written before: same source name, same bytes (the lineage)
-                    _claim(rec.done_key, rec.source, intake.first_source)
-                    intake.summary.resumed += 1
-                    continue
-                if rec.known is not None:
-                    key = _judge_known(rec, rc, intake.first_source)
-                    if rec.known.mask_sha256:
-                        intake.first_mask[key] = int(rec.known.mask_sha256[:16], 16)  # as _mask_bits of its bytes
-                    carry[key] = rec.source
-                    continue
-                key, caption = _judge(rec, rc, intake.first_source)
-            except Rejected as r:
-                if r.reason == "duplicate":
-                    intake.duplicate(rec, r, first_kept=intake.first_kept(writer, r.key, carry),
-                                     holder=r.key in intake.revived_before and intake.holds(writer, r.key, rec))
-                else:
-                    intake.reject(rec, r)
-                bar.set_postfix(quarantined=len(intake.rejects))
-                continue
-            if rec.mask is not None:
-                intake.first_mask[key] = _mask_bits(rec.mask)
-            if key in writer.done_keys and intake.holds(writer, key, rec):
-                intake.summary.resumed += 1
-            elif key in writer.done_keys:  # a later copy holds it: this first copy's rendering failed before
-                intake.revived_before.add(key)  # rendered again for its row; its copies judged as then
-                yield rec, key, caption
-            elif _rendered_alike(rec, key, rendered_before, limit):  # same content, mask
-                carry[key] = rec.source
-            else:
-                yield rec, key, caption
-
+    triage = _Triage(rc, writer, rendered_before, intake, limit, done)
     render_one = partial(_render_item, rc=rc, rules=_rules(rc))
     columns = read_columns if read_columns is not None else rc.columns
     with tqdm(desc=f"{STAGE} ({fmt})", unit="sample", total=count_samples(source, fmt, known),
@@ -736,15 +695,94 @@ def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any,
         records = iter_source(source, rc.max_file_bytes, columns, done, known)
         # at most 2 x workers samples in flight: memory stays bounded whatever the dataset size; a worker that
         # dies (out of memory, a crash in an image library) costs its sample, not the run (render_pool.py)
-        for (rec, key, _), out in rendered_in_order(render_one, to_render(bar, records), rc.workers,
+        for (rec, key, _), out in rendered_in_order(render_one, triage.to_render(bar, records), rc.workers,
                                                     ahead=2 * rc.workers,
                                                     on_crash=_worker_died):
             intake.store(writer, rec, key, out)
-        _revive(intake, writer, rendered_before, limit, carry, rc, render_one)
+        _revive(intake, writer, rendered_before, limit, triage.carry, rc, render_one)
         if bar.total != bar.n:  # orphans / unreadable entries counted differently: end at 100 %
             bar.total = bar.n
             bar.refresh()
-    return carry
+    return triage.carry
+
+
+@dataclass
+class _Triage:
+    """Where each source sample goes: resumed (in the interrupted run's committed shards), carried forward from an
+    earlier version (`carry`: key -> source), quarantined (`intake`), or rendered (`to_render` yields it)."""
+
+    rc: ResizeConfig
+    writer: Any
+    rendered_before: dict[str, str]
+    intake: _Intake
+    limit: Any
+    done: Any  # source -> key of the resumed version's samples (resumed_sources.py)
+    carry: dict[str, str] = field(default_factory=dict)
+
+    def to_render(self, bar: tqdm, records: Iterator[SourceSample]) -> Iterator[tuple[SourceSample, str, str]]:
+        for rec in records:
+            bar.update()  # by hand: a tqdm iterated closes itself when exhausted, before the total is settled
+            rec = self._with_bytes_if_needed(rec)
+            try:
+                judged = self._judged(rec)
+            except Rejected as r:
+                self._rejected(rec, r)
+                bar.set_postfix(quarantined=len(self.intake.rejects))
+                continue
+            if judged is not None and (item := self._placed(rec, *judged)) is not None:
+                yield item
+
+    def _with_bytes_if_needed(self, rec: SourceSample) -> SourceSample:
+        """`rec` with the key the resumed version holds under its source; re-read when found by its recorded key
+        but not to be carried unread."""
+        if rec.done_key is None and rec.problem is None:  # a reader that read it anyway (a parquet row)
+            rec.done_key = self.done.get(rec.source)
+        if rec.known is not None and rec.done_key is None and not _carried_unread(
+                rec, self.writer, self.rendered_before, self.intake, self.limit):
+            # a copy of a key met before, one a resumed run holds, or one perhaps over a lowered
+            # resize.max_image_pixels: judged from its bytes
+            return rec.reread()
+        return rec
+
+    def _judged(self, rec: SourceSample) -> tuple[str, str] | None:
+        """(key, caption) of a sample read now; None for one resumed or carried by its recorded key. Raises
+        Rejected."""
+        intake = self.intake
+        if rec.done_key is not None:  # written before: same source name, same bytes (the lineage)
+            _claim(rec.done_key, rec.source, intake.first_source)
+            intake.summary.resumed += 1
+            return None
+        if rec.known is not None:
+            key = _judge_known(rec, self.rc, intake.first_source)
+            if rec.known.mask_sha256:
+                intake.first_mask[key] = int(rec.known.mask_sha256[:16], 16)  # as _mask_bits of its bytes
+            self.carry[key] = rec.source
+            return None
+        return _judge(rec, self.rc, intake.first_source)
+
+    def _rejected(self, rec: SourceSample, r: Rejected) -> None:
+        intake, writer = self.intake, self.writer
+        if r.reason == "duplicate":
+            intake.duplicate(rec, r, first_kept=intake.first_kept(writer, r.key, self.carry),
+                             holder=r.key in intake.revived_before and intake.holds(writer, r.key, rec))
+        else:
+            intake.reject(rec, r)
+
+    def _placed(self, rec: SourceSample, key: str, caption: str) -> tuple[SourceSample, str, str] | None:
+        """A judged sample: resumed, carried forward, or to render (returned)."""
+        intake, writer = self.intake, self.writer
+        if rec.mask is not None:
+            intake.first_mask[key] = _mask_bits(rec.mask)
+        if key in writer.done_keys and intake.holds(writer, key, rec):
+            intake.summary.resumed += 1
+        elif key in writer.done_keys:  # a later copy holds it: this first copy's rendering failed before
+            intake.revived_before.add(key)  # rendered again for its row; its copies judged as then
+            return rec, key, caption
+        elif _rendered_alike(rec, key, self.rendered_before, self.limit):  # same content, mask
+            self.carry[key] = rec.source
+        else:
+            return rec, key, caption
+        return None
 
 
 def _rendered_alike(rec: SourceSample, key: str, rendered_before: dict[str, str], limit: Any) -> bool:
