@@ -12,7 +12,8 @@ What is done (see docs/resize-bucket.md for the table):
 - modes to RGB: L/1 replicated; P via its palette; alpha (RGBA, LA, PA, P with transparency) composited over
   white; CMYK through its embedded ICC profile to sRGB when it has one, else Pillow's plain conversion;
   YCbCr/LAB/HSV by Pillow; 16-bit grayscale (I;16*, and I with values in 0..65535) scaled 65535 -> 255 with
-  rounding (Pillow's own convert would clip); 32-bit float (F) and anything else is rejected as unsupported.
+  rounding (Pillow's own convert would clip); 16-bit RGB(A) is read by Pillow as 8-bit (each channel's high
+  byte), noted as the other conversions; 32-bit float (F) and anything else is rejected as unsupported.
 - `resize.keep_alpha` (Qwen-Image-2.1, `decode_keeping_alpha`): a picture with transparency stays RGBA (its VAE
   reads four channels; its pipeline composites over white only the copy the VLM sees);
 - masks: the same decoding, then to L (white = edited); alpha is composited over black so that transparent
@@ -146,6 +147,7 @@ def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]
                 "image-too-large",
                 f"image is {w}x{h} = {w * h} pixels, over resize.max_image_pixels = {max_pixels} (decompression bomb guard)"
             )
+        deep = _sixteen_bit_read_as_eight(im)  # from the tile, which load() empties
         try:
             # counting frames walks every frame's header: a file cut in its second frame fails here (IndexError,
             # TypeError...), not in load(), which reads the first frame only
@@ -155,6 +157,8 @@ def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]
             im.load()
         except Exception as e:  # noqa: BLE001 - truncated/corrupt data raise OSError, ValueError, SyntaxError...
             raise ImageRejected("corrupt-image", f"truncated or corrupt image data: {e}") from None
+    if deep:
+        notes.append(deep)
     if frames > 1:
         notes.append(f"first frame of {frames} used")
     applied = 1
@@ -167,6 +171,18 @@ def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]
     except Exception:  # noqa: BLE001 - a corrupt EXIF block: keep the pixels as stored, say so
         notes.append("EXIF unreadable, orientation ignored")
     return im, notes, applied
+
+
+def _sixteen_bit_read_as_eight(im: Image.Image) -> str | None:
+    """The note for a picture of 16 bits per channel that Pillow reads as 8 (a 48/64-bit PNG's RGB;16B, a TIFF's
+    RGB;16N: each channel's high byte kept, its mode RGB/RGBA), as the other conversions are noted; 16-bit
+    grayscale (I;16) is a mode of its own, scaled in `_to_rgb`."""
+    if im.mode in _SIXTEEN_BIT or not im.tile:
+        return None
+    args = im.tile[0].args
+    raw = args if isinstance(args, str) else args[0] if isinstance(args, tuple) and args and isinstance(args[0], str) else ""
+    base, _, bits = raw.partition(";")
+    return f"16-bit {base} read as 8-bit {im.mode} (each channel's high byte)" if bits.startswith("16") else None
 
 
 def _check_png_chunks(data: bytes, im: Image.Image) -> None:

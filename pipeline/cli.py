@@ -9,6 +9,7 @@ import typer
 
 import models.quiet_imports  # noqa: F401  (before any command imports torchao: drops two harmless messages)
 from pipeline import exit_gc
+from pipeline.commands.common import OneLineUsageErrors
 from pipeline.commands import (
     compare,
     demo,
@@ -31,6 +32,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    cls=OneLineUsageErrors,  # click's usage errors as one line, exit 2 (not typer's boxed panel)
 )
 run_app = typer.Typer(help="Run one pipeline stage (or all of them).", no_args_is_help=True)
 config_app = typer.Typer(help="Inspect the effective configuration.", no_args_is_help=True)

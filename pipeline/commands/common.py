@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, NoReturn
 
 import typer
+from typer.core import TyperGroup
 
 from schemas.config import PipelineConfig
 
@@ -84,6 +85,38 @@ def usage_error(line: str) -> NoReturn:
     usage panel instead."""
     report_error(line)
     raise typer.Exit(2)
+
+
+class OneLineUsageErrors(TyperGroup):
+    """The root app's group: a mistake click finds while parsing (`--max-steps abc`, an unknown option, a missing
+    argument) or a `typer.BadParameter` a flag's callback raises (`finite`, `one_of`) is one red `error: LINE`
+    naming the command's help, exit 2, as `usage_error`'s; typer printed its boxed usage panel over several lines.
+    Subcommands are parsed inside the root's `invoke`, so one class on the root covers every command."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        with _one_line():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: Any) -> Any:
+        with _one_line():
+            return super().invoke(ctx)
+
+
+# click's exceptions as typer raises them: typer >= 0.22 carries its own copy of click, so they are found from
+# `typer.BadParameter`'s module rather than imported from click (whose classes those are not)
+_CLICK_EXCEPTIONS = sys.modules[typer.BadParameter.__module__]
+_HELP_FOR_NO_ARGS = getattr(_CLICK_EXCEPTIONS, "NoArgsIsHelpError", ())  # click >= 8.2: `pipeline store` alone
+
+
+@contextmanager
+def _one_line() -> Iterator[None]:
+    try:
+        yield
+    except _HELP_FOR_NO_ARGS:  # the command's help, as before
+        raise
+    except _CLICK_EXCEPTIONS.UsageError as e:  # BadParameter, NoSuchOption, MissingParameter included
+        where = f" (`{e.ctx.command_path} --help` lists its options)" if e.ctx is not None else ""
+        usage_error(f"{e.format_message()}{where}")
 
 
 def config_from(path: Path | None, overrides: dict[str, Any], sets: list[str] = (),

@@ -60,3 +60,11 @@ def crop_box_for_aspect(width: int, height: int, max_aspect: float) -> tuple[int
         return 0, top, width, top + new_h
     return 0, 0, width, height
 
+
+def same_aspect(a: tuple[int, int], b: tuple[int, int], tolerance: float) -> bool:
+    """Whether sizes `a` and `b` (width, height) have one aspect ratio, up to `tolerance` (relative) plus what
+    rounding each side of `a` to whole pixels explains (a mask saved at half its target's size, an odd side
+    halved): a 512x384 mask of a 1025x769 target is its aspect, a 10x300 one of a 300x10 target is not."""
+    (aw, ah), (bw, bh) = a, b
+    slack = math.log1p(tolerance + 1 / aw + 1 / ah)
+    return abs(math.log((aw * bh) / (ah * bw))) <= slack

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from models.file_hashes import FileHashes
+from stages.resize.caption_text import clean_caption
 from stages.resize.folder_listing import _inside
 from stages.resize.resumed_sources import ResumedSources
 
@@ -41,11 +42,6 @@ if TYPE_CHECKING:
     from store import Store
 
 TABLE = "images"
-
-
-def clean_caption(raw: bytes) -> str:
-    """The caption as the stage keys it: UTF-8 (UnicodeDecodeError otherwise), a BOM and outer whitespace off."""
-    return raw.decode("utf-8").lstrip("\ufeff").strip()
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,12 @@ from schemas.lineage import code_version
 from schemas.up_to_date import is_current
 from schemas.img_shapes import PIXELS_PER_PATCH, img_shapes_from_pixels
 from schemas.resize_sizes import sizes_in_force
-from stages.resize.bucketing import BucketRule, bucket_size, crop_box_for_aspect
+from stages.resize.bucketing import BucketRule, bucket_size, crop_box_for_aspect, same_aspect
 from features.decode import Decoded, ImageRejected, decode_image, decode_keeping_alpha, decode_mask, oriented_as
 from stages.resize.render_pool import rendered_in_order
 from stages.resize.content import Listing, content_listing_hash
 from stages.resize.first_read import pending_tars, record_pending, settle_listing, settling
-from stages.resize.known_sources import clean_caption
+from stages.resize.caption_text import CONTROLS_REMOVED, clean_caption, had_controls
 from stages.resize.folder_listing import remembered
 from stages.resize.parquet_source import columns_in_force, remembered_footers
 from stages.resize.moved_source import Moved, recorded_source
@@ -470,6 +470,8 @@ class _Intake:
         """A held duplicate is rendered after all, and judged on its own: its "duplicate" row goes."""
         del self.rejects[next(i for i, r in enumerate(self.rejects) if r is row)]
         self.summary.quarantined["duplicate"] -= 1
+        if not self.summary.quarantined["duplicate"]:  # not "duplicate 0" in the summary and --json
+            del self.summary.quarantined["duplicate"]
         self.summary.duplicates.remove((self.first_source[key], rec.source))
 
     def kept_instead(self, key: str, kept: SourceSample, later: list[tuple[SourceSample, dict[str, Any]]]) -> None:
@@ -679,54 +681,13 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
 
 def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
                     intake: _Intake, known: Any, limit: Any, read_columns: Any = None) -> dict[str, str]:
+    """Read the source, triage each sample (`_Triage`), render those to render in `rc.workers` processes and add
+    them to the writer, then the copies revived for rejected first copies. Returns the samples to carry forward."""
     from stages.resize.resumed_sources import resumed_sources
     from stages.resize.source_count import count_samples
 
-    carry: dict[str, str] = {}
     done = resumed_sources(writer.dir) if writer.done_keys else {}
-
-    def to_render(bar: tqdm, records: Iterator[SourceSample]) -> Iterator[tuple[SourceSample, str, str]]:
-        for rec in records:
-            bar.update()  # by hand: a tqdm iterated closes itself when exhausted, before the total is settled below
-            if rec.done_key is None and rec.problem is None:  # a reader that read it anyway (a parquet row)
-                rec.done_key = done.get(rec.source)
-            if rec.known is not None and rec.done_key is None and not _carried_unread(rec, writer, rendered_before,
-                                                                                      intake, limit):
-                # a copy of a key met before, one a resumed run holds, or one perhaps over a lowered
-                # resize.max_image_pixels: judged from its bytes
-                rec = rec.reread()
-            try:
-                if rec.done_key is not None:  # written before: same source name, same bytes (the lineage)
-                    _claim(rec.done_key, rec.source, intake.first_source)
-                    intake.summary.resumed += 1
-                    continue
-                if rec.known is not None:
-                    key = _judge_known(rec, rc, intake.first_source)
-                    if rec.known.mask_sha256:
-                        intake.first_mask[key] = int(rec.known.mask_sha256[:16], 16)  # as _mask_bits of its bytes
-                    carry[key] = rec.source
-                    continue
-                key, caption = _judge(rec, rc, intake.first_source)
-            except Rejected as r:
-                if r.reason == "duplicate":
-                    intake.duplicate(rec, r, first_kept=intake.first_kept(writer, r.key, carry),
-                                     holder=r.key in intake.revived_before and intake.holds(writer, r.key, rec))
-                else:
-                    intake.reject(rec, r)
-                bar.set_postfix(quarantined=len(intake.rejects))
-                continue
-            if rec.mask is not None:
-                intake.first_mask[key] = _mask_bits(rec.mask)
-            if key in writer.done_keys and intake.holds(writer, key, rec):
-                intake.summary.resumed += 1
-            elif key in writer.done_keys:  # a later copy holds it: this first copy's rendering failed before
-                intake.revived_before.add(key)  # rendered again for its row; its copies judged as then
-                yield rec, key, caption
-            elif _rendered_alike(rec, key, rendered_before, limit):  # same content, mask
-                carry[key] = rec.source
-            else:
-                yield rec, key, caption
-
+    triage = _Triage(rc, writer, rendered_before, intake, limit, done)
     render_one = partial(_render_item, rc=rc, rules=_rules(rc))
     columns = read_columns if read_columns is not None else rc.columns
     with tqdm(desc=f"{STAGE} ({fmt})", unit="sample", total=count_samples(source, fmt, known),
@@ -734,15 +695,94 @@ def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any,
         records = iter_source(source, rc.max_file_bytes, columns, done, known)
         # at most 2 x workers samples in flight: memory stays bounded whatever the dataset size; a worker that
         # dies (out of memory, a crash in an image library) costs its sample, not the run (render_pool.py)
-        for (rec, key, _), out in rendered_in_order(render_one, to_render(bar, records), rc.workers,
+        for (rec, key, _), out in rendered_in_order(render_one, triage.to_render(bar, records), rc.workers,
                                                     ahead=2 * rc.workers,
                                                     on_crash=_worker_died):
             intake.store(writer, rec, key, out)
-        _revive(intake, writer, rendered_before, limit, carry, rc, render_one)
+        _revive(intake, writer, rendered_before, limit, triage.carry, rc, render_one)
         if bar.total != bar.n:  # orphans / unreadable entries counted differently: end at 100 %
             bar.total = bar.n
             bar.refresh()
-    return carry
+    return triage.carry
+
+
+@dataclass
+class _Triage:
+    """Where each source sample goes: resumed (in the interrupted run's committed shards), carried forward from an
+    earlier version (`carry`: key -> source), quarantined (`intake`), or rendered (`to_render` yields it)."""
+
+    rc: ResizeConfig
+    writer: Any
+    rendered_before: dict[str, str]
+    intake: _Intake
+    limit: Any
+    done: Any  # source -> key of the resumed version's samples (resumed_sources.py)
+    carry: dict[str, str] = field(default_factory=dict)
+
+    def to_render(self, bar: tqdm, records: Iterator[SourceSample]) -> Iterator[tuple[SourceSample, str, str]]:
+        for rec in records:
+            bar.update()  # by hand: a tqdm iterated closes itself when exhausted, before the total is settled
+            rec = self._with_bytes_if_needed(rec)
+            try:
+                judged = self._judged(rec)
+            except Rejected as r:
+                self._rejected(rec, r)
+                bar.set_postfix(quarantined=len(self.intake.rejects))
+                continue
+            if judged is not None and (item := self._placed(rec, *judged)) is not None:
+                yield item
+
+    def _with_bytes_if_needed(self, rec: SourceSample) -> SourceSample:
+        """`rec` with the key the resumed version holds under its source; re-read when found by its recorded key
+        but not to be carried unread."""
+        if rec.done_key is None and rec.problem is None:  # a reader that read it anyway (a parquet row)
+            rec.done_key = self.done.get(rec.source)
+        if rec.known is not None and rec.done_key is None and not _carried_unread(
+                rec, self.writer, self.rendered_before, self.intake, self.limit):
+            # a copy of a key met before, one a resumed run holds, or one perhaps over a lowered
+            # resize.max_image_pixels: judged from its bytes
+            return rec.reread()
+        return rec
+
+    def _judged(self, rec: SourceSample) -> tuple[str, str] | None:
+        """(key, caption) of a sample read now; None for one resumed or carried by its recorded key. Raises
+        Rejected."""
+        intake = self.intake
+        if rec.done_key is not None:  # written before: same source name, same bytes (the lineage)
+            _claim(rec.done_key, rec.source, intake.first_source)
+            intake.summary.resumed += 1
+            return None
+        if rec.known is not None:
+            key = _judge_known(rec, self.rc, intake.first_source)
+            if rec.known.mask_sha256:
+                intake.first_mask[key] = int(rec.known.mask_sha256[:16], 16)  # as _mask_bits of its bytes
+            self.carry[key] = rec.source
+            return None
+        return _judge(rec, self.rc, intake.first_source)
+
+    def _rejected(self, rec: SourceSample, r: Rejected) -> None:
+        intake, writer = self.intake, self.writer
+        if r.reason == "duplicate":
+            intake.duplicate(rec, r, first_kept=intake.first_kept(writer, r.key, self.carry),
+                             holder=r.key in intake.revived_before and intake.holds(writer, r.key, rec))
+        else:
+            intake.reject(rec, r)
+
+    def _placed(self, rec: SourceSample, key: str, caption: str) -> tuple[SourceSample, str, str] | None:
+        """A judged sample: resumed, carried forward, or to render (returned)."""
+        intake, writer = self.intake, self.writer
+        if rec.mask is not None:
+            intake.first_mask[key] = _mask_bits(rec.mask)
+        if key in writer.done_keys and intake.holds(writer, key, rec):
+            intake.summary.resumed += 1
+        elif key in writer.done_keys:  # a later copy holds it: this first copy's rendering failed before
+            intake.revived_before.add(key)  # rendered again for its row; its copies judged as then
+            return rec, key, caption
+        elif _rendered_alike(rec, key, self.rendered_before, self.limit):  # same content, mask
+            self.carry[key] = rec.source
+        else:
+            return rec, key, caption
+        return None
 
 
 def _rendered_alike(rec: SourceSample, key: str, rendered_before: dict[str, str], limit: Any) -> bool:
@@ -768,8 +808,8 @@ def _revive(intake: _Intake, writer: Any, rendered_before: dict[str, str], limit
             elif _rendered_alike(rec, key, rendered_before, limit):
                 carry[key] = rec.source
                 intake.kept_instead(key, rec, recs)
-            else:
-                items.append((rec, key, ""))
+            else:  # its caption as its first copy's (the same key): the row's instruction, not ""
+                items.append((rec, key, clean_caption(rec.caption)))
         for (rec, key, _), out in rendered_in_order(render_one, items, rc.workers, ahead=2 * rc.workers,
                                                     on_crash=_worker_died):
             if intake.store(writer, rec, key, out):
@@ -1060,7 +1100,7 @@ def _judge(rec: SourceSample, rc: ResizeConfig, first_source: dict[str, str]) ->
     except UnicodeDecodeError as e:
         raise Rejected("caption-not-utf8", f"caption is not valid UTF-8 (byte {e.start}); re-save it as UTF-8") from None
     if not caption:
-        raise Rejected("empty-caption", "caption is empty or whitespace only")
+        raise Rejected("empty-caption", "caption is empty, or whitespace or control characters only")
     n = len(rec.controls)
     key = sample_key(rec.target, rec.controls, caption)  # before the count check: its row names the key, so its
     # would-be split is known (`run all`'s val check tells a val split emptied by this quarantine from the hash's)
@@ -1108,7 +1148,7 @@ def render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: d
 
 def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: dict[str, BucketRule]) -> Rendered:
     assert rec.target is not None
-    notes: list[str] = []
+    notes: list[str] = [CONTROLS_REMOVED] if had_controls(rec.caption) else []
     decoded = _decode(rec.target, "target", rec, key, 0, rc, notes)
     target = decoded.image
     tw, th = target.size
@@ -1138,6 +1178,7 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
             mask = oriented_as(mask, decoded.orientation)
             notes.append(f"mask turned as its target (EXIF orientation {decoded.orientation})")
         if mask.size != target.size:  # resized with its target: first onto the target's pixel grid
+            _check_mask_aspect(mask, target, rec, key)
             mask = mask.resize(target.size, Image.Resampling.BILINEAR)
             notes.append("mask resized to its target")
         # bilinear keeps partial coverage at the edges as grey (a fractional weight), never rings like Lanczos
@@ -1177,6 +1218,24 @@ def _note_crop(notes: list[str], what: str, im: Image.Image, max_aspect: float) 
     an edit near its edge all of it): counted in the summary's `converted:` line, as a stretch is, not unsaid."""
     if crop_box_for_aspect(im.width, im.height, max_aspect) != (0, 0, im.width, im.height):
         notes.append(f"{what} centre-cropped to resize.max_aspect {max_aspect:g} (its sides beyond it dropped)")
+
+
+MASK_ASPECT_TOLERANCE = 0.05  # relative, beyond the rounding of its sides (bucketing.same_aspect): a few pixels
+# cropped or padded are a small shift; 4:3 for 16:9 (33%), a square for 3:2 (50%), a transposed mask are not
+
+
+def _check_mask_aspect(mask: Image.Image, target: Image.Image, rec: SourceSample, key: str) -> None:
+    """A mask of another size than its target is resized onto it: normal at the target's aspect (a mask saved at
+    half size), but one of another aspect (10x300 for a 300x10 target, a square for a 3:2 photo) was made for
+    another picture, a crop or a rotation of it: stretched, its edit region lay over the wrong pixels, unsaid.
+    Rejected as a bad mask (its sample quarantined; a duplicate with another mask is rendered instead)."""
+    if not same_aspect(mask.size, target.size, MASK_ASPECT_TOLERANCE):
+        (mw, mh), (tw, th) = mask.size, target.size
+        raise Rejected("bad-mask", f"mask{_where(rec, 1 + len(rec.controls))} is {mw}x{mh}, its target {tw}x{th} "
+                       f"(as shown): another aspect ratio ({mw / mh:.3g} vs {tw / th:.3g}), a mask of another picture "
+                       "or of a crop or rotation of it, which stretched onto the target would mark the wrong pixels; "
+                       "make the mask from the target's pixels (any size of the target's aspect is resized onto it)",
+                       key=key)
 
 
 def _drawn_on_stored_pixels(mask: Image.Image, mask_orientation: int, target: Image.Image,

@@ -130,6 +130,32 @@ def test_a_mistake_the_command_checks_itself_is_one_error_line_not_a_usage_box(a
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("args, said", [
+    (["lora", "merge", "--model", "M", "--lora", "L", "--out", "OUT", "--scale", "nan"],
+     "error: Invalid value for '--scale': nan is not a finite number (`root lora merge --help` lists its options)"),
+    (["make-demo-data", "OUT", "--format", "zip"],
+     "error: Invalid value for '--format': 'zip' is not one of folder, webdataset, jsonl, parquet"),
+    (["run", "train", "--max-steps", "abc"], "error: Invalid value for '--max-steps': "),
+    (["run", "train", "--no-such-flag"], "error: No such option: --no-such-flag"),
+    (["make-demo-data"], "error: Missing argument"),
+    (["run", "no-such-stage"], "error: No such command 'no-such-stage'."),
+], ids=lambda a: " ".join(a[:3]) if isinstance(a, list) else None)
+def test_a_mistake_click_finds_while_parsing_is_one_error_line_not_a_usage_box(args, said, tmp_path, monkeypatch):
+    """`finite()` / `one_of()` callbacks and click's own parse errors (a value of the wrong type, an unknown
+    option, a missing argument or command) printed typer's boxed usage panel over five lines, while every other
+    mistake is one red `error: ` line: now one line too, naming the command's help. Exit 2 either way."""
+    monkeypatch.chdir(tmp_path)
+    r = _run(args)
+    assert r.exit_code == 2 and r.output.startswith(said) and r.output.count("\n") == 1, r.output
+    assert not set(r.output) & set("╭│╰─") and "Usage:" not in r.output, r.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_command_group_without_its_command_still_shows_its_help():
+    r = _run(["store"])
+    assert r.exit_code == 2 and "Usage:" in r.output and "inspect" in r.output, r.output
+
+
 def test_a_usage_mistake_found_after_parsing_is_exit_2(tmp_path):
     """`compare` with one run and `make-tiny-model --full-width --variant edit-2511` were refused with exit 1, the
     status of a failure while running: a mistake on the command line is 2 (README), whoever finds it."""

@@ -19,9 +19,9 @@ from store import Store
 import warm_start  # the killed and rerun resizes: real processes, started warm
 
 
-def _mask(left: int) -> bytes:
-    m = Image.new("L", (64, 48), 0)
-    m.paste(255, (0, 0, left, 48))
+def _mask(left: int, size: tuple[int, int] = (64, 48)) -> bytes:
+    m = Image.new("L", size, 0)
+    m.paste(255, (0, 0, left, size[1]))
     return png(m)
 
 
@@ -45,6 +45,8 @@ def test_the_next_copy_of_a_sample_whose_first_copy_was_rejected_is_kept(source,
     st = Store(store)
     rows = {r["source"].rsplit("/", 1)[-1]: r for r in st.reader("images").manifest.to_pylist()}
     assert set(rows) == {"a2.png", "b1.png"}, rows
+    # the revived copy keeps its caption (it was stored as "": encode-text encoded an empty instruction for it)
+    assert rows["a2.png"]["caption"] == rows["b1.png"]["caption"] == "make it blue"
     mask = np.asarray(Image.open(io.BytesIO(st.reader("images").files(rows["a2.png"]["key"])["mask.png"])))
     assert mask[:, :8].min() == 255 and mask[:, 24:].max() == 0  # a2's mask (left 16 px edited), not a3's
     q = {r["source"].rsplit("/", 1)[-1]: r for r in st.quarantine().to_pylist()}
@@ -130,7 +132,7 @@ def test_a_resumed_sample_whose_source_name_is_not_found_is_still_resumed(tmp_pa
     target, control = png(rgb(64, 48)), png(rgb(64, 64, (10, 200, 10)))
     for i, mask in enumerate([BAD, _mask(16), _mask(40)]):
         put(src, f"a{i + 1}", target, controls=[control], mask=mask)
-    put(src, "b1", png(rgb(48, 64, (0, 0, 200))), controls=[control], mask=_mask(8))  # the first shard committed
+    put(src, "b1", png(rgb(48, 64, (0, 0, 200))), controls=[control], mask=_mask(8, (48, 64)))  # the first shard
     fresh = run(cfg(shard_size_mb=0.0001), src, tmp_path / "fresh")
     killed = warm_start.run([sys.executable, "-c", KILLED, str(src), str(tmp_path / "store")],
                            env={**os.environ, "STORE_CRASH_AT": "after_shard_commit"})

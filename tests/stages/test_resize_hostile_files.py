@@ -107,6 +107,10 @@ def test_hostile_image_files_each_end_deliberately(tmp_path):
     assert pixels(t["la.png"][1]["target.png"])[8, 8].tolist() == [255, 255, 255]
     assert pixels(t["i16.png"][1]["target.png"])[8, 8].tolist() == [255, 255, 255]  # 65535 -> 255
     assert pixels(t["rgb16.png"][1]["target.png"])[8, 8].tolist() == [128, 64, 255]  # 16-bit RGB: high bytes
+    # noted as every other conversion is (the grayscale one below too); before, only 16-bit RGB went unsaid
+    sixteen = "16-bit RGB read as 8-bit RGB (each channel's high byte)"
+    assert t["rgb16.png"][0]["conversions"] == [sixteen] and s.conversions[sixteen] == 1
+    assert t["i16.png"][0]["conversions"] == ["16-bit I;16 scaled to 8-bit RGB"]
     for anim in ("animgif.gif", "animwebp.webp"):  # the first frame, said so
         assert pixels(t[anim][1]["target.png"])[8, 8].tolist() == [250, 0, 0]
         assert "first frame of 2 used" in t[anim][0]["conversions"]
@@ -318,3 +322,30 @@ def test_an_unreadable_file_costs_its_sample_and_is_read_once_permitted(tmp_path
     (root / "target" / "locked.png").chmod(0o644)
     s = run(cfg(), root, store)
     assert s.version == 2 and set(table(store)) == {"open.png", "locked.png"}
+
+
+def test_a_mask_of_another_aspect_is_a_bad_mask_not_stretched_onto_its_target(tmp_path):
+    """A mask of another size than its target is resized onto it: right at the target's aspect (a mask saved at
+    half size, an odd side rounded, a few pixels cropped), but a transposed mask or a square one for a 3:2 photo
+    was stretched across the target, its edit region over the wrong pixels, counted only as "mask resized".
+    Now such a sample is quarantined as `bad-mask` naming both sizes, and a copy with a fitting mask is kept
+    instead, as for a mask that does not decode."""
+    root, store = tmp_path / "src", tmp_path / "store"
+    white = lambda w, h: encoded(Image.new("L", (w, h), 255))  # noqa: E731
+    put(root, "sliver.png", encoded(Image.new("RGB", (300, 10), (200, 30, 30))), mask=white(10, 300))
+    photo = encoded(quadrants(96, 64))
+    put(root, "square.png", photo, mask=white(64, 64))
+    put(root, "square_again.png", photo, mask=white(48, 32))  # the same sample, a mask of its aspect: kept instead
+    put(root, "half.png", encoded(quadrants(97, 65)), caption=b"half", mask=white(48, 32))  # 97/2, 65/2 rounded down
+    put(root, "trimmed.png", encoded(quadrants(100, 64)), caption=b"trimmed", mask=white(97, 64))  # 3 px off
+    s = run(cfg(), root, store)
+    q = quarantined(store)
+    assert {n: r["reason"] for n, r in q.items()} == {"sliver.png": "bad-mask", "square.png": "bad-mask"}
+    assert "is 10x300, its target 300x10" in q["sliver.png"]["detail"]
+    assert "is 64x64, its target 96x64" in q["square.png"]["detail"]
+    assert str(root / "mask" / "square.png") in q["square.png"]["detail"]
+    t = table(store)
+    assert set(t) == {"square_again.png", "half.png", "trimmed.png"}
+    assert all("mask resized to its target" in m["conversions"] for m, _ in t.values())
+    assert dict(s.quarantined) == {"bad-mask": 2} and s.written == 3
+    assert "quarantined 2: bad-mask 2 (rows in" in str(s), str(s)  # no "duplicate 0" for the copy kept instead

@@ -241,7 +241,8 @@ def test_a_manifest_with_classic_mac_line_endings_reads_line_by_line(tmp_path):
     assert count_samples(src / "data.jsonl", "jsonl") == 3
     result = _resize(src, tmp_path / "store")
     assert result.exit_code == 0, result.output
-    assert _captions(tmp_path / "store") == ["first\rline", "second"]  # the escaped CR kept in its caption
+    # the escaped CR kept in its caption, as its line break (a caption's line endings are made \n: caption_text.py)
+    assert _captions(tmp_path / "store") == ["first\nline", "second"]
     q = _quarantine(tmp_path / "store")
     assert list(q) == [f"{src / 'data.jsonl'}:3"] and "c.png cannot be read" in q[f"{src / 'data.jsonl'}:3"][1], q
 

@@ -102,13 +102,15 @@ def test_a_rerun_with_only_val_fraction_changed_reads_no_image_bytes(tmp_path: P
 def test_a_file_rewritten_with_the_same_size_and_mtime_is_read_again(tmp_path: Path, monkeypatch) -> None:
     src, out = _source(tmp_path), tmp_path / "store"
     target = src / "target" / "sample_0003.png"
-    Image.new("RGB", (96, 64), (10, 200, 30)).save(target, compress_level=0)  # size set by the pixel count alone
+    with Image.open(target) as im:  # its size kept: its mask (with_masks) is of its aspect
+        size = im.size
+    Image.new("RGB", size, (10, 200, 30)).save(target, compress_level=0)  # size set by the pixel count alone
     stage.run(load_config(None, SMALL), src, out)
     before = {m["source"]: k for k, (_, m) in _rows(Store(out)).items()}
 
     st = os.stat(target)
     with open(target, "r+b") as f:  # in place: same inode, same size, other pixels
-        Image.new("RGB", (96, 64), (200, 10, 30)).save(f, compress_level=0)
+        Image.new("RGB", size, (200, 10, 30)).save(f, compress_level=0)
     os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))  # mtime put back, as `touch -r` or `cp -p` would
     assert (os.stat(target).st_size, os.stat(target).st_mtime_ns) == (st.st_size, st.st_mtime_ns)
 
@@ -168,7 +170,9 @@ def test_a_jsonl_source_rerun_reads_only_a_file_rewritten_in_place(tmp_path: Pat
     make_demo_data(src, n=12, fmt="jsonl", max_controls=2, seed=4, with_masks=True)
     (manifest,) = src.glob("*.jsonl")
     target = src / json.loads(manifest.read_text().splitlines()[2])["target"]
-    Image.new("RGB", (96, 64), (10, 200, 30)).save(target, compress_level=0)
+    with Image.open(target) as im:  # its size kept: its mask (with_masks) is of its aspect
+        size = im.size
+    Image.new("RGB", size, (10, 200, 30)).save(target, compress_level=0)
     stage.run(load_config(None, SMALL), src, out)
 
     reads = Reads(monkeypatch)
@@ -180,7 +184,7 @@ def test_a_jsonl_source_rerun_reads_only_a_file_rewritten_in_place(tmp_path: Pat
 
     st = os.stat(target)
     with open(target, "r+b") as f:
-        Image.new("RGB", (96, 64), (200, 10, 30)).save(f, compress_level=0)
+        Image.new("RGB", size, (200, 10, 30)).save(f, compress_level=0)  # the same size in bytes
     os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
     reads = Reads(monkeypatch)
     third = stage.run(load_config(None, {**SMALL, "resize.val_fraction": 0.3}), src, out)

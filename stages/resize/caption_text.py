@@ -1,0 +1,48 @@
+"""A caption's text as the stage keys and stores it (the instruction encode-text tokenizes): one function for every
+source format (a folder's or tar's `.txt`, a JSONL line's field, a parquet cell all arrive as bytes), and for the
+rerun's check of a known sample's caption (known_sources.py), so both agree on the key.
+
+Control characters: a NUL, BEL or ESC reached the tokenizer as text and, printed (`store inspect`, a report, a
+log), an ESC sequence recoloured or rewrote the terminal. They come from captioning scripts that logged coloured
+output, a UTF-16 file without a byte order mark (every other byte NUL) or a crawl's junk. Line endings are made
+`\n` (a Windows file's `\r\n`, a classic Mac file's `\r`); an ANSI escape sequence (`ESC [ ... m`, an OSC title
+`ESC ] ... BEL`) goes whole, not leaving `[31m` in the text; every other control character (Unicode category Cc:
+C0, DEL, C1) but tab and newline goes. The sample is kept, its conversions say so (`CONTROLS_REMOVED`).
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+CONTROLS_REMOVED = "control characters removed from the caption (NUL, ESC, ...: tab and newline kept)"
+_ESCAPE_SEQUENCE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x9b[0-?]*[ -/]*[@-~]")
+_KEPT = "\t\n"
+
+
+def clean_caption(raw: bytes) -> str:
+    """The caption as the stage keys it: UTF-8 (UnicodeDecodeError otherwise), a BOM, control characters (above)
+    and outer whitespace off."""
+    return _without_controls(_text(raw)).strip()
+
+
+def had_controls(raw: bytes | None) -> bool:
+    """Whether `clean_caption` removed control characters from this caption (for the sample's conversions)."""
+    if raw is None:
+        return False
+    try:
+        text = _text(raw)
+    except UnicodeDecodeError:
+        return False
+    return _without_controls(text) != text
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8").lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _without_controls(text: str) -> str:
+    if text.isprintable() or not any(unicodedata.category(c) == "Cc" and c not in _KEPT for c in text):
+        return text
+    text = _ESCAPE_SEQUENCE.sub("", text)
+    return "".join(c for c in text if c in _KEPT or unicodedata.category(c) != "Cc")
