@@ -11,7 +11,6 @@ from io import BytesIO
 from pathlib import Path
 
 import pytest
-from PIL import Image
 
 from test_resize_bucket import cfg, png, put, rgb
 from stages.resize.caption_text import CONTROLS_REMOVED
