@@ -669,12 +669,14 @@ def _only_report_files(out: Path) -> bool:
     it; anything else is someone's folder."""
     from store.format import is_litter
 
-    from stages.evaluate.base_images import FOLDER as BASE_IMAGES, LORA_FOLDER as LORA_IMAGES
+    from stages.evaluate.base_images import (FOLDER as BASE_IMAGES, LAST_FOLDER as LAST_IMAGES,
+                                             LORA_FOLDER as LORA_IMAGES)
 
     from stages.evaluate.base_losses import FILE as BASE_LOSSES
     from stages.evaluate.lora_losses import FOLDER as LORA_LOSSES
 
-    return all(p.name in ("grid.png", "index.html", REPORT_LOCK, BASE_IMAGES, LORA_IMAGES, BASE_LOSSES, LORA_LOSSES)
+    return all(p.name in ("grid.png", "index.html", REPORT_LOCK, BASE_IMAGES, LORA_IMAGES, LAST_IMAGES, BASE_LOSSES,
+                         LORA_LOSSES)
                or (p.name.startswith(("losses", ".losses")) and ".zarr" in p.name)
                or (p.is_file() and is_litter(p.name))
                for p in out.iterdir())
