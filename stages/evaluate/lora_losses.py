@@ -40,11 +40,11 @@ def grids(folder: Path, settings: dict, lora: str | Path, axes: Axes,
     the cells (a [seed, σ] mask; None: all) no group of the earlier grid holds - and recorded. `check_base` runs
     on the base before the LoRA's pass (a non-finite base loss: bad stored features, stopped there)."""
     from stages.evaluate import base_losses
-    from stages.evaluate.checkpoints import _cells_line, _hash
+    from stages.evaluate.loss_groups import cells_line, group_hash
 
     sha = settings["lora_sha256"]  # hashed: a group holds no row of other bytes
     with writing("the held-out losses (lora-losses) of the report", folder):
-        losses = LossStore(folder, _hash(settings), axes, settings, take_back=True, dtype="float64")
+        losses = LossStore(folder, group_hash(settings), axes, settings, take_back=True, dtype="float64")
     if losses.kept_aside is not None and losses.aside_reason != "the settings changed":
         # a damaged / unreadable group (or other samples) set aside: said as --all-checkpoints' `_plan` says it (a
         # retrained LoRA's or a changed setting's group goes aside as this module's doc says, silently)
@@ -61,7 +61,7 @@ def grids(folder: Path, settings: dict, lora: str | Path, axes: Axes,
         rows = ["the base"] * (compute_base and donor.has_base()) \
             + ["the LoRA"] * (need_lora and donor.holds(STEP, sha))
         tqdm.write(f"held-out loss: the (seed, σ) cells both grids hold are taken from {donor.path} "
-                   f"({' and '.join(rows)}): {_cells_line(donor.known)}")
+                   f"({' and '.join(rows)}): {cells_line(donor.known)}")
 
     def computed(name: str, from_donor: bool) -> np.ndarray:
         cells = ~donor.known if from_donor else None

@@ -705,7 +705,7 @@ def respell_report(out, settings: dict) -> str:
     import zarr
 
     group = zarr.open_group(out / GROUP, mode="r+", use_consolidated=True)
-    old = ev._hash(settings)
+    old = ev.group_hash(settings)
     group.attrs.update({"fingerprint": old, "settings": settings})
     zarr.consolidate_metadata(out / GROUP)
     metrics = json.loads((out / "metrics.json").read_text())
