@@ -32,7 +32,7 @@ from schemas.stage import few
 from schemas.up_to_date import UNRECORDED_REVISION
 from stages.evaluate.base_images import FOLDER as BASE_IMAGES, extra_prompt_bytes
 from stages.evaluate.curves import pick_best
-from stages.evaluate.loss_groups import cells_line, group_hash
+from stages.evaluate.loss_groups import cells_line, group_hash, note_computed_on
 from stages.evaluate.paired import paired, per_sample, signed
 from store import Store
 from store.io_errors import writing
@@ -775,7 +775,14 @@ def _losses_opened(run: _Evaluation, samples, fingerprint: str, settings: dict, 
     ranks, cfg = run.ranks, run.cfg
     axes = Axes([s.key for s in samples], [bucket_of(s) for s in samples], *cfg.loss_axes)
     with together(ranks.world, "open the loss array"):
-        losses = _open_losses(run.out, fingerprint, settings, earlier, axes, tables.versions()) if ranks.main else None
+        if ranks.main:
+            from stages.evaluate.base_images import machine
+
+            losses = _open_losses(run.out, fingerprint, settings, earlier, axes, tables.versions())
+            with _writing_losses(run.out):
+                note_computed_on(losses, machine(cfg))  # not keyed by the device: said where it changed
+        else:
+            losses = None
     return losses
 
 

@@ -1,7 +1,8 @@
 """What both evaluate entries share about their loss groups (`store.loss_array`: REPORT/losses.zarr of
 --all-checkpoints, OUT/lora-losses/losses.zarr of one LoRA): the key a group is recorded under (`group_hash`) and
 the line saying which (seed, σ) cells a group kept aside gives a grown or shrunk grid (`cells_line`); and which
-groups kept aside stay (`prune`: the `KEPT_ASIDE` used most recently, each use recorded by `used`)."""
+groups kept aside stay (`prune`: the `KEPT_ASIDE` used most recently, each use recorded by `used`); what evaluated
+into an --all-checkpoints array (`note_computed_on`)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,46 @@ def _mtime(path: Path) -> float:
     except OSError:
         return 0.0
 
+
+#: --all-checkpoints: the devices and libraries that evaluated into a loss array (attribute, not hashed)
+COMPUTED_ON = "computed_on"
+UNRECORDED = "not recorded (an earlier release)"
+
+
+def note_computed_on(losses, machine: dict) -> None:
+    """Record on the --all-checkpoints loss array (`losses`, opened for writing) what evaluates into it now
+    (`machine`: `base_images.machine`'s device and libraries), and say in one line when rows were computed
+    elsewhere. The array is not keyed by them (the single-LoRA grids and the base caches are): a device or library
+    changes its numbers by float rounding only, as `evaluate.batch_size` does (docs/architecture.md), and a run's
+    curve of hundreds of checkpoints is not evaluated again for it; its rows are then of more than one machine,
+    which the line and the record say. An array of an earlier release, which did not record it, is recorded as
+    such, silently. New groups created later by this opening (another run's losses set aside) record it too."""
+    from tqdm.auto import tqdm
+
+    now = {"device": machine["device"], "libraries": machine["libraries"]}
+    losses.notes[COMPUTED_ON] = [now]
+    recorded = losses.group.attrs.get(COMPUTED_ON)
+    recorded = recorded if isinstance(recorded, list) else None
+    if recorded is not None and now in recorded:
+        return
+    holds = losses.has_base() or losses.group["step"].shape[0] > 0
+    if recorded is None:
+        losses.note(**{COMPUTED_ON: [UNRECORDED, now] if holds else [now]})
+        return
+    if holds:
+        tqdm.write(f"held-out loss: the losses in {losses.path} were computed on {'; '.join(map(describe, recorded))}"
+                   f", this run computes on {describe(now)}: they are kept (another device or library rounds them "
+                   "otherwise, within float tolerance, as evaluate.batch_size does); remove it to evaluate every "
+                   "checkpoint here")
+    losses.note(**{COMPUTED_ON: [*recorded, now]})
+
+
+def describe(machine) -> str:
+    """A recorded machine in words: `cuda ['NVIDIA H200'], torch 2.5.1, diffusers 0.32.0, ...`."""
+    if not isinstance(machine, dict):
+        return str(machine)
+    device = machine.get("device")
+    where = f"{device[0]} {device[1]}" if isinstance(device, list) and len(device) == 2 and any(device[1]) else \
+        str(device[0] if isinstance(device, list) and device else device)
+    libraries = machine.get("libraries") if isinstance(machine.get("libraries"), dict) else {}
+    return ", ".join([where, *(f"{k} {v}" for k, v in sorted(libraries.items()))])
