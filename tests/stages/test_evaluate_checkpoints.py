@@ -96,13 +96,13 @@ from stages.evaluate import checkpoints as ev
 
 real, commits = zarr.consolidate_metadata, []
 
-def dies_at_fourth_commit(path, *a, **k):  # group created, base, step 30 (newest first); SIGKILL: step 20 written
-    commits.append(path)
-    if len(commits) == 4:
+def dies_at_fifth_commit(path, *a, **k):  # group created, computed_on noted, base, step 30 (newest first); SIGKILL:
+    commits.append(path)                 # step 20 written
+    if len(commits) == 5:
         os.kill(os.getpid(), signal.SIGKILL)
     return real(path, *a, **k)
 
-zarr.consolidate_metadata = dies_at_fourth_commit
+zarr.consolidate_metadata = dies_at_fifth_commit
 store, model, out, cfg = sys.argv[1], sys.argv[2], sys.argv[3], eval(sys.argv[4])
 root = Path(store).parent
 ckpts = [(s, root / "run" / "checkpoints" / f"step-{s}" / "lora") for s in (10, 20, 30)]
