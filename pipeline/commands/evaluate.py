@@ -59,38 +59,20 @@ def command(
     store_dir = require(cfg.paths.store, "--store", "paths.store")
     model_id = require(cfg.paths.model, "--model", "paths.model")
     report = require(cfg.paths.report, "--out", "paths.report")
-    from models.loading import resolve_model
-    from models.lora_files import lora_weight_file
     if all_checkpoints:
-        from pipeline.orchestrate import kept_checkpoints, report_of_kept_run
-
-        run_path = Path(require(run_dir or cfg.paths.run, "--run", "paths.run"))
-        with user_errors(report), json_mode(as_json):  # a full disk no closer handler named: the report folder
-            from models.collective import together_before_group
-            from pipeline.launched import launched
-            from schemas.errors import UserError
-
-            # what this node holds (the run folder, its cache of a URL): one outcome for every rank before the
-            # process group forms (a rank that stopped alone here left the others waiting for it there)
-            with together_before_group(launched()[0], "evaluate: the run folder, store and model"):
-                kept = kept_checkpoints(run_path)
-                if not kept and launched()[0] <= 1:  # launched, the ranks decide together (the stage's own check)
-                    raise UserError(f"no checkpoints to evaluate: {run_path} holds no checkpoints/step-N (train "
-                                    "with train.checkpoint_every set, or evaluate one LoRA without --all-checkpoints)")
-                local = _local(store_dir, cache_dir, cache_gb)
-                resolve_model(model_id)
-            from stages.evaluate.checkpoints import run as run_checkpoints  # torch: after the checks
-
-            # relisted at the end: a training beside evaluate writes and prunes checkpoints meanwhile
-            result = run_checkpoints(cfg.evaluate, local, model_id, kept, report, skip_if_done=True,
-                                     relist=lambda: kept_checkpoints(run_path),
-                                     whose_report=report_of_kept_run(run_path))
-        if result is not None:  # under a launcher rank 0 reports; the other ranks computed their share
-            emit(result, as_json, model_id)
+        _all_checkpoints(cfg, store_dir, model_id, report, run_dir, as_json, cache_dir, cache_gb)
         return
     run_given = run_dir or cfg.paths.run
-    lora_dir = lora or (str(Path(run_given) / "lora") if run_given else None)
-    lora_dir = require(lora_dir, "--lora (or --run)", "paths.run")
+    lora_dir = require(lora or (str(Path(run_given) / "lora") if run_given else None), "--lora (or --run)",
+                       "paths.run")
+    _one_lora(cfg, store_dir, model_id, report, lora_dir, as_json, cache_dir, cache_gb)
+
+
+def _one_lora(cfg, store_dir: str, model_id: str, report: str, lora_dir: str, as_json: bool,
+              cache_dir: Optional[Path], cache_gb: Optional[float]) -> None:
+    """One LoRA (--lora, or RUN/lora) against the base into REPORT."""
+    from models.loading import resolve_model
+    from models.lora_files import lora_weight_file
 
     with user_errors(report), json_mode(as_json):
         local = _local(store_dir, cache_dir, cache_gb)
@@ -101,3 +83,33 @@ def command(
         # a report of the same inputs is up to date, as in `run all`
         result = run(cfg.evaluate, local, model_id, lora_dir, report, skip_if_done=True)
     emit(result, as_json, model_id)
+
+def _all_checkpoints(cfg, store_dir: str, model_id: str, report: str, run_dir: Optional[str], as_json: bool,
+                     cache_dir: Optional[Path], cache_gb: Optional[float]) -> None:
+    """`--all-checkpoints`: the base and every kept checkpoint of --run (or paths.run) into REPORT."""
+    from models.loading import resolve_model
+    from pipeline.orchestrate import kept_checkpoints, report_of_kept_run
+
+    run_path = Path(require(run_dir or cfg.paths.run, "--run", "paths.run"))
+    with user_errors(report), json_mode(as_json):  # a full disk no closer handler named: the report folder
+        from models.collective import together_before_group
+        from pipeline.launched import launched
+        from schemas.errors import UserError
+
+        # what this node holds (the run folder, its cache of a URL): one outcome for every rank before the
+        # process group forms (a rank that stopped alone here left the others waiting for it there)
+        with together_before_group(launched()[0], "evaluate: the run folder, store and model"):
+            kept = kept_checkpoints(run_path)
+            if not kept and launched()[0] <= 1:  # launched, the ranks decide together (the stage's own check)
+                raise UserError(f"no checkpoints to evaluate: {run_path} holds no checkpoints/step-N (train "
+                                "with train.checkpoint_every set, or evaluate one LoRA without --all-checkpoints)")
+            local = _local(store_dir, cache_dir, cache_gb)
+            resolve_model(model_id)
+        from stages.evaluate.checkpoints import run as run_checkpoints  # torch: after the checks
+
+        # relisted at the end: a training beside evaluate writes and prunes checkpoints meanwhile
+        result = run_checkpoints(cfg.evaluate, local, model_id, kept, report, skip_if_done=True,
+                                 relist=lambda: kept_checkpoints(run_path),
+                                 whose_report=report_of_kept_run(run_path))
+    if result is not None:  # under a launcher rank 0 reports; the other ranks computed their share
+        emit(result, as_json, model_id)

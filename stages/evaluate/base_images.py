@@ -17,7 +17,8 @@ prompt is its negative), and an extra prompt's on no other row: more or fewer `n
 prompt added, changed or moved, generate only the images not kept yet. Any other change: another group,
 regenerated. The PNGs are checked against their recorded sha256 on reuse (a damaged or missing one: regenerated).
 Single-LoRA evaluate keeps its LoRA column the same way in OUT/lora-images/ (`lora_group_key`: these inputs, the
-LoRA's bytes and scale), so a rerun for the loss grid alone generates no image.
+LoRA's bytes and scale), so a rerun for the loss grid alone generates no image; --all-checkpoints its best's there
+and its last's in OUT/last-images/ (`checkpoint_report.generated_rows`).
 
 Any change to the source of models/, features/, schemas/ or stages/evaluate/ (`SOURCE_PACKAGES`), or to the
 libraries' versions, regenerates the base images (and the base losses, `base_losses`, keyed the same way). There
@@ -35,7 +36,8 @@ from PIL import Image
 from store.loss_array import GRID
 
 FOLDER = "base-images"
-LORA_FOLDER = "lora-images"  # single-LoRA evaluate's LoRA column, kept alike (`lora_group_key`)
+LORA_FOLDER = "lora-images"  # single-LoRA evaluate's LoRA column (--all-checkpoints: the best's), kept alike
+LAST_FOLDER = "last-images"  # --all-checkpoints: the last checkpoint's column, kept alike (`lora_group_key`)
 INDEX = "index.json"
 #: this project's packages whose code turns those inputs into the base images: the source of every module in them
 #: enters the key (an upgrade changing how they generate regenerates them). Whole packages, not a list of modules:

@@ -55,28 +55,41 @@ def generated_rows(cfg, model: str, store, tables, transformer, samples, best_pa
     sha256 its losses were recorded under (a checkpoint whose bytes changed since is refused, not pictured).
     `base_cache`: (folder, the loss fingerprint's settings): the base images are reused from there when every input
     of them is unchanged (`stages.evaluate.base_images`), else generated and kept there. `held`: step -> the LoRA
-    bytes of the best and last, read when the summary named them (`checkpoints.held_bytes`)."""
+    bytes of the best and last, read when the summary named them (`checkpoints.held_bytes`). The best's and the
+    last's images are kept as single-LoRA evaluate keeps its LoRA column (OUT/lora-images/, OUT/last-images/:
+    `base_images.lora_group_key`, the checkpoint's bytes and scale, not the loss grid): a rerun whose pictures'
+    inputs are unchanged generates none and loads no checkpoint (every rerun generated both before)."""
     from models.loading import load_component, parse_dtype
     from models.qwen21_flow import is_qwen21
+    from stages.evaluate import base_images
     from stages.evaluate.checkpoints import use_recorded
 
     qwen21 = is_qwen21(transformer)
     vae = load_component(model, "vae", dtype=parse_dtype(cfg.dtype), device=cfg.device)
     jobs = _jobs(cfg, model, store, tables, transformer, vae, samples, damaged, qwen21)
-
-    def outputs(label: str) -> list[Image.Image]:
-        return column(jobs, transformer, vae, cfg, qwen21, label)
-
     base = base_column(jobs, transformer, vae, cfg, qwen21, samples, base_cache, lora_off=attached)
     shas, held = shas or {}, held or {}
-    use_recorded(transformer, best_path, best_step, shas.get(best_step), cfg.lora_scale, attached,
-                 held.get(best_step))
-    columns = {"base": base, f"best (step {best_step})": outputs("best")}
+    out = Path(base_cache[0]).parent if base_cache is not None else None
+    folders = {"best": base_images.LORA_FOLDER, "last": base_images.LAST_FOLDER}
+
+    def checkpoint_column(role: str, path: str, step: int) -> list[Image.Image]:
+        nonlocal attached
+        kept, also = None, ()
+        if out is not None and shas.get(step) is not None:  # its images keyed by the bytes its losses are of
+            kept = (out / folders[role], base_images.lora_group_key(cfg, base_cache[1], shas[step]))
+            also = [out / f for r, f in folders.items() if r != role]  # a last that became the best
+
+        def load() -> None:  # only when an image is generated: a column kept whole reads no checkpoint
+            nonlocal attached
+            use_recorded(transformer, path, step, shas.get(step), cfg.lora_scale, attached, held.get(step))
+            attached = True
+
+        return kept_column(jobs, transformer, vae, cfg, qwen21, samples, kept, role, also=also, load=load)
+
+    columns = {"base": base, f"best (step {best_step})": checkpoint_column("best", best_path, best_step)}
     names = ["base", "lora"]
     if last_step != best_step:
-        use_recorded(transformer, last_path, last_step, shas.get(last_step), cfg.lora_scale, True,
-                     held.get(last_step))
-        columns[f"last (step {last_step})"] = outputs("last")
+        columns[f"last (step {last_step})"] = checkpoint_column("last", last_path, last_step)
         names.append("last")
     return _scored_rows(jobs, columns, names)
 
@@ -99,25 +112,39 @@ def base_column(jobs: list[_Job], transformer, vae, cfg, qwen21: bool, samples,
 
 
 def kept_column(jobs: list[_Job], transformer, vae, cfg, qwen21: bool, samples, kept: tuple | None, label: str,
-                lora_off: bool = False) -> list[Image.Image]:
-    """A column (`label`: base, lora) whose images are kept in `kept` = (folder, group key: `base_images`' mechanism)
-    and reused from there, only the others generated (the LoRA bypassed when `lora_off`) and kept there."""
+                lora_off: bool = False, also=(), load=None) -> list[Image.Image]:
+    """A column (`label`: base, lora, best, last) whose images are kept in `kept` = (folder, group key:
+    `base_images`' mechanism) and reused from there, only the others generated (the LoRA bypassed when `lora_off`)
+    and kept there. `also`: other folders whose group of the same key may hold some (--all-checkpoints: a last
+    that became the best), copied into `kept`'s. `load()`: run once before the first image is generated (a
+    checkpoint's weights), not at all when every image is kept."""
     from stages.evaluate import base_images
     from stages.evaluate.stage import lora_enabled, pick_samples
 
     made_of: list[Image.Image | None] = [None] * len(jobs)
+    copied: dict[str, Image.Image] = {}
     if kept is not None:
         folder, group = kept
         ids = base_images.item_ids(cfg, [s.key for s in pick_samples(samples, cfg.num_samples)])
         made_of = base_images.read(folder, group, ids)
+        for other in also:
+            if any(b is None for b in made_of):
+                found = base_images.read(other, group, ids)
+                copied.update({ids[i]: img for i, (b, img) in enumerate(zip(made_of, found))
+                               if b is None and img is not None})
+                made_of = [b if b is not None else img for b, img in zip(made_of, found)]
         found = sum(b is not None for b in made_of)
         if found == len(jobs):
             tqdm.write(f"{label} images: unchanged inputs, reused from {folder}")
+            if copied:
+                base_images.write(folder, group, copied)
             return made_of
         if found:
             tqdm.write(f"{label} images: {found} of {len(jobs)} reused from {folder}, {len(jobs) - found} generated")
     missing = [i for i, b in enumerate(made_of) if b is None]
     todo = [jobs[i] for i in missing]
+    if load is not None:
+        load()
     if lora_off:
         with lora_enabled(transformer, False):
             made = column(todo, transformer, vae, cfg, qwen21, label)
@@ -126,7 +153,7 @@ def kept_column(jobs: list[_Job], transformer, vae, cfg, qwen21: bool, samples, 
     for i, img in zip(missing, made):
         made_of[i] = img
     if kept is not None:
-        base_images.write(folder, group, {ids[i]: img for i, img in zip(missing, made)})
+        base_images.write(folder, group, {**copied, **{ids[i]: img for i, img in zip(missing, made)}})
     return made_of
 
 

@@ -12,7 +12,6 @@ report reads this one too; `checkpoints` adds the per-step curves and `best` / `
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
@@ -33,6 +32,7 @@ from schemas.stage import few
 from schemas.up_to_date import UNRECORDED_REVISION
 from stages.evaluate.base_images import FOLDER as BASE_IMAGES, extra_prompt_bytes
 from stages.evaluate.curves import pick_best
+from stages.evaluate.loss_groups import cells_line, group_hash, note_computed_on
 from stages.evaluate.paired import paired, per_sample, signed
 from store import Store
 from store.io_errors import writing
@@ -70,7 +70,7 @@ def loss_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str) -> tupl
         "evaluate": _loss_settings(cfg),
         "evaluation_revision": EVALUATION_REVISION,
     }
-    return _hash(settings), settings
+    return group_hash(settings), settings
 
 
 def _loss_settings(cfg: EvaluateConfig, as_set: bool = False) -> dict:
@@ -146,7 +146,7 @@ def read_fingerprint(settings: dict, tables) -> tuple[str, dict]:
     evaluate), and an array keyed by those would hold the new version's losses under the old one's name (reused
     by the next run that reads the old one). `max_loss_samples` as the samples it reads (`samples_read`)."""
     settings = {**settings, "tables": read_tables(tables), "evaluate": samples_read(settings["evaluate"], len(tables))}
-    return _hash(settings), settings
+    return group_hash(settings), settings
 
 
 def samples_read(evaluate: dict, n: int) -> dict:
@@ -214,10 +214,6 @@ def content_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str, sett
     with open_configured(cfg, "evaluate", store, model, model_files(model), "val") as tables:
         fingerprint, settings = read_fingerprint(settings, tables)
         return fingerprint, settings, earlier_settings(settings, tables, cfg, out), loss_keys(cfg, tables), len(tables)
-
-
-def _hash(settings: dict) -> str:
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
 def lora_digest(checkpoint: Path):
@@ -779,7 +775,14 @@ def _losses_opened(run: _Evaluation, samples, fingerprint: str, settings: dict, 
     ranks, cfg = run.ranks, run.cfg
     axes = Axes([s.key for s in samples], [bucket_of(s) for s in samples], *cfg.loss_axes)
     with together(ranks.world, "open the loss array"):
-        losses = _open_losses(run.out, fingerprint, settings, earlier, axes, tables.versions()) if ranks.main else None
+        if ranks.main:
+            from stages.evaluate.base_images import machine
+
+            losses = _open_losses(run.out, fingerprint, settings, earlier, axes, tables.versions())
+            with _writing_losses(run.out):
+                note_computed_on(losses, machine(cfg))  # not keyed by the device: said where it changed
+        else:
+            losses = None
     return losses
 
 
@@ -1063,7 +1066,7 @@ def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int
         n = sum(1 for (step, _), todo in zip(checkpoints, plan[1:]) if todo and donor.holds(step, shas[step]))
         rows = ["the base"] * (compute_base and donor.has_base()) + [f"{n} checkpoint{'s' if n != 1 else ''}"]
         tqdm.write(f"{opened_aside or ''}the (seed, σ) cells both grids hold are taken from {donor.path} "
-                   f"({' and '.join(rows)}): {_cells_line(donor.known)}")
+                   f"({' and '.join(rows)}): {cells_line(donor.known)}")
     elif opened_aside is not None:
         tqdm.write(f"{opened_aside}every checkpoint is evaluated again")
     return plan, donor
@@ -1087,15 +1090,9 @@ def _grown(out: Path, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
         return None
     held = sum(1 for step, _ in checkpoints if donor.holds(step, shas[step]))
     rest = len(checkpoints) - held
-    return (f"{_cells_line(donor.known)} for {'the base and ' if base and donor.has_base() else ''}{held} of "
+    return (f"{cells_line(donor.known)} for {'the base and ' if base and donor.has_base() else ''}{held} of "
             f"{len(checkpoints)} checkpoints (the cells {donor.path} holds reused)"
             + (f", evaluating {rest} other{'s' if rest != 1 else ''} whole" if rest else ""))
-
-
-def _cells_line(known: np.ndarray) -> str:
-    new = int((~known).sum())
-    return (f"computing {new} new (seed, σ) cell{'s' if new != 1 else ''} of {known.size}" if new
-            else "nothing to compute (every cell recorded there)")
 
 
 def _this_runs(group: LossGroup, checkpoints: list[tuple[int, Path]], shas: dict[int, str]) -> bool:

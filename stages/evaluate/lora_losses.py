@@ -7,7 +7,8 @@ that cell of a whole grid (`models.held_out.loss_grid`), and the kept cells are 
 
 The group's settings are the loss array's (`checkpoints.read_fingerprint`: the tables read, the model, the loss
 settings, the evaluation revision) and the LoRA's bytes: a retrained LoRA is another group (the old one kept aside
-beside it, for a return to it), its base taken from OUT/base-losses.safetensors. A folder of its own: `pipeline
+beside it, for a return to it; the `loss_groups.KEPT_ASIDE` used most recently stay, `loss_groups.prune`), its base
+taken from OUT/base-losses.safetensors. A folder of its own: `pipeline
 compare` and --all-checkpoints read OUT/losses.zarr, and would take the one LoRA for a checkpoint curve."""
 
 from __future__ import annotations
@@ -40,15 +41,17 @@ def grids(folder: Path, settings: dict, lora: str | Path, axes: Axes,
     the cells (a [seed, σ] mask; None: all) no group of the earlier grid holds - and recorded. `check_base` runs
     on the base before the LoRA's pass (a non-finite base loss: bad stored features, stopped there)."""
     from stages.evaluate import base_losses
-    from stages.evaluate.checkpoints import _cells_line, _hash
+    from stages.evaluate.loss_groups import cells_line, group_hash, prune, used
 
     sha = settings["lora_sha256"]  # hashed: a group holds no row of other bytes
     with writing("the held-out losses (lora-losses) of the report", folder):
-        losses = LossStore(folder, _hash(settings), axes, settings, take_back=True, dtype="float64")
+        losses = LossStore(folder, group_hash(settings), axes, settings, take_back=True, dtype="float64")
     if losses.kept_aside is not None and losses.aside_reason != "the settings changed":
         # a damaged / unreadable group (or other samples) set aside: said as --all-checkpoints' `_plan` says it (a
         # retrained LoRA's or a changed setting's group goes aside as this module's doc says, silently)
         tqdm.write(f"held-out loss: {losses.aside_reason}: the earlier losses are kept in {losses.kept_aside}")
+    if losses.kept_aside is not None:
+        used(losses.kept_aside)  # in use until now: the most recent of those kept aside (`prune`)
     need_base, need_lora = not losses.has_base(), losses.steps().get(STEP) != sha
     # the base-losses file first: a base read from it takes no cell of a donor, and the line says so (it named
     # "the base" among the rows taken from a kept group while the base came from the file)
@@ -61,7 +64,8 @@ def grids(folder: Path, settings: dict, lora: str | Path, axes: Axes,
         rows = ["the base"] * (compute_base and donor.has_base()) \
             + ["the LoRA"] * (need_lora and donor.holds(STEP, sha))
         tqdm.write(f"held-out loss: the (seed, σ) cells both grids hold are taken from {donor.path} "
-                   f"({' and '.join(rows)}): {_cells_line(donor.known)}")
+                   f"({' and '.join(rows)}): {cells_line(donor.known)}")
+        used(donor.path)
 
     def computed(name: str, from_donor: bool) -> np.ndarray:
         cells = ~donor.known if from_donor else None
@@ -89,4 +93,6 @@ def grids(folder: Path, settings: dict, lora: str | Path, axes: Axes,
         on = donor.step(STEP, computed("lora", True)) if partial else computed("lora", False)
         with writing("the held-out losses (lora-losses) of the report", folder):
             losses.append(STEP, str(Path(lora).resolve()), sha, on)
+    with writing("the held-out losses (lora-losses) of the report", folder):
+        prune(folder, in_use=(donor.path if donor is not None else None,))
     return {"base": base, "lora": on}

@@ -669,12 +669,14 @@ def _only_report_files(out: Path) -> bool:
     it; anything else is someone's folder."""
     from store.format import is_litter
 
-    from stages.evaluate.base_images import FOLDER as BASE_IMAGES, LORA_FOLDER as LORA_IMAGES
+    from stages.evaluate.base_images import (FOLDER as BASE_IMAGES, LAST_FOLDER as LAST_IMAGES,
+                                             LORA_FOLDER as LORA_IMAGES)
 
     from stages.evaluate.base_losses import FILE as BASE_LOSSES
     from stages.evaluate.lora_losses import FOLDER as LORA_LOSSES
 
-    return all(p.name in ("grid.png", "index.html", REPORT_LOCK, BASE_IMAGES, LORA_IMAGES, BASE_LOSSES, LORA_LOSSES)
+    return all(p.name in ("grid.png", "index.html", REPORT_LOCK, BASE_IMAGES, LORA_IMAGES, LAST_IMAGES, BASE_LOSSES,
+                         LORA_LOSSES)
                or (p.name.startswith(("losses", ".losses")) and ".zarr" in p.name)
                or (p.is_file() and is_litter(p.name))
                for p in out.iterdir())
@@ -700,16 +702,9 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     cfg = for_model(cfg, model)
     # the file train sealed, checked and hashed in one read: a flipped bit is refused, not evaluated
     checked = checked_digest(lora_weight_file(lora))
-    why: list[str] = []
-    if skip_if_done and report_up_to_date(cfg, store, model, lora, out, checked.sha256, why):
-        from stages.evaluate.trained_val import say_recorded
-
-        metrics = json.loads((out / "metrics.json").read_text())
-        say_recorded(metrics)  # the figures are the same, and so is what makes them not held out
-        return EvaluateResult(metrics, out / "index.html", up_to_date=True)
-    from stages.evaluate.checkpoints import say_recomputed
-
-    say_recomputed(out, why)
+    recorded = _recorded_report(cfg, store, model, lora, out, checked.sha256, skip_if_done)
+    if recorded is not None:
+        return recorded
     check_report_folder(out)
     requested = cfg.dtype
     cfg = resolved_config(cfg, model)
@@ -717,7 +712,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
                + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
     warn_other_base([lora], model)
     from stages.evaluate import trained_val
-    from stages.evaluate.val_share import complete, reader
+    from stages.evaluate.val_share import complete
 
     tables, share = read_val_samples(cfg, store, model)
     inputs = evaluate_inputs(cfg, store, model, lora, checked.sha256, tables)  # of the tables read
@@ -727,14 +722,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
 
     transformer = load_transformer(cfg, model)
     attach_checked(transformer, lora, cfg.lora_scale, checked.sha256)
-
-    from stages.evaluate.base_images import losses_key, machine
-    from stages.evaluate.lora_losses import FOLDER, settings_of
-
-    features = read_inputs(cfg, store, model, tables)
-    settings = settings_of(features, checked.sha256, machine(cfg))
-    loss = held_out_loss(transformer, samples, cfg, (out, losses_key(cfg, features, [s.key for s in samples])),
-                         load=reader(tables, share), recorded=(out / FOLDER, settings, lora_weight_file(lora)))
+    loss = _held_out(cfg, store, model, lora, out, tables, share, transformer, checked.sha256)
 
     rows: list[SampleRow] = []
     if cfg.num_samples > 0 or cfg.extra_prompts:  # the pictured samples read in full
@@ -751,6 +739,38 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     tables.close()  # readers and read lease: a process that goes on (`run all`) holds nothing of them
     return EvaluateResult(metrics, write_report(out, metrics, rows), seconds=time.perf_counter() - started,
                           damaged=damaged)
+
+
+def _recorded_report(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: Path,
+                     lora_sha256: str, skip_if_done: bool) -> EvaluateResult | None:
+    """With `skip_if_done`, OUT's report when it is current for these inputs (its line said again); else None,
+    having said why a report there is not current (`checkpoints.say_recomputed`)."""
+    from stages.evaluate.checkpoints import say_recomputed
+
+    why: list[str] = []
+    if skip_if_done and report_up_to_date(cfg, store, model, lora, out, lora_sha256, why):
+        from stages.evaluate.trained_val import say_recorded
+
+        metrics = json.loads((out / "metrics.json").read_text())
+        say_recorded(metrics)  # the figures are the same, and so is what makes them not held out
+        return EvaluateResult(metrics, out / "index.html", up_to_date=True)
+    say_recomputed(out, why)
+    return None
+
+
+def _held_out(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: Path, tables, share,
+              transformer, lora_sha256: str) -> dict:
+    """The held-out loss section, base vs LoRA: the grids kept in OUT/lora-losses (`lora_losses`) and
+    OUT/base-losses.safetensors (`base_losses`) reused, only what they lack computed."""
+    from stages.evaluate.base_images import losses_key, machine
+    from stages.evaluate.lora_losses import FOLDER, settings_of
+    from stages.evaluate.val_share import reader
+
+    samples = share.samples
+    features = read_inputs(cfg, store, model, tables)
+    settings = settings_of(features, lora_sha256, machine(cfg))
+    return held_out_loss(transformer, samples, cfg, (out, losses_key(cfg, features, [s.key for s in samples])),
+                         load=reader(tables, share), recorded=(out / FOLDER, settings, lora_weight_file(lora)))
 
 
 def read_inputs(cfg: EvaluateConfig, store: str | Path, model: str, tables) -> dict:

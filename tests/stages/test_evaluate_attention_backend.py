@@ -63,10 +63,10 @@ def _as_recorded_unset(out, checkpoints: bool = True) -> None:
         group = zarr.open_group(out / GROUP, mode="r+", use_consolidated=True)
         settings = dict(group.attrs["settings"])
         settings["evaluate"] = {**settings["evaluate"], "attention_backend": None}
-        group.attrs.update({"fingerprint": ev._hash(settings), "settings": settings})
+        group.attrs.update({"fingerprint": ev.group_hash(settings), "settings": settings})
         zarr.consolidate_metadata(out / GROUP)
         metrics["run"]["settings"] = settings
-        metrics["checkpoints"].update(fingerprint=ev._hash(settings), config_fingerprint=old_cfg.fingerprint())
+        metrics["checkpoints"].update(fingerprint=ev.group_hash(settings), config_fingerprint=old_cfg.fingerprint())
     else:
         metrics["run"]["inputs"]["config_fingerprint"] = old_cfg.fingerprint()
     metrics["run"]["config"]["attention_backend"] = None

@@ -34,33 +34,41 @@ def _runner(monkeypatch):
 
 def test_a_rerun_reuses_the_base_images_and_a_changed_input_regenerates_them(run_and_store, tiny_edit_model,
                                                                               tmp_path, monkeypatch):
-    """Before: every rerun generated the base column again (2 samples x 3 columns = 6 images, 6 again). Now the
-    rerun generates best and last only (4), with the same base pixels; another seed regenerates them, a damaged
-    kept PNG that one image."""
+    """Before: every rerun generated the base column again (2 samples x 3 columns = 6 images, 6 again), then the
+    best and last again (4). Now a rerun generates none, its kept files byte-identical, with the same pixels;
+    another seed regenerates every column, a damaged kept PNG that one image. The last checkpoint (step 30) holds
+    the best's (step 20) bytes: its images are the best's, kept under those bytes, not generated twice."""
     root, out = run_and_store, tmp_path / "report"
     run = _runner(monkeypatch)
     cfg = EvaluateConfig(**{**CFG, "num_samples": 2, "num_inference_steps": 2})
     n, first = run(cfg, root, tiny_edit_model, out)
-    assert n == 6
+    assert n == 4 and list(first[0].outputs) == ["base", "best (step 20)", "last (step 30)"]
+    kept = {p: p.read_bytes() for f in (base_images.FOLDER, base_images.LORA_FOLDER, base_images.LAST_FOLDER)
+            for p in sorted((out / f).iterdir())}
+    assert len(kept) == 3 * 3  # each column: 2 PNGs (unless two are identical) and its index
     n, again = run(cfg, root, tiny_edit_model, out)
-    assert n == 4
+    assert n == 0
+    assert {p: p.read_bytes() for p in kept} == kept and all(p.exists() for p in kept)
     for a, b in zip(first, again):
+        assert list(a.outputs) == list(b.outputs)
         for label in a.outputs:
             np.testing.assert_array_equal(np.asarray(a.outputs[label]), np.asarray(b.outputs[label]))
         assert a.scores == b.scores
 
     n, other_seed = run(cfg.model_copy(update={"seed": cfg.seed + 1}), root, tiny_edit_model, out)
-    assert n == 6
-    assert not np.array_equal(np.asarray(other_seed[0].outputs["base"]), np.asarray(first[0].outputs["base"]))
+    assert n == 4
+    for label in first[0].outputs:  # every column pictured again, at that seed
+        assert not np.array_equal(np.asarray(other_seed[0].outputs[label]), np.asarray(first[0].outputs[label]))
 
     png = _files(out)[0]
     data = bytearray(png.read_bytes())
     data[-20] ^= 0xFF
     png.write_bytes(bytes(data))
     n, again = run(cfg.model_copy(update={"seed": cfg.seed + 1}), root, tiny_edit_model, out)
-    assert n == 5  # the damaged one regenerated, not shown (the other reused: each is checked alone)
+    assert n == 1  # the damaged one regenerated, not shown (the others reused: each is checked alone)
     for a, b in zip(other_seed, again):
-        np.testing.assert_array_equal(np.asarray(a.outputs["base"]), np.asarray(b.outputs["base"]))
+        for label in a.outputs:
+            np.testing.assert_array_equal(np.asarray(a.outputs[label]), np.asarray(b.outputs[label]))
 
 
 def _files(out: Path) -> list[Path]:
@@ -82,7 +90,7 @@ def test_a_killed_run_leaving_only_base_images_does_not_block_the_report_folder(
     for f in ("metrics.json", "index.html", "grid.png"):
         (out / f).unlink()
     n, _ = run(cfg, root, tiny_edit_model, out)
-    assert n == 2 and (out / "metrics.json").is_file()
+    assert n == 0 and (out / "metrics.json").is_file()  # every column kept (best and last too)
 
 
 def test_every_input_of_the_base_images_is_in_their_key(tmp_path, monkeypatch):

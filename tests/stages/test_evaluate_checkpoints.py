@@ -96,13 +96,13 @@ from stages.evaluate import checkpoints as ev
 
 real, commits = zarr.consolidate_metadata, []
 
-def dies_at_fourth_commit(path, *a, **k):  # group created, base, step 30 (newest first); SIGKILL: step 20 written
-    commits.append(path)
-    if len(commits) == 4:
+def dies_at_fifth_commit(path, *a, **k):  # group created, computed_on noted, base, step 30 (newest first); SIGKILL:
+    commits.append(path)                 # step 20 written
+    if len(commits) == 5:
         os.kill(os.getpid(), signal.SIGKILL)
     return real(path, *a, **k)
 
-zarr.consolidate_metadata = dies_at_fourth_commit
+zarr.consolidate_metadata = dies_at_fifth_commit
 store, model, out, cfg = sys.argv[1], sys.argv[2], sys.argv[3], eval(sys.argv[4])
 root = Path(store).parent
 ckpts = [(s, root / "run" / "checkpoints" / f"step-{s}" / "lora") for s in (10, 20, 30)]
@@ -705,7 +705,7 @@ def respell_report(out, settings: dict) -> str:
     import zarr
 
     group = zarr.open_group(out / GROUP, mode="r+", use_consolidated=True)
-    old = ev._hash(settings)
+    old = ev.group_hash(settings)
     group.attrs.update({"fingerprint": old, "settings": settings})
     zarr.consolidate_metadata(out / GROUP)
     metrics = json.loads((out / "metrics.json").read_text())

@@ -1,0 +1,41 @@
+"""`--all-checkpoints`' loss array is not keyed by the device and libraries that computed it (a curve of hundreds
+of checkpoints is not evaluated again for float rounding; the single-LoRA grids and the base caches, a few passes,
+are keyed by them): it records them (`computed_on`) and a rerun elsewhere says in one line that the rows it keeps
+were computed on another machine (`stages.evaluate.loss_groups.note_computed_on`). Before, nothing said it."""
+
+from __future__ import annotations
+
+import xarray as xr
+
+from schemas.config import EvaluateConfig
+from stages.evaluate import base_images
+from stages.evaluate import checkpoints as ev
+from stages.evaluate.loss_groups import COMPUTED_ON
+from store.loss_array import GROUP
+from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
+
+
+def test_a_rerun_with_other_libraries_keeps_the_array_and_says_so(run_and_store, tiny_edit_model, tmp_path,
+                                                                  monkeypatch, capsys):
+    root, out = run_and_store, tmp_path / "report"
+    cfg = EvaluateConfig(**CFG)
+    ev.run(cfg, root / "store", tiny_edit_model, _ckpts(root), out)
+    first = xr.open_zarr(out / GROUP).load()
+    (here,) = first.attrs[COMPUTED_ON]
+    assert here["device"][0] == "cpu" and "torch" in here["libraries"]
+
+    real = base_images.machine
+    monkeypatch.setattr(base_images, "machine",
+                        lambda c: {**real(c), "libraries": {**real(c)["libraries"], "torch": "9.9.9"}})
+    capsys.readouterr()
+    res = ev.run(cfg, root / "store", tiny_edit_model, _ckpts(root), out)
+    said = [line for line in capsys.readouterr().out.splitlines() if "were computed on" in line]
+    assert len(said) == 1 and "torch 9.9.9" in said[0] and f"held-out loss: the losses in {out / GROUP}" in said[0]
+    assert res.evaluated == 0  # kept: no checkpoint evaluated again
+    again = xr.open_zarr(out / GROUP).load()
+    xr.testing.assert_identical(again.loss, first.loss)
+    assert again.attrs[COMPUTED_ON] == [here, {**here, "libraries": {**here["libraries"], "torch": "9.9.9"}}]
+
+    capsys.readouterr()
+    ev.run(cfg, root / "store", tiny_edit_model, _ckpts(root), out)  # recorded now: said once
+    assert "were computed on" not in capsys.readouterr().out
