@@ -73,7 +73,6 @@ def generated_rows(cfg, model: str, store, tables, transformer, samples, best_pa
     folders = {"best": base_images.LORA_FOLDER, "last": base_images.LAST_FOLDER}
 
     def checkpoint_column(role: str, path: str, step: int) -> list[Image.Image]:
-        nonlocal attached
         kept, also = None, ()
         if out is not None and shas.get(step) is not None:  # its images keyed by the bytes its losses are of
             kept = (out / folders[role], base_images.lora_group_key(cfg, base_cache[1], shas[step]))
