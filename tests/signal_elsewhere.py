@@ -40,3 +40,16 @@ def signal_elsewhere_once_main_waits(signum: int = signal.SIGINT, when: Callable
     t = threading.Thread(target=send, name="signal-elsewhere", daemon=True)
     t.start()
     return t
+
+
+def run_script(code: str, timeout: float) -> "subprocess.CompletedProcess[str]":
+    """`code` run by a fresh interpreter with the project and this folder importable (the signal must not reach
+    pytest's own threads)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    path = os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": path})

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from signal_elsewhere import run_script
 from store import remote as remote_mod
 from store.remote import each_at_once
 
@@ -73,15 +74,6 @@ def test_ctrl_c_does_not_wait_for_the_transfers_in_flight() -> None:
     flight, and the process's exit joined them again. The SIGINT goes to another thread than the main one, as
     Linux may deliver a Ctrl-C (tests/signal_elsewhere.py): the main thread's untimed wait for the first result
     never woke for it, and the push went on until that upload ended by itself."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests"),
-                                                         os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", INTERRUPTED], capture_output=True, text=True, env=env,
-                          timeout=HOLD_SECONDS + 120)
+    proc = run_script(INTERRUPTED, timeout=HOLD_SECONDS + 120)
     assert proc.returncode == 130, proc.stderr[-2000:]
     assert proc.stdout.strip() == "interrupted; the running transfer left running"
