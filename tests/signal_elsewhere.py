@@ -4,7 +4,8 @@ Linux gives a signal sent to the process (Ctrl-C, `kill PID`) to any thread that
 is up to the scheduler, so a test that sends it with os.kill passed or failed by chance (the main thread mostly
 gets it when idle). Here it goes to a thread of its own on purpose (`signal.pthread_kill`), and only once the
 main thread sits in one of threading's waits (`Condition.wait`, `Event.wait`, `Thread.join`, `queue.get`,
-`Future.result` all end there): a wait that a signal cannot end then fails every time, never by chance.
+`Future.result` all end there) inside the function under test: a wait that a signal cannot end then fails every
+time, never by chance.
 For a subprocess's script (put this folder on its PYTHONPATH)."""
 
 from __future__ import annotations
@@ -18,20 +19,25 @@ from typing import Callable
 _WAITS = ("wait", "_wait_for_tstate_lock")  # where every one of those blocks, in threading.py
 
 
-def main_waits() -> bool:
-    """Is the main thread blocked in one of threading's waits right now?"""
+def main_waits(inside: str) -> bool:
+    """Is the main thread blocked in one of threading's waits, called (at any depth) from a function named
+    `inside`? (Not any wait: `Thread.start` waits for the new thread too, and that one ends by itself.)"""
     frame = sys._current_frames().get(threading.main_thread().ident)
-    return frame is not None and frame.f_code.co_name in _WAITS and frame.f_code.co_filename == threading.__file__
+    if frame is None or frame.f_code.co_name not in _WAITS or frame.f_code.co_filename != threading.__file__:
+        return False
+    while frame is not None and frame.f_code.co_name != inside:
+        frame = frame.f_back
+    return frame is not None
 
 
-def signal_elsewhere_once_main_waits(signum: int = signal.SIGINT, when: Callable[[], bool] = lambda: True,
+def signal_elsewhere_once_main_waits(inside: str, signum: int = signal.SIGINT, when: Callable[[], bool] = lambda: True,
                                      give_up: float = 60.0) -> threading.Thread:
-    """A daemon thread that, once the main thread waits and `when()` holds, sends `signum` to itself (not to the
-    main thread). `when`: nothing else will wake the main thread any more (a thread's notify would, and the wait
-    it ends runs the handler: the test would pass by that chance)."""
+    """A daemon thread that, once the main thread waits inside function `inside` and `when()` holds, sends `signum`
+    to itself (not to the main thread). `when`: nothing else will wake the main thread any more (a thread's notify
+    would, and the wait it ends runs the handler: the test would pass by that chance)."""
     def send() -> None:
         deadline = time.monotonic() + give_up
-        while not (when() and main_waits()):
+        while not (when() and main_waits(inside)):
             if time.monotonic() > deadline:
                 return
             time.sleep(0.01)

@@ -60,7 +60,7 @@ def only_the_first_runs():  # the other 39 finished (each woke the main thread):
     return [t.name for t in threading.enumerate()].count("transfer") == 1
 
 try:
-    signal_elsewhere_once_main_waits(signal.SIGINT, when=only_the_first_runs)
+    signal_elsewhere_once_main_waits("each_at_once", signal.SIGINT, when=only_the_first_runs)
     list(each_at_once(transfer, list(range(40))))
 except KeyboardInterrupt:
     print("interrupted; the running transfer", "finished first" if finished.is_set() else "left running")
