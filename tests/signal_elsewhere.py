@@ -30,14 +30,32 @@ def main_waits(inside: str) -> bool:
     return frame is not None
 
 
-def signal_elsewhere_once_main_waits(inside: str, signum: int = signal.SIGINT, when: Callable[[], bool] = lambda: True,
-                                     give_up: float = 60.0) -> threading.Thread:
-    """A daemon thread that, once the main thread waits inside function `inside` and `when()` holds, sends `signum`
-    to itself (not to the main thread). `when`: nothing else will wake the main thread any more (a thread's notify
-    would, and the wait it ends runs the handler: the test would pass by that chance)."""
+def main_in_call(inside: str, calls: tuple[str, ...]) -> bool:
+    """Is the main thread inside a call (in C: it released the GIL, which this thread holds to look) made at a line
+    that reads one of `calls`, called (at any depth) from a function named `inside`? For waits in C code that are
+    not threading's (a TCPStore's `wait`, `time.sleep`)."""
+    import dis
+    import linecache
+
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return False
+    at = next((i for i in dis.get_instructions(frame.f_code) if i.offset == frame.f_lasti), None)
+    if at is None or at.opname != "CALL" or frame.f_lineno is None:
+        return False
+    if not any(c in linecache.getline(frame.f_code.co_filename, frame.f_lineno) for c in calls):
+        return False
+    while frame is not None and frame.f_code.co_name != inside:
+        frame = frame.f_back
+    return frame is not None
+
+
+def signal_elsewhere_once(ready: Callable[[], bool], signum: int = signal.SIGINT,
+                          give_up: float = 60.0) -> threading.Thread:
+    """A daemon thread that, once `ready()` holds, sends `signum` to itself (not to the main thread)."""
     def send() -> None:
         deadline = time.monotonic() + give_up
-        while not (when() and main_waits(inside)):
+        while not ready():
             if time.monotonic() > deadline:
                 return
             time.sleep(0.01)
@@ -46,6 +64,14 @@ def signal_elsewhere_once_main_waits(inside: str, signum: int = signal.SIGINT, w
     t = threading.Thread(target=send, name="signal-elsewhere", daemon=True)
     t.start()
     return t
+
+
+def signal_elsewhere_once_main_waits(inside: str, signum: int = signal.SIGINT,
+                                     when: Callable[[], bool] = lambda: True) -> threading.Thread:
+    """`signal_elsewhere_once` once the main thread waits inside function `inside` and `when()` holds. `when`:
+    nothing else will wake the main thread any more (a thread's notify would, and the wait it ends runs the
+    handler: the test would pass by that chance)."""
+    return signal_elsewhere_once(lambda: when() and main_waits(inside), signum)
 
 
 def run_script(code: str, timeout: float) -> "subprocess.CompletedProcess[str]":
