@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import queue
 import threading
-from concurrent.futures import Future
-from concurrent.futures import wait as wait_futures
 from typing import Any, Callable
 
 POLL_SECONDS = 0.1  # how late a signal's handler may run; ten wake-ups a second cost nothing measurable
@@ -27,12 +25,6 @@ def wait_until(cond: threading.Condition, done: Callable[[], bool]) -> None:
     """`cond.wait_for(done)`, with `cond` held, as the caller's `while not done(): cond.wait()`."""
     while not done():
         cond.wait(POLL_SECONDS)
-
-
-def wait_set(event: threading.Event) -> None:
-    """`event.wait()`."""
-    while not event.wait(POLL_SECONDS):
-        pass
 
 
 def join(thread: threading.Thread) -> None:
@@ -48,10 +40,3 @@ def get(q: queue.Queue) -> Any:
             return q.get(timeout=POLL_SECONDS)
         except queue.Empty:
             continue
-
-
-def result(fut: Future) -> Any:
-    """`fut.result()`: its value, or its exception raised (a TimeoutError of the work itself included)."""
-    while not wait_futures([fut], timeout=POLL_SECONDS).done:
-        pass
-    return fut.result()

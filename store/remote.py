@@ -56,7 +56,8 @@ def each_at_once(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
 
     Items start in order; once one fails, no later one starts, the running ones finish, and the first failure in
     order is raised. An interrupt (Ctrl-C, whichever thread Linux gave it to) or a caller that stops early does not
-    wait for the running ones: they are daemon threads, dropped when the process ends (nothing a transfer leaves half done is ever committed).
+    wait for the running ones: they are daemon threads, dropped when the process ends (nothing a transfer leaves
+    half done is ever committed).
     Written here because concurrent.futures joins its workers at interpreter exit: a Ctrl-C during a push waited
     for up to 16 large uploads, and `pool.map` went on through every queued item after a failure."""
     items = list(items)
