@@ -864,8 +864,6 @@ def gather_before_group(world: int, what: str, text: str, timeout: float | None 
     (then no env:// group can form either): [text], this rank's alone."""
     if world <= 1 or not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
         return [text]
-    from datetime import timedelta
-
     from models.agreement import few
 
     timeout = BEFORE_GROUP_SECONDS if timeout is None else timeout
@@ -884,7 +882,7 @@ def gather_before_group(world: int, what: str, text: str, timeout: float | None 
     keys = [f"{key}/{r}" for r in range(world)]
     try:
         store.set(keys[rank], text)
-        store.wait(keys, timedelta(seconds=timeout))
+        _wait_keys(store, keys, timeout)
         texts = [store.get(k).decode("utf-8", "replace") for k in keys]
     except Exception as e:  # noqa: BLE001 - timed out (DistStoreError), or the store went away: named below
         try:
@@ -903,6 +901,17 @@ def gather_before_group(world: int, what: str, text: str, timeout: float | None 
     # process, when the decision is a refusal: the others read first)
     _count_and_wait(store, f"{key}/read", world, wait=_before["hosted"])
     return texts
+
+
+def _wait_keys(store, keys: list[str], timeout: float) -> None:
+    """`store.wait(keys, timeout)`, polled: the store's own wait is one C++ call that no signal ends (a Ctrl-C while
+    a rank waited for a rank still starting held it for the whole bound, 30 minutes); between polls the main thread
+    runs Python, where a signal's handler runs."""
+    deadline = time.monotonic() + timeout
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the keys were not all set within {timeout:.0f} s")
+        time.sleep(POLL_SECONDS / 5)
 
 
 @contextmanager

@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
+from schemas import interruptible
 from store.shard_io import ShardFiles
 
 if TYPE_CHECKING:
@@ -99,9 +100,8 @@ class CheckAhead:
     def take(self, i: int) -> tuple[bool, str | None]:
         """(True, problem) when the thread checked row `i` (waiting while it is on it); (False, None) when it has
         not (not reached yet, not scheduled, or stopped): the caller checks inline."""
-        with self._cond:
-            while self._busy == i:
-                self._cond.wait()
+        with self._cond:  # a Ctrl-C this thread took ends the wait (a row whose shard comes slowly: a URL's fetch)
+            interruptible.wait_until(self._cond, lambda: self._busy != i)
             if i not in self._results:
                 self._inline = i
                 return False, None
@@ -129,4 +129,4 @@ class CheckAhead:
             self._stop = True
             self._cond.notify_all()
         if self._thread is not threading.current_thread():
-            self._thread.join()
+            interruptible.join(self._thread)  # the row under way is checked first; a Ctrl-C ends the wait

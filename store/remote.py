@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from schemas import interruptible
 from schemas.errors import UserError
 from store import remote_download, remote_endpoint, remote_local, remote_upload
 from store.checksum import CHUNK, RunningCrc, SealError, unseal
@@ -54,8 +55,9 @@ def each_at_once(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
     cost. Threads: fsspec's calls into its event loop are thread-safe.
 
     Items start in order; once one fails, no later one starts, the running ones finish, and the first failure in
-    order is raised. An interrupt (Ctrl-C) or a caller that stops early does not wait for the running ones: they
-    are daemon threads, dropped when the process ends (nothing a transfer leaves half done is ever committed).
+    order is raised. An interrupt (Ctrl-C, whichever thread Linux gave it to) or a caller that stops early does not
+    wait for the running ones: they are daemon threads, dropped when the process ends (nothing a transfer leaves
+    half done is ever committed).
     Written here because concurrent.futures joins its workers at interpreter exit: a Ctrl-C during a push waited
     for up to 16 large uploads, and `pool.map` went on through every queued item after a failure."""
     items = list(items)
@@ -85,9 +87,8 @@ def each_at_once(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
         t.start()
     try:
         for i in range(len(items)):
-            with cond:
-                while i not in results:  # every item before a failure was started: none is waited for in vain
-                    cond.wait()
+            with cond:  # every item before a failure was started: none is waited for in vain
+                interruptible.wait_until(cond, lambda: i in results)  # a Ctrl-C taken by a transfer thread ends it
                 ok, got = results.pop(i)
             if not ok:
                 raise got
@@ -96,7 +97,7 @@ def each_at_once(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
         with cond:
             state["stop"] = True
         for t in workers:  # an error: the running transfers finish (and clean up) before it is raised
-            t.join()
+            interruptible.join(t)
         raise
     finally:
         with cond:

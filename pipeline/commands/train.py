@@ -7,12 +7,15 @@ without GPUs (train.device unset or `cpu`) that is one N-rank run over gloo (sta
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from pipeline.commands.common import (ConfigOpt, JsonOpt, SetOpt, config_from, emit, existing_store, finite, json_mode,
                                      require, usage_errors, user_errors)
+
+if TYPE_CHECKING:
+    from schemas.config import PipelineConfig
 
 
 def command(
@@ -36,16 +39,7 @@ def command(
     cache_gb: Optional[float] = typer.Option(None, "--cache-gb", callback=finite(above=0), help="Size limit of --cache-dir in GB; least recently "
                                              "used versions beyond it are evicted (default: no limit)."),
 ) -> None:
-    cfg = config_from(config, shared=True, sets=set_, overrides=
-        {
-            "paths.store": store,
-            "paths.model": model,
-            "paths.run": out,
-            "train.max_steps": max_steps,
-            "train.batch_size": batch_size,
-            "train.device": device, "train.dtype": dtype,
-        },
-    )
+    cfg = _config(config, set_, store, model, out, max_steps, batch_size, device, dtype)
     store_dir = require(cfg.paths.store, "--store", "paths.store")
     model_id = require(cfg.paths.model, "--model", "paths.model")
     run_dir = require(cfg.paths.run, "--out", "paths.run")
@@ -55,26 +49,7 @@ def command(
         validate_config(cfg.train)
 
     with user_errors(run_dir), json_mode(as_json):
-        from models.collective import together_before_group
-        from models.loading import model_variant
-        from pipeline.launched import launched
-        from pipeline.run_folder import refuse_a_folder_of_other_files
-        from store.remote_cache import local_store
-
-        # what this node holds (the run folder, its cache of a URL, its model folder or hub download): one outcome
-        # for every rank before the process group forms (a rank that stopped alone here left the others waiting
-        # for it there, on another node until its timeout)
-        with together_before_group(launched()[0], "train: the run folder, store and model"):
-            refuse_a_folder_of_other_files(Path(run_dir))
-            if resume:
-                from schemas.errors import UserError
-                from stages.train.resume import nothing_to_resume
-
-                if (why := nothing_to_resume(Path(run_dir), new_run)) is not None:
-                    raise UserError(why)
-            existing_store(store_dir)
-            store_dir = local_store(store_dir, ["text", "vae"], cache_dir, cache_gb)  # a URL: its cached copy
-            model_variant(model_id)  # the model's first read (train.sample_steps' check, then its loading)
+        store_dir = _this_nodes_inputs(run_dir, store_dir, model_id, resume, new_run, cache_dir, cache_gb)
         from stages.train.recipe import run  # torch and the model stack: after the checks, a typo is told at once
 
         # a rerun of a finished run (same tables, model and config) is up to date, as in `run all` (--new-run
@@ -84,3 +59,41 @@ def command(
     if result.main_process:
         emit(result, as_json, model_id)
 
+
+def _config(config: Optional[Path], sets: list[str], store: Optional[str], model: Optional[str], out: Optional[str],
+            max_steps: Optional[int], batch_size: Optional[int], device: Optional[str],
+            dtype: Optional[str]) -> PipelineConfig:
+    """The config file, then `--set`, then this command's flags (those given)."""
+    return config_from(config, shared=True, sets=sets, overrides={
+        "paths.store": store,
+        "paths.model": model,
+        "paths.run": out,
+        "train.max_steps": max_steps,
+        "train.batch_size": batch_size,
+        "train.device": device, "train.dtype": dtype,
+    })
+
+
+def _this_nodes_inputs(run_dir: str, store_dir: str, model_id: str, resume: bool, new_run: bool,
+                       cache_dir: Optional[Path], cache_gb: Optional[float]) -> str:
+    """What this node holds - the run folder, its cache of a URL, its model folder or hub download - checked with
+    one outcome for every rank before the process group forms (a rank that stopped alone here left the others
+    waiting for it there, on another node until its timeout). The local store folder (a URL: its cached copy)."""
+    from models.collective import together_before_group
+    from models.loading import model_variant
+    from pipeline.launched import launched
+    from pipeline.run_folder import refuse_a_folder_of_other_files
+    from store.remote_cache import local_store
+
+    with together_before_group(launched()[0], "train: the run folder, store and model"):
+        refuse_a_folder_of_other_files(Path(run_dir))
+        if resume:
+            from schemas.errors import UserError
+            from stages.train.resume import nothing_to_resume
+
+            if (why := nothing_to_resume(Path(run_dir), new_run)) is not None:
+                raise UserError(why)
+        existing_store(store_dir)
+        store_dir = local_store(store_dir, ["text", "vae"], cache_dir, cache_gb)  # a URL: its cached copy
+        model_variant(model_id)  # the model's first read (train.sample_steps' check, then its loading)
+    return store_dir

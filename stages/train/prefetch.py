@@ -28,6 +28,7 @@ import torch
 from models.flow import FlowBatch, prepare_flow_batch
 from models.randomness import draw_caption_dropout, draw_noise, draw_sigma, with_control_dropout
 from models.sample import TrainSample
+from schemas import interruptible
 from schemas.config import TrainConfig
 from stages.train.damaged import DamagedRows
 from stages.train.data import DataStream, load_at
@@ -176,7 +177,7 @@ class MicroBatches:
     def next(self) -> MicroBatch:
         if self._queue is None:
             return self._make()
-        item = self._queue.get()
+        item = interruptible.get(self._queue)  # a Ctrl-C the prefetch thread took ends a wait for a stalled read
         if isinstance(item, BaseException):
             raise item
         if item.ready is not None:  # the compute stream waits for the side-stream copy, and owns the memory

@@ -163,10 +163,8 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
     """The checkpoint to resume from and its record (checked against this start, files checked once), or
     (None, None); refuses to overwrite a run. Decided by every rank alike (`seen_run`, the record read together)."""
     latest, final = seen_run(r)
-    if not resume and r.new_run:  # previous.holds_trained_run, as agreed
-        (lost,) = all_max(r.world, [int(bool(train_state.unrecorded_checkpoints(r.checkpoints)))])
-        if latest is not None or final or lost:
-            return keep_previous(r, "--new-run")
+    if not resume and r.new_run and _holds_trained_run(r, latest, final):
+        return keep_previous(r, "--new-run")
     # a damaged checkpoint first (the more fundamental line: a "pass --resume" before it only led to it); the
     # files' bytes, read once for their check, are kept for `restore` (a second read of every file per rank
     # doubled the shared filesystem's load)
@@ -177,56 +175,86 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
     if latest is not None and not resume:
         raise UserError(_holds_checkpoints(r, latest, cfg))
     if latest is None and final:
-        # A finished run whose checkpoints are gone (deleted to save disk, or only lora/ copied): nothing to
-        # continue from, and a start at step 0 would replace its LoRA at the end. Kept (--new-run) or refused.
-        why = f"{r.run_dir} holds a final LoRA but no checkpoints to continue it from"
-        if r.new_run:
-            return keep_previous(r, why)
-        raise UserError(f"{why}; a new run there would replace {r.run_dir / 'lora'}: use a new --out, or --new-run "
-                        f"to keep it as {previous.previous_root(r.run_dir)}/N-TIME and train afresh")
+        return _final_lora_only(r)
     if not resume or latest is None:
         return None, None
-    # a run made when batch_size was hashed under a token budget is this run when the rest agrees; one made
-    # before init LoRAs were hashed is taken as made from the present file (`known_init_lora`)
-    # a record from before the backend was recorded: the one its run used, where that is known (`recorded_backend`)
-    backend = recorded_backend(record.attention_backend, record.config_fingerprint, r.cfg, r.run_dir,
-                               r.record.attention_backend)
+    # the fingerprints and backend the run's earlier checkpoints recorded, carried in its records: one training for
+    # evaluate
     earlier = [*record.extra.get(EARLIER_FINGERPRINTS, ()), record.config_fingerprint]
-    # what the run's checkpoints without a backend are taken for, carried in its records: one training for evaluate
     unrecorded = record.extra.get(UNRECORDED_BACKEND) or (
         r.record.attention_backend if record.attention_backend is None else None)
+    record = _as_this_start_reads_it(r, record)
+    try:
+        _check_resumable(r, record, latest)
+    except train_state.ResumeMismatch as e:
+        return _not_resumable(r, resume, cfg, e)
+    r.resume_bytes = kept
+    _carry_records(r, earlier, unrecorded)
+    return latest, record
+
+
+def _holds_trained_run(r: Run, latest: Path | None, final: bool) -> bool:
+    """`previous.holds_trained_run`, as agreed: a checkpoint, a final LoRA, or checkpoints a killed save left
+    unrecorded on any rank."""
+    (lost,) = all_max(r.world, [int(bool(train_state.unrecorded_checkpoints(r.checkpoints)))])
+    return latest is not None or bool(final) or bool(lost)
+
+
+def _final_lora_only(r: Run) -> tuple[Path | None, ResumeRecord | None]:
+    """A finished run whose checkpoints are gone (deleted to save disk, or only lora/ copied): nothing to continue
+    from, and a start at step 0 would replace its LoRA at the end. Kept (--new-run) or refused."""
+    why = f"{r.run_dir} holds a final LoRA but no checkpoints to continue it from"
+    if r.new_run:
+        return keep_previous(r, why)
+    raise UserError(f"{why}; a new run there would replace {r.run_dir / 'lora'}: use a new --out, or --new-run "
+                    f"to keep it as {previous.previous_root(r.run_dir)}/N-TIME and train afresh")
+
+
+def _as_this_start_reads_it(r: Run, record: ResumeRecord) -> ResumeRecord:
+    """The checkpoint's `record` in this start's terms, for `_check_resumable`: a run made when batch_size was
+    hashed under a token budget is this run when the rest agrees; one made before init LoRAs were hashed is taken
+    as made from the present file (`known_init_lora`); a record from before the backend was recorded has the one
+    its run used, where that is known (`recorded_backend`)."""
+    backend = recorded_backend(record.attention_backend, record.config_fingerprint, r.cfg, r.run_dir,
+                               r.record.attention_backend)
     if record.attention_backend is None and r.world > 1:  # each rank read RUN/attention.json: one decision of all
         (differs,) = all_max(r.world, [int(backend != r.record.attention_backend)])
         backend = None if differs else r.record.attention_backend
     known = known_fingerprint(record.config_fingerprint, r.cfg, r.record.attention_backend)
-    record = replace(record, config_fingerprint=known,
-                     init_lora_sha256=train_state.known_init_lora(record.init_lora_sha256, r.record.init_lora_sha256),
-                     attention_backend=backend)
-    try:
-        _check_resumable(r, record, latest)
-    except train_state.ResumeMismatch as e:
-        # every rank raised it (the newest step was agreed, `seen_run`); where to go on from, too: one listing each
-        if r.new_run and isinstance(e, train_state.PastMaxSteps) and not all_max(r.world, [int(e.point is None)])[0]:
-            # the run's steps up to max_steps are this run's: kept whole, its checkpoints up to it carried over
-            keep_previous(r, f"{e.reason} under a constant LR, whose steps up to it do not depend on max_steps: "
-                             f"{r.run_dir} {_shorter_how(r, e.point, done=True)}",
-                          then=lambda kept: shorter.seed(kept, r.run_dir, r.cfg.max_steps))
-            return resume_point(r, resume, cfg)  # the fresh folder's newest checkpoint, checked as any resume's
-        changed = _changed(r, cfg)
-        why = f"{e}\nchanged since {r.run_dir / 'train_config.yaml'}:\n  " + "\n  ".join(changed) if changed else str(e)
-        if r.new_run:
-            return keep_previous(r, "; ".join([e.reason, *changed]))
-        raise train_state.ResumeMismatch(
-            f"{why}\nTo keep this run (moved to {previous.previous_root(r.run_dir)}/N-TIME) and train afresh into "
-            f"{r.run_dir}, add --new-run (what `pipeline run all` does)", reason=e.reason) from None
-    r.resume_bytes = kept
-    # the fingerprints this run's earlier checkpoints recorded, carried in its records: one training for evaluate
+    return replace(record, config_fingerprint=known,
+                   init_lora_sha256=train_state.known_init_lora(record.init_lora_sha256, r.record.init_lora_sha256),
+                   attention_backend=backend)
+
+
+def _not_resumable(r: Run, resume: bool, cfg: PipelineConfig,
+                   e: train_state.ResumeMismatch) -> tuple[Path | None, ResumeRecord | None]:
+    """A checkpoint this start cannot continue (every rank raised `e`: the newest step was agreed, `seen_run`):
+    with --new-run the run is kept aside (a run past a lower max_steps under a constant LR: kept whole and its
+    checkpoints up to it carried over, then resumed), else refused naming what changed."""
+    # where to go on from is decided together too: one listing each
+    if r.new_run and isinstance(e, train_state.PastMaxSteps) and not all_max(r.world, [int(e.point is None)])[0]:
+        # the run's steps up to max_steps are this run's: kept whole, its checkpoints up to it carried over
+        keep_previous(r, f"{e.reason} under a constant LR, whose steps up to it do not depend on max_steps: "
+                         f"{r.run_dir} {_shorter_how(r, e.point, done=True)}",
+                      then=lambda kept: shorter.seed(kept, r.run_dir, r.cfg.max_steps))
+        return resume_point(r, resume, cfg)  # the fresh folder's newest checkpoint, checked as any resume's
+    changed = _changed(r, cfg)
+    why = f"{e}\nchanged since {r.run_dir / 'train_config.yaml'}:\n  " + "\n  ".join(changed) if changed else str(e)
+    if r.new_run:
+        return keep_previous(r, "; ".join([e.reason, *changed]))
+    raise train_state.ResumeMismatch(
+        f"{why}\nTo keep this run (moved to {previous.previous_root(r.run_dir)}/N-TIME) and train afresh into "
+        f"{r.run_dir}, add --new-run (what `pipeline run all` does)", reason=e.reason) from None
+
+
+def _carry_records(r: Run, earlier: list[str], unrecorded: str | None) -> None:
+    """Into this run's record: the fingerprints (other than this start's) and the backend its earlier checkpoints
+    recorded, so each checkpoint's record names them: one training for evaluate."""
     earlier = [f for f in dict.fromkeys(earlier) if f != r.record.config_fingerprint]
     if earlier:
         r.record = replace(r.record, extra={**r.record.extra, EARLIER_FINGERPRINTS: earlier})
     if unrecorded:
         r.record = replace(r.record, extra={**r.record.extra, UNRECORDED_BACKEND: unrecorded})
-    return latest, record
 
 
 def _intact_record(r: Run, latest: Path | None, resume: bool,

@@ -185,3 +185,34 @@ def test_a_rank_failing_between_two_decisions_stops_the_rank_waiting_for_it(monk
                     "output)")
     [(code, out, err)] = _wait([rank0])
     assert (code, out, err.strip()) == (1, "first decided\n", f"error: {line}"), err[-3000:]
+
+
+HOLD_SECONDS = 30  # the wait's bound here: far above what a passing run needs under load
+
+# Rank 1 of 2 waiting for rank 0, which never comes; a Ctrl-C comes while it waits.
+_INTERRUPTED_WAIT = f"""
+import signal, sys
+from signal_elsewhere import main_in_call, signal_elsewhere_once
+from models.collective import gather_before_group
+
+try:
+    signal_elsewhere_once(lambda: main_in_call("gather_before_group", ("wait(", "sleep(")), signal.SIGINT)
+    gather_before_group(2, "train.device", "{{}}", timeout={HOLD_SECONDS})
+except KeyboardInterrupt as e:  # raised while the timeout was handled (its context), or while waiting
+    print("interrupted", "after the wait timed out" if e.__context__ is not None else "while waiting")
+    sys.exit(130)
+"""
+
+
+def test_ctrl_c_ends_a_rank_waiting_for_the_others_before_the_group(monkeypatch) -> None:
+    """The store's `wait` is one C++ call that no signal ends, on whichever thread it lands (here another one,
+    tests/signal_elsewhere.py; on the main thread too): a Ctrl-C while a rank waited for a rank still starting
+    held it for the before-group bound (models/collective.py BEFORE_GROUP_SECONDS, 30 minutes)."""
+    from signal_elsewhere import run_script
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    for name, value in _env(1, store.port, agent_store=True).items():
+        monkeypatch.setenv(name, value)
+    proc = run_script(_INTERRUPTED_WAIT, timeout=HOLD_SECONDS + 120)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "interrupted while waiting"

@@ -64,7 +64,7 @@ if os.environ.get("RANK") in ("0", "1"):
             return (marks / "rank-0-waits").exists()
         held = []
         def sleep(seconds):
-            if not held:
+            if not held and sys._getframe(1).f_code.co_name == "main_alone":  # its poll's (the waits before poll too)
                 held.append(1)
                 (marks / "rank-1-sleeps").touch()
                 wait_for(lambda: rank_0_gone() or rank_0_waits(), "rank 0 to end or to wait for this rank")

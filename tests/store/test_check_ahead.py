@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from damage import flip_bit, key_at, sample_byte
+from signal_elsewhere import run_script
 from store import Store
 from store.integrity import DamagedData
 from store_samples import fill
@@ -247,3 +248,47 @@ r.close()
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -7: SIGBUS
     assert done.stdout.startswith("DamagedData:") and "bytes before the sample does" in done.stdout, done.stdout
+
+
+HOLD_SECONDS = 30  # how long the stalled row's check holds out: far above what a passing run needs under load
+
+STALLED_ROW = """
+import signal, sys, tempfile, threading
+from pathlib import Path
+from signal_elsewhere import signal_elsewhere_once_main_waits
+from store.check_ahead import CheckAhead
+
+started, checked = threading.Event(), threading.Event()
+
+class StalledCheck:  # row 0's bytes come slowly (its shard fetched whole from a URL, a hung network disk)
+    view = [0]
+
+    def is_checked(self, i):
+        return False
+
+    def problem(self, i, files):
+        started.set()
+        threading.Event().wait(HOLD_SECONDS)
+        checked.set()
+        return None
+
+ahead = CheckAhead(StalledCheck(), Path(tempfile.mkdtemp()), [0])
+started.wait()  # the thread is on row 0: the consumer's take(0) waits for it
+try:
+    signal_elsewhere_once_main_waits(CALL, signal.SIGINT)
+    ahead.take(0) if CALL == "take" else ahead.close()
+except KeyboardInterrupt:
+    print("interrupted", "after the row's check" if checked.is_set() else "while the row was checked")
+    sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("call", ["take", "close"])
+def test_ctrl_c_ends_a_consumer_waiting_for_the_row_the_thread_checks(call: str) -> None:
+    """The SIGINT goes to another thread than the main one, as Linux may deliver a Ctrl-C (the check-ahead thread
+    busy reading takes it as often as not; tests/signal_elsewhere.py): the consumer's untimed wait for the row
+    the thread was on (`take`, or `close` joining the thread: a command's cleanup) never woke for it, and a row
+    whose shard came slowly held the stop that long."""
+    proc = run_script(f"HOLD_SECONDS, CALL = {HOLD_SECONDS}, {call!r}\n" + STALLED_ROW, timeout=HOLD_SECONDS + 120)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "interrupted while the row was checked"

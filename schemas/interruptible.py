@@ -1,0 +1,42 @@
+"""The main thread's waits for other threads, written so that a Ctrl-C (or a SIGTERM whose handler raises) ends them.
+
+Linux delivers a signal sent to the process (Ctrl-C: to the terminal's whole process group; `kill PID`, a
+scheduler's SIGTERM) to any one of its threads that does not block it, often one busy in a system call rather
+than the sleeping main thread. CPython's C handler, on whichever thread it runs, only records the signal; the
+Python handler (KeyboardInterrupt, the CLI's SystemExit) runs in the main thread the next time that thread runs
+bytecode. A main thread blocked in an untimed lock acquire - `Condition.wait()`, `Event.wait()`, `Thread.join()`,
+`queue.get()`, `Future.result()` - is woken early only by a signal that interrupts its own system call, so a Ctrl-C
+taken by another thread waited until the wait ended by itself: a push stopped after its 120 s upload, a training
+run whose prefetch thread was stuck never. Each wait here is a loop of waits of at most `POLL_SECONDS`: the main
+thread is back in the interpreter that often, and a recorded signal's handler runs there.
+
+Here because store/, models/ and stages/ all wait this way, and may all import schemas/."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable
+
+POLL_SECONDS = 0.1  # how late a signal's handler may run; ten wake-ups a second cost nothing measurable
+
+
+def wait_until(cond: threading.Condition, done: Callable[[], bool]) -> None:
+    """`cond.wait_for(done)`, with `cond` held, as the caller's `while not done(): cond.wait()`."""
+    while not done():
+        cond.wait(POLL_SECONDS)
+
+
+def join(thread: threading.Thread) -> None:
+    """`thread.join()`."""
+    while thread.is_alive():
+        thread.join(POLL_SECONDS)
+
+
+def get(q: queue.Queue) -> Any:
+    """`q.get()`."""
+    while True:
+        try:
+            return q.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            continue
