@@ -25,6 +25,7 @@ from store import format as fmt
 from store.manifest_files import checked_manifest, read_schema
 from store.integrity import write_version_checksums
 from store.store import Store
+from store.version_counts import counted
 from store.verify import verify_version
 
 MIGRATING_SUFFIX = ".migrating"
@@ -122,7 +123,7 @@ def _build(old_dir: Path, new_dir: Path, old_version: int) -> None:
     shapes = [[list(x) for x in img_shapes_from_v1({c: v[i] for c, v in cols.items()})] for i in range(manifest.num_rows)]
     manifest = manifest.append_column("img_shapes", pa.array(shapes, pa.list_(pa.list_(pa.int64()))))
     manifest_bytes = fmt.parquet_bytes(manifest)
-    write_version_checksums(tmp, manifest, manifest_bytes)
+    write_version_checksums(tmp, manifest, manifest_bytes, counts=counted(manifest))  # what inspect shows
     fmt.atomic_write_bytes(tmp / fmt.MANIFEST, manifest_bytes)
     fmt.crash_point("migrate_before_rename")
     os.rename(tmp, new_dir)  # the complete version appears at once
