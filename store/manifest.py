@@ -309,8 +309,7 @@ class MergedIndexes:
                 writer.write_table(group, row_group_size=fmt.ROW_GROUP_ROWS)
                 shards.append(_first_of_each(group.select(cols)))
                 tally.add(group.select([c for c in COUNTED if c in group.column_names]))
-        shards = _first_of_each(pa.concat_tables(shards))
-        return Written((sink.crc.hex(), sink.nbytes), shards, tally.record(shards))
+        return Written((sink.crc.hex(), sink.nbytes), _first_of_each(pa.concat_tables(shards)), tally.record())
 
 
 class _CountingSink:

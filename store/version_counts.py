@@ -37,10 +37,13 @@ class Tally:
         self.splits: dict[Any, int] | None = None  # None: no split column
         self.buckets: Counter[tuple[int, int]] = Counter()
         self.controls: Counter[tuple[int, int]] | None = None  # None: no control_sizes column
+        self._shards: list[pa.Table] = []  # per part: each shard's size (a shard's rows span parts)
 
     def add(self, rows: pa.Table) -> None:
         cols = rows.column_names
         self.samples += rows.num_rows
+        if "shard" in cols and "shard_nbytes" in cols:
+            self._shards.append(_shard_sizes(rows))
         if "split" in cols:
             self.splits = {} if self.splits is None else self.splits
             counted = pc.value_counts(rows.column("split").combine_chunks())  # in order of first appearance
@@ -51,13 +54,12 @@ class Tally:
             self.controls = Counter() if self.controls is None else self.controls
             self.controls.update(size_counts(pc.list_flatten(rows.column("control_sizes").combine_chunks()), 2))
 
-    def record(self, shards: pa.Table) -> dict[str, Any]:
-        """The record for checksums.json; `shards`: rows with `shard` and `shard_nbytes`, any number per shard (a
-        manifest's, or one per shard as a streamed commit keeps them)."""
-        shards = shards.select(["shard", "shard_nbytes"]).group_by("shard").aggregate([("shard_nbytes", "max")])
-        out: dict[str, Any] = {"samples": self.samples, "shards": shards.num_rows,
-                               "bytes": int(pc.sum(shards.column(1)).as_py() or 0),
-                               "buckets": [[h, w, n] for (h, w), n in sorted(self.buckets.items())]}
+    def record(self) -> dict[str, Any]:
+        """The record for checksums.json."""
+        shards = _shard_sizes(pa.concat_tables(self._shards)) if self._shards else None
+        nbytes = 0 if shards is None else int(pc.sum(shards.column("shard_nbytes")).as_py() or 0)
+        out: dict[str, Any] = {"samples": self.samples, "shards": 0 if shards is None else shards.num_rows,
+                               "bytes": nbytes, "buckets": [[h, w, n] for (h, w), n in sorted(self.buckets.items())]}
         if self.splits is not None:
             out["splits"] = [[s, n] for s, n in self.splits.items()]
         if self.controls is not None:
@@ -69,7 +71,13 @@ def counted(manifest: pa.Table) -> dict[str, Any]:
     """The record of a whole manifest (or its `COUNTED` columns)."""
     tally = Tally()
     tally.add(manifest)
-    return tally.record(manifest)
+    return tally.record()
+
+
+def differences(recorded: dict[str, Any], counted: dict[str, Any]) -> list[str]:
+    """What differs between two `shown` counts, one phrase per count ("samples 93 recorded, 23 counted")."""
+    return [f"{k} {recorded.get(k)} recorded, {counted.get(k)} counted" for k in sorted(set(recorded) | set(counted))
+            if recorded.get(k) != counted.get(k)]
 
 
 def shown(record: Any) -> dict[str, Any] | None:
@@ -87,6 +95,12 @@ def shown(record: Any) -> dict[str, Any] | None:
     except (KeyError, TypeError, ValueError):
         return None
     return out
+
+
+def _shard_sizes(rows: pa.Table) -> pa.Table:
+    """(shard, shard_nbytes) once per shard of `rows` (each of a shard's rows records its size)."""
+    sizes = rows.select(["shard", "shard_nbytes"]).group_by("shard").aggregate([("shard_nbytes", "max")])
+    return sizes.select(["shard", "shard_nbytes_max"]).rename_columns(["shard", "shard_nbytes"])
 
 
 def _target_sizes(rows: pa.Table) -> dict[tuple[int, int], int]:
