@@ -32,9 +32,11 @@ def describe(root: Path) -> dict[str, Any]:
 
 def _describe_version(vdir: Path, v: int) -> dict[str, Any]:
     d: dict[str, Any] = {"version": v, "complete": fmt.is_complete(vdir)}
+    record = None  # checksums.json, read once (megabytes at 1M samples): the schema's check, then the counts
     if (vdir / fmt.SCHEMA_JSON).is_file() or d["complete"]:
         try:  # checked, as the manifest: a flipped bit would show another lineage
-            schema = checked_schema(vdir, record=False)
+            record = integrity.read_version_record(vdir)
+            schema = checked_schema(vdir, record=False, sums=None if record is None else record["files"])
             d.update(schema_version=schema.schema_version, lineage=schema.lineage.to_dict(), attrs=schema.attrs)
         except WrittenByNewer:
             raise
@@ -47,18 +49,17 @@ def _describe_version(vdir: Path, v: int) -> dict[str, Any]:
         d["committed_shards"] = len(committed)
         return d
     try:
-        d.update(_counts(vdir))
+        d.update(_counts(vdir, record))
     except DamagedData as e:  # inspect describes a damaged store too: the damage, named, instead of its numbers
         d["damaged"] = str(e)
     return d
 
 
-def _counts(vdir: Path) -> dict[str, Any]:
+def _counts(vdir: Path, record: dict[str, Any] | None) -> dict[str, Any]:
     """Samples, shards, bytes, splits and buckets: as recorded in the version's sealed checksums.json when it was
     committed (a few numbers), else counted from its manifest's columns (versions committed before the record;
     format 1). Either way the manifest's bytes are checked, so a damaged one is named as before (a read of the
-    file, never its columns decoded: bench/inspect_counts.py)."""
-    record = integrity.read_version_record(vdir)
+    file, never its columns decoded: bench/inspect_counts.py). `record`: its checksums.json (None: format 1)."""
     if record is not None and (recorded := version_counts.shown(record.get("counts"))) is not None:
         mapped_checked(vdir, fmt.MANIFEST, record["files"])
         return recorded
