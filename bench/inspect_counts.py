@@ -8,11 +8,11 @@ twice: `recorded/` as committed now (checksums.json holds `counts`, `store.versi
 committed before (the same manifests, hard-linked; checksums.json without `counts`). Then `describe` of each
 store, --repeat times in fresh processes, interleaved (after checking both describe alike): time (best), peak RSS
 over the RSS after imports and Arrow's peak allocation (max). 2-core shared machine (load ~6), warm page cache,
-1M rows x 3 versions (manifest 140 MB, 20k shards, checksums.json 1.8 MB each), --repeat 3:
-  columns   11.38 s, peak RSS +483 MB, Arrow peak 170 MB
-  recorded   0.93 s, peak RSS +143 MB (one manifest's mapped pages: page cache, checked by CRC32C), Arrow 0: 12.2x
-In process, the recorded `describe` took 0.36-0.45 s, 0.29 s of it parsing checksums.json (twice per version: the
-schema's check and the counts' read), 0.04 s the manifests' CRC32C.
+1M rows x 3 versions (manifest 140 MB, 20k shards, checksums.json 1.8 MB each), --repeat 3, two runs:
+  columns   5.89-11.38 s, peak RSS +483-491 MB, Arrow peak 171 MB
+  recorded  0.52-0.93 s, peak RSS +143 MB (one manifest's mapped pages: page cache, checked by CRC32C), Arrow 0
+  11.3x-12.2x in the same run. In process, warm: recorded 0.27 s (0.36-0.45 s while checksums.json was parsed
+  twice per version, for the schema's check and for the counts), ~0.04 s of it the manifests' CRC32C.
 
 Without --synthetic: over a store from bench/scale_store.py, measures in the same run (best of --repeat,
 interleaved, after checking both describe the store alike):
