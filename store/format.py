@@ -112,6 +112,20 @@ def damaged_marker(root: Path, table: str, version: int) -> Path:
     return root / table / f"v{version}.damaged.json"
 
 
+# `v<N>.damaged/`: a damaged version `store repair` (or a stage's rerun) replaced and set aside; not a version name,
+# so every reader and writer ignores it; `store gc` removes it (store/gc.py)
+SET_ASIDE_SUFFIX = ".damaged"
+SET_ASIDE_RE = re.compile(r"v(\d+)\.damaged")
+
+
+def set_aside_versions(root: Path, table: str) -> list[tuple[int, Path]]:
+    """(N, folder) of each `v<N>.damaged/` of the table, by N."""
+    d = root / table
+    if not d.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in d.iterdir() if p.is_dir() and (m := SET_ASIDE_RE.fullmatch(p.name)))
+
+
 def unchanged_marker(root: Path, table: str, version: int) -> Path:
     """Written next to a version (store/reuse.py `unchanged_by_fixes`) once a scan found none of its samples
     changed by the fixes made since it was stored: a rerun trusts it instead of reading every row again."""

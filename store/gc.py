@@ -13,7 +13,11 @@ of dead leases (their process is gone) are removed.
 Removed as well: the shard files of a kept complete version that its checksums.json does not list - tars a
 killed writer named but never indexed, which a resumed writer leaves in place (it cannot tell them from shards
 whose index its view of a shared folder does not show yet: store/writer_open.py `clean_temp_files`). A complete
-version never changes, so a file it does not list is none of its data.
+version never changes, so a file it does not list is none of its data. And each damaged version a repair set aside
+(`v<N>.damaged/`, store/repair.py `set_aside`), named with the bytes it frees (its shards hard-linked into the
+repaired version free none), with its damage record `v<N>.damaged.json` once no `v<N>` is left for it to describe
+(gc at a URL removes a retired version at once alike, store/remote_gc.py); kept while a live lease names `v<N>`,
+as a version is (set_aside moves none that a lease names, so none is expected).
 
 Kill-safe: under the store lock (no version can become current meanwhile) each doomed folder is first renamed
 to `.<name>.gc-deleting` (atomic; not a version name, so readers, `verify` and `inspect` no longer see it),
@@ -52,6 +56,9 @@ class GcPlan:
     dead_leases: list[leases.Found] = field(default_factory=list)  # lease files of gone processes (removed)
     # kept versions whose schema.json does not read -> why: every version of the other tables kept for them
     unknown_upstream: dict[tuple[str, int], str] = field(default_factory=dict)
+    set_aside: list[Path] = field(default_factory=list)  # `v<N>.damaged/` folders repair set aside (removed)
+    set_aside_held: dict[Path, list[str]] = field(default_factory=dict)  # ...kept for a live lease on v<N>: by whom
+    freed: dict[Path, int] = field(default_factory=dict)  # bytes each removed set-aside folder frees
 
 
 def _kept(root: Path, current: dict[str, int] | list[tuple[str, int]],
@@ -147,10 +154,13 @@ def plan(root: Path) -> GcPlan:
     current = {t: int(v["current"]) for t, v in fmt.read_store_record(root)["tables"].items()}
     out = GcPlan()
     keep = _kept(root, current, out.unknown_upstream)
+    named_by: dict[tuple[str, int], list[str]] = {}  # every version a live lease names, existing or not
     for found in leases.leases(root):
         if not found.live:
             out.dead_leases.append(found)
             continue
+        for tv in found.versions():
+            named_by.setdefault(tv, []).append(found.describe())
         named = [(t, v) for t, v in found.versions() if fmt.version_dir(root, t, v).is_dir()]
         for tv in sorted(_kept(root, named, out.unknown_upstream) - keep):
             out.leased.setdefault(tv, []).append(found.describe())
@@ -170,7 +180,14 @@ def plan(root: Path) -> GcPlan:
                     out.unreferenced += _unreferenced(vdir)
                 continue
             out.remove.append(vdir)
-    out.nbytes = sum(_freed(p) for p in out.remove + out.leftovers) + sum(_freed_file(p) for p in out.unreferenced)
+        for v, aside in fmt.set_aside_versions(root, table_dir.name):
+            if (table_dir.name, v) in named_by:
+                out.set_aside_held[aside] = named_by[(table_dir.name, v)]
+            else:
+                out.set_aside.append(aside)
+                out.freed[aside] = _freed(aside)
+    out.nbytes = (sum(_freed(p) for p in out.remove + out.leftovers) + sum(out.freed.values())
+                  + sum(_freed_file(p) for p in out.unreferenced))
     return out
 
 
@@ -186,6 +203,12 @@ def collect(root: Path, dry_run: bool = False, echo: Callable[[str], None] = pri
         for f in p.unreferenced:
             echo(f"{'would remove' if dry_run else 'remove'} {f.relative_to(root)} (no file of its version: "
                  "a shard its writer was killed before indexing)")
+        for d in p.set_aside:
+            echo(f"{'would remove' if dry_run else 'remove'} {d.relative_to(root)} (a damaged version a repair "
+                 f"set aside; {p.freed[d] / 1e6:.1f} MB{' would be' if dry_run else ''} freed)")
+        for d, by in sorted(p.set_aside_held.items()):
+            echo(f"keep {d.relative_to(root)}: a damaged version set aside, but its number is read by "
+                 + "; ".join(by))
         for (table, v), by in sorted(p.leased.items()):
             echo(f"keep {table}/v{v}: not current, but read by " + "; ".join(by))
         for found in p.dead_leases:
@@ -196,7 +219,7 @@ def collect(root: Path, dry_run: bool = False, echo: Callable[[str], None] = pri
             echo(f"dry run: {len(p.remove)} version(s){_files_note(p)}, {p.nbytes / 1e6:.1f} MB would be freed")
             return p
         doomed = list(p.leftovers)
-        for vdir in p.remove:
+        for vdir in p.remove + p.set_aside:
             fmt.crash_point("gc_before_rename")
             gone = vdir.with_name(f".{vdir.name}{DELETING_SUFFIX}")
             shutil.rmtree(gone, ignore_errors=True)
@@ -216,6 +239,13 @@ def collect(root: Path, dry_run: bool = False, echo: Callable[[str], None] = pri
             fmt.unchanged_marker(root, vdir.parent.name, int(vdir.name.lstrip("v"))).unlink(missing_ok=True)
             for note in notes_of(root, vdir.parent.name, int(vdir.name.lstrip("v"))):
                 note.unlink(missing_ok=True)
+        for aside in p.set_aside:  # its damage record too, unless a version of that number (reused) has it now
+            table, v = aside.parent.name, int(fmt.SET_ASIDE_RE.fullmatch(aside.name).group(1))
+            if not fmt.version_dir(root, table, v).exists():
+                fmt.damaged_marker(root, table, v).unlink(missing_ok=True)
+                fmt.unchanged_marker(root, table, v).unlink(missing_ok=True)
+                for note in notes_of(root, table, v):
+                    note.unlink(missing_ok=True)
         for found in p.dead_leases:
             found.path.unlink(missing_ok=True)
         echo(f"gc: removed {len(p.remove)} version(s){_files_note(p)}, freed {p.nbytes / 1e6:.1f} MB; kept "
@@ -224,4 +254,5 @@ def collect(root: Path, dry_run: bool = False, echo: Callable[[str], None] = pri
 
 
 def _files_note(p: GcPlan) -> str:
-    return f" and {len(p.unreferenced)} unreferenced shard file(s)" if p.unreferenced else ""
+    return ((f", {len(p.set_aside)} damaged version(s) set aside" if p.set_aside else "")
+            + (f" and {len(p.unreferenced)} unreferenced shard file(s)" if p.unreferenced else ""))

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 from typing import Any
-
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from schemas.errors import UserError
 from schemas.newer import WrittenByNewer
 from schemas.resize_sizes import sizes_in_force
 from store import format as fmt
-from store import quarantine
-from store.arrow_columns import size_counts
+from store import integrity, quarantine, version_counts
 from store.integrity import DamagedData
-from store.manifest_files import checked_manifest, checked_schema
+from store.manifest_files import checked_manifest, checked_schema, mapped_checked
 from store.store import Store
 
 
@@ -37,9 +32,11 @@ def describe(root: Path) -> dict[str, Any]:
 
 def _describe_version(vdir: Path, v: int) -> dict[str, Any]:
     d: dict[str, Any] = {"version": v, "complete": fmt.is_complete(vdir)}
+    record = None  # checksums.json, read once (megabytes at 1M samples): the schema's check, then the counts
     if (vdir / fmt.SCHEMA_JSON).is_file() or d["complete"]:
         try:  # checked, as the manifest: a flipped bit would show another lineage
-            schema = checked_schema(vdir, record=False)
+            record = integrity.read_version_record(vdir)
+            schema = checked_schema(vdir, record=False, sums=None if record is None else record["files"])
             d.update(schema_version=schema.schema_version, lineage=schema.lineage.to_dict(), attrs=schema.attrs)
         except WrittenByNewer:
             raise
@@ -52,41 +49,22 @@ def _describe_version(vdir: Path, v: int) -> dict[str, Any]:
         d["committed_shards"] = len(committed)
         return d
     try:
-        m = checked_manifest(vdir, list(COUNTED))  # the counted columns alone: nested tensor/file lists left unread
+        d.update(_counts(vdir, record))
     except DamagedData as e:  # inspect describes a damaged store too: the damage, named, instead of its numbers
         d["damaged"] = str(e)
-        return d
-    shards = m.select(["shard", "shard_nbytes"]).group_by("shard").aggregate([("shard_nbytes", "max")])
-    d.update(samples=m.num_rows, shards=shards.num_rows, bytes=int(pc.sum(shards.column(1)).as_py() or 0))
-    if "split" in m.column_names:
-        counts = pc.value_counts(m.column("split").combine_chunks())  # in order of first appearance, as a Counter
-        d["splits"] = dict(zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist()))
-    d["buckets"] = _buckets(m)
-    if "control_sizes" in m.column_names:  # images tables: the controls' VAE views too, not only targets
-        d["control_buckets"] = _size_counts(pc.list_flatten(m.column("control_sizes").combine_chunks()), 2)
     return d
 
 
-# the columns inspect counts (those a version has): 1M rows as Python objects, every column read, took ~1 min
-COUNTED = ("shard", "shard_nbytes", "split", "bucket", "img_shapes", "height", "width", "control_sizes")
-
-
-def _size_counts(sizes: pa.Array, width: int, scale: int = 1) -> dict[str, int]:
-    """"HxW" -> count, in size order (`arrow_columns.size_counts`)."""
-    return {f"{h}x{w}": n for (h, w), n in size_counts(sizes, width, scale).items()}
-
-
-def _buckets(m: pa.Table) -> dict[str, int]:
-    """Target sizes in pixels, "HxW" -> count: the `bucket` column, else img_shapes (x16), else v1 height/width."""
-    cols = m.column_names
-    if "bucket" in cols:
-        return _size_counts(m.column("bucket").combine_chunks(), 2)
-    if "img_shapes" in cols:  # the target's [1, h, w] in patches of 16 px
-        return _size_counts(pc.list_element(m.column("img_shapes").combine_chunks(), 0), 3, scale=16)
-    if "height" in cols and "width" in cols:
-        sizes = list(zip(m.column("height").to_pylist(), m.column("width").to_pylist()))
-        return {f"{h}x{w}": n for (h, w), n in sorted(Counter(sizes).items())}
-    return {}
+def _counts(vdir: Path, record: dict[str, Any] | None) -> dict[str, Any]:
+    """Samples, shards, bytes, splits and buckets: as recorded in the version's sealed checksums.json when it was
+    committed (a few numbers), else counted from its manifest's columns (versions committed before the record;
+    format 1). Either way the manifest's bytes are checked, so a damaged one is named as before (a read of the
+    file, never its columns decoded: bench/inspect_counts.py). `record`: its checksums.json (None: format 1)."""
+    if record is not None and (recorded := version_counts.shown(record.get("counts"))) is not None:
+        mapped_checked(vdir, fmt.MANIFEST, record["files"])
+        return recorded
+    m = checked_manifest(vdir, list(version_counts.COUNTED))  # the counted columns alone: nested lists left unread
+    return version_counts.shown(version_counts.counted(m)) or {}
 
 
 def render(info: dict[str, Any]) -> str:

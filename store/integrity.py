@@ -116,11 +116,14 @@ def where(vdir: Path) -> str:
 
 
 def write_version_checksums(vdir: Path, manifest: pa.Table, manifest_bytes: bytes | tuple[str, int],
-                            measured: Mapping[str, tuple[str, int]] | None = None) -> None:
+                            measured: Mapping[str, tuple[str, int]] | None = None,
+                            counts: dict[str, Any] | None = None) -> None:
     """The version's checksums.json. `manifest`: its rows, or one row per shard (`store.manifest.Written.shards`);
     `manifest_bytes`: its bytes, or their (crc32c, nbytes) when it was streamed to its file. `measured`: file name
     -> (crc32c, nbytes) of the bytes the caller read already (the commit's shard indexes, `store.manifest.merge_runs`:
-    the very bytes the manifest's rows came from), not read again; every other file is read here."""
+    the very bytes the manifest's rows came from), not read again; every other file is read here. `counts`: what
+    `store inspect` shows of the version (`store.version_counts`), sealed with the rest; without it inspect counts
+    the manifest's columns."""
     measured = measured or {}
     own = (crc_hex(manifest_bytes), len(manifest_bytes)) if isinstance(manifest_bytes, bytes) else manifest_bytes
     files: dict[str, dict[str, Any]] = {fmt.MANIFEST: {"nbytes": own[1], "crc32c": own[0]}}
@@ -140,6 +143,8 @@ def write_version_checksums(vdir: Path, manifest: pa.Table, manifest_bytes: byte
             crc, n = measured.get(p.name) or file_crc(p)
             files[p.name] = {"nbytes": n, "crc32c": crc}
     record: dict[str, Any] = {"format": CHECKSUMS_FORMAT, "files": files}
+    if counts is not None:  # an optional key: code before it reads the record as before
+        record["counts"] = counts
     try:  # who wrote the version, for the advice when schema.json is the damaged file (`_written_by`)
         record["stage"] = str(json.loads((vdir / fmt.SCHEMA_JSON).read_bytes())["lineage"]["stage"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -159,6 +164,13 @@ def unreferenced_shard_file(name: str, shards: Container[str]) -> str | None:
 def read_version_checksums(vdir: Path) -> dict[str, dict[str, Any]] | None:
     """file name -> {nbytes, crc32c}; None for a format-1 version (no checksums.json, no sample_crc32c).
     `WrittenByNewer` for a record of a later format (`schemas.newer`), `DamagedData` for one that is damaged."""
+    record = read_version_record(vdir)
+    return None if record is None else record["files"]
+
+
+def read_version_record(vdir: Path) -> dict[str, Any] | None:
+    """The version's whole checksums.json (`files`, and `counts` where sealed with them), or None, as
+    `read_version_checksums`."""
     path = vdir / fmt.CHECKSUMS
     try:
         data = path.read_bytes()
@@ -180,7 +192,7 @@ def read_version_checksums(vdir: Path) -> dict[str, dict[str, Any]] | None:
             raise SealError("unexpected content")
     except (SealError, KeyError, TypeError) as e:
         raise DamagedData(f"{path} is damaged ({e}); {repair_hint(vdir, fmt.CHECKSUMS)}") from None
-    return files
+    return obj
 
 
 def check_bytes(vdir: Path, name: str, data: bytes, sums: dict[str, dict[str, Any]]) -> None:

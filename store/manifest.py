@@ -15,6 +15,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store.checksum import RunningCrc, crc_hex
 from store.shard import SampleRecord
+from store.version_counts import COUNTED, Tally
 
 TENSOR_STRUCT = pa.struct([
     ("name", pa.string()), ("offset", pa.int64()), ("nbytes", pa.int64()),
@@ -193,10 +194,12 @@ def merge_runs(paths: Iterable[Path], check: Callable[[Path, tuple[str, int]], N
 
 
 class Written(NamedTuple):
-    """A streamed manifest's (crc32c, nbytes), for checksums.json, and one row per shard its rows refer to (shard,
-    shard_nbytes and, format 2, shard_crc32c: what checksums.json lists of the shards)."""
+    """A streamed manifest's (crc32c, nbytes), for checksums.json, one row per shard its rows refer to (shard,
+    shard_nbytes and, format 2, shard_crc32c: what checksums.json lists of the shards), and what `store inspect`
+    shows of it, counted from its row groups as they were written (`store.version_counts`)."""
     measured: tuple[str, int]
     shards: pa.Table
+    counts: dict[str, Any]
 
 
 class MergedIndexes:
@@ -300,12 +303,13 @@ class MergedIndexes:
         writes for the whole table, never all in memory."""
         sink = _CountingSink(f)
         cols = [c for c in ("shard", "shard_crc32c", "shard_nbytes") if c in self.schema.names]
-        shards = []
+        shards, tally = [], Tally()
         with pq.ParquetWriter(sink, self.schema) as writer:
             for group in self.groups():
                 writer.write_table(group, row_group_size=fmt.ROW_GROUP_ROWS)
                 shards.append(_first_of_each(group.select(cols)))
-        return Written((sink.crc.hex(), sink.nbytes), _first_of_each(pa.concat_tables(shards)))
+                tally.add(group.select([c for c in COUNTED if c in group.column_names]))
+        return Written((sink.crc.hex(), sink.nbytes), _first_of_each(pa.concat_tables(shards)), tally.record())
 
 
 class _CountingSink:

@@ -42,7 +42,7 @@ def read_schema(vdir: Path, data: bytes | None = None, intact: bool = False) -> 
         raise UserError(f"{vdir / fmt.SCHEMA_JSON}: not a valid table schema ({type(e).__name__}: {e})") from None
 
 
-def checked_schema(vdir: Path, record: bool = True) -> TableSchema:
+def checked_schema(vdir: Path, record: bool = True, sums: dict[str, dict[str, Any]] | None = None) -> TableSchema:
     """A complete version's schema.json, its bytes checked against checksums.json (when the version has one): for
     those that pick a version by what its schema says (`Store.find_version`, the split rule a resize keeps), where
     a flipped bit that still parses would name another lineage or setting. One that does not read (damaged,
@@ -50,12 +50,14 @@ def checked_schema(vdir: Path, record: bool = True) -> TableSchema:
     raised (`DamagedData`): the version is then treated as one `store verify` marked. A newer release's
     (`WrittenByNewer`) is raised as it is, never recorded. `record=False`: raised only (what writes nothing:
     `store inspect`, `store gc --dry-run`). A store URL's cached copy damaged on the node's disk is fetched again
-    first, as a reader's open fetches it (store/manifest_view.py)."""
+    first, as a reader's open fetches it (store/manifest_view.py). `sums`: the version's checksums.json files as the
+    caller read them already (inspect: with its counts), not read again; read again after a fetch."""
     from store.remote_shards import refetch_metadata
 
+    given = sums
     for attempt in (1, 2):
         try:
-            sums = integrity.read_version_checksums(vdir)
+            sums = integrity.read_version_checksums(vdir) if given is None or attempt == 2 else given
             return read_schema(vdir, integrity.read_checked(vdir, fmt.SCHEMA_JSON, sums), intact=sums is not None)
         except WrittenByNewer:
             raise

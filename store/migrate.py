@@ -26,6 +26,7 @@ from store import format as fmt
 from store.integrity import DamagedData, write_version_checksums
 from store.manifest_files import checked_manifest, checked_schema
 from store.store import Store
+from store.version_counts import counted
 from store.verify import verify_version
 
 MIGRATING_SUFFIX = ".migrating"
@@ -136,7 +137,7 @@ def _build(old_dir: Path, new_dir: Path, old_version: int) -> None:
     shapes = [[list(x) for x in img_shapes_from_v1({c: v[i] for c, v in cols.items()})] for i in range(manifest.num_rows)]
     manifest = manifest.append_column("img_shapes", pa.array(shapes, pa.list_(pa.list_(pa.int64()))))
     manifest_bytes = fmt.parquet_bytes(manifest)
-    write_version_checksums(tmp, manifest, manifest_bytes)
+    write_version_checksums(tmp, manifest, manifest_bytes, counts=counted(manifest))  # what inspect shows
     fmt.atomic_write_bytes(tmp / fmt.MANIFEST, manifest_bytes)
     fmt.crash_point("migrate_before_rename")
     os.rename(tmp, new_dir)  # the complete version appears at once

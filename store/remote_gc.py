@@ -294,79 +294,103 @@ def _dry_run_clock(remote: Remote, echo: Callable[[str], None]) -> float:
 
 def collect(url: str, dry_run: bool = False, grace_s: float = GRACE_SECONDS,
             echo: Callable[[str], None] = print, storage_options: dict[str, Any] | None = None) -> RemoteGcPlan:
-    from tqdm import tqdm
-
     url = url.rstrip("/")
     remote = open_remote(url, storage_options)
     with remote_errors(url, "gc"):
         p = plan(remote, grace_s, _dry_run_clock(remote, echo) if dry_run else None)
-        would = "would remove" if dry_run else "remove"
-        for v in p.remove:
-            what = "" if v.complete else (f" (incomplete: no manifest, newest object "
-                                          f"{(p.now - v.newest) / 60:.0f} min old; a killed push or gc)")
-            echo(f"{would} {v.name}{what}")
-        for (table, v), by in sorted(p.leased.items()):
-            echo(f"keep {table}/v{v}: not current, but held by " + "; ".join(by))
-        for v in p.young_incomplete:
-            echo(f"keep {v.name}: incomplete, its newest object is {(p.now - v.newest) / 60:.0f} min old "
-                 f"(a push may still be writing it; removed once {grace_s / 60:.0f} min old)")
-        for found in p.dead_leases:  # who it was and why it is dead: pid gone here, or not refreshed for long
-            echo(f"{would} the lease of a gone process: {found.describe()}")
-        if p.leftovers:
-            echo(f"{would} {len(p.leftovers)} leftover(s) of killed commands ({CLOCK_DIR}/ probes, "
-                 f"{UPLOAD_DIR}/ temp files)")
-        if p.strays:
-            echo(f"{would} {len(p.strays)} object(s) in kept versions that their {fmt.CHECKSUMS} does not list (a "
-                 "push that lost the race for that version number wrote them): " + ", ".join(p.strays[:3])
-                 + (f" and {len(p.strays) - 3} more" if len(p.strays) > 3 else ""))
-        if p.uploads:
-            echo(f"{'would abort' if dry_run else 'abort'} {len(p.uploads)} unfinished multipart upload(s) of killed "
-                 "pushes (their parts are stored, and billed, but are no object)")
-        for line in unknown_lines(p.unknown_upstream):
-            echo(line)
+        _say_plan(p, dry_run, grace_s, echo)
         if dry_run:
             echo(f"dry run: {len(p.remove)} version(s), {p.nbytes / 1e6:.1f} MB would be freed")
             return p
-        removed, held = [], set()  # held: (table, version) whose data a lease taken meanwhile keeps
-        for v in tqdm(p.remove, desc=f"gc {url}", unit="version"):
-            keepers = _still_doomed(remote, v)
-            if keepers:
-                echo(f"keep {v.name}: {'; '.join(keepers)} (since the plan)")
-                continue
-            manifest = f"{v.name}/{fmt.MANIFEST}"
-            if manifest in v.objects:
-                remote.delete([manifest])  # the version stops existing here
-            fmt.crash_point("remote_gc_after_manifest")
-            removed.append(v)
-            # A reader that wrote its lease after the look above and found the manifest before its DELETE reads on:
-            # its lease is listed now (its PUT came before its look, which came before the DELETE), so its data
-            # stays - an incomplete version a later gc removes once no lease names it. A reader's look from now on
-            # finds no manifest and stops.
-            if holders := _leased_by(remote, v, since=v.leases_seen):
-                echo(f"keep the data of {v.name} (its manifest is removed: no new reader opens it): held since "
-                     f"the look before that by {'; '.join(holders)}; a later gc removes it once no lease names it")
-                held.add((v.table, v.version))
-                continue
-            remote.delete(sorted(set(v.objects) - {manifest}))
-            if (v.table, v.version) in p.markers:
-                remote.delete([p.markers[(v.table, v.version)]])
+        removed, held = _remove_versions(remote, p, echo)
         gone = {(v.table, v.version) for v in removed} - held  # a held one's lease reads on
-        dead, refreshed = _still_dead(remote, p, gone)
-        for found in refreshed:
-            echo(f"keep the lease of {found.record.get('what', '?')} ({found.path.name}): refreshed since the plan")
-        for found in dead:
-            if found.live:  # refreshed too late: it names what this run removed
-                names = ", ".join(f"{t}/v{v}" for t, v in sorted(gone & set(found.versions())))
-                echo(f"remove the lease of {found.record.get('what', '?')} ({found.path.name}): refreshed since the "
-                     f"plan, but {names} is removed now (its process stops at its next refresh)")
+        dead = _dead_leases(remote, p, gone, echo)
         remote.delete([str(f.path) for f in dead] + p.leftovers + p.strays)
-        bucket = remote.root.partition("/")[0]
-        for key, upload in p.uploads:
-            try:
-                remote.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
-            except FileNotFoundError:  # completed or aborted meanwhile
-                pass
+        _abort_uploads(remote, p.uploads)
         echo(f"gc {url}: {len(removed)} version(s) removed, "
              f"{sum(v.nbytes for v in removed if (v.table, v.version) not in held) / 1e6:.1f} MB freed")
         p.remove = removed
     return p
+
+
+def _say_plan(p: RemoteGcPlan, dry_run: bool, grace_s: float, echo: Callable[[str], None]) -> None:
+    """What the plan removes and keeps, and why, one line each (a dry run's whole answer)."""
+    would = "would remove" if dry_run else "remove"
+    for v in p.remove:
+        what = "" if v.complete else (f" (incomplete: no manifest, newest object "
+                                      f"{(p.now - v.newest) / 60:.0f} min old; a killed push or gc)")
+        echo(f"{would} {v.name}{what}")
+    for (table, v), by in sorted(p.leased.items()):
+        echo(f"keep {table}/v{v}: not current, but held by " + "; ".join(by))
+    for v in p.young_incomplete:
+        echo(f"keep {v.name}: incomplete, its newest object is {(p.now - v.newest) / 60:.0f} min old "
+             f"(a push may still be writing it; removed once {grace_s / 60:.0f} min old)")
+    for found in p.dead_leases:  # who it was and why it is dead: pid gone here, or not refreshed for long
+        echo(f"{would} the lease of a gone process: {found.describe()}")
+    if p.leftovers:
+        echo(f"{would} {len(p.leftovers)} leftover(s) of killed commands ({CLOCK_DIR}/ probes, "
+             f"{UPLOAD_DIR}/ temp files)")
+    if p.strays:
+        echo(f"{would} {len(p.strays)} object(s) in kept versions that their {fmt.CHECKSUMS} does not list (a "
+             "push that lost the race for that version number wrote them): " + ", ".join(p.strays[:3])
+             + (f" and {len(p.strays) - 3} more" if len(p.strays) > 3 else ""))
+    if p.uploads:
+        echo(f"{'would abort' if dry_run else 'abort'} {len(p.uploads)} unfinished multipart upload(s) of killed "
+             "pushes (their parts are stored, and billed, but are no object)")
+    for line in unknown_lines(p.unknown_upstream):
+        echo(line)
+
+
+def _remove_versions(remote: Remote, p: RemoteGcPlan, echo: Callable[[str], None]
+                     ) -> tuple[list[Version], set[tuple[str, int]]]:
+    """Each planned version deleted, manifest first, unless something keeps it now: (those whose manifest went,
+    those of them whose data a lease taken meanwhile holds)."""
+    from tqdm import tqdm
+
+    removed, held = [], set()  # held: (table, version) whose data a lease taken meanwhile keeps
+    for v in tqdm(p.remove, desc=f"gc {remote.url}", unit="version"):
+        keepers = _still_doomed(remote, v)
+        if keepers:
+            echo(f"keep {v.name}: {'; '.join(keepers)} (since the plan)")
+            continue
+        manifest = f"{v.name}/{fmt.MANIFEST}"
+        if manifest in v.objects:
+            remote.delete([manifest])  # the version stops existing here
+        fmt.crash_point("remote_gc_after_manifest")
+        removed.append(v)
+        # A reader that wrote its lease after the look above and found the manifest before its DELETE reads on:
+        # its lease is listed now (its PUT came before its look, which came before the DELETE), so its data
+        # stays - an incomplete version a later gc removes once no lease names it. A reader's look from now on
+        # finds no manifest and stops.
+        if holders := _leased_by(remote, v, since=v.leases_seen):
+            echo(f"keep the data of {v.name} (its manifest is removed: no new reader opens it): held since "
+                 f"the look before that by {'; '.join(holders)}; a later gc removes it once no lease names it")
+            held.add((v.table, v.version))
+            continue
+        remote.delete(sorted(set(v.objects) - {manifest}))
+        if (v.table, v.version) in p.markers:
+            remote.delete([p.markers[(v.table, v.version)]])
+    return removed, held
+
+
+def _dead_leases(remote: Remote, p: RemoteGcPlan, gone: set[tuple[str, int]], echo: Callable[[str], None]
+                 ) -> list[Found]:
+    """The plan's dead leases to delete now (`_still_dead`), saying which were refreshed since the plan."""
+    dead, refreshed = _still_dead(remote, p, gone)
+    for found in refreshed:
+        echo(f"keep the lease of {found.record.get('what', '?')} ({found.path.name}): refreshed since the plan")
+    for found in dead:
+        if found.live:  # refreshed too late: it names what this run removed
+            names = ", ".join(f"{t}/v{v}" for t, v in sorted(gone & set(found.versions())))
+            echo(f"remove the lease of {found.record.get('what', '?')} ({found.path.name}): refreshed since the "
+                 f"plan, but {names} is removed now (its process stops at its next refresh)")
+    return dead
+
+
+def _abort_uploads(remote: Remote, uploads: list[tuple[str, str]]) -> None:
+    bucket = remote.root.partition("/")[0]
+    for key, upload in uploads:
+        try:
+            remote.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
+        except FileNotFoundError:  # completed or aborted meanwhile
+            pass

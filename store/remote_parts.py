@@ -295,7 +295,8 @@ def _manifest(writer: TableWriter, staging: Path, recorded: dict[str, dict[str, 
     check_rows(table, version, dones, merged.num_rows, required=True)
     with fmt.atomic_file(staging / fmt.MANIFEST) as f:  # streamed, never whole in memory (as a local commit)
         written = merged.write(f)
-        write_version_checksums(staging, written.shards, written.measured, merged.measured)
+        write_version_checksums(staging, written.shards, written.measured, merged.measured,
+                                counts=written.counts)
     listed = json.loads((staging / fmt.CHECKSUMS).read_bytes()).get("files", {})
     differs = [n for n, e in recorded.items()
                if n in listed and (listed[n]["nbytes"], listed[n]["crc32c"]) != (e["nbytes"], e["crc32c"])]

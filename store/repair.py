@@ -43,7 +43,7 @@ from store.reader import TableReader
 from store.remote_shards import fetch_problem, is_lazy
 from store.verify import verify_version
 
-DAMAGED_SUFFIX = ".damaged"  # `v<N>.damaged/`: not a version name, so every reader and writer ignores it
+DAMAGED_SUFFIX = fmt.SET_ASIDE_SUFFIX  # `v<N>.damaged/`: not a version name, so every reader and writer ignores it
 
 
 @dataclass
@@ -357,7 +357,7 @@ def apply(plan: RepairPlan, recompute: Recompute | None, echo: Callable[[str], N
 
 def set_aside(vdir: Path) -> str:
     """A damaged version, once replaced by one that verifies, leaves the store's version list: renamed to
-    `v<N>.damaged/` (kept for inspection; delete it at will) - unless a live read lease names it (a training or
+    `v<N>.damaged/` (kept for inspection until the next `store gc`) - unless a live read lease names it (a training or
     an encoder still reading it, store/lease.py): then it stays where it is, no longer current, and `store gc`
     removes it once its last reader is gone (as gc does for any version a reader holds). Moving it would make
     the running reader's next shard open fail. Decided under the store lock, which `hold` also takes, so a

@@ -157,14 +157,15 @@ def _file_problem(path: Path, name: str, entry: dict[str, Any]) -> list[str]:
 def verify_version(vdir: Path, name: str, progress: bool = True, objects: ObjectCheck | None = None) -> list[str]:
     problems: list[str] = []
     try:
-        sums = integrity.read_version_checksums(vdir)
+        record = integrity.read_version_record(vdir)
     except WrittenByNewer:
         raise
     except UserError as e:
         problems.append(f"{name}: {e}")
-        sums = None
+        record = None
+    sums, counts = (record["files"], record.get("counts")) if record is not None else (None, None)
     if objects is None:
-        found, by_shard = read_manifest_pass(vdir, name, sums)
+        found, by_shard = read_manifest_pass(vdir, name, sums, counts)
         files, intact = _file_problems(vdir, name, sums, set(by_shard), progress) if sums is not None else ([], set())
         problems += files + found
         # in name order: `by_shard` reads a group of shards' rows at a time (store/verify_manifest.py)
@@ -178,7 +179,7 @@ def verify_version(vdir: Path, name: str, progress: bool = True, objects: Object
                 problems.append(f"{name}/{shard}: cannot be checked ({type(e).__name__}: {e})")
         return problems
     local = {n: e for n, e in (sums or {}).items() if n in REMOTE_METADATA}
-    found, by_shard = read_manifest_pass(vdir, name, sums)
+    found, by_shard = read_manifest_pass(vdir, name, sums, counts)
     problems += _file_problems(vdir, name, local, set(), progress=False)[0] if sums is not None else []
     return problems + found + objects(name, sums, by_shard)
 

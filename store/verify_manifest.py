@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 from schemas.errors import UserError
 from schemas.newer import WrittenByNewer
 from store import format as fmt
+from store import integrity, version_counts
 from store.arrow_columns import release_memory
 from store.checksum import file_crc
 from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS
@@ -147,10 +148,10 @@ def row_group_columns(f: pq.ParquetFile, name: str, groups: list[int] | None = N
         yield g, f.read_row_group(g, columns=[name], use_threads=False).column(name)
 
 
-def read_manifest_pass(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None
+def read_manifest_pass(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None, counts: Any = None
                        ) -> tuple[list[str], Mapping[str, ShardPart]]:
-    """(problems of the schema, manifest and keys, {shard: its manifest rows}; empty when unreadable): the pass
-    over every column."""
+    """(problems of the schema, manifest, keys and recorded `counts` (checksums.json's), {shard: its manifest
+    rows}; empty when unreadable): the pass over every column."""
     problems: list[str] = []
     try:
         schema = read_schema(vdir, intact=_intact(vdir, fmt.SCHEMA_JSON, sums))
@@ -175,7 +176,7 @@ def read_manifest_pass(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | 
             problems.append(f"{name}: {fmt.CHECKSUMS} is missing (the manifest has checksum columns)")
         try:
             keys, shard_names, codes = _keys_and_shards(f)
-            key_problems = _key_problems(name, keys)
+            key_problems = _key_problems(name, keys) + _count_problems(vdir, name, f, counts)
         except Exception as e:  # noqa: BLE001
             return problems + [f"{name}/{fmt.MANIFEST}: undecodable ({type(e).__name__}: {e})"], {}
     del keys
@@ -231,6 +232,24 @@ def _key_problems(name: str, keys: pa.ChunkedArray) -> list[str]:
                 problems.append(f"{name}: invalid key {k!r}")
         start += len(chunk)
     return problems
+
+
+def _count_problems(vdir: Path, name: str, f: pq.ParquetFile, counts: Any) -> list[str]:
+    """The counts sealed in checksums.json (what `store inspect` shows, `store.version_counts`) against the manifest's
+    rows, counted a row group at a time: a seal holds bytes, not that the numbers are the manifest's (a writer's
+    bug, another tool's record). None to judge in a record without counts."""
+    recorded = version_counts.shown(counts)
+    if recorded is None:
+        return []
+    columns = [c for c in version_counts.COUNTED if c in f.schema_arrow.names]
+    tally = version_counts.Tally()
+    for g in range(f.metadata.num_row_groups):
+        tally.add(f.read_row_group(g, columns=columns, use_threads=False))
+    differ = version_counts.differences(recorded, version_counts.shown(tally.record()) or {})
+    if not differ:
+        return []
+    return [f"{name}/{fmt.CHECKSUMS}: its counts are not its manifest's ({'; '.join(differ)}), so `store inspect` "
+            f"shows them wrong; {integrity.repair_hint(vdir, fmt.CHECKSUMS)}"]
 
 
 def _intact(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None) -> bool:

@@ -70,7 +70,8 @@ def commit_local(writer: TableWriter, allow_empty: bool) -> int:
         # complete version (manifest present) always has its checksums
         with fmt.atomic_file(vdir / fmt.MANIFEST) as f:
             written = merged.write(f)
-            write_version_checksums(vdir, written.shards, written.measured, merged.measured)
+            write_version_checksums(vdir, written.shards, written.measured, merged.measured,
+                                    counts=written.counts)
         # version complete from here on
     fmt.crash_point("after_manifest")
     fmt.pause_point("commit_after_manifest")

@@ -125,8 +125,9 @@ def _verify_advice(store: str, current: dict[str, int], problems: list[str]) -> 
 
 
 @store_app.command("gc", help="Remove table versions nothing current references and no running reader (train, "
-                   "evaluate, an encode stage) holds a lease on (atomic per version, kill-safe). A URL: also the "
-                   "incomplete versions of killed pushes, once older than --incomplete-after.")
+                   "evaluate, an encode stage) holds a lease on (atomic per version, kill-safe), and the damaged "
+                   "versions a repair set aside (v<N>.damaged/). A URL: also the incomplete versions of killed "
+                   "pushes, once older than --incomplete-after.")
 def gc(
     store: str = StoreOrUrlArg, dry_run: bool = typer.Option(False, "--dry-run", help="Only say what would be removed (and what leases keep)."),
     incomplete_after: float = typer.Option(60.0, "--incomplete-after", callback=finite(at_least=0), help="With a URL: minutes after its newest "

@@ -53,6 +53,14 @@ def test_two_caches_commit_one_version_on_the_remote(s3_env, tmp_path, monkeypat
     r = Store(pulled).reader("vae")
     assert r.keys() == sorted(key_of(i) for i in range(N)) and r.manifest.num_rows == N  # each exactly once
     assert verify_store(pulled, progress=False) == []
+    # inspect's counts recorded by rank 0's commit on the remote (pulled with checksums.json): the manifest's
+    from store import version_counts
+    from store.integrity import read_version_record
+    from store.manifest_files import checked_manifest
+
+    vdir = pulled / "vae" / "v1"
+    assert version_counts.shown(read_version_record(vdir)["counts"]) == \
+        version_counts.shown(version_counts.counted(checked_manifest(vdir))) and r.manifest.num_rows == N
     from store.remote_verify import verify_url
 
     assert verify_url(url, progress=False)[0] == []  # every object of the parts is listed in checksums.json

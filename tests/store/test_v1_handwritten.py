@@ -129,6 +129,15 @@ def test_migrate_links_verifies_switches_and_is_idempotent(v1_store: Path) -> No
         assert r.manifest.column("img_shapes")[r.keys().index(key)].as_py() == want
         assert torch.equal(r.tensors(key)["target"].view(torch.int16), before[key].view(torch.int16))
     assert r.schema.lineage == st.reader("vae", version=1).schema.lineage
+    # inspect's counts recorded for the migrated version (v1, handwritten, has none): the buckets the v1 height /
+    # width columns give, now from img_shapes
+    from store.inspect import describe
+    from store.integrity import read_version_record
+
+    assert read_version_record(v1_store / "vae" / "v2")["counts"]["samples"] == len(SAMPLES)
+    v1, v2 = describe(v1_store)["tables"]["vae"]["versions"]
+    assert {k: v2[k] for k in ("samples", "shards", "bytes", "buckets")} == \
+        {k: v1[k] for k in ("samples", "shards", "bytes", "buckets")}
     again = runner.invoke(app, ["migrate", "v1-to-v2", str(v1_store)])
     assert again.exit_code == 0 and "nothing to do" in again.output
     assert runner.invoke(app, ["store", "verify", str(v1_store)]).exit_code == 0
