@@ -176,8 +176,9 @@ def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]
 def _sixteen_bit_read_as_eight(im: Image.Image) -> str | None:
     """The note for a picture of 16 bits per channel that Pillow reads as 8 (a 48/64-bit PNG's RGB;16B, a TIFF's
     RGB;16N: each channel's high byte kept, its mode RGB/RGBA), as the other conversions are noted; 16-bit
-    grayscale (I;16) is a mode of its own, scaled in `_to_rgb`."""
-    if im.mode in _SIXTEEN_BIT or not im.tile:
+    grayscale (I;16) is a mode of its own, scaled in `_to_rgb`. PNG and TIFF only: a BMP's `BGR;16` is 16 bits per
+    pixel (5-6-5, each channel expanded to 8 bits, none dropped)."""
+    if im.mode in _SIXTEEN_BIT or not im.tile or im.format not in ("PNG", "TIFF"):
         return None
     args = im.tile[0].args
     raw = args if isinstance(args, str) else args[0] if isinstance(args, tuple) and args and isinstance(args[0], str) else ""
