@@ -16,7 +16,9 @@ import re
 import unicodedata
 
 CONTROLS_REMOVED = "control characters removed from the caption (NUL, ESC, ...: tab and newline kept)"
-_ESCAPE_SEQUENCE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x9b[0-?]*[ -/]*[@-~]")
+# 7-bit sequences only: a U+009B in UTF-8 text is mojibake (a Latin-1 read of `ś`, C5 9B), not a terminal's 8-bit
+# CSI, and taken for one it swallowed the letter after it; it goes alone, as every C1 character
+_ESCAPE_SEQUENCE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)")
 _KEPT = "\t\n"
 
 

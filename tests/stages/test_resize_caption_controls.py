@@ -90,3 +90,16 @@ def test_a_caption_with_control_characters_is_the_same_sample_as_without_and_a_r
     assert (s.written, s.reused) == (1, 2), str(s)
     captions = sorted(r["caption"] for r in Store(store).reader("images").manifest.to_pylist())
     assert captions == ["make it blue", "make it green", "make it red"]
+
+
+@pytest.mark.parametrize("raw, kept", [
+    ("Å\x9bcie", "Åcie"),  # Polish "ś" (C5 9B) read as Latin-1 then saved as UTF-8: a C1 char before a letter
+    ("Ã\x9bber 1080p", "Ãber 1080p"),
+    ("\u0645\u200d\u0645 \u200f\U0001F468\u200d\U0001F469 \u4e2d\u200b\u6587", None),  # ZWJ, RLM, ZWSP: not Cc
+])
+def test_only_the_control_characters_go_never_the_text_after_them(raw, kept):
+    """A lone C1 character (U+009B here) is removed as every other control, not taken for a terminal's 8-bit CSI
+    that swallows the letter after it (`Å\\x9bcie` lost its `c`); joiners and direction marks are text."""
+    from stages.resize.caption_text import clean_caption
+
+    assert clean_caption(raw.encode()) == (raw if kept is None else kept)
