@@ -5,7 +5,8 @@ rerun's check of a known sample's caption (known_sources.py), so both agree on t
 Control characters: a NUL, BEL or ESC reached the tokenizer as text and, printed (`store inspect`, a report, a
 log), an ESC sequence recoloured or rewrote the terminal. They come from captioning scripts that logged coloured
 output, a UTF-16 file without a byte order mark (every other byte NUL) or a crawl's junk. Line endings are made
-`\n` (a Windows file's `\r\n`, a classic Mac file's `\r`); an ANSI escape sequence (`ESC [ ... m`, an OSC title
+`\n` (a Windows file's `\r\n`, a classic Mac file's `\r`, and VT, FF, NEL, FS, GS, RS; the unit separator a
+space: words stay apart); an ANSI escape sequence (`ESC [ ... m`, an OSC title
 `ESC ] ... BEL`) goes whole, not leaving `[31m` in the text; every other control character (Unicode category Cc:
 C0, DEL, C1) but tab and newline goes. The sample is kept, its conversions say so (`CONTROLS_REMOVED`).
 """
@@ -47,4 +48,9 @@ def _without_controls(text: str) -> str:
     if text.isprintable() or not any(unicodedata.category(c) == "Cc" and c not in _KEPT for c in text):
         return text
     text = _ESCAPE_SEQUENCE.sub("", text)
-    return "".join(c for c in text if c in _KEPT or unicodedata.category(c) != "Cc")
+    return "".join(c if c in _KEPT or unicodedata.category(c) != "Cc" else _SEPARATING.get(c, "") for c in text)
+
+
+# whitespace controls separate words: removed, "car\fparked" read as "carparked". The line breaks of
+# str.splitlines (VT, FF, FS, GS, RS, NEL) become "\n", the unit separator a space
+_SEPARATING = {**dict.fromkeys("\x0b\x0c\x1c\x1d\x1e\x85", "\n"), "\x1f": " "}

@@ -103,3 +103,17 @@ def test_only_the_control_characters_go_never_the_text_after_them(raw, kept):
     from stages.resize.caption_text import clean_caption
 
     assert clean_caption(raw.encode()) == (raw if kept is None else kept)
+
+
+@pytest.mark.parametrize("raw, kept", [
+    ("a red car\x0cparked", "a red car\nparked"),  # form feed: a page break between two lines
+    ("wait\x85then go", "wait\nthen go"),  # NEL (next line; a cp1252 '…' read as Latin-1)
+    ("blue\x0bsky", "blue\nsky"),
+    ("cat\x1fdog", "cat dog"),  # unit separator: whitespace to str.split
+])
+def test_a_control_character_that_separates_words_leaves_them_apart(raw, kept):
+    """The whitespace control characters (vertical tab, form feed, NEL, the separators) are line breaks or spaces,
+    not nothing: removed, they glued two words into one the tokenizer reads ('carparked')."""
+    from stages.resize.caption_text import clean_caption, had_controls
+
+    assert clean_caption(raw.encode()) == kept and had_controls(raw.encode())
