@@ -366,6 +366,8 @@ def set_aside(vdir: Path) -> str:
 
     root, table, version = integrity.store_root(vdir), vdir.parent.name, int(vdir.name.lstrip("v"))
     with fmt.flock(root / fmt.STORE_LOCK):
+        if not vdir.is_dir():  # no longer current since the repaired version's commit: a `store gc` meanwhile
+            return f"the damaged v{version} was removed meanwhile (`store gc`)"
         readers = [f.describe() for f in leases(root) if f.live and (table, version) in set(f.versions())]
         if readers:
             return (f"the damaged v{version} is still read by {'; '.join(readers)}: left in place (not current); "

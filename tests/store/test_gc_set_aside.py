@@ -73,3 +73,28 @@ def test_a_damaged_version_set_aside_is_kept_while_a_lease_names_its_number(stor
     assert aside.is_dir() and fmt.damaged_marker(store.root, "vae", 1).is_file()
     lease.unlink()
     assert "remove vae/v1.damaged" in _cli("store", "gc", store.root).output and not aside.exists()
+
+
+def test_a_gc_during_the_repairs_final_verify_leaves_the_repair_succeeding(store: Store, monkeypatch) -> None:
+    """Between the repaired version's commit (the damaged one no longer current) and its set-aside, repair reads
+    the new version back in full (minutes at scale): a `store gc` then removes the damaged version, as any version
+    nothing current references. The set-aside's rename then met no folder: a FileNotFoundError traceback after a
+    repair that had succeeded. The gc is run at that point here, deterministically."""
+    from store import gc, repair
+
+    fill(store, 6, shard_size_mb=0.004)
+    shard = sorted((store.root / "vae" / "v1").glob("*.tar"))[0]
+    with open(shard, "ab") as f:
+        f.write(os.urandom(700))
+    verify = repair.verify_version
+
+    def gc_first(vdir, *args, **kwargs):
+        gc.collect(store.root, echo=lambda line: None)
+        return verify(vdir, *args, **kwargs)
+
+    monkeypatch.setattr(repair, "verify_version", gc_first)
+    r = _cli("store", "repair", store.root)
+    assert r.exit_code == 0 and "repaired as v2" in r.output, r.output
+    assert not (store.root / "vae" / "v1").exists() and not (store.root / "vae" / "v1.damaged").exists()
+    monkeypatch.setattr(repair, "verify_version", verify)
+    assert _cli("store", "verify", store.root).exit_code == 0
