@@ -3,7 +3,8 @@ each fix's rule called once per distinct value of the columns it reads) against 
 written (each row's whole `images` meta, kept here as the reference), for every fix the stages declare, on a
 mixed table: alpha and turned-mask notes alone and together, no notes, rows whose images row records no notes,
 keys the images lack, lengths on both sides of the 2.1 frame limit and none, several chunks; and
-an images table without the conversions column. Resize's mask rule the same way over an images manifest."""
+an images table without the conversions column. Resize's mask rule the same way over an images manifest, and its
+caption rule (revision 3) over the caption column against the cleaning itself."""
 
 from __future__ import annotations
 
@@ -114,3 +115,18 @@ def test_codes_are_equal_exactly_where_the_values_are():
     strings = pa.array(["a", None, "a", "", "b"])
     assert (codes(strings)[[0, 1, 3]] != codes(strings)[[2, 2, 2]]).tolist() == [False, True, True]
     assert np.array_equal(codes(pa.array([True, None, False, True])) == 0, [True, False, False, True])
+
+
+def test_resize_caption_rule_over_the_column_flags_exactly_the_captions_cleaning_changes():
+    from stages.resize.caption_text import clean_caption
+    from stages.resize.stage import REVISION_3_FIX
+
+    # as revision 2 stored them (decoded, BOM and outer whitespace off), and '' (a copy kept instead)
+    captions = ["plain", "tab\there", "two\nlines", "crlf\r\nline", "lone\rcr", "\x1b[31mred\x1b[0m", "nul\x00byte",
+                "del\x7f", "c1 \x85 next line", "bell\x07", "é 中 \u2028 separator", "emoji 🙂", ""]
+    rows = pa.table({"caption": captions, "has_mask": [False] * len(captions),
+                     "conversions": [[] for _ in captions]})
+    want = [c == "" or clean_caption(c.encode()) != c for c in captions]
+    assert REVISION_3_FIX(rows).tolist() == want
+    assert REVISION_3_FIX(pa.concat_tables([rows.slice(0, 5), rows.slice(5)])).tolist() == want
+    assert want.count(True) == 8
