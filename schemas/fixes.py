@@ -6,7 +6,7 @@ still accepted for a sample the fix leaves unchanged (store/reuse.py `reusable(.
 predicate below answers "does the fix change this stored sample?" and errs towards yes when the metadata cannot
 tell (a sample recomputed needlessly costs time; one reused wrongly is a silently wrong feature). A predicate
 is asked once per distinct value of the columns declared with it (stages/encode/plan.py `Fixes.reads`,
-stages/resize/stage.py `MASK_FIX`; store/row_rule.py), never per row: it reads those columns only (not the key).
+stages/resize/stage.py `FIXES`; store/row_rule.py), never per row: it reads those columns only (not the key).
 """
 
 from __future__ import annotations
@@ -22,6 +22,13 @@ MASK_RESIZED = "mask resized to its target"
 MASK_TURNED = "mask turned as its target"  # the fixed code's note (prefix; the orientation follows)
 # resize.keep_alpha kept this sample's picture as RGBA (features/decode.py's note)
 KEPT_ALPHA = "kept with its alpha"
+# resize-bucket before revision 3 (18eac2c, 7016b9b): a mask of another aspect than its target was stretched onto
+# it (now bad-mask: quarantined, or the sample's next copy with a fitting mask kept instead), and a copy kept
+# instead of its rejected first copy was stored with caption ''. Such a copy's row says so since (this note).
+KEPT_INSTEAD = "kept instead of its first copy, which the rendering rejected"
+# a caption stored before revision 3 that it cleans (stages/resize/caption_text.py: every Cc character but tab and
+# newline, CR included), as an RE2 pattern matched over a whole column
+UNCLEANED_CAPTION = r"[\x00-\x08\x0b-\x1f\x7f-\x9f]"
 
 
 def _notes(meta: dict[str, Any]) -> list[str] | None:
@@ -37,6 +44,22 @@ def mask_orientation_changes(old_images_row: dict[str, Any]) -> bool:
     if notes is None:  # a table from before the conversions column: cannot tell
         return True
     return MASK_RESIZED in notes and any(_ROTATED_90.fullmatch(n) for n in notes)
+
+
+def mask_may_misfit(old_images_row: dict[str, Any]) -> bool:
+    """An `images` row rendered before revision 3 whose mask may be of another aspect than its target (now
+    bad-mask): every mask that was resized (its size was not its target's; the rows record no mask size, so a
+    superset: a resized mask of its target's aspect renders the same bytes again)."""
+    if not old_images_row.get("has_mask"):
+        return False
+    notes = _notes(old_images_row)
+    return notes is None or MASK_RESIZED in notes
+
+
+def was_kept_instead(images_row: dict[str, Any]) -> bool:
+    """An `images` row of a copy kept instead of its rejected first copy (revision 3 on): stored before with
+    caption '' (its instruction, so its text features, changed), or in place of a mask now refused (its mask)."""
+    return KEPT_INSTEAD in (_notes(images_row) or ())
 
 
 def mask_was_turned(images_row: dict[str, Any]) -> bool:

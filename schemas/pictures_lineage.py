@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 from schemas.config import ResizeConfig
-from schemas.lineage import feature_lineage, hashed_settings
+from schemas.lineage import code_version, feature_lineage, hashed_settings
 
 IMAGES_STAGE = "resize-bucket"
-# an `images` schema attr: the code version its pictures' lineage before this revision's fixes was hashed with
-# (so an encoder can derive the part it read of those pictures too)
+# an `images` schema attr: the code versions its pictures' lineages before this revision's fixes were hashed with
+# (so an encoder can derive the part it read of those pictures too), aligned with store/reuse.py
+# LINEAGE_BEFORE_FIXES_ATTR: one string each in a revision 2 version, lists (oldest first) since revision 3
 CODE_BEFORE_FIXES_ATTR = "code_version_before_fixes"
 
 # render settings the VAE encoder does not read: they size or skip the VL views alone (stages/resize/stage.py
@@ -52,3 +53,26 @@ def read_lineage(resize: Any, recorded: str | None, code_version: str | None, un
     if pictures_lineage(rc, code_version) != recorded:
         return None
     return pictures_lineage(rc, code_version, unread)
+
+
+def images_code_version(revision: int) -> str:
+    """The code version resize-bucket's `revision` records (its pictures' lineage is hashed with it)."""
+    return code_version(f"images.{revision}")
+
+
+def images_revision(code: str) -> int | None:
+    """The resize-bucket revision of a recorded code version; None: not one this code wrote."""
+    head, _, tail = code.rpartition("+images.")
+    return int(tail) if head and tail.isdigit() and images_code_version(int(tail)) == code else None
+
+
+def recorded_before_fixes(lineages: Any, codes: Any) -> list[tuple[str, str]]:
+    """(code version, pictures' feature lineage) of each earlier revision an `images` version records as current
+    but for what a fix made since changes (the two attrs above), oldest first. A revision 2 version recorded one,
+    as two strings; none where nothing (or something unreadable) is recorded."""
+    if isinstance(lineages, str) and isinstance(codes, str):
+        return [(codes, lineages)]
+    if isinstance(lineages, list) and isinstance(codes, list) and len(lineages) == len(codes) and \
+            all(isinstance(v, str) for v in (*lineages, *codes)):
+        return list(zip(codes, lineages))
+    return []

@@ -83,3 +83,32 @@ class RowRule:
         """Which rows the rule holds for."""
         return per_distinct(rows.select([c for c in self.columns if c in rows.column_names]),
                             lambda r: self.rule(Declared(r, self.columns)))
+
+
+@dataclass(frozen=True)
+class ColumnRule:
+    """A rule over whole columns at once (`rule(rows)`: one bool per row), for columns of as many distinct values as
+    rows (a caption), where `RowRule` would call Python once per row."""
+
+    rule: Callable[[pa.Table], np.ndarray]
+    columns: tuple[str, ...]
+
+    def __call__(self, rows: pa.Table) -> np.ndarray:
+        return np.asarray(self.rule(rows.select([c for c in self.columns if c in rows.column_names])), bool)
+
+
+@dataclass(frozen=True)
+class AnyOf:
+    """Rows any of `rules` holds for (the fixes made since a revision: each asked over its own columns)."""
+
+    rules: tuple[Any, ...]
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(c for r in self.rules for c in r.columns))
+
+    def __call__(self, rows: pa.Table) -> np.ndarray:
+        out = np.zeros(rows.num_rows, bool)
+        for r in self.rules:
+            out |= r(rows)
+        return out

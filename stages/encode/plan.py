@@ -41,8 +41,9 @@ class Fixes:
     revision_before: str | None = None  # the stage's feature revision before its own fixes (None: none)
     # (images meta, stored row: `ROW_COLUMNS`) -> does this stage's own fix change the sample
     by_revision: Callable[[dict[str, Any], dict[str, Any]], bool] = _never
-    # images meta -> does resize-bucket's fix (the images' revision before theirs) change what this stage reads
-    by_images: Callable[[dict[str, Any]], bool] = _never
+    # (images revision, images meta -> does resize-bucket's fix made after that revision change what this stage
+    # reads?), oldest first: a sample encoded from pictures of revision r is redone where a fix since r says yes
+    by_images: tuple[tuple[int, Callable[[dict[str, Any]], bool]], ...] = ()
     # the images meta columns the two read (the meta they get holds only these): each is called once per
     # distinct value of them and of `ROW_COLUMNS` over a whole version (`changed_rows`), never per row
     reads: tuple[str, ...] = ()
@@ -232,9 +233,9 @@ def _job_lineages(store: Store, images, images_id: str, stage: str, table: str, 
                for old, h in ((lineage, feature_hash), *zip([o for o, _ in hashed_before], earlier_hashes))]
         lineage, fl = next(((old, e) for old, e in pre if repair_context.expected() == old), (lineage, fl))
     changed = {}
-    whole_before = images.schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR)
-    for up, before in {(upstream, _read_lineage(images.schema, unread, before_fixes=True) or whole_before),
-                       (whole, whole_before)}:  # rows stored before a fix: under either scheme
+    befores = _pictures_before_fixes(images.schema, unread)
+    for up, before in {(upstream, tuple((read or whole_b, r) for read, whole_b, r in befores)),
+                       (whole, tuple((whole_b, r) for _, whole_b, r in befores))}:  # stored under either scheme
         changed.update(_lineages_before_fixes(images, fixes, stage, (feature_hash, *earlier_hashes), fingerprint,
                                               feature_revision, up, before))
     return JobLineages(lineage=lineage, feature=fl, earlier=tuple(dict.fromkeys((*earlier, *same_reads, *changed))),
@@ -292,29 +293,38 @@ def _reusable_version(job: EncodeJob, hashed_before: list[Lineage], fixes: Fixes
 
 
 def _lineages_before_fixes(images, fixes: Fixes, stage: str, feature_hashes: tuple[str, ...], fingerprint: str,
-                           revision: str, upstream: str, upstream_before: str | None
+                           revision: str, upstream: str, upstreams_before: tuple[tuple[str, int | None], ...]
                            ) -> dict[str, Callable[[pa.Table], np.ndarray]]:
-    """feature lineage the samples were stored under before a fix (this stage's, the images': `upstream_before`,
-    None when the images record none) -> stored rows -> "does a fix change each?" (`changed_rows`): such versions
-    give the rows no fix changes (store/reuse.py)."""
+    """feature lineage the samples were stored under before a fix (this stage's; the images': `upstreams_before`,
+    each with its images revision, none where the images record none) -> stored rows -> "does a fix change
+    each?" (`changed_rows`): such versions give the rows no fix changes (store/reuse.py)."""
     revisions = [(revision, False)] + ([(fixes.revision_before, True)]
                                        if fixes.revision_before not in (None, revision) else [])
-    upstreams = [(upstream, False)] + ([(upstream_before, True)] if upstream_before not in (None, upstream) else [])
+    upstreams = [(upstream, None)] + [(up, since) for up, since in upstreams_before if up != upstream]
 
-    def changed_by(own: bool, images_fix: bool) -> Callable[[pa.Table], np.ndarray]:
-        return lambda rows: changed_rows(images, fixes, rows, own, images_fix)
+    def changed_by(own: bool, images_since: int | None) -> Callable[[pa.Table], np.ndarray]:
+        return lambda rows: changed_rows(images, fixes, rows, own, images_since)
 
-    return {feature_lineage(stage, h, fingerprint, code_version(rev), up): changed_by(own, images_fix)
-            for h in feature_hashes for rev, own in revisions for up, images_fix in upstreams if own or images_fix}
+    return {feature_lineage(stage, h, fingerprint, code_version(rev), up): changed_by(own, images_since)
+            for h in feature_hashes for rev, own in revisions for up, images_since in upstreams
+            if own or images_since is not None}
 
 
-def changed_rows(images, fixes: Fixes, rows: pa.Table, own: bool, images_fix: bool) -> np.ndarray:
-    """Per stored row (`key`, `ROW_COLUMNS`): does a fix change it (`own`: this stage's, `images_fix`: the
-    images')? Yes for a key `images` lacks. The rules see the images' `Fixes.reads` and the row's `ROW_COLUMNS`
-    and are called once per distinct value of those (store/row_rule.py): row by row, each row's whole images meta
-    as Python objects, it was ~80-100 s and 2.8 GB at 1M rows, now ~2.6 s (bench/fix_rules.py)."""
+def _images_fixes_since(fixes: Fixes, revision: int | None) -> list[Callable[[dict[str, Any]], bool]]:
+    """This stage's rules for the images' fixes made since their `revision` (None: no images fix; 0: every one,
+    for a revision this code cannot tell)."""
+    return [] if revision is None else [rule for r, rule in fixes.by_images if r >= revision]
+
+
+def changed_rows(images, fixes: Fixes, rows: pa.Table, own: bool, images_since: int | None) -> np.ndarray:
+    """Per stored row (`key`, `ROW_COLUMNS`): does a fix change it (`own`: this stage's; `images_since`: the
+    images' made since that revision of theirs, None: none)? Yes for a key `images` lacks. The rules see the
+    images' `Fixes.reads` and the row's `ROW_COLUMNS` and are called once per distinct value of those
+    (store/row_rule.py): row by row, each row's whole images meta as Python objects, it was ~80-100 s and 2.8 GB
+    at 1M rows, now ~2.6 s (bench/fix_rules.py)."""
     from store.row_rule import Declared, per_distinct
 
+    by_images = _images_fixes_since(fixes, images_since)
     at = images.rows_of_keys(rows.column("key"))
     out = at < 0
     there = np.flatnonzero(~out)
@@ -333,7 +343,7 @@ def changed_rows(images, fixes: Fixes, rows: pa.Table, own: bool, images_fix: bo
     def changed(values: dict[str, Any]) -> bool:
         meta = Declared({k[5:]: v for k, v in values.items() if k.startswith("meta:")}, fixes.reads)
         row = Declared({k[4:]: v for k, v in values.items() if k.startswith("row:")}, ROW_COLUMNS)
-        return (own and fixes.by_revision(meta, row)) or (images_fix and fixes.by_images(meta))
+        return (own and fixes.by_revision(meta, row)) or any(rule(meta) for rule in by_images)
 
     out[there] = per_distinct(pa.table(cols), changed) if cols else changed({})
     return out
@@ -359,7 +369,7 @@ def _unchanged_by_fixes(store: Store, table: str, images, wanted: Lineage, befor
             rows = checked_manifest(store.version_dir(table, found), ["key", *ROW_COLUMNS])
         except UserError:
             return False
-        return not changed_rows(images, fixes, rows, own=True, images_fix=False).any()
+        return not changed_rows(images, fixes, rows, own=True, images_since=None).any()
 
     return found if unchanged_by_fixes(store, table, found, settings_hash(wanted.to_dict()), none_changed) else None
 
@@ -396,17 +406,24 @@ def _repairs_whole_lineage(store: Store, table: str, whole: set[str]) -> bool:
     return False
 
 
-def _read_lineage(schema, unread: tuple[str, ...], before_fixes: bool = False) -> str | None:
-    """The lineage of the pictures of an `images` version this stage reads (`before_fixes`: of those pictures
-    as rendered before the images' fixes). None: it reads them all, or the version's record cannot tell (made
-    by an earlier release): the whole one is used."""
-    from schemas.pictures_lineage import CODE_BEFORE_FIXES_ATTR, read_lineage
+def _pictures_before_fixes(schema, unread: tuple[str, ...]) -> list[tuple[str | None, str, int]]:
+    """(read lineage or None, whole lineage, images revision) of the pictures of an `images` version as each
+    earlier revision of resize-bucket rendered them (the ones it records: schemas/pictures_lineage.py); revision 0
+    where the code version is not one this code can name (every images fix is then taken to apply)."""
+    from schemas.pictures_lineage import CODE_BEFORE_FIXES_ATTR, images_revision, read_lineage, recorded_before_fixes
+
+    pairs = recorded_before_fixes(schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR), schema.attrs.get(CODE_BEFORE_FIXES_ATTR))
+    return [(read_lineage(schema.attrs.get("resize"), whole, code, unread) if unread else None, whole,
+             images_revision(code) or 0) for code, whole in pairs]
+
+
+def _read_lineage(schema, unread: tuple[str, ...]) -> str | None:
+    """The lineage of the pictures of an `images` version this stage reads. None: it reads them all, or the
+    version's record cannot tell (made by an earlier release): the whole one is used."""
+    from schemas.pictures_lineage import read_lineage
 
     if not unread:
         return None
-    if before_fixes:
-        return read_lineage(schema.attrs.get("resize"), schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR),
-                            schema.attrs.get(CODE_BEFORE_FIXES_ATTR), unread)
     return read_lineage(schema.attrs.get("resize"), schema.attrs.get(FEATURE_LINEAGE_ATTR),
                         schema.lineage.code_version, unread)
 

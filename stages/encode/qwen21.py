@@ -25,7 +25,7 @@ import torch
 
 from schemas.config import PipelineConfig
 from schemas.errors import Rejected, UserError
-from schemas.fixes import mask_was_turned
+from schemas.fixes import mask_was_turned, was_kept_instead
 from schemas.pictures_lineage import TEXT_UNREAD
 from schemas.table import FieldSpec, TableSchema
 from stages.encode.common import (
@@ -50,7 +50,7 @@ TEXT_REVISION = "text21.2"
 # the 2.1 latents have always been hashed as encode-vae's "vae.1" (their model fingerprint tells them apart);
 # the RGBA fix of the Edit encoders (vae.2) does not concern them, the images' EXIF mask fix does
 VAE_REVISION = "vae.1"
-VAE_FIXES = Fixes(by_images=mask_was_turned, reads=("conversions",))
+VAE_FIXES = Fixes(by_images=((1, mask_was_turned), (2, was_kept_instead)), reads=("conversions",))
 
 
 def _caption_now_too_long(meta: dict[str, Any], row: dict[str, Any]) -> bool:
@@ -60,7 +60,9 @@ def _caption_now_too_long(meta: dict[str, Any], row: dict[str, Any]) -> bool:
 
 
 # text21.1 encoded prompts past the transformer's frame positions (now quarantined): only those are redone
-TEXT_FIXES = Fixes("text21.1", by_revision=_caption_now_too_long, reads=("img_shapes",))
+# and a copy the images' revision 3 kept instead of its rejected first copy (stored with caption '' before)
+TEXT_FIXES = Fixes("text21.1", by_revision=_caption_now_too_long, by_images=((2, was_kept_instead),),
+                   reads=("img_shapes", "conversions"))
 
 
 def reference_rejection(key: str, meta: dict[str, Any]) -> Rejected | None:

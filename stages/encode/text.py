@@ -49,7 +49,7 @@ from stages.encode.common import (
     with_overrides,
 )
 
-from schemas.fixes import has_alpha_picture
+from schemas.fixes import has_alpha_picture, was_kept_instead
 from schemas.pictures_lineage import TEXT_UNREAD
 from stages.encode.plan import Fixes
 
@@ -57,9 +57,12 @@ STAGE = "encode-text"
 TABLE = "text"
 FEATURE_REVISION = "text.2"
 # text.1 read an RGBA picture (resize.keep_alpha) as black where transparent (f6aa89f): its tables stay current,
-# and their samples are carried forward, except those with such a picture (re-encoded over white). The mask
-# (the images' own fix) is not read here.
-FIXES = Fixes("text.1", by_revision=lambda meta, row: has_alpha_picture(meta), reads=("conversions",))
+# and their samples are carried forward, except those with such a picture (re-encoded over white). Of the
+# images' fixes, the masks (revisions 2, 3) are not read here; a copy revision 3 kept instead of its rejected
+# first copy was stored with caption '' before: its instruction changed.
+FIXES = Fixes("text.1", by_revision=lambda meta, row: has_alpha_picture(meta),
+              by_images=((2, was_kept_instead),),
+              reads=("conversions",))
 COMPONENTS = ("text_encoder", "processor", "tokenizer")  # what the features depend on (per-sample reuse)
 # diffusers builds the Edit-Plus image prompt inline in `_get_qwen_prompt_embeds`; mirrored here, and recorded
 # in the lineage so a change of it means a new table version.

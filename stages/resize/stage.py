@@ -18,14 +18,16 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 from PIL import Image
 from tqdm import tqdm
 
 from schemas.config import PipelineConfig, ResizeConfig
 from schemas import FieldSpec, Lineage, TableSchema, UserError
 from schemas.errors import Rejected
-from schemas.fixes import mask_orientation_changes
-from schemas.lineage import code_version
+from schemas.fixes import KEPT_INSTEAD, UNCLEANED_CAPTION, mask_may_misfit, mask_orientation_changes
 from schemas.up_to_date import is_current
 from schemas.img_shapes import PIXELS_PER_PATCH, img_shapes_from_pixels
 from schemas.resize_sizes import sizes_in_force
@@ -41,7 +43,7 @@ from stages.resize.moved_source import Moved, recorded_source
 from stages.resize.sources import SourceSample, detect_format, iter_source
 from stages.resize.split_rule import pictures_id, rule_in_force, split_for
 from stages.resize.still_unreadable import discard_version, same_version as _same_version
-from store.row_rule import RowRule
+from store.row_rule import AnyOf, ColumnRule, RowRule
 
 if TYPE_CHECKING:
     from store import Store
@@ -49,14 +51,39 @@ if TYPE_CHECKING:
 STAGE = "resize-bucket"
 TABLE = "images"
 # Bump when this stage's output changes for identical inputs and settings (new resampling, PNG options...).
-FEATURE_REVISION = 2
-# Revision 1 stretched a mask drawn on an EXIF-rotated target's stored pixels (e532fe5). Its versions stay
-# current, and their samples are carried forward, unless they hold a sample that fix renders differently
-# (schemas/fixes.py `mask_orientation_changes`): only those are re-rendered.
-REVISION_BEFORE_FIXES = 1
-# a sample rendered before the EXIF mask fix that it renders differently: asked once per distinct value of the
-# columns it reads over a whole version (store/row_rule.py)
+FEATURE_REVISION = 3
+
+
+def _caption_changes(rows: pa.Table) -> np.ndarray:
+    """Stored captions revision 3 renders otherwise: '' (a copy kept instead of its rejected first copy) or one
+    holding a control character or CR (cleaned since, so keyed anew), matched over the whole column."""
+    if "caption" not in rows.column_names:
+        return np.zeros(rows.num_rows, bool)
+    col = rows.column("caption")
+    hit = pc.or_(pc.equal(col, ""), pc.match_substring_regex(col, UNCLEANED_CAPTION))
+    return pc.fill_null(hit, False).to_numpy(zero_copy_only=False)
+
+
+# Each earlier revision whose versions stay current, with the fix made after it: which stored samples that fix
+# renders differently (schemas/fixes.py), asked over whole columns (store/row_rule.py). A version of revision r
+# is carried forward but for the samples any fix made since r changes: only those are re-rendered (`_fixed_since`).
+# 1 -> 2: a mask drawn on an EXIF-rotated target's stored pixels was stretched (e532fe5).
 MASK_FIX = RowRule(mask_orientation_changes, ("has_mask", "conversions"))
+# 2 -> 3: a mask of another aspect than its target was stretched (18eac2c: bad-mask since), captions kept control
+# characters (cc89fbf), a copy kept instead of its rejected first copy was stored with caption '' (7016b9b)
+REVISION_3_FIX = AnyOf((RowRule(mask_may_misfit, ("has_mask", "conversions")),
+                        ColumnRule(_caption_changes, ("caption",))))
+FIXES = ((1, MASK_FIX), (2, REVISION_3_FIX))
+
+
+def _fixed_since(revision: int) -> AnyOf:
+    """Which samples of a version of `revision` the fixes made since render differently."""
+    return AnyOf(tuple(rule for r, rule in FIXES if r >= revision))
+
+
+def _revisions_before_fixes() -> list[int]:
+    """The earlier revisions whose versions stay current (oldest first)."""
+    return [r for r, _ in FIXES if r < FEATURE_REVISION]
 PNG_COMPRESS_LEVEL = 3  # lossless either way; 3 is ~3x faster than the default 6 for a few % more bytes
 
 
@@ -529,7 +556,7 @@ def _opened_from_remote(st: Store, schema: TableSchema) -> bool:
 
     if repair_context.active():
         return False
-    wanted = [schema.lineage.to_dict(), _lineage_before_fixes(schema.lineage).to_dict()]
+    wanted = [schema.lineage.to_dict(), *(old.to_dict() for _, old in _lineages_before_fixes(schema.lineage))]
 
     def same(recorded: Any) -> bool:  # compared as `Store.find_version` compares a local version's schema.json
         try:
@@ -541,46 +568,73 @@ def _opened_from_remote(st: Store, schema: TableSchema) -> bool:
     return open_committed(st.root, TABLE, same) is not None
 
 
-def _lineage_before_fixes(lineage: Lineage) -> Lineage:
-    return replace(lineage, code_version=code_version(f"images.{REVISION_BEFORE_FIXES}"))
+def _lineages_before_fixes(lineage: Lineage) -> list[tuple[int, Lineage]]:
+    """(revision, this run's version lineage as it hashed) for each earlier revision whose versions stay current."""
+    from schemas.pictures_lineage import images_code_version
+
+    return [(r, replace(lineage, code_version=images_code_version(r))) for r in _revisions_before_fixes()]
+
+
+def _pictures_before_fixes(schema: TableSchema) -> list[tuple[int, str]]:
+    """(revision, pictures' feature lineage) of each earlier revision, as this run's schema records them."""
+    from schemas.pictures_lineage import CODE_BEFORE_FIXES_ATTR, images_revision, recorded_before_fixes
+    from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR
+
+    now = schema.attrs[FEATURE_LINEAGE_ATTR]
+    pairs = recorded_before_fixes(schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR), schema.attrs.get(CODE_BEFORE_FIXES_ATTR))
+    return [(r, h) for r, h in ((images_revision(c), h) for c, h in pairs) if r is not None and h != now]
 
 
 def _as_repair_expects(schema: TableSchema) -> TableSchema:
     """`store repair` of a version rendered before this revision's fixes: repaired under its own lineage and exact
-    schema (the repair resumes a writer of it). The next run then re-renders what the fixes change."""
-    from schemas.pictures_lineage import CODE_BEFORE_FIXES_ATTR
+    schema (the repair resumes a writer of it), its record of the revisions before it as that revision wrote it
+    (none: 1; one string each: 2; lists: 3 on). The next run then re-renders what the fixes change."""
+    from schemas.pictures_lineage import CODE_BEFORE_FIXES_ATTR, recorded_before_fixes
     from store import repair_context
     from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR
 
-    before = _lineage_before_fixes(schema.lineage)
-    if repair_context.expected() != before or before == schema.lineage:
+    earlier = _lineages_before_fixes(schema.lineage)
+    at = next((i for i, (_, old) in enumerate(earlier)
+               if old == repair_context.expected() and old != schema.lineage), None)
+    pairs = recorded_before_fixes(schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR), schema.attrs.get(CODE_BEFORE_FIXES_ATTR))
+    if at is None or len(pairs) != len(earlier):
         return schema
-    attrs = {k: v for k, v in schema.attrs.items()
-             if k not in (LINEAGE_BEFORE_FIXES_ATTR, CODE_BEFORE_FIXES_ATTR)}  # not written then
-    return replace(schema, lineage=before, attrs={**attrs, FEATURE_LINEAGE_ATTR: schema.attrs[LINEAGE_BEFORE_FIXES_ATTR]})
+    revision, before = earlier[at]
+    attrs = {k: v for k, v in schema.attrs.items() if k not in (LINEAGE_BEFORE_FIXES_ATTR, CODE_BEFORE_FIXES_ATTR)}
+    attrs[FEATURE_LINEAGE_ATTR] = pairs[at][1]
+    if at:
+        codes, lineages = (list(c) for c in zip(*pairs[:at]))
+        one = revision == 2  # (the one revision that recorded a single earlier one as strings)
+        attrs[LINEAGE_BEFORE_FIXES_ATTR] = lineages[0] if one else lineages
+        attrs[CODE_BEFORE_FIXES_ATTR] = codes[0] if one else codes
+    return replace(schema, lineage=before, attrs=attrs)
 
 
 def _unchanged_by_fixes(st: Store, schema: TableSchema) -> int | None:
-    """A complete version made before the fixes of this revision, none of whose samples they change: still
-    current (its downstream tables too). One with such a sample is not: a new version re-renders those."""
+    """A complete version made before the fixes of this revision (by the newest earlier revision that has one),
+    none of whose samples the fixes made since change: still current (its downstream tables too). One with such a
+    sample is not: a new version re-renders those."""
     from schemas.lineage import settings_hash
     from store.manifest_files import checked_manifest
     from store.reuse import unchanged_by_fixes
 
-    found = st.find_version(TABLE, _lineage_before_fixes(schema.lineage))
-    if found is None:
-        return None
+    for revision, before in reversed(_lineages_before_fixes(schema.lineage)):
+        found = st.find_version(TABLE, before)
+        if found is None:
+            continue
+        fixed = _fixed_since(revision)
 
-    def none_changed() -> bool:
-        try:
-            rows = checked_manifest(st.version_dir(TABLE, found), list(MASK_FIX.columns))
-        except UserError:
-            return False
-        return not MASK_FIX(rows).any()
+        def none_changed() -> bool:
+            try:
+                rows = checked_manifest(st.version_dir(TABLE, found), list(fixed.columns))
+            except UserError:
+                return False
+            return not fixed(rows).any()
 
-    # a yes is recorded with the version: a rerun of an unchanged store reads no rows (store/reuse.py)
-    return found if unchanged_by_fixes(st, TABLE, found, settings_hash(schema.lineage.to_dict()), none_changed) \
-        else None
+        # a yes is recorded with the version: a rerun of an unchanged store reads no rows (store/reuse.py)
+        return found if unchanged_by_fixes(st, TABLE, found, settings_hash(schema.lineage.to_dict()), none_changed) \
+            else None
+    return None
 
 
 def _say_why_new(st: Store, schema: TableSchema, pending: frozenset[str] = frozenset()) -> None:
@@ -644,11 +698,12 @@ def _damaged_current(st: Store) -> int | None:
 def _rendered_before(st: Store, schema: TableSchema) -> dict[str, str]:
     """key -> mask hash of every sample an earlier version rendered with the same pixel settings (or with the
     revision before this one's fixes, when they leave the sample unchanged)."""
-    from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR, reusable_keys
+    from store.reuse import FEATURE_LINEAGE_ATTR, reusable_keys
 
-    now, before = schema.attrs[FEATURE_LINEAGE_ATTR], schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR)
-    fixed = {} if before is None else reusable_keys(st, TABLE, before, "mask_sha256", changed=MASK_FIX)
-    return fixed if now == before else {**fixed, **reusable_keys(st, TABLE, now, "mask_sha256")}
+    fixed: dict[str, str] = {}
+    for revision, before in _pictures_before_fixes(schema):  # oldest first: a later revision's row wins
+        fixed.update(reusable_keys(st, TABLE, before, "mask_sha256", changed=_fixed_since(revision)))
+    return {**fixed, **reusable_keys(st, TABLE, schema.attrs[FEATURE_LINEAGE_ATTR], "mask_sha256")}
 
 
 def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
@@ -812,10 +867,19 @@ def _revive(intake: _Intake, writer: Any, rendered_before: dict[str, str], limit
                 items.append((rec, key, clean_caption(rec.caption)))
         for (rec, key, _), out in rendered_in_order(render_one, items, rc.workers, ahead=2 * rc.workers,
                                                     on_crash=_worker_died):
-            if intake.store(writer, rec, key, out):
+            if intake.store(writer, rec, key, _kept_instead(out)):
                 intake.kept_instead(key, rec, pending[key])
         pending = {k: recs for k, recs in pending.items()
                    if recs and k not in carry and k not in writer.carried_keys}
+
+
+def _kept_instead(out: Rendered | Rejected) -> Rendered | Rejected:
+    """A copy rendered instead of its rejected first copy: its row says so (`KEPT_INSTEAD`: how the encoders tell
+    the rows that revision 3 renders differently, schemas/fixes.py)."""
+    if isinstance(out, Rejected):
+        return out
+    notes = [*out.notes, KEPT_INSTEAD]
+    return replace(out, meta={**out.meta, "conversions": sorted(set(notes))}, notes=notes)
 
 
 def _carried_unread(rec: SourceSample, writer: Any, rendered_before: dict[str, str], intake: _Intake,
@@ -847,11 +911,11 @@ def _carry_forward(st: Store, writer: Any, schema: TableSchema, carry: dict[str,
     """Link the shards of samples rendered before with the same settings; their source and split are this
     run's (a view of the same pixels: the split by this run's rule and val_fraction, from the recorded key and
     source_hashes)."""
-    from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR, carry_forward, reusable
+    from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, reusable
 
-    now, before = schema.attrs[FEATURE_LINEAGE_ATTR], schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR)
-    for version, rows in reusable(st, TABLE, (now, before or now), carry,
-                                  changed={before: MASK_FIX} if before else None).items():
+    befores = _pictures_before_fixes(schema)
+    for version, rows in reusable(st, TABLE, (schema.attrs[FEATURE_LINEAGE_ATTR], *(h for _, h in befores)), carry,
+                                  changed={h: _fixed_since(r) for r, h in befores} or None).items():
         keys = rows.column("key").to_pylist()
         # a version written before source_hashes was recorded lacks them: split by key they are not needed
         hashes = rows.column("source_hashes").to_pylist() if "source_hashes" in rows.column_names else [None] * len(keys)
@@ -877,7 +941,7 @@ def _refuse_a_switch_without_hashes(st: Store, rc: ResizeConfig, schema: TableSc
     on a switch only. A switch that renders every sample anew (other pixels' settings) needs none."""
     from stages.resize.split_rule import recorded_rule
     from store.manifest_files import checked_manifest, checked_schema
-    from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR, same_features
+    from store.reuse import FEATURE_LINEAGE_ATTR, same_features
 
     current = st.tables().get(TABLE)
     if rc.split_by != "pictures" or current is None:
@@ -886,8 +950,8 @@ def _refuse_a_switch_without_hashes(st: Store, rc: ResizeConfig, schema: TableSc
     now = schema.attrs[FEATURE_LINEAGE_ATTR]
     try:  # checked: a flipped bit that still parses is no old release's version to refuse the switch for
         attrs = checked_schema(vdir).attrs
-        before = schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR) or now
-        if recorded_rule(attrs) == "pictures" or not same_features(attrs, (now, before)):
+        befores = [h for _, h in _pictures_before_fixes(schema)]
+        if recorded_rule(attrs) == "pictures" or not same_features(attrs, (now, *befores)):
             return
         rows = checked_manifest(vdir, ["source_hashes"])
     except (UserError, OSError):  # damaged (recorded: nothing is carried from it) or unreadable: said where read
@@ -939,12 +1003,14 @@ def _verify_repaired(st: Store, summary: ResizeSummary, repairing: int) -> None:
 
 def images_schema(rc: ResizeConfig, listing: str, source: str = "", source_format: str = "") -> TableSchema:
     from schemas.lineage import unhashed_names
-    from schemas.pictures_lineage import CODE_BEFORE_FIXES_ATTR, pictures_lineage
+    from schemas.pictures_lineage import CODE_BEFORE_FIXES_ATTR, images_code_version, pictures_lineage
     from stages.resize.split_rule import ATTR as SPLIT_ATTR
     from stages.resize.split_rule import FOR_NEW_STORE
     from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR
 
-    lineage = Lineage(stage=STAGE, config_hash=f"{rc.fingerprint()}-src{listing}", code_version=code_version(f"images.{FEATURE_REVISION}"))
+    lineage = Lineage(stage=STAGE, config_hash=f"{rc.fingerprint()}-src{listing}",
+                      code_version=images_code_version(FEATURE_REVISION))
+    before_fixes = _lineages_before_fixes(lineage)
     png, col = "png", "column"
     return TableSchema(
         name=TABLE,
@@ -978,10 +1044,11 @@ def images_schema(rc: ResizeConfig, listing: str, source: str = "", source_forma
             "source_listing": listing,
             # the pixels' settings, not the view (which samples, split labels)
             FEATURE_LINEAGE_ATTR: pictures_lineage(rc, lineage.code_version),
-            # what these pixels were hashed as before this revision's fixes: the encoders carry their samples
-            # encoded from such a table forward unless a fix changed the sample (stages/encode/plan.py)
-            LINEAGE_BEFORE_FIXES_ATTR: pictures_lineage(rc, _lineage_before_fixes(lineage).code_version),
-            CODE_BEFORE_FIXES_ATTR: _lineage_before_fixes(lineage).code_version,
+            # what these pixels were hashed as by each earlier revision (oldest first): the encoders carry their
+            # samples encoded from such a table forward unless a fix made since changed the sample
+            # (stages/encode/plan.py)
+            LINEAGE_BEFORE_FIXES_ATTR: [pictures_lineage(rc, old.code_version) for _, old in before_fixes],
+            CODE_BEFORE_FIXES_ATTR: [old.code_version for _, old in before_fixes],
         },
     )
 

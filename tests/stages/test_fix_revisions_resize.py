@@ -104,17 +104,19 @@ def test_a_table_the_fix_leaves_unchanged_stays_current(monkeypatch, tmp_path):
 
     record = tmp_path / "store" / "images" / f"v{old.version}.unchanged.json"
     scanned = []
-    columns = resize_stage.MASK_FIX.columns  # (the rule is asked once per distinct value of these: store/row_rule.py)
-    monkeypatch.setattr(resize_stage, "MASK_FIX", RowRule(lambda row: scanned.append(row) or False, columns))
+    columns = ("has_mask", "conversions")  # (a rule is asked once per distinct value of these: store/row_rule.py)
+    monkeypatch.setattr(resize_stage, "FIXES", tuple((r, RowRule(lambda row: scanned.append(row) or False, columns))
+                                                     for r, _ in resize_stage.FIXES))
     again = resize_stage.run(cfg, tmp_path / "src", tmp_path / "store")
     assert again.up_to_date and again.version == old.version and scanned == []
     # a record of another manifest (a version rebuilt under this number) is not trusted: scanned again
     record.write_text(json.dumps({**json.loads(record.read_text()), "version_id": f"v{old.version}-0123456789abcdef"}))
     assert resize_stage.run(cfg, tmp_path / "src", tmp_path / "store").up_to_date and scanned
     assert json.loads(record.read_text())["version_id"] == Store(tmp_path / "store").version_id("images", old.version)
-    # nor is one answered for another lineage: a later fix (revision 3, its predicate saying "changed") scans the
+    # nor is one answered for another lineage: a later fix (revision 4, its predicate saying "changed") scans the
     # version again and re-renders, never trusting the "none changed" its predecessor's scan recorded
-    monkeypatch.setattr(resize_stage, "FEATURE_REVISION", 3)
-    monkeypatch.setattr(resize_stage, "MASK_FIX", RowRule(lambda row: scanned.append(row) or True, columns))
+    monkeypatch.setattr(resize_stage, "FEATURE_REVISION", 4)
+    monkeypatch.setattr(resize_stage, "FIXES", (*resize_stage.FIXES,
+                                                (3, RowRule(lambda row: scanned.append(row) or True, columns))))
     later = resize_stage.run(cfg, tmp_path / "src", tmp_path / "store")
     assert not later.up_to_date and later.version == old.version + 1 and later.written == old.written

@@ -3,7 +3,8 @@ each fix's rule called once per distinct value of the columns it reads) against 
 written (each row's whole `images` meta, kept here as the reference), for every fix the stages declare, on a
 mixed table: alpha and turned-mask notes alone and together, no notes, rows whose images row records no notes,
 keys the images lack, lengths on both sides of the 2.1 frame limit and none, several chunks; and
-an images table without the conversions column. Resize's mask rule the same way over an images manifest."""
+an images table without the conversions column. Resize's mask rule the same way over an images manifest, and its
+caption rule (revision 3) over the caption column against the cleaning itself."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from store.row_rule import RowRule, codes
 KEYS = sorted(f"{i * 7919:032x}" for i in range(10))
 ALPHA, TURNED = "kept with its alpha (RGBA)", "mask turned as its target (EXIF 6)"
 EXIF, RESIZED = "EXIF orientation 6 applied", "mask resized to its target"
-NOTES = [[], [ALPHA], [TURNED], [ALPHA, TURNED], None, [EXIF, RESIZED], [EXIF], [ALPHA], [], [TURNED]]
+KEPT = "kept instead of its first copy, which the rendering rejected"
+NOTES = [[], [ALPHA], [TURNED], [ALPHA, TURNED], None, [EXIF, RESIZED], [EXIF], [ALPHA], [KEPT], [TURNED]]
 HAS_MASK = [False, False, True, True, True, True, True, None, False, True]
 SHAPES = [[[1, 64, 64]], [[1, 64, 64], [1, 4000, 8]], [[1, 2, 2]], [[1, 8, 8], [1, 100, 100], [1, 4100, 4]],
           [[1, 64, 64]], [[1, 8, 8]], [[1, 8, 8], [1, 8191, 8]], [[1, 64, 64]], [[1, 64, 64]], [[1, 8, 8]]]
@@ -42,13 +44,14 @@ def _images(st: Store, name: str, notes: bool):
     return st.reader(name)
 
 
-def _row_by_row(images, fixes, own: bool, images_fix: bool):
+def _row_by_row(images, fixes, own: bool, images_since: int | None):
     """stages/encode/plan.py `changed_by` as it was (before bench/fix_rules.py)."""
     def changed(row):
         if row["key"] not in images:
             return True
         meta = images.meta(row["key"])
-        return (own and fixes.by_revision(meta, row)) or (images_fix and fixes.by_images(meta))
+        return (own and fixes.by_revision(meta, row)) or \
+            any(rule(meta) for r, rule in fixes.by_images if images_since is not None and r >= images_since)
     return changed
 
 
@@ -65,7 +68,7 @@ def test_the_columnar_fix_rules_keep_exactly_the_rows_the_row_by_row_rule_keeps(
     kept_somewhere = set()
     for name, images in readers.items():
         for fix_name, fix in fixes.items():
-            for own, images_fix in ((True, False), (False, True), (True, True)):
+            for own, images_fix in ((True, None), (False, 1), (True, 1), (False, 2), (True, 2)):
                 for case, table in tables.items():
                     want = [not _row_by_row(images, fix, own, images_fix)(r) for r in table.to_pylist()]
                     got = _unchanged(table, lambda t: changed_rows(images, fix, t, own, images_fix))
@@ -74,18 +77,18 @@ def test_the_columnar_fix_rules_keep_exactly_the_rows_the_row_by_row_rule_keeps(
                     kept_somewhere.add(got.num_rows)
     assert len(kept_somewhere) > 3  # the fixes separate these rows (not all kept, or none, everywhere)
     # e.g. the RGBA fix of the Edit encoders: every row noting an alpha picture, and the keys the images lack
-    got = ~changed_rows(readers["notes"], vae.FIXES, rows, True, False)
+    got = ~changed_rows(readers["notes"], vae.FIXES, rows, True, None)
     assert [KEYS[i] for i, keep in zip(order, got) if keep] == [KEYS[i] for i in (6, 0, 2, 5, 4)]
 
 
 def test_a_rule_reading_a_column_not_declared_is_refused(tmp_path):
     images = _images(Store(tmp_path / "store"), "images", True)
     rows = pa.table({"key": KEYS, "length": list(range(10))})
-    undeclared = Fixes(by_images=lambda meta: bool(meta.get("has_mask")), reads=("conversions",))
+    undeclared = Fixes(by_images=((1, lambda meta: bool(meta.get("has_mask"))),), reads=("conversions",))
     with pytest.raises(KeyError, match="'has_mask', not among those declared"):
-        changed_rows(images, undeclared, rows, own=False, images_fix=True)
+        changed_rows(images, undeclared, rows, own=False, images_since=1)
     with pytest.raises(KeyError, match="'key'"):
-        changed_rows(images, Fixes("x", by_revision=lambda meta, row: row["key"] == ""), rows, True, False)
+        changed_rows(images, Fixes("x", by_revision=lambda meta, row: row["key"] == ""), rows, True, None)
     with pytest.raises(KeyError, match="'conversions'"):
         RowRule(mask_orientation_changes, ("has_mask",))(images.manifest)
 
@@ -112,3 +115,18 @@ def test_codes_are_equal_exactly_where_the_values_are():
     strings = pa.array(["a", None, "a", "", "b"])
     assert (codes(strings)[[0, 1, 3]] != codes(strings)[[2, 2, 2]]).tolist() == [False, True, True]
     assert np.array_equal(codes(pa.array([True, None, False, True])) == 0, [True, False, False, True])
+
+
+def test_resize_caption_rule_over_the_column_flags_exactly_the_captions_cleaning_changes():
+    from stages.resize.caption_text import clean_caption
+    from stages.resize.stage import REVISION_3_FIX
+
+    # as revision 2 stored them (decoded, BOM and outer whitespace off), and '' (a copy kept instead)
+    captions = ["plain", "tab\there", "two\nlines", "crlf\r\nline", "lone\rcr", "\x1b[31mred\x1b[0m", "nul\x00byte",
+                "del\x7f", "c1 \x85 next line", "bell\x07", "é 中 \u2028 separator", "emoji 🙂", ""]
+    rows = pa.table({"caption": captions, "has_mask": [False] * len(captions),
+                     "conversions": [[] for _ in captions]})
+    want = [c == "" or clean_caption(c.encode()) != c for c in captions]
+    assert REVISION_3_FIX(rows).tolist() == want
+    assert REVISION_3_FIX(pa.concat_tables([rows.slice(0, 5), rows.slice(5)])).tolist() == want
+    assert want.count(True) == 8
