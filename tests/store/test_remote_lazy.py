@@ -21,6 +21,7 @@ from store.remote_cache import local_store
 from store.remote_shards import FETCH_TAG, MARKER, RANGED, fetch_stats
 from store.remote_sync import push
 from store_samples import fill
+import warm_start  # the processes sharing one cache: real ones, started warm
 
 
 def _pushed(s3_env, store: Store, n: int = 24) -> str:
@@ -309,10 +310,10 @@ def test_two_processes_share_one_cache(s3_env, store: Store, tmp_path: Path) -> 
     cache = tmp_path / "cache"
     root = local_store(url, ["vae"], cache)
     limit = (_cache_bytes(cache) + 3 * max(p.stat().st_size for p in _shard_files(store.root))) / 1e9
-    procs = [subprocess.Popen([sys.executable, "-c", READER, url, str(cache), str(limit), str(seed)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    # started warm (tests/warm_start.py): two processes of their own, without importing torch twice (~9 s each)
+    procs = [warm_start.WarmProcess([sys.executable, "-c", READER, url, str(cache), str(limit), str(seed)])
              for seed in (1, 2)]
-    outs = [p.communicate(timeout=300) for p in procs]
+    outs = [(out, err) for code, out, err in warm_start.outcomes(procs, timeout=300)]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
     with store.reader("vae") as local:
