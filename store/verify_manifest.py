@@ -248,8 +248,10 @@ def _count_problems(vdir: Path, name: str, f: pq.ParquetFile, counts: Any) -> li
     differ = version_counts.differences(recorded, version_counts.shown(tally.record()) or {})
     if not differ:
         return []
+    # repair's advice, not a rerun's: the stage finds the version up to date (its lineage matches) and writes none
     return [f"{name}/{fmt.CHECKSUMS}: its counts are not its manifest's ({'; '.join(differ)}), so `store inspect` "
-            f"shows them wrong; {integrity.repair_hint(vdir, fmt.CHECKSUMS)}"]
+            f"shows them wrong; {integrity.repair_hint(vdir)}: it writes the version again (its shards carried, "
+            "nothing recomputed), counted from its rows"]
 
 
 def _intact(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None) -> bool:
