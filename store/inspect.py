@@ -16,8 +16,8 @@ from store.store import Store
 
 
 def describe(root: Path, manifests_at_url: Collection[Path] = ()) -> dict[str, Any]:
-    """`manifests_at_url`: version folders of a URL's metadata copy whose manifest was not fetched (store/remote_view.py:
-    their counts are recorded, the manifest's listed size matched the sealed record)."""
+    """`manifests_at_url`: version folders of a URL's metadata copy whose manifest was not fetched
+    (store/remote_view.py: their counts are recorded, the manifest's listed size matched the sealed record)."""
     st = Store(root, create=False)
     current = st.tables()
     out: dict[str, Any] = {"store": str(root), "format": fmt.STORE_FORMAT, "format_version": fmt.STORE_FORMAT_VERSION,
