@@ -4,7 +4,8 @@ Per table (current version v<N>, in the order the caller gives: images, text, va
   1. scan: every shard file against checksums.json (a full read, as `store verify`), and the samples of the
      shards that fail it each against its own checksum (which are still intact); a shard that passes holds the
      very bytes its samples' checksums were taken of, so they are not read twice; a damaged manifest is rebuilt
-     from the intact per-shard indexes;
+     from the intact per-shard indexes; counts sealed in checksums.json that are not the manifest's (a writer's
+     bug) need the version written again (every shard carried: its commit counts the rows afresh);
   2. mark v<N> damaged (`<table>/v<N>.damaged.json`, outside the immutable folder): `find_version` never
      reuses it, so the producing stage no longer calls it "up to date";
   3. open a writer with v<N>'s exact schema (a new v<M>, or the one a killed repair left): intact shards are
