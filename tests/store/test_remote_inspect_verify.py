@@ -198,3 +198,29 @@ def test_verify_that_loses_the_server_says_so_in_one_line_not_as_damage(s3_env, 
     lines = [ln for ln in res.output.replace("\r", "\n").splitlines() if ln.strip() and "verify vae" not in ln]
     assert len(lines) == 1 and f"lost the connection to {s3_env.url()}" in lines[0], res.output
     assert "store repair" not in res.output
+
+
+def test_counts_that_are_not_the_manifests_at_a_url_are_repaired_as_verify_advises(s3_env, store: Store,
+                                                                                    tmp_path: Path) -> None:
+    """A version pushed with counts its manifest does not have (a writer's bug): verify URL names them and advises
+    `store repair URL`, which writes the version again (nothing recomputed); then verify passes. The rerun advised
+    before found the version up to date, so verify failed on every run."""
+    from store.checksum import seal
+    from store.integrity import read_version_record
+
+    fill(store, 10, tag="a")
+    vdir = store.version_dir("vae", 1)
+    record = read_version_record(vdir)
+    record["counts"]["samples"] = 93
+    (vdir / "checksums.json").write_bytes(seal(record))
+    url = s3_env.url()
+    push(store.root, url)
+    res = runner.invoke(app, ["store", "verify", url])
+    assert res.exit_code == 1 and "samples 93 recorded, 10 counted" in res.output, res.output
+    assert f"run `pipeline store repair {url}`" in res.output and "rerun" not in res.output, res.output
+    res = runner.invoke(app, ["store", "repair", url, "--cache-dir", str(tmp_path / "work")])
+    assert res.exit_code == 0 and "vae: v1 repaired as v2 (0 recomputed" in res.output, res.output
+    res = runner.invoke(app, ["store", "verify", url])
+    assert res.exit_code == 0, res.output
+    info = json.loads(runner.invoke(app, ["store", "inspect", url, "--json"]).stdout)
+    assert info["tables"]["vae"]["current"] == 2 and [v["samples"] for v in info["tables"]["vae"]["versions"]] == [10]
