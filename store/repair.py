@@ -63,7 +63,7 @@ class TablePlan:
     # shards with bytes appended after their recorded end (every sample intact): carried as their first N bytes
     trimmed: dict[str, int] = field(default_factory=dict)
     # counts sealed in checksums.json that are not the manifest's (a writer's bug): the new version's commit counts
-    # its rows afresh (every shard carried), where no stage rerun would (it finds the version up to date)
+    # its rows afresh (every shard carried, nothing recomputed)
     counts_differ: list[str] = field(default_factory=list)
 
     @property

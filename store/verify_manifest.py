@@ -248,7 +248,8 @@ def _count_problems(vdir: Path, name: str, f: pq.ParquetFile, counts: Any) -> li
     differ = version_counts.differences(recorded, version_counts.shown(tally.record()) or {})
     if not differ:
         return []
-    # repair's advice, not a rerun's: the stage finds the version up to date (its lineage matches) and writes none
+    # repair's advice, which works everywhere: at a URL verify records no damage, so the stage's rerun finds the
+    # version up to date, and the version pushed again from the store it came from has the same counts
     return [f"{name}/{fmt.CHECKSUMS}: its counts are not its manifest's ({'; '.join(differ)}), so `store inspect` "
             f"shows them wrong; {integrity.repair_hint(vdir)}: it writes the version again (its shards carried, "
             "nothing recomputed), counted from its rows"]

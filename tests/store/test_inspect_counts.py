@@ -180,8 +180,8 @@ def test_verify_names_counts_that_are_not_the_manifests(tmp_path):
     assert len(problems) == 1 and problems[0].startswith("vae/v1/checksums.json: its counts are not its manifest's"), \
         problems
     assert "samples 93 recorded, 23 counted" in problems[0] and "splits {'train': 17, 'val': 6} recorded" in problems[0]
-    # the advice works: a rerun of the stage finds the version up to date (its lineage matches) and writes none, so
-    # verify failed on every run; repair writes it again, every shard carried, its counts counted from the rows
+    # the advice works: repair writes the version again, every shard carried, its counts counted from the rows
+    # (before, it found the version intact and advised a rerun of the stage; at a URL, see test_remote_inspect_verify)
     assert f"run `pipeline store repair {st.root}`" in problems[0] and "rerun" not in problems[0], problems[0]
     from typer.testing import CliRunner
 
