@@ -19,6 +19,9 @@ repaired version free none), with its damage record `v<N>.damaged.json` once no 
 (gc at a URL removes a retired version at once alike, store/remote_gc.py); kept while a live lease names `v<N>`,
 as a version is (set_aside moves none that a lease names, so none is expected).
 
+Records beside no version and no set-aside folder (`v<N>.damaged.json`, `.unchanged.json`, notes) are removed too:
+a gc killed after a folder's removal and before its records' leaves them (`_stale_records`).
+
 Kill-safe: under the store lock (no version can become current meanwhile) each doomed folder is first renamed
 to `.<name>.gc-deleting` (atomic; not a version name, so readers, `verify` and `inspect` no longer see it),
 then deleted. A kill leaves either the version intact or a dot-folder that the next `gc` finishes removing.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -59,6 +63,9 @@ class GcPlan:
     set_aside: list[Path] = field(default_factory=list)  # `v<N>.damaged/` folders repair set aside (removed)
     set_aside_held: dict[Path, list[str]] = field(default_factory=dict)  # ...kept for a live lease on v<N>: by whom
     freed: dict[Path, int] = field(default_factory=dict)  # bytes each removed set-aside folder frees
+    # records beside no version and no set-aside folder (`v<N>.damaged.json`, `.unchanged`, notes): a gc killed
+    # between a folder's removal and its records' (removed last)
+    stale_records: list[Path] = field(default_factory=list)
 
 
 def _kept(root: Path, current: dict[str, int] | list[tuple[str, int]],
@@ -150,6 +157,21 @@ def _unreferenced(vdir: Path) -> list[Path]:
     return sorted(p for p in vdir.iterdir() if fmt.shard_of(p.name) is not None and p.name not in sums and p.is_file())
 
 
+_RECORD_RE = re.compile(r"v(\d+)\.(?:damaged|unchanged|note-.+)\.json")
+
+
+def _stale_records(root: Path, table_dir: Path) -> list[Path]:
+    """The records of a version number with neither a version folder nor a set-aside one: left by a gc killed
+    after removing the folder. Kept, a repair's working copy took a damage record for a version the repair
+    replaced (store/remote_work.py `replaced_here`: to retire at the URL), and a version reusing the number was
+    born with its record."""
+    table = table_dir.name
+    found = [(p, int(m.group(1))) for p in sorted(table_dir.iterdir())
+             if p.is_file() and (m := _RECORD_RE.fullmatch(p.name))]
+    return [p for p, v in found if not fmt.version_dir(root, table, v).exists()
+            and not (table_dir / f"v{v}{fmt.SET_ASIDE_SUFFIX}").exists()]
+
+
 def plan(root: Path) -> GcPlan:
     current = {t: int(v["current"]) for t, v in fmt.read_store_record(root)["tables"].items()}
     out = GcPlan()
@@ -180,6 +202,7 @@ def plan(root: Path) -> GcPlan:
                     out.unreferenced += _unreferenced(vdir)
                 continue
             out.remove.append(vdir)
+        out.stale_records += _stale_records(root, table_dir)
         for v, aside in fmt.set_aside_versions(root, table_dir.name):
             if (table_dir.name, v) in named_by:
                 out.set_aside_held[aside] = named_by[(table_dir.name, v)]
@@ -211,6 +234,9 @@ def collect(root: Path, dry_run: bool = False, echo: Callable[[str], None] = pri
                  + "; ".join(by))
         for (table, v), by in sorted(p.leased.items()):
             echo(f"keep {table}/v{v}: not current, but read by " + "; ".join(by))
+        for f in p.stale_records:
+            echo(f"{'would remove' if dry_run else 'remove'} {f.relative_to(root)} (the record of a version no "
+                 "longer there: an interrupted gc)")
         for found in p.dead_leases:
             echo(f"{'would remove' if dry_run else 'remove'} the lease of a gone reader: {found.describe()}")
         for line in unknown_lines(p.unknown_upstream):
@@ -246,6 +272,8 @@ def collect(root: Path, dry_run: bool = False, echo: Callable[[str], None] = pri
                 fmt.unchanged_marker(root, table, v).unlink(missing_ok=True)
                 for note in notes_of(root, table, v):
                     note.unlink(missing_ok=True)
+        for f in p.stale_records:  # after the folders: a kill before leaves them for the next gc
+            f.unlink(missing_ok=True)
         for found in p.dead_leases:
             found.path.unlink(missing_ok=True)
         echo(f"gc: removed {len(p.remove)} version(s){_files_note(p)}, freed {p.nbytes / 1e6:.1f} MB; kept "

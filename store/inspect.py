@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 from schemas.errors import UserError
 from schemas.newer import WrittenByNewer
@@ -15,14 +15,17 @@ from store.manifest_files import checked_manifest, checked_schema, mapped_checke
 from store.store import Store
 
 
-def describe(root: Path) -> dict[str, Any]:
+def describe(root: Path, manifests_at_url: Collection[Path] = ()) -> dict[str, Any]:
+    """`manifests_at_url`: version folders of a URL's metadata copy whose manifest was not fetched
+    (store/remote_view.py: their counts are recorded, the manifest's listed size matched the sealed record)."""
     st = Store(root, create=False)
     current = st.tables()
     out: dict[str, Any] = {"store": str(root), "format": fmt.STORE_FORMAT, "format_version": fmt.STORE_FORMAT_VERSION,
                            "tables": {}}
     names = sorted(set(current) | {p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")})
     for table in names:
-        versions = [_describe_version(st.version_dir(table, v), v) for v in st.versions(table)]
+        vdirs = {v: st.version_dir(table, v) for v in st.versions(table)}
+        versions = [_describe_version(vdir, v, vdir in manifests_at_url) for v, vdir in vdirs.items()]
         out["tables"][table] = {"current": current.get(table), "versions": versions}
     q = quarantine.read(root)
     by_reason = quarantine.samples_by_reason(q)  # samples: a row may stand for several (quarantine.SAMPLES)
@@ -30,8 +33,8 @@ def describe(root: Path) -> dict[str, Any]:
     return out
 
 
-def _describe_version(vdir: Path, v: int) -> dict[str, Any]:
-    d: dict[str, Any] = {"version": v, "complete": fmt.is_complete(vdir)}
+def _describe_version(vdir: Path, v: int, manifest_at_url: bool = False) -> dict[str, Any]:
+    d: dict[str, Any] = {"version": v, "complete": manifest_at_url or fmt.is_complete(vdir)}
     record = None  # checksums.json, read once (megabytes at 1M samples): the schema's check, then the counts
     if (vdir / fmt.SCHEMA_JSON).is_file() or d["complete"]:
         try:  # checked, as the manifest: a flipped bit would show another lineage
@@ -49,19 +52,21 @@ def _describe_version(vdir: Path, v: int) -> dict[str, Any]:
         d["committed_shards"] = len(committed)
         return d
     try:
-        d.update(_counts(vdir, record))
+        d.update(_counts(vdir, record, manifest_at_url))
     except DamagedData as e:  # inspect describes a damaged store too: the damage, named, instead of its numbers
         d["damaged"] = str(e)
     return d
 
 
-def _counts(vdir: Path, record: dict[str, Any] | None) -> dict[str, Any]:
+def _counts(vdir: Path, record: dict[str, Any] | None, manifest_at_url: bool = False) -> dict[str, Any]:
     """Samples, shards, bytes, splits and buckets: as recorded in the version's sealed checksums.json when it was
     committed (a few numbers), else counted from its manifest's columns (versions committed before the record;
     format 1). Either way the manifest's bytes are checked, so a damaged one is named as before (a read of the
-    file, never its columns decoded: bench/inspect_counts.py). `record`: its checksums.json (None: format 1)."""
+    file, never its columns decoded: bench/inspect_counts.py) - except a URL's, left there (`manifest_at_url`: its
+    listed size checked, its bytes `store verify`'s). `record`: its checksums.json (None: format 1)."""
     if record is not None and (recorded := version_counts.shown(record.get("counts"))) is not None:
-        mapped_checked(vdir, fmt.MANIFEST, record["files"])
+        if not manifest_at_url:
+            mapped_checked(vdir, fmt.MANIFEST, record["files"])
         return recorded
     m = checked_manifest(vdir, list(version_counts.COUNTED))  # the counted columns alone: nested lists left unread
     return version_counts.shown(version_counts.counted(m)) or {}

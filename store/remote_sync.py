@@ -112,6 +112,12 @@ def _ordered(table: str, version: int, files: dict[str, dict[str, Any]], record:
 def version_files(record: bytes, where: str) -> dict[str, dict[str, Any]]:
     """The `files` of a version's sealed checksums.json (`record`, read from `where`): damaged, of a newer
     release, or without the manifest: one line."""
+    return version_record(record, where)["files"]
+
+
+def version_record(record: bytes, where: str) -> dict[str, Any]:
+    """A version's whole sealed checksums.json (`files`, and `counts` where recorded), checked as `version_files`
+    checks it."""
     try:
         obj = unseal(record)
     except SealError as e:
@@ -122,7 +128,7 @@ def version_files(record: bytes, where: str) -> dict[str, dict[str, Any]]:
     files = obj.get("files") or {}
     if fmt.MANIFEST not in files:
         raise UserError(f"{where} does not list {fmt.MANIFEST}; the version cannot be checked")
-    return files
+    return {**obj, "files": files}
 
 
 def _local_versions(root: Path) -> list[tuple[str, int]]:

@@ -1,16 +1,21 @@
 """What `pipeline store inspect` reads of a store at a URL: its metadata only, never a shard.
 
-Inspect describes tables from `store.json`, each version's `schema.json`, `checksums.json` and `manifest.parquet`
-(sample counts, buckets, bytes) and `quarantine.parquet`: a few KB per version (the manifest tens of MB at a million
-samples, so fetched under a bar), where pulling the versions into the cache would move the whole store. So these files alone are fetched into a temporary folder (checked as pull checks
-them: `checksums.json` by its seal, the others against it) and the local code path describes that folder. Only
-complete versions (those with a manifest on the remote) are described; a push in progress is not yet a version.
+Inspect describes tables from `store.json`, each version's `schema.json` and `checksums.json` (its recorded counts:
+samples, shards, bytes, splits, buckets; store/version_counts.py) and `quarantine.parquet`: a few KB per version,
+where pulling the versions into the cache would move the whole store. So these files alone are fetched into a
+temporary folder (checked as pull checks them: `checksums.json` by its seal, the others against it) and the local
+code path describes that folder. A version's `manifest.parquet` (~140 MB at a million samples) stays at the URL
+where its counts are recorded: its listed size is compared with the sealed record (a cut-short or overwritten one
+is named), its bytes are `store verify`'s to check. A version sealed before the record has its manifest fetched and
+counted, as before. Only complete versions (those with a manifest on the remote) are described; a push in progress
+is not yet a version.
 """
 
 from __future__ import annotations
 
 import tempfile
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -18,10 +23,17 @@ from schemas.errors import UserError
 from store import format as fmt
 from store.checksum import crc_hex
 from store.remote import Remote, lost_object, open_remote, remote_errors
-from store import quarantine, remote_endpoint
-from store.remote_sync import _MANIFEST_RE, version_files, _progress, damaged_quarantine, marker_rel
+from store import quarantine, remote_endpoint, version_counts
+from store.remote_sync import _MANIFEST_RE, version_record, _progress, damaged_quarantine, marker_rel
 
 METADATA = (fmt.SCHEMA_JSON, fmt.MANIFEST)
+
+
+@dataclass(frozen=True)
+class MetadataCopy:
+    root: Path  # a temporary local store folder: store.json, quarantine.parquet, each version's metadata
+    # version folders (under root) whose manifest stayed at the URL: counts recorded, listed size as sealed
+    manifests_at_url: frozenset[Path]
 
 
 @contextmanager
@@ -41,7 +53,7 @@ def listed_store(url: str, storage_options: dict[str, Any] | None, what: str
 
 
 @contextmanager
-def metadata_copy(url: str, storage_options: dict[str, Any] | None = None) -> Iterator[Path]:
+def metadata_copy(url: str, storage_options: dict[str, Any] | None = None) -> Iterator[MetadataCopy]:
     """A temporary local store folder holding the metadata of every complete version at `url`."""
     url = url.rstrip("/")
     with listed_store(url, storage_options, "inspect") as (remote, root, listing):
@@ -53,16 +65,20 @@ def metadata_copy(url: str, storage_options: dict[str, Any] | None = None) -> It
                 (root / name).write_bytes(data)
         bases = [f"{m.group(1)}/v{m.group(2)}" for rel in sorted(listing) if (m := _MANIFEST_RE.fullmatch(rel))
                  and marker_rel(m.group(1), int(m.group(2))) not in listing]  # not one retired by `store repair URL`
-        # a manifest of a million samples is tens of MB, one per version and table: a bar in bytes
+        # a manifest of a million samples is tens of MB (fetched only for versions without recorded counts): a bar
+        # in bytes, over at most every file fetched
         total = sum(listing.get(f"{base}/{name}", 0) for base in bases for name in (fmt.CHECKSUMS, *METADATA))
+        at_url = set()
         with _progress(total, f"inspect {url}: metadata") as bar:
             for base in bases:
-                _version_metadata(remote, url, base, root / base, bar)
-        yield root
+                if _version_metadata(remote, url, base, root / base, bar, listing):
+                    at_url.add(root / base)
+        yield MetadataCopy(root, frozenset(at_url))
 
 
-def _version_metadata(remote: Remote, url: str, base: str, vdir: Path, bar) -> None:
-    """A version's checksums.json (checked by its seal) and METADATA files (against it) into `vdir`."""
+def _version_metadata(remote: Remote, url: str, base: str, vdir: Path, bar, listing: dict[str, int]) -> bool:
+    """A version's checksums.json (checked by its seal) and METADATA files (against it) into `vdir`; True when its
+    manifest was left at the URL (its counts recorded: only its listed size checked)."""
     vdir.mkdir(parents=True)
     try:
         record = remote.read(f"{base}/{fmt.CHECKSUMS}")
@@ -71,15 +87,27 @@ def _version_metadata(remote: Remote, url: str, base: str, vdir: Path, bar) -> N
             raise lost from None
         raise
     bar.update(len(record))
-    files = version_files(record, f"{url}/{base}/{fmt.CHECKSUMS}")
+    sealed = version_record(record, f"{url}/{base}/{fmt.CHECKSUMS}")
+    files = sealed["files"]
     (vdir / fmt.CHECKSUMS).write_bytes(record)
+    # the same test as store/inspect.py's: a record it would not read has the manifest fetched and counted
+    left = version_counts.shown(sealed.get("counts")) is not None
+    if left and (listed := listing.get(f"{base}/{fmt.MANIFEST}")) != int(files[fmt.MANIFEST]["nbytes"]):
+        raise _damaged(url, base, fmt.MANIFEST, f"{listed} bytes listed, {files[fmt.MANIFEST]['nbytes']} sealed")
+    if left:  # not fetched: the bar's total counted it
+        bar.total -= listing[f"{base}/{fmt.MANIFEST}"]
+        bar.refresh()
     for name in METADATA:
-        if name not in files:
+        if name not in files or (left and name == fmt.MANIFEST):
             continue
         data = remote.read(f"{base}/{name}")
         bar.update(len(data))
         if (len(data), crc_hex(data)) != (int(files[name]["nbytes"]), files[name]["crc32c"]):
-            raise UserError(f"{url}/{base}/{name} is damaged (it does not match its version's "
-                            f"{fmt.CHECKSUMS}); delete it (objects are never overwritten) and push that version "
-                            "again from an intact store")
+            raise _damaged(url, base, name, "it does not match its version's checksums.json")
         (vdir / name).write_bytes(data)
+    return left
+
+
+def _damaged(url: str, base: str, name: str, why: str) -> UserError:
+    return UserError(f"{url}/{base}/{name} is damaged ({why}); delete it (objects are never overwritten) and push "
+                     "that version again from an intact store")

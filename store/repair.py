@@ -4,7 +4,8 @@ Per table (current version v<N>, in the order the caller gives: images, text, va
   1. scan: every shard file against checksums.json (a full read, as `store verify`), and the samples of the
      shards that fail it each against its own checksum (which are still intact); a shard that passes holds the
      very bytes its samples' checksums were taken of, so they are not read twice; a damaged manifest is rebuilt
-     from the intact per-shard indexes;
+     from the intact per-shard indexes; counts sealed in checksums.json that are not the manifest's (a writer's
+     bug) need the version written again (every shard carried: its commit counts the rows afresh);
   2. mark v<N> damaged (`<table>/v<N>.damaged.json`, outside the immutable folder): `find_version` never
      reuses it, so the producing stage no longer calls it "up to date";
   3. open a writer with v<N>'s exact schema (a new v<M>, or the one a killed repair left): intact shards are
@@ -34,7 +35,7 @@ from schemas.newer import WrittenByNewer
 from schemas.table import TableSchema
 from schemas.temp_files import writer_alive
 from store import format as fmt
-from store import integrity, quarantine
+from store import integrity, quarantine, version_counts
 from store.checksum import file_crc
 from store.io_errors import writing
 from store.manifest import merge_measured, rows_by_shard
@@ -61,11 +62,14 @@ class TablePlan:
     derived_damaged: list[str] = field(default_factory=list)
     # shards with bytes appended after their recorded end (every sample intact): carried as their first N bytes
     trimmed: dict[str, int] = field(default_factory=dict)
+    # counts sealed in checksums.json that are not the manifest's (a writer's bug): the new version's commit counts
+    # its rows afresh (every shard carried, nothing recomputed)
+    counts_differ: list[str] = field(default_factory=list)
 
     @property
     def needs_repair(self) -> bool:
         return self.unrepairable is None and bool(self.damaged or self.copied or self.manifest_rebuilt
-                                                  or self.derived_damaged or self.trimmed)
+                                                  or self.derived_damaged or self.trimmed or self.counts_differ)
 
 
 @dataclass
@@ -140,7 +144,8 @@ def scan_table(root: Path, table: str, version: int, progress: bool = True) -> T
         plan.unrepairable = f"v{version} is missing or incomplete; {integrity.missing_version_hint(vdir)}"
         return plan
     try:
-        sums = integrity.read_version_checksums(vdir)
+        record = integrity.read_version_record(vdir)
+        sums = None if record is None else record["files"]
         read_schema(vdir, integrity.read_checked(vdir, fmt.SCHEMA_JSON, sums), intact=sums is not None)
     except WrittenByNewer:  # a newer release's version: not this code's to judge, let alone recompute
         raise
@@ -154,6 +159,9 @@ def scan_table(root: Path, table: str, version: int, progress: bool = True) -> T
         plan.unrepairable = (f"{fmt.CHECKSUMS} is missing, so its manifest cannot be trusted (rerun the stage that "
                              "writes it: a new version)")
         return plan
+    if record is not None and (recorded := version_counts.shown(record.get("counts"))) is not None:
+        plan.counts_differ = version_counts.differences(recorded,
+                                                        version_counts.shown(version_counts.counted(manifest)) or {})
     reader = _reader_on(vdir, table, version, manifest)
     plan.samples = len(reader)
     shards_with_damage: set[str] = set(reader.bad_shards)
@@ -303,6 +311,9 @@ def describe(plan: RepairPlan) -> list[str]:
                 extra += f", bytes appended after {', '.join(t.trimmed)} dropped (its samples intact)"
             if t.derived_damaged:
                 extra += f", damaged {', '.join(t.derived_damaged)} written afresh in the new version"
+            if t.counts_differ:
+                extra += (f", {fmt.CHECKSUMS}'s counts ({'; '.join(t.counts_differ)}) counted afresh in the new "
+                          "version")
             lines.append(f"{name}: {len(t.damaged)} damaged sample(s) to recompute "
                          f"({', '.join(sorted(t.damaged)[:5])}{' …' if len(t.damaged) > 5 else ''}), "
                          f"{len(t.intact_shards)} intact shard(s) carried forward, {len(t.copied)} intact sample(s) "

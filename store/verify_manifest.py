@@ -248,8 +248,11 @@ def _count_problems(vdir: Path, name: str, f: pq.ParquetFile, counts: Any) -> li
     differ = version_counts.differences(recorded, version_counts.shown(tally.record()) or {})
     if not differ:
         return []
+    # repair's advice, which works everywhere: at a URL verify records no damage, so the stage's rerun finds the
+    # version up to date, and the version pushed again from the store it came from has the same counts
     return [f"{name}/{fmt.CHECKSUMS}: its counts are not its manifest's ({'; '.join(differ)}), so `store inspect` "
-            f"shows them wrong; {integrity.repair_hint(vdir, fmt.CHECKSUMS)}"]
+            f"shows them wrong; {integrity.repair_hint(vdir)}: it writes the version again (its shards carried, "
+            "nothing recomputed), counted from its rows"]
 
 
 def _intact(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None) -> bool:

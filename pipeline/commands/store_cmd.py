@@ -32,8 +32,8 @@ def inspect(store: str = StoreOrUrlArg, as_json: bool = typer.Option(False, "--j
         if is_url(store):  # its metadata only (store/remote_view.py)
             from store.remote_view import metadata_copy
 
-            with metadata_copy(store) as root:
-                info = {**describe(root), "store": store}
+            with metadata_copy(store) as copy:
+                info = {**describe(copy.root, copy.manifests_at_url), "store": store}
         else:
             info = describe(Path(store))
     echo(json.dumps(info, indent=2, sort_keys=True) if as_json else render(info))

@@ -98,3 +98,49 @@ def test_a_gc_during_the_repairs_final_verify_leaves_the_repair_succeeding(store
     assert not (store.root / "vae" / "v1").exists() and not (store.root / "vae" / "v1.damaged").exists()
     monkeypatch.setattr(repair, "verify_version", verify)
     assert _cli("store", "verify", store.root).exit_code == 0
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_a_gc_killed_between_a_folder_and_its_damage_record_leaves_no_stale_record(store: Store, monkeypatch) -> None:
+    """gc removes a version's folder, then its records (`v<N>.damaged.json`, `.unchanged`, notes). Killed in between,
+    the record outlived its version: a repair's working copy then took v1 for a version repair replaced there
+    (`replaced_here`: marked damaged, no v1) and would retire it at the URL, and a later v1 of that number would be
+    born damaged. The next gc removes a record no version and no set-aside folder has; a kept version's stays."""
+    from store import integrity
+    from store.remote_work import replaced_here
+
+    fill(store, 4, tag="a")
+    fill(store, 3, tag="b", start=10)  # v2 current: v1 is gc's
+    v1, v2 = store.version_dir("vae", 1), store.version_dir("vae", 2)
+    integrity.record_damage(v1, problems=["vae/v1/shard-r00-000000.tar: the file is damaged"])  # verify found it
+    fmt.unchanged_marker(store.root, "vae", 1).write_text("{}")
+    integrity.record_damage(v2, problems=["vae/v2/shard-r00-000000.tar: the file is damaged"])  # a kept version's
+    real = fmt.crash_point
+
+    def crash_point(name: str) -> None:
+        if name == "gc_mid_delete":  # v1's folder renamed away and partly deleted: a kill here
+            raise _Killed(name)
+        real(name)
+
+    monkeypatch.setattr(fmt, "crash_point", crash_point)
+    try:
+        from store.gc import collect
+
+        collect(store.root, echo=lambda line: None)
+    except _Killed:
+        pass
+    monkeypatch.setattr(fmt, "crash_point", real)
+    assert not v1.exists() and fmt.damaged_marker(store.root, "vae", 1).exists()
+    assert ("vae", 1) in replaced_here(store.root)  # what the kill left: a version repair never replaced
+
+    r = _cli("store", "gc", store.root)
+    assert r.exit_code == 0, r.output
+    assert "remove vae/v1.damaged.json (the record of a version no longer there" in r.output, r.output
+    assert not fmt.damaged_marker(store.root, "vae", 1).exists()
+    assert not fmt.unchanged_marker(store.root, "vae", 1).exists()
+    assert replaced_here(store.root) == []
+    assert not [p for p in (store.root / "vae").iterdir() if p.name.startswith(".v")]  # the leftover finished
+    assert fmt.damaged_marker(store.root, "vae", 2).exists()  # a kept version's record stays

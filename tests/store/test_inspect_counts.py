@@ -170,6 +170,7 @@ def test_verify_names_counts_that_are_not_the_manifests(tmp_path):
     tell, verify does, naming each number that differs; versions whose counts agree pass."""
     st = _images_store(tmp_path / "s")
     vdir = st.version_dir("vae", 1)
+    fill_keys = _keys(st)
     record = read_version_record(vdir)
     record["counts"]["samples"] = 93
     record["counts"]["splits"] = [["train", 17], ["val", 6]]
@@ -179,4 +180,26 @@ def test_verify_names_counts_that_are_not_the_manifests(tmp_path):
     assert len(problems) == 1 and problems[0].startswith("vae/v1/checksums.json: its counts are not its manifest's"), \
         problems
     assert "samples 93 recorded, 23 counted" in problems[0] and "splits {'train': 17, 'val': 6} recorded" in problems[0]
-    assert "rerun" in problems[0]
+    # the advice works: repair writes the version again, every shard carried, its counts counted from the rows
+    # (before, it found the version intact and advised a rerun of the stage; at a URL, see test_remote_inspect_verify)
+    assert f"run `pipeline store repair {st.root}`" in problems[0] and "rerun" not in problems[0], problems[0]
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    res = CliRunner().invoke(app, ["store", "repair", str(st.root)])
+    assert res.exit_code == 0, res.output
+    assert "counted afresh in the new version" in res.output and "vae: v1 repaired as v2 (0 recomputed" in res.output
+    assert verify_store(st.root, progress=False) == []
+    vae = describe(st.root)["tables"]["vae"]
+    assert vae["current"] == 2 and [v["samples"] for v in vae["versions"]] == [23]
+    assert read_version_record(st.version_dir("vae", 2))["counts"]["samples"] == 23
+    assert _keys(st) == fill_keys  # the same samples, none recomputed
+
+
+def _keys(st: Store) -> list[str]:
+    r = st.reader("vae")
+    try:
+        return list(r.keys())
+    finally:
+        r.close()

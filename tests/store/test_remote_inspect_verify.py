@@ -48,6 +48,59 @@ def test_inspect_of_a_url_matches_the_local_store_and_fetches_no_shard(s3_env, s
     assert text.exit_code == 0 and "vae" in text.output
 
 
+def _fetched(monkeypatch) -> list[tuple[str, int]]:
+    """(object, bytes) of every read the code under test makes of a Remote, from now on."""
+    from store import remote as remote_mod
+
+    out: list[tuple[str, int]] = []
+    real_read = remote_mod.Remote.read
+
+    def read(self, rel):
+        data = real_read(self, rel)
+        out.append((rel, len(data)))
+        return data
+
+    monkeypatch.setattr(remote_mod.Remote, "read", read)
+    monkeypatch.setattr(remote_mod.Remote, "download", lambda *a: pytest.fail("inspect downloaded a file"))
+    return out
+
+
+def test_inspect_of_a_url_fetches_no_manifest_whose_counts_are_recorded(s3_env, store: Store, monkeypatch) -> None:
+    """A version whose checksums.json records its counts: its manifest (~140 MB at a million samples) is not fetched,
+    only its listed size compared with the sealed one (a cut-short manifest is named); a version sealed before the
+    record has its manifest fetched and counted, the same numbers either way."""
+    from store.checksum import seal
+    from store.integrity import read_version_record
+
+    _two_versions(store)
+    old = store.version_dir("vae", 1)  # as committed before counts were recorded (pushed so)
+    record = read_version_record(old)
+    del record["counts"]
+    (old / "checksums.json").write_bytes(seal(record))
+    push(store.root, s3_env.url())
+    local = json.loads(runner.invoke(app, ["store", "inspect", str(store.root), "--json"]).stdout)
+    fetched = _fetched(monkeypatch)
+    res = runner.invoke(app, ["store", "inspect", s3_env.url(), "--json"])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.stdout)
+    assert got.pop("store") == s3_env.url() and local.pop("store") == str(store.root)
+    assert got == local and [v["samples"] for v in got["tables"]["vae"]["versions"]] == [10, 6]
+    names = [rel for rel, _ in fetched]
+    assert "vae/v1/manifest.parquet" in names and "vae/v2/manifest.parquet" not in names, names
+    assert "vae/v2/checksums.json" in names and "vae/v2/schema.json" in names
+    assert f"inspect {s3_env.url()}: metadata: 100%" in res.stderr, res.stderr  # the bar's total what was fetched
+
+    # a manifest cut short on the server: named by its URL, one line, nothing described from it
+    client = s3_env.client()
+    key = "store/vae/v2/manifest.parquet"
+    data = client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()
+    client.put_object(Bucket=s3_env.bucket, Key=key, Body=data[:-100])
+    res = runner.invoke(app, ["store", "inspect", s3_env.url()])
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    assert f"{s3_env.url()}/vae/v2/manifest.parquet is damaged ({len(data) - 100} bytes listed, {len(data)} sealed)" \
+        in res.output, res.output
+
+
 def _flip(s3_env, key: str, at: int | None = None) -> None:
     client = s3_env.client()
     data = bytearray(client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read())
@@ -145,3 +198,29 @@ def test_verify_that_loses_the_server_says_so_in_one_line_not_as_damage(s3_env, 
     lines = [ln for ln in res.output.replace("\r", "\n").splitlines() if ln.strip() and "verify vae" not in ln]
     assert len(lines) == 1 and f"lost the connection to {s3_env.url()}" in lines[0], res.output
     assert "store repair" not in res.output
+
+
+def test_counts_that_are_not_the_manifests_at_a_url_are_repaired_as_verify_advises(s3_env, store: Store,
+                                                                                    tmp_path: Path) -> None:
+    """A version pushed with counts its manifest does not have (a writer's bug): verify URL names them and advises
+    `store repair URL`, which writes the version again (nothing recomputed); then verify passes. The rerun advised
+    before found the version up to date, so verify failed on every run."""
+    from store.checksum import seal
+    from store.integrity import read_version_record
+
+    fill(store, 10, tag="a")
+    vdir = store.version_dir("vae", 1)
+    record = read_version_record(vdir)
+    record["counts"]["samples"] = 93
+    (vdir / "checksums.json").write_bytes(seal(record))
+    url = s3_env.url()
+    push(store.root, url)
+    res = runner.invoke(app, ["store", "verify", url])
+    assert res.exit_code == 1 and "samples 93 recorded, 10 counted" in res.output, res.output
+    assert f"run `pipeline store repair {url}`" in res.output and "rerun" not in res.output, res.output
+    res = runner.invoke(app, ["store", "repair", url, "--cache-dir", str(tmp_path / "work")])
+    assert res.exit_code == 0 and "vae: v1 repaired as v2 (0 recomputed" in res.output, res.output
+    res = runner.invoke(app, ["store", "verify", url])
+    assert res.exit_code == 0, res.output
+    info = json.loads(runner.invoke(app, ["store", "inspect", url, "--json"]).stdout)
+    assert info["tables"]["vae"]["current"] == 2 and [v["samples"] for v in info["tables"]["vae"]["versions"]] == [10]
