@@ -53,9 +53,12 @@ def prune(folder: Path, in_use: tuple[Path | None, ...] = (), keep: int | None =
     keep = KEPT_ASIDE if keep is None else keep
     for left in folder.glob(f"{_PRUNING}*"):  # a killed prune's
         shutil.rmtree(left, ignore_errors=True)
-    spared = {Path(p).name for p in in_use if p is not None}
-    aside = [p for p in folder.glob("losses.*.zarr") if p.is_dir() and p.name not in spared]
-    aside.sort(key=_mtime, reverse=True)
+    names = {Path(p).name for p in in_use if p is not None}
+    groups = [p for p in folder.glob("losses.*.zarr") if p.is_dir()]
+    # a donor counts among those kept only when it is one kept aside: the group in place (a donor too) is not one,
+    # and counting it kept one fewer
+    spared = [p for p in groups if p.name in names]
+    aside = sorted((p for p in groups if p.name not in names), key=_mtime, reverse=True)
     gone = aside[max(0, keep - len(spared)):][::-1]  # the least recently used first
     for group in gone:
         trash = group.with_name(_PRUNING + group.name)
