@@ -51,3 +51,19 @@ def test_a_rerun_with_other_libraries_keeps_the_array_and_says_so(run_and_store,
     capsys.readouterr()
     ev.run(cfg, root / "store", tiny_edit_model, _ckpts(root), out)  # recorded now: said once
     assert "were computed on" not in capsys.readouterr().out
+
+
+def test_rows_taken_from_a_kept_group_record_its_machines(run_and_store, tiny_edit_model, tmp_path, monkeypatch,
+                                                          capsys):
+    """A shrunk seed grid computes nothing (every cell taken from the group of the earlier grid, kept aside): the
+    new array records the machines that computed those cells, not the one the rerun ran on."""
+    root, out = run_and_store, tmp_path / "report"
+    ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
+    (here,) = xr.open_zarr(out / GROUP).attrs[COMPUTED_ON]
+    real = base_images.machine
+    monkeypatch.setattr(base_images, "machine",
+                        lambda c: {**real(c), "libraries": {**real(c)["libraries"], "torch": "9.9.9"}})
+    res = ev.run(EvaluateConfig(**{**CFG, "noise_seeds": [0]}), root / "store", tiny_edit_model, _ckpts(root), out)
+    assert "nothing to compute" in capsys.readouterr().out and res.evaluated == 0  # none computed
+    shrunk = xr.open_zarr(out / GROUP)
+    assert list(shrunk.seed.values) == [0] and shrunk.attrs[COMPUTED_ON] == [here]
