@@ -671,7 +671,9 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         damaged = dict(tables.damaged)
         losses = _losses_opened(run, share.samples, fingerprint, settings, earlier, tables)
         base_cache = (out, _base_key(run, settings, share.samples))
-        computed_on = on_every_rank(ranks.world, machine(cfg))  # every rank computes rows: each one's device
+        with together(ranks.world, "the ranks' devices"):  # every rank computes rows: each one's device recorded
+            mine = machine(cfg)
+        computed_on = on_every_rank(ranks.world, mine)
         transformer = single.load_transformer(cfg, model, ranks.world)  # the ranks' one attention backend
         done = _evaluate_while_training(ranks, losses, checkpoints, shas, transformer, share.samples, share.mine,
                                         cfg, load, fingerprint, relist, base_cache, computed_on)
