@@ -784,8 +784,7 @@ def _losses_opened(run: _Evaluation, samples, fingerprint: str, settings: dict, 
             from stages.evaluate.loss_groups import start_computed_on
 
             losses = _open_losses(run.out, fingerprint, settings, earlier, axes, tables.versions())
-            with _writing_losses(run.out):
-                start_computed_on(losses)  # each machine recorded as it computes a row (`_record_rows`)
+            start_computed_on(losses)  # each machine recorded as it computes a row (`_record_rows`)
         else:
             losses = None
     return losses
@@ -1234,11 +1233,11 @@ def _base_row(ranks, losses: LossStore | None, transformer, samples, mine: list[
 def _record_rows(losses: LossStore, computed_on: list[dict], donor=None) -> None:
     """Rank 0, before it writes a row: the machines that computed its cells recorded on the array (`computed_on`,
     none when nothing was computed), and the donor's record where cells are taken from one
-    (`loss_groups.note_computed_on`). A rerun that computes nothing records nothing."""
+    (`loss_groups.note_computed_on`). A rerun that computes nothing records no machine; an array without a
+    record (an earlier release's rows, or none yet) is recorded as such first, before this row makes it hold one."""
     if donor is not None:
         note_computed_on(losses, recorded_on(donor.group), say=False)
-    if computed_on:
-        note_computed_on(losses, computed_on)
+    note_computed_on(losses, computed_on)  # a commit only where the record changes
 
 
 REWRITTEN, PRUNED = 1, 2  # `_load_checkpoint`: why a checkpoint is left out (0: loaded)

@@ -99,11 +99,9 @@ def on_every_rank(world: int, machine: dict) -> list[dict]:
 
 def start_computed_on(losses) -> None:
     """Before any row is written (the --all-checkpoints array opened, rank 0): groups this opening creates later
-    (another run's losses set aside) record that nothing evaluated into them yet, and so does an empty group in
-    place; one of an earlier release holding rows keeps no record (`recorded_on` reads it as such)."""
+    (another run's losses set aside) record that nothing evaluated into them yet. The group in place is recorded
+    with its first row written (`note_computed_on`: no commit of its own, none when no row is written)."""
     losses.notes[COMPUTED_ON] = []
-    if COMPUTED_ON not in losses.group.attrs and not _holds(losses):
-        losses.note(**{COMPUTED_ON: []})
 
 
 def recorded_on(group) -> list:
