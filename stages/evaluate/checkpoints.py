@@ -32,7 +32,7 @@ from schemas.stage import few
 from schemas.up_to_date import UNRECORDED_REVISION
 from stages.evaluate.base_images import FOLDER as BASE_IMAGES, extra_prompt_bytes
 from stages.evaluate.curves import pick_best
-from stages.evaluate.loss_groups import cells_line, group_hash, note_computed_on
+from stages.evaluate.loss_groups import cells_line, group_hash, note_computed_on, recorded_on
 from stages.evaluate.paired import paired, per_sample, signed
 from store import Store
 from store.io_errors import writing
@@ -640,6 +640,8 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     """The steps of `run`, every rank taking each collective one together (named in `together`'s lines)."""
     from models.collective import together
     from stages.evaluate import stage as single, trained_val
+    from stages.evaluate.base_images import machine
+    from stages.evaluate.loss_groups import on_every_rank
     from stages.evaluate.val_share import reader
 
     started = time.perf_counter()
@@ -669,9 +671,12 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         damaged = dict(tables.damaged)
         losses = _losses_opened(run, share.samples, fingerprint, settings, earlier, tables)
         base_cache = (out, _base_key(run, settings, share.samples))
+        with together(ranks.world, "the ranks' devices"):  # every rank computes rows: each one's device recorded
+            mine = machine(cfg)
+        computed_on = on_every_rank(ranks.world, mine)
         transformer = single.load_transformer(cfg, model, ranks.world)  # the ranks' one attention backend
         done = _evaluate_while_training(ranks, losses, checkpoints, shas, transformer, share.samples, share.mine,
-                                        cfg, load, fingerprint, relist, base_cache)
+                                        cfg, load, fingerprint, relist, base_cache, computed_on)
         if ranks.main:  # rank 0 summarises, generates and writes the report
             return _rank_0_alone(ranks, lambda: _report(run, tables, share, transformer, done, damaged, shas,
                                                         settings, pruned, trained))
@@ -776,11 +781,10 @@ def _losses_opened(run: _Evaluation, samples, fingerprint: str, settings: dict, 
     axes = Axes([s.key for s in samples], [bucket_of(s) for s in samples], *cfg.loss_axes)
     with together(ranks.world, "open the loss array"):
         if ranks.main:
-            from stages.evaluate.base_images import machine
+            from stages.evaluate.loss_groups import start_computed_on
 
             losses = _open_losses(run.out, fingerprint, settings, earlier, axes, tables.versions())
-            with _writing_losses(run.out):
-                note_computed_on(losses, machine(cfg))  # not keyed by the device: said where it changed
+            start_computed_on(losses)  # each machine recorded as it computes a row (`_record_rows`)
         else:
             losses = None
     return losses
@@ -844,7 +848,8 @@ def _rank_0_alone(ranks, work):
 
 def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[tuple[int, Path]],
                              shas: dict[int, str], transformer, samples, mine: list[int], cfg: EvaluateConfig, load,
-                             fingerprint: str, relist, base_cache: tuple | None = None):
+                             fingerprint: str, relist, base_cache: tuple | None = None,
+                             computed_on: list[dict] = ()):
     """Evaluate the checkpoints not in the array, then list the run again (`relist`; None: the list given is all
     there is): a training beside evaluate writes new checkpoints and prunes old ones meanwhile. When a checkpoint
     evaluated is still on disk, the summary names the best of those and the newer ones are left to a rerun
@@ -860,7 +865,7 @@ def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[
     evaluated, attached, pruned, first = 0, False, [], True
     while True:
         n, attached, gone = _append_missing(ranks, losses, checkpoints, shas, transformer, samples, mine, cfg,
-                                            load, attached, first, base_cache)
+                                            load, attached, first, base_cache, computed_on)
         evaluated, pruned, first = evaluated + n, pruned + gone, False
         now = agreed_checkpoints(relist(), ranks) if relist is not None else None
         newer = [c for c in now or [] if c[0] not in listed]
@@ -1120,14 +1125,16 @@ def this_runs_kept(out: Path, fingerprint: str, checkpoints: list[tuple[int, Pat
 
 def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
                     transformer, samples, mine: list[int], cfg: EvaluateConfig, load=None, attached: bool = False,
-                    first: bool = True, base_cache: tuple | None = None) -> tuple[int, bool, list[int]]:
+                    first: bool = True, base_cache: tuple | None = None,
+                    computed_on: list[dict] = ()) -> tuple[int, bool, list[int]]:
     """The base's grid (once) and each checkpoint not yet in the array, one append each (rank 0; `losses` is None
     on the others), the newest first: a training beside evaluate prunes the oldest (train.keep_checkpoints), so
     the newest are the ones still there when their turn comes (the array's order is no order: every reader sorts
     by step). Returns (how many checkpoints were evaluated now, whether the adapter is attached to `transformer`,
     the steps pruned before they could be loaded). `base_cache`: (OUT, rank 0's key of the base losses' inputs):
     an array without base losses takes them from there when recorded under the key, and records them there when
-    computed (`stages.evaluate.base_losses`)."""
+    computed (`stages.evaluate.base_losses`). `computed_on`: every rank's machine (`loss_groups.on_every_rank`),
+    recorded with the first row computed (`_record_rows`)."""
     from models.collective import together
     from stages.evaluate import base_losses
 
@@ -1148,7 +1155,8 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
     from_donor = dict(zip((step for step, _ in checkpoints), plan[n + 2 : 2 * n + 2]))
     todo = sorted((c for c, flag in zip(checkpoints, plan[1 : n + 1]) if flag), key=lambda c: c[0], reverse=True)
     _base_row(ranks, losses, transformer, samples, mine, cfg, load, attached, base_cache,
-              recorded=bool(plan[0]), from_donor=bool(plan[n + 1]), donor=donor, known=known)
+              recorded=bool(plan[0]), from_donor=bool(plan[n + 1]), donor=donor, known=known,
+              computed_on=computed_on)
     evaluated, pruned = 0, []
     # no bar with nothing to do: tqdm drew "checkpoints: 0ckpt [00:00, ?ckpt/s]" (no total, no percentage)
     for step, path in tqdm(todo, desc="checkpoints", unit="ckpt", disable=not ranks.main or not todo):
@@ -1157,6 +1165,7 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
             with together(ranks.world, f"record checkpoint step {step}"):
                 if ranks.main:
                     with _writing_losses(losses.path.parent):
+                        _record_rows(losses, (), donor)  # nothing computed: the donor's machines
                         losses.append(step, str(Path(path).resolve()), shas[step],
                                       donor.step(step, np.full(losses.axes.shape, np.nan)), training_of(path))
             continue
@@ -1172,6 +1181,7 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
                 if partial:
                     grid = donor.step(step, grid)
                 with _writing_losses(losses.path.parent):
+                    _record_rows(losses, computed_on, donor if partial else None)
                     losses.append(step, str(Path(path).resolve()), shas[step], grid, training_of(path))
         evaluated += 1
     return evaluated, attached, pruned
@@ -1179,7 +1189,7 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
 
 def _base_row(ranks, losses: LossStore | None, transformer, samples, mine: list[int], cfg: EvaluateConfig, load,
               attached: bool, base_cache: tuple | None, recorded: bool, from_donor: bool, donor,
-              known: np.ndarray) -> None:
+              known: np.ndarray, computed_on: list[dict] = ()) -> None:
     """The base's grid in the array (`_append_missing`): `recorded` already, else from the base-losses file
     (`base_cache`), else computed with the adapter off - with `from_donor` (every rank: the plan's flag) only the
     cells not `known` to rank 0's `donor`, an old group holding the base - and written; then checked finite
@@ -1208,6 +1218,9 @@ def _base_row(ranks, losses: LossStore | None, transformer, samples, mine: list[
                 if base_partial:
                     base = donor.base(base)
                 with _writing_losses(losses.path.parent):
+                    # a base read from the base-losses file (`reused`) or wholly a donor's: computed by no rank now
+                    _record_rows(losses, () if reused or (base_partial and known.all()) else computed_on,
+                                 donor if base_partial else None)
                     losses.write_base(base)
                 # the file holds whole computations only: a grown grid's recorded cells are float32
                 if base_cache is not None and not reused and not base_partial:
@@ -1215,6 +1228,16 @@ def _base_row(ranks, losses: LossStore | None, transformer, samples, mine: list[
             # A non-finite base loss means bad stored features (evaluate.on_nonfinite=stop names them): stop
             # before the checkpoints are evaluated, not after all of them
             single.finite_samples(samples, {"base": base}, cfg)
+
+
+def _record_rows(losses: LossStore, computed_on: list[dict], donor=None) -> None:
+    """Rank 0, before it writes a row: the machines that computed its cells recorded on the array (`computed_on`,
+    none when nothing was computed), and the donor's record where cells are taken from one
+    (`loss_groups.note_computed_on`). A rerun that computes nothing records no machine; an array without a
+    record (an earlier release's rows, or none yet) is recorded as such first, before this row makes it hold one."""
+    if donor is not None:
+        note_computed_on(losses, recorded_on(donor.group), say=False)
+    note_computed_on(losses, computed_on)  # a commit only where the record changes
 
 
 REWRITTEN, PRUNED = 1, 2  # `_load_checkpoint`: why a checkpoint is left out (0: loaded)

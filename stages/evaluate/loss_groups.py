@@ -2,7 +2,7 @@
 --all-checkpoints, OUT/lora-losses/losses.zarr of one LoRA): the key a group is recorded under (`group_hash`) and
 the line saying which (seed, σ) cells a group kept aside gives a grown or shrunk grid (`cells_line`); and which
 groups kept aside stay (`prune`: the `KEPT_ASIDE` used most recently, each use recorded by `used`); what evaluated
-into an --all-checkpoints array (`note_computed_on`)."""
+into an --all-checkpoints array (`note_computed_on`, every rank's machine `on_every_rank`)."""
 
 from __future__ import annotations
 
@@ -53,9 +53,12 @@ def prune(folder: Path, in_use: tuple[Path | None, ...] = (), keep: int | None =
     keep = KEPT_ASIDE if keep is None else keep
     for left in folder.glob(f"{_PRUNING}*"):  # a killed prune's
         shutil.rmtree(left, ignore_errors=True)
-    spared = {Path(p).name for p in in_use if p is not None}
-    aside = [p for p in folder.glob("losses.*.zarr") if p.is_dir() and p.name not in spared]
-    aside.sort(key=_mtime, reverse=True)
+    names = {Path(p).name for p in in_use if p is not None}
+    groups = [p for p in folder.glob("losses.*.zarr") if p.is_dir()]
+    # a donor counts among those kept only when it is one kept aside: the group in place (a donor too) is not one,
+    # and counting it kept one fewer
+    spared = [p for p in groups if p.name in names]
+    aside = sorted((p for p in groups if p.name not in names), key=_mtime, reverse=True)
     gone = aside[max(0, keep - len(spared)):][::-1]  # the least recently used first
     for group in gone:
         trash = group.with_name(_PRUNING + group.name)
@@ -80,32 +83,59 @@ COMPUTED_ON = "computed_on"
 UNRECORDED = "not recorded (an earlier release)"
 
 
-def note_computed_on(losses, machine: dict) -> None:
-    """Record on the --all-checkpoints loss array (`losses`, opened for writing) what evaluates into it now
-    (`machine`: `base_images.machine`'s device and libraries), and say in one line when rows were computed
-    elsewhere. The array is not keyed by them (the single-LoRA grids and the base caches are): a device or library
-    changes its numbers by float rounding only, as `evaluate.batch_size` does (docs/architecture.md), and a run's
-    curve of hundreds of checkpoints is not evaluated again for it; its rows are then of more than one machine,
-    which the line and the record say. An array of an earlier release, which did not record it, is recorded as
-    such, silently. New groups created later by this opening (another run's losses set aside) record it too."""
+def on_every_rank(world: int, machine: dict) -> list[dict]:
+    """The device and libraries of every rank (`machine`: this rank's, `base_images.machine`), each once, in rank
+    order, on every rank: the rows of a launched run are computed on each rank's own device. A collective (one
+    all-gather): every rank calls it. One process: its own."""
+    from models.collective import gather_texts
+
+    mine = json.dumps({"device": machine["device"], "libraries": machine["libraries"]}, sort_keys=True)
+    machines: list[dict] = []
+    for text in gather_texts(world, mine, size=4096):  # the same size on every rank (~300 bytes used)
+        if (m := json.loads(text)) not in machines:
+            machines.append(m)
+    return machines
+
+
+def start_computed_on(losses) -> None:
+    """Before any row is written (the --all-checkpoints array opened, rank 0): groups this opening creates later
+    (another run's losses set aside) record that nothing evaluated into them yet. The group in place is recorded
+    with its first row written (`note_computed_on`: no commit of its own, none when no row is written)."""
+    losses.notes[COMPUTED_ON] = []
+
+
+def recorded_on(group) -> list:
+    """What a loss group records as having evaluated into it (`UNRECORDED` for rows of an earlier release)."""
+    recorded = group.attrs.get(COMPUTED_ON)
+    if isinstance(recorded, list):
+        return recorded
+    return [UNRECORDED] if "base_loss" in group or group["step"].shape[0] > 0 else []
+
+
+def note_computed_on(losses, machines: list, say: bool = True) -> None:
+    """Record on the --all-checkpoints loss array (`losses`, opened for writing) the `machines` whose numbers are
+    written into it now (`on_every_rank`: rows this run computed; or a donor group's `recorded_on`: rows whose
+    cells are taken from it), called before such a row is written and only then (a rerun that computes nothing
+    recorded the machine it ran on); with `say`, says in one line when the rows it holds were computed
+    elsewhere. The array is not keyed by them (the single-LoRA grids and the base caches are): a device or
+    library changes its numbers by float rounding only, as `evaluate.batch_size` does (docs/architecture.md), and
+    a run's curve of hundreds of checkpoints is not evaluated again for it; its rows are then of more than one
+    machine, which the line and the record say."""
     from tqdm.auto import tqdm
 
-    now = {"device": machine["device"], "libraries": machine["libraries"]}
-    losses.notes[COMPUTED_ON] = [now]
-    recorded = losses.group.attrs.get(COMPUTED_ON)
-    recorded = recorded if isinstance(recorded, list) else None
-    if recorded is not None and now in recorded:
-        return
-    holds = losses.has_base() or losses.group["step"].shape[0] > 0
-    if recorded is None:
-        losses.note(**{COMPUTED_ON: [UNRECORDED, now] if holds else [now]})
-        return
-    if holds:
+    recorded = recorded_on(losses.group)
+    new = [m for m in machines if m not in recorded]
+    # rows of an earlier release alone (no machine known): recorded as such, silently
+    if new and say and any(isinstance(m, dict) for m in recorded) and _holds(losses):
         tqdm.write(f"held-out loss: the losses in {losses.path} were computed on {'; '.join(map(describe, recorded))}"
-                   f", this run computes on {describe(now)}: they are kept (another device or library rounds them "
-                   "otherwise, within float tolerance, as evaluate.batch_size does); remove it to evaluate every "
-                   "checkpoint here")
-    losses.note(**{COMPUTED_ON: [*recorded, now]})
+                   f", this run computes on {'; '.join(map(describe, new))}: they are kept (another device or "
+                   "library rounds them otherwise, within float tolerance, as evaluate.batch_size does); remove it "
+                   "to evaluate every checkpoint here")
+    losses.note(**{COMPUTED_ON: [*recorded, *new]})  # a commit only when it changed
+
+
+def _holds(losses) -> bool:
+    return losses.has_base() or losses.group["step"].shape[0] > 0
 
 
 def describe(machine) -> str:

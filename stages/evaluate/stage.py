@@ -715,28 +715,30 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     from stages.evaluate.val_share import complete
 
     tables, share = read_val_samples(cfg, store, model)
-    inputs = evaluate_inputs(cfg, store, model, lora, checked.sha256, tables)  # of the tables read
-    samples, damaged = share.samples, dict(tables.damaged)
-    trained = trained_val.check(Store(store, create=False), lora, [s.key for s in samples],
-                                trained_val.val_images_version(tables))  # said before the long passes
+    # closed on every path (readers, read lease): a process that goes on (`run all`) holds nothing of them, and a
+    # lease left held after a failure kept `store gc` from removing the version
+    with tables:
+        inputs = evaluate_inputs(cfg, store, model, lora, checked.sha256, tables)  # of the tables read
+        samples, damaged = share.samples, dict(tables.damaged)
+        trained = trained_val.check(Store(store, create=False), lora, [s.key for s in samples],
+                                    trained_val.val_images_version(tables))  # said before the long passes
 
-    transformer = load_transformer(cfg, model)
-    attach_checked(transformer, lora, cfg.lora_scale, checked.sha256)
-    loss = _held_out(cfg, store, model, lora, out, tables, share, transformer, checked.sha256)
+        transformer = load_transformer(cfg, model)
+        attach_checked(transformer, lora, cfg.lora_scale, checked.sha256)
+        loss = _held_out(cfg, store, model, lora, out, tables, share, transformer, checked.sha256)
 
-    rows: list[SampleRow] = []
-    if cfg.num_samples > 0 or cfg.extra_prompts:  # the pictured samples read in full
-        rows = sample_rows(cfg, store, model, transformer, tables,
-                           complete(tables, share, pick_samples(samples, cfg.num_samples)), damaged, out,
-                           checked.sha256)
+        rows: list[SampleRow] = []
+        if cfg.num_samples > 0 or cfg.extra_prompts:  # the pictured samples read in full
+            rows = sample_rows(cfg, store, model, transformer, tables,
+                               complete(tables, share, pick_samples(samples, cfg.num_samples)), damaged, out,
+                               checked.sha256)
 
-    metrics = {
-        "loss": loss,
-        "generation": generation_summary(rows, cfg, model),
-        "run": {**_run_record(cfg, store, model, lora, tables, len(samples), damaged, inputs),
-                "trained_val": trained},
-    }
-    tables.close()  # readers and read lease: a process that goes on (`run all`) holds nothing of them
+        metrics = {
+            "loss": loss,
+            "generation": generation_summary(rows, cfg, model),
+            "run": {**_run_record(cfg, store, model, lora, tables, len(samples), damaged, inputs),
+                    "trained_val": trained},
+        }
     return EvaluateResult(metrics, write_report(out, metrics, rows), seconds=time.perf_counter() - started,
                           damaged=damaged)
 

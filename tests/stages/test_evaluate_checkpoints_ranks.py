@@ -51,6 +51,21 @@ app()
 """
 
 
+# rank 1's device named otherwise (another GPU model on another node): the array records each rank's
+OTHER_DEVICE_RANK = """
+import os, sys
+from stages.evaluate import base_images
+real = base_images.machine
+def machine(cfg):
+    m = real(cfg)
+    return {**m, "device": [m["device"][0], ["probe device of rank 1"]]} if os.environ["RANK"] == "1" else m
+base_images.machine = machine
+from pipeline.cli import app
+sys.argv = ["pipeline", *sys.argv[1:]]
+app()
+"""
+
+
 def _args(root, model, out) -> list[str]:
     return ["run", "evaluate", "--all-checkpoints", "--set", f"paths.run={root / 'run'}", "--store",
             str(root / "store"), "--model", model, "--out", str(out), "--num-samples", "0", "--device", "cpu",
@@ -291,3 +306,21 @@ def test_two_ranks_grow_a_seed_grid_computing_its_new_cells_alone(run_and_store,
     a, b = (xr.open_zarr(o / GROUP).sortby("step") for o in (out, fresh))
     for name in ("loss", "base_loss", "step", "seed"):
         np.testing.assert_array_equal(a[name].values, b[name].values)
+
+
+def test_the_array_records_every_ranks_device(run_and_store, tiny_edit_model, tmp_path):
+    """Each rank computes its share of every row on its own device: `computed_on` names each (it named rank 0's
+    alone, on a run of two GPU models)."""
+    from stages.evaluate import base_images
+    from stages.evaluate.loss_groups import COMPUTED_ON
+    from two_ranks import launch_two
+
+    root, out = run_and_store, tmp_path / "report"
+    script = tmp_path / "other_device_rank.py"
+    script.write_text(OTHER_DEVICE_RANK)
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two(str(script), *_args(root, tiny_edit_model, out), timeout=300)
+    assert rc0 == rc1 == 0, (rc0, rc1, err0[-2000:], err1[-2000:])
+    here = base_images.machine(EvaluateConfig(**CFG))
+    rank_0 = {"device": here["device"], "libraries": here["libraries"]}
+    assert xr.open_zarr(out / GROUP).attrs[COMPUTED_ON] == [
+        rank_0, {**rank_0, "device": ["cpu", ["probe device of rank 1"]]}]

@@ -114,3 +114,12 @@ def test_single_lora_evaluate_prunes_its_kept_groups(run_and_store, tiny_edit_mo
     assert len(list(folder.glob("losses.*.zarr"))) == 1
     assert run(0.5) == 0  # kept: taken back, no loss pass (the base from OUT/base-losses)
     assert run(1.0) > 0  # removed: computed again
+
+
+def test_a_donor_in_place_takes_no_place_of_those_kept_aside(tmp_path):
+    """The run's cell donor may be the group in place (`losses.zarr`), which is never among those kept aside: the
+    `keep` most recently used stay beside it (it was counted against them, and one fewer stayed)."""
+    folder = tmp_path / "lora-losses"
+    aside = _groups(folder, 5)  # 4 aside, group 4 in place
+    assert loss_groups.prune(folder, in_use=(folder / GROUP,), keep=2) == [aside[0].name, aside[1].name]
+    assert _bases(folder) == [2.0, 3.0]
