@@ -283,7 +283,7 @@ def watch_failures(world: int) -> None:
         _count_exit(clients[0], world)
 
     atexit.register(_stop_watching)
-    _state["stop_watching"] = _stop_watching
+    _state["stop_watching"], _state["watcher"] = _stop_watching, (stop, watcher)
 
 
 CLOSE_SECONDS = 60.0  # how long an exiting rank waits for its process group to close (a peer stuck mid-collective)
@@ -532,13 +532,19 @@ def _known_by_all(client, key: str, world: int) -> None:
     timeout). Ranks that fail at once each count themselves: no wait. A killed rank never counts: the others wait
     the bound. The store's last use by this process (`_count_exit`)."""
     _state["store_done"] = True
-    _count_and_wait(client, f"{key}/known", world)
+    watch = _state.get("watcher")
+    if watch is not None and watch[1] is not threading.current_thread():
+        # this rank ends on the line: its watch thread polls no more (a poll in flight when the store's host ended
+        # printed torch's C++ warning and stack after the rank's last line; CI, a rank that published its failure)
+        watch[0].set()
+        watch[1].join(timeout=15)
+    _count_and_wait(client, f"{key}/known", world, together=True)
 
 
 _count_lock = threading.Lock()
 
 
-def _count_and_wait(store, counter: str, world: int, wait: bool = True) -> None:
+def _count_and_wait(store, counter: str, world: int, wait: bool = True, together: bool = False) -> None:
     """Count this process under `counter` in the launch's store, once (a watch thread and the main thread may both
     count it), then, with `wait`, wait at most HOST_WAIT_SECONDS until all `world` ranks have: a process whose end
     may end the store lets every rank read what it holds first. Each rank counts by setting its own key
@@ -560,11 +566,29 @@ def _count_and_wait(store, counter: str, world: int, wait: bool = True) -> None:
             # at 512 ranks, 10 polls/s of 512 keys each kept the store's one thread busy)
             while seen < world and _read(clients, lambda c: c.check([keys[seen]])):
                 seen += 1
+            if seen == world and together:  # every rank waits here, not only the host: `_left_together`
+                _left_together(clients, counter, world, rank=int(os.environ.get("RANK", "0")), deadline=deadline)
             if seen == world:
                 break
             time.sleep(POLL_SECONDS / 5)
     except Exception:  # noqa: BLE001 - the store is gone (its host ended): nothing left to wait for
         pass
+
+
+def _left_together(clients: list, counter: str, world: int, rank: int, deadline: float) -> None:
+    """Every rank counted under `counter` (`_count_and_wait`): a rank that does not host the store says it saw
+    that and calls the store no more; the host waits (within `deadline`) until each of them has. Before, the host
+    ended the store as soon as it saw every rank counted, while a rank still polling to see the same got its
+    connection reset: torch's C++ warning and stack after that rank's last line (CI, seen once)."""
+    if not _hosts_store():
+        _read(clients, lambda c: c.set(f"{counter}/left/{rank}", "1"))
+        return
+    others = [f"{counter}/left/{r}" for r in range(world) if r != rank]
+    while others and time.monotonic() < deadline:
+        while others and _read(clients, lambda c: c.check([others[0]])):
+            others.pop(0)
+        if others:
+            time.sleep(POLL_SECONDS / 5)
 
 
 def peer_failure() -> str | None:
