@@ -28,6 +28,12 @@ def wait_until(cond: threading.Condition, done: Callable[[], bool]) -> None:
         cond.wait(POLL_SECONDS)
 
 
+def acquire(lock: threading.Lock) -> None:
+    """`lock.acquire()`."""
+    while not lock.acquire(timeout=POLL_SECONDS):
+        pass
+
+
 def join(thread: threading.Thread) -> None:
     """`thread.join()`."""
     while thread.is_alive():
