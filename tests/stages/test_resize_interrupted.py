@@ -44,7 +44,8 @@ try:
     signal_elsewhere_once_main_waits("rendered_in_order", signal.SIGINT, when=head_hangs)
     stage.run(load_config(None, {SMALL!r}), sys.argv[1], sys.argv[2])
 except KeyboardInterrupt:
-    print("interrupted")
+    import multiprocessing
+    print("interrupted,", len(multiprocessing.active_children()), "workers left")
     sys.exit(130)
 """
 
@@ -69,7 +70,7 @@ def test_ctrl_c_elsewhere_ends_a_stage_waiting_for_a_stuck_worker_and_the_rerun_
     code = _INTERRUPTED.replace("sys.argv[1], sys.argv[2]", f"{str(src)!r}, {str(tmp_path / 'store')!r}")
 
     proc = run_script(code, timeout=HOLD_SECONDS)
-    assert (proc.returncode, proc.stdout.strip()) == (130, "interrupted"), proc.stderr[-3000:]
+    assert (proc.returncode, proc.stdout.strip()) == (130, "interrupted, 0 workers left"), proc.stderr[-3000:]
 
     summary = run(load_config(None, SMALL), src, tmp_path / "store")
     assert summary.resumed >= 1 and summary.resumed + summary.written == 12
