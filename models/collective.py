@@ -240,7 +240,11 @@ def _failure_key() -> str:
 
 def _store_client(timeout: float = 10.0):
     """A connection of our own to the launcher's store (a blocked or busy process-group connection is never
-    shared with the watch thread); None when the launch named none (MASTER_ADDR / MASTER_PORT)."""
+    shared with the watch thread); None when the launch named none (MASTER_ADDR / MASTER_PORT). A store not up
+    yet (rank 0 still starting) is waited for at most `timeout` seconds, which also bounds every later call.
+    The wait is a loop of short tries: torch's client retries inside one C++ call that no signal ends (a Ctrl-C
+    or a launcher's SIGTERM held a rank waiting for rank 0 up to BEFORE_GROUP_SECONDS, 30 minutes); each try
+    first opens a plain socket to the port, since torch's client prints a C++ warning and stack per failed try."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -248,9 +252,25 @@ def _store_client(timeout: float = 10.0):
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not host or not port:
         return None
-    # a short timeout: every call here answers at once, and a store that is gone must not hold an exit for long
-    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout))
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            socket.create_connection((host, int(port)), timeout=max(min(PROBE_SECONDS, left), 0.01)).close()
+            # the port answers: the store's own client, its try as short; a store that answers takes milliseconds
+            client = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                                   timeout=timedelta(seconds=max(min(PROBE_SECONDS, left), 0.01)))
+        except (OSError, RuntimeError) as e:  # refused (not up yet), no answer, a name not resolved yet; DistError
+            if time.monotonic() + POLL_SECONDS > deadline:
+                last = (str(e).splitlines() or [type(e).__name__])[0][:200]
+                raise TimeoutError(f"no store answered at {host}:{port} within {timeout:.0f} s, the last try: "
+                                   f"{last}") from None
+            time.sleep(POLL_SECONDS)
+            continue
+        # a short timeout for the callers' own uses (every call here answers at once, and a store that is gone
+        # must not hold an exit for long); theirs, for the before-group exchange's
+        client.set_timeout(timedelta(seconds=timeout))
+        return client
 
 
 def watch_failures(world: int) -> None:

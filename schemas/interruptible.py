@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from concurrent import futures
 from typing import Any, Callable
 
 POLL_SECONDS = 0.1  # how late a signal's handler may run; ten wake-ups a second cost nothing measurable
@@ -25,6 +26,12 @@ def wait_until(cond: threading.Condition, done: Callable[[], bool]) -> None:
     """`cond.wait_for(done)`, with `cond` held, as the caller's `while not done(): cond.wait()`."""
     while not done():
         cond.wait(POLL_SECONDS)
+
+
+def acquire(lock: threading.Lock) -> None:
+    """`lock.acquire()`."""
+    while not lock.acquire(timeout=POLL_SECONDS):
+        pass
 
 
 def join(thread: threading.Thread) -> None:
@@ -40,3 +47,11 @@ def get(q: queue.Queue) -> Any:
             return q.get(timeout=POLL_SECONDS)
         except queue.Empty:
             continue
+
+
+def result(fut: futures.Future) -> Any:
+    """`fut.result()` (not `fut.result(timeout)` in a loop: a TimeoutError the call itself raised would read as
+    not done yet)."""
+    while not fut.done():
+        futures.wait([fut], timeout=POLL_SECONDS)
+    return fut.result()

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from schemas import interruptible
 from schemas.errors import UserError
 from store import format as fmt
 from store import remote_download
@@ -255,7 +256,11 @@ class ShardFetcher:
             return f"shard {shard} is not listed in its version's {fmt.CHECKSUMS}"
         with self._lock:
             lock = self._shard_locks.setdefault(shard, threading.Lock())
-        with lock, ExitStack() as node:  # one fetch per shard in this process, and in this node (below)
+        # polled (schemas/interruptible.py): a main thread waiting for another thread's fetch of the shard (a scan
+        # while the check-ahead thread fetches it, minutes on a slow link) held a Ctrl-C another thread took
+        interruptible.acquire(lock)
+        with ExitStack() as node:  # one fetch per shard in this process, and in this node (below)
+            node.callback(lock.release)
             # Ranks of a node read the same shards and pass `WHOLE_AFTER` together: unlocked, each downloaded the
             # shard and reserved its size (evicting shards for copies the one winning rename then dropped). A
             # flock (dropped by the kernel with a killed process) lets one fetch; a random read (wait=False) reads
@@ -332,8 +337,8 @@ class ShardFetcher:
             fetching = self._shard_locks.get(shard)
         ranged = max(ranged, self._node_ranged(shard, n))
         if fetching is not None and fetching.locked():  # another thread fetches it whole (a scan): wait for it
-            with fetching:
-                pass
+            interruptible.acquire(fetching)
+            fetching.release()
             if os.path.exists(self.vdir / shard):
                 return None
         entry = self.sums.get(shard)

@@ -8,11 +8,19 @@ in any process), and a sample whose worker dies even alone is handed to `on_cras
 naming its files); then a fresh pool takes the rest. Workers that die on several samples in a row, each alone,
 stop the run instead (the machine or the environment, not the samples). Written here because no executor in the standard library or
 a well-kept package retries per item after a worker death and keeps the results in order with a bounded window.
+
+A Ctrl-C, or a launcher's SIGTERM, ends the stage promptly: the waits for a result are polled (one taken by
+another thread of the stage woke the main thread only when the sample at the head was rendered: never, for a
+worker stuck on a file), and a stage that stops on an exception ends its workers instead of waiting for their
+samples (their results are not used: a rerun renders what was not committed). The workers ignore SIGINT: a
+terminal's Ctrl-C, sent to the whole process group, is the stage's to act on (each idle worker printed a
+KeyboardInterrupt traceback, and its exit broke the pool mid-stop).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from collections import deque
@@ -21,6 +29,7 @@ from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
 from typing import Callable, Iterable, Iterator, TypeVar
 
+from schemas import interruptible
 from schemas.errors import UserError
 
 T = TypeVar("T")
@@ -40,7 +49,10 @@ def _end_with_parent(parent: int) -> None:
     """In each worker: end when the stage's process is gone. A SIGKILLed stage (`kill -9`, the out-of-memory
     killer) otherwise leaves its workers waiting for work forever (re-parented, each holding its memory: seen
     with `concurrent.futures` on Python 3.11). Polled (the parent id changes when the worker is
-    re-parented) rather than Linux's PR_SET_PDEATHSIG, which follows the thread that started the worker."""
+    re-parented) rather than Linux's PR_SET_PDEATHSIG, which follows the thread that started the worker. Also
+    ignores SIGINT (the module's docstring)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_SECONDS)
@@ -61,6 +73,7 @@ def rendered_in_order(fn: Callable[[T], R], items: Iterable[T], workers: int, ah
     window: deque[tuple[T, Future | None]] = deque()
     deaths_in_a_row = 0
     pool = _pool(workers)
+    ended = False
     try:
         while True:
             broken = False
@@ -74,11 +87,12 @@ def rendered_in_order(fn: Callable[[T], R], items: Iterable[T], workers: int, ah
                     window.append((item, None))
                     broken = True
             if not window:
+                ended = True
                 return
             if not broken:
                 item, fut = window[0]
                 try:
-                    result = fut.result()  # type: ignore[union-attr]
+                    result = interruptible.result(fut)  # type: ignore[arg-type]
                 except BrokenProcessPool:
                     broken = True
                 else:
@@ -99,7 +113,24 @@ def rendered_in_order(fn: Callable[[T], R], items: Iterable[T], workers: int, ah
             window.clear()
             pool = _pool(workers)
     finally:
+        if not ended:  # an exception here or in the consumer (a Ctrl-C, a failed write), or the consumer stopped
+            _end_workers(pool)
         pool.shutdown(cancel_futures=True)
+
+
+def _end_workers(pool: ProcessPoolExecutor) -> None:
+    """Terminate `pool`'s worker processes (SIGTERM) and wait until they are gone: `shutdown` alone waits for the
+    samples being rendered, a worker stuck on a file forever. `_processes` is the executor's own record of them
+    (Python 3.14's `terminate_workers` does the same)."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for p in procs:
+        try:
+            p.terminate()
+        except (OSError, ValueError):  # ended already, or closed
+            pass
+    for p in procs:
+        while p.is_alive():
+            p.join(interruptible.POLL_SECONDS)
 
 
 # Samples whose worker dies even alone, one after the other: then the workers cannot work at all (no memory
@@ -119,13 +150,17 @@ def _one_at_a_time(fn: Callable[[T], R], entries: list[tuple[T, Future | None]])
                 continue
             solo = solo or _pool(1)
             try:
-                result = solo.submit(fn, item).result()
+                result = interruptible.result(solo.submit(fn, item))
             except BrokenProcessPool:
                 solo.shutdown(cancel_futures=True)
                 solo = None
                 yield item, None, True
             else:
                 yield item, result, False
+    except BaseException:
+        if solo is not None:
+            _end_workers(solo)
+        raise
     finally:
         if solo is not None:
             solo.shutdown(cancel_futures=True)

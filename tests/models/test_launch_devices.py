@@ -216,3 +216,43 @@ def test_ctrl_c_ends_a_rank_waiting_for_the_others_before_the_group(monkeypatch)
     proc = run_script(_INTERRUPTED_WAIT, timeout=HOLD_SECONDS + 120)
     assert proc.returncode == 130, proc.stderr[-2000:]
     assert proc.stdout.strip() == "interrupted while waiting"
+
+
+# Rank 1 of 2 connecting to rank 0's store, which never comes up (its port refuses); a Ctrl-C comes meanwhile, to
+# another thread or to the main thread itself.
+_INTERRUPTED_CONNECT = f"""
+import signal, sys, threading
+from signal_elsewhere import main_in_call, signal_elsewhere_once
+from models.collective import gather_before_group
+
+to_main = sys.argv[1] == "main"
+def ready():
+    if not main_in_call("gather_before_group", ("TCPStore(", "connect(", "sleep(")):
+        return False
+    if to_main:
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    return not to_main
+try:
+    signal_elsewhere_once(ready, signal.SIGINT)
+    gather_before_group(2, "train.device", "{{}}", timeout={HOLD_SECONDS})
+except KeyboardInterrupt as e:  # raised while the timeout was handled (its context), or between two tries (a refusal)
+    late = e.__context__ is not None and not isinstance(e.__context__, ConnectionRefusedError)
+    print("interrupted", "after the connection timed out" if late else "while connecting")
+    sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("to", ["elsewhere", "main"])
+def test_ctrl_c_ends_a_rank_connecting_to_a_store_not_up_yet(monkeypatch, to: str) -> None:
+    """torch's client retries a refused connection inside one C++ call that no signal ends, on whichever thread it
+    lands: a Ctrl-C (or a launcher's SIGTERM) while a rank waited for rank 0 to start held it for the before-group
+    bound (models/collective.py BEFORE_GROUP_SECONDS, 30 minutes)."""
+    from signal_elsewhere import run_script
+
+    with socket.socket() as held:  # bound, never listening: every connection to it is refused, no one takes it
+        held.bind(("127.0.0.1", 0))
+        for name, value in _env(1, held.getsockname()[1], agent_store=True).items():
+            monkeypatch.setenv(name, value)
+        proc = run_script(_INTERRUPTED_CONNECT.replace("sys.argv[1]", repr(to)), timeout=HOLD_SECONDS + 120)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "interrupted while connecting"
