@@ -35,7 +35,6 @@ again), and a host's database that no process has opened for 30 days is removed 
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import logging
 import os
@@ -46,6 +45,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from schemas import interruptible
 from schemas.host import host_id
 
 log = logging.getLogger("models")
@@ -287,7 +287,9 @@ class FileHashes:
             return
         try:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies
+                # released by the kernel if this process dies; polled: a Ctrl-C another thread took ends the
+                # wait for the node's other rank hashing a model (minutes)
+                interruptible.flock(fd)
             except OSError as e:  # a file system without locks (NFS mounted `nolock`: ENOLCK): as without a cache
                 log.warning("file hash lock %s not usable (%s); hashing without it", path, e)
             yield

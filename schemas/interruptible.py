@@ -14,8 +14,10 @@ Here because store/, models/ and stages/ all wait this way, and may all import s
 
 from __future__ import annotations
 
+import fcntl
 import queue
 import threading
+import time
 from concurrent import futures
 from typing import Any, Callable
 
@@ -55,3 +57,17 @@ def result(fut: futures.Future) -> Any:
     while not fut.done():
         futures.wait([fut], timeout=POLL_SECONDS)
     return fut.result()
+
+
+def flock(fd: int) -> None:
+    """`fcntl.flock(fd, LOCK_EX)` (another process's lock, or another open file's), as tries that do not block, the
+    pause between them growing to POLL_SECONDS: a blocking flock ends early only for a signal delivered to its own
+    thread."""
+    pause = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_SECONDS)

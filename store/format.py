@@ -16,7 +16,6 @@ import shutil
 import signal
 import socket
 import stat
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
@@ -25,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas.errors import UserError
-from schemas.interruptible import POLL_SECONDS
+from schemas import interruptible
 from schemas.newer import refuse_newer
 from schemas.temp_files import remove_dead_temps, siblings, temp_of, temp_stem
 
@@ -436,12 +435,13 @@ def check_store_record(rec: Any, path: Path | str, sealed: bool = True) -> None:
 def flock(path: Path, *, blocking: bool = True, holder: str = "") -> Iterator[None]:
     """An advisory lock the kernel drops when the process dies (SIGKILL leaves no stale lock). A holder may unlink
     its lock file as it lets go (stages/train/guard.RunDirLock): a lock taken on a file no longer at `path`
-    excludes nobody, so the file is opened again. A blocking one waits in short tries (`_flock_polled`)."""
+    excludes nobody, so the file is opened again. A blocking one waits in short tries (`interruptible.flock`: a
+    Ctrl-C another thread took held it until the other process let go, a shard another rank fetches whole: minutes)."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             if blocking:
-                _flock_polled(fd)
+                interruptible.flock(fd)
             else:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BaseException as e:
@@ -464,21 +464,6 @@ def flock(path: Path, *, blocking: bool = True, holder: str = "") -> Iterator[No
         yield
     finally:
         os.close(fd)
-
-
-def _flock_polled(fd: int) -> None:
-    """`fcntl.flock(fd, LOCK_EX)` as tries that do not block, the pause between them growing to
-    interruptible.POLL_SECONDS: a blocking flock ends early only for a signal delivered to its own thread, so a
-    Ctrl-C another thread took held a main thread waiting for another process's lock (a shard another rank
-    fetches whole: minutes) until that process let go (schemas/interruptible.py)."""
-    pause = 0.001
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            time.sleep(pause)
-            pause = min(2 * pause, POLL_SECONDS)
 
 
 def _names(path: Path, fd: int) -> bool:
