@@ -219,66 +219,76 @@ def collect(root: Path, dry_run: bool = False, echo: Callable[[str], None] = pri
     # a dry run changes nothing, so it needs no store lock (which a read-only store cannot create)
     with (nullcontext() if dry_run else fmt.flock(root / fmt.STORE_LOCK)):
         p = plan(root)
-        for vdir in p.remove:
-            echo(f"{'would remove' if dry_run else 'remove'} {vdir.relative_to(root)}")
-        for d in p.leftovers:
-            echo(f"{'would finish removing' if dry_run else 'finish removing'} {d.relative_to(root)} (an interrupted gc)")
-        for f in p.unreferenced:
-            echo(f"{'would remove' if dry_run else 'remove'} {f.relative_to(root)} (no file of its version: "
-                 "a shard its writer was killed before indexing)")
-        for d in p.set_aside:
-            echo(f"{'would remove' if dry_run else 'remove'} {d.relative_to(root)} (a damaged version a repair "
-                 f"set aside; {p.freed[d] / 1e6:.1f} MB{' would be' if dry_run else ''} freed)")
-        for d, by in sorted(p.set_aside_held.items()):
-            echo(f"keep {d.relative_to(root)}: a damaged version set aside, but its number is read by "
-                 + "; ".join(by))
-        for (table, v), by in sorted(p.leased.items()):
-            echo(f"keep {table}/v{v}: not current, but read by " + "; ".join(by))
-        for f in p.stale_records:
-            echo(f"{'would remove' if dry_run else 'remove'} {f.relative_to(root)} (the record of a version no "
-                 "longer there: an interrupted gc)")
-        for found in p.dead_leases:
-            echo(f"{'would remove' if dry_run else 'remove'} the lease of a gone reader: {found.describe()}")
-        for line in unknown_lines(p.unknown_upstream):
-            echo(line)
+        _say_plan(root, p, dry_run, echo)
         if dry_run:
             echo(f"dry run: {len(p.remove)} version(s){_files_note(p)}, {p.nbytes / 1e6:.1f} MB would be freed")
             return p
-        doomed = list(p.leftovers)
-        for vdir in p.remove + p.set_aside:
-            fmt.crash_point("gc_before_rename")
-            gone = vdir.with_name(f".{vdir.name}{DELETING_SUFFIX}")
-            shutil.rmtree(gone, ignore_errors=True)
-            os.rename(vdir, gone)  # the commit: from here on it is no version
-            fmt.fsync_dir(vdir.parent)
-            doomed.append(gone)
-            fmt.crash_point("gc_after_rename")
-        for d in doomed:
-            for f in sorted(d.rglob("*"), reverse=True):
-                f.rmdir() if f.is_dir() and not f.is_symlink() else f.unlink()
-                fmt.crash_point("gc_mid_delete")
-            d.rmdir()
-        for f in p.unreferenced:
-            f.unlink(missing_ok=True)
-        for vdir in p.remove:  # `store repair`'s marker (and the fixes' record) of a removed version name nothing now
-            fmt.damaged_marker(root, vdir.parent.name, int(vdir.name.lstrip("v"))).unlink(missing_ok=True)
-            fmt.unchanged_marker(root, vdir.parent.name, int(vdir.name.lstrip("v"))).unlink(missing_ok=True)
-            for note in notes_of(root, vdir.parent.name, int(vdir.name.lstrip("v"))):
-                note.unlink(missing_ok=True)
-        for aside in p.set_aside:  # its damage record too, unless a version of that number (reused) has it now
-            table, v = aside.parent.name, int(fmt.SET_ASIDE_RE.fullmatch(aside.name).group(1))
-            if not fmt.version_dir(root, table, v).exists():
-                fmt.damaged_marker(root, table, v).unlink(missing_ok=True)
-                fmt.unchanged_marker(root, table, v).unlink(missing_ok=True)
-                for note in notes_of(root, table, v):
-                    note.unlink(missing_ok=True)
-        for f in p.stale_records:  # after the folders: a kill before leaves them for the next gc
-            f.unlink(missing_ok=True)
-        for found in p.dead_leases:
-            found.path.unlink(missing_ok=True)
+        _remove(root, p)
         echo(f"gc: removed {len(p.remove)} version(s){_files_note(p)}, freed {p.nbytes / 1e6:.1f} MB; kept "
              + ", ".join(f"{t} v{v}" for t, v in p.keep))
     return p
+
+
+def _say_plan(root: Path, p: GcPlan, dry_run: bool, echo: Callable[[str], None]) -> None:
+    """A line for everything the plan removes or keeps for a reader, before anything is removed."""
+    remove = "would remove" if dry_run else "remove"
+    for vdir in p.remove:
+        echo(f"{remove} {vdir.relative_to(root)}")
+    for d in p.leftovers:
+        echo(f"{'would finish removing' if dry_run else 'finish removing'} {d.relative_to(root)} (an interrupted gc)")
+    for f in p.unreferenced:
+        echo(f"{remove} {f.relative_to(root)} (no file of its version: a shard its writer was killed before "
+             "indexing)")
+    for d in p.set_aside:
+        echo(f"{remove} {d.relative_to(root)} (a damaged version a repair set aside; {p.freed[d] / 1e6:.1f} MB"
+             f"{' would be' if dry_run else ''} freed)")
+    for d, by in sorted(p.set_aside_held.items()):
+        echo(f"keep {d.relative_to(root)}: a damaged version set aside, but its number is read by " + "; ".join(by))
+    for (table, v), by in sorted(p.leased.items()):
+        echo(f"keep {table}/v{v}: not current, but read by " + "; ".join(by))
+    for f in p.stale_records:
+        echo(f"{remove} {f.relative_to(root)} (the record of a version no longer there: an interrupted gc)")
+    for found in p.dead_leases:
+        echo(f"{remove} the lease of a gone reader: {found.describe()}")
+    for line in unknown_lines(p.unknown_upstream):
+        echo(line)
+
+
+def _remove(root: Path, p: GcPlan) -> None:
+    """The plan carried out: each folder renamed out of the store first (the commit), then deleted; records last."""
+    doomed = list(p.leftovers)
+    for vdir in p.remove + p.set_aside:
+        fmt.crash_point("gc_before_rename")
+        gone = vdir.with_name(f".{vdir.name}{DELETING_SUFFIX}")
+        shutil.rmtree(gone, ignore_errors=True)
+        os.rename(vdir, gone)  # the commit: from here on it is no version
+        fmt.fsync_dir(vdir.parent)
+        doomed.append(gone)
+        fmt.crash_point("gc_after_rename")
+    for d in doomed:
+        for f in sorted(d.rglob("*"), reverse=True):
+            f.rmdir() if f.is_dir() and not f.is_symlink() else f.unlink()
+            fmt.crash_point("gc_mid_delete")
+        d.rmdir()
+    for f in p.unreferenced:
+        f.unlink(missing_ok=True)
+    for vdir in p.remove:  # `store repair`'s marker (and the fixes' record) of a removed version name nothing now
+        _remove_records(root, vdir.parent.name, int(vdir.name.lstrip("v")))
+    for aside in p.set_aside:  # its damage record too, unless a version of that number (reused) has it now
+        table, v = aside.parent.name, int(fmt.SET_ASIDE_RE.fullmatch(aside.name).group(1))
+        if not fmt.version_dir(root, table, v).exists():
+            _remove_records(root, table, v)
+    for f in p.stale_records:  # after the folders: a kill before leaves them for the next gc
+        f.unlink(missing_ok=True)
+    for found in p.dead_leases:
+        found.path.unlink(missing_ok=True)
+
+
+def _remove_records(root: Path, table: str, v: int) -> None:
+    fmt.damaged_marker(root, table, v).unlink(missing_ok=True)
+    fmt.unchanged_marker(root, table, v).unlink(missing_ok=True)
+    for note in notes_of(root, table, v):
+        note.unlink(missing_ok=True)
 
 
 def _files_note(p: GcPlan) -> str:
