@@ -167,21 +167,10 @@ def scan_table(root: Path, table: str, version: int, progress: bool = True) -> T
     shards_with_damage: set[str] = set(reader.bad_shards)
     shard_col = reader.manifest.column("shard").to_pylist()
     shards = set(shard_col)  # once: rebuilt per checksums entry, it made the scan O(shards x samples)
-    as_written = _as_written(manifest, sums)
-    read_once: set[str] = set()  # shards whose whole file matched, of those
     listed = [(s, sums[s]) for s in sorted(shards - shards_with_damage) if sums is not None and s in sums]
-    # the scan's long part at scale (every byte of the version): its own bar, in bytes, as verify's
-    with tqdm(total=sum(int(want["nbytes"]) for _, want in listed), desc=f"checksum {table}/v{version}", unit="B",
-              unit_scale=True, unit_divisor=1024, disable=not progress or not listed, dynamic_ncols=True) as bar:
-        for shard, want in listed:  # whole-file check: damage between samples too
-            found = _whole_crc(vdir / shard)
-            if found is None:  # a cached shard not fetched whole: its samples are read by range below, each checked
-                pass
-            elif found != (want["crc32c"], want["nbytes"]):
-                shards_with_damage.add(shard)
-            elif shard in as_written:
-                read_once.add(shard)
-            bar.update(int(want["nbytes"]))
+    damaged_whole, read_once = _whole_shards(vdir, f"{table}/v{version}", listed, _as_written(manifest, sums),
+                                             progress)
+    shards_with_damage |= damaged_whole
     keys = reader.keys()
     # Only the samples of shards not shown intact whole are read again, to tell their intact samples from the
     # damaged: a shard whose file is its CRC's bytes holds exactly the bytes each sample's CRC was taken of.
@@ -198,14 +187,40 @@ def scan_table(root: Path, table: str, version: int, progress: bool = True) -> T
     shards_with_damage -= set(plan.trimmed)
     plan.copied = [k for k, s in zip(keys, shard_col) if s in shards_with_damage and k not in plan.damaged]
     if sums is not None:  # without this, verify fails on such a file forever while repair finds nothing to do
-        derived = {n: e for n, e in sums.items() if n not in (fmt.MANIFEST, fmt.SCHEMA_JSON) and n not in shards}
-        # fetched first in a store URL's cached copy: one deleted on the node is no damage (the URL holds it)
-        plan.derived_damaged = sorted(n for n, e in derived.items() if fetch_problem(vdir / n) is not None
-                                      or not (vdir / n).is_file()
-                                      or (measured.get(n) or file_crc(vdir / n)) != (e["crc32c"], e["nbytes"]))
+        plan.derived_damaged = _derived_damaged(vdir, sums, shards, measured)
     plan.intact_shards = sorted(shards - shards_with_damage - set(plan.trimmed))
     reader.close()
     return plan
+
+
+def _whole_shards(vdir: Path, name: str, listed: list, as_written: set[str],
+                  progress: bool) -> tuple[set[str], set[str]]:
+    """Each listed shard's whole file against its checksums.json entry (damage between samples too): (the shards
+    that differ, the shards whose file matched as written - their samples need no reading). The scan's long part at
+    scale (every byte of the version): its own bar, in bytes, as verify's."""
+    from tqdm import tqdm
+
+    damaged, read_once = set(), set()
+    with tqdm(total=sum(int(want["nbytes"]) for _, want in listed), desc=f"checksum {name}", unit="B",
+              unit_scale=True, unit_divisor=1024, disable=not progress or not listed, dynamic_ncols=True) as bar:
+        for shard, want in listed:
+            found = _whole_crc(vdir / shard)
+            if found is None:  # a cached shard not fetched whole: its samples are read by range, each checked
+                pass
+            elif found != (want["crc32c"], want["nbytes"]):
+                damaged.add(shard)
+            elif shard in as_written:
+                read_once.add(shard)
+            bar.update(int(want["nbytes"]))
+    return damaged, read_once
+
+
+def _derived_damaged(vdir: Path, sums: dict, shards: set[str], measured: dict) -> list[str]:
+    """The version's other listed files (shard indexes, rank-done files) that fail their entry; in a store URL's
+    cached copy fetched first: one deleted on the node is no damage (the URL holds it)."""
+    derived = {n: e for n, e in sums.items() if n not in (fmt.MANIFEST, fmt.SCHEMA_JSON) and n not in shards}
+    return sorted(n for n, e in derived.items() if fetch_problem(vdir / n) is not None or not (vdir / n).is_file()
+                  or (measured.get(n) or file_crc(vdir / n)) != (e["crc32c"], e["nbytes"]))
 
 
 def _whole_crc(path: Path) -> tuple[str, int] | None:
