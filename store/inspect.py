@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Collection
+from typing import Any, Collection, Mapping
 
 from schemas.errors import UserError
 from schemas.newer import WrittenByNewer
@@ -15,9 +15,12 @@ from store.manifest_files import checked_manifest, checked_schema, mapped_checke
 from store.store import Store
 
 
-def describe(root: Path, manifests_at_url: Collection[Path] = ()) -> dict[str, Any]:
+def describe(root: Path, manifests_at_url: Collection[Path] = (),
+             damaged_at_url: Mapping[Path, str] | None = None) -> dict[str, Any]:
     """`manifests_at_url`: version folders of a URL's metadata copy whose manifest was not fetched
-    (store/remote_view.py: their counts are recorded, the manifest's listed size matched the sealed record)."""
+    (store/remote_view.py: their counts are recorded, the manifest's listed size matched the sealed record);
+    `damaged_at_url`: those whose metadata at the URL is damaged, with the line naming it."""
+    damaged_at_url = damaged_at_url or {}
     st = Store(root, create=False)
     current = st.tables()
     out: dict[str, Any] = {"store": str(root), "format": fmt.STORE_FORMAT, "format_version": fmt.STORE_FORMAT_VERSION,
@@ -25,7 +28,8 @@ def describe(root: Path, manifests_at_url: Collection[Path] = ()) -> dict[str, A
     names = sorted(set(current) | {p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")})
     for table in names:
         vdirs = {v: st.version_dir(table, v) for v in st.versions(table)}
-        versions = [_describe_version(vdir, v, vdir in manifests_at_url) for v, vdir in vdirs.items()]
+        versions = [{"version": v, "complete": True, "damaged": damaged_at_url[vdir]} if vdir in damaged_at_url
+                    else _describe_version(vdir, v, vdir in manifests_at_url) for v, vdir in vdirs.items()]
         out["tables"][table] = {"current": current.get(table), "versions": versions}
     q = quarantine.read(root)
     by_reason = quarantine.samples_by_reason(q)  # samples: a row may stand for several (quarantine.SAMPLES)

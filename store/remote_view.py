@@ -8,20 +8,23 @@ code path describes that folder. A version's `manifest.parquet` (~140 MB at a mi
 where its counts are recorded: its listed size is compared with the sealed record (a cut-short or overwritten one
 is named), its bytes are `store verify`'s to check. A version sealed before the record has its manifest fetched and
 counted, as before. Only complete versions (those with a manifest on the remote) are described; a push in progress
-is not yet a version.
+is not yet a version. A damaged version (its checksums.json's seal broken, a file not as sealed) is named as damaged
+and the others described, as a local inspect does.
 """
 
 from __future__ import annotations
 
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from schemas.errors import UserError
+from schemas.newer import WrittenByNewer
 from store import format as fmt
 from store.checksum import crc_hex
+from store.integrity import DamagedData
 from store.remote import Remote, lost_object, open_remote, remote_errors
 from store import quarantine, remote_endpoint, version_counts
 from store.remote_sync import _MANIFEST_RE, version_record, _progress, damaged_quarantine, marker_rel
@@ -34,6 +37,8 @@ class MetadataCopy:
     root: Path  # a temporary local store folder: store.json, quarantine.parquet, each version's metadata
     # version folders (under root) whose manifest stayed at the URL: counts recorded, listed size as sealed
     manifests_at_url: frozenset[Path]
+    # version folders (under root) whose metadata at the URL is damaged: the line naming the damage
+    damaged: Mapping[Path, str] = field(default_factory=dict)
 
 
 @contextmanager
@@ -68,17 +73,21 @@ def metadata_copy(url: str, storage_options: dict[str, Any] | None = None) -> It
         # a manifest of a million samples is tens of MB (fetched only for versions without recorded counts): a bar
         # in bytes, over at most every file fetched
         total = sum(listing.get(f"{base}/{name}", 0) for base in bases for name in (fmt.CHECKSUMS, *METADATA))
-        at_url = set()
+        at_url, damaged = set(), {}
         with _progress(total, f"inspect {url}: metadata") as bar:
             for base in bases:
-                if _version_metadata(remote, url, base, root / base, bar, listing):
-                    at_url.add(root / base)
-        yield MetadataCopy(root, frozenset(at_url))
+                try:
+                    if _version_metadata(remote, url, base, root / base, bar, listing):
+                        at_url.add(root / base)
+                except DamagedData as e:  # one version's damage does not stop the report (store/inspect.py)
+                    damaged[root / base] = str(e)
+        yield MetadataCopy(root, frozenset(at_url), damaged)
 
 
 def _version_metadata(remote: Remote, url: str, base: str, vdir: Path, bar, listing: dict[str, int]) -> bool:
     """A version's checksums.json (checked by its seal) and METADATA files (against it) into `vdir`; True when its
-    manifest was left at the URL (its counts recorded: only its listed size checked)."""
+    manifest was left at the URL (its counts recorded: only its listed size checked). DamagedData: a file of it is
+    not as sealed (or the seal broken)."""
     vdir.mkdir(parents=True)
     try:
         record = remote.read(f"{base}/{fmt.CHECKSUMS}")
@@ -87,7 +96,12 @@ def _version_metadata(remote: Remote, url: str, base: str, vdir: Path, bar, list
             raise lost from None
         raise
     bar.update(len(record))
-    sealed = version_record(record, f"{url}/{base}/{fmt.CHECKSUMS}")
+    try:
+        sealed = version_record(record, f"{url}/{base}/{fmt.CHECKSUMS}")
+    except WrittenByNewer:  # a newer release's version: never damage
+        raise
+    except UserError as e:
+        raise DamagedData(str(e)) from None
     files = sealed["files"]
     (vdir / fmt.CHECKSUMS).write_bytes(record)
     # the same test as store/inspect.py's: a record it would not read has the manifest fetched and counted
@@ -108,6 +122,6 @@ def _version_metadata(remote: Remote, url: str, base: str, vdir: Path, bar, list
     return left
 
 
-def _damaged(url: str, base: str, name: str, why: str) -> UserError:
-    return UserError(f"{url}/{base}/{name} is damaged ({why}); delete it (objects are never overwritten) and push "
+def _damaged(url: str, base: str, name: str, why: str) -> DamagedData:
+    return DamagedData(f"{url}/{base}/{name} is damaged ({why}); delete it (objects are never overwritten) and push "
                      "that version again from an intact store")

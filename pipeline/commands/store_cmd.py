@@ -33,7 +33,7 @@ def inspect(store: str = StoreOrUrlArg, as_json: bool = typer.Option(False, "--j
             from store.remote_view import metadata_copy
 
             with metadata_copy(store) as copy:
-                info = {**describe(copy.root, copy.manifests_at_url), "store": store}
+                info = {**describe(copy.root, copy.manifests_at_url, copy.damaged), "store": store}
         else:
             info = describe(Path(store))
     echo(json.dumps(info, indent=2, sort_keys=True) if as_json else render(info))

@@ -90,15 +90,47 @@ def test_inspect_of_a_url_fetches_no_manifest_whose_counts_are_recorded(s3_env, 
     assert "vae/v2/checksums.json" in names and "vae/v2/schema.json" in names
     assert f"inspect {s3_env.url()}: metadata: 100%" in res.stderr, res.stderr  # the bar's total what was fetched
 
-    # a manifest cut short on the server: named by its URL, one line, nothing described from it
+    # a manifest cut short on the server: that version marked damaged, the object named by its URL, the other
+    # version still described (as a local inspect does with a damaged manifest)
     client = s3_env.client()
     key = "store/vae/v2/manifest.parquet"
     data = client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()
     client.put_object(Bucket=s3_env.bucket, Key=key, Body=data[:-100])
     res = runner.invoke(app, ["store", "inspect", s3_env.url()])
-    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
-    assert f"{s3_env.url()}/vae/v2/manifest.parquet is damaged ({len(data) - 100} bytes listed, {len(data)} sealed)" \
-        in res.output, res.output
+    assert res.exit_code == 0 and "Traceback" not in res.output, res.output
+    assert f"* v2: damaged: {s3_env.url()}/vae/v2/manifest.parquet is damaged ({len(data) - 100} bytes listed, " \
+        f"{len(data)} sealed)" in res.output, res.output
+    assert "  v1: schema v" in res.output and "10 samples" in res.output, res.output
+    res = runner.invoke(app, ["store", "inspect", s3_env.url(), "--json"])
+    versions = json.loads(res.stdout)["tables"]["vae"]["versions"]
+    assert versions[0] == local["tables"]["vae"]["versions"][0] and "damaged" in versions[1], versions
+
+
+def test_inspect_of_a_url_marks_each_damaged_version_and_describes_the_rest(s3_env, store: Store) -> None:
+    """A flipped bit in a fetched manifest (a version without recorded counts), in a schema.json, in a
+    checksums.json's seal: each version named damaged with its object, as a local inspect names it; none stops the
+    report."""
+    from store.checksum import seal
+    from store.integrity import read_version_record
+
+    fill(store, 10, tag="a")
+    fill(store, 6, tag="b", start=20)
+    fill(store, 4, tag="c", start=40)
+    fill(store, 3, tag="d", start=60)
+    old = store.version_dir("vae", 1)  # its manifest fetched and counted
+    record = read_version_record(old)
+    del record["counts"]
+    (old / "checksums.json").write_bytes(seal(record))
+    push(store.root, s3_env.url())
+    _flip(s3_env, "store/vae/v1/manifest.parquet")
+    _flip(s3_env, "store/vae/v2/schema.json")
+    _flip(s3_env, "store/vae/v3/checksums.json")
+    res = runner.invoke(app, ["store", "inspect", s3_env.url(), "--json"])
+    assert res.exit_code == 0 and "Traceback" not in res.output, res.output
+    versions = json.loads(res.stdout)["tables"]["vae"]["versions"]
+    for v, name in zip(versions, ("manifest.parquet", "schema.json", "checksums.json")):
+        assert v.get("damaged", "").startswith(f"{s3_env.url()}/vae/v{v['version']}/{name} is damaged ("), versions
+    assert versions[3]["samples"] == 3 and "damaged" not in versions[3], versions
 
 
 def _flip(s3_env, key: str, at: int | None = None) -> None:
