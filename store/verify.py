@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import struct
 import tarfile
 from pathlib import Path
@@ -56,6 +57,22 @@ LITTER_NOTE = "temp file left by an interrupted write (`pipeline store repair` r
 LIVE_TEMP_NOTE = ("temp file of a write in progress, or of one killed on another host or container (or before a "
                   "reboot): `pipeline store repair` removes it once untouched for a day; with no write of the store "
                   "running anywhere, delete it")
+
+
+# What `store repair` mends without recomputing a sample, so without the --model / --config of the stage that wrote
+# it (store/repair.py): a shard index or rank-done file (derived from the manifest: written afresh), counts sealed
+# in checksums.json that are not the manifest's (counted afresh), a temp file (removed), quarantine.parquet (set
+# aside). Any other problem may need the producing stage.
+_NO_RECOMPUTE = re.compile(
+    rf"[A-Za-z0-9_]+/v\d+/(?:shard-[^/:]+\.index\.parquet|rank-\d+\.done): (?:missing$|size |crc32c )"
+    rf"|[A-Za-z0-9_]+/v\d+/{re.escape(fmt.CHECKSUMS)}: its counts are not its manifest's"
+    rf"|.*: (?:{re.escape(LITTER_NOTE)}|{re.escape(LIVE_TEMP_NOTE)})$"
+    rf"|{re.escape(fmt.QUARANTINE)}: ")
+
+
+def needs_recompute(problem: str) -> bool:
+    """Whether repairing `problem` (a line of `verify_store`'s) may recompute samples (False: known not to)."""
+    return _NO_RECOMPUTE.match(problem) is None
 
 
 def verify_store(root: Path, progress: bool = True, objects: ObjectCheck | None = None) -> list[str]:

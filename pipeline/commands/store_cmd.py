@@ -104,6 +104,7 @@ def _verify_advice(store: str, current: dict[str, int], problems: list[str]) -> 
 
     from store.integrity import NO_REPAIR
     from store.remote import is_url
+    from store.verify import needs_recompute
 
     # damage repair cannot fix (a version's schema.json / checksums.json, a current version without its manifest):
     # its line's own advice, once per distinct one, and no `store repair` for it (which refuses it)
@@ -115,9 +116,14 @@ def _verify_advice(store: str, current: dict[str, int], problems: list[str]) -> 
     if is_url(store) and any(p.startswith(f"{store.rstrip('/')}/store.json ") for p in problems):
         # a remote's store.json: no repair rebuilds it (`store repair URL` opens the store through it first)
         advice.append("push the store again into an empty prefix (from the local store it was pushed from)")
-    elif any(m is None or current.get(m[1]) == int(m[2]) for m in found):  # current versions, store.json, litter
-        advice.append(f"`pipeline store repair {store}` recomputes what is damaged (with the --model / --config "
-                      "the store was built with)")
+    elif mended := [p for p, m in zip(problems_, found) if m is None or current.get(m[1]) == int(m[2])]:
+        # current versions, store.json, litter: the stage's --model / --config only where samples may be recomputed
+        if any(needs_recompute(p) for p in mended):
+            advice.append(f"`pipeline store repair {store}` recomputes what is damaged (with the --model / --config "
+                          "the store was built with)")
+        else:
+            advice.append(f"`pipeline store repair {store}` rewrites what is damaged (no sample recomputed: no "
+                          "--model / --config needed)")
     if old:
         advice.append(f"{', '.join(old)} {'is' if len(old) == 1 else 'are'} not current: `pipeline store gc "
                       f"{store}` removes versions nothing current or running reads")

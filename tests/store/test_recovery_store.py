@@ -165,3 +165,37 @@ def test_a_trimmed_shard_has_its_bytes_fsynced_before_the_repaired_version_count
     assert _cli("store", "repair", store.root).exit_code == 0
     done = events.index(fmt.rank_done_name(0))
     assert f"fsync {store.root / 'vae' / '.trim-v1' / shard.name}" in events[:done], events[:done]
+
+
+def test_verify_names_model_and_config_only_where_repair_recomputes(store: Store) -> None:
+    """Damage repair mends without recomputing a sample (a shard index, counts sealed that are not the manifest's,
+    a temp file): the advice says no --model / --config is needed, and repair without them mends it. A damaged
+    sample: the advice asks for them (before: always)."""
+    from store.checksum import seal
+    from store.integrity import read_version_record
+
+    fill(store, 6)
+    vdir = store.root / "vae" / "v1"
+    index = sorted(vdir.glob("*.index.parquet"))[0]
+    data = bytearray(index.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    index.write_bytes(bytes(data))
+    record = read_version_record(vdir)
+    record["counts"]["samples"] += 1
+    (vdir / "checksums.json").write_bytes(seal(record))
+    (store.root / ".store.json.tmp-999999999").write_text("{")
+    r = _cli("store", "verify", store.root)
+    last = r.output.strip().splitlines()[-1]
+    assert r.exit_code == 1 and last.startswith("3 problem(s): "), r.output
+    assert f"`pipeline store repair {store.root}` rewrites what is damaged (no sample recomputed: no --model / " \
+           "--config needed)" in last, last
+    r = _cli("store", "repair", store.root)  # no --model, no --config: as advised
+    assert r.exit_code == 0 and "v1 repaired as v2 (0 recomputed" in r.output, r.output
+    assert _cli("store", "verify", store.root).exit_code == 0
+
+    shard = sorted((store.root / "vae" / "v2").glob("*.tar"))[0]
+    data = bytearray(shard.read_bytes())
+    data[700] ^= 0x10  # inside the first sample's bytes
+    shard.write_bytes(bytes(data))
+    last = _cli("store", "verify", store.root).output.strip().splitlines()[-1]
+    assert f"`pipeline store repair {store.root}` recomputes what is damaged (with the --model / --config" in last, last
