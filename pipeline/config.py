@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -208,6 +209,29 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         _set_dotted(data, k, v)
     _expand_paths(data, variables=False)
     try:
-        return PipelineConfig.model_validate(data)
+        cfg = PipelineConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_errors(e, None if path is None else Path(path), overridden)) from None
+    _clean_prompts(cfg)
+    return cfg
+
+
+def cleaned_prompt(given: str, key: str) -> str:
+    """A user's prompt (`key` names it: a flag, a config key) cleaned of control characters by the captions' rule
+    (stages/resize/caption_text.py): an ESC sequence or a NUL reached the text encoder as text and, printed in a
+    report, rewrote the terminal. A note line (stderr) when something was removed."""
+    from stages.resize.caption_text import CONTROLS_REMOVED_NOTE, clean_prompt
+
+    if (cleaned := clean_prompt(given)) != given:
+        print(f"note: {key}: {CONTROLS_REMOVED_NOTE}", file=sys.stderr)
+    return cleaned
+
+
+def _clean_prompts(cfg: PipelineConfig) -> None:
+    """The prompts a config gives (evaluate's extra prompts, the negative prompts: the file's, --set's or a flag's),
+    each `cleaned_prompt`."""
+    for i, extra in enumerate(cfg.evaluate.extra_prompts):
+        extra.prompt = cleaned_prompt(extra.prompt, f"evaluate.extra_prompts[{i}].prompt")
+    for section in ("evaluate", "predict"):
+        owner = getattr(cfg, section)
+        owner.negative_prompt = cleaned_prompt(owner.negative_prompt, f"{section}.negative_prompt")

@@ -9,6 +9,7 @@ import typer
 
 from pipeline.commands.common import (ConfigOpt, SetOpt, StrictBaseOpt, checked_lora, config_from, echo, finite,
                                      usage_error, usage_errors, user_errors)
+from pipeline.config import cleaned_prompt
 from pipeline.launched import one_process
 from schemas.img_shapes import PIXELS_PER_PATCH
 
@@ -74,6 +75,7 @@ def command(
             "predict.devices.vae": vae_device,
         },
     )
+    prompt = cleaned_prompt(prompt, "--prompt")  # as a caption is cleaned (the config's prompts: load_config)
     with usage_errors():  # an --out that would destroy an input or cannot be a file: before any loading
         check_out_path(out, list(image))
     _check_local_model(model, len(image), out, cfg.predict.steps)

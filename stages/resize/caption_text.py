@@ -17,6 +17,8 @@ import re
 import unicodedata
 
 CONTROLS_REMOVED = "control characters removed from the caption (NUL, ESC, ...: tab and newline kept)"
+# a prompt's note line (`clean_prompt`), after the prompt's name
+CONTROLS_REMOVED_NOTE = "control characters removed (NUL, ESC, ...: tab and newline kept), as from a caption"
 # 7-bit sequences only: a U+009B in UTF-8 text is mojibake (a Latin-1 read of `ś`, C5 9B), not a terminal's 8-bit
 # CSI, and taken for one it swallowed the letter after it; it goes alone, as every C1 character
 _ESCAPE_SEQUENCE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)")
@@ -27,6 +29,13 @@ def clean_caption(raw: bytes) -> str:
     """The caption as the stage keys it: UTF-8 (UnicodeDecodeError otherwise), a BOM, control characters (above)
     and outer whitespace off."""
     return _without_controls(_text(raw)).strip()
+
+
+def clean_prompt(text: str) -> str:
+    """A user's prompt (`pipeline predict --prompt`, a config's `evaluate.extra_prompts`, a negative prompt) by the
+    caption's rule: its line endings and control characters as `clean_caption` makes them; its outer whitespace
+    kept (a negative prompt of " " is the pipelines' default, not an empty one)."""
+    return _without_controls(text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n"))
 
 
 def had_controls(raw: bytes | None) -> bool:

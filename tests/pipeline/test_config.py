@@ -354,3 +354,17 @@ def test_an_unquoted_yaml_no_for_a_choice_of_words_says_to_quote_it(tmp_path):
         load_config(cfg, {})
     cfg.write_text("train:\n  mixed_precision: 'no'\n")
     assert load_config(cfg, {}).train.mixed_precision == "no"
+
+
+def test_a_configs_prompts_are_cleaned_of_control_characters_as_captions_are(tmp_path, capsys):
+    """evaluate.extra_prompts (a list in the file) and the negative prompts (a flag's override): an ESC sequence or
+    a NUL reached the text encoder as text and, printed in a report, rewrote the terminal. Cleaned by the
+    captions' rule, a note naming each; outer whitespace kept (the negative prompt " " is the default)."""
+    p = tmp_path / "c.yaml"
+    p.write_text('evaluate:\n  extra_prompts:\n    - {prompt: "ok", images: [a.png]}\n'
+                 '    - {prompt: "\\e[1mbold\\e[0m hat\\0", images: [b.png]}\n')
+    cfg = load_config(p, overrides={"predict.negative_prompt": "blurry\x07 "})
+    assert [e.prompt for e in cfg.evaluate.extra_prompts] == ["ok", "bold hat"]
+    assert cfg.predict.negative_prompt == "blurry " and cfg.evaluate.negative_prompt == " "
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("note: ")]
+    assert [n.split(":")[1].strip() for n in notes] == ["evaluate.extra_prompts[1].prompt", "predict.negative_prompt"]

@@ -656,3 +656,21 @@ def test_an_output_size_the_pipeline_would_round_down_is_refused_before_loading(
     _cli("predict", "--model", model, "--image", control, "--prompt", PROMPT, "--steps", 2, "--height", 64,
          "--width", 3 * multiple, "--out", out)
     assert Image.open(out).size == (3 * multiple, 64)
+
+
+def test_a_prompt_flag_is_cleaned_of_control_characters_as_a_caption_is(tiny_edit_model, tmp_path, monkeypatch):
+    """`--prompt` with an ANSI colour sequence, a NUL and a form feed (a prompt pasted from a coloured log): the
+    text encoder got them as text. Now cleaned by the captions' rule, with a note line; a clean prompt: no note."""
+    from pipeline.commands import predict as predict_cmd
+
+    given: list[str] = []
+    monkeypatch.setattr(predict_cmd, "predict", lambda cfg, model, images, prompt, out, *a, **k: given.append(prompt)
+                        or out)
+    control = _control(tmp_path / "control.png")
+    args = ["predict", "--model", tiny_edit_model, "--image", str(control), "--out", str(tmp_path / "o.png")]
+    result = CliRunner().invoke(app, [*args, "--prompt", "\x1b[31mmake the car\x1b[0m red\x00\x0cnow"])
+    assert result.exit_code == 0, result.output
+    assert given == ["make the car red\nnow"]
+    assert "note: --prompt: control characters removed" in result.stderr, result.stderr
+    result = CliRunner().invoke(app, [*args, "--prompt", PROMPT])
+    assert result.exit_code == 0 and given[-1] == PROMPT and "note:" not in result.stderr, result.output
