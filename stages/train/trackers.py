@@ -57,6 +57,25 @@ def _flat(config: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# a clock this far ahead of ours wrote the newest event file: not waited for (the order is then the reader's)
+AHEAD_SECONDS = 5
+
+
+def after_earlier_logs(logs: Path) -> None:
+    """Return once a new event file's name sorts after every one in `logs`. Readers (TensorBoard) read a run's
+    files in name order, and a name is `events.out.tfevents.SECONDS.HOST.PID.N`: a resume started within the second
+    of the killed start's file sorted by pid and a per-process counter (9 < 10 fails as text), read before it, and
+    its purge then hid the resumed points (CI, a kill and resume in one process). At most a second's wait."""
+    import time
+
+    newest = max((int(m) for f in logs.glob("events.out.tfevents.*")
+                  if (m := f.name.split(".")[3]).isdigit()), default=None)
+    if newest is None or newest - time.time() > AHEAD_SECONDS:
+        return
+    while int(time.time()) <= newest:
+        time.sleep(0.05)
+
+
 def tracker_classes(names: list[str]) -> list[type]:
     """The accelerate tracker classes for `train.log_with`; a clear error for an unknown or uninstalled one."""
     from accelerate.tracking import LOGGER_TYPE_TO_CLASS
@@ -80,6 +99,8 @@ class Trackers:
         self.trackers = []
         for cls in tracker_classes(names):
             if cls.name == "tensorboard":  # RUN/logs, as the SummaryWriter wrote it before
+                if purge_step:
+                    after_earlier_logs(run_dir / LOGS_DIR)
                 t = cls(LOGS_DIR, str(run_dir), **({"purge_step": purge_step} if purge_step else {}))
             elif cls.requires_logging_directory:
                 t = cls(run_dir.name, str(run_dir / LOGS_DIR))

@@ -230,3 +230,24 @@ def test_the_damaged_sample_limit_counts_the_steps_before_a_resume(tiny_edit_mod
     from stages.train import state as train_state
 
     assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [2]  # nothing trained past it
+
+
+def test_a_resumes_event_file_sorts_after_the_killed_starts_in_the_same_second(tmp_path):
+    """Event files are read in name order (`events.out.tfevents.SECONDS.HOST.PID.N`): a resume started in the same
+    second as the killed start's file sorted by pid and counter (as text: 10 < 9), was read first, and the purge
+    hid its points (CI: test_the_last_step_off_the_log_cadence_is_logged_straight_and_resumed, once)."""
+    import socket
+    import time
+
+    from stages.train.trackers import Trackers
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    # the killed start's file, one second ahead of now (as one written within this second, whatever the clock does
+    # meanwhile), under a pid and counter that sort after any this process gets
+    earlier = logs / f"events.out.tfevents.{int(time.time()) + 1:010d}.{socket.gethostname()}.999999999.99"
+    earlier.write_bytes(b"")
+    trackers = Trackers(["tensorboard"], tmp_path, {}, purge_step=5)
+    trackers.close()
+    files = sorted(f.name for f in logs.glob("events.out.tfevents.*"))
+    assert files[0] == earlier.name and len(files) == 2
