@@ -579,18 +579,10 @@ def _count_and_wait(store, counter: str, world: int, wait: bool = True, together
                 _state["counted"] = _state.get("counted", frozenset()) | {counter}
                 rank = int(os.environ.get("RANK", "0"))
                 _read(clients, lambda c: c.set(keys[rank], "1"))
-        deadline, seen = time.monotonic() + HOST_WAIT_SECONDS, 0
-        while wait and time.monotonic() < deadline:
-            # ranks 0..seen-1 are counted (a key once set stays): each poll asks one key at a time from the first
-            # not yet seen, not all `world` keys (every rank of a failed launch waits here, polling the one store:
-            # at 512 ranks, 10 polls/s of 512 keys each kept the store's one thread busy)
-            while seen < world and _read(clients, lambda c: c.check([keys[seen]])):
-                seen += 1
-            if seen == world and together:  # every rank waits here, not only the host: `_left_together`
-                _left_together(clients, counter, world, rank=int(os.environ.get("RANK", "0")), deadline=deadline)
-            if seen == world:
-                break
-            time.sleep(POLL_SECONDS / 5)
+        deadline = time.monotonic() + HOST_WAIT_SECONDS
+        # every rank of a failed launch waits here, polling the one store
+        if wait and _all_set(lambda k: _read(clients, lambda c: c.check([k])), keys, deadline) and together:
+            _left_together(clients, counter, world, rank=int(os.environ.get("RANK", "0")), deadline=deadline)
     except Exception:  # noqa: BLE001 - the store is gone (its host ended): nothing left to wait for
         pass
 
@@ -604,11 +596,23 @@ def _left_together(clients: list, counter: str, world: int, rank: int, deadline:
         _read(clients, lambda c: c.set(f"{counter}/left/{rank}", "1"))
         return
     others = [f"{counter}/left/{r}" for r in range(world) if r != rank]
-    while others and time.monotonic() < deadline:
-        while others and _read(clients, lambda c: c.check([others[0]])):
-            others.pop(0)
-        if others:
-            time.sleep(POLL_SECONDS / 5)
+    _all_set(lambda k: _read(clients, lambda c: c.check([k])), others, deadline)
+
+
+def _all_set(is_set: Callable[[str], bool], keys: list[str], deadline: float) -> bool:
+    """Poll until every one of `keys` is set in the launch's store (`is_set(key)`), or `deadline`; whether all
+    were. Keys 0..seen-1 are set (a key once set stays): each poll asks one key at a time from the first not yet
+    seen, not all of them (every rank of a launch may poll the one store: at 512 ranks, 10 polls/s of 512 keys
+    each kept the store's one thread busy)."""
+    seen = 0
+    while True:
+        while seen < len(keys) and is_set(keys[seen]):
+            seen += 1
+        if seen == len(keys):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_SECONDS / 5)
 
 
 def peer_failure() -> str | None:
@@ -951,11 +955,8 @@ def _wait_keys(store, keys: list[str], timeout: float) -> None:
     """`store.wait(keys, timeout)`, polled: the store's own wait is one C++ call that no signal ends (a Ctrl-C while
     a rank waited for a rank still starting held it for the whole bound, 30 minutes); between polls the main thread
     runs Python, where a signal's handler runs."""
-    deadline = time.monotonic() + timeout
-    while not store.check(keys):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the keys were not all set within {timeout:.0f} s")
-        time.sleep(POLL_SECONDS / 5)
+    if not _all_set(lambda k: store.check([k]), keys, time.monotonic() + timeout):
+        raise TimeoutError(f"the keys were not all set within {timeout:.0f} s")
 
 
 @contextmanager
