@@ -257,9 +257,9 @@ def _store_client(timeout: float = 10.0):
         left = deadline - time.monotonic()
         try:
             socket.create_connection((host, int(port)), timeout=max(min(PROBE_SECONDS, left), 0.01)).close()
-            # the port answers: the store's own client, its try as short; a store that answers takes milliseconds
+            # the port answers: the store's own client, given CONNECT_SECONDS (milliseconds on an idle host)
             client = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                                   timeout=timedelta(seconds=max(min(PROBE_SECONDS, left), 0.01)))
+                                   timeout=timedelta(seconds=max(min(CONNECT_SECONDS, left), 0.01)))
         except (OSError, RuntimeError) as e:  # refused (not up yet), no answer, a name not resolved yet; DistError
             if time.monotonic() + POLL_SECONDS > deadline:
                 last = (str(e).splitlines() or [type(e).__name__])[0][:200]
@@ -409,6 +409,10 @@ def _watch(clients: list, key: str, stop: threading.Event, alive: str | None = N
 
 STORE_RETRY_SECONDS = 30.0  # how long a store that stopped answering is tried again: well under LOST_SECONDS
 PROBE_SECONDS = 2.0  # how long one try waits for the store's port to accept a connection
+# How long torch's client may take to connect once the port answered a probe: milliseconds on an idle host, over
+# 2 s on a loaded one (a 2 s try timed out there once, printing c10d's error and stack at a rank's start). One C++
+# call that no signal ends, hence bounded: a store that accepted the probe and then went away costs this once.
+CONNECT_SECONDS = 10.0
 
 
 def _reconnect(clients: list, stop: threading.Event) -> bool:

@@ -118,6 +118,36 @@ def test_a_rank_waiting_for_rank_0_alone_goes_on_after_a_failed_store_read(monke
     assert budget["left"] == 0 and store.check([f"{done}/seen/1"])  # it saw the mark and said so
 
 
+def test_a_store_slow_to_take_a_new_connection_is_connected_to_quietly(monkeypatch, own_collective, capfd):
+    """The port answers the probe, then torch's client takes 3 s to connect (here: the port refuses until the store
+    comes up 3 s after the probe; once in a loaded CI run, a watch thread's first connect). Before: torch's client
+    was tried for PROBE_SECONDS (2 s) after the probe, timed out and printed c10d's error and stack."""
+    import socket
+
+    collective = own_collective
+    _as_rank_1(monkeypatch)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    stores: list = []
+
+    def store_up_3_s_after_the_probe() -> None:
+        listener.accept()[0].close()
+        listener.close()
+        time.sleep(3.0)
+        stores.append(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=60)))
+
+    host = threading.Thread(target=store_up_3_s_after_the_probe, daemon=True)
+    host.start()
+    client = collective._store_client(20.0)
+    client.set("reached", "1")
+    host.join(TIMEOUT)
+    assert stores[0].get("reached") == b"1"
+    err = capfd.readouterr().err
+    assert "c10d" not in err and "frame #0" not in err, err
+
+
 def test_a_store_gone_ends_the_watch_at_once_and_quietly(monkeypatch, own_collective, capfd) -> None:
     """Its host ended: nothing listens on its port any more. The watch thread stops trying at the refused
     connection, long before STORE_RETRY_SECONDS (here: longer than the test waits), and neither it nor the exit
@@ -129,6 +159,7 @@ def test_a_store_gone_ends_the_watch_at_once_and_quietly(monkeypatch, own_collec
     collective.watch_failures(2)
     alive = collective._alive_key(1)
     _wait_for(lambda: store.add(alive, 0) >= 1, "the watch thread never counted this rank alive")
+    capfd.readouterr()  # what follows the store's end (a slow first connect is the test above's)
     del store  # the store's host ends (the server stops with its object: this test held the only one)
     watcher = next(t for t in threading.enumerate() if t.name == "rank-failure-watch")
     watcher.join(TIMEOUT)
