@@ -219,10 +219,12 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 def cleaned_prompt(given: str, key: str) -> str:
     """A user's prompt (`key` names it: a flag, a config key) cleaned of control characters by the captions' rule
     (stages/resize/caption_text.py): an ESC sequence or a NUL reached the text encoder as text and, printed in a
-    report, rewrote the terminal. A note line (stderr) when something was removed."""
+    report, rewrote the terminal. A note line (stderr) when something was removed, by rank 0 alone under a launcher
+    (every rank reads the same config: 8 ranks printed 8 identical lines)."""
+    from pipeline.rank_output import is_rank_0
     from stages.resize.caption_text import CONTROLS_REMOVED_NOTE, clean_prompt
 
-    if (cleaned := clean_prompt(given)) != given:
+    if (cleaned := clean_prompt(given)) != given and is_rank_0():
         print(f"note: {key}: {CONTROLS_REMOVED_NOTE}", file=sys.stderr)
     return cleaned
 

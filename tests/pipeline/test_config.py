@@ -368,3 +368,16 @@ def test_a_configs_prompts_are_cleaned_of_control_characters_as_captions_are(tmp
     assert cfg.predict.negative_prompt == "blurry " and cfg.evaluate.negative_prompt == " "
     notes = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("note: ")]
     assert [n.split(":")[1].strip() for n in notes] == ["evaluate.extra_prompts[1].prompt", "predict.negative_prompt"]
+
+
+def test_a_prompts_note_is_printed_by_rank_0_alone_under_a_launcher(tmp_path, capsys, monkeypatch):
+    """Every launched rank reads the config: 8 ranks printed 8 identical note lines. Rank 0 prints it (as the other
+    launched lines, pipeline/rank_output.py); every rank still gets the cleaned prompt."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    said = {}
+    for rank in ("0", "3"):
+        monkeypatch.setenv("RANK", rank)
+        cfg = load_config(None, overrides={"predict.negative_prompt": "blurry\x07 "})
+        assert cfg.predict.negative_prompt == "blurry "
+        said[rank] = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("note: ")]
+    assert [n.split(":")[1].strip() for n in said["0"]] == ["predict.negative_prompt"] and said["3"] == []
