@@ -4,7 +4,8 @@ also contains a worker that dies).
 
 Written here because `Executor.map` submits every item at once (before Python 3.14's `buffersize`): over a
 million-sample source that holds every sample's bytes in memory. Here at most `ahead` items wait beyond the one
-being handed out, so memory stays bounded whatever the dataset size.
+being handed out, so memory stays bounded whatever the dataset size. Each wait for a result is polled
+(schemas/interruptible.py): a Ctrl-C that Linux gives to another thread ends it, not only the item's end.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import Executor, Future
 from typing import Callable, Iterable, Iterator, TypeVar
+
+from schemas import interruptible
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -31,7 +34,7 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], executor: Executor | N
         window.append((item, executor.submit(fn, item)))
         while len(window) > ahead:
             done, fut = window.popleft()
-            yield done, fut.result()
+            yield done, interruptible.result(fut)
     while window:
         done, fut = window.popleft()
-        yield done, fut.result()
+        yield done, interruptible.result(fut)
