@@ -14,7 +14,10 @@ another thread of the stage woke the main thread only when the sample at the hea
 worker stuck on a file), and a stage that stops on an exception ends its workers instead of waiting for their
 samples (their results are not used: a rerun renders what was not committed). The workers ignore SIGINT: a
 terminal's Ctrl-C, sent to the whole process group, is the stage's to act on (each idle worker printed a
-KeyboardInterrupt traceback, and its exit broke the pool mid-stop).
+KeyboardInterrupt traceback, and its exit broke the pool mid-stop). From their first instruction: a worker is
+started with SIGINT blocked (a thread's signal mask survives fork and exec; a handler would not), and the pool's
+initializer then ignores it, which drops one that came during the start-up (it printed a traceback and broke the
+pool, or killed the worker before Python had started).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from multiprocessing import get_context
+from multiprocessing.context import SpawnContext, SpawnProcess
 from typing import Callable, Iterable, Iterator, TypeVar
 
 from schemas import interruptible
@@ -38,8 +41,25 @@ R = TypeVar("R")
 
 def _pool(workers: int) -> ProcessPoolExecutor:
     # spawn: fork would copy a parent holding torch
-    return ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_end_with_parent,
+    return ProcessPoolExecutor(workers, mp_context=_SpawnWithoutSigint(), initializer=_end_with_parent,
                                initargs=(os.getpid(),))
+
+
+class _ProcessWithoutSigint(SpawnProcess):
+    """A spawned process that starts with SIGINT blocked: one that comes before the initializer waits for it. Only
+    the starting thread blocks it, for the start: the stage's own Ctrl-C goes to another of its threads meanwhile,
+    or waits until then, never lost (as it would be by SIG_IGN in the parent, which the child would inherit too)."""
+
+    def start(self) -> None:
+        was = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            super().start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, was)
+
+
+class _SpawnWithoutSigint(SpawnContext):
+    Process = _ProcessWithoutSigint
 
 
 PARENT_POLL_SECONDS = 1.0
@@ -50,8 +70,10 @@ def _end_with_parent(parent: int) -> None:
     killer) otherwise leaves its workers waiting for work forever (re-parented, each holding its memory: seen
     with `concurrent.futures` on Python 3.11). Polled (the parent id changes when the worker is
     re-parented) rather than Linux's PR_SET_PDEATHSIG, which follows the thread that started the worker. Also
-    ignores SIGINT (the module's docstring)."""
+    ignores SIGINT (the module's docstring): ignored first, which drops one pending since the start-up, then
+    unblocked (`_ProcessWithoutSigint`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
     def watch() -> None:
         while os.getppid() == parent:

@@ -76,3 +76,32 @@ def test_ctrl_c_elsewhere_ends_a_stage_waiting_for_a_stuck_worker_and_the_rerun_
     assert summary.resumed >= 1 and summary.resumed + summary.written == 12
     assert set(Store(tmp_path / "store").reader("images").keys()) == expected
     assert verify_store(tmp_path / "store", progress=False) == []
+
+
+_CTRL_C_AT_START = """
+import os, signal, sys
+from multiprocessing import util
+from stages.resize.render_pool import rendered_in_order
+
+spawn = util.spawnv_passfds
+
+def spawn_then_ctrl_c(path, args, passfds):  # the worker exists, its start-up waits for what the parent sends next
+    pid = spawn(path, args, passfds)
+    os.kill(pid, signal.SIGINT)
+    return pid
+
+util.spawnv_passfds = spawn_then_ctrl_c
+print(list(rendered_in_order(abs, [-1, -2, -3], workers=2, ahead=1, on_crash=lambda item: "died")))
+"""
+
+
+def test_a_ctrl_c_during_a_workers_start_up_is_ignored_as_after_it():
+    """A terminal's Ctrl-C reaches the workers too (the whole process group); it is the stage's to act on. A
+    worker that took it during its start-up (before the pool's initializer) printed a KeyboardInterrupt traceback
+    and died, breaking the pool. Here each worker gets one at the start-up's one certain moment: spawned, waiting
+    for the parent's data. Each renders as if none had come."""
+    from signal_elsewhere import run_script
+
+    proc = run_script(_CTRL_C_AT_START, timeout=HOLD_SECONDS)
+    assert (proc.returncode, proc.stdout.strip()) == (0, "[(-1, 1), (-2, 2), (-3, 3)]"), proc.stderr[-3000:]
+    assert "KeyboardInterrupt" not in proc.stderr, proc.stderr[-3000:]
