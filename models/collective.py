@@ -174,16 +174,21 @@ def ranks_differ(ranks: list[int]) -> str:
     return f"rank {shown} differs from rank 0" if len(ranks) == 1 else f"ranks {shown} differ from rank 0"
 
 
-def gather_texts(world: int, text: str, size: int = MESSAGE_BYTES) -> list[str]:
+def gather_texts(world: int, text: str, size: int | None = MESSAGE_BYTES) -> list[str]:
     """Every rank's `text` (UTF-8, cut at `size` bytes), in rank order, on every rank: one all-gather of fixed-size
-    byte buffers, so every rank can take the same decision from the same data. One process: [text]."""
+    byte buffers, so every rank can take the same decision from the same data. `size` None: each text whole, the
+    buffers as long as the longest (agreed by an all-reduce first: a text cut short, as JSON, read as none). One
+    process: [text]."""
     if world <= 1:
         return [text]
     import torch
     import torch.distributed as dist
 
     dev = _device()
-    data = text.encode("utf-8", "replace")[:size]
+    data = text.encode("utf-8", "replace")
+    if size is None:
+        size = max(1, all_max(world, [len(data)])[0])
+    data = data[:size]
     buf = torch.zeros(size, dtype=torch.uint8, device=dev)
     if data:
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)

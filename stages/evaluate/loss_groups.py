@@ -91,7 +91,7 @@ def on_every_rank(world: int, machine: dict) -> list[dict]:
 
     mine = json.dumps({"device": machine["device"], "libraries": machine["libraries"]}, sort_keys=True)
     machines: list[dict] = []
-    for text in gather_texts(world, mine, size=4096):  # the same size on every rank (~300 bytes used)
+    for text in gather_texts(world, mine, size=None):  # whole (~300 bytes; many libraries, long names: more)
         if (m := json.loads(text)) not in machines:
             machines.append(m)
     return machines
