@@ -72,16 +72,25 @@ def metadata_copy(url: str, storage_options: dict[str, Any] | None = None) -> It
                  and marker_rel(m.group(1), int(m.group(2))) not in listing]  # not one retired by `store repair URL`
         # a manifest of a million samples is tens of MB (fetched only for versions without recorded counts): a bar
         # in bytes, over at most every file fetched
-        total = sum(listing.get(f"{base}/{name}", 0) for base in bases for name in (fmt.CHECKSUMS, *METADATA))
         at_url, damaged = set(), {}
-        with _progress(total, f"inspect {url}: metadata") as bar:
+        with _progress(sum(_listed(listing, base) for base in bases), f"inspect {url}: metadata") as bar:
             for base in bases:
+                fetched, total = bar.n, bar.total
                 try:
                     if _version_metadata(remote, url, base, root / base, bar, listing):
                         at_url.add(root / base)
                 except DamagedData as e:  # one version's damage does not stop the report (store/inspect.py)
                     damaged[root / base] = str(e)
+                    # its files after the damage are not fetched: its share of the total is what was (the bar
+                    # stopped below 100 %)
+                    bar.total = total - _listed(listing, base) + (bar.n - fetched)
+                    bar.refresh()
         yield MetadataCopy(root, frozenset(at_url), damaged)
+
+
+def _listed(listing: dict[str, int], base: str) -> int:
+    """The listed bytes of a version's files that inspect may fetch (the bar's share of it)."""
+    return sum(listing.get(f"{base}/{name}", 0) for name in (fmt.CHECKSUMS, *METADATA))
 
 
 def _version_metadata(remote: Remote, url: str, base: str, vdir: Path, bar, listing: dict[str, int]) -> bool:

@@ -256,3 +256,24 @@ def test_counts_that_are_not_the_manifests_at_a_url_are_repaired_as_verify_advis
     assert res.exit_code == 0, res.output
     info = json.loads(runner.invoke(app, ["store", "inspect", url, "--json"]).stdout)
     assert info["tables"]["vae"]["current"] == 2 and [v["samples"] for v in info["tables"]["vae"]["versions"]] == [10]
+
+
+def test_inspects_bar_of_a_url_ends_at_its_total_when_a_damaged_version_is_skipped(s3_env, store: Store,
+                                                                                  monkeypatch) -> None:
+    """v2's checksums.json seal broken: its schema.json and manifest are never fetched. Before, the bar's total
+    still counted them and it stopped below 100 %; now the total is what was fetched (as for a manifest whose
+    counts are recorded, left at the URL), and the bar ends there."""
+    from store import remote_view
+
+    _two_versions(store)
+    push(store.root, s3_env.url())
+    _flip(s3_env, "store/vae/v2/checksums.json")
+    bars = []
+    real = remote_view._progress
+    monkeypatch.setattr(remote_view, "_progress", lambda total, desc: bars.append(real(total, desc)) or bars[-1])
+    res = runner.invoke(app, ["store", "inspect", s3_env.url(), "--json"])
+    assert res.exit_code == 0 and "damaged" in json.loads(res.stdout)["tables"]["vae"]["versions"][1], res.output
+    fetched = sum((store.version_dir("vae", v) / name).stat().st_size
+                  for v, name in ((1, "checksums.json"), (1, "schema.json"), (2, "checksums.json")))
+    [bar] = bars
+    assert (bar.n, bar.total) == (fetched, fetched)
