@@ -48,18 +48,23 @@ SOURCE_PACKAGES = ("models", "features", "schemas", "stages/evaluate")
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 
-def losses_key(cfg, features: dict, sample_keys: list[str]) -> str:
+def losses_key(cfg, features: dict, sample_keys: list[str], ranks_machines: list[dict] = ()) -> str:
     """Hash of every input of the base's held-out losses over `sample_keys` (single-LoRA evaluate's cache,
     `base_losses`). features: `checkpoints.loss_fingerprint`'s settings (the store's text / vae tables read, the
     model's fingerprint); sample_keys: the val samples, in order. Of the evaluate settings, only those the losses
     depend on (`checkpoints.LOSS_SETTINGS`), none that change only the pictures (seed, num_samples, steps,
-    guidance, the extra prompts), which made a rerun with more pictures recompute them."""
+    guidance, the extra prompts), which made a rerun with more pictures recompute them. `ranks_machines`: a
+    launched run's every rank's device and libraries (`loss_groups.on_every_rank`; each computes its share of the
+    rows): in the key where one is not this process's (rank 0's), which the key alone named; ranks alike (and one
+    process) keep the one-process key, so their files serve each other and those written before stay readable."""
     from stages.evaluate.checkpoints import LOSS_SETTINGS
 
     # max_loss_samples as set is no input: `features` spell it as the samples it reads, `sample_keys` name them
     # (256 then null on a split 256 covered computed the same base losses again)
-    return _digest({**_inputs(cfg, features, lambda k: k in LOSS_SETTINGS and k != "max_loss_samples"),
-                    "samples": list(sample_keys)})
+    inputs = _inputs(cfg, features, lambda k: k in LOSS_SETTINGS and k != "max_loss_samples")
+    own = {"device": inputs["device"], "libraries": inputs["libraries"]}
+    ranks = {"computed_on": list(ranks_machines)} if any(m != own for m in ranks_machines) else {}
+    return _digest({**inputs, **ranks, "samples": list(sample_keys)})
 
 
 #: the settings only the extra prompts' images are made from (`schemas.config`: the val samples' negative is their

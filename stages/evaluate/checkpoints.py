@@ -567,7 +567,7 @@ def trained_on_since(out: Path, fingerprint: str, checkpoints: list[tuple[int, P
 
 def redone(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
            settings: dict | None = None, cfg: EvaluateConfig | None = None, earlier: list[dict] = (),
-           keys: list[str] | None = None) -> str:
+           keys: list[str] | None = None, ranks_machines: list[dict] = ()) -> str:
     """What a report that is not current costs again: the checkpoints whose losses OUT's loss array of these
     settings (`fingerprint`, or a group of them kept aside, which is taken back) lacks; none when only the
     report's own settings changed (num_samples, extra prompts: its pictures), the line said "evaluating again"
@@ -588,7 +588,8 @@ def redone(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], sha
     else:  # these settings' group kept aside (settings A, B, then A again): taken back (`LossStore`)
         group = next(iter(kept_groups(out, fingerprint, axes, spelled)), None)
     if group is None:
-        return _grown(out, checkpoints, shas, settings, cfg, keys) or "evaluating every checkpoint again"
+        return (_grown(out, checkpoints, shas, settings, cfg, keys, ranks_machines)
+                or "evaluating every checkpoint again")
     if not _this_runs(group, checkpoints, shas):  # as `_plan` decides: aside, and this run's kept group back
         if (back := this_runs_kept(out, fingerprint, checkpoints, shas, axes, spelled)) is not None:
             group = back
@@ -652,7 +653,9 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     # `together`): rows of one loss grid in two precisions would be recorded as the one dtype
     cfg, precision = single.agreed_config(cfg, model, ranks.world)
     check_same_settings(ranks.world, cfg)
-    run = _Evaluation(ranks, cfg, store, model, out, precision, started)
+    with together(ranks.world, "the ranks' devices"):  # every rank computes rows: each one's device recorded
+        mine = machine(cfg)
+    run = _Evaluation(ranks, cfg, store, model, out, precision, started, on_every_rank(ranks.world, mine))
     with together(ranks.world, "evaluate settings", uneven=True):  # each node hashes its copy of the model once
         _, settings = loss_fingerprint(cfg, store, model)  # its fingerprint: of the tables read, below
     up_to_date, recorded = _recorded_if_up_to_date(run, settings, checkpoints, shas, skip_if_done, whose_report)
@@ -671,12 +674,9 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         damaged = dict(tables.damaged)
         losses = _losses_opened(run, share.samples, fingerprint, settings, earlier, tables)
         base_cache = (out, _base_key(run, settings, share.samples))
-        with together(ranks.world, "the ranks' devices"):  # every rank computes rows: each one's device recorded
-            mine = machine(cfg)
-        computed_on = on_every_rank(ranks.world, mine)
         transformer = single.load_transformer(cfg, model, ranks.world)  # the ranks' one attention backend
         done = _evaluate_while_training(ranks, losses, checkpoints, shas, transformer, share.samples, share.mine,
-                                        cfg, load, fingerprint, relist, base_cache, computed_on)
+                                        cfg, load, fingerprint, relist, base_cache, run.computed_on)
         if ranks.main:  # rank 0 summarises, generates and writes the report
             return _rank_0_alone(ranks, lambda: _report(run, tables, share, transformer, done, damaged, shas,
                                                         settings, pruned, trained))
@@ -696,6 +696,7 @@ class _Evaluation:
     out: Path
     precision: object
     started: float  # time.perf_counter() at the start: the result's seconds
+    computed_on: list[dict]  # every rank's device and libraries (`loss_groups.on_every_rank`)
 
 
 def _checkpoints_on_disk(ranks, checkpoints: list[tuple[int, Path]],
@@ -733,7 +734,8 @@ def _recorded_if_up_to_date(run: _Evaluation, settings: dict, checkpoints: list[
             whose = whose_report(out) if why and whose_report is not None else None
             if whose:
                 why.insert(0, whose)
-            say_recomputed(out, why, redone(out, known, checkpoints, shas, now_settings, run.cfg, earlier, keys),
+            say_recomputed(out, why, redone(out, known, checkpoints, shas, now_settings, run.cfg, earlier, keys,
+                                            run.computed_on),
                            trained_on=not whose and bool(why) and trained_on_since(out, known, checkpoints, shas))
     if ranks.from_main([int(done is not None)])[0]:
         if ranks.main:  # the figures are the same, and so is what makes them not held out
@@ -799,7 +801,7 @@ def _base_key(run: _Evaluation, settings: dict, samples) -> str | None:
     key = None
     with together(run.ranks.world, "the base losses' inputs"):
         if run.ranks.main:
-            key = losses_key(run.cfg, settings, [s.key for s in samples])
+            key = losses_key(run.cfg, settings, [s.key for s in samples], run.computed_on)
     return key
 
 
@@ -1078,16 +1080,18 @@ def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int
 
 
 def _grown(out: Path, checkpoints: list[tuple[int, Path]], shas: dict[int, str], settings: dict | None,
-           cfg: EvaluateConfig | None, keys: list[str] | None) -> str | None:
+           cfg: EvaluateConfig | None, keys: list[str] | None, ranks_machines: list[dict] = ()) -> str | None:
     """`redone`'s line when a group kept aside gives these settings' grid some of its (seed, σ) cells; else None.
-    The base is not one of them when the base-losses file holds it (`_base_row` reads it from there)."""
+    The base is not one of them when the base-losses file holds it (`_base_row` reads it from there; its key:
+    `ranks_machines`, every rank's machine)."""
     if settings is None or cfg is None:
         return None
     from stages.evaluate import base_losses
     from stages.evaluate.base_images import losses_key
 
     seeds, sigmas = cfg.loss_axes
-    base = keys is None or base_losses.read(out / base_losses.FILE, losses_key(cfg, settings, list(keys)),
+    base = keys is None or base_losses.read(out / base_losses.FILE,
+                                            losses_key(cfg, settings, list(keys), ranks_machines),
                                             (len(keys), len(seeds), len(sigmas), 3)) is None
     # a new group: the base (unless kept in the file) and every checkpoint
     donor = cell_donor(out, settings, seeds, sigmas, keys, base, {step: shas[step] for step, _ in checkpoints})

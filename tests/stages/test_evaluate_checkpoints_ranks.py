@@ -324,3 +324,37 @@ def test_the_array_records_every_ranks_device(run_and_store, tiny_edit_model, tm
     rank_0 = {"device": here["device"], "libraries": here["libraries"]}
     assert xr.open_zarr(out / GROUP).attrs[COMPUTED_ON] == [
         rank_0, {**rank_0, "device": ["cpu", ["probe device of rank 1"]]}]
+
+
+# the ranks alike (one machine): the CLI as launched
+ALIKE_RANK = """
+import sys
+from pipeline.cli import app
+sys.argv = ["pipeline", *sys.argv[1:]]
+app()
+"""
+
+
+def test_base_losses_two_ranks_computed_on_two_devices_serve_no_run_on_one_of_them(run_and_store, tiny_edit_model,
+                                                                                   tmp_path, monkeypatch):
+    """OUT/base-losses.safetensors is keyed by the machine that computed it (another GPU model rounds otherwise).
+    Rank 1 on another device computed half of its rows, but the key named rank 0's machine alone: a one-process
+    run on rank 0's machine took those numbers as its own. Now the key holds every rank's machine
+    (`loss_groups.on_every_rank`, as the array's `computed_on`) where they differ: that run computes its base. Ranks
+    alike keep the one-process key (files written before stay readable): their file serves it."""
+    from stages.evaluate import base_losses
+    from test_evaluate_checkpoints_base_cache import _counting
+    from two_ranks import launch_two
+
+    root = run_and_store
+    passes = _counting(monkeypatch)
+    for name, rank_script, computed in (("other", OTHER_DEVICE_RANK, 1), ("alike", ALIKE_RANK, 0)):
+        script, two, one = tmp_path / f"{name}.py", tmp_path / f"two-{name}", tmp_path / f"one-{name}"
+        script.write_text(rank_script)
+        (rc0, _, err0), (rc1, _, err1) = launch_two(str(script), *_args(root, tiny_edit_model, two), timeout=300)
+        assert rc0 == rc1 == 0, (rc0, rc1, err0[-2000:], err1[-2000:])
+        one.mkdir()
+        (one / base_losses.FILE).write_bytes((two / base_losses.FILE).read_bytes())
+        passes.clear()
+        ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), one)
+        assert passes.count("held-out loss (base)") == computed, (name, passes)
