@@ -111,3 +111,25 @@ def test_a_val_sample_with_a_train_samples_pictures_counts_as_trained_on():
     assert trained_on(trained, None, keys) == (1, 1)  # no manifest of the val samples: keys only
     assert trained_on(trained.drop(["source_hashes"]), now, keys) == (1, 1)
     assert trained_on(trained, now, []) == (0, 0)
+
+
+def test_the_images_version_a_repair_set_aside_is_still_checked(edit_store, images_fixture, monkeypatch):
+    """The run trained on images v1, which a repair (or a stage's rerun) then replaced and set aside as
+    v1.damaged/: its manifest, checked, still holds the split the run trained on, so the check is made from it.
+    Before, the check was lost with advice to run `store repair` (which had just run, and changed nothing). Once
+    `store gc` removed it too: said to be no longer in the store, not advice to repair."""
+    from stages.evaluate import trained_val
+
+    images_fixture.write(edit_store, images_fixture.edit_samples(), tag="b", val=lambda i: i in (1, 3, 5))
+    st = Store(edit_store)
+    v1 = fmt.version_dir(st.root, "images", 1)
+    v1.rename(v1.with_name("v1.damaged"))  # as store/repair.py `set_aside` moves it
+    monkeypatch.setattr(trained_val, "run_record", lambda lora: (Path("run"), {"vae": "v1-0"}))
+    monkeypatch.setattr(trained_val, "training_images", lambda st, tables: (1, None))
+    keys = val_keys(edit_store)
+    found = trained_val.check(st, "run/lora", keys, 2)
+    assert found["checked"] is True and (found["trained_on"], found["val_samples"]) == (2, 3), found
+    shutil.rmtree(v1.with_name("v1.damaged"))  # collected by `store gc`
+    found = trained_val.check(st, "run/lora", keys, 2)
+    assert found["checked"] is False and "images v1 it trained on is no longer in the store" in found["why"]
+    assert "store repair" not in found["warning"]
