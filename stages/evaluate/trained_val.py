@@ -85,13 +85,16 @@ def _rows(st, version: int) -> Any:
     `_Gone` when neither is there (its missing manifest advised `store repair`, which cannot bring it back)."""
     from store import format as fmt
     from store.manifest_files import checked_manifest
+    from store.remote_parts import source_url
 
     vdir = st.version_dir("images", version)
     if not vdir.is_dir():
         vdir = vdir.with_name(vdir.name + fmt.SET_ASIDE_SUFFIX)
         if not vdir.is_dir():
-            raise _Gone(f"images v{version} it trained on is no longer in the store (collected, or replaced by a "
-                        "repair and collected since)")
+            url = source_url(st.root)  # a store URL's cache holds the versions read, not every one
+            raise _Gone(f"images v{version} it trained on is " + (
+                f"not in this node's copy of {url} (it caches the versions read)" if url else
+                "no longer in the store (collected, or replaced by a repair and collected since)"))
     return checked_manifest(vdir, ["key", "split", "source_hashes"])
 
 

@@ -133,3 +133,19 @@ def test_the_images_version_a_repair_set_aside_is_still_checked(edit_store, imag
     found = trained_val.check(st, "run/lora", keys, 2)
     assert found["checked"] is False and "images v1 it trained on is no longer in the store" in found["why"]
     assert "store repair" not in found["warning"]
+
+
+def test_an_images_version_missing_from_a_store_urls_cache_is_not_said_collected(edit_store, monkeypatch):
+    """A store URL's cache holds the versions read, not every one: an images version absent there may be at the
+    URL, so the line says it is not in this node's copy, not that it was collected (nor to repair the store)."""
+    from stages.evaluate import trained_val
+    from store.remote_parts import SOURCE_URL
+
+    st = Store(edit_store)
+    (st.root / SOURCE_URL).write_text("s3://bucket/store")
+    monkeypatch.setattr(trained_val, "run_record", lambda lora: (Path("run"), {"vae": "v1-0"}))
+    monkeypatch.setattr(trained_val, "training_images", lambda st, tables: (7, None))
+    found = trained_val.check(st, "run/lora", val_keys(edit_store), 1)
+    assert found["checked"] is False, found
+    assert found["why"] == "images v7 it trained on is not in this node's copy of s3://bucket/store (it caches the " \
+                           "versions read)"
