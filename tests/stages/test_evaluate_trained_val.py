@@ -149,3 +149,29 @@ def test_an_images_version_missing_from_a_store_urls_cache_is_not_said_collected
     assert found["checked"] is False, found
     assert found["why"] == "images v7 it trained on is not in this node's copy of s3://bucket/store (it caches the " \
                            "versions read)"
+
+
+def test_pictures_of_an_images_version_a_repair_replaced_name_the_encoders_to_rerun(edit_store, images_fixture):
+    """The val tables were encoded from images v1, which `store repair` then replaced by v2 and set aside: the
+    pictures evaluate reads (after the loss passes) are refused with the encoders to rerun, not "no version v1;
+    inspect lists the versions" (the user had just run the repair verify advised)."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from schemas.errors import UserError
+    from stages.evaluate.stage import images_reader
+
+    images_fixture.write(edit_store, images_fixture.edit_samples(), tag="b")
+    st = Store(edit_store)
+    v1 = fmt.version_dir(st.root, "images", 1)
+    v1.rename(v1.with_name("v1.damaged"))  # as store/repair.py `set_aside` moves it
+    lineage = SimpleNamespace(upstream={"images": 1})
+    tables = SimpleNamespace(vae=SimpleNamespace(version=1, schema=SimpleNamespace(lineage=lineage)))
+    with pytest.raises(UserError) as e:
+        images_reader(st, tables)
+    assert "images v1, which table 'vae' v1 was encoded from" in str(e.value)
+    assert "replaced by a repair (set aside as v1.damaged/)" in str(e.value)
+    assert "run `pipeline run encode-text` and `pipeline run encode-vae` to encode from images v2" in str(e.value)
+    lineage.upstream = {"images": 2}
+    images_reader(st, tables).close()  # the current one reads
