@@ -98,12 +98,7 @@ def _version_metadata(remote: Remote, url: str, base: str, vdir: Path, bar, list
     manifest was left at the URL (its counts recorded: only its listed size checked). DamagedData: a file of it is
     not as sealed (or the seal broken)."""
     vdir.mkdir(parents=True)
-    try:
-        record = remote.read(f"{base}/{fmt.CHECKSUMS}")
-    except FileNotFoundError as e:  # deleted behind the tool's back: named, not "rerun" failing alike for ever
-        if (lost := lost_object(remote, f"{base}/{fmt.CHECKSUMS}", e)) is not None:
-            raise lost from None
-        raise
+    record = _read(remote, f"{base}/{fmt.CHECKSUMS}")
     bar.update(len(record))
     try:
         sealed = version_record(record, f"{url}/{base}/{fmt.CHECKSUMS}")
@@ -123,12 +118,24 @@ def _version_metadata(remote: Remote, url: str, base: str, vdir: Path, bar, list
     for name in METADATA:
         if name not in files or (left and name == fmt.MANIFEST):
             continue
-        data = remote.read(f"{base}/{name}")
+        data = _read(remote, f"{base}/{name}")
         bar.update(len(data))
         if (len(data), crc_hex(data)) != (int(files[name]["nbytes"]), files[name]["crc32c"]):
             raise _damaged(url, base, name, "it does not match its version's checksums.json")
         (vdir / name).write_bytes(data)
     return left
+
+
+def _read(remote: Remote, rel: str) -> bytes:
+    """An object of a version; one deleted behind the tool's back (listed by its checksums.json, or a checksums.json
+    beside its manifest) is that version's damage (`DamagedData`, the object named), not a "rerun" that stopped the
+    whole report and failed alike for ever. Gone with its version (a gc meanwhile), or the bucket: raised as it is."""
+    try:
+        return remote.read(rel)
+    except FileNotFoundError as e:
+        if (lost := lost_object(remote, rel, e)) is not None:
+            raise DamagedData(str(lost)) from None
+        raise
 
 
 def _damaged(url: str, base: str, name: str, why: str) -> DamagedData:

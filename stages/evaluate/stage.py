@@ -187,10 +187,25 @@ def _scores(target: Image.Image | None, base: Image.Image, lora: Image.Image) ->
 
 def images_reader(st: Store, tables: JoinedTables, on_damaged: str = "stop",
                   max_open_shards: int = 256) -> TableReader | None:
-    """The `images` version the vae table was built from (the pictures of exactly these samples)."""
+    """The `images` version the vae table was built from (the pictures of exactly these samples). Gone since (a
+    `store repair` replaced it, or a gc collected it): a line naming the encoders whose rerun brings the val tables
+    to the current images (the store's "inspect lists the versions" said nothing of that)."""
+    from store import format as fmt
+    from store.remote_parts import source_url
+
     version = tables.vae.schema.lineage.upstream.get("images")
     if "images" not in st.tables():
         return None
+    if version is not None and not st.version_dir("images", int(version)).is_dir():
+        aside = st.version_dir("images", int(version)).with_name(f"v{int(version)}{fmt.SET_ASIDE_SUFFIX}")
+        url = source_url(st.root)  # a store URL's cache holds the versions read, not every one
+        why = ("replaced by a repair (set aside as " + aside.name + "/)" if aside.is_dir() else
+               f"not in this node's copy of {url}" if url else "collected")
+        raise UserError(f"the val samples' pictures are in images v{version}, which table 'vae' "
+                        f"v{tables.vae.version} was encoded from, but {st.root} does not hold it ({why}): run "
+                        "`pipeline run encode-text` and `pipeline run encode-vae` to encode from images "
+                        f"v{st.tables()['images']} (samples whose pictures did not change are carried forward, not "
+                        "encoded again), then evaluate")
     return st.reader("images", version, on_damaged=on_damaged, max_open_shards=max_open_shards)
 
 

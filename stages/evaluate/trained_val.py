@@ -75,10 +75,27 @@ def training_images(st, tables: dict[str, str]) -> tuple[int | None, str | None]
     return None, "its record names no text / vae version"
 
 
-def _rows(st, version: int) -> Any:
-    from store.manifest_files import checked_manifest
+class _Gone(Exception):
+    """The images version a run trained on is not in the store any more."""
 
-    return checked_manifest(st.version_dir("images", version), ["key", "split", "source_hashes"])
+
+def _rows(st, version: int) -> Any:
+    """The version's key / split / source_hashes; one a repair (or a stage's rerun) replaced is read where it was
+    set aside (`v<N>.damaged/`, its manifest checked: the split the run trained on) until `store gc` removes it.
+    `_Gone` when neither is there (its missing manifest advised `store repair`, which cannot bring it back)."""
+    from store import format as fmt
+    from store.manifest_files import checked_manifest
+    from store.remote_parts import source_url
+
+    vdir = st.version_dir("images", version)
+    if not vdir.is_dir():
+        vdir = vdir.with_name(vdir.name + fmt.SET_ASIDE_SUFFIX)
+        if not vdir.is_dir():
+            url = source_url(st.root)  # a store URL's cache holds the versions read, not every one
+            raise _Gone(f"images v{version} it trained on is " + (
+                f"not in this node's copy of {url} (it caches the versions read)" if url else
+                "no longer in the store (collected, or replaced by a repair and collected since)"))
+    return checked_manifest(vdir, ["key", "split", "source_hashes"])
 
 
 def trained_on(trained, now, val_keys: list[str]) -> tuple[int, int]:
@@ -113,7 +130,9 @@ def check(st, lora: str | Path, val_keys: list[str], val_images: int | None) -> 
     if trained is not None:
         try:
             train = _rows(st, trained)
-        except Exception as e:  # noqa: BLE001 - collected since: the check cannot be made
+        except _Gone as e:
+            trained, why = None, str(e)
+        except Exception as e:  # noqa: BLE001 - damaged or unreadable: the check cannot be made
             trained, why = None, f"images v{trained} it trained on cannot be read ({' '.join(str(e).split())[:200]})"
     if trained is None:
         line = (f"warning: evaluate: cannot tell whether val samples were training samples of run {run}: {why}; "

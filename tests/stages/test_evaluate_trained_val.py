@@ -111,3 +111,67 @@ def test_a_val_sample_with_a_train_samples_pictures_counts_as_trained_on():
     assert trained_on(trained, None, keys) == (1, 1)  # no manifest of the val samples: keys only
     assert trained_on(trained.drop(["source_hashes"]), now, keys) == (1, 1)
     assert trained_on(trained, now, []) == (0, 0)
+
+
+def test_the_images_version_a_repair_set_aside_is_still_checked(edit_store, images_fixture, monkeypatch):
+    """The run trained on images v1, which a repair (or a stage's rerun) then replaced and set aside as
+    v1.damaged/: its manifest, checked, still holds the split the run trained on, so the check is made from it.
+    Before, the check was lost with advice to run `store repair` (which had just run, and changed nothing). Once
+    `store gc` removed it too: said to be no longer in the store, not advice to repair."""
+    from stages.evaluate import trained_val
+
+    images_fixture.write(edit_store, images_fixture.edit_samples(), tag="b", val=lambda i: i in (1, 3, 5))
+    st = Store(edit_store)
+    v1 = fmt.version_dir(st.root, "images", 1)
+    v1.rename(v1.with_name("v1.damaged"))  # as store/repair.py `set_aside` moves it
+    monkeypatch.setattr(trained_val, "run_record", lambda lora: (Path("run"), {"vae": "v1-0"}))
+    monkeypatch.setattr(trained_val, "training_images", lambda st, tables: (1, None))
+    keys = val_keys(edit_store)
+    found = trained_val.check(st, "run/lora", keys, 2)
+    assert found["checked"] is True and (found["trained_on"], found["val_samples"]) == (2, 3), found
+    shutil.rmtree(v1.with_name("v1.damaged"))  # collected by `store gc`
+    found = trained_val.check(st, "run/lora", keys, 2)
+    assert found["checked"] is False and "images v1 it trained on is no longer in the store" in found["why"]
+    assert "store repair" not in found["warning"]
+
+
+def test_an_images_version_missing_from_a_store_urls_cache_is_not_said_collected(edit_store, monkeypatch):
+    """A store URL's cache holds the versions read, not every one: an images version absent there may be at the
+    URL, so the line says it is not in this node's copy, not that it was collected (nor to repair the store)."""
+    from stages.evaluate import trained_val
+    from store.remote_parts import SOURCE_URL
+
+    st = Store(edit_store)
+    (st.root / SOURCE_URL).write_text("s3://bucket/store")
+    monkeypatch.setattr(trained_val, "run_record", lambda lora: (Path("run"), {"vae": "v1-0"}))
+    monkeypatch.setattr(trained_val, "training_images", lambda st, tables: (7, None))
+    found = trained_val.check(st, "run/lora", val_keys(edit_store), 1)
+    assert found["checked"] is False, found
+    assert found["why"] == "images v7 it trained on is not in this node's copy of s3://bucket/store (it caches the " \
+                           "versions read)"
+
+
+def test_pictures_of_an_images_version_a_repair_replaced_name_the_encoders_to_rerun(edit_store, images_fixture):
+    """The val tables were encoded from images v1, which `store repair` then replaced by v2 and set aside: the
+    pictures evaluate reads (after the loss passes) are refused with the encoders to rerun, not "no version v1;
+    inspect lists the versions" (the user had just run the repair verify advised)."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from schemas.errors import UserError
+    from stages.evaluate.stage import images_reader
+
+    images_fixture.write(edit_store, images_fixture.edit_samples(), tag="b")
+    st = Store(edit_store)
+    v1 = fmt.version_dir(st.root, "images", 1)
+    v1.rename(v1.with_name("v1.damaged"))  # as store/repair.py `set_aside` moves it
+    lineage = SimpleNamespace(upstream={"images": 1})
+    tables = SimpleNamespace(vae=SimpleNamespace(version=1, schema=SimpleNamespace(lineage=lineage)))
+    with pytest.raises(UserError) as e:
+        images_reader(st, tables)
+    assert "images v1, which table 'vae' v1 was encoded from" in str(e.value)
+    assert "replaced by a repair (set aside as v1.damaged/)" in str(e.value)
+    assert "run `pipeline run encode-text` and `pipeline run encode-vae` to encode from images v2" in str(e.value)
+    lineage.upstream = {"images": 2}
+    images_reader(st, tables).close()  # the current one reads

@@ -277,3 +277,23 @@ def test_inspects_bar_of_a_url_ends_at_its_total_when_a_damaged_version_is_skipp
                   for v, name in ((1, "checksums.json"), (1, "schema.json"), (2, "checksums.json")))
     [bar] = bars
     assert (bar.n, bar.total) == (fetched, fetched)
+
+
+def test_inspect_of_a_url_marks_a_version_whose_object_was_deleted_and_describes_the_rest(s3_env,
+                                                                                       store: Store) -> None:
+    """An object a version's checksums.json lists, deleted behind the tool's back (a schema.json; a checksums.json
+    while its manifest is there): that version named damaged with the object's line, the others described, as a
+    local inspect does with a missing file. Before, the one lost object stopped the whole report."""
+    fill(store, 10, tag="a")
+    fill(store, 6, tag="b", start=20)
+    fill(store, 4, tag="c", start=40)
+    push(store.root, s3_env.url())
+    client = s3_env.client()
+    client.delete_object(Bucket=s3_env.bucket, Key="store/vae/v1/schema.json")
+    client.delete_object(Bucket=s3_env.bucket, Key="store/vae/v2/checksums.json")
+    res = runner.invoke(app, ["store", "inspect", s3_env.url(), "--json"])
+    assert res.exit_code == 0 and "Traceback" not in res.output, res.output
+    versions = json.loads(res.stdout)["tables"]["vae"]["versions"]
+    assert versions[0].get("damaged", "").startswith(f"{s3_env.url()}/vae/v1/schema.json is missing"), versions
+    assert versions[1].get("damaged", "").startswith(f"{s3_env.url()}/vae/v2/checksums.json is missing"), versions
+    assert versions[2]["samples"] == 4 and "damaged" not in versions[2], versions
