@@ -434,6 +434,30 @@ def _carry(w, src: Path, by_shard: dict[str, pa.Table]) -> None:
         w.add_linked_shard(src, rows)
 
 
+def _carry_trimmed(w, vdir: Path, shard: str, nbytes: int, by_shard: dict[str, pa.Table]) -> None:
+    """A shard carried as its recorded bytes only, as a new file (versions are immutable) written in the table's
+    `.trim-v<N>/` (`fmt.trim_dir`), linked in, then the folder removed; `store gc` removes one a killed repair left.
+    A rerun after a kill rewrites the file afresh: a copy left there may be linked into the repair version already
+    (killed before the folder's removal), and writing through it would change that version's shard in place."""
+    rows = by_shard.get(shard)
+    if rows is None or not rows.num_rows or set(rows.column("key").to_pylist()) <= w.done_keys:
+        return  # carried by the killed run
+    work = fmt.trim_dir(integrity.store_root(vdir), vdir.parent.name, int(vdir.name.lstrip("v")))
+    work.mkdir(exist_ok=True)
+    (work / shard).unlink(missing_ok=True)
+    with open(vdir / shard, "rb") as src, open(work / shard, "wb") as dst:
+        left = nbytes
+        while left and (chunk := src.read(min(left, 8 << 20))):
+            dst.write(chunk)
+            left -= len(chunk)
+        dst.flush()  # new bytes, linked in as a carried shard, whose folder fsync makes only names durable
+        os.fsync(dst.fileno())
+    fmt.crash_point("repair_trimmed")
+    fmt.pause_point("repair_trimmed")
+    _carry(w, work / shard, by_shard)
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def _repair_table(st, t: TablePlan, recompute: Recompute | None, echo: Callable[[str], None]) -> int:
     vdir = st.version_dir(t.table, t.version)
     schema = read_schema(vdir)
@@ -452,18 +476,8 @@ def _repair_table(st, t: TablePlan, recompute: Recompute | None, echo: Callable[
     try:
         for shard in t.intact_shards:
             _carry(w, vdir / shard, by_shard)
-        for shard, nbytes in t.trimmed.items():  # the recorded bytes only, as a new file (versions are immutable)
-            trim_dir = vdir.parent / f".trim-v{t.version}"
-            trim_dir.mkdir(exist_ok=True)
-            with open(vdir / shard, "rb") as src, open(trim_dir / shard, "wb") as dst:
-                left = nbytes
-                while left and (chunk := src.read(min(left, 8 << 20))):
-                    dst.write(chunk)
-                    left -= len(chunk)
-                dst.flush()  # new bytes, linked in as a carried shard, whose folder fsync makes only names durable
-                os.fsync(dst.fileno())
-            _carry(w, trim_dir / shard, by_shard)
-            shutil.rmtree(trim_dir, ignore_errors=True)
+        for shard, nbytes in t.trimmed.items():
+            _carry_trimmed(w, vdir, shard, nbytes, by_shard)
         for key in t.copied:
             if key not in w.done_keys:
                 s = reader.get(key)  # checked: only intact bytes are copied
