@@ -127,6 +127,15 @@ def set_aside_versions(root: Path, table: str) -> list[tuple[int, Path]]:
     return sorted((int(m.group(1)), p) for p in d.iterdir() if p.is_dir() and (m := SET_ASIDE_RE.fullmatch(p.name)))
 
 
+# `store repair`'s working folder for the shards of v<N> it carries as their recorded bytes (store/repair.py
+# `_carry_trimmed`): a dot folder, so no version; `store gc` removes one a killed repair left
+TRIM_RE = re.compile(r"\.trim-v(\d+)")
+
+
+def trim_dir(root: Path, table: str, version: int) -> Path:
+    return root / table / f".trim-v{version}"
+
+
 def unchanged_marker(root: Path, table: str, version: int) -> Path:
     """Written next to a version (store/reuse.py `unchanged_by_fixes`) once a scan found none of its samples
     changed by the fixes made since it was stored: a rerun trusts it instead of reading every row again."""

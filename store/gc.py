@@ -19,6 +19,10 @@ repaired version free none), with its damage record `v<N>.damaged.json` once no 
 (gc at a URL removes a retired version at once alike, store/remote_gc.py); kept while a live lease names `v<N>`,
 as a version is (set_aside moves none that a lease names, so none is expected).
 
+And each `.trim-v<N>/` working folder a killed `store repair` left (store/repair.py `_carry_trimmed`: the shards it
+carries as their recorded bytes), named with the bytes it frees - unless a writer of that table is live (a repair
+writing it holds the table's writer lock; a repair starting meanwhile waits for the store lock gc holds).
+
 Records beside no version and no set-aside folder (`v<N>.damaged.json`, `.unchanged.json`, notes) are removed too:
 a gc killed after a folder's removal and before its records' leaves them (`_stale_records`).
 
@@ -66,6 +70,8 @@ class GcPlan:
     # records beside no version and no set-aside folder (`v<N>.damaged.json`, `.unchanged`, notes): a gc killed
     # between a folder's removal and its records' (removed last)
     stale_records: list[Path] = field(default_factory=list)
+    # `.trim-v<N>/` working folders of killed `store repair`s (none while a writer of the table is live), removed
+    repair_work: list[Path] = field(default_factory=list)
 
 
 def _kept(root: Path, current: dict[str, int] | list[tuple[str, int]],
@@ -203,6 +209,10 @@ def plan(root: Path) -> GcPlan:
                 continue
             out.remove.append(vdir)
         out.stale_records += _stale_records(root, table_dir)
+        if not active:  # a live repair writes its folder while it holds the table's writer lock
+            for d in sorted(p for p in table_dir.iterdir() if p.is_dir() and fmt.TRIM_RE.fullmatch(p.name)):
+                out.repair_work.append(d)
+                out.freed[d] = _freed(d)
         for v, aside in fmt.set_aside_versions(root, table_dir.name):
             if (table_dir.name, v) in named_by:
                 out.set_aside_held[aside] = named_by[(table_dir.name, v)]
@@ -242,6 +252,9 @@ def _say_plan(root: Path, p: GcPlan, dry_run: bool, echo: Callable[[str], None])
     for d in p.set_aside:
         echo(f"{remove} {d.relative_to(root)} (a damaged version a repair set aside; {p.freed[d] / 1e6:.1f} MB"
              f"{' would be' if dry_run else ''} freed)")
+    for d in p.repair_work:
+        echo(f"{remove} {d.relative_to(root)} (the working folder of a store repair that was killed; "
+             f"{p.freed[d] / 1e6:.1f} MB{' would be' if dry_run else ''} freed)")
     for d, by in sorted(p.set_aside_held.items()):
         echo(f"keep {d.relative_to(root)}: a damaged version set aside, but its number is read by " + "; ".join(by))
     for (table, v), by in sorted(p.leased.items()):
@@ -257,7 +270,7 @@ def _say_plan(root: Path, p: GcPlan, dry_run: bool, echo: Callable[[str], None])
 def _remove(root: Path, p: GcPlan) -> None:
     """The plan carried out: each folder renamed out of the store first (the commit), then deleted; records last."""
     doomed = list(p.leftovers)
-    for vdir in p.remove + p.set_aside:
+    for vdir in p.remove + p.set_aside + p.repair_work:
         fmt.crash_point("gc_before_rename")
         gone = vdir.with_name(f".{vdir.name}{DELETING_SUFFIX}")
         shutil.rmtree(gone, ignore_errors=True)
@@ -293,4 +306,5 @@ def _remove_records(root: Path, table: str, v: int) -> None:
 
 def _files_note(p: GcPlan) -> str:
     return ((f", {len(p.set_aside)} damaged version(s) set aside" if p.set_aside else "")
+            + (f", {len(p.repair_work)} killed repair's working folder(s)" if p.repair_work else "")
             + (f" and {len(p.unreferenced)} unreferenced shard file(s)" if p.unreferenced else ""))

@@ -11,7 +11,10 @@ Per table (current version v<N>, in the order the caller gives: images, text, va
   3. open a writer with v<N>'s exact schema (a new v<M>, or the one a killed repair left): intact shards are
      hard-linked with their rows, the intact samples of damaged shards re-added from their verified bytes;
   4. the producing stage, run with the same config and model, resumes v<M> and so computes only the damaged
-     samples (given as `recompute(table, schema)` by the CLI, which knows the stages); it commits v<M>;
+     samples (given as `recompute(table, schema)` by the CLI, which knows the stages); it commits v<M>. Where
+     v<N> was made by an earlier revision of the stage (a fix made since), the samples it recomputes are this
+     revision's: it writes a version of its own lineage instead (store/repair_context.py `supersede`: the damaged
+     samples and those the fixes change recomputed, the rest carried), which replaces v<N>; v<M> is removed;
   5. verify v<M>. What cannot be repaired (schema.json or checksums.json damaged, no stage to recompute with,
      a stage whose settings differ) is named and left as it is.
 Also: a damaged store.json is rebuilt (each table -> its newest intact complete version), and temp files left
@@ -35,7 +38,7 @@ from schemas.newer import WrittenByNewer
 from schemas.table import TableSchema
 from schemas.temp_files import writer_alive
 from store import format as fmt
-from store import integrity, quarantine, version_counts
+from store import integrity, quarantine, repair_context, version_counts
 from store.checksum import file_crc
 from store.io_errors import writing
 from store.manifest import merge_measured, rows_by_shard
@@ -65,6 +68,8 @@ class TablePlan:
     # counts sealed in checksums.json that are not the manifest's (a writer's bug): the new version's commit counts
     # its rows afresh (every shard carried, nothing recomputed)
     counts_differ: list[str] = field(default_factory=list)
+    # the repaired version is the stage's current revision's (v<N> an earlier one's: `repair_context.supersede`)
+    superseded: bool = False
 
     @property
     def needs_repair(self) -> bool:
@@ -376,8 +381,10 @@ def apply(plan: RepairPlan, recompute: Recompute | None, echo: Callable[[str], N
             failed.append(f"{t.table} v{t.new_version} does not verify: {problems[0]}")
         else:
             aside = set_aside(st.version_dir(t.table, t.version))
-            echo(f"{t.table}: v{t.version} repaired as v{t.new_version} ({len(t.damaged)} recomputed, "
-                 f"{t.samples - len(t.damaged)} carried forward); verified. {aside[0].upper()}{aside[1:]}")
+            done = ("its damaged samples and those the fixes since change recomputed, the rest carried forward"
+                    if t.superseded else f"{len(t.damaged)} recomputed, {t.samples - len(t.damaged)} carried forward")
+            echo(f"{t.table}: v{t.version} repaired as v{t.new_version} ({done}); verified. "
+                 f"{aside[0].upper()}{aside[1:]}")
     return failed
 
 
@@ -427,6 +434,30 @@ def _carry(w, src: Path, by_shard: dict[str, pa.Table]) -> None:
         w.add_linked_shard(src, rows)
 
 
+def _carry_trimmed(w, vdir: Path, shard: str, nbytes: int, by_shard: dict[str, pa.Table]) -> None:
+    """A shard carried as its recorded bytes only, as a new file (versions are immutable) written in the table's
+    `.trim-v<N>/` (`fmt.trim_dir`), linked in, then the folder removed; `store gc` removes one a killed repair left.
+    A rerun after a kill rewrites the file afresh: a copy left there may be linked into the repair version already
+    (killed before the folder's removal), and writing through it would change that version's shard in place."""
+    rows = by_shard.get(shard)
+    if rows is None or not rows.num_rows or set(rows.column("key").to_pylist()) <= w.done_keys:
+        return  # carried by the killed run
+    work = fmt.trim_dir(integrity.store_root(vdir), vdir.parent.name, int(vdir.name.lstrip("v")))
+    work.mkdir(exist_ok=True)
+    (work / shard).unlink(missing_ok=True)
+    with open(vdir / shard, "rb") as src, open(work / shard, "wb") as dst:
+        left = nbytes
+        while left and (chunk := src.read(min(left, 8 << 20))):
+            dst.write(chunk)
+            left -= len(chunk)
+        dst.flush()  # new bytes, linked in as a carried shard, whose folder fsync makes only names durable
+        os.fsync(dst.fileno())
+    fmt.crash_point("repair_trimmed")
+    fmt.pause_point("repair_trimmed")
+    _carry(w, work / shard, by_shard)
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def _repair_table(st, t: TablePlan, recompute: Recompute | None, echo: Callable[[str], None]) -> int:
     vdir = st.version_dir(t.table, t.version)
     schema = read_schema(vdir)
@@ -445,18 +476,8 @@ def _repair_table(st, t: TablePlan, recompute: Recompute | None, echo: Callable[
     try:
         for shard in t.intact_shards:
             _carry(w, vdir / shard, by_shard)
-        for shard, nbytes in t.trimmed.items():  # the recorded bytes only, as a new file (versions are immutable)
-            trim_dir = vdir.parent / f".trim-v{t.version}"
-            trim_dir.mkdir(exist_ok=True)
-            with open(vdir / shard, "rb") as src, open(trim_dir / shard, "wb") as dst:
-                left = nbytes
-                while left and (chunk := src.read(min(left, 8 << 20))):
-                    dst.write(chunk)
-                    left -= len(chunk)
-                dst.flush()  # new bytes, linked in as a carried shard, whose folder fsync makes only names durable
-                os.fsync(dst.fileno())
-            _carry(w, trim_dir / shard, by_shard)
-            shutil.rmtree(trim_dir, ignore_errors=True)
+        for shard, nbytes in t.trimmed.items():
+            _carry_trimmed(w, vdir, shard, nbytes, by_shard)
         for key in t.copied:
             if key not in w.done_keys:
                 s = reader.get(key)  # checked: only intact bytes are copied
@@ -471,8 +492,33 @@ def _repair_table(st, t: TablePlan, recompute: Recompute | None, echo: Callable[
         reader.close()
     echo(f"{t.table}: recomputing {len(t.damaged)} damaged sample(s) with {schema.lineage.stage} into v{new}")
     assert recompute is not None
-    recompute(t.table, schema)
-    if st.tables().get(t.table) != new or not fmt.is_complete(st.version_dir(t.table, new)):
+    with repair_context.expecting(schema.lineage) as repairing:
+        recompute(t.table, schema)
+    current = st.tables().get(t.table)
+    if repairing.superseded_by is not None and current not in (None, t.version, new) \
+            and fmt.is_complete(st.version_dir(t.table, current)) \
+            and read_schema(st.version_dir(t.table, current)).lineage == repairing.superseded_by:
+        # v<N> was an earlier revision's: the stage wrote this revision's version instead of completing v<new>
+        t.superseded = True
+        _drop_unfinished(st.version_dir(t.table, new))
+        return current
+    if current != new or not fmt.is_complete(st.version_dir(t.table, new)):
         raise UserError(f"{schema.lineage.stage} did not complete v{new} (its settings differ from those that built "
                         f"v{t.version}?): rerun repair with the --config and --model it was built with")
     return new
+
+
+def _drop_unfinished(vdir: Path) -> None:
+    """The repair version a stage superseded (incomplete; no writer holds it: the repair's closed, the stage wrote
+    another): removed as gc removes a version - renamed out of the version names under the store lock, then
+    deleted; a kill in between leaves a dot-folder the next `store gc` finishes. Its carried shards are links."""
+    from store.gc import DELETING_SUFFIX
+
+    gone = vdir.with_name(f".{vdir.name}{DELETING_SUFFIX}")
+    with fmt.flock(integrity.store_root(vdir) / fmt.STORE_LOCK):
+        if fmt.is_complete(vdir) or not vdir.is_dir():
+            return
+        shutil.rmtree(gone, ignore_errors=True)
+        os.rename(vdir, gone)
+        fmt.fsync_dir(vdir.parent)
+    shutil.rmtree(gone, ignore_errors=True)

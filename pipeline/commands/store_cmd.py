@@ -217,35 +217,33 @@ def repair(
 
 
 def _recompute(cfg, store: Path):
-    """The producing stage of a table, run with the repair's config/model, expecting the damaged version's
-    exact lineage (so it resumes the repair version and computes only the damaged samples)."""
+    """The producing stage of a table, run with the repair's config/model; store/repair.py runs it expecting the
+    damaged version's exact lineage (so it resumes the repair version and computes only the damaged samples)."""
     from schemas.errors import UserError
-    from store import repair_context
 
     def run(table: str, schema) -> None:
         stage = schema.lineage.stage
-        with repair_context.expecting(schema.lineage):
-            if stage in ("encode-text", "encode-vae"):
-                if cfg.paths.model is None:
-                    raise UserError(f"table '{table}' is written by {stage}: pass --model (and --config)")
-                if stage == "encode-text":
-                    from stages.encode.text import run as stage_run
-                else:
-                    from stages.encode.vae import run as stage_run
-                echo(str(stage_run(cfg, store, cfg.paths.model)))
-            elif stage == "resize-bucket":
-                from stages.resize.stage import run as resize_run
-
-                src = cfg.paths.source or schema.attrs.get("source")
-                if not src:
-                    raise UserError(f"table '{table}': pass --source (the dataset it was built from)")
-                if not cfg.paths.source and _gone(src):
-                    raise UserError(f"table '{table}' was built from {src}, which is not there any more (moved, "
-                                    "renamed, another mount?): pass --source where the same dataset is now (its "
-                                    "content must be the same: only the damaged samples are re-rendered)")
-                resize_run(cfg, src, store)
+        if stage in ("encode-text", "encode-vae"):
+            if cfg.paths.model is None:
+                raise UserError(f"table '{table}' is written by {stage}: pass --model (and --config)")
+            if stage == "encode-text":
+                from stages.encode.text import run as stage_run
             else:
-                raise UserError(f"no stage of this pipeline writes '{stage}' tables: cannot recompute")
+                from stages.encode.vae import run as stage_run
+            echo(str(stage_run(cfg, store, cfg.paths.model)))
+        elif stage == "resize-bucket":
+            from stages.resize.stage import run as resize_run
+
+            src = cfg.paths.source or schema.attrs.get("source")
+            if not src:
+                raise UserError(f"table '{table}': pass --source (the dataset it was built from)")
+            if not cfg.paths.source and _gone(src):
+                raise UserError(f"table '{table}' was built from {src}, which is not there any more (moved, "
+                                "renamed, another mount?): pass --source where the same dataset is now (its "
+                                "content must be the same: only the damaged samples are re-rendered)")
+            resize_run(cfg, src, store)
+        else:
+            raise UserError(f"no stage of this pipeline writes '{stage}' tables: cannot recompute")
 
     return run
 

@@ -207,7 +207,8 @@ def _job_lineages(store: Store, images, images_id: str, stage: str, table: str, 
     reads = _read_lineage(images.schema, unread)
     upstream = reads or whole
     fingerprint = component_fingerprint(model, components) if components else lineage.model_fingerprint
-    if reads is not None and _repairs_whole_lineage(store, table, {
+    superseding = _supersedes_repaired(lineage, images_id, earlier_hashes, fixes, feature_revision)
+    if reads is not None and not superseding and _repairs_whole_lineage(store, table, {
             feature_lineage(stage, h, fingerprint, code_version(rev), whole)
             for h in (feature_hash, *earlier_hashes) for rev in (feature_revision, fixes.revision_before) if rev}):
         upstream = whole  # `store repair` of a version encoded before `unread`: completed under its own lineage
@@ -225,13 +226,6 @@ def _job_lineages(store: Store, images, images_id: str, stage: str, table: str, 
     serving = [] if repair_context.active() else \
         [replace(lineage, config_hash=f"{h}-images:{images_id}") for h in serving_hashes]
     lineage, fl = next(((old, e) for old, e in hashed_before if repair_context.expected() == old), (lineage, fl))
-    if fixes.revision_before not in (None, feature_revision) and repair_context.active():
-        # `store repair` of a version encoded before this stage's fixes: repaired under its own lineage (the repair
-        # carries its intact samples; the next run recomputes what the fixes change, never trusted in it).
-        before = code_version(fixes.revision_before)
-        pre = [(replace(old, code_version=before), feature_lineage(stage, h, fingerprint, before, upstream))
-               for old, h in ((lineage, feature_hash), *zip([o for o, _ in hashed_before], earlier_hashes))]
-        lineage, fl = next(((old, e) for old, e in pre if repair_context.expected() == old), (lineage, fl))
     changed = {}
     befores = _pictures_before_fixes(images.schema, unread)
     for up, before in {(upstream, tuple((read or whole_b, r) for read, whole_b, r in befores)),
@@ -241,6 +235,23 @@ def _job_lineages(store: Store, images, images_id: str, stage: str, table: str, 
     return JobLineages(lineage=lineage, feature=fl, earlier=tuple(dict.fromkeys((*earlier, *same_reads, *changed))),
                        changed_by_fixes=changed, hashed_before=[old for old, _ in hashed_before],
                        serving=tuple(serving), model_files=files)
+
+
+def _supersedes_repaired(lineage: Lineage, images_id: str, earlier_hashes: tuple[str, ...], fixes: Fixes,
+                         feature_revision: str) -> bool:
+    """Under `store repair` of a version encoded before this stage's fixes (this run's lineage, or one hashed
+    before the declared scheme, under the revision before them): the samples recomputed are this revision's, so
+    the job writes under this run's lineage (store/repair_context.py `supersede`) - a new version recomputing the
+    damaged samples and those the fixes change, the rest carried - and the next run reuses every sample. Before,
+    they were written under the old revision's lineage and the next run recomputed them again."""
+    if fixes.revision_before in (None, feature_revision) or not repair_context.active():
+        return False
+    before = code_version(fixes.revision_before)
+    olds = [lineage, *(replace(lineage, config_hash=f"{h}-images:{images_id}") for h in earlier_hashes)]
+    if repair_context.expected() not in [replace(old, code_version=before) for old in olds]:
+        return False
+    repair_context.supersede(lineage)
+    return True
 
 
 def _say_why_new(job: EncodeJob) -> None:

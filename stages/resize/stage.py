@@ -238,14 +238,14 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
 
     def provisional(tars: frozenset[str]) -> tuple[TableSchema, Listing]:
         listing = Listing()  # its lines kept: the lineage is settled from them (first_read.py)
-        return _as_repair_expects(images_schema(rc, content_listing_hash(source, tars, listing), source=str(source),
-                                                source_format=fmt)), listing
+        return _supersede_earlier_revision(images_schema(rc, content_listing_hash(source, tars, listing),
+                                                         source=str(source), source_format=fmt)), listing
 
     schema, listing = provisional(pending)
     if later:
         rc, notes = _mask_by_a_version(st, rc, source, pending, listing.hash()) or \
             _mask_from_footers(rc, source, cfg.resize.columns)
-        schema = _as_repair_expects(images_schema(rc, listing.hash(), source=str(source), source_format=fmt))
+        schema = _supersede_earlier_revision(images_schema(rc, listing.hash(), source=str(source), source_format=fmt))
     # a run killed between caching the streamed hashes and rewriting schema.json: its tars taken as pending again
     if (killed := settling(st, fmt, pending, schema.to_dict(), provisional)) is not None:
         pending, (schema, listing) = killed
@@ -269,8 +269,8 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
             _refuse_unread_repair(intake)
         if pending or intake.unread:  # before the commit: the lineage of the bytes streamed (first_read.py)
             settle_listing(writer, intake.tars.streamed if intake.tars is not None else {}, pending, listing,
-                           lambda hashed: _as_repair_expects(images_schema(rc, hashed, source=str(source),
-                                                                           source_format=fmt)),
+                           lambda hashed: _supersede_earlier_revision(
+                               images_schema(rc, hashed, source=str(source), source_format=fmt)),
                            frozenset(intake.unread))
             if intake.unread and (kept := _same_version(st, writer)) is not None:
                 # the unread files read again fail alike, nothing else changed: no new version (still_unreadable.py)
@@ -585,29 +585,18 @@ def _pictures_before_fixes(schema: TableSchema) -> list[tuple[int, str]]:
     return [(r, h) for r, h in ((images_revision(c), h) for c, h in pairs) if r is not None and h != now]
 
 
-def _as_repair_expects(schema: TableSchema) -> TableSchema:
-    """`store repair` of a version rendered before this revision's fixes: repaired under its own lineage and exact
-    schema (the repair resumes a writer of it), its record of the revisions before it as that revision wrote it
-    (none: 1; one string each: 2; lists: 3 on). The next run then re-renders what the fixes change."""
-    from schemas.pictures_lineage import CODE_BEFORE_FIXES_ATTR, recorded_before_fixes
+def _supersede_earlier_revision(schema: TableSchema) -> TableSchema:
+    """`store repair` of a version rendered before this revision's fixes (its lineage is this run's under an earlier
+    revision): the samples re-rendered are this revision's, so this run writes under its own lineage and schema
+    (store/repair_context.py `supersede`) - a new version re-rendering the damaged samples and those the fixes
+    change, the rest carried - and the next run reuses every sample. Before, they were written under the old
+    revision's lineage and the next run re-rendered them again. Returns `schema`."""
     from store import repair_context
-    from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR
 
-    earlier = _lineages_before_fixes(schema.lineage)
-    at = next((i for i, (_, old) in enumerate(earlier)
-               if old == repair_context.expected() and old != schema.lineage), None)
-    pairs = recorded_before_fixes(schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR), schema.attrs.get(CODE_BEFORE_FIXES_ATTR))
-    if at is None or len(pairs) != len(earlier):
-        return schema
-    revision, before = earlier[at]
-    attrs = {k: v for k, v in schema.attrs.items() if k not in (LINEAGE_BEFORE_FIXES_ATTR, CODE_BEFORE_FIXES_ATTR)}
-    attrs[FEATURE_LINEAGE_ATTR] = pairs[at][1]
-    if at:
-        codes, lineages = (list(c) for c in zip(*pairs[:at]))
-        one = revision == 2  # (the one revision that recorded a single earlier one as strings)
-        attrs[LINEAGE_BEFORE_FIXES_ATTR] = lineages[0] if one else lineages
-        attrs[CODE_BEFORE_FIXES_ATTR] = codes[0] if one else codes
-    return replace(schema, lineage=before, attrs=attrs)
+    if any(old == repair_context.expected() and old != schema.lineage
+           for _, old in _lineages_before_fixes(schema.lineage)):
+        repair_context.supersede(schema.lineage)
+    return schema
 
 
 def _unchanged_by_fixes(st: Store, schema: TableSchema) -> int | None:
@@ -1103,8 +1092,8 @@ def _mask_by_a_version(st: Store, rc: ResizeConfig, source: Any, pending: frozen
         return None
     for mask in (MASK_COLUMN, None):
         cand = rc.model_copy(update={"columns": rc.columns.model_copy(update={"mask": mask})})
-        found = st.find_version(TABLE, _as_repair_expects(images_schema(cand, listing, source=str(source),
-                                                                         source_format="parquet")).lineage)
+        found = st.find_version(TABLE, images_schema(cand, listing, source=str(source),
+                                                     source_format="parquet").lineage)
         if found is None:
             continue
         note = read_note(st, TABLE, found, PARQUET_NOTE)

@@ -161,10 +161,13 @@ def test_a_revision_2_table_revision_3_leaves_unchanged_stays_current(tiny_plus_
 
 
 def test_repair_of_images_rendered_by_revision_2(monkeypatch, tmp_path):
-    """Repaired under revision 2's own lineage and schema (its one-string record of revision 1), then the next
-    run re-renders what revision 3 changes."""
-    from tests.stages.test_fix_revisions_repair import _config_file, _flip, runner
+    """A damaged shard of a version revision 2 rendered: the repair re-renders its samples with this code, so it
+    writes them under revision 3's lineage, re-rendering what revision 3 changes too, and the next run is up to
+    date. Before, it wrote them under revision 2's lineage (its one-string record of revision 1), and the next run
+    re-rendered 4 or 5 samples again, the repaired ones among them."""
+    from tests.stages.test_fix_revisions_repair import _config_file, _damage_shards_of, runner
 
+    from damage import key_at
     from pipeline.cli import app
     from store.verify import verify_store
 
@@ -172,11 +175,11 @@ def test_repair_of_images_rendered_by_revision_2(monkeypatch, tmp_path):
     cfg, config = load_config(None, settings), _config_file(tmp_path / "c.yaml", settings)
     _source(tmp_path / "src")
     _build_at(monkeypatch, 2, cfg, tmp_path / "src", tmp_path / "store")
-    _flip(tmp_path / "store", "images", 0)
+    _damage_shards_of(tmp_path / "store", "images", key_at(tmp_path / "store", "images", 0))
     res = runner.invoke(app, ["store", "repair", str(tmp_path / "store"), "--config", str(config)])
     assert res.exit_code == 0, res.output
     assert verify_store(tmp_path / "store", progress=False) == []
-    # (the damaged sample itself was rendered again by the repair, with this code: 4 or 5 left to redo)
-    assert not resize_stage.run(cfg, tmp_path / "src", tmp_path / "store").up_to_date
+    rerun = resize_stage.run(cfg, tmp_path / "src", tmp_path / "store")
+    assert (rerun.up_to_date, rerun.written) == (True, 0)
     resize_stage.run(cfg, tmp_path / "src", tmp_path / "fresh")
     assert _contents(tmp_path / "store") == _contents(tmp_path / "fresh")
