@@ -1368,17 +1368,9 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
     loss = loss_summary({"base": base, "lora": grids[best_i]}, samples, *cfg.loss_axes, protocol)
     loss["nonfinite_samples"] = nonfinite  # left out of every number (evaluate.on_nonfinite=skip)
 
-    def point(i: int) -> dict:
-        return {"step": steps[i], "path": paths[i], "loss": overall[i]}
-
-    # how sure "best" is: paired over the val samples against the base and the next best checkpoint
-    best = {**point(best_i), "vs_base": paired(per_sample(grids[best_i]), per_sample(base))}
+    points = [{"step": step, "path": path, "loss": o} for step, path, o in zip(steps, paths, overall)]
+    best = _best(points, grids, base, alive, best_i)
     loss["lora_minus_base"] = best["vs_base"]
-    others = [i for i in alive if i != best_i and math.isfinite(overall[i])]
-    if others:
-        nxt = min(others, key=lambda i: (overall[i], steps[i]))  # a tie: the earlier step, as for the best
-        best["runner_up"] = {**point(nxt), **paired(per_sample(grids[nxt]), per_sample(grids[best_i]))}
-
     metrics = {
         "loss": loss,
         "checkpoints": {
@@ -1390,11 +1382,22 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
             # whether each step's checkpoint was still there (a pruned one keeps its point, but not its file)
             "on_disk": [i in alive for i in range(len(steps))],
             "base": per_step["base"], "per_step": per_step["steps"],
-            "best": best, "last": point(last_i),
+            "best": best, "last": points[last_i],
             "note": "best = lowest overall held-out loss among the checkpoints still on disk (ties: earlier step); "
                     "best.vs_base and best.runner_up: differences paired over the val samples (same noise and σ) "
                     "± their standard error; within about two standard errors this held-out set does not tell "
                     "the two apart",
         },
     }
-    return metrics, best, point(last_i)
+    return metrics, best, dict(points[last_i])  # a dict apart from metrics' "last"
+
+
+def _best(points: list[dict], grids: np.ndarray, base: np.ndarray, alive: list[int], best_i: int) -> dict:
+    """The best checkpoint's point (`points[best_i]`: step, path, overall loss) and how sure "best" is: paired over
+    the val samples against the base (`vs_base`) and the next best checkpoint still on disk (`runner_up`)."""
+    best = {**points[best_i], "vs_base": paired(per_sample(grids[best_i]), per_sample(base))}
+    others = [i for i in alive if i != best_i and math.isfinite(points[i]["loss"])]
+    if others:  # a tie: the earlier step, as for the best
+        nxt = min(others, key=lambda i: (points[i]["loss"], points[i]["step"]))
+        best["runner_up"] = {**points[nxt], **paired(per_sample(grids[nxt]), per_sample(grids[best_i]))}
+    return best
