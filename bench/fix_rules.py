@@ -106,7 +106,7 @@ def old_changed_by(images, fixes, own: bool, images_fix: bool):
         if row["key"] not in images:
             return True
         meta = images.meta(row["key"])
-        return (own and fixes.by_revision(meta, row)) or (images_fix and any(rule(meta) for _, rule in fixes.by_images))
+        return (own and fixes.by_revision(meta, row)) or (images_fix and any(rule(meta, row) for _, rule in fixes.by_images))
     return changed
 
 

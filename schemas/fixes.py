@@ -58,8 +58,20 @@ def mask_may_misfit(old_images_row: dict[str, Any]) -> bool:
 
 def was_kept_instead(images_row: dict[str, Any]) -> bool:
     """An `images` row of a copy kept instead of its rejected first copy (revision 3 on): stored before with
-    caption '' (its instruction, so its text features, changed), or in place of a mask now refused (its mask)."""
+    caption '' (its instruction, so its text features, changed), or in place of a mask now refused (its mask:
+    encode-vae compares every carried row's `mask_sha256` with the images row's, so needs no rule for it)."""
     return KEPT_INSTEAD in (_notes(images_row) or ())
+
+
+def prompt_was_emptied(images_row: dict[str, Any], stored_row: dict[str, Any]) -> bool:
+    """A text row of a copy kept instead (`was_kept_instead`) encoded from the caption '' revision 2 stored it
+    with: its prompt is then the empty prompt with the same pictures, so of the empty prompt's length (`length` ==
+    `empty_length`; any caption adds a token). A row of the same key whose first copy revision 2 kept (its mask
+    refused now) was encoded from the caption it has now: carried. A row recording no lengths: yes."""
+    if not was_kept_instead(images_row):
+        return False
+    length, empty = stored_row.get("length"), stored_row.get("empty_length")
+    return length is None or empty is None or int(length) == int(empty)
 
 
 def mask_was_turned(images_row: dict[str, Any]) -> bool:

@@ -103,9 +103,6 @@ def reusable(store: Store, table: str, lineage_hash: str | Iterable[str], keys: 
     (`damage_scan`): its damaged samples are left out (so recomputed), and `carry_forward` copies the intact
     samples of damaged shards instead of linking the shard. Otherwise that full read is skipped: a carried
     sample keeps its recorded CRC, so `store verify` and the checked reader still find damage."""
-    from store.integrity import DamagedData
-    from store.reader import TableReader
-
     checking = checking_needed(store, table)
     accepted = {lineage_hash} if isinstance(lineage_hash, str) else set(lineage_hash)
     wanted = pa.array(sorted(set(keys)), pa.string())
@@ -113,43 +110,69 @@ def reusable(store: Store, table: str, lineage_hash: str | Iterable[str], keys: 
     for v in reversed(store.versions(table)):
         if len(wanted) == 0:
             break
-        vdir = store.version_dir(table, v)
-        if not fmt.is_complete(vdir):
+        read = _wanted_rows(store, table, v, accepted, wanted)
+        if read is None:
             continue
-        try:  # the lineage first, from schema.json alone: another version's manifest and shards are never read
-            # (unchecked: a pre-filter; the reader's open checks schema.json before a row is carried, and records)
-            if not same_features(read_schema(vdir).attrs, accepted):
-                continue
-            reader = TableReader(vdir, table, v, on_damaged="skip")
-        except (DamagedData, UserError):  # unreadable: recompute instead of carrying
+        manifest, lineage, bad_shards = read
+        rows = _intact(store, table, v, manifest, checking, bad_shards)
+        if rows is None:
             continue
-        if not same_features(reader.schema.attrs, accepted):
-            reader.close()
-            continue
-        fix = (changed or {}).get(reader.schema.attrs.get(FEATURE_LINEAGE_ATTR))
-        # the wanted keys' rows only, found in the key column the reader holds: parsing every column of the whole
-        # manifest to keep a rank's share held ~500 MB at 1M samples in every encode rank (bench/reuse_rows.py)
-        at = reader.view.keys.rows_of_keys(wanted)
-        manifest = reader.view.table_at(np.unique(at[at >= 0]))
-        reader.close()
-        keep = pa.array(np.ones(manifest.num_rows, bool))
-        if checking:
-            plan = damage_scan(store, table, v)
-            if plan.unrepairable or plan.manifest_rebuilt:
-                continue
-            if plan.damaged:
-                keep = pc.and_(keep, pc.invert(pc.is_in(manifest.column("key"),
-                                                        value_set=pa.array(sorted(plan.damaged), pa.string()))))
-        elif reader.bad_shards:
-            keep = pc.and_(keep, pc.invert(pc.is_in(manifest.column("shard"),
-                                                    value_set=pa.array(sorted(reader.bad_shards), pa.string()))))
-        rows = manifest.filter(keep)
+        fix = (changed or {}).get(lineage)
         if fix is not None and rows.num_rows:
             rows = _unchanged(rows, fix)
         if rows.num_rows:
             found[v] = rows
             wanted = wanted.filter(pc.invert(pc.is_in(wanted, value_set=rows.column("key"))))
     return found
+
+
+def _wanted_rows(store: Store, table: str, version: int, accepted: set[str],
+                 wanted: pa.Array) -> tuple[pa.Table, str | None, Any] | None:
+    """(the manifest rows of the `wanted` keys, the feature lineage, the shards missing or of the wrong size) of a
+    complete `version` with one of the `accepted` lineages; None: another lineage, incomplete or unreadable."""
+    from store.integrity import DamagedData
+    from store.reader import TableReader
+
+    vdir = store.version_dir(table, version)
+    if not fmt.is_complete(vdir):
+        return None
+    try:  # the lineage first, from schema.json alone: another version's manifest and shards are never read
+        # (unchecked: a pre-filter; the reader's open checks schema.json before a row is carried, and records)
+        if not same_features(read_schema(vdir).attrs, accepted):
+            return None
+        reader = TableReader(vdir, table, version, on_damaged="skip")
+    except (DamagedData, UserError):  # unreadable: recompute instead of carrying
+        return None
+    try:
+        if not same_features(reader.schema.attrs, accepted):
+            return None
+        # the wanted keys' rows only, found in the key column the reader holds: parsing every column of the whole
+        # manifest to keep a rank's share held ~500 MB at 1M samples in every encode rank (bench/reuse_rows.py)
+        at = reader.view.keys.rows_of_keys(wanted)
+        return (reader.view.table_at(np.unique(at[at >= 0])), reader.schema.attrs.get(FEATURE_LINEAGE_ATTR),
+                reader.bad_shards)
+    finally:
+        reader.close()
+
+
+def _intact(store: Store, table: str, version: int, manifest: pa.Table, checking: bool,
+            bad_shards) -> pa.Table | None:
+    """The rows of `manifest` whose samples may be carried: when `checking`, those the full scan of the version
+    found intact (None: nothing of it is carried, its manifest being unrepairable or rebuilt); else those of the
+    shards present at their size (`bad_shards` left out)."""
+    if checking:
+        plan = damage_scan(store, table, version)
+        if plan.unrepairable or plan.manifest_rebuilt:
+            return None
+        return _without(manifest, "key", plan.damaged)
+    return _without(manifest, "shard", bad_shards)
+
+
+def _without(rows: pa.Table, column: str, values) -> pa.Table:
+    """`rows` but those whose `column` holds one of `values`."""
+    if not values:
+        return rows
+    return rows.filter(pc.invert(pc.is_in(rows.column(column), value_set=pa.array(sorted(values), pa.string()))))
 
 
 def reusable_keys(store: Store, table: str, lineage_hash: str, column: str,

@@ -41,11 +41,6 @@ def command(
     model_id = require(cfg.paths.model, "--model", "paths.model")
     from models import memory_plan as mp
 
-    def dtype(name: str, mixed: str = "no") -> str:
-        if name != "auto":
-            return name
-        return "bfloat16" if device.startswith("cuda") or mixed == "bf16" else "float32"
-
     rc, tc = cfg.resize, cfg.train
     from stages.train.settings import check_checkpointing
 
@@ -54,27 +49,9 @@ def command(
     with user_errors():
         vl_tokens, sample_tokens = _tokens(rc, mp.plan_family(model_id), text_tokens)
     seq = tokens or sample_tokens
-    # token-budget batches (train.max_tokens_per_batch) compute up to the budget's tokens per micro-batch
-    # (batch size x longest sequence), whatever train.batch_size says: plan the budget, not batch_size x seq
     budget = tc.max_tokens_per_batch
-    train_batch, train_seq = (1, budget) if budget else (tc.batch_size, seq)
-    side = max(64, math.isqrt(rc.target_area) // 64 * 64)  # the images a sample grid / evaluate decodes (~target_area)
-
-    def train_plan(uncheckpointed: int, checkpointing: bool = tc.gradient_checkpointing):
-        return mp.train_plan(model_id, dtype(tc.dtype, tc.mixed_precision), tc.quantize_base, train_batch, train_seq,
-                             checkpointing, tc.lora.rank, tc.offload, tc.offload_blocks_on_device,
-                             len(tc.lora.target_modules), optimizer=tc.optimizer, processes=processes,
-                             sample_vae=tc.sample_every is not None, ema=tc.ema_decay is not None,
-                             sample_size=(side, side), uncheckpointed_blocks=uncheckpointed)
-
     with user_errors():
-        plans = [
-            mp.encode_plan(model_id, "text_encoder", dtype(cfg.encode_text.dtype), cfg.encode_text.batch_size, vl_tokens),
-            mp.encode_plan(model_id, "vae", dtype(cfg.encode_vae.dtype), cfg.encode_vae.batch_size, rc.target_area // 256),
-            train_plan(tc.uncheckpointed_blocks),
-            mp.inference_plan(model_id, dtype(cfg.evaluate.dtype), cfg.evaluate.quantize_base, seq,
-                              image_size=(side, side)),
-        ]
+        plans = _plans(cfg, model_id, device, processes, vl_tokens, seq)
     batching = f"token budget {budget} per batch" if budget else f"batch {tc.batch_size}"
     echo(f"model {model_id}: transformer {mp.transformer_counts(model_id).params / 1e9:.2f} B params; "
          f"{seq} tokens per training sample, {batching}, planned for {device}"
@@ -82,6 +59,67 @@ def command(
     if budget and budget < seq:
         echo(f"  note: train.max_tokens_per_batch {budget} is below a sample's {seq} tokens: train refuses a budget "
              "smaller than the longest sample")
+    fails = _plan_lines(plans, gpu_memory)
+    if gpu_memory is not None:
+        _uncheckpointed_line(lambda n: _train_plan(cfg, model_id, device, processes, seq, n, checkpointing=True).total,
+                             tc, mp.transformer_counts(model_id).blocks, gpu_memory)
+    if fails:
+        echo("options (try one with --set KEY=VALUE): train.quantize_base int8|fp8|nf4, train.offload blocks, "
+             "train.gradient_checkpointing true, "
+             f"a smaller {'train.max_tokens_per_batch' if budget else 'train.batch_size'} / resize.target_area")
+        raise typer.Exit(1)
+
+
+def _dtype(name: str, device: str, mixed: str = "no") -> str:
+    """A stage's dtype setting as planned: auto is bf16 on cuda (or under bf16 mixed precision), else float32."""
+    if name != "auto":
+        return name
+    return "bfloat16" if device.startswith("cuda") or mixed == "bf16" else "float32"
+
+
+def _side(rc) -> int:
+    """The side of the images a sample grid / evaluate decodes (~target_area)."""
+    return max(64, math.isqrt(rc.target_area) // 64 * 64)
+
+
+def _train_plan(cfg, model_id: str, device: str, processes: int, seq: int, uncheckpointed: int,
+                checkpointing: bool | None = None):
+    """train's plan with `uncheckpointed` leading blocks out of gradient checkpointing (`checkpointing`: None, the
+    config's)."""
+    from models import memory_plan as mp
+
+    tc, side = cfg.train, _side(cfg.resize)
+    # token-budget batches (train.max_tokens_per_batch) compute up to the budget's tokens per micro-batch
+    # (batch size x longest sequence), whatever train.batch_size says: plan the budget, not batch_size x seq
+    budget = tc.max_tokens_per_batch
+    train_batch, train_seq = (1, budget) if budget else (tc.batch_size, seq)
+    return mp.train_plan(model_id, _dtype(tc.dtype, device, tc.mixed_precision), tc.quantize_base, train_batch,
+                         train_seq, tc.gradient_checkpointing if checkpointing is None else checkpointing, tc.lora.rank,
+                         tc.offload, tc.offload_blocks_on_device, len(tc.lora.target_modules), optimizer=tc.optimizer,
+                         processes=processes, sample_vae=tc.sample_every is not None, ema=tc.ema_decay is not None,
+                         sample_size=(side, side), uncheckpointed_blocks=uncheckpointed)
+
+
+def _plans(cfg, model_id: str, device: str, processes: int, vl_tokens: int, seq: int) -> list:
+    """The plan of each stage: encode-text, encode-vae, train, evaluate."""
+    from models import memory_plan as mp
+
+    rc, side = cfg.resize, _side(cfg.resize)
+    return [
+        mp.encode_plan(model_id, "text_encoder", _dtype(cfg.encode_text.dtype, device), cfg.encode_text.batch_size,
+                       vl_tokens),
+        mp.encode_plan(model_id, "vae", _dtype(cfg.encode_vae.dtype, device), cfg.encode_vae.batch_size,
+                       rc.target_area // 256),
+        _train_plan(cfg, model_id, device, processes, seq, cfg.train.uncheckpointed_blocks),
+        mp.inference_plan(model_id, _dtype(cfg.evaluate.dtype, device), cfg.evaluate.quantize_base, seq,
+                          image_size=(side, side)),
+    ]
+
+
+def _plan_lines(plans: list, gpu_memory: float | None) -> int:
+    """One line per stage's plan (its parts; with `gpu_memory`, fits or not); returns how many do not fit."""
+    from models import memory_plan as mp
+
     fails = 0
     for p in plans:
         detail = ", ".join(f"{k} {mp.gib(v)}" for k, v in p.parts.items())
@@ -91,14 +129,7 @@ def command(
             fails += not ok
             verdict = "  fits" if ok else f"  DOES NOT FIT in {gpu_memory:g} GiB"
         echo(f"  {p.stage:32s} {mp.gib(p.total):>11s}{verdict}   ({detail})")
-    if gpu_memory is not None:
-        _uncheckpointed_line(lambda n: train_plan(n, checkpointing=True).total, tc, mp.transformer_counts(model_id).blocks,
-                             gpu_memory)
-    if fails:
-        echo("options (try one with --set KEY=VALUE): train.quantize_base int8|fp8|nf4, train.offload blocks, "
-             "train.gradient_checkpointing true, "
-             f"a smaller {'train.max_tokens_per_batch' if budget else 'train.batch_size'} / resize.target_area")
-        raise typer.Exit(1)
+    return fails
 
 
 def _tokens(rc, family: str, text_tokens: int) -> tuple[int, int]:

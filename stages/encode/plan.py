@@ -41,16 +41,17 @@ class Fixes:
     revision_before: str | None = None  # the stage's feature revision before its own fixes (None: none)
     # (images meta, stored row: `ROW_COLUMNS`) -> does this stage's own fix change the sample
     by_revision: Callable[[dict[str, Any], dict[str, Any]], bool] = _never
-    # (images revision, images meta -> does resize-bucket's fix made after that revision change what this stage
-    # reads?), oldest first: a sample encoded from pictures of revision r is redone where a fix since r says yes
-    by_images: tuple[tuple[int, Callable[[dict[str, Any]], bool]], ...] = ()
+    # (images revision, (images meta, stored row: `ROW_COLUMNS`) -> does resize-bucket's fix made after that
+    # revision change what this stage read?), oldest first: a sample encoded from pictures of revision r is redone
+    # where a fix since r says yes
+    by_images: tuple[tuple[int, Callable[[dict[str, Any], dict[str, Any]], bool]], ...] = ()
     # the images meta columns the two read (the meta they get holds only these): each is called once per
     # distinct value of them and of `ROW_COLUMNS` over a whole version (`changed_rows`), never per row
     reads: tuple[str, ...] = ()
 
 
 NO_FIXES = Fixes()
-ROW_COLUMNS = ("length",)  # what a stored row gives `Fixes.by_revision`
+ROW_COLUMNS = ("length", "empty_length")  # what a stored row gives the rules (text's; vae has neither)
 
 
 def open_job(store_path: str | Path, stage: str, table: str, settings: dict[str, Any], model: str,
@@ -321,7 +322,7 @@ def _lineages_before_fixes(images, fixes: Fixes, stage: str, feature_hashes: tup
             if own or images_since is not None}
 
 
-def _images_fixes_since(fixes: Fixes, revision: int | None) -> list[Callable[[dict[str, Any]], bool]]:
+def _images_fixes_since(fixes: Fixes, revision: int | None) -> list[Callable[[dict[str, Any], dict[str, Any]], bool]]:
     """This stage's rules for the images' fixes made since their `revision` (None: no images fix; 0: every one,
     for a revision this code cannot tell)."""
     return [] if revision is None else [rule for r, rule in fixes.by_images if r >= revision]
@@ -354,7 +355,7 @@ def changed_rows(images, fixes: Fixes, rows: pa.Table, own: bool, images_since: 
     def changed(values: dict[str, Any]) -> bool:
         meta = Declared({k[5:]: v for k, v in values.items() if k.startswith("meta:")}, fixes.reads)
         row = Declared({k[4:]: v for k, v in values.items() if k.startswith("row:")}, ROW_COLUMNS)
-        return (own and fixes.by_revision(meta, row)) or any(rule(meta) for rule in by_images)
+        return (own and fixes.by_revision(meta, row)) or any(rule(meta, row) for rule in by_images)
 
     out[there] = per_distinct(pa.table(cols), changed) if cols else changed({})
     return out

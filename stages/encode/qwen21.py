@@ -25,7 +25,7 @@ import torch
 
 from schemas.config import PipelineConfig
 from schemas.errors import Rejected, UserError
-from schemas.fixes import mask_was_turned, was_kept_instead
+from schemas.fixes import mask_was_turned, prompt_was_emptied
 from schemas.pictures_lineage import TEXT_UNREAD
 from schemas.table import FieldSpec, TableSchema
 from stages.encode.common import (
@@ -48,9 +48,10 @@ MAX_REFERENCES = 10
 PIXELS_PER_SIDE = 32  # one VLM slot = 32 x 32 pixels = 2 x 2 latent tokens
 TEXT_REVISION = "text21.2"
 # the 2.1 latents have always been hashed as encode-vae's "vae.1" (their model fingerprint tells them apart);
-# the RGBA fix of the Edit encoders (vae.2) does not concern them, the images' EXIF mask fix does
+# the RGBA fix of the Edit encoders (vae.2) does not concern them, the images' EXIF mask fix does (a copy the
+# images' revision 3 keeps instead: its mask compared, as encode-vae's FIXES says)
 VAE_REVISION = "vae.1"
-VAE_FIXES = Fixes(by_images=((1, mask_was_turned), (2, was_kept_instead)), reads=("conversions",))
+VAE_FIXES = Fixes(by_images=((1, lambda meta, row: mask_was_turned(meta)),), reads=("conversions",))
 
 
 def _caption_now_too_long(meta: dict[str, Any], row: dict[str, Any]) -> bool:
@@ -61,7 +62,7 @@ def _caption_now_too_long(meta: dict[str, Any], row: dict[str, Any]) -> bool:
 
 # text21.1 encoded prompts past the transformer's frame positions (now quarantined): only those are redone
 # and a copy the images' revision 3 kept instead of its rejected first copy (stored with caption '' before)
-TEXT_FIXES = Fixes("text21.1", by_revision=_caption_now_too_long, by_images=((2, was_kept_instead),),
+TEXT_FIXES = Fixes("text21.1", by_revision=_caption_now_too_long, by_images=((2, prompt_was_emptied),),
                    reads=("img_shapes", "conversions"))
 
 

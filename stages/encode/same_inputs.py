@@ -78,52 +78,23 @@ def _any_version(store, table: str, lineages: tuple[str, ...]) -> bool:
     return False
 
 
+# (source_hashes, has_mask, mask hash, img_shapes) -> the (key, split) now wanting latents of those pictures
+Wanted = dict[tuple[str, bool, str, str], list[tuple[str, str]]]
+
+
 def carry_same_inputs(job: EncodeJob, todo: list[str]) -> set[str]:
     """Copy into the writer, under each key of `todo` (keys not carried by key), the latents of an earlier row with
     the same VAE inputs; returns the keys so carried."""
-    from store import format as fmt
-    from store.manifest_files import checked_manifest
     from store.reuse import reusable
 
     images, store = job.images, job.store
     lineages = (job.feature_lineage, *job.earlier_lineages)
     if not todo or not images.has_column("source_hashes") or not _any_version(store, job.summary.table, lineages):
         return set()
-    at = [int(i) for i in images.rows_of_keys(pa.array(todo, pa.string()))]
-    keep = [(k, i) for k, i in zip(todo, at) if i >= 0]
-    rows = [i for _, i in keep]
-    raw_hashes = _column(images, "source_hashes", rows)
-    hashes = [_norm(v) for v in raw_hashes]
-    masks = _column(images, "mask_sha256", rows)
-    has_masks = _column(images, "has_mask", rows)
-    shapes = [_norm(v) for v in _column(images, "img_shapes", rows)]
-    splits = _column(images, "split", rows)
-    # (source_hashes, has_mask, mask hash, img_shapes) -> the keys now wanting latents of those pictures
-    wanted: dict[tuple[str, bool, str, str], list[tuple[str, str]]] = {}
-    for (key, _), h, has, m, s, split in zip(keep, hashes, has_masks, masks, shapes, splits):
-        # a value unknown (null: an older table) never matches ("" is no mask)
-        if None not in (h, has, m, s):
-            wanted.setdefault((h, bool(has), m, s), []).append((key, split or "train"))
+    wanted, raw_hashes = _wanted(images, todo)
     if not wanted:
         return set()
-    by_hashes = {w[0] for w in wanted}
-    # earlier keys whose source bytes are those pictures': any images version holding them says
-    sources: dict[str, str] = {}
-    now = set(todo)
-    for v in fmt.list_versions(store.root, IMAGES_TABLE):
-        vdir = store.version_dir(IMAGES_TABLE, v)
-        try:
-            if not fmt.is_complete(vdir):
-                continue
-            m = checked_manifest(vdir, ["key", "source_hashes"])
-        except UserError:  # damaged or unreadable: its keys are not looked up, nothing else
-            continue
-        if "source_hashes" not in m.column_names:
-            continue
-        m = _rows_holding(m, raw_hashes)
-        for k, h in zip(m.column("key").to_pylist(), m.column("source_hashes").to_pylist()):
-            if k not in now and k not in sources and (h := _norm(h)) in by_hashes:
-                sources[k] = h
+    sources = _earlier_keys(store, set(todo), raw_hashes, {w[0] for w in wanted})
     if not sources:
         return set()
     found = reusable(store, job.summary.table, lineages, sources, changed=job.changed_by_fixes)
@@ -139,6 +110,49 @@ def carry_same_inputs(job: EncodeJob, todo: list[str]) -> set[str]:
         if copies:
             carried |= _copy(job, version, copies)
     return carried
+
+
+def _wanted(images, todo: list[str]) -> tuple[Wanted, list[Any]]:
+    """The keys of `todo` by the VAE inputs `images` gives them now (`Wanted`; a value unknown - null: an older
+    table - is never matched, "" is no mask), and their `source_hashes` cells as stored."""
+    at = [int(i) for i in images.rows_of_keys(pa.array(todo, pa.string()))]
+    keep = [(k, i) for k, i in zip(todo, at) if i >= 0]
+    rows = [i for _, i in keep]
+    raw_hashes = _column(images, "source_hashes", rows)
+    hashes = [_norm(v) for v in raw_hashes]
+    masks = _column(images, "mask_sha256", rows)
+    has_masks = _column(images, "has_mask", rows)
+    shapes = [_norm(v) for v in _column(images, "img_shapes", rows)]
+    splits = _column(images, "split", rows)
+    wanted: Wanted = {}
+    for (key, _), h, has, m, s, split in zip(keep, hashes, has_masks, masks, shapes, splits):
+        if None not in (h, has, m, s):
+            wanted.setdefault((h, bool(has), m, s), []).append((key, split or "train"))
+    return wanted, raw_hashes
+
+
+def _earlier_keys(store, now: set[str], raw_hashes: list[Any], by_hashes: set[str]) -> dict[str, str]:
+    """Earlier keys (not among `now`) whose source bytes are those pictures' (their `source_hashes`, one of
+    `by_hashes`), as any complete `images` version holding them says -> that value."""
+    from store import format as fmt
+    from store.manifest_files import checked_manifest
+
+    sources: dict[str, str] = {}
+    for v in fmt.list_versions(store.root, IMAGES_TABLE):
+        vdir = store.version_dir(IMAGES_TABLE, v)
+        try:
+            if not fmt.is_complete(vdir):
+                continue
+            m = checked_manifest(vdir, ["key", "source_hashes"])
+        except UserError:  # damaged or unreadable: its keys are not looked up, nothing else
+            continue
+        if "source_hashes" not in m.column_names:
+            continue
+        m = _rows_holding(m, raw_hashes)
+        for k, h in zip(m.column("key").to_pylist(), m.column("source_hashes").to_pylist()):
+            if k not in now and k not in sources and (h := _norm(h)) in by_hashes:
+                sources[k] = h
+    return sources
 
 
 def _copy(job: EncodeJob, version: int, copies: list[tuple[dict[str, Any], str, str]]) -> set[str]:

@@ -40,7 +40,7 @@ from stages.encode.common import (
     with_overrides,
 )
 
-from schemas.fixes import has_alpha_picture, mask_was_turned, was_kept_instead
+from schemas.fixes import has_alpha_picture, mask_was_turned
 from stages.encode.plan import Fixes
 
 STAGE = "encode-vae"
@@ -48,10 +48,12 @@ TABLE = "vae"
 FEATURE_REVISION = "vae.2"
 # vae.1 read an RGBA picture (resize.keep_alpha) as black where transparent (f6aa89f): its tables stay current,
 # and their samples are carried forward, except those with such a picture; and those whose mask the images'
-# revision 2 turned (EXIF mask fix) or whose copy revision 3 kept instead of one with a mask of another aspect
-# (once stretched): their mask weights changed. Qwen-Image-2.1 (RGBA read as RGBA) has its own.
+# revision 2 turned (EXIF mask fix): their mask weights changed. A copy revision 3 keeps instead of one with a mask
+# of another aspect (once stretched) has another mask: its `mask_sha256` differs (`match_columns`), so it is
+# encoded again; one kept instead before too (caption '' then, which the VAE never reads) is carried.
+# Qwen-Image-2.1 (RGBA read as RGBA) has its own.
 FIXES = Fixes("vae.1", by_revision=lambda meta, row: has_alpha_picture(meta),
-              by_images=((1, mask_was_turned), (2, was_kept_instead)), reads=("conversions",))
+              by_images=((1, lambda meta, row: mask_was_turned(meta)),), reads=("conversions",))
 COMPONENTS = ("vae",)  # what the latents depend on: another model with the same VAE files reuses them
 
 

@@ -1127,6 +1127,17 @@ def this_runs_kept(out: Path, fingerprint: str, checkpoints: list[tuple[int, Pat
     return best
 
 
+@dataclass
+class _Shared:
+    """Rank 0's plan for `_append_missing`, as every rank receives it (`_shared_plan`)."""
+
+    recorded: bool  # the base's grid is in the array
+    todo: list[tuple[int, Path]]  # the checkpoints to evaluate, the newest first
+    base_from_donor: bool  # the donor (rank 0's) holds the base
+    from_donor: dict[int, int]  # step -> 1 where the donor holds the checkpoint's row under these bytes
+    known: np.ndarray  # [seed, σ]: the cells the donor holds
+
+
 def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
                     transformer, samples, mine: list[int], cfg: EvaluateConfig, load=None, attached: bool = False,
                     first: bool = True, base_cache: tuple | None = None,
@@ -1139,39 +1150,18 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
     an array without base losses takes them from there when recorded under the key, and records them there when
     computed (`stages.evaluate.base_losses`). `computed_on`: every rank's machine (`loss_groups.on_every_rank`),
     recorded with the first row computed (`_record_rows`)."""
-    from models.collective import together
-    from stages.evaluate import base_losses
-
     seeds, sigmas = cfg.loss_axes
-    n, cells = len(checkpoints), len(seeds) * len(sigmas)
-    # [base recorded, each checkpoint to evaluate; base from a donor, each checkpoint's row in it; its known cells]
-    plan, donor = [0] * (2 * n + 2 + cells), None
-    with together(ranks.world, "the loss array"):
-        if ranks.main:
-            with _writing_losses(losses.path.parent):  # may set an earlier array aside (a rename)
-                head, donor = _plan(losses, checkpoints, shas, first, lambda: base_cache is not None and (
-                    base_losses.read(Path(base_cache[0]) / base_losses.FILE, base_cache[1],
-                                     (len(samples), len(seeds), len(sigmas), 3)) is not None))
-            plan = head + ([int(donor.has_base())] + [int(donor.holds(step, shas[step])) for step, _ in checkpoints]
-                           + donor.known.astype(int).reshape(-1).tolist() if donor else [0] * (n + 1 + cells))
-    plan = ranks.from_main(plan)
-    known = np.array(plan[2 * n + 2:], dtype=bool).reshape(len(seeds), len(sigmas))
-    from_donor = dict(zip((step for step, _ in checkpoints), plan[n + 2 : 2 * n + 2]))
-    todo = sorted((c for c, flag in zip(checkpoints, plan[1 : n + 1]) if flag), key=lambda c: c[0], reverse=True)
+    shared, donor = _shared_plan(ranks, losses, checkpoints, shas, first, base_cache,
+                                 (len(samples), len(seeds), len(sigmas), 3))
     _base_row(ranks, losses, transformer, samples, mine, cfg, load, attached, base_cache,
-              recorded=bool(plan[0]), from_donor=bool(plan[n + 1]), donor=donor, known=known,
+              recorded=shared.recorded, from_donor=shared.base_from_donor, donor=donor, known=shared.known,
               computed_on=computed_on)
     evaluated, pruned = 0, []
     # no bar with nothing to do: tqdm drew "checkpoints: 0ckpt [00:00, ?ckpt/s]" (no total, no percentage)
-    for step, path in tqdm(todo, desc="checkpoints", unit="ckpt", disable=not ranks.main or not todo):
-        partial = bool(from_donor[step])
-        if partial and known.all():  # a shrunk grid: every cell of its row recorded under these very bytes
-            with together(ranks.world, f"record checkpoint step {step}"):
-                if ranks.main:
-                    with _writing_losses(losses.path.parent):
-                        _record_rows(losses, (), donor)  # nothing computed: the donor's machines
-                        losses.append(step, str(Path(path).resolve()), shas[step],
-                                      donor.step(step, np.full(losses.axes.shape, np.nan)), training_of(path))
+    for step, path in tqdm(shared.todo, desc="checkpoints", unit="ckpt", disable=not ranks.main or not shared.todo):
+        partial = bool(shared.from_donor[step])
+        if partial and shared.known.all():  # a shrunk grid: every cell of its row recorded under these very bytes
+            _record_checkpoint(ranks, losses, step, path, shas[step], (), donor, None)
             continue
         changed, attached = _load_checkpoint(ranks, transformer, step, path, shas[step], cfg.lora_scale, attached)
         if changed == PRUNED:
@@ -1179,16 +1169,51 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
         if changed:
             continue
         grid = _cells(ranks, transformer, samples, mine, seeds, sigmas, cfg.batch_size,
-                      f"held-out loss (step {step})", load, ~known if partial else None)
-        with together(ranks.world, f"record checkpoint step {step}"):
-            if ranks.main:
-                if partial:
-                    grid = donor.step(step, grid)
-                with _writing_losses(losses.path.parent):
-                    _record_rows(losses, computed_on, donor if partial else None)
-                    losses.append(step, str(Path(path).resolve()), shas[step], grid, training_of(path))
+                      f"held-out loss (step {step})", load, ~shared.known if partial else None)
+        _record_checkpoint(ranks, losses, step, path, shas[step], computed_on, donor if partial else None, grid)
         evaluated += 1
     return evaluated, attached, pruned
+
+
+def _shared_plan(ranks, losses: LossStore | None, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
+                 first: bool, base_cache: tuple | None, base_shape: tuple) -> tuple[_Shared, CellDonor | None]:
+    """Rank 0's `_plan` (what the array holds, and the donor of cells it takes from: rank 0's alone, None on the
+    others) sent to every rank as one list of integers, and read back as a `_Shared` on each."""
+    from models.collective import together
+    from stages.evaluate import base_losses
+
+    n, cells = len(checkpoints), base_shape[1] * base_shape[2]
+    # [base recorded, each checkpoint to evaluate; base from a donor, each checkpoint's row in it; its known cells]
+    plan, donor = [0] * (2 * n + 2 + cells), None
+    with together(ranks.world, "the loss array"):
+        if ranks.main:
+            with _writing_losses(losses.path.parent):  # may set an earlier array aside (a rename)
+                head, donor = _plan(losses, checkpoints, shas, first, lambda: base_cache is not None and (
+                    base_losses.read(Path(base_cache[0]) / base_losses.FILE, base_cache[1], base_shape) is not None))
+            plan = head + ([int(donor.has_base())] + [int(donor.holds(step, shas[step])) for step, _ in checkpoints]
+                           + donor.known.astype(int).reshape(-1).tolist() if donor else [0] * (n + 1 + cells))
+    plan = ranks.from_main(plan)
+    return _Shared(
+        recorded=bool(plan[0]),
+        todo=sorted((c for c, flag in zip(checkpoints, plan[1 : n + 1]) if flag), key=lambda c: c[0], reverse=True),
+        base_from_donor=bool(plan[n + 1]),
+        from_donor=dict(zip((step for step, _ in checkpoints), plan[n + 2 : 2 * n + 2])),
+        known=np.array(plan[2 * n + 2:], dtype=bool).reshape(base_shape[1], base_shape[2])), donor
+
+
+def _record_checkpoint(ranks, losses: LossStore | None, step: int, path: Path, sha: str, computed_on,
+                       donor: CellDonor | None, grid: np.ndarray | None) -> None:
+    """One checkpoint's row appended (rank 0), every rank together: `grid` as computed, its cells not computed
+    taken from `donor` (a partial row; with `grid` None, every cell: nothing computed, the donor's machines)."""
+    from models.collective import together
+
+    with together(ranks.world, f"record checkpoint step {step}"):
+        if ranks.main:
+            if donor is not None:
+                grid = donor.step(step, np.full(losses.axes.shape, np.nan) if grid is None else grid)
+            with _writing_losses(losses.path.parent):
+                _record_rows(losses, computed_on, donor)
+                losses.append(step, str(Path(path).resolve()), sha, grid, training_of(path))
 
 
 def _base_row(ranks, losses: LossStore | None, transformer, samples, mine: list[int], cfg: EvaluateConfig, load,
@@ -1347,17 +1372,9 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
     loss = loss_summary({"base": base, "lora": grids[best_i]}, samples, *cfg.loss_axes, protocol)
     loss["nonfinite_samples"] = nonfinite  # left out of every number (evaluate.on_nonfinite=skip)
 
-    def point(i: int) -> dict:
-        return {"step": steps[i], "path": paths[i], "loss": overall[i]}
-
-    # how sure "best" is: paired over the val samples against the base and the next best checkpoint
-    best = {**point(best_i), "vs_base": paired(per_sample(grids[best_i]), per_sample(base))}
+    points = [{"step": step, "path": path, "loss": o} for step, path, o in zip(steps, paths, overall)]
+    best = _best(points, grids, base, alive, best_i)
     loss["lora_minus_base"] = best["vs_base"]
-    others = [i for i in alive if i != best_i and math.isfinite(overall[i])]
-    if others:
-        nxt = min(others, key=lambda i: (overall[i], steps[i]))  # a tie: the earlier step, as for the best
-        best["runner_up"] = {**point(nxt), **paired(per_sample(grids[nxt]), per_sample(grids[best_i]))}
-
     metrics = {
         "loss": loss,
         "checkpoints": {
@@ -1369,11 +1386,22 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
             # whether each step's checkpoint was still there (a pruned one keeps its point, but not its file)
             "on_disk": [i in alive for i in range(len(steps))],
             "base": per_step["base"], "per_step": per_step["steps"],
-            "best": best, "last": point(last_i),
+            "best": best, "last": points[last_i],
             "note": "best = lowest overall held-out loss among the checkpoints still on disk (ties: earlier step); "
                     "best.vs_base and best.runner_up: differences paired over the val samples (same noise and σ) "
                     "± their standard error; within about two standard errors this held-out set does not tell "
                     "the two apart",
         },
     }
-    return metrics, best, point(last_i)
+    return metrics, best, dict(points[last_i])  # a dict apart from metrics' "last"
+
+
+def _best(points: list[dict], grids: np.ndarray, base: np.ndarray, alive: list[int], best_i: int) -> dict:
+    """The best checkpoint's point (`points[best_i]`: step, path, overall loss) and how sure "best" is: paired over
+    the val samples against the base (`vs_base`) and the next best checkpoint still on disk (`runner_up`)."""
+    best = {**points[best_i], "vs_base": paired(per_sample(grids[best_i]), per_sample(base))}
+    others = [i for i in alive if i != best_i and math.isfinite(points[i]["loss"])]
+    if others:  # a tie: the earlier step, as for the best
+        nxt = min(others, key=lambda i: (points[i]["loss"], points[i]["step"]))
+        best["runner_up"] = {**points[nxt], **paired(per_sample(grids[nxt]), per_sample(grids[best_i]))}
+    return best

@@ -140,27 +140,39 @@ class ResizeSummary:
 
     def __str__(self) -> str:
         if self.up_to_date and self.unreadable:
-            n, files = self.quarantined["read-error"], self.unreadable
-            named = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
-            return (f"images v{self.version} kept, no new version: the files a read error kept out of it were read "
-                    f"again and fail again, nothing else changed: {n} sample(s) in {len(files)} file(s) still "
-                    f"unreadable ({named}; rows with reason read-error in {self.quarantine_file}): a disk, network "
-                    "or permission error, not bad data; rerun once they read to add them"
-                    + (f"; v{self.newer_current}, committed by another writer meanwhile, stays current"
-                       if self.newer_current is not None else "")
-                    + (f"\n{self.sizes}" if self.sizes else ""))
+            return self._still_unreadable()
         if self.up_to_date:
-            return (f"images v{self.version} is up to date (same source listing and resize settings; no damage "
-                    f"recorded, its bytes were not re-read: `pipeline store verify {self.store}` checks them); "
-                    "nothing to do"
-                    + (f"; v{self.newer_current}, committed by another writer meanwhile, stays current"
-                       if self.newer_current is not None else "")
-                    + (f"\nsource: images v{self.version} was read from {self.source_before}, the same files and "
-                       f"bytes are now at {self.source}: nothing re-rendered (v{self.version}, complete, is not "
-                       f"rewritten: it names {self.source_before})" if self.source_before else "")
-                    + (f"\n{self._val_sharing_line()}" if self.val_sharing else "")
-                    + "".join(f"\n{n}" for n in self.source_notes)
-                    + (f"\n{self.sizes}" if self.sizes else ""))
+            return self._nothing_to_do()
+        return "\n".join(self._written_lines())
+
+    def _still_unreadable(self) -> str:
+        """Up to date but for the files a read error kept out, read again and failing again."""
+        n, files = self.quarantined["read-error"], self.unreadable
+        named = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        return (f"images v{self.version} kept, no new version: the files a read error kept out of it were read "
+                f"again and fail again, nothing else changed: {n} sample(s) in {len(files)} file(s) still "
+                f"unreadable ({named}; rows with reason read-error in {self.quarantine_file}): a disk, network "
+                "or permission error, not bad data; rerun once they read to add them"
+                + (f"; v{self.newer_current}, committed by another writer meanwhile, stays current"
+                   if self.newer_current is not None else "")
+                + (f"\n{self.sizes}" if self.sizes else ""))
+
+    def _nothing_to_do(self) -> str:
+        """Up to date: the version kept, and what else the run noticed."""
+        return (f"images v{self.version} is up to date (same source listing and resize settings; no damage "
+                f"recorded, its bytes were not re-read: `pipeline store verify {self.store}` checks them); "
+                "nothing to do"
+                + (f"; v{self.newer_current}, committed by another writer meanwhile, stays current"
+                   if self.newer_current is not None else "")
+                + (f"\nsource: images v{self.version} was read from {self.source_before}, the same files and "
+                   f"bytes are now at {self.source}: nothing re-rendered (v{self.version}, complete, is not "
+                   f"rewritten: it names {self.source_before})" if self.source_before else "")
+                + (f"\n{self._val_sharing_line()}" if self.val_sharing else "")
+                + "".join(f"\n{n}" for n in self.source_notes)
+                + (f"\n{self.sizes}" if self.sizes else ""))
+
+    def _written_lines(self) -> list[str]:
+        """A new version: what it holds, what was quarantined or converted, and the sizes."""
         lines = [
             f"images v{self.version}: {self.written} samples written"
             + (f", {self.reused} reused (carried forward, not re-rendered)" if self.reused else "")
@@ -203,7 +215,7 @@ class ResizeSummary:
             lines.append("converted: " + ", ".join(f"{c}x {n}" for n, c in sorted(self.conversions.items())))
         if self.sizes:
             lines.append(self.sizes)
-        return "\n".join(lines)
+        return lines
 
 
 def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> ResizeSummary:

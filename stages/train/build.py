@@ -105,6 +105,21 @@ def check_shapes(tables: JoinedTables, transformer) -> None:
 def build_training(r: Run, store: str | Path, model: str, latest: Path | None, resumed: ResumeRecord | None) -> None:
     """Adapter (fresh, from init_lora, or restored from `latest`), optimizer, EMA, sampler and data stream,
     validator, the DDP wrap, micro-batches, trackers and profiler: everything a step needs."""
+    _adapter(r, latest)
+    _data_order(r, resumed)
+    if latest is not None:
+        restore(r, latest, resumed)
+    elif r.world > 1:  # every rank built the LoRA from train.seed: LoRA dropout would draw the same masks on all
+        elastic.seed_rank_rng(r.cfg.seed, 0, r.rank)
+    if r.cfg.validate_every is not None or r.cfg.sample_every is not None:
+        _validator(r, store, model)
+    _wrap(r)
+    _batches(r, latest, resumed)
+    _trackers(r)
+
+
+def _adapter(r: Run, latest: Path | None) -> None:
+    """The LoRA's start (init_lora on a fresh run), its parameters, optimizer, scheduler and EMA."""
     tc = r.cfg
     if tc.init_lora and latest is None:
         from models.lora import init_from_lora, lora_weight_file
@@ -118,6 +133,11 @@ def build_training(r: Run, store: str | Path, model: str, latest: Path | None, r
         from stages.train.ema import AdapterEMA
 
         r.ema = AdapterEMA(r.params, tc.ema_decay)
+
+
+def _data_order(r: Run, resumed: ResumeRecord | None) -> None:
+    """The sampler and data stream, and what the resume record carries over of them."""
+    tc = r.cfg
     # The order is planned for the run's first world size whatever this start's (stages/train/elastic.py).
     canonical = resumed.canonical if resumed is not None else r.world
     r.record = replace(r.record, canonical_world_size=canonical)
@@ -126,26 +146,34 @@ def build_training(r: Run, store: str | Path, model: str, latest: Path | None, r
                                             train_state.NONFINITE_SKIPPED: train_state.nonfinite_skipped(resumed)})
     sampler = make_sampler(r.tables.lengths, tc.batch_size, tc.max_tokens_per_batch, tc.seed, tc.sampler_window, canonical)
     r.stream = DataStream(elastic.on_world(sampler, r.world))
-    if latest is not None:
-        restore(r, latest, resumed)
-    elif r.world > 1:  # every rank built the LoRA from train.seed: LoRA dropout would draw the same masks on all
-        elastic.seed_rank_rng(tc.seed, 0, r.rank)
-    if tc.validate_every is not None or tc.sample_every is not None:
-        from stages.train.validate import Validator
 
-        r.validator = Validator(tc, store, model, r.run_dir, r.world, r.main, start_step=r.step,
-                                attention_backend=r.record.attention_backend)
-        if r.main and r.validator.damaged:
-            tqdm.write(f"validation: left out {len(r.validator.damaged)} damaged val sample(s) (train.on_damaged="
-                       f"skip): {', '.join(sorted(r.validator.damaged))}")
+
+def _validator(r: Run, store: str | Path, model: str) -> None:
+    """The validator (train.validate_every / sample_every), from this start's step; its damaged val samples said."""
+    from stages.train.validate import Validator
+
+    r.validator = Validator(r.cfg, store, model, r.run_dir, r.world, r.main, start_step=r.step,
+                            attention_backend=r.record.attention_backend)
+    if r.main and r.validator.damaged:
+        tqdm.write(f"validation: left out {len(r.validator.damaged)} damaged val sample(s) (train.on_damaged="
+                   f"skip): {', '.join(sorted(r.validator.damaged))}")
+
+
+def _wrap(r: Run) -> None:
+    """The DDP wrap (none on one process) of the module whose forward training calls."""
     from models.qwen21_flow import is_qwen21
 
     if is_qwen21(r.transformer):  # DDP must wrap the module whose forward training calls (models/qwen21_multires.py)
         from models.qwen21_multires import Qwen21Batched
 
-        r.model = parallel.wrap(Qwen21Batched(r.transformer), r.world, tc.lora.target_modules)
+        r.model = parallel.wrap(Qwen21Batched(r.transformer), r.world, r.cfg.lora.target_modules)
     else:
-        r.model = parallel.wrap(r.transformer, r.world, tc.lora.target_modules)
+        r.model = parallel.wrap(r.transformer, r.world, r.cfg.lora.target_modules)
+
+
+def _batches(r: Run, latest: Path | None, resumed: ResumeRecord | None) -> None:
+    """The damaged reads' tally (tables that skip them), the micro-batches from the stream's position, the result."""
+    tc = r.cfg
     r.position = r.stream.position
     if tables_skip(r.tables):
         r.damage = DamageTally(r.run_dir, r.rank, r.world, r.rerun)
@@ -155,6 +183,11 @@ def build_training(r: Run, store: str | Path, model: str, latest: Path | None, r
     r.result = TrainResult(r.run_dir, r.run_dir / "lora", start_step=r.step, steps=r.step, main_process=r.main,
                            data=r.tables.report, kept_previous=r.kept_previous,
                            init_lora=tc.init_lora if tc.init_lora and latest is None else None)
+
+
+def _trackers(r: Run) -> None:
+    """Rank 0's trackers, and the profiler (train.profile) over the steps left."""
+    tc = r.cfg
     if r.main:
         from stages.train.trackers import Trackers
 

@@ -404,27 +404,7 @@ def step(r: Run) -> StepStats:
     update, run in `fails_alone`: the others may be in DDP's all-reduce, so a failure here (a damaged sample, out of memory)
     is published to every rank instead of agreed on (models/collective.py)."""
     tc, t0, c0 = r.cfg, time.perf_counter(), time.process_time()
-    step_losses: list[tuple[list[int], torch.Tensor]] = []  # this rank's rows and losses, for a non-finite step
-    loss_sum = torch.zeros((), device=r.device)
-    damaged = 0  # train.on_damaged=skip: this rank's planned samples left out as damaged (stages/train/damaged.py)
-    with fails_alone(r.world, f"optimizer step {r.step + 1}", OOM_ADVICE):
-        micro = [r.batches.next() for _ in range(tc.grad_accum)]
-        data_seconds = time.perf_counter() - t0
-        n_step = sum(len(b) for m in micro for b in m.global_batch)
-        for k, m in enumerate(micro):
-            parts = []
-            for j, flow in enumerate(m.flows):  # several: this rank's share cut to the planned size (elastic.chunks)
-                with parallel.accumulating(r.model, last=k == len(micro) - 1 and j == len(m.flows) - 1):
-                    parts.append(backward_of(r.model, flow, tc, r.device, scale=r.world / n_step))
-            losses = torch.cat(parts) if len(parts) > 1 else parts[0]
-            loss_sum += losses.sum()
-            share = [i for i in m.global_batch[r.rank] if i not in m.damaged]
-            step_losses.append((share, losses))
-            _count_epoch_tokens(r, m.epoch, m.global_batch, m.ends_epoch)
-            r.position = m.position
-            if m.damaged:
-                damaged += len(m.damaged)
-                r.damage.record(r.tables, m.damaged, r.step + 1)
+    micro, data_seconds, n_step, loss_sum, damaged, step_losses = _accumulate(r, t0)
     # the damaged count and a stop request (SIGTERM on any rank) ride on the loss all-reduce; filled on the
     # device (`new_full`: a kernel, where a host tensor's copy from pageable memory would wait for the backward)
     stop_requested = r.stop.requested() if r.stop is not None else 0.0
@@ -452,16 +432,7 @@ def step(r: Run) -> StepStats:
         with fails_alone(r.world, f"optimizer step {r.step + 1}", OPTIMIZER_OOM_ADVICE):
             r.optimizer.step()
     else:  # every rank is here (the finite check is of all-reduced figures) and names the same samples
-        per_sample = step_sample_losses(r, micro, step_losses)
-        message = guard.nonfinite_message(r.step + 1, per_sample, r.tables.store_root)
-        if tc.on_nonfinite == "stop":
-            raise guard.NonFiniteError(message)
-        # skip_step: no update; the step still counts, so the schedule and the data order go on
-        if r.main:
-            r.bar.write("skipped " + message.split(";")[0])
-        r.result.skipped_steps.append(r.step + 1)
-        skipped = [*train_state.nonfinite_skipped(replace(r.record, step=r.step)), r.step + 1]
-        r.record = replace(r.record, extra={**r.record.extra, train_state.NONFINITE_SKIPPED: skipped})
+        _nonfinite(r, micro, step_losses)
         grad_norm = float("nan")
     lr = r.scheduler.get_last_lr()[0]  # what this step used: after `scheduler.step()` it is the next step's
     r.scheduler.step()
@@ -473,6 +444,50 @@ def step(r: Run) -> StepStats:
     batches = [b for m in micro for b in m.global_batch]
     return StepStats(loss, micro[0].epoch, intact, grad_norm, batches, time.perf_counter() - t0, data_seconds, t0, c0,
                      lr=lr, stop=stop > 0)
+
+
+def _accumulate(r: Run, t0: float) -> tuple[list, float, int, torch.Tensor, int, list[tuple[list[int], torch.Tensor]]]:
+    """`step`'s forward and backward passes over grad_accum micro-batches, in `fails_alone`: (the micro-batches,
+    the seconds waited for them, the step's planned samples, this rank's loss sum, its samples left out as damaged,
+    its rows and losses per micro-batch)."""
+    tc = r.cfg
+    step_losses: list[tuple[list[int], torch.Tensor]] = []  # this rank's rows and losses, for a non-finite step
+    loss_sum = torch.zeros((), device=r.device)
+    damaged = 0  # train.on_damaged=skip: this rank's planned samples left out as damaged (stages/train/damaged.py)
+    with fails_alone(r.world, f"optimizer step {r.step + 1}", OOM_ADVICE):
+        micro = [r.batches.next() for _ in range(tc.grad_accum)]
+        data_seconds = time.perf_counter() - t0
+        n_step = sum(len(b) for m in micro for b in m.global_batch)
+        for k, m in enumerate(micro):
+            parts = []
+            for j, flow in enumerate(m.flows):  # several: this rank's share cut to the planned size (elastic.chunks)
+                with parallel.accumulating(r.model, last=k == len(micro) - 1 and j == len(m.flows) - 1):
+                    parts.append(backward_of(r.model, flow, tc, r.device, scale=r.world / n_step))
+            losses = torch.cat(parts) if len(parts) > 1 else parts[0]
+            loss_sum += losses.sum()
+            share = [i for i in m.global_batch[r.rank] if i not in m.damaged]
+            step_losses.append((share, losses))
+            _count_epoch_tokens(r, m.epoch, m.global_batch, m.ends_epoch)
+            r.position = m.position
+            if m.damaged:
+                damaged += len(m.damaged)
+                r.damage.record(r.tables, m.damaged, r.step + 1)
+    return micro, data_seconds, n_step, loss_sum, damaged, step_losses
+
+
+def _nonfinite(r: Run, micro: list, step_losses: list[tuple[list[int], torch.Tensor]]) -> None:
+    """A step whose loss or gradients are not finite, on every rank: train.on_nonfinite=stop raises naming its
+    samples; skip_step records it as skipped (no update; the step still counts, so the schedule and the data
+    order go on)."""
+    per_sample = step_sample_losses(r, micro, step_losses)
+    message = guard.nonfinite_message(r.step + 1, per_sample, r.tables.store_root)
+    if r.cfg.on_nonfinite == "stop":
+        raise guard.NonFiniteError(message)
+    if r.main:
+        r.bar.write("skipped " + message.split(";")[0])
+    r.result.skipped_steps.append(r.step + 1)
+    skipped = [*train_state.nonfinite_skipped(replace(r.record, step=r.step)), r.step + 1]
+    r.record = replace(r.record, extra={**r.record.extra, train_state.NONFINITE_SKIPPED: skipped})
 
 
 def log(r: Run, s: StepStats) -> None:

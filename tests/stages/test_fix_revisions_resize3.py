@@ -3,7 +3,8 @@ samples revision 3 renders differently are rendered again - a mask of another as
 then, bad-mask now: its next copy kept instead), a caption holding control characters or CR (cleaned now, so
 keyed anew), a copy kept instead of its rejected first copy (stored with caption '' then) - and every resized mask
 (the rows record no mask size: a superset, rendered to the same bytes); the encoders encode again only the samples
-whose pictures or instruction changed; everything else is carried bit for bit, and the store equals a fresh one.
+whose pictures or instruction changed (text: not the copy kept instead of a key whose caption was right; vae: not
+the copy kept instead with the mask it had); everything else is carried bit for bit, and the store equals a fresh one.
 Before: revision 2 tables were reported up to date and their stretched masks, dirty captions and empty revived
 captions encoded and trained on silently."""
 
@@ -127,9 +128,10 @@ def test_revision_3_renders_and_encodes_again_exactly_what_it_changed(tiny_plus_
 
     text = encode_text.run(cfg, tmp_path / "store", tiny_plus_model, batch_size=1)
     vae = encode_vae.run(cfg, tmp_path / "store", tiny_plus_model, batch_size=1)
-    # the two new keys and the two copies kept instead (the text encoder reads no mask, but a kept copy's caption)
-    assert (text.version, text.encoded, text.reused) == (old_text.version + 1, 4, 5)
-    assert (vae.version, vae.encoded, vae.reused) == (old_vae.version + 1, 4, 5)
+    # the two new keys and one copy kept instead each: text the one stored with caption '' (revived_dup; its prompt
+    # was the empty one), vae the one with another mask (misfit_dup); before, both copies in both (one needlessly)
+    assert (text.version, text.encoded, text.reused) == (old_text.version + 1, 3, 6)
+    assert (vae.version, vae.encoded, vae.reused) == (old_vae.version + 1, 3, 6)
     new_features = _tables(tmp_path / "store", "text", "vae")
     for caption in ("edit 0", "edit 1", "edit 2", "mask it", "half mask"):
         key = after[caption][0]

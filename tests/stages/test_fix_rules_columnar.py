@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 
 from schemas import FieldSpec, Lineage, TableSchema
-from schemas.fixes import mask_orientation_changes
+from schemas.fixes import mask_orientation_changes, prompt_was_emptied
 from stages.encode import qwen21, text, vae
 from stages.encode.plan import Fixes, changed_rows
 from stages.resize.stage import MASK_FIX
@@ -51,7 +51,7 @@ def _row_by_row(images, fixes, own: bool, images_since: int | None):
             return True
         meta = images.meta(row["key"])
         return (own and fixes.by_revision(meta, row)) or \
-            any(rule(meta) for r, rule in fixes.by_images if images_since is not None and r >= images_since)
+            any(rule(meta, row) for r, rule in fixes.by_images if images_since is not None and r >= images_since)
     return changed
 
 
@@ -62,8 +62,13 @@ def test_the_columnar_fix_rules_keep_exactly_the_rows_the_row_by_row_rule_keeps(
     lengths = [10, 300, 4000, 8000, None, 4200, 1, 8200, 10, 10]
     rows = pa.table({"key": [KEYS[i] for i in order], "shard": ["s"] * 10,
                      "length": pa.array([lengths[i] for i in order], pa.int64())})
+    # the empty prompt's stored length: the prompt's (encoded from caption '') or not
+    empty = {"emptied": [5, 300, 3000, 8000, 2, None, 1, 8000, 10, 4], "read": [5] * 10}
     tables = {"one chunk": rows, "chunks": pa.concat_tables([rows.slice(0, 4), rows.slice(4)]),
               "without length": rows.drop_columns(["length"])}
+    for case, lengths in empty.items():
+        tables[f"empty length: {case}"] = rows.append_column("empty_length",
+                                                             pa.array([lengths[i] for i in order], pa.int64()))
     fixes = {"vae": vae.FIXES, "text": text.FIXES, "vae21": qwen21.VAE_FIXES, "text21": qwen21.TEXT_FIXES}
     kept_somewhere = set()
     for name, images in readers.items():
@@ -81,10 +86,20 @@ def test_the_columnar_fix_rules_keep_exactly_the_rows_the_row_by_row_rule_keeps(
     assert [KEYS[i] for i, keep in zip(order, got) if keep] == [KEYS[i] for i in (6, 0, 2, 5, 4)]
 
 
+def test_encode_text_redoes_a_copy_kept_instead_only_where_its_prompt_was_the_empty_one():
+    """Revision 2 stored a copy kept instead of its rejected first copy with caption '': its prompt was the empty
+    prompt (same length); a key whose first copy revision 2 kept (its mask refused now) was encoded from its caption."""
+    kept, plain = {"conversions": [KEPT]}, {"conversions": []}
+    assert prompt_was_emptied(kept, {"length": 12, "empty_length": 12})
+    assert not prompt_was_emptied(kept, {"length": 15, "empty_length": 12})
+    assert prompt_was_emptied(kept, {"length": 15}) and prompt_was_emptied(kept, {})  # unrecorded: cannot tell
+    assert not prompt_was_emptied(plain, {"length": 12, "empty_length": 12})
+
+
 def test_a_rule_reading_a_column_not_declared_is_refused(tmp_path):
     images = _images(Store(tmp_path / "store"), "images", True)
     rows = pa.table({"key": KEYS, "length": list(range(10))})
-    undeclared = Fixes(by_images=((1, lambda meta: bool(meta.get("has_mask"))),), reads=("conversions",))
+    undeclared = Fixes(by_images=((1, lambda meta, row: bool(meta.get("has_mask"))),), reads=("conversions",))
     with pytest.raises(KeyError, match="'has_mask', not among those declared"):
         changed_rows(images, undeclared, rows, own=False, images_since=1)
     with pytest.raises(KeyError, match="'key'"):
