@@ -66,6 +66,34 @@ def check_images_versions(st, readers: dict[str, Any], section: str) -> None:
     log.warning("%s", line)
 
 
+def encoded_from_replaced(root, replaced: set[int]) -> str | None:
+    """After `store repair` replaced the `images` versions `replaced` (set aside): the line naming the encoders to
+    rerun where the current `text`/`vae` table was encoded from one of them, else None. Nothing else brings those
+    tables to the repaired images: evaluate reads its pictures from the version they name, no longer in the list."""
+    from store.manifest_files import read_schema
+    from store.store import Store
+
+    if not replaced:
+        return None
+    st = Store(root, create=False)
+    tables = st.tables()
+    current, up = tables.get("images"), {}
+    for t in ("text", "vae"):
+        try:
+            v = _version(read_schema(st.version_dir(t, tables[t])).lineage.upstream.get("images"))
+        except Exception:  # noqa: BLE001 - no such table, or its schema unreadable (the repair said so)
+            continue
+        if v in replaced:
+            up[t] = v
+    if not up or current is None:
+        return None
+    named = " and ".join(f"table '{t}' v{tables[t]}" for t in sorted(up))
+    return (f"{named} {'were' if len(up) > 1 else 'was'} encoded from images "
+            f"{' and '.join(f'v{v}' for v in sorted(set(up.values())))}, which this repair replaced by v{current}: "
+            f"run {_commands(up, current)} to encode from images v{current} (samples whose pictures did not change "
+            "are carried forward, not encoded again); until then evaluate cannot read their pictures")
+
+
 def shared_differences(st, a: int, b: int, text_schema) -> list[str] | None:
     """The render settings (and image feature revision) in which `images` versions `a` and `b` differ among those
     both encoders read: [] when none, None when the versions' records cannot tell (missing, or settings not
