@@ -94,5 +94,6 @@ def grids(folder: Path, settings: dict, lora: str | Path, axes: Axes,
         with writing("the held-out losses (lora-losses) of the report", folder):
             losses.append(STEP, str(Path(lora).resolve()), sha, on)
     with writing("the held-out losses (lora-losses) of the report", folder):
-        prune(folder, in_use=(donor.path if donor is not None else None,))
+        # the group set aside is spared by name too: its date (`used`) is not set in a folder another user owns
+        prune(folder, in_use=(donor.path if donor is not None else None, losses.kept_aside))
     return {"base": base, "lora": on}
