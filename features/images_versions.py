@@ -56,14 +56,56 @@ def check_images_versions(st, readers: dict[str, Any], section: str) -> None:
     if stale:
         parts.append(" and ".join(f"table '{t}' v{readers[t].version} was encoded from images v{v}"
                                   for t, v in sorted(stale.items()))
-                     + f", but images v{current} is current (resize-bucket has run since): {section} reads features "
-                     f"of the older images; run {_commands(up, current)} to encode them from images v{current}")
+                     + f", but images v{current} is current ({_since(st, sorted(set(stale.values())))}): {section} "
+                     f"reads features of the older images; run {_commands(up, current)} to encode them from images "
+                     f"v{current}")
     if differences is None:
         parts.append(f"text and vae were encoded from images v{text_v} and v{vae_v}, whose render settings are not "
                      "recorded in a form that can be compared: whether each sample's text and latents come from "
                      "the same pictures cannot be checked")
     line = f"{section}: store {st.root}: " + "; ".join(parts)
     log.warning("%s", line)
+
+
+def _since(st, olds: list[int]) -> str:
+    """What made the `images` versions `olds` not current: a repair that replaced them (the damaged version it set
+    aside as `v<N>.damaged/`, store/repair.py `set_aside`) or a rerun of resize-bucket."""
+    from store import format as fmt
+
+    aside = [v for v in olds if st.version_dir("images", v).with_name(f"v{v}{fmt.SET_ASIDE_SUFFIX}").is_dir()]
+    said = [f"a repair replaced the damaged images {' and '.join(f'v{v}' for v in aside)}, set aside as "
+            + " and ".join(f"v{v}{fmt.SET_ASIDE_SUFFIX}/" for v in aside)] if aside else []
+    if len(aside) < len(olds):
+        said.insert(0, "resize-bucket has run since")
+    return ", and ".join(said)
+
+
+def encoded_from_replaced(root, replaced: set[int]) -> str | None:
+    """After `store repair` replaced the `images` versions `replaced` (set aside): the line naming the encoders to
+    rerun where the current `text`/`vae` table was encoded from one of them, else None. Nothing else brings those
+    tables to the repaired images: evaluate reads its pictures from the version they name, no longer in the list."""
+    from store.manifest_files import read_schema
+    from store.store import Store
+
+    if not replaced:
+        return None
+    st = Store(root, create=False)
+    tables = st.tables()
+    current, up = tables.get("images"), {}
+    for t in ("text", "vae"):
+        try:
+            v = _version(read_schema(st.version_dir(t, tables[t])).lineage.upstream.get("images"))
+        except Exception:  # noqa: BLE001 - no such table, or its schema unreadable (the repair said so)
+            continue
+        if v in replaced:
+            up[t] = v
+    if not up or current is None:
+        return None
+    named = " and ".join(f"table '{t}' v{tables[t]}" for t in sorted(up))
+    return (f"{named} {'were' if len(up) > 1 else 'was'} encoded from images "
+            f"{' and '.join(f'v{v}' for v in sorted(set(up.values())))}, which this repair replaced by v{current}: "
+            f"run {_commands(up, current)} to encode from images v{current} (samples whose pictures did not change "
+            "are carried forward, not encoded again); until then evaluate cannot read their pictures")
 
 
 def shared_differences(st, a: int, b: int, text_schema) -> list[str] | None:

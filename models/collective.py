@@ -590,22 +590,28 @@ def _count_and_wait(store, counter: str, world: int, wait: bool = True, together
                 _read(clients, lambda c: c.set(keys[rank], "1"))
         deadline = time.monotonic() + HOST_WAIT_SECONDS
         # every rank of a failed launch waits here, polling the one store
-        if wait and _all_set(lambda k: _read(clients, lambda c: c.check([k])), keys, deadline) and together:
-            _left_together(clients, counter, world, rank=int(os.environ.get("RANK", "0")), deadline=deadline)
+        if wait:
+            counted = _all_set(lambda k: _read(clients, lambda c: c.check([k])), keys, deadline)
+            if together:
+                _left_together(clients, counter, world, rank=int(os.environ.get("RANK", "0")), counted=counted)
     except Exception:  # noqa: BLE001 - the store is gone (its host ended): nothing left to wait for
         pass
 
 
-def _left_together(clients: list, counter: str, world: int, rank: int, deadline: float) -> None:
-    """Every rank counted under `counter` (`_count_and_wait`): a rank that does not host the store says it saw
-    that and calls the store no more; the host waits (within `deadline`) until each of them has. Before, the host
-    ended the store as soon as it saw every rank counted, while a rank still polling to see the same got its
-    connection reset: torch's C++ warning and stack after that rank's last line (CI, seen once)."""
+def _left_together(clients: list, counter: str, world: int, rank: int, counted: bool) -> None:
+    """After the wait for every rank to count under `counter` (`_count_and_wait`; `counted`: all did): a rank that
+    does not host the store says it stopped waiting and calls the store no more (also when its wait ran out: the
+    host waits for its word); the host, where all counted, waits at most HOST_WAIT_SECONDS more until each of them
+    has. Before, the host ended the store as soon as it saw every rank counted, while a rank still polling to see
+    the same got its connection reset: torch's C++ warning and stack after that rank's last line (CI, seen once).
+    That bound is its own: shared with the wait for the counts, a last rank counted near its end left the host
+    one look at the others' words before it ended the store under a rank still polling."""
     if not _hosts_store():
         _read(clients, lambda c: c.set(f"{counter}/left/{rank}", "1"))
         return
-    others = [f"{counter}/left/{r}" for r in range(world) if r != rank]
-    _all_set(lambda k: _read(clients, lambda c: c.check([k])), others, deadline)
+    if counted:
+        others = [f"{counter}/left/{r}" for r in range(world) if r != rank]
+        _all_set(lambda k: _read(clients, lambda c: c.check([k])), others, time.monotonic() + HOST_WAIT_SECONDS)
 
 
 def _all_set(is_set: Callable[[str], bool], keys: list[str], deadline: float) -> bool:

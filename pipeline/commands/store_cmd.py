@@ -169,6 +169,7 @@ def repair(
     cache_dir: Optional[Path] = CacheDirOpt,
 ) -> None:
     one_process("store repair")  # every rank would recompute the same samples into the same repair version
+    from features.images_versions import encoded_from_replaced
     from features.tables import TABLE_ORDER
     from store import repair as rp
     from store.remote import is_url
@@ -197,8 +198,11 @@ def repair(
             if url is not None and not dry_run and (done := replaced_here(store)):  # what a killed repair finished
                 echo(f"{url}: publishing the repair of {', '.join(f'{t} v{v}' for t, v in done)} an earlier, "
                      "interrupted run finished")
+                after = encoded_from_replaced(store, {v for t, v in done if t == "images"})
                 publish(url, store, done, echo)
                 echo(f"ok: {url} repaired and verified")
+                if after:
+                    echo(after)
                 return
             echo(f"nothing to repair: {url or store} is intact" if not todo else "dry run: nothing changed")
             if url is not None:  # a working copy left behind could later push back versions gc removed
@@ -207,6 +211,9 @@ def repair(
                 shutil.rmtree(store, ignore_errors=True)
             return
         failed = rp.apply(plan, _recompute(cfg, store), echo)
+        # before publish: it removes a URL's working copy
+        after = encoded_from_replaced(store, {t.version for t in plan.tables
+                                              if t.table == "images" and t.new_version is not None})
         if url is not None:  # replaced: those repair set aside once their new version verified
             publish(url, store, replaced_here(store), echo)
     for f in failed:
@@ -214,6 +221,8 @@ def repair(
     if failed:
         raise typer.Exit(1)
     echo(f"ok: {url or store} repaired and verified")
+    if after:
+        echo(after)
 
 
 def _recompute(cfg, store: Path):

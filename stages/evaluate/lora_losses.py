@@ -59,7 +59,8 @@ def grids(folder: Path, settings: dict, lora: str | Path, axes: Axes,
     check_base(base)
     on = _lora_grid(losses, need_lora, donor, compute, axes, lora, sha)
     with writing(WHAT, folder):
-        prune(folder, in_use=(donor.path if donor is not None else None,))
+        # the group set aside is spared by name too: its date (`used`) is not set in a folder another user owns
+        prune(folder, in_use=(donor.path if donor is not None else None, losses.kept_aside))
     return {"base": base, "lora": on}
 
 

@@ -39,7 +39,7 @@ def used(group: Path) -> None:
     modification time, which `prune` orders by (a rename keeps it; appends, the only other writes, are in place)."""
     try:
         os.utime(group)
-    except OSError:  # gone or read-only: it is then only older than it should be
+    except OSError:  # gone, or another user's: older than it should be (this run's `prune` spares it by name)
         pass
 
 

@@ -9,6 +9,7 @@ against a real TCPStore this test serves."""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -61,3 +62,47 @@ def test_a_rank_ending_on_the_line_stops_its_watch_thread_first(monkeypatch, own
     store.set(f"{key}/known/0", "1")
     collective._known_by_all(collective._store_client(), key, 2)
     assert not watcher.is_alive()
+
+
+def test_the_host_waits_for_the_words_of_ranks_counted_at_the_end_of_its_wait(monkeypatch, own_collective) -> None:  # noqa: F811,E501
+    """The host's wait for the others' words had the deadline of its wait for the counts before it: a last rank
+    counted near that deadline left the host one look (the words not written yet) before it ended the store under
+    ranks still polling. A clock of the test's own: rank 2 counts 9.95 s into the host's 10 s wait, and ranks 1
+    and 2 say they stopped polling at its third pause, past the 10 s."""
+    collective = own_collective
+    store = _as_rank(monkeypatch, 0)  # rank 0 hosts the store
+    key = collective._failure_key()
+    client = collective._store_client()
+    store.set(f"{key}/known/1", "1")  # rank 1 counted itself and polls to see all counted
+    now, pauses = [0.0], []
+
+    def pause(_seconds: float) -> None:
+        pauses.append(now[0])
+        if len(pauses) == 1:  # rank 2 counts at the end of the host's wait
+            now[0] = collective.HOST_WAIT_SECONDS - 0.05
+            store.set(f"{key}/known/2", "1")
+        else:
+            now[0] += 0.1
+        if len(pauses) == 3:  # ranks 1 and 2 saw all counted: they call the store no more
+            store.set(f"{key}/known/left/1", "1")
+            store.set(f"{key}/known/left/2", "1")
+
+    monkeypatch.setattr(collective, "time", SimpleNamespace(monotonic=lambda: now[0], sleep=pause))
+    collective._known_by_all(client, key, 3)
+    assert store.check([f"{key}/known/left/1", f"{key}/known/left/2"]), \
+        f"the host ended the store at {now[0]:.2f} s before every rank said it stopped polling"
+
+
+def test_a_rank_whose_wait_ran_out_says_so_too(monkeypatch, own_collective) -> None:  # noqa: F811
+    """Rank 2 never counted (killed): rank 1 stops polling at its bound and says so, or a host that saw rank 2
+    count later would wait its whole bound for rank 1's word. The test's own clock: 0.1 s a pause."""
+    collective = own_collective
+    store = _as_rank(monkeypatch, 1)
+    key = collective._failure_key()
+    client = collective._store_client()
+    store.set(f"{key}/known/0", "1")  # the host counted
+    now = [0.0]
+    monkeypatch.setattr(collective, "time", SimpleNamespace(monotonic=lambda: now[0],
+                                                            sleep=lambda _s: now.__setitem__(0, now[0] + 0.1)))
+    collective._known_by_all(client, key, 3)
+    assert now[0] >= collective.HOST_WAIT_SECONDS and store.check([f"{key}/known/left/1"])

@@ -123,3 +123,24 @@ def test_a_donor_in_place_takes_no_place_of_those_kept_aside(tmp_path):
     aside = _groups(folder, 5)  # 4 aside, group 4 in place
     assert loss_groups.prune(folder, in_use=(folder / GROUP,), keep=2) == [aside[0].name, aside[1].name]
     assert _bases(folder) == [2.0, 3.0]
+
+
+def test_the_group_a_run_sets_aside_is_kept_though_its_date_cannot_be_set(tmp_path, monkeypatch):
+    """A shared report folder whose groups another user owns: recording the use (the folder's modification time)
+    fails, and the group this run just set aside kept its old date, the oldest: the prune at the end of the same
+    run removed it at once."""
+    from stages.evaluate import lora_losses
+
+    folder = tmp_path / "lora-losses"
+    aside = _groups(folder, 3)  # groups 0 and 1 aside (used at seconds 1000, 1001), group 2 in place
+    os.utime(folder / GROUP, (1, 1))  # in place since long ago: older than those kept aside
+    monkeypatch.setattr(loss_groups, "KEPT_ASIDE", 2)
+
+    def not_owner(*_a, **_k):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "utime", not_owner)
+    lora_losses.grids(folder, _settings(3), tmp_path / "lora", AXES, lambda _name, _cells: np.full(AXES.shape, 3.0),
+                      None, lambda _base: None)
+    assert [g.path.name for g in kept_groups(folder, loss_groups.group_hash(_settings(2)), AXES)]  # set aside, kept
+    assert _bases(folder) == [1.0, 2.0] and not (folder / aside[0].name).exists()  # the oldest aside removed

@@ -200,3 +200,32 @@ def test_repair_killed_after_carrying_a_shard_resumes(tmp_path):
     assert b.version == 2 and a.keys() == b.keys()
     assert all(a.files(k) == b.files(k) for k in a.keys())
     assert verify_store(store, progress=False) == []
+
+
+def test_repair_of_images_names_the_encoders_to_rerun(tiny_edit_model, tmp_path):
+    """The text and vae tables were encoded from images v1, which the repair replaced by v2 (set aside): they still
+    name v1, and evaluate's pictures are refused until both encoders run again. The repair's last line says so
+    (before: only "ok: ... repaired and verified")."""
+    import yaml
+
+    from pipeline.demo_data import make_demo_data
+    from stages.resize import stage as resize_bucket
+
+    settings = {"resize": {"target_area": 64 * 64, "control_vl_area": 48 * 48, "control_vae_area": 64 * 64,
+                           "multiple": 16, "min_side": 16, "shard_size_mb": 0.01}}
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    make_demo_data(tmp_path / "src", n=4, fmt="folder", max_controls=1, seed=1)
+    store = tmp_path / "store"
+    cfg = load_config(config)
+    resize_bucket.run(cfg, tmp_path / "src", store)
+    encode_text.run(cfg, store, tiny_edit_model)
+    encode_vae.run(cfg, store, tiny_edit_model)
+    _flip(store, "images", 2, where="header")
+    res = runner.invoke(app, ["store", "repair", str(store), "--config", str(config), "--model", tiny_edit_model])
+    assert res.exit_code == 0, res.output
+    assert Store(store).tables() == {"images": 2, "text": 1, "vae": 1}
+    assert res.output.rstrip().splitlines()[-1] == (
+        "table 'text' v1 and table 'vae' v1 were encoded from images v1, which this repair replaced by v2: run "
+        "`pipeline run encode-text` and `pipeline run encode-vae` to encode from images v2 (samples whose pictures "
+        "did not change are carried forward, not encoded again); until then evaluate cannot read their pictures")

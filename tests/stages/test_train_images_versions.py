@@ -103,3 +103,26 @@ def test_features_of_two_renders_of_a_sample_are_refused(tiny_edit_model, tmp_pa
     assert "run `pipeline run encode-vae`" in msg
     encode_vae.run(cfg, store, tiny_edit_model)
     assert train(cfg, store, tiny_edit_model, tmp_path / "run").steps == 2
+
+
+def test_an_images_version_a_repair_replaced_is_said_so(edit_store, images_fixture, caplog):
+    """text and vae were encoded from images v1, which `store repair` replaced by v2 and set aside as
+    v1.damaged/: the line said "resize-bucket has run since", which had not run."""
+    from types import SimpleNamespace
+
+    from features import images_versions
+    from store import Store
+    from store import format as fmt
+
+    images_fixture.write(edit_store, images_fixture.edit_samples(), tag="b")  # images v2
+    v1 = fmt.version_dir(edit_store, "images", 1)
+    v1.rename(v1.with_name("v1.damaged"))  # as store/repair.py `set_aside` moves it
+    readers = {t: SimpleNamespace(version=1, schema=SimpleNamespace(lineage=SimpleNamespace(upstream={"images": 1})))
+               for t in ("text", "vae")}
+    images_versions._SAID.clear()
+    with caplog.at_level(logging.WARNING):
+        images_versions.check_images_versions(Store(edit_store), readers, "evaluate")
+    said = [r.getMessage() for r in caplog.records if "images v2 is current" in r.getMessage()]
+    assert len(said) == 1 and "table 'vae' v1 was encoded from images v1" in said[0]
+    assert "images v2 is current (a repair replaced the damaged images v1, set aside as v1.damaged/)" in said[0]
+    assert "resize-bucket" not in said[0]
