@@ -11,6 +11,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -22,7 +23,7 @@ from store import format as fmt
 from store import integrity
 from store.integrity import DamagedData
 from store.join import JoinedTables, sequence_lengths_of
-from store.manifest_files import checked_manifest
+from store.manifest_files import checked_groups, checked_manifest
 from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader
 from store.reader_manifest import split_rows
 
@@ -174,8 +175,8 @@ def dropped_report(st, joined: JoinedTables, split: str | None) -> dict[str, Any
     versions = {r.schema.lineage.upstream.get("images") for r in joined.readers.values()} - {None}
     for images_version in sorted(versions):
         if fmt.is_complete(fmt.version_dir(st.root, "images", images_version)):
-            ks = _split_keys(fmt.version_dir(st.root, "images", images_version), images_version, split)
-            universe |= set(ks.filter(pc.invert(pc.is_in(ks, value_set=joined.keys.array))).to_pylist())
+            universe |= _keys_not_joined(fmt.version_dir(st.root, "images", images_version), images_version, split,
+                                         joined)
     total = len(joined.keys) + len(universe)
     reasons: dict[str, dict[str, int]] = {}
     q = st.quarantine(["key", "stage", "reason"])  # every rank, every start: not the long source/detail texts
@@ -217,13 +218,30 @@ def dropped_beyond(rep: dict[str, Any], max_dropped_fraction: float, section: st
             f"(rows in {rep['quarantine_file']})")
 
 
-def _split_keys(vdir: Path, version: int, split: str | None) -> pa.Array:
-    """The keys of one split of an `images` version, from two columns of its checked manifest: a reader would
-    check every shard of the table (a stat each, on every rank, twice per training start) that no one reads here."""
-    keys, column = _keys_and_splits(vdir)
-    if split is None:
-        return keys
-    return keys.take(split_rows(column, split, f"table 'images' v{version} ({vdir})"))
+def _keys_not_joined(vdir: Path, version: int, split: str | None, joined: JoinedTables) -> set[str]:
+    """The keys of one split of an `images` version that the join lacks, from two columns of its checked manifest
+    (a reader would stat every shard of the table, on every rank, that no one reads here) read a row group at a time (`checked_groups`), each group's keys looked up in a joined table's sorted keys
+    (`rows_of_keys`: a binary search in the usual case). Every rank does this at every start: the whole columns and
+    an Arrow hash set of the joined keys peaked at ~+160 MB private memory at 1M samples (bench/train_startup.py)."""
+    table = next(iter(joined.readers))
+    reader = joined.readers[table]
+    joined_row = np.zeros(len(reader), bool)
+    joined_row[np.asarray(joined.rows[table])] = True
+    out: set[str] = set()
+    try:
+        for group in checked_groups(vdir, ["key", "split"]):
+            keys = group.column("key").combine_chunks()
+            if split is not None:
+                column = group.column("split") if "split" in group.column_names else None
+                keys = keys.take(split_rows(column, split, f"table 'images' v{version} ({vdir})"))
+            rows = reader.rows_of_keys(keys)
+            held = rows >= 0
+            held[held] = joined_row[rows[held]]
+            out.update(keys.filter(pa.array(~held)).to_pylist())
+    except DamagedData as e:  # recorded, as a reader's open does: resize-bucket's rerun must not call it up to date
+        integrity.record_damage(vdir, problems=[str(e)])
+        raise
+    return out
 
 
 def _keys_and_splits(vdir: Path) -> tuple[pa.Array, pa.ChunkedArray | None]:
@@ -237,7 +255,7 @@ def _keys_and_splits(vdir: Path) -> tuple[pa.Array, pa.ChunkedArray | None]:
 
 def images_in_split(store: str | Path, split: str) -> tuple[int, int, int]:
     """(samples of `split`, samples in all, version) of the store's current `images` version, from its manifest
-    (`_split_keys`' read): how many samples resize-bucket's hash split put in the split."""
+    (`_keys_and_splits`' read): how many samples resize-bucket's hash split put in the split."""
     from store.store import Store
 
     st = Store(store, create=False)

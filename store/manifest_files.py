@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -86,6 +86,33 @@ def read_manifest(vdir: Path, data: bytes | pa.Buffer, columns: list[str] | None
         raise unreadable(vdir, e) from None
 
 
+def read_column(vdir: Path, data: bytes | pa.Buffer, name: str, dictionary: bool = False,
+                narrow: tuple[pa.DataType, ...] = ()) -> pa.ChunkedArray:
+    """One column of checked manifest bytes, decoded a row group at a time (`dictionary`: as dictionary-encoded;
+    `narrow`: each group cast as `arrow_columns.narrowed` casts a column, all then in the widest type a group
+    needed, as the whole column's cast would give). A whole-column read decodes every group's pages at once, and
+    what it frees stays scattered among the kept values in the memory pool: at 1M keys (34 MB) a rank kept ~85 MB
+    after it, ~40 MB read group by group; img_shapes was decoded whole as int64 before its cast to int16
+    (bench/train_startup.py)."""
+    from store.arrow_columns import narrowed
+
+    try:
+        f = pq.ParquetFile(pa.BufferReader(data), read_dictionary=[name] if dictionary else None)
+        if f.num_row_groups == 0:
+            return f.schema_arrow.empty_table().column(name)
+        chunks = []
+        for g in range(f.num_row_groups):
+            for c in f.read_row_group(g, columns=[name], use_threads=False).column(0).chunks:
+                chunks.append(narrowed(c, narrow) if narrow else c)
+    except Exception as e:  # noqa: BLE001
+        raise unreadable(vdir, e) from None
+    if narrow:  # the types are tried narrowest first: a later one holds every earlier one's values
+        rank = {t: i for i, t in enumerate(narrow)}
+        wide = max((c.type for c in chunks), key=lambda t: rank.get(t, len(narrow)))
+        chunks = [c if c.type == wide else c.cast(wide) for c in chunks]
+    return pa.chunked_array(chunks)
+
+
 def row_group_starts(f: pq.ParquetFile) -> list[int]:
     """The first row of each row group of `f`, then its row count: row i lies in group
     `bisect.bisect_right(starts, i) - 1`. From the footer alone (`fmt.ROW_GROUP_ROWS` rows a group in manifests
@@ -111,6 +138,25 @@ def checked_manifest(vdir: Path, columns: list[str] | None = None) -> pa.Table:
             raise unreadable(vdir, e) from None
         columns = [c for c in columns if c in names]
     return read_manifest(vdir, data, columns)
+
+
+def checked_groups(vdir: Path, columns: list[str]) -> Iterator[pa.Table]:
+    """`checked_manifest`'s columns (those the version has), a row group at a time: what a caller holds is one
+    group's rows, not the whole columns (every rank's start reads the `images` keys and splits: ~45 MB of Arrow
+    arrays at 1M samples, and their decode's scratch, for a few keys kept)."""
+    data = mapped_checked(vdir, fmt.MANIFEST, integrity.read_version_checksums(vdir))
+    try:
+        f = pq.ParquetFile(pa.BufferReader(data))
+        columns = [c for c in columns if c in set(f.schema_arrow.names)]
+        groups = range(f.num_row_groups)
+    except Exception as e:  # noqa: BLE001
+        raise unreadable(vdir, e) from None
+    for g in groups:
+        try:
+            group = f.read_row_group(g, columns=columns, use_threads=False)
+        except Exception as e:  # noqa: BLE001
+            raise unreadable(vdir, e) from None
+        yield group
 
 
 def mapped_checked(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None) -> pa.Buffer:

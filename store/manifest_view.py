@@ -25,11 +25,11 @@ from schemas.img_shapes import ImgShape, img_shapes_from_v1
 from schemas.table import SCHEMA_V1, TableSchema
 from store import format as fmt
 from store import integrity
-from store.arrow_columns import NARROWER, narrowed, release_memory
+from store.arrow_columns import NARROWER, release_memory
 from store.integrity import DamagedData
 from store.key_index import KeyIndex
 from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS, RESERVED_COLUMNS
-from store.manifest_files import mapped_checked, read_manifest, read_schema, row_group_starts, unreadable
+from store.manifest_files import mapped_checked, read_column, read_manifest, read_schema, row_group_starts, unreadable
 from store.sample_locator import SampleLocator
 
 log = logging.getLogger("store")
@@ -144,11 +144,8 @@ class ManifestView:
         else:
             if name not in self.names:
                 raise KeyError(name)
-            col = read_manifest(self.dir, self._bytes, columns=[name],
-                                read_dictionary=["shard"] if name == "shard" else None).column(name)
+            col = read_column(self.dir, self._bytes, name, dictionary=name == "shard", narrow=NARROWER.get(name, ()))
         col = col.combine_chunks()
-        if self._full is None and name in NARROWER:
-            col = narrowed(col, NARROWER[name])
         # the parse's scratch memory goes back to the system (the allocator keeps it otherwise: ~180 MB at 1M
         # samples, in every rank)
         release_memory()

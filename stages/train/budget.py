@@ -19,6 +19,11 @@ Per epoch, from (seed, epoch) alone:
    by one sample per batch) - every index still appears exactly once per epoch and every rank gets the same
    number of batches (DDP steps in lockstep).
 A sample longer than the budget is an error: the budget must hold the longest sample.
+
+The two shuffles (steps 1 and 3) draw from (seed, epoch) by the run's `shuffle` (recorded in its checkpoints,
+`ResumeRecord.plan_shuffle`): `NUMPY_SHUFFLE` for runs started now, numpy permutations seeded from
+`store.partition.rng_for` as the length-aware sampler's; `PYTHON_SHUFFLE` for runs started before it (Python's
+random.shuffle, ~0.7 s a plan at 1M samples, every epoch and rank), so their resumes continue their own order.
 """
 
 from __future__ import annotations
@@ -30,11 +35,36 @@ import numpy as np
 from stages.train.epoch_plan import EpochPlan
 from store.partition import rng_for
 
+# How a plan's shuffles draw from (seed, epoch): recorded per run, never changed for a run (its resumes must see
+# its order); a fresh run takes `PLAN_SHUFFLE`.
+PYTHON_SHUFFLE, NUMPY_SHUFFLE = 1, 2
+PLAN_SHUFFLE = NUMPY_SHUFFLE
+
+
+def _shuffler(seed: int, epoch: int, shuffle: int):
+    """`shuffled(n)`: a permutation of range(n) as int64 numbers; successive calls continue one generator."""
+    rng = rng_for(seed, epoch)
+    if shuffle == NUMPY_SHUFFLE:
+        gen = np.random.default_rng(rng.getrandbits(64))
+        return lambda n: gen.permutation(n)
+    if shuffle != PYTHON_SHUFFLE:
+        raise ValueError(f"plan shuffle {shuffle}: this code knows {PYTHON_SHUFFLE} and {NUMPY_SHUFFLE}")
+
+    def shuffled(n: int) -> np.ndarray:
+        # an array, not a list, shuffled by the same draws (random.shuffle swaps items of any sequence): 8 B a
+        # sample instead of a list's 8 B + a 28 B int each (~36 MB at a million samples)
+        order = array("q", range(n))
+        rng.shuffle(order)
+        return np.frombuffer(order, dtype=np.int64) if n else np.zeros(0, np.int64)
+
+    return shuffled
+
 
 class TokenBudgetBatchSampler:
     """Every rank's batches of an epoch under a computed-token budget, deterministic from (seed, epoch)."""
 
-    def __init__(self, lengths: list[int], max_tokens: int, seed: int, window: int = 64, world_size: int = 1):
+    def __init__(self, lengths: list[int], max_tokens: int, seed: int, window: int = 64, world_size: int = 1,
+                 shuffle: int = PLAN_SHUFFLE):
         if max_tokens < 1 or window < 1 or world_size < 1:
             raise ValueError(f"max_tokens ({max_tokens}), window ({window}) and world_size ({world_size}) must be >= 1")
         if 0 < len(lengths) < world_size:
@@ -47,6 +77,8 @@ class TokenBudgetBatchSampler:
         self.seed = seed
         self.window = window
         self.world_size = world_size
+        self.shuffle = shuffle
+        _shuffler(seed, 0, shuffle)  # an unknown shuffle refused here, not at the first plan
         mean = int(self.lengths.sum()) / len(self.lengths) if len(self.lengths) else 1
         # A window of `window` global steps, in samples: mean batch size estimated from the mean length.
         self.window_samples = window * world_size * max(1, int(max_tokens // mean))
@@ -74,18 +106,12 @@ class TokenBudgetBatchSampler:
     def global_steps(self, epoch: int) -> EpochPlan:
         """All ranks' batches: steps[k][r] is rank r's k-th batch of the epoch (arrays, `EpochPlan`: the nested
         lists of a 1M-sample plan held ~74 MB in every rank)."""
-        rng = rng_for(self.seed, epoch)
-        # an array, not a list, shuffled by the same draws (random.shuffle swaps items of any sequence): 8 B a
-        # sample instead of a list's 8 B + a 28 B int each (~36 MB at a million samples)
-        order = array("q", range(len(self.lengths)))
-        rng.shuffle(order)
-        flat, sizes = self._batches(np.frombuffer(order, dtype=np.int64) if order else np.zeros(0, np.int64))
-        del order
+        shuffled = _shuffler(self.seed, epoch, self.shuffle)
+        flat, sizes = self._batches(shuffled(len(self.lengths)))
         w = self.world_size
         n_full = len(sizes) // w
-        # The steps' order: shuffling a list of step numbers draws what shuffling the steps themselves did.
-        perm = list(range(n_full))
-        rng.shuffle(perm)
+        # The steps' order: shuffling step numbers draws what shuffling the steps themselves did.
+        perm = shuffled(n_full).tolist()
         starts = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
         tail = [flat[starts[j]:starts[j + 1]].tolist() for j in range(n_full * w, len(sizes))]
         last: list[list[int]] = []
@@ -117,8 +143,10 @@ def computed_fill(steps: list[list[list[int]]], lengths: list[int], max_tokens: 
     return sum(len(b) * max(lengths[i] for i in b) for b in batches) / (len(batches) * max_tokens)
 
 
-def make_sampler(lengths: list[int], batch_size: int, max_tokens: int | None, seed: int, window: int, world_size: int):
-    """`train.max_tokens_per_batch` None: today's fixed `batch_size` batches; else token-budget batches."""
+def make_sampler(lengths: list[int], batch_size: int, max_tokens: int | None, seed: int, window: int, world_size: int,
+                 shuffle: int = PLAN_SHUFFLE):
+    """`train.max_tokens_per_batch` None: today's fixed `batch_size` batches; else token-budget batches, whose
+    shuffles are the run's `shuffle` (the length-aware sampler has drawn by numpy from the first)."""
     from stages.train.sampler import LengthAwareBatchSampler
 
     if max_tokens is None:
@@ -131,4 +159,5 @@ def make_sampler(lengths: list[int], batch_size: int, max_tokens: int | None, se
             f"train.max_tokens_per_batch ({max_tokens}) is smaller than the longest training sample ({longest} "
             f"tokens): raise it to at least {longest}"
         )
-    return TokenBudgetBatchSampler(lengths, max_tokens, seed=seed, window=window, world_size=world_size)
+    return TokenBudgetBatchSampler(lengths, max_tokens, seed=seed, window=window, world_size=world_size,
+                                   shuffle=shuffle)

@@ -18,7 +18,7 @@ from models.multires import install_multires
 from schemas.config import TrainConfig
 from schemas.errors import UserError
 from stages.train import elastic, parallel, state as train_state
-from stages.train.budget import make_sampler
+from stages.train.budget import PLAN_SHUFFLE, make_sampler
 from stages.train.damaged import DamagedRows, DamageTally, tables_skip
 from stages.train.data import DataStream
 from stages.train.prefetch import MicroBatches
@@ -140,11 +140,14 @@ def _data_order(r: Run, resumed: ResumeRecord | None) -> None:
     tc = r.cfg
     # The order is planned for the run's first world size whatever this start's (stages/train/elastic.py).
     canonical = resumed.canonical if resumed is not None else r.world
-    r.record = replace(r.record, canonical_world_size=canonical)
+    # and with the shuffles it started with: a run begun before numpy's goes on with Python's (budget.py)
+    shuffle = resumed.shuffle if resumed is not None else PLAN_SHUFFLE
+    r.record = replace(r.record, canonical_world_size=canonical, plan_shuffle=shuffle)
     if resumed is not None and train_state.nonfinite_skipped(resumed):  # the steps before this start skipped
         r.record = replace(r.record, extra={**r.record.extra,
                                             train_state.NONFINITE_SKIPPED: train_state.nonfinite_skipped(resumed)})
-    sampler = make_sampler(r.tables.lengths, tc.batch_size, tc.max_tokens_per_batch, tc.seed, tc.sampler_window, canonical)
+    sampler = make_sampler(r.tables.lengths, tc.batch_size, tc.max_tokens_per_batch, tc.seed, tc.sampler_window, canonical,
+                           shuffle)
     r.stream = DataStream(elastic.on_world(sampler, r.world))
 
 

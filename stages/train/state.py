@@ -178,10 +178,19 @@ class ResumeRecord:
     # device; None: a record written before it was recorded, `settings.recorded_backend`). A field of its own: the
     # fingerprint hashes no backend name, so an unset backend and the name it resolves to are one run.
     attention_backend: str | None = None
+    # how the run's epoch plans shuffle (stages/train/budget.py `PLAN_SHUFFLE`), fixed at its first start so every
+    # resume sees its order (None: a record written before it was recorded, whose run drew Python's shuffles)
+    plan_shuffle: int | None = None
 
     @property
     def canonical(self) -> int:
         return self.canonical_world_size or self.world_size
+
+    @property
+    def shuffle(self) -> int:
+        from stages.train.budget import PYTHON_SHUFFLE
+
+        return self.plan_shuffle or PYTHON_SHUFFLE
 
     @classmethod
     def read(cls, path: Path, keep: dict[str, bytes] | None = None) -> "ResumeRecord":

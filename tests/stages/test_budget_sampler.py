@@ -8,7 +8,8 @@ from collections import Counter
 
 import pytest
 
-from stages.train.budget import TokenBudgetBatchSampler, computed_fill, make_sampler
+from stages.train.budget import (NUMPY_SHUFFLE, PYTHON_SHUFFLE, TokenBudgetBatchSampler, computed_fill,
+                                 make_sampler)
 from stages.train.data import DataStream
 from stages.train.sampler import LengthAwareBatchSampler, padding_efficiency
 
@@ -89,15 +90,19 @@ def test_rejects_a_budget_below_the_longest_sample_and_make_sampler_picks_the_ki
 
 def test_the_plan_is_the_one_runs_were_trained_with():
     """A resume continues the order an earlier start planned: the plan of a fixed input stays what the code
-    computed before (pinned; the per-sample loop now reads Python ints instead of numpy scalars, ~2x faster)."""
+    computed before (pinned; the per-sample loop now reads Python ints instead of numpy scalars, ~2x faster), for the
+    runs started with Python's shuffles and for those started with numpy's."""
     import hashlib
     import json
 
     rng = random.Random(7)
     lengths = [rng.choice([64, 144, 256, 576, 1024]) + rng.randint(0, 40) for _ in range(5000)]
-    s = TokenBudgetBatchSampler(lengths, 3000, 5, window=4, world_size=3)
+    s = TokenBudgetBatchSampler(lengths, 3000, 5, window=4, world_size=3, shuffle=PYTHON_SHUFFLE)
     plan = json.dumps([s.global_steps(e).tolist() for e in range(2)]).encode()
     assert hashlib.sha256(plan).hexdigest()[:16] == "c4c37f3d84218ea7"
+    s = TokenBudgetBatchSampler(lengths, 3000, 5, window=4, world_size=3)  # runs started now: numpy's shuffles
+    plan = json.dumps([s.global_steps(e).tolist() for e in range(2)]).encode()
+    assert hashlib.sha256(plan).hexdigest()[:16] == "c6d08f99deac0918"
 
 
 def test_plans_of_every_tail_case_are_the_ones_runs_were_trained_with():
@@ -108,9 +113,10 @@ def test_plans_of_every_tail_case_are_the_ones_runs_were_trained_with():
 
     rng = random.Random(7)
     lengths = [rng.choice([64, 144, 256, 576, 1024]) + rng.randint(0, 40) for _ in range(5000)]
-    plans = []
-    for n, world in itertools.product([5000, 4999, 37, 5, 3], [1, 3, 8]):
-        if n >= world:
-            s = TokenBudgetBatchSampler(lengths[:n], 3000, 5, window=4, world_size=world)
-            plans.append([s.global_steps(e).tolist() for e in range(2)])
-    assert hashlib.sha256(json.dumps(plans).encode()).hexdigest()[:16] == "917abbf498af95c5"
+    for shuffle, pinned in ((PYTHON_SHUFFLE, "917abbf498af95c5"), (NUMPY_SHUFFLE, "af932be429362b98")):
+        plans = []
+        for n, world in itertools.product([5000, 4999, 37, 5, 3], [1, 3, 8]):
+            if n >= world:
+                s = TokenBudgetBatchSampler(lengths[:n], 3000, 5, window=4, world_size=world, shuffle=shuffle)
+                plans.append([s.global_steps(e).tolist() for e in range(2)])
+        assert hashlib.sha256(json.dumps(plans).encode()).hexdigest()[:16] == pinned, shuffle

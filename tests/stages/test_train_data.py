@@ -333,6 +333,53 @@ def test_the_dropped_report_reads_the_quarantines_keys_stages_and_reasons_only(t
     assert decoded and all(c is not None and not {"source", "detail"} & set(c) for c in decoded), decoded
 
 
+def test_the_dropped_report_and_the_join_read_the_manifests_a_row_group_at_a_time(tmp_path, monkeypatch):
+    """Every rank's start reads the keys and splits of `images` (the dropped report) and the split column of `text`
+    and `vae` (the join) a manifest row group at a time: whole columns and their decode's scratch peaked at ~+160 MB
+    private memory per rank at 1M samples (bench/train_startup.py). The report is the one the whole columns gave:
+    the train and val splits' samples, the dropped ones and their reasons."""
+    import pyarrow.parquet as pq
+
+    from features.open import open_features
+    from schemas import FieldSpec, Lineage, TableSchema
+    from store import format as fmt
+
+    monkeypatch.setattr(fmt, "ROW_GROUP_ROWS", 2)  # every manifest below in groups of 2 rows
+    fp = "0123456789abcdef"
+    st = make_train_store(tmp_path / "s", "m", mixed_specs(6, 2), fingerprint=fp, skip_vae={1})
+    fields = [FieldSpec("target.png", "png", kind="file"), FieldSpec("split", "string", kind="column")]
+    schema = TableSchema("images", fields, Lineage("resize-bucket", config_hash="t", upstream={}, code_version="t"))
+    w = st.writer("images", schema, shard_size_mb=0.0001)
+    for i in range(11):  # 8, 9: in the train split, never encoded; 10: val
+        w.add(key_of(i), files={"target.png": b"png"},
+              meta={"split": "val" if i in (6, 7, 10) else "train", "img_shapes": [[1, 2, 2]]})
+    w.commit()
+    st.add_quarantine([{"key": key_of(1), "source": "s", "stage": "encode-vae", "reason": "damaged-input"}])
+    rows_read = []  # rows of each decoded table holding a split column
+    real = pq.ParquetFile.read_row_group, pq.ParquetFile.read, pq.read_table
+
+    def spied(fn):
+        def read(*a, **kw):
+            t = fn(*a, **kw)
+            if "split" in t.column_names:
+                rows_read.append(t.num_rows)
+            return t
+        return read
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", spied(real[0]))
+    monkeypatch.setattr(pq.ParquetFile, "read", spied(real[1]))
+    monkeypatch.setattr(pq, "read_table", spied(real[2]))
+    train = open_features(st.root, "m", fp, "train", 0.5)
+    assert {k: train.report[k] for k in ("samples", "joined", "dropped", "reasons")} == {
+        "samples": 8, "joined": 5, "dropped": 3,
+        "reasons": {"encode-vae": {"damaged-input": 1}, "encode-text/encode-vae": {"not encoded": 2}}}
+    val = open_features(st.root, "m", fp, "val", 0.5)
+    assert {k: val.report[k] for k in ("samples", "joined", "dropped")} == {"samples": 3, "joined": 2, "dropped": 1}
+    assert rows_read and max(rows_read) <= 2, rows_read
+    train.close()
+    val.close()
+
+
 def test_the_dropped_report_counts_the_samples_of_both_tables_images_versions(tmp_path, monkeypatch):
     """encode-text has run on a newer `images` (2 samples added) and encode-vae not yet: the split's samples are
     those of both versions (6), 2 of them not in both. Before: counted from vae's `images` version alone - '2 of 4

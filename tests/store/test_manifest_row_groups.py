@@ -75,15 +75,17 @@ def test_rows_at_meta_of_files_of_read_the_same_rows_from_the_groups_holding_the
     assert got[GROUP][0][sample(17)["key"]]["caption"] == "caption 17"
 
 
-def _reads(monkeypatch) -> list[int]:
-    """Rows of every table the manifest readers decode from now on."""
+def _reads(monkeypatch, wider_than: int = 0) -> list[int]:
+    """Rows of every table the manifest readers decode from now on (`wider_than`: of those with more columns: a
+    reader parses the one column it keeps, e.g. its keys, a group at a time too)."""
     decoded: list[int] = []
     for name in ("read", "read_row_group", "read_row_groups"):
         real = getattr(pq.ParquetFile, name)
 
         def spy(self, *a, _real=real, **kw):
             t = _real(self, *a, **kw)
-            decoded.append(t.num_rows)
+            if t.num_columns > wider_than:
+                decoded.append(t.num_rows)
             return t
 
         monkeypatch.setattr(pq.ParquetFile, name, spy)
@@ -157,7 +159,7 @@ def test_reusable_reads_only_the_groups_holding_the_wanted_keys_and_finds_the_sa
         with store.reader("vae") as r:
             whole = r.view.manifest
             rows = sorted({r.view.keys.index(k) for k in keys[:4]})
-        decoded = _reads(monkeypatch)
+        decoded = _reads(monkeypatch, wider_than=1)
         (found,) = reusable(store, "vae", "feat", keys).values()
         assert found.to_pylist() == whole.take(rows).to_pylist()
         assert found.schema == whole.schema
@@ -167,3 +169,31 @@ def test_reusable_reads_only_the_groups_holding_the_wanted_keys_and_finds_the_sa
         got[group_rows] = found.to_pylist()
         monkeypatch.undo()
     assert got[1 << 20] == got[GROUP]
+
+
+def test_a_parsed_column_read_group_by_group_is_the_whole_columns_narrowed_to_the_type_every_group_fits(
+        tmp_path: Path) -> None:
+    """A reader parses a column a row group at a time (`read_column`: less of the pool kept after a 1M-row parse),
+    each group narrowed on its own: a group whose values need a wider type than another's makes the whole column that
+    type, as the cast of the whole column did (a chunk of int16 beside one of int32 is no column)."""
+    import pyarrow as pa
+
+    from store.arrow_columns import NARROWER, narrowed
+    from store.manifest_files import read_column
+
+    shapes = [[[1, 8, 8]], [[1, 40_000, 2]], [[1, 4, 4], [1, 2, 2]], None, [[1, 3, 5]]]  # 40,000: not an int16
+    table = pa.table({"img_shapes": pa.array(shapes, pa.list_(pa.list_(pa.int64()))),
+                      "shard": pa.array(["b.tar", "a.tar", "b.tar", "c.tar", "a.tar"])})
+    for rows in (2, 1 << 20):  # groups of 2 rows (3 groups: the wide value in the first), and one group
+        data = tmp_path / f"m{rows}.parquet"
+        pq.write_table(table, data, row_group_size=rows)
+        got = read_column(tmp_path, data.read_bytes(), "img_shapes", narrow=NARROWER["img_shapes"]).combine_chunks()
+        whole = narrowed(pq.read_table(data).column("img_shapes").combine_chunks(), NARROWER["img_shapes"])
+        assert got.type == whole.type == pa.list_(pa.list_(pa.int32()))
+        assert got.to_pylist() == whole.to_pylist() == shapes
+        names = read_column(tmp_path, data.read_bytes(), "shard", dictionary=True).combine_chunks()
+        assert pa.types.is_dictionary(names.type) and names.to_pylist() == table.column("shard").to_pylist()
+    small = pa.table({"img_shapes": pa.array([[[1, 8, 8]], [[1, 2, 4]]], pa.list_(pa.list_(pa.int64())))})
+    pq.write_table(small, tmp_path / "small.parquet", row_group_size=1)
+    got = read_column(tmp_path, (tmp_path / "small.parquet").read_bytes(), "img_shapes", narrow=NARROWER["img_shapes"])
+    assert got.type == pa.list_(pa.list_(pa.int16())) and got.to_pylist() == [[[1, 8, 8]], [[1, 2, 4]]]
