@@ -161,9 +161,14 @@ def s3_server():
     server.stop()
 
 
-@pytest.fixture
-def s3_env(s3_server, monkeypatch) -> S3Env:
-    env = S3Env(s3_server, f"test-bucket-{next(_buckets)}")
-    aws_env(monkeypatch, s3_server)
+def new_bucket(endpoint: str) -> S3Env:
+    """A fresh, empty bucket of the server at `endpoint` (a name no other test of the session has)."""
+    env = S3Env(endpoint, f"test-bucket-{next(_buckets)}")
     env.client().create_bucket(Bucket=env.bucket)
     return env
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch) -> S3Env:
+    aws_env(monkeypatch, s3_server)
+    return new_bucket(s3_server)
