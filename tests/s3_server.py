@@ -15,23 +15,10 @@ from dataclasses import dataclass
 
 import pytest
 
+import botocore_loader
+
+botocore_loader.share()  # one parse of S3's model JSON per test process, not per remote open
 _buckets = itertools.count()
-
-
-def _one_botocore_loader() -> None:
-    """Every botocore session of this test process reads the service models through one loader. The code under test
-    opens a fresh client per remote open (store/remote.open_remote: the server may have restarted), each in a new
-    session whose own loader parsed S3's model JSON again: 0.3-0.5 s of CPU per open, ~90% of a small push's time
-    (2026-12-05). Within a session botocore already hands every client the same parsed model (its loader's
-    instance cache); this shares that cache across sessions, with no change to any client or request."""
-    import functools
-
-    import botocore.session
-
-    botocore.session.create_loader = functools.lru_cache(maxsize=None)(botocore.session.create_loader)
-
-
-_one_botocore_loader()
 # How often a test server's loop looks for its shutdown: socketserver's default, 0.5 s, was half a second of every
 # test that stops one (0.5-0.7 s for the whole command against the HTML endpoint).
 SHUTDOWN_POLL_S = 0.02
