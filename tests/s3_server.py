@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 import pytest
 
+import botocore_loader
+
+botocore_loader.share()  # one parse of S3's model JSON per test process, not per remote open
 _buckets = itertools.count()
 # How often a test server's loop looks for its shutdown: socketserver's default, 0.5 s, was half a second of every
 # test that stops one (0.5-0.7 s for the whole command against the HTML endpoint).
@@ -161,9 +164,14 @@ def s3_server():
     server.stop()
 
 
-@pytest.fixture
-def s3_env(s3_server, monkeypatch) -> S3Env:
-    env = S3Env(s3_server, f"test-bucket-{next(_buckets)}")
-    aws_env(monkeypatch, s3_server)
+def new_bucket(endpoint: str) -> S3Env:
+    """A fresh, empty bucket of the server at `endpoint` (a name no other test of the session has)."""
+    env = S3Env(endpoint, f"test-bucket-{next(_buckets)}")
     env.client().create_bucket(Bucket=env.bucket)
     return env
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch) -> S3Env:
+    aws_env(monkeypatch, s3_server)
+    return new_bucket(s3_server)

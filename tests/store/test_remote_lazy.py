@@ -20,6 +20,7 @@ from store.integrity import DamagedData
 from store.remote_cache import local_store
 from store.remote_shards import FETCH_TAG, MARKER, RANGED, fetch_stats
 from store.remote_sync import push
+from s3_server import aws_env, new_bucket
 from store_samples import fill
 import warm_start  # the processes sharing one cache: real ones, started warm
 
@@ -28,6 +29,39 @@ def _pushed(s3_env, store: Store, n: int = 24) -> str:
     fill(store, n, shard_size_mb=0.02)  # 4 shards of 6 samples (~30 KB each, a sample ~4 KB)
     push(store.root, s3_env.url())
     return s3_env.url()
+
+
+@pytest.fixture(scope="module")
+def _one_push(s3_server, tmp_path_factory) -> tuple[str, Store]:
+    """The store most tests here read, pushed once for the module (a push per test was most of their time): they
+    read its URL through a cache of their own and compare with the local copy. Tests that damage or delete objects
+    on the server push a store of their own (`_pushed`); the teardown checks that no test changed this one."""
+    with pytest.MonkeyPatch.context() as mp:
+        aws_env(mp, s3_server)
+        env = new_bucket(s3_server)
+        store = Store(tmp_path_factory.mktemp("pushed") / "store")
+        url = _pushed(env, store)
+        before = _objects(env), _local_files(store.root)
+    yield url, store
+    with pytest.MonkeyPatch.context() as mp:
+        aws_env(mp, s3_server)
+        assert (_objects(env), _local_files(store.root)) == before, "a test changed the module's shared store"
+
+
+@pytest.fixture
+def pushed(s3_env, _one_push) -> tuple[str, Store]:
+    """The module's pushed store (its URL, the local store), with this test's AWS environment (`s3_env`)."""
+    return _one_push
+
+
+def _objects(env) -> dict[str, str]:
+    """Every object of the bucket and its ETag (a test's lease objects go with it)."""
+    pages = env.client().get_paginator("list_objects_v2").paginate(Bucket=env.bucket)
+    return {o["Key"]: o["ETag"] for page in pages for o in page.get("Contents", [])}
+
+
+def _local_files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def _shard_files(root: Path) -> list[Path]:
@@ -47,8 +81,8 @@ def _one_key_per_shard(reader) -> list[str]:
     return [group[len(group) // 2] for group in reader.shard_groups()]
 
 
-def test_open_fetches_metadata_and_a_random_read_only_byte_ranges(s3_env, store: Store, tmp_path: Path) -> None:
-    url = _pushed(s3_env, store)
+def test_open_fetches_metadata_and_a_random_read_only_byte_ranges(pushed: tuple[str, Store], tmp_path: Path) -> None:
+    url, store = pushed
     root = local_store(url, ["vae"], tmp_path / "cache")
     vdir = fmt.version_dir(root, "vae", 1)
     assert (vdir / MARKER).is_file() and (vdir / fmt.MANIFEST).is_file()
@@ -66,12 +100,13 @@ def test_open_fetches_metadata_and_a_random_read_only_byte_ranges(s3_env, store:
     assert after["ranges"] - before["ranges"] == 4 and after["range_bytes"] - before["range_bytes"] == read
 
 
-def test_shard_paths_of_a_lazy_version_are_whole_shards_webdataset_reads(s3_env, store: Store, tmp_path: Path) -> None:
+def test_shard_paths_of_a_lazy_version_are_whole_shards_webdataset_reads(pushed: tuple[str, Store],
+                                                                        tmp_path: Path) -> None:
     """`shard_paths()` hands files to a reader of its own (webdataset): in a lazy version they are fetched first."""
     import webdataset as wds
     from safetensors.torch import load as load_safetensors
 
-    url = _pushed(s3_env, store)
+    url, store = pushed
     root = local_store(url, ["vae"], tmp_path / "cache")
     assert _shard_files(root) == []
     with Store(root, create=False).reader("vae") as cached, store.reader("vae") as local:
@@ -84,8 +119,8 @@ def test_shard_paths_of_a_lazy_version_are_whole_shards_webdataset_reads(s3_env,
         assert p.read_bytes() == (store.root / "vae" / "v1" / p.name).read_bytes()
 
 
-def test_a_scan_caches_whole_checked_shards(s3_env, store: Store, tmp_path: Path) -> None:
-    url = _pushed(s3_env, store)
+def test_a_scan_caches_whole_checked_shards(pushed: tuple[str, Store], tmp_path: Path) -> None:
+    url, store = pushed
     root = local_store(url, ["vae"], tmp_path / "cache")
     assert _shard_files(root) == []
     with store.reader("vae") as local, Store(root, create=False).reader("vae") as cached:
@@ -146,7 +181,7 @@ def test_an_object_damaged_on_the_server_is_refused_on_first_read_and_not_cached
 
 @pytest.mark.parametrize("how", ["random", "scan"])
 @pytest.mark.parametrize("damage", ["flipped", "truncated"])
-def test_a_shard_damaged_in_the_nodes_cache_is_read_again_from_the_url(s3_env, store: Store, tmp_path: Path,
+def test_a_shard_damaged_in_the_nodes_cache_is_read_again_from_the_url(pushed: tuple[str, Store], tmp_path: Path,
                                                                         how: str, damage: str) -> None:
     """A shard cached whole, then damaged on this node's disk (a byte flipped with its size and mtime kept - bit
     rot; or cut short), the copy on the server intact: the sample was refused as damaged, recorded so in the cache,
@@ -154,7 +189,7 @@ def test_a_shard_damaged_in_the_nodes_cache_is_read_again_from_the_url(s3_env, s
     leaving it out of every run on the node for ever. Now the cached copy is dropped and the sample read again
     from the URL: every sample reads back as written, nothing is recorded as damaged, the shard is cached again
     intact."""
-    url = _pushed(s3_env, store)
+    url, store = pushed
     root = local_store(url, ["vae"], tmp_path / "cache", whole=True)
     vdir = fmt.version_dir(root, "vae", 1)
     with store.reader("vae") as local:
@@ -184,11 +219,11 @@ def test_a_shard_damaged_in_the_nodes_cache_is_read_again_from_the_url(s3_env, s
 
 
 def test_several_samples_damaged_in_a_cached_shard_read_with_check_ahead_are_read_from_the_url(
-        s3_env, store: Store, tmp_path: Path) -> None:
+        pushed: tuple[str, Store], tmp_path: Path) -> None:
     """Every third sample damaged in the node's cached shards, read in order with the check-ahead thread (as train
     reads): the thread's results for the later damaged samples came from its descriptor of the dropped copy, and
     the consumer refused them (no cached file left to blame). Now the consumer reads them itself: all intact."""
-    url = _pushed(s3_env, store)
+    url, store = pushed
     root = local_store(url, ["vae"], tmp_path / "cache", whole=True)
     vdir = fmt.version_dir(root, "vae", 1)
     with store.reader("vae") as local:
@@ -206,13 +241,13 @@ def test_several_samples_damaged_in_a_cached_shard_read_with_check_ahead_are_rea
 
 
 @pytest.mark.parametrize("name", [fmt.MANIFEST, fmt.SCHEMA_JSON, fmt.CHECKSUMS])
-def test_metadata_damaged_in_the_nodes_cache_are_fetched_again_from_the_url(s3_env, store: Store, tmp_path: Path,
+def test_metadata_damaged_in_the_nodes_cache_are_fetched_again_from_the_url(pushed: tuple[str, Store], tmp_path: Path,
                                                                             name: str) -> None:
     """A version's metadata file in the cache damaged on this node's disk (a byte flipped, size and mtime kept: the
     cache's open trusts its record of the file), the URL's intact: the reader's open refused the version for
     ever on the node (the damage recorded in the cache; the advice `store repair URL` or a rerun of the encoder).
     Now the file is fetched again from the URL and the version reads back as written."""
-    url = _pushed(s3_env, store)
+    url, store = pushed
     root = local_store(url, ["vae"], tmp_path / "cache")
     vdir = fmt.version_dir(root, "vae", 1)
     path = vdir / name
@@ -248,11 +283,11 @@ def test_a_shard_deleted_on_the_server_is_named_not_rerun_for_ever(s3_env, store
     assert "meanwhile" not in str(e.value)
 
 
-def test_a_read_of_a_store_bigger_than_the_cache_stays_under_its_limit(s3_env, store: Store, tmp_path: Path,
+def test_a_read_of_a_store_bigger_than_the_cache_stays_under_its_limit(pushed: tuple[str, Store], tmp_path: Path,
                                                                        monkeypatch) -> None:
     from store import remote_shards
 
-    url = _pushed(s3_env, store)
+    url, store = pushed
     cache = tmp_path / "cache"
     root = local_store(url, ["vae"], cache)
     metadata = _cache_bytes(cache)
@@ -303,10 +338,10 @@ READER = textwrap.dedent("""
 """)
 
 
-def test_two_processes_share_one_cache(s3_env, store: Store, tmp_path: Path) -> None:
+def test_two_processes_share_one_cache(pushed: tuple[str, Store], tmp_path: Path) -> None:
     import zlib
 
-    url = _pushed(s3_env, store)
+    url, store = pushed
     cache = tmp_path / "cache"
     root = local_store(url, ["vae"], cache)
     limit = (_cache_bytes(cache) + 3 * max(p.stat().st_size for p in _shard_files(store.root))) / 1e9
@@ -327,12 +362,12 @@ def test_two_processes_share_one_cache(s3_env, store: Store, tmp_path: Path) -> 
     assert not [p for p in root.rglob("*") if FETCH_TAG in p.name and not p.name.endswith(RANGED)]  # no temp file
 
 
-def test_a_writer_carries_forward_shards_of_a_lazily_cached_version(s3_env, store: Store, tmp_path: Path) -> None:
+def test_a_writer_carries_forward_shards_of_a_lazily_cached_version(pushed: tuple[str, Store], tmp_path: Path) -> None:
     """An encoder on a URL reusing its previous version links that version's shards: fetched (checked) first."""
     from store.reuse import carry_forward
     from store_samples import vae_schema
 
-    url = _pushed(s3_env, store)
+    url, store = pushed
     root = local_store(url, ["vae"], tmp_path / "cache")
     cached = Store(root, create=False)
     with cached.reader("vae") as r:
@@ -347,8 +382,8 @@ def test_a_writer_carries_forward_shards_of_a_lazily_cached_version(s3_env, stor
     assert len(_shard_files(fmt.version_dir(root, "vae", 2))) == 4
 
 
-def test_the_temp_file_of_a_killed_fetch_is_evicted_first(s3_env, store: Store, tmp_path: Path) -> None:
-    url = _pushed(s3_env, store)
+def test_the_temp_file_of_a_killed_fetch_is_evicted_first(pushed: tuple[str, Store], tmp_path: Path) -> None:
+    url, store = pushed
     cache = tmp_path / "cache"
     root = local_store(url, ["vae"], cache)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -387,13 +422,13 @@ def test_a_dead_writers_folder_under_a_number_the_remote_committed_is_set_aside(
     assert not (stale / "shard-r01-000000.tar").exists() and not list((root / "vae").glob(".v1.stale-*"))
 
 
-def test_ranges_read_by_several_processes_of_a_node_count_together(s3_env, store: Store, tmp_path: Path) -> None:
+def test_ranges_read_by_several_processes_of_a_node_count_together(pushed: tuple[str, Store], tmp_path: Path) -> None:
     """Ranks of one node read disjoint samples of the same shards: two processes (two fetchers) each reading 30% of
     a shard by range make the node's 60%, so the shard is fetched whole once the node passed half of it - a count
     per process (30% each) would range-read it again every epoch."""
     from store.remote_shards import WHOLE_AFTER, ShardFetcher
 
-    url = _pushed(s3_env, store)
+    url, store = pushed
     root = local_store(url, ["vae"], tmp_path / "cache")
     vdir = fmt.version_dir(root, "vae", 1)
     a, b = ShardFetcher(vdir), ShardFetcher(vdir)  # as two processes sharing the cache
@@ -415,7 +450,7 @@ def test_ranges_read_by_several_processes_of_a_node_count_together(s3_env, store
     assert not list(vdir.glob(f".{shard}.fetch-*"))  # the count goes with the whole fetch
 
 
-def test_a_shard_evicted_between_the_check_and_the_open_is_read_by_range(s3_env, store: Store, tmp_path: Path,
+def test_a_shard_evicted_between_the_check_and_the_open_is_read_by_range(pushed: tuple[str, Store], tmp_path: Path,
                                                                          monkeypatch) -> None:
     """Two processes share a tight cache: one evicts a shard right after the other saw it there, and no room is
     left to fetch it again. The read goes on by range (it used to raise DamagedData: a flake of the two-process
@@ -425,7 +460,7 @@ def test_a_shard_evicted_between_the_check_and_the_open_is_read_by_range(s3_env,
     from store import shard_io
     from store.remote_shards import ShardFetcher
 
-    url = _pushed(s3_env, store)
+    url, store = pushed
     root = local_store(url, ["vae"], tmp_path / "cache")
     racing_os = types.SimpleNamespace(**{k: getattr(os, k) for k in dir(os) if not k.startswith("__")})
     racing_os.path = types.SimpleNamespace(join=os.path.join, exists=lambda p: True)  # "it is there" at the check
@@ -437,13 +472,13 @@ def test_a_shard_evicted_between_the_check_and_the_open_is_read_by_range(s3_env,
     assert not _shard_files(root)
 
 
-def test_a_shard_evicted_right_after_its_whole_fetch_is_read_by_range(s3_env, store: Store, tmp_path: Path,
+def test_a_shard_evicted_right_after_its_whole_fetch_is_read_by_range(pushed: tuple[str, Store], tmp_path: Path,
                                                                       monkeypatch) -> None:
     """A scan fetches a shard whole, and another process of the node evicts it before this one opens it (twice in
     a row: the cache is that tight). The scan goes on by range; before, the shard was reported lost (DamagedData)."""
     from store.remote_shards import ShardFetcher
 
-    url = _pushed(s3_env, store)
+    url, store = pushed
     root = local_store(url, ["vae"], tmp_path / "cache")
     # a scan's fetch "succeeds" and the file is gone; a range read's try at a whole fetch finds no room
     monkeypatch.setattr(ShardFetcher, "fetch_whole",
@@ -455,7 +490,7 @@ def test_a_shard_evicted_right_after_its_whole_fetch_is_read_by_range(s3_env, st
     assert not _shard_files(root)
 
 
-def test_one_process_of_a_node_fetches_a_shard_whole(s3_env, store: Store, tmp_path: Path) -> None:
+def test_one_process_of_a_node_fetches_a_shard_whole(pushed: tuple[str, Store], tmp_path: Path) -> None:
     """Ranks of a node pass the whole-fetch threshold of a shard together. While one process holds the shard's
     fetch lock, another's random read takes its range (no second download, no second reservation), and a scan
     (or a caller needing the file) waits and then uses the file the first process put there."""
@@ -463,7 +498,7 @@ def test_one_process_of_a_node_fetches_a_shard_whole(s3_env, store: Store, tmp_p
 
     from store.remote_shards import FETCH_LOCK, WHOLE_AFTER, ShardFetcher
 
-    url = _pushed(s3_env, store)
+    url, store = pushed
     root = local_store(url, ["vae"], tmp_path / "cache")
     vdir = fmt.version_dir(root, "vae", 1)
     fetcher = ShardFetcher(vdir)
@@ -486,13 +521,13 @@ def test_one_process_of_a_node_fetches_a_shard_whole(s3_env, store: Store, tmp_p
     assert (vdir / shard).read_bytes() == original
 
 
-def test_the_cache_walk_counts_what_is_on_disk(s3_env, store: Store, tmp_path: Path) -> None:
+def test_the_cache_walk_counts_what_is_on_disk(pushed: tuple[str, Store], tmp_path: Path) -> None:
     """The walk before each whole fetch takes a lazily cached version's metadata sizes from its checksums.json
     instead of a stat per file (a 1M-sample version has ~20k shard indexes): its total must be what the files
     hold, with shards cached, range counts and fetch locks beside them."""
     from store.remote_cache import _candidates
 
-    url = _pushed(s3_env, store)
+    url, store = pushed
     cache = tmp_path / "cache"
     root = local_store(url, ["vae"], cache)
     with store.reader("vae") as local, Store(root, create=False).reader("vae") as cached:
@@ -506,7 +541,7 @@ def test_the_cache_walk_counts_what_is_on_disk(s3_env, store: Store, tmp_path: P
 
 @pytest.mark.parametrize("damage", ["flipped", "truncated"])
 def test_a_damaged_cached_shard_another_rank_of_the_node_dropped_first_is_read_from_the_url(
-        s3_env, store: Store, tmp_path: Path, monkeypatch, damage: str) -> None:
+        pushed: tuple[str, Store], tmp_path: Path, monkeypatch, damage: str) -> None:
     """The node's ranks open and read a version together, so each meets a shard damaged in the node's cache (cut
     short: every open's size check; a flipped byte: the sample read) and drops it: another rank's unlink came
     first, and this rank, its own unlink finding no file, refused the shard as damage (recorded so in the cache,
@@ -514,7 +549,7 @@ def test_a_damaged_cached_shard_another_rank_of_the_node_dropped_first_is_read_f
     are read again from the URL, intact, and nothing is recorded."""
     import store.remote_shards as remote_shards
 
-    url = _pushed(s3_env, store)
+    url, store = pushed
     root = local_store(url, ["vae"], tmp_path / "cache", whole=True)
     vdir = fmt.version_dir(root, "vae", 1)
     own = remote_shards.drop_damaged_copy
@@ -545,14 +580,14 @@ def test_a_damaged_cached_shard_another_rank_of_the_node_dropped_first_is_read_f
 
 @pytest.mark.parametrize("name", [fmt.MANIFEST, fmt.SCHEMA_JSON, fmt.CHECKSUMS])
 def test_cached_metadata_another_rank_of_the_node_fetched_again_first_are_read(
-        s3_env, store: Store, tmp_path: Path, monkeypatch, name: str) -> None:
+        pushed: tuple[str, Store], tmp_path: Path, monkeypatch, name: str) -> None:
     """The node's ranks open a version together, each finding its cached metadata file damaged: the first rank
     fetches it again from the URL; a rank whose own fetch then found nothing left to fetch refused the version
     as damage (recorded so in the cache, for every later run on the node) though its copy was intact by then. It
     reads the copy the other rank fetched."""
     import store.remote_shards as remote_shards
 
-    url = _pushed(s3_env, store)
+    url, store = pushed
     root = local_store(url, ["vae"], tmp_path / "cache")
     vdir = fmt.version_dir(root, "vae", 1)
     path = vdir / name
@@ -573,14 +608,14 @@ def test_cached_metadata_another_rank_of_the_node_fetched_again_first_are_read(
 
 
 def test_a_damaged_cached_metadata_file_is_never_missing_while_it_is_fetched_again(
-        s3_env, store: Store, tmp_path: Path, monkeypatch) -> None:
+        pushed: tuple[str, Store], tmp_path: Path, monkeypatch) -> None:
     """A rank fetching a damaged cached metadata file again removed it first: another rank of the node opening
     the version meanwhile found it missing, and refused the version as damage with nothing left to fetch. The
     intact copy now replaces the damaged one in one rename: at every moment of the fetch the file is there."""
     import store.remote_shards as remote_shards
     import store.remote_sync as remote_sync
 
-    url = _pushed(s3_env, store)
+    url, store = pushed
     root = local_store(url, ["vae"], tmp_path / "cache")
     vdir = fmt.version_dir(root, "vae", 1)
     path = vdir / fmt.SCHEMA_JSON
@@ -599,14 +634,14 @@ def test_a_damaged_cached_metadata_file_is_never_missing_while_it_is_fetched_aga
 
 
 def test_a_schema_damaged_in_the_nodes_cache_is_fetched_again_when_a_stage_looks_for_its_version(
-        s3_env, store: Store, tmp_path: Path) -> None:
+        pushed: tuple[str, Store], tmp_path: Path) -> None:
     """A stage's rerun through a store URL looks for the version of its settings in the node's cache
     (`find_version`): a schema.json damaged on the node's disk there was recorded as damage in the cache and the
     version not reused (the whole table computed again, though the URL holds it intact), where a reader's open
     fetches it again. It is fetched again here too: the version is found, nothing is recorded."""
     from store_samples import lineage
 
-    url = _pushed(s3_env, store)
+    url, store = pushed
     root = local_store(url, ["vae"], tmp_path / "cache")
     path = fmt.version_dir(root, "vae", 1) / fmt.SCHEMA_JSON
     _flip_in_place(path, len(path.read_bytes()) // 2, 0x01)
@@ -616,13 +651,13 @@ def test_a_schema_damaged_in_the_nodes_cache_is_fetched_again_when_a_stage_looks
 
 
 @pytest.mark.parametrize("name", [fmt.MANIFEST, fmt.SCHEMA_JSON, fmt.CHECKSUMS])
-def test_metadata_deleted_from_the_nodes_cache_are_fetched_again_from_the_url(s3_env, store: Store, tmp_path: Path,
+def test_metadata_deleted_from_the_nodes_cache_are_fetched_again_from_the_url(pushed: tuple[str, Store], tmp_path: Path,
                                                                              name: str) -> None:
     """A version's metadata file deleted from the node's cache (an over-eager cleanup, a cache folder partly
     wiped), the URL's intact: it was refused as damage (recorded in the cache, every later run on the node refusing
     the version) or, for checksums.json, the version read unchecked. It is fetched again from the URL, checked, as
     a damaged one is, and the version reads back as written."""
-    url = _pushed(s3_env, store)
+    url, store = pushed
     root = local_store(url, ["vae"], tmp_path / "cache")
     vdir = fmt.version_dir(root, "vae", 1)
     (vdir / name).unlink()
@@ -635,12 +670,12 @@ def test_metadata_deleted_from_the_nodes_cache_are_fetched_again_from_the_url(s3
 
 
 def test_a_schema_deleted_from_the_nodes_cache_is_fetched_again_when_a_stage_looks_for_its_version(
-        s3_env, store: Store, tmp_path: Path) -> None:
+        pushed: tuple[str, Store], tmp_path: Path) -> None:
     """`find_version` through the cache (`checked_schema`): a schema.json missing there is fetched again, the
     version found, nothing recorded."""
     from store_samples import lineage
 
-    url = _pushed(s3_env, store)
+    url, store = pushed
     root = local_store(url, ["vae"], tmp_path / "cache")
     path = fmt.version_dir(root, "vae", 1) / fmt.SCHEMA_JSON
     path.unlink()
