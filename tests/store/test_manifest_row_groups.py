@@ -5,7 +5,6 @@ reads the same rows; damage in a later group is still refused."""
 
 from __future__ import annotations
 
-import bisect
 from pathlib import Path
 
 import pyarrow.parquet as pq
