@@ -15,9 +15,6 @@ from dataclasses import dataclass
 
 import pytest
 
-import botocore_loader
-
-botocore_loader.share()  # one parse of S3's model JSON per test process, not per remote open
 _buckets = itertools.count()
 # How often a test server's loop looks for its shutdown: socketserver's default, 0.5 s, was half a second of every
 # test that stops one (0.5-0.7 s for the whole command against the HTML endpoint).

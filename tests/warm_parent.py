@@ -265,10 +265,10 @@ def main() -> None:
         warnings.simplefilter("ignore")
         for name in PRELOAD:
             importlib.import_module(name)
-        try:  # S3's model parsed here once, not per remote open of every child (tests/botocore_loader.py)
-            import botocore_loader
+        try:  # S3's model parsed here once, not per remote open of every child (store/s3_models.py)
+            from store import s3_models
 
-            botocore_loader.prime()
+            s3_models.prime()
         except ImportError:  # no S3 support installed: nothing to share
             pass
     from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
