@@ -6,7 +6,8 @@ What is done (see docs/resize-bucket.md for the table):
 - only PNG, JPEG, WebP, TIFF, BMP and GIF are opened (no plugin that shells out, e.g. EPS);
 - 0-byte, unidentifiable, truncated or otherwise undecodable data -> `ImageRejected` with the reason;
 - width x height over `max_pixels` is rejected from the header alone, before any pixel is decoded
-  (decompression bombs); Pillow's own hard bomb limit (2 x `Image.MAX_IMAGE_PIXELS`) is caught the same way;
+  (decompression bombs); Pillow's own hard bomb limit (2 x `Image.MAX_IMAGE_PIXELS`, ~179 Mpx) is caught the same
+  way, and raised to `max_pixels` where that is higher (`_pillow_opens`): the limit set decides;
 - EXIF orientation is applied (the pixels are rotated/flipped as a viewer shows them);
 - animated/multi-page files: the first frame;
 - modes to RGB: L/1 replicated; P via its palette; alpha (RGBA, LA, PA, P with transparency) composited over
@@ -128,6 +129,7 @@ def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]
     if not data:
         raise ImageRejected("empty-image", "empty file (0 bytes)")
     notes: list[str] = []
+    _pillow_opens(max_pixels)
     with warnings.catch_warnings():
         # our own limit (below) decides; Pillow's warning between its two limits is noise here
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -171,6 +173,17 @@ def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]
     except Exception:  # noqa: BLE001 - a corrupt EXIF block: keep the pixels as stored, say so
         notes.append("EXIF unreadable, orientation ignored")
     return im, notes, applied
+
+
+def _pillow_opens(max_pixels: int) -> None:
+    """Let Pillow open what `max_pixels` allows: it refuses a picture over 2 x `Image.MAX_IMAGE_PIXELS` (~179 Mpx)
+    whatever our limit says, so a resize.max_image_pixels raised for 200 Mpx phone photos quarantined each as a
+    'decompression bomb'. Only ever raised (a concurrent decode with a lower limit still applies its own check
+    from the header, before any pixel is decoded). To `max_pixels`, not half: a picture just over it gets our
+    line naming the setting, Pillow's only one over twice it."""
+    cap = Image.MAX_IMAGE_PIXELS
+    if cap is not None and 2 * cap < max_pixels:
+        Image.MAX_IMAGE_PIXELS = max_pixels
 
 
 def _sixteen_bit_read_as_eight(im: Image.Image) -> str | None:

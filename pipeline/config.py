@@ -205,6 +205,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     _expand_paths(data)  # the file's values; a flag's or --set's only `~` (`_expand_paths`)
     # in order: a section, then its key
     overridden = {**(sets or {}), **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    _area_overridden(data, overridden)
     for k, v in overridden.items():
         _set_dotted(data, k, v)
     _expand_paths(data, variables=False)
@@ -214,6 +215,26 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         raise ConfigError(_format_errors(e, None if path is None else Path(path), overridden)) from None
     _clean_prompts(cfg)
     return cfg
+
+
+_AREA_KEYS = ("target_area", "control_vae_area")  # the two keys resize.area sets (schemas/config.py)
+
+
+def _area_overridden(data: dict[str, Any], overridden: dict[str, Any]) -> None:
+    """A flag or --set wins over the file for `resize.area` and the two keys it sets, as for every other key: the
+    file's keys that `resize.area` given on the command line sets are dropped, and the file's `area` is resolved
+    into its two keys when one of them is given there (before, either clash was refused, naming a shipped file's
+    keys to drop; `run all` has no --area flag). A file clashing with itself, or two flags, are still refused."""
+    resize = data.get("resize")
+    if not isinstance(resize, dict):
+        return
+    given = [k for k in _AREA_KEYS if f"resize.{k}" in overridden]
+    if overridden.get("resize.area") is not None:  # (null: no area, the file's keys stand)
+        for k in _AREA_KEYS:
+            resize.pop(k, None)
+    elif given and resize.get("area") is not None and all(resize.get(k) in (None, resize["area"]) for k in _AREA_KEYS):
+        area = resize.pop("area")
+        resize.update({k: area for k in _AREA_KEYS})
 
 
 def cleaned_prompt(given: str, key: str) -> str:

@@ -43,3 +43,25 @@ def test_area_in_a_config_file(tmp_path):
                                                           "resize.control_vae_area": 9216}).resize.fingerprint()
     with pytest.raises(ConfigError, match="resize.area = 9216 sets target_area; drop target_area or area"):
         load_config(None, {"resize.area": 9216, "resize.target_area": 4096})
+
+
+def test_a_flag_wins_over_the_files_area_or_its_two_keys(tmp_path):
+    """`--set resize.area=A` on a config that sets target_area and control_vae_area (every shipped one) was
+    refused with 'drop target_area, control_vae_area or area' (`run all` has no --area flag: the documented
+    small-scale switch could not be used without editing the file); and `--target-area` on a file setting `area`
+    likewise. A flag or --set wins over the file's value, as for every other key; two flags clashing are still
+    refused (above)."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("resize:\n  target_area: 1048576\n  control_vae_area: 1048576\n  control_vl_area: 147456\n")
+    for cfg in (load_config(keys, sets={"resize.area": 9216}), load_config(keys, {"resize.area": 9216})):
+        assert (cfg.resize.target_area, cfg.resize.control_vae_area, cfg.resize.control_vl_area) == (9216, 9216, 147456)
+    area = tmp_path / "area.yaml"
+    area.write_text("resize:\n  area: 9216\n")
+    cfg = load_config(area, {"resize.target_area": 4096})
+    assert (cfg.resize.target_area, cfg.resize.control_vae_area) == (4096, 9216)
+    cfg = load_config(area, sets={"resize.control_vae_area": 4096})
+    assert (cfg.resize.target_area, cfg.resize.control_vae_area) == (9216, 4096)
+    clash = tmp_path / "clash.yaml"  # a file clashing with itself is still refused
+    clash.write_text("resize:\n  area: 9216\n  target_area: 4096\n")
+    with pytest.raises(ConfigError, match="resize.area = 9216 sets target_area"):
+        load_config(clash, {"resize.control_vae_area": 4096})

@@ -349,3 +349,18 @@ def test_a_mask_of_another_aspect_is_a_bad_mask_not_stretched_onto_its_target(tm
     assert all("mask resized to its target" in m["conversions"] for m, _ in t.values())
     assert dict(s.quarantined) == {"bad-mask": 2} and s.written == 3
     assert "quarantined 2: bad-mask 2 (rows in" in str(s), str(s)  # no "duplicate 0" for the copy kept instead
+
+
+def test_a_max_image_pixels_above_pillows_own_limit_is_honoured(tmp_path, monkeypatch):
+    """Pillow refuses to open a picture over 2 x Image.MAX_IMAGE_PIXELS (~179 Mpx: a 200 Mpx phone photo) whatever
+    resize.max_image_pixels says: one raised above it quarantined such pictures as 'decompression bomb'. Our limit
+    decides. (Pillow's limit lowered here, as to 10,000 px, so that the pictures stay small.)"""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10_000)  # Pillow's hard limit: 20,000 px
+    root, store = tmp_path / "src", tmp_path / "store"
+    put(root, "big.png", encoded(quadrants(200, 150)))  # 30,000 px
+    put(root, "bigger.png", encoded(quadrants(300, 200)), caption=b"make it red")  # 60,000 px
+    summary = run(cfg(max_image_pixels=50_000), root, store)
+    assert summary.written == 1 and summary.quarantined == {"image-too-large": 1}
+    assert set(table(store)) == {"big.png"}
+    [q] = Store(store).quarantine().to_pylist()
+    assert q["source"].endswith("bigger.png") and "over resize.max_image_pixels = 50000" in q["detail"]
