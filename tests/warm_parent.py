@@ -252,6 +252,20 @@ def _watch_workers(workers: dict) -> None:
                 workers[pid] = False  # told; reaped once the agent closes
 
 
+def _s3_models():
+    """store/s3_models.py, run from its file and kept out of sys.modules: a child imports the project itself (its
+    code may have changed since this parent started), and finds botocore's loader shared already."""
+    import importlib.util
+
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "store" / "s3_models.py"
+    spec = importlib.util.spec_from_file_location("_warm_s3_models", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     import importlib
     import tempfile
@@ -266,9 +280,7 @@ def main() -> None:
         for name in PRELOAD:
             importlib.import_module(name)
         try:  # S3's model parsed here once, not per remote open of every child (store/s3_models.py)
-            from store import s3_models
-
-            s3_models.prime()
+            _s3_models().prime()
         except ImportError:  # no S3 support installed: nothing to share
             pass
     from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
