@@ -248,6 +248,9 @@ def test_the_order_of_lora_target_modules_is_no_setting(straight, store_dir, tin
     order = {"lora.target_modules": ["to_out.0", "to_v", "to_k", "to_q", "to_k"]}
     out = tmp_path / "run"
     run(cfg_of(max_steps=3, checkpoint_every=3, warmup_steps=2, **order), store_dir, tiny_edit_model, out)
+    with pytest.raises(UserError) as refused:  # without --resume: a run of these settings, not of others
+        run(cfg_of(max_steps=6, checkpoint_every=3, warmup_steps=2), store_dir, tiny_edit_model, out)
+    assert "pass --resume to continue it" in str(refused.value) and "target_modules" not in str(refused.value)
     result = run(cfg_of(max_steps=6, checkpoint_every=3, warmup_steps=2), store_dir, tiny_edit_model, out, resume=True)
     assert result.start_step == 3 and result.steps == 6
     assert_same_lora(lora_of(out), lora_of(straight))  # the default order's straight run
