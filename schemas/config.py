@@ -220,11 +220,21 @@ class EncodeVaeConfig(Section):
     max_damaged_fraction: Annotated[float, THROUGHPUT] = _max_damaged_fraction("the samples")
 
 
+# train.lora.target_modules: peft matches each layer against the set of names, and the LoRA file records them sorted,
+# so their order (or a name twice) is no setting: hashed in one order, the default's names first as there, then the
+# others sorted - a list already in that order (the default) keeps its fingerprint. A reordered list was another run
+# (a resume refused, `run all` trained afresh from step 0). Records made in another order are read as set
+# (stages/train/settings.py `earlier_config_fingerprints`).
+_DEFAULT_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+_A_SET_OF_LAYERS = Role("features", hashed_as=lambda names: sorted(
+    dict.fromkeys(names), key=lambda n: (_DEFAULT_TARGETS.index(n) if n in _DEFAULT_TARGETS else len(_DEFAULT_TARGETS), n)))
+
+
 class LoraConfig(Section):
     rank: Annotated[int, FEATURES] = Field(16, gt=0)
     alpha: Annotated[float | None, FEATURES] = Field(None, gt=0, description="None = rank")
     dropout: Annotated[float, FEATURES] = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: Annotated[list[str], FEATURES] = ["to_q", "to_k", "to_v", "to_out.0"]
+    target_modules: Annotated[list[str], _A_SET_OF_LAYERS] = list(_DEFAULT_TARGETS)
     init_weights: Annotated[Literal["gaussian", "default"], FEATURES] = "gaussian"
     kind: Annotated[Literal["lora", "dora", "loha", "lokr"], added_later()] = Field(
         "lora", description="peft adapter: lora | dora (LoRA + magnitude) | loha (Hadamard) | lokr (Kronecker); "

@@ -62,7 +62,7 @@ def _same_run(record: ResumeRecord, cfg: PipelineConfig, store: str | Path, mode
               train: TrainConfig | None, backend: str | None, step: bool) -> bool:
     """The record's inputs are the present ones (`step`: its step max_steps too)."""
     train = train or resolved_train(cfg)
-    if not damaged_current(Path(out), train) or not nonfinite_current(record, train):
+    if not damaged_current(Path(out), train, record.step) or not nonfinite_current(record, train):
         return False
     now, tables = _inputs(cfg, store, model, train)
     if not step:
@@ -82,12 +82,13 @@ def _same_run(record: ResumeRecord, cfg: PipelineConfig, store: str | Path, mode
     return current.is_current(recorded, now)
 
 
-def damaged_current(out: Path, train: TrainConfig) -> bool:
-    """A run that left damaged samples out (RUN/damaged_samples.jsonl) is current under on_damaged=skip only: under
+def damaged_current(out: Path, train: TrainConfig, step: int | None = None) -> bool:
+    """A run that left damaged samples out (RUN/damaged_samples.jsonl; at steps up to its checkpoint's `step`: a
+    killed start's findings past it are no part of it) is current under on_damaged=skip only: under
     "stop" they stop training (or, repaired, are trained on), where the LoRA would pass for one of every sample.
     on_damaged is in no hash (a resume may switch it): this is where it still counts, as evaluate's
     `damaged_current` does for a report (`schemas.up_to_date.serves_on_damaged`)."""
-    return current.serves_on_damaged(train.on_damaged, lambda: damaged_log.read(out))
+    return current.serves_on_damaged(train.on_damaged, lambda: damaged_log.read(out, up_to=step))
 
 
 def nonfinite_current(record: ResumeRecord, train: TrainConfig) -> bool:

@@ -87,7 +87,7 @@ class DamageTally:
         if not new:
             return
         self._listed |= set(new)
-        path = guard.record_skipped(self.run_dir, new, self.rerun)
+        path = guard.record_skipped(self.run_dir, new, self.rerun, step)
         who = f"rank {self.rank}: " if self.world > 1 else ""
         tqdm.write(f"{who}optimizer step {step}: left out damaged sample(s) {', '.join(sorted(new))} "
                    f"(train.on_damaged=skip; listed in {path})")

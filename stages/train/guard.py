@@ -99,14 +99,15 @@ def check_lora_finite(params: list[torch.nn.Parameter], what: Path) -> None:
         raise NonFiniteError(f"{bad} of {total} LoRA values are non-finite: not writing {what}")
 
 
-def record_skipped(run_dir: Path, damaged: dict[str, str], rerun: str = "rerun with --resume") -> Path:
-    """Add samples left out as damaged (key -> problem) to RUN/damaged_samples.jsonl (`damaged_log`: appended
+def record_skipped(run_dir: Path, damaged: dict[str, str], rerun: str = "rerun with --resume",
+                   step: int | None = None) -> Path:
+    """Add samples left out as damaged (key -> problem) at optimizer step `step` to RUN/damaged_samples.jsonl (`damaged_log`: appended
     under a lock, so no rank drops another's findings; a resume adds to the list of the earlier starts). A full
     disk is one line naming the file and the space free."""
     from stages.train import damaged_log
 
     with one_line_errors(f"the damaged-sample list {damaged_log.NAME}", run_dir, resume_advice(rerun)):
-        return damaged_log.append(run_dir, damaged)
+        return damaged_log.append(run_dir, damaged, step)
 
 
 # What a failed checkpoint or final LoRA write leaves the user to do (`run train`: a rerun without --resume is

@@ -9,8 +9,8 @@ from typing import Any
 import yaml
 
 from schemas import up_to_date
-from schemas.config import TrainConfig
-from schemas.lineage import while_training_names
+from schemas.config import LoraConfig, TrainConfig
+from schemas.lineage import role_of, while_training_names
 from stages.train import previous, state as train_state
 
 CONFIG_FILE = "train_config.yaml"  # the effective config of the run's latest start, written by stages.train
@@ -46,10 +46,21 @@ def changed_settings(run_dir: Path, now: dict[str, Any], ignore: set[str]) -> li
         before = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError):
         return []
-    changed = up_to_date.changed_settings(before.get("train") or {}, now.get("train") or {}, "train", ignore)
+    changed = up_to_date.changed_settings(_as_hashed(before.get("train") or {}), _as_hashed(now.get("train") or {}),
+                                          "train", ignore)
     if len(changed) <= SHOWN_CHANGES:
         return changed
     return [*changed[:SHOWN_CHANGES - 1], f"... and {len(changed) - SHOWN_CHANGES + 1} more train.* setting(s)"]
+
+
+def _as_hashed(train: dict[str, Any]) -> dict[str, Any]:
+    """`train` with lora.target_modules in the one order they are hashed in (schemas/config.py): names reordered
+    are the same run, not a changed setting to set back."""
+    lora = train.get("lora")
+    if not isinstance(lora, dict) or not isinstance(lora.get("target_modules"), list):
+        return train
+    hashed = role_of(LoraConfig, "target_modules").hashed_as(lora["target_modules"])
+    return {**train, "lora": {**lora, "target_modules": hashed}}
 
 
 def unapplied_settings(run_dir: Path, now: dict[str, Any]) -> list[str]:

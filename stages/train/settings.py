@@ -117,18 +117,20 @@ def earlier_config_fingerprints(cfg: TrainConfig, backend: str | None = None) ->
     """`config_fingerprint` as written before the memory settings left it (with any of their values; the blocks
     kept on the device as configured now, or 0), before batch_size left it under a token budget (only with
     the batch_size they were made with, as before), and before init_lora's path left it (only with the path
-    configured now: its bytes were recorded beside it, or taken as the file there): runs made then resume and stay
-    current. Each also as hashed before the backend was recorded resolved: the name unset, as configured, or as
-    `backend` (the one this run resolves to: a run made with `native` spelled out resumes unset on the CPU);
+    configured now: its bytes were recorded beside it, or taken as the file there), and with lora.target_modules in
+    the order set (before they were hashed in one order): runs made then resume and stay current. Each also as
+    hashed before the backend was recorded resolved: the name unset, as configured, or as `backend` (the one this
+    run resolves to: a run made with `native` spelled out resumes unset on the CPU);
     which backend such a record's run used is `recorded_backend`'s to say, and compared there."""
     now = hashed_settings(cfg)
     names = dict.fromkeys([None, cfg.attention_backend, backend])
     budget = [{}] if cfg.max_tokens_per_batch is None else [{}, {"batch_size": cfg.batch_size}]
     path = {} if cfg.init_lora is None else {"init_lora": cfg.init_lora}  # hashed in every earlier spelling
+    lora = [{}, {"lora": hashed_settings(cfg.lora, as_set=True)}]  # target_modules in the order set
     memory = ({"gradient_checkpointing": gc, "offload": off, "offload_blocks_on_device": n}
               for gc, off in _MEMORY_AS_BEFORE for n in {cfg.offload_blocks_on_device, 0})
-    spellings = ({**now, "attention_backend": n, **b, **path, **m} for n in names for m in [{}, *memory]
-                 for b in budget)
+    spellings = ({**now, "attention_backend": n, **b, **path, **m, **t} for n in names for m in [{}, *memory]
+                 for b in budget for t in lora)
     return tuple(dict.fromkeys(settings_hash(s) for s in spellings))
 
 

@@ -45,13 +45,13 @@ def start_point(checkpoints: Path, max_steps: int) -> Path | None:
 
 
 def seed(kept: Path, run_dir: Path, max_steps: int) -> None:
-    """The kept run's damaged-sample list, then its checkpoints up to `max_steps` (newest first: a kill leaves the
+    """The kept run's damaged-sample list (as its steps up to `max_steps` left it), then its checkpoints up to `max_steps` (newest first: a kill leaves the
     one to resume from), into the fresh `run_dir`. The list first: a kill between the two leaves no checkpoint
     without the list a resume of it reads (resumed without it, the run's left-out samples were unlisted, and an
     up-to-date check under train.on_damaged stop served it). The caller holds the run folder's lock."""
-    for name in damaged_log.FILES:  # a copy (durable): the fresh run appends to its own, a link to the kept one's
-        if (kept / name).is_file():
-            fmt.atomic_write_bytes(run_dir / name, (kept / name).read_bytes())
+    # a copy (durable): the fresh run appends to its own, a link to the kept one's; only what the steps up to
+    # max_steps left out (a sample the kept run met later was left out of no step of this run)
+    damaged_log.copy_up_to(kept, run_dir, max_steps)
     root = run_dir / "checkpoints"
     root.mkdir(exist_ok=True)
     for step, src in reversed(train_state.complete_checkpoints(kept / "checkpoints")):

@@ -118,7 +118,9 @@ def _check_resumable(r: Run, record: ResumeRecord, latest: Path) -> None:
     # list is read per rank: decided by all ranks together (any rank's refusal is every rank's), so no rank
     # resumes into a collective the others never reach
     steps = train_state.nonfinite_skipped(record)
-    left_out, skipped = all_max(r.world, [0 if damaged_current(r.run_dir, r.cfg) else len(damaged_log.read(r.run_dir)),
+    # what the checkpoint's steps left out (a killed later start's findings past it are no part of it)
+    left_out, skipped = all_max(r.world, [0 if damaged_current(r.run_dir, r.cfg, record.step) else
+                                          len(damaged_log.read(r.run_dir, up_to=record.step)),
                                           0 if nonfinite_current(record, r.cfg) else len(steps)])
     record.check_matches(r.record, latest, contents=r.tables.content_ids)
     if left_out:  # as the up-to-date check

@@ -237,6 +237,30 @@ def test_resume_with_changed_config_or_store_fails_loudly(store_dir, tiny_edit_m
 
 
 
+def test_the_order_of_lora_target_modules_is_no_setting(straight, store_dir, tiny_edit_model, tmp_path):
+    """peft matches each layer against the set of names and the LoRA file records them sorted: the same layers in
+    another order (or named twice) build the same adapter. A resume with them reordered continues the run (it was
+    refused as other settings, and `run all` kept the run aside and trained afresh from step 0); a run recorded
+    under its order as set is still this run's, and the default list keeps its fingerprint."""
+    from schemas.lineage import hashed_settings, settings_hash
+    from stages.train.settings import config_fingerprint, known_fingerprint
+
+    order = {"lora.target_modules": ["to_out.0", "to_v", "to_k", "to_q", "to_k"]}
+    out = tmp_path / "run"
+    run(cfg_of(max_steps=3, checkpoint_every=3, warmup_steps=2, **order), store_dir, tiny_edit_model, out)
+    with pytest.raises(UserError) as refused:  # without --resume: a run of these settings, not of others
+        run(cfg_of(max_steps=6, checkpoint_every=3, warmup_steps=2), store_dir, tiny_edit_model, out)
+    assert "pass --resume to continue it" in str(refused.value) and "target_modules" not in str(refused.value)
+    result = run(cfg_of(max_steps=6, checkpoint_every=3, warmup_steps=2), store_dir, tiny_edit_model, out, resume=True)
+    assert result.start_step == 3 and result.steps == 6
+    assert_same_lora(lora_of(out), lora_of(straight))  # the default order's straight run
+    default = cfg_of(max_steps=6).train
+    assert config_fingerprint(default) == settings_hash(hashed_settings(default, as_set=True))
+    mlp = cfg_of(**{"lora.target_modules": ["net.2", "to_q", "net.0.proj"]}).train
+    as_set = settings_hash(hashed_settings(mlp, as_set=True))  # how a release before this one recorded it
+    assert as_set != config_fingerprint(mlp) and known_fingerprint(as_set, mlp) == config_fingerprint(mlp)
+
+
 def test_a_start_over_a_run_of_other_settings_names_them_and_both_ways_on(store_dir, tiny_edit_model, tmp_path):
     """A start without --resume into a folder whose run was trained with other settings. Before, it said only
     "pass --resume to continue it", and that --resume was then refused for the settings, named only there. Now

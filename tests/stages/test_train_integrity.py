@@ -554,3 +554,38 @@ def test_a_fresh_start_does_not_inherit_a_killed_starts_damaged_list(damaged_sto
     assert damaged_log.read(out) == {}
     assert run(stop, intact, tiny_edit_model, out, resume=True).steps == 4  # not refused
     assert up_to_date(stop, intact, tiny_edit_model, out)
+
+
+def test_the_damaged_list_of_a_run_holds_only_the_samples_its_steps_left_out(tmp_path, tiny_edit_model):
+    """The sample met (damaged) at optimizer step 4 is left out of no step up to 3: a run ending at step 3 - taken
+    from a longer run's checkpoint (a lower max_steps, `shorter`), or resumed from a checkpoint at 3 after a start
+    that went past it and was killed - lists none, and is current under train.on_damaged stop, as the straight run
+    to step 3 is. Before, the list was the longer start's whole: the run counted as leaving a sample out, so under
+    stop `run all` refused it and trained it again from step 0."""
+    from stages.train.current import up_to_date
+
+    root = tmp_path / "store"
+    make_train_store(root, tiny_edit_model, mixed_specs(8))
+    key = key_at(root, "vae", 1)  # batch 2, seed 0: in the 4th step of epoch 0 (the 2nd of epoch 1 is step 6)
+    flip_bit(*sample_byte(root, "vae", key, "target"), 6)
+    skip = dict(on_damaged="skip", max_damaged_fraction=0.2, keep_checkpoints=5)
+    longer = run(cfg_of(max_steps=4, checkpoint_every=1, **skip), root, tiny_edit_model, tmp_path / "a")
+    assert longer.steps == 4 and list(damaged_log.read(tmp_path / "a")) == [key]  # met at step 4
+    # a lower max_steps under a constant LR (`run all`): the kept run's checkpoint step-3 is this run's LoRA
+    shorter = run(cfg_of(max_steps=3, checkpoint_every=1, **skip), root, tiny_edit_model, tmp_path / "a",
+                  resume=True, new_run=True, skip_if_done=True)
+    assert shorter.start_step == 3 and shorter.steps == 3
+    assert damaged_log.read(tmp_path / "a") == {}
+    assert up_to_date(cfg_of(max_steps=3, checkpoint_every=1, on_damaged="stop"), root, tiny_edit_model,
+                      tmp_path / "a")
+    # a start killed after step 4 (its list written, its checkpoint not), resumed to max_steps 3
+    run(cfg_of(max_steps=4, checkpoint_every=3, **skip), root, tiny_edit_model, tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step-4")
+    shutil.rmtree(tmp_path / "b" / "lora")
+    resumed = run(cfg_of(max_steps=3, checkpoint_every=3, **skip), root, tiny_edit_model, tmp_path / "b",
+                  resume=True)
+    assert resumed.steps == 3
+    stop = cfg_of(max_steps=3, checkpoint_every=3, on_damaged="stop")
+    assert up_to_date(stop, root, tiny_edit_model, tmp_path / "b")
+    again = run(stop, root, tiny_edit_model, tmp_path / "b", resume=True, new_run=True, skip_if_done=True)
+    assert again.up_to_date and again.kept_previous is None
