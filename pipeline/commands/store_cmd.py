@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from pathlib import Path
 
 import typer
@@ -139,6 +140,13 @@ def gc(
     incomplete_after: float = typer.Option(60.0, "--incomplete-after", callback=finite(at_least=0), help="With a URL: minutes after its newest "
                                            "object that an incomplete version (no manifest, no live push lease) "
                                            "is taken for a killed push's leftovers and removed."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="With a URL: the --cache-dir its `store "
+                                             "repair` / `migrate` ran with, where this node's working copy of it "
+                                             "is (default ~/.cache/qwen-edit-pipeline/stores): one a killed run "
+                                             "left is removed once the URL's store has moved on from it."),
+    drop_work: bool = typer.Option(False, "--drop-work", help="With a URL: also remove this node's working copy "
+                                   "of a killed `store repair` / `migrate` the URL has not moved on from (its "
+                                   "rerun would resume there); never one a running command holds."),
 ) -> None:
     one_process("store gc")  # every rank would remove the same versions
     from store.remote import is_url
@@ -146,6 +154,10 @@ def gc(
     with user_errors():
         if is_url(store):
             from store.remote_gc import collect as remote_collect
+            from store.remote_work import collect_work
+
+            # first: a URL whose prefix is gone (nothing left to collect there) still frees this node's copy
+            collect_work(store, cache_dir, dry_run=dry_run, drop=drop_work, echo=echo)
 
             remote_collect(store, dry_run=dry_run, grace_s=incomplete_after * 60, echo=echo)
             return
@@ -176,11 +188,12 @@ def repair(
 
     url = store if is_url(store) else None
     cfg = config_from(config, {"paths.model": model, "paths.source": source}, set_)
-    with user_errors():
+    with user_errors(), ExitStack() as held:
         if url is not None:  # repaired in a working copy, then pushed back (store/remote_work.py)
-            from store.remote_work import publish, replaced_here, work_copy
+            from store.remote_work import publish, replaced_here, working_copy
 
-            store = work_copy(url, cache_dir, damaged_ok=True)
+            # its flock held till the command ends: `store gc URL` never removes the copy of a live repair
+            store = held.enter_context(working_copy(url, cache_dir, damaged_ok=True))
         store = Path(store)
         if url is None:
             _not_a_cache(store)
@@ -280,13 +293,14 @@ def v1_to_v2(
         if not is_url(store):
             migrate_v1_to_v2(Path(store), dry_run=dry_run, echo=echo)
             return
-        from store.remote_work import publish, work_copy
+        from store.remote_work import publish, working_copy
 
-        root = work_copy(store, cache_dir)  # migrated in a working copy, then pushed back (store/remote_work.py)
-        steps = migrate_v1_to_v2(root, dry_run=dry_run, echo=echo)
-        if steps and not dry_run:
-            publish(store, root, [(s.table, s.old) for s in steps], echo, damaged=False)
-        else:  # nothing to publish: a working copy left behind could later push back versions gc removed
-            import shutil
+        # migrated in a working copy, then pushed back (store/remote_work.py); its flock held till done
+        with working_copy(store, cache_dir) as root:
+            steps = migrate_v1_to_v2(root, dry_run=dry_run, echo=echo)
+            if steps and not dry_run:
+                publish(store, root, [(s.table, s.old) for s in steps], echo, damaged=False)
+            else:  # nothing to publish: a working copy left behind could later push back versions gc removed
+                import shutil
 
-            shutil.rmtree(root, ignore_errors=True)
+                shutil.rmtree(root, ignore_errors=True)
