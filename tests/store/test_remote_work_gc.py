@@ -38,7 +38,7 @@ def _killed_repair(s3_env, work: Path, point: str = "push_before_manifest") -> P
     assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
     root = work_root(s3_env.url(), work)
     assert (root / "vae" / "v2").is_dir()
-    assert (root / "vae" / "v2" / "manifest.parquet").is_file() == (point == "push_before_manifest")
+    assert (root / "vae" / "v2" / "manifest.parquet").is_file() == (point != "repair_trimmed")
     assert (root / "source-url.txt").read_text().strip() == s3_env.url()  # the folder names its URL
     return root
 
@@ -143,3 +143,18 @@ def test_gc_of_a_url_removes_a_killed_repairs_copy_whose_version_another_repair_
     assert (f"remove the working copy {root} of {s3_env.url()} (left by a killed store repair / migrate; the store "
             f"there has moved on: its vae v2 is current there already; {size / 1e6:.1f} MB freed)") in r.output, r.output
     assert not root.exists()
+
+
+def test_gc_of_a_url_keeps_a_killed_repairs_copy_that_has_a_retirement_left(s3_env, store: Store,
+                                                                          tmp_path: Path) -> None:
+    """Killed after its v2 became current, before v1 was retired: the URL's current version is the copy's own and
+    v1 is not marked there yet, so the rerun still has work there: kept, and the rerun retires v1."""
+    _pushed_with_a_grown_shard(store, s3_env)
+    work = tmp_path / "work"
+    root = _killed_repair(s3_env, work, "repair_before_retire")
+    assert remote_current(s3_env) == {"vae": 2}
+    r = _cli("store", "gc", s3_env.url(), "--cache-dir", work)
+    assert r.exit_code == 0 and f"keep the working copy {root} of {s3_env.url()}" in r.output, r.output
+    assert root.is_dir()
+    r = _cli("store", "repair", s3_env.url(), "--cache-dir", work)
+    assert r.exit_code == 0 and "retired" in r.output and not root.exists(), r.output
