@@ -141,7 +141,8 @@ def test_gc_of_a_url_removes_a_killed_repairs_copy_whose_version_another_repair_
     r = _cli("store", "gc", s3_env.url(), "--cache-dir", work)
     assert r.exit_code == 0, r.output
     assert (f"remove the working copy {root} of {s3_env.url()} (left by a killed store repair / migrate; the store "
-            f"there has moved on: its vae v2 is current there already; {size / 1e6:.1f} MB freed)") in r.output, r.output
+            f"there has moved on: its vae v2 is current there already; {size / 1e6:.1f} MB freed)") in r.output, \
+        r.output
     assert not root.exists()
 
 
@@ -158,3 +159,42 @@ def test_gc_of_a_url_keeps_a_killed_repairs_copy_that_has_a_retirement_left(s3_e
     assert root.is_dir()
     r = _cli("store", "repair", s3_env.url(), "--cache-dir", work)
     assert r.exit_code == 0 and "retired" in r.output and not root.exists(), r.output
+
+
+KILLED_MIGRATE = ("import sys; from pipeline.cli import app; "
+                  "app(['migrate', 'v1-to-v2', sys.argv[1], '--cache-dir', sys.argv[2]])")
+
+
+def test_gc_of_a_url_removes_a_killed_migrates_working_copy_once_another_migrate_published(s3_env,
+                                                                                         tmp_path: Path) -> None:
+    """Killed with its v2 committed in the copy, before the copy's store.json switch; another node's migrate then
+    publishes the same v2: nothing is left for the copy to publish (a migrate retires nothing)."""
+    import pyarrow.parquet as pq
+
+    from store.integrity import write_version_checksums
+    from store.remote_sync import push
+    from test_v1_handwritten import write_v1_store
+
+    v1 = tmp_path / "v1store"
+    write_v1_store(v1)
+    vdir = v1 / "vae" / "v1"
+    write_version_checksums(vdir, pq.read_table(vdir / "manifest.parquet"), (vdir / "manifest.parquet").read_bytes())
+    push(v1, s3_env.url())
+    work = tmp_path / "work"
+    killed = subprocess.run([sys.executable, "-c", KILLED_MIGRATE, s3_env.url(), str(work)],
+                            env={**os.environ, "STORE_CRASH_AT": "migrate_before_switch"}, capture_output=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    root = work_root(s3_env.url(), work)
+    assert (root / "source-url.txt").is_file()
+    r = _cli("store", "gc", s3_env.url(), "--cache-dir", work)
+    assert r.exit_code == 0 and f"keep the working copy {root} of {s3_env.url()}" in r.output, r.output
+
+    other = _cli("migrate", "v1-to-v2", s3_env.url(), "--cache-dir", tmp_path / "other")
+    assert other.exit_code == 0 and remote_current(s3_env) == {"vae": 2}, other.output
+    size = _bytes(root)
+    r = _cli("store", "gc", s3_env.url(), "--cache-dir", work)
+    assert r.exit_code == 0, r.output
+    assert (f"remove the working copy {root} of {s3_env.url()} (left by a killed store repair / migrate; the store "
+            f"there has moved on: its vae v2 is current there already; {size / 1e6:.1f} MB freed)") in r.output, \
+        r.output
+    assert not root.exists()
