@@ -318,6 +318,13 @@ _EXTRA_PROMPTS_ONLY = Role("features", read_if=lambda ev: bool(ev.extra_prompts)
 _A_SET_OF_ROWS = Role("features", hashed_as=sorted)
 
 
+def held_out_axes(noise_seeds: list[int], timesteps: list[float]) -> tuple[list[int], list[float]]:
+    """(noise seeds, σ grid) of a held-out loss in the one order its grids are computed, recorded and hashed in:
+    sorted (their order is no setting, see `_A_SET_OF_ROWS`); evaluate's (`EvaluateConfig.loss_axes`) and train's
+    validation curve's (`TrainConfig.validate_axes`)."""
+    return sorted(noise_seeds), sorted(float(t) for t in timesteps)
+
+
 # train.attention_backend: the configured name is not hashed; the backend the run resolved it to (unset: the
 # device's default) is recorded beside the fingerprint (stages/train/state.py `ResumeRecord.attention_backend`) and
 # compared there, so `native` spelled out after an unset CPU run is that run, and a name that resolves to another
@@ -406,6 +413,12 @@ class TrainConfig(Section):
     check_ahead: Annotated[int, THROUGHPUT] = Field(32, ge=0, description="samples whose checksums a background thread verifies ahead of "
                              "the reads, in the sampler's order (0 = check each sample inline on its first read)")
 
+    @property
+    def validate_axes(self) -> tuple[list[int], list[float]]:
+        """(validate_noise_seeds, validate_timesteps) in the order the validation curve computes, records and hashes
+        them: sorted, as evaluate's (`held_out_axes`), so the same grid reordered on a resume continues the curve."""
+        return held_out_axes(self.validate_noise_seeds, self.validate_timesteps)
+
 
 class ExtraPrompt(Section):
     """An evaluate sample that is not in the store: control image file(s), an instruction, optional target."""
@@ -459,7 +472,7 @@ class EvaluateConfig(Section):
     def loss_axes(self) -> tuple[list[int], list[float]]:
         """(noise seeds, σ grid) of the held-out loss in the order every grid of it is computed and recorded in:
         sorted, as they are hashed (`_A_SET_OF_ROWS`), so a grid cached under a key is in the key's order."""
-        return sorted(self.noise_seeds), sorted(float(t) for t in self.timesteps)
+        return held_out_axes(self.noise_seeds, self.timesteps)
 
 
 PREDICT_COMPONENTS = ("transformer", "text_encoder", "vae")

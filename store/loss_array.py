@@ -179,10 +179,7 @@ class LossGroup:
     def _to_axes(self, grid: np.ndarray, seed_axis: int, undo: bool = False) -> np.ndarray:
         """A recorded grid (its seed axis at `seed_axis`, σ next) in the order of `self.axes` (`_placement`);
         `undo`: one in that order in the group's."""
-        for axis, index in enumerate(self._place, seed_axis):
-            if index is not None:
-                grid = grid.take(np.argsort(index) if undo else index, axis=axis)
-        return grid
+        return _placed(grid, self._place, seed_axis, undo)
 
     def checkpoints(self) -> dict[int, str]:
         """step -> the checkpoint folder recorded with its losses."""
@@ -423,6 +420,16 @@ def _placement(group, axes: Axes) -> tuple[np.ndarray | None, np.ndarray | None]
     return placed[0], placed[1]
 
 
+def _placed(grid: np.ndarray, place: tuple[np.ndarray | None, np.ndarray | None], seed_axis: int,
+            undo: bool = False) -> np.ndarray:
+    """A recorded grid (its seed axis at `seed_axis`, σ next) in the order `place` (`_placement`) gives; `undo`:
+    one in that order in the group's."""
+    for axis, index in enumerate(place, seed_axis):
+        if index is not None:
+            grid = grid.take(np.argsort(index) if undo else index, axis=axis)
+    return grid
+
+
 def _create_base(group, grid: np.ndarray) -> None:
     """The base grid in the dtype of the group's losses."""
     group.create_array("base_loss", data=grid.astype(group["loss"].dtype), fill_value=np.nan,
@@ -496,9 +503,11 @@ def recorded_setting(folder: str | Path) -> tuple[str, dict] | None:
     return attrs.get("fingerprint"), attrs["settings"]
 
 
-def recorded_base(folder: str | Path, fingerprint: str, shape: tuple[int, ...]) -> np.ndarray | None:
-    """The base grid committed in `folder/losses.zarr` for this fingerprint, when its leading axes are `shape`
-    ([sample, seed, σ]) and every value was written; None otherwise (no such group, none recorded, unreadable)."""
+def recorded_base(folder: str | Path, fingerprint: str, axes: Axes) -> np.ndarray | None:
+    """The base grid committed in `folder/losses.zarr` for this fingerprint, when its leading axes are `axes`'
+    ([sample, seed, σ]) and every value was written, its seeds and σ in `axes`' order (`_placement`: a curve
+    recorded in another order); None otherwise (no such group, none recorded, unreadable)."""
+    shape = axes.shape[:3]
     path = Path(folder) / GROUP
     if not path.exists():
         return None
@@ -509,9 +518,12 @@ def recorded_base(folder: str | Path, fingerprint: str, shape: tuple[int, ...]) 
         if g.attrs.get("format") == FORMAT and loss_chunks.absent(path, g):  # lost: computed again, set aside
             return None
         base = np.asarray(g["base_loss"][:], dtype=np.float64)
+        if base.shape[:len(shape)] != tuple(shape):
+            return None
+        base = _placed(base, _placement(g, axes), 1)
     except Exception:  # noqa: BLE001 - unreadable: computed again (and the group replaced where it is opened)
         return None
-    return base if base.shape[:len(shape)] == tuple(shape) and not np.isnan(base).all() else None
+    return base if not np.isnan(base).all() else None
 
 
 def recorded_steps(folder: str | Path, fingerprint: str) -> dict[int, str] | None:

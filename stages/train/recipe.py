@@ -422,9 +422,10 @@ def step(r: Run) -> StepStats:
     intact = n_step - int(left_out)
     if r.damage is not None:
         r.damage.add(r.tables, int(left_out), n_step)  # over the limit: the same error on every rank, now
-    if intact == 0:  # every sample of the step damaged: no update (the step counts, as a skipped one)
-        r.bar.write(f"optimizer step {r.step + 1}: every sample damaged, no update")
-        r.result.skipped_steps.append(r.step + 1)
+    if intact == 0:  # every sample of the step damaged: no update (the step counts; not a non-finite one)
+        if r.main:  # every rank is here (the count is all-reduced): said once
+            r.bar.write(f"optimizer step {r.step + 1}: every sample damaged (train.on_damaged=skip), no update")
+        r.result.damaged_steps.append(r.step + 1)
         ok, grad_norm = False, float("nan")
     elif ok:
         # this rank's own work too: the others go on to the next step's all-reduce (Adam's first step allocates

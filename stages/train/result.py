@@ -25,6 +25,7 @@ class TrainResult:
     step_data_times: array = field(default_factory=lambda: array("d"))  # s of each step spent waiting for micro-batches
     epoch_padding: dict[int, float] = field(default_factory=dict)  # epoch -> valid / computed tokens
     skipped_steps: list[int] = field(default_factory=list)  # train.on_nonfinite=skip_step: steps not applied
+    damaged_steps: list[int] = field(default_factory=list)  # train.on_damaged=skip: steps of damaged samples only
     main_process: bool = True
     up_to_date: bool = False  # `skip_if_done` found the final LoRA of this very run: nothing trained
     stage: str = "train"
@@ -52,4 +53,5 @@ class TrainResult:
                          f"`pipeline run train --new-run` trains again with them)")
             return line
         return train_line(self.start_step, self.steps, self.losses, self.step_epochs, self.lora_dir,
-                          init_lora=self.init_lora, skipped=len(self.skipped_steps))
+                          init_lora=self.init_lora, skipped=len(self.skipped_steps),
+                          all_damaged=len(self.damaged_steps))

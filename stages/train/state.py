@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -350,10 +351,24 @@ def prune(root: Path, keep: int) -> None:
 
 def write_record(folder: Path, record: ResumeRecord) -> None:
     """The resume record with every other file's size and CRC32C, sealed, written last into the checkpoint's temp
-    folder (committed by `store.format.atomic_dir`)."""
-    from store.checksum import seal
+    folder (committed by `store.format.atomic_dir`). The RNG files are checksummed by name, one per rank of
+    `record.world_size`, not as the folder's listing shows them: on a shared file system (NFS, several nodes) rank
+    0's listing can be stale and miss another node's file, which then went into no checksum and was read on resume
+    unchecked. One absent (after the barrier every rank wrote it before) is refused, naming it."""
+    from store.checksum import file_crc, seal
 
-    (folder / RESUME_JSON).write_bytes(seal({**asdict(record), "files": file_checksums(folder)}))
+    files = {name: entry for name, entry in file_checksums(folder).items() if not _RNG_NAME.fullmatch(name)}
+    for rank in range(record.world_size):
+        path = _rng_file(folder, rank)
+        try:
+            crc, n = file_crc(path)
+        except FileNotFoundError:
+            raise UserError(f"{path} (rank {rank}'s RNG state) is not there after every rank wrote it: the ranks "
+                            "must share one run folder that every node sees (--out on a shared file system, not a "
+                            "node-local path); fix that and rerun with --resume to continue from the last committed "
+                            "checkpoint") from None
+        files[path.name] = {"nbytes": n, "crc32c": crc}
+    (folder / RESUME_JSON).write_bytes(seal({**asdict(record), "files": dict(sorted(files.items()))}))
 
 
 # ---------------------------------------------------------------------------------------------- state files
@@ -438,6 +453,9 @@ def load_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, folder: Path
 
 def _rng_file(folder: Path, rank: int) -> Path:
     return folder / f"rng-rank{rank:02d}.safetensors"
+
+
+_RNG_NAME = re.compile(r"rng-rank\d+\.safetensors")  # `_rng_file`'s names
 
 
 def save_rng(folder: Path, rank: int) -> None:

@@ -51,10 +51,14 @@ def _steps(n: int) -> str:
 
 
 def train_line(start_step: int, steps: int, losses: list[float], epochs: list[int], lora_dir,
-               init_lora: str | None = None, skipped: int = 0) -> str:
+               init_lora: str | None = None, skipped: int = 0, all_damaged: int = 0) -> str:
+    """`skipped`: steps train.on_nonfinite=skip_step left without an update; `all_damaged`: steps whose every
+    sample was damaged (train.on_damaged=skip), no update either. Neither is in the means (their loss is NaN)."""
     if start_step and start_step == steps:  # a checkpoint at max_steps (a killed final save, a lowered max_steps)
         return f"nothing left to train: the LoRA of checkpoint step-{steps}; LoRA: {lora_dir}"
     how = (f"resumed at step {start_step}" if start_step else f"from init_lora {init_lora}" if init_lora
            else "from scratch")
-    skip = f" ({skipped} non-finite step(s) skipped, not in the means)" if skipped else ""
+    notes = [f"{skipped} non-finite step(s) skipped"] if skipped else []
+    notes += [f"{all_damaged} step(s) with every sample damaged, no update"] if all_damaged else []
+    skip = f" ({'; '.join(notes)}, not in the means)" if notes else ""
     return f"trained {how} to step {steps}: {loss_phrase(losses, epochs)}{skip}; LoRA: {lora_dir}"

@@ -19,7 +19,7 @@ import numpy as np
 
 from models.held_out import bucket_of
 from models.sample import TrainSample
-from schemas.config import TrainConfig
+from schemas.config import TrainConfig, held_out_axes
 
 
 class ValidationCurve:
@@ -32,8 +32,12 @@ class ValidationCurve:
         one the run resolved (`settings.run_backend`; None: as configured)."""
         self.cfg, self.run_dir, self.samples, self.versions = cfg, run_dir, samples, versions
         self.start_step = start_step
-        validate = {"keys": [s.key for s in samples], "noise_seeds": list(cfg.validate_noise_seeds),
-                    "timesteps": list(cfg.validate_timesteps), "batch_size": cfg.batch_size}
+        from store.loss_array import Axes
+
+        seeds, sigmas = cfg.validate_axes  # sorted, as evaluate's: their order is no setting
+        self.axes = Axes([s.key for s in samples], [bucket_of(s) for s in samples], seeds, sigmas)
+        validate = {"keys": [s.key for s in samples], "noise_seeds": seeds, "timesteps": sigmas,
+                    "batch_size": cfg.batch_size}
         if cfg.max_tokens_per_batch is not None:  # rows per forward only, and a resume may change it there
             validate = _without_batch_size(validate)
         self.settings = {"tables": tables, "model_fingerprint": model_fingerprint, "validate": validate}
@@ -43,12 +47,17 @@ class ValidationCurve:
 
     def _respelled(self, settings: dict) -> dict:
         """A recorded setting spelled as today's where it was an earlier spelling of it: the tables named by the
-        version ids read now (before the curve named them by content), and under a token budget without
-        batch_size (hashed before, whatever value it recorded: validation's rows per forward only)."""
+        version ids read now (before the curve named them by content), under a token budget without
+        batch_size (hashed before, whatever value it recorded: validation's rows per forward only), and the noise
+        seeds and σ sorted (hashed in the configured order before; the group's axes are read by value,
+        `store.loss_array._placement`)."""
         out = dict(settings)
         if out.get("tables") == self.versions:
             out["tables"] = self.settings["tables"]
         validate = out.get("validate")
+        if isinstance(validate, dict) and all(isinstance(validate.get(k), list) for k in ("noise_seeds", "timesteps")):
+            seeds, sigmas = held_out_axes(validate["noise_seeds"], validate["timesteps"])
+            validate = out["validate"] = {**validate, "noise_seeds": seeds, "timesteps": sigmas}
         if self.cfg.max_tokens_per_batch is not None and isinstance(validate, dict):
             out["validate"] = _without_batch_size(validate)
         return out
@@ -74,20 +83,17 @@ class ValidationCurve:
         """The base model's grid the curve this run appends to holds (None: none, or another setting's)."""
         from store.loss_array import recorded_base
 
-        shape = (len(self.samples), len(self.cfg.validate_noise_seeds), len(self.cfg.validate_timesteps))
-        return recorded_base(self.run_dir, self.recorded_fingerprint(), shape)
+        return recorded_base(self.run_dir, self.recorded_fingerprint(), self.axes)
 
     def record(self, step: int, grid: np.ndarray, base: np.ndarray | None) -> None:
         """Append one validation's grid. The first append of this process drops steps >= `step` that a killed run
         recorded after its last checkpoint, so the curve never doubles back, and writes `base` (the base model's
         grid) where the curve holds none or this is a fresh start."""
-        from store.loss_array import Axes, LossStore
+        from store.loss_array import LossStore
 
         if self._losses is None:
             recorded = self.recorded_fingerprint()
-            axes = Axes([s.key for s in self.samples], [bucket_of(s) for s in self.samples],
-                        list(self.cfg.validate_noise_seeds), [float(t) for t in self.cfg.validate_timesteps])
-            self._losses = LossStore(self.run_dir, recorded, axes, self.settings, self.versions, self.measured)
+            self._losses = LossStore(self.run_dir, recorded, self.axes, self.settings, self.versions, self.measured)
             if recorded != self.fingerprint:  # an earlier spelling: appended to, not set aside, and re-recorded
                 self._losses.refingerprint(self.fingerprint, self.settings, self.versions)  # note_versions: no-op
             if self._losses.kept_aside is not None:  # e.g. the val samples changed under an accepted resume

@@ -141,8 +141,8 @@ class Validator:
         """[sample, seed, σ, region] losses of every val sample: this rank's share computed here, summed across
         ranks (`accelerator.reduce`), so all ranks return the same full grid. Collective when world > 1."""
         mine = [i for i in range(len(self.samples)) if i % world == rank]
-        part = loss_grid(transformer, [self.samples[i] for i in mine], list(self.cfg.validate_noise_seeds),
-                         [float(t) for t in self.cfg.validate_timesteps], self.cfg.batch_size, "validation")
+        part = loss_grid(transformer, [self.samples[i] for i in mine], *self.cfg.validate_axes, self.cfg.batch_size,
+                         "validation")  # in the curve's order (sorted, as evaluate's)
         full = torch.zeros(len(self.samples), *part.shape[1:], dtype=torch.float64)
         full[mine] = torch.from_numpy(part)  # other ranks' rows stay 0 here; the sum fills them in
         if world > 1:

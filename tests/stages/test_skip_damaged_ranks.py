@@ -41,3 +41,25 @@ def test_two_ranks_skip_a_damaged_sample_together(tiny_edit_model, tmp_path) -> 
                                  "train.max_damaged_fraction": 0.2}), store, tiny_edit_model, tmp_path / "one")
     assert_close_lora(read_lora(tmp_path / "one" / "lora")[0], read_lora(tmp_path / "out" / "ok" / "lora")[0],
                       lr=2e-3, steps=2)
+
+
+def test_a_step_of_damaged_samples_only_is_said_once_and_counted_as_such(tiny_edit_model, tmp_path) -> None:
+    """Two ranks, one sample each per step, 6 of 8 samples damaged: of the 4 steps, at least 2 hold no intact
+    sample (the 2 intact ones cover 2 at most). Each such step's line was printed by every rank, and the summary
+    counted it as a non-finite step skipped; now rank 0 says it once and the summary names it."""
+    store = tmp_path / "store"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    for i in range(2, 8):
+        flip_bit(*sample_byte(store, "vae", key_of(i), "target"), 6)
+
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two("damaged_steps_ranks.py", str(store), tiny_edit_model,
+                                                      str(tmp_path / "out"))
+    assert rc0 == rc1 == 0, (err0[-3000:], err1[-3000:])
+    r0 = results(out0)
+    steps = [int(s) for s in r0["damaged_steps"].strip("[]").split(",")]
+    assert len(steps) >= 2, r0
+    said = [out.count(f"optimizer step {s}: every sample damaged") for out in (out0 + err0, out1 + err1)
+            for s in steps]
+    assert said == [1] * len(steps) + [0] * len(steps), (out0, out1)
+    assert f"{len(steps)} step(s) with every sample damaged, no update" in r0["line"] and \
+        "non-finite" not in r0["line"], r0

@@ -68,6 +68,20 @@ def test_skip_damaged_reports_them_and_threshold_stops(damaged_store, tiny_edit_
     assert list(report) == [key] and "damaged" in report[key]
 
 
+def test_a_step_of_damaged_samples_only_is_counted_as_such(damaged_store, tiny_edit_model, tmp_path, capsys):
+    """batch_size 1, one damaged sample of 8: its step has no intact sample and makes no update. It was counted
+    with the non-finite steps on_nonfinite=skip_step skips, and the summary said "1 non-finite step(s) skipped"
+    on a run with no non-finite value; now it says what it is."""
+    root, key = damaged_store
+    result = run(cfg_of(max_steps=8, batch_size=1, on_damaged="skip", max_damaged_fraction=0.2), root,
+                 tiny_edit_model, tmp_path / "run")
+    line = str(result)
+    assert "non-finite" not in line and "1 step(s) with every sample damaged, no update" in line, line
+    assert len(result.damaged_steps) == 1 and result.skipped_steps == []
+    said = capsys.readouterr().out
+    assert said.count(f"optimizer step {result.damaged_steps[0]}: every sample damaged") == 1, said
+
+
 def test_skip_reads_no_sample_before_step_0_and_each_sample_once(damaged_store, tiny_edit_model, tmp_path,
                                                                  monkeypatch):
     """on_damaged=skip used to CRC-read the whole split before step 0 (terabytes at 1M samples, then read again

@@ -255,7 +255,7 @@ def test_a_lost_chunk_file_is_refused_naming_it_not_read_as_a_non_finite_step(tm
     line = str(e.value)
     assert "\n" not in line and f"{group / lost} is missing" in line and "rerun `pipeline run evaluate`" in line
     assert recorded_steps(tmp_path, "fp") is None  # not up to date: the next open sets it aside
-    assert recorded_base(tmp_path, "fp", AXES.shape[:3]) is None
+    assert recorded_base(tmp_path, "fp", AXES) is None
     t = LossStore(tmp_path, "fp", AXES, {}, take_back=True)
     assert t.kept_aside is not None and t.steps() == {} and not t.has_base()
     assert f"{group / lost} is missing" in t.aside_reason and "damaged" in t.aside_reason
