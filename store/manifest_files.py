@@ -104,6 +104,8 @@ def read_column(vdir: Path, data: bytes | pa.Buffer, name: str, dictionary: bool
         for g in range(f.num_row_groups):
             for c in f.read_row_group(g, columns=[name], use_threads=False).column(0).chunks:
                 chunks.append(narrowed(c, narrow) if narrow else c)
+        if not chunks:  # row groups of no rows (an empty table's commit)
+            return f.schema_arrow.empty_table().column(name)
     except Exception as e:  # noqa: BLE001
         raise unreadable(vdir, e) from None
     if narrow:  # the types are tried narrowest first: a later one holds every earlier one's values
