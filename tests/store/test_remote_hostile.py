@@ -298,7 +298,8 @@ def test_push_from_an_intact_store_refills_what_was_deleted_or_damaged_on_the_ur
     client.put_object(Bucket=s3_env.bucket, Key=damaged, Body=bytes(data))
 
     r = _cli("store", "inspect", url)  # said "(an object disappeared meanwhile?); rerun", failing alike for ever
-    assert r.exit_code == 1 and f"{url}/vae/v1/checksums.json is missing" in r.output
+    # the version marked damaged with the object's line, as a local inspect marks one (the report itself goes on)
+    assert r.exit_code == 0 and f"{url}/vae/v1/checksums.json is missing" in r.output, r.output
     summary = push(store.root, url)
     assert summary.objects_sent == 2 and summary.present == ["vae/v1"]
     with pytest.raises(UserError) as e:
