@@ -109,6 +109,9 @@ def _exiting(signum, frame) -> None:
 
 def _interrupt(signum, frame) -> None:
     _signalled.append(signum)
+    earlier = _loaded("stages.train.stop", "EARLIER")  # as a SIGTERM's: a KeyboardInterrupt a finalizer swallowed
+    if earlier is not None:
+        earlier.append(signum)
     raise KeyboardInterrupt  # Python's own SIGINT behaviour; only recorded first
 
 

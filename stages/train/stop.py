@@ -23,10 +23,11 @@ import threading
 from typing import Any
 
 
-# SIGTERMs the CLI's handler turned into SystemExit before the training loop (pipeline/cli.py records them here
-# once this module is loaded). Python ignores an exception raised inside a finalizer (`__del__`, a weakref
-# callback, run whenever the garbage collector does): a signal that lands while one runs is lost with it, and the
-# process went on into 100000 steps. The loop then acts on it as on one it recorded itself.
+# SIGTERMs the CLI's handler turned into SystemExit before the training loop, and SIGINTs it turned into
+# KeyboardInterrupt at any time (pipeline/cli.py records them here once this module is loaded). Python ignores an
+# exception raised inside a finalizer (`__del__`, a weakref callback, run whenever the garbage collector does): a
+# signal that lands while one runs is lost with it, and the process went on into 100000 steps (a SIGTERM, then a
+# Ctrl-C: CI, once each). The loop then acts on it as on a SIGTERM it recorded itself (`requested`).
 EARLIER: list[int] = []
 # The signals whose stop the training loop has said in a line of its own (the checkpoint written, how to go on):
 # the CLI's generic line for a stop (pipeline/cli.py) is then left out.
@@ -72,6 +73,9 @@ class StopOnSignal:
 
     def requested(self) -> float:
         """1.0 once a signal came (a number for the step's all-reduce), else 0.0."""
+        if self.signum is None and EARLIER:  # a Ctrl-C whose KeyboardInterrupt a finalizer swallowed (EARLIER)
+            self.signum = EARLIER[0]
+            EARLIER.clear()
         self._passed_on = self.signum is not None
         return 0.0 if self.signum is None else 1.0
 
