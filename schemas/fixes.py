@@ -20,6 +20,9 @@ from typing import Any
 _ROTATED_90 = re.compile(r"EXIF orientation [5-8] applied")
 MASK_RESIZED = "mask resized to its target"
 MASK_TURNED = "mask turned as its target"  # the fixed code's note (prefix; the orientation follows)
+# features/decode.py's note for an RGB/L/1/16-bit grey picture whose one transparent colour (a PNG's tRNS chunk)
+# it takes as alpha since resize-bucket revision 4; before, those pixels kept their stored colour
+TRANSPARENT_COLOUR = "transparent colour as alpha"
 # resize.keep_alpha kept this sample's picture as RGBA (features/decode.py's note)
 KEPT_ALPHA = "kept with its alpha"
 # resize-bucket before revision 3 (18eac2c, 7016b9b): a mask of another aspect than its target was stretched onto
