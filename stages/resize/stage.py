@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 STAGE = "resize-bucket"
 TABLE = "images"
 # Bump when this stage's output changes for identical inputs and settings (new resampling, PNG options...).
-FEATURE_REVISION = 3
+FEATURE_REVISION = 4
 
 
 def _caption_changes(rows: pa.Table) -> np.ndarray:
@@ -73,7 +73,13 @@ MASK_FIX = RowRule(mask_orientation_changes, ("has_mask", "conversions"))
 # characters (cc89fbf), a copy kept instead of its rejected first copy was stored with caption '' (7016b9b)
 REVISION_3_FIX = AnyOf((RowRule(mask_may_misfit, ("has_mask", "conversions")),
                         ColumnRule(_caption_changes, ("caption",))))
-FIXES = ((1, MASK_FIX), (2, REVISION_3_FIX))
+# 3 -> 4: a picture with one transparent colour (a PNG's tRNS on RGB/L/1/16-bit grey) kept that colour's pixels as
+# stored instead of taking them as transparent (features/decode.py). No stored column tells such a picture (the rows
+# record neither the pictures' formats nor their transparency; `source` names the target's file, not a control's,
+# and a parquet cell no file at all): every row is rendered again - CPU only; the encoders encode again only rows
+# whose new render notes the transparent colour (`took_transparent_colour`), the others render to the same bytes
+REVISION_4_FIX = ColumnRule(lambda rows: np.ones(rows.num_rows, bool), ())
+FIXES = ((1, MASK_FIX), (2, REVISION_3_FIX), (3, REVISION_4_FIX))
 
 
 def _fixed_since(revision: int) -> AnyOf:
