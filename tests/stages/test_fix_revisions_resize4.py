@@ -97,3 +97,19 @@ def test_the_cutout_row_notes_the_transparent_colour(tmp_path):
         notes = {r.meta(k)["caption"]: r.meta(k)["conversions"] for k in r.keys()}
     assert notes["edit cutout"] == [f"RGB {TRANSPARENT_COLOUR}, composited over white"]
     assert notes["edit plain0"] == []
+
+
+def test_every_encoder_encodes_again_a_sample_noting_the_transparent_colour_of_a_revision_3_table():
+    """Edit, Edit-Plus and Qwen-Image-2.1 alike (2.1's VAE reads the RGBA picture kept, its VLM the references)."""
+    from stages.encode import qwen21
+    from stages.encode.plan import _images_fixes_since
+
+    keyed = {"conversions": [f"RGB {TRANSPARENT_COLOUR}, kept with its alpha (RGBA)"], "img_shapes": [[1, 4, 6]]}
+    plain = {"conversions": ["L converted to RGB"], "img_shapes": [[1, 4, 6]]}
+    row = {"length": 10, "empty_length": 8}
+    for name, fixes in {"text": encode_text.FIXES, "vae": encode_vae.FIXES, "text21": qwen21.TEXT_FIXES,
+                        "vae21": qwen21.VAE_FIXES}.items():
+        rules = _images_fixes_since(fixes, 3)
+        assert "conversions" in fixes.reads, name
+        assert any(rule(keyed, row) for rule in rules), name
+        assert not any(rule(plain, row) for rule in rules), name
