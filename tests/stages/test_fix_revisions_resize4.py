@@ -99,6 +99,17 @@ def test_the_cutout_row_notes_the_transparent_colour(tmp_path):
     assert notes["edit plain0"] == []
 
 
+def test_under_keep_alpha_the_cutout_is_stored_with_its_alpha(tmp_path):
+    cfg = load_config(None, {**SMALL, "resize.keep_alpha": True})
+    _source(tmp_path / "src")
+    resize_stage.run(cfg, tmp_path / "src", tmp_path / "store")
+    stored = {caption: Image.open(io.BytesIO(files["target.png"])) for caption, (_, files) in
+              _by_caption(tmp_path / "store").items()}
+    assert stored["edit plain0"].mode == "RGB" and stored["edit cutout"].mode == "RGBA"
+    alpha = np.asarray(stored["edit cutout"])[..., 3]
+    assert alpha[:, :30].max() == 0 and alpha[:, -30:].min() == 255  # dropped (RGB, black there) before
+
+
 def test_every_encoder_encodes_again_a_sample_noting_the_transparent_colour_of_a_revision_3_table():
     """Edit, Edit-Plus and Qwen-Image-2.1 alike (2.1's VAE reads the RGBA picture kept, its VLM the references)."""
     from stages.encode import qwen21
