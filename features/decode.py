@@ -40,6 +40,7 @@ from schemas.fixes import TRANSPARENT_COLOUR
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "TIFF", "BMP", "GIF")
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 _ALPHA = ("RGBA", "LA", "La", "RGBa", "PA")
+_COLOUR_KEYED = ("RGB", "L", "1", *_SIXTEEN_BIT)  # the modes whose one transparent colour is taken as alpha
 
 
 class ImageRejected(Exception):
@@ -158,6 +159,7 @@ def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]
                 f"image is {w}x{h} = {w * h} pixels, over resize.max_image_pixels = {max_pixels} (decompression bomb guard)"
             )
         deep = _sixteen_bit_read_as_eight(im)  # from the tile, which load() empties
+        keyed = _has_colour_key(im)  # told by the header, as `has_transparent_colour` tells it
         try:
             # counting frames walks every frame's header: a file cut in its second frame fails here (IndexError,
             # TypeError...), not in load(), which reads the first frame only
@@ -167,6 +169,10 @@ def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]
             im.load()
         except Exception as e:  # noqa: BLE001 - truncated/corrupt data raise OSError, ValueError, SyntaxError...
             raise ImageRejected("corrupt-image", f"truncated or corrupt image data: {e}") from None
+    if im.mode in _COLOUR_KEYED and not keyed:
+        # a tRNS after the image data (out of place: libpng ignores it), which load() reads: ignored, as before
+        # revision 4, so that the header alone tells a transparent colour (a rerun carries a sample on it)
+        im.info.pop("transparency", None)
     if deep:
         notes.append(deep)
     if frames > 1:
@@ -217,13 +223,31 @@ def _check_png_chunks(data: bytes, im: Image.Image) -> None:
     chunks.verify()
 
 
+def has_transparent_colour(data: bytes) -> bool:
+    """Would `decode_image` take a transparent colour of this picture as alpha (`_colour_keyed`)? From its header
+    alone (Pillow's open reads a PNG's chunks up to its image data, tRNS among them; no pixel is decoded): what a
+    rerun of a store rendered before revision 4 reads to carry a sample instead of rendering it again. True where
+    the header does not read (the render judges it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            with Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS) as im:
+                return _has_colour_key(im)
+        except Exception:  # noqa: BLE001 - any header problem: rendered, which says what it is
+            return True
+
+
+def _has_colour_key(im: Image.Image) -> bool:
+    return im.mode in _COLOUR_KEYED and isinstance(im.info.get("transparency"), (int, tuple))
+
+
 def _colour_keyed(im: Image.Image) -> Image.Image | None:
     """An RGB, L, 1 or 16-bit grey picture whose transparency is one transparent colour (PNG's tRNS: Pillow's
     `info["transparency"]`, a tuple or an int) as 8-bit RGBA, that colour's pixels transparent, as the same picture
     saved as RGBA/LA decodes; None for any other. Before, such pixels kept their stored colour (often black)."""
-    key = im.info.get("transparency")
-    if im.mode not in ("RGB", "L", "1", *_SIXTEEN_BIT) or not isinstance(key, (int, tuple)):
+    if not _has_colour_key(im):
         return None
+    key = im.info["transparency"]
     if im.mode in _SIXTEEN_BIT:  # Pillow's convert would clip the grey values; scaled as `_to_rgb` scales them
         out = _sixteen_to_l(im).convert("RGBA")
         out.putalpha(Image.fromarray(np.where(np.asarray(im) == key, 0, 255).astype(np.uint8)))

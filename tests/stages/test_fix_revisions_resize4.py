@@ -1,6 +1,6 @@
 """A store rendered by resize-bucket revision 3 rerun with revision 4, which takes a picture's one transparent colour
-(a PNG's tRNS chunk on an RGB or grey picture) as alpha: no stored column tells such a picture, so every sample is
-rendered again (the others to the same bytes); the encoders encode again only the samples whose new row notes the
+(a PNG's tRNS chunk on an RGB or grey picture) as alpha: no stored column tells such a picture, so every sample's
+source pictures' headers are read, and only the samples with one are rendered again (the others carried); the encoders encode again only the samples whose new row notes the
 transparent colour, carry the rest bit for bit, and the store equals a fresh one. Before: revision 3 tables were
 reported up to date and their cut-outs' transparent pixels trained on in their stored colour (black)."""
 
@@ -59,7 +59,9 @@ def test_revision_4_renders_again_and_encodes_again_only_the_cutout(tiny_plus_mo
 
     rerun = resize_stage.run(cfg, tmp_path / "src", tmp_path / "store")
     assert not rerun.up_to_date and rerun.version == old.version + 1
-    assert (rerun.written, rerun.reused) == (4, 0)  # every sample: no stored column tells a transparent colour
+    # the cut-out alone rendered again: its header names a transparent colour; the others carried (all 4 rendered
+    # before: no stored column tells such a picture)
+    assert (rerun.written, rerun.reused) == (1, 3)
     after = _by_caption(tmp_path / "store")
     for caption in ("edit plain0", "edit plain1", "edit plain2"):
         assert after[caption] == before[caption]  # rendered to the same bytes

@@ -69,3 +69,25 @@ def test_a_picture_without_a_transparent_colour_and_a_mask_decode_as_before():
     # a mask's transparent colour is not read as alpha (white there would turn "edited" into "not edited")
     mask = np.where(rgb[..., 0] > 128, 255, 0).astype(np.uint8)
     assert np.array_equal(np.asarray(decode_mask(_png(Image.fromarray(mask), transparency=255), MAX).image), mask)
+
+
+def test_the_header_tells_the_transparent_colour_that_decode_takes():
+    """A rerun of a store rendered before revision 4 carries a sample whose pictures' headers name no transparent
+    colour (header_checks.py): decode takes one only where the header names it. A tRNS after the image data (out of
+    place: libpng ignores it) is read by Pillow's load(): taken as alpha before, so such a carried row differed from
+    a fresh render."""
+    import struct
+    import zlib
+
+    from features.decode import has_transparent_colour
+
+    plain = _png(Image.fromarray(_cutout()[..., :3]))
+    assert has_transparent_colour(_keyed_rgb()) and not has_transparent_colour(plain)
+    assert has_transparent_colour(_png(Image.fromarray(_cutout()[..., 0]), transparency=0))
+    assert not has_transparent_colour(_png(Image.fromarray(_cutout())))  # RGBA: alpha, as before revision 4
+    chunk = b"tRNS" + bytes(6)
+    end = plain.rindex(b"IEND") - 4
+    late = plain[:end] + struct.pack(">I", 6) + chunk + struct.pack(">I", zlib.crc32(chunk)) + plain[end:]
+    assert not has_transparent_colour(late)
+    got = decode_image(late, MAX)
+    assert got.notes == [] and np.array_equal(np.asarray(got.image), _cutout()[..., :3])
