@@ -126,3 +126,35 @@ def test_every_encoder_encodes_again_a_sample_noting_the_transparent_colour_of_a
         assert "conversions" in fixes.reads, name
         assert any(rule(keyed, row) for rule in rules), name
         assert not any(rule(plain, row) for rule in rules), name
+
+
+def test_a_webdataset_source_whose_control_has_a_transparent_colour(monkeypatch, tmp_path):
+    """Tars carried unread on a rerun (known_tars.py) are read whole instead, each sample's pictures' headers read:
+    a control's transparent colour counts as a target's; the sample without one in the same tar is carried."""
+    import tarfile
+
+    cfg = load_config(None, SMALL)
+    src = tmp_path / "src"
+    src.mkdir()
+    tars = {"a.tar": {"s0": {"png": _png(0), "txt": b"edit s0"}, "s1": {"png": _png(1), "txt": b"edit s1"}},
+            "b.tar": {"s2": {"png": _png(2), "control.png": _keyed(8), "txt": b"edit s2"},
+                      "s3": {"png": _png(3), "control.png": _png(4), "txt": b"edit s3"}}}
+    for name, samples in tars.items():
+        with tarfile.open(src / name, "w", format=tarfile.USTAR_FORMAT) as tf:
+            for stem, members in samples.items():
+                for ext, data in members.items():
+                    info = tarfile.TarInfo(f"{stem}.{ext}")
+                    info.size, info.mtime = len(data), 0
+                    tf.addfile(info, io.BytesIO(data))
+    old = _build_at_revision_3(monkeypatch, cfg, src, tmp_path / "store")
+    assert old.written == 4
+    before = _by_caption(tmp_path / "store")
+
+    rerun = resize_stage.run(cfg, src, tmp_path / "store")
+    assert (rerun.written, rerun.reused) == (1, 3)  # (4, 0) before: every sample rendered again
+    after = _by_caption(tmp_path / "store")
+    assert after["edit s2"][1]["control_0.png"] != before["edit s2"][1]["control_0.png"]
+    assert all(after[c] == before[c] for c in ("edit s0", "edit s1", "edit s3"))
+    resize_stage.run(cfg, src, tmp_path / "fresh")
+    assert _contents(tmp_path / "store") == _contents(tmp_path / "fresh")
+    assert resize_stage.run(cfg, src, tmp_path / "store").up_to_date
