@@ -9,7 +9,8 @@
 
 Such a sample is never carried unread (`unread_ok`): a folder or JSONL source reads its files, a webdataset or
 parquet source its tar or file whole (known_sources.py, known_tars.py). Rendering every row of a revision-3 store
-again cost what its first build cost (80-250 ms a sample); reading a header is the file read plus ~0.1 ms.
+again cost what its first build cost (80-250 ms a sample); reading a header is the file read plus
+~10-20 µs (a 1024x1024 PNG 12 µs, JPEG 21 µs; their decode alone 23 and 8 ms).
 """
 
 from __future__ import annotations
