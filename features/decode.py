@@ -11,14 +11,16 @@ What is done (see docs/resize-bucket.md for the table):
 - EXIF orientation is applied (the pixels are rotated/flipped as a viewer shows them);
 - animated/multi-page files: the first frame;
 - modes to RGB: L/1 replicated; P via its palette; alpha (RGBA, LA, PA, P with transparency) composited over
-  white; CMYK through its embedded ICC profile to sRGB when it has one, else Pillow's plain conversion;
+  white; so is an RGB, L, 1 or 16-bit grey picture with one transparent colour (a PNG's tRNS chunk, which PNG
+  optimizers write for an RGBA picture whose transparent pixels share one colour): that colour is its alpha; CMYK through its embedded ICC profile to sRGB when it has one, else Pillow's plain conversion;
   YCbCr/LAB/HSV by Pillow; 16-bit grayscale (I;16*, and I with values in 0..65535) scaled 65535 -> 255 with
   rounding (Pillow's own convert would clip); 16-bit RGB(A) is read by Pillow as 8-bit (each channel's high
   byte), noted as the other conversions; 32-bit float (F) and anything else is rejected as unsupported.
-- `resize.keep_alpha` (Qwen-Image-2.1, `decode_keeping_alpha`): a picture with transparency stays RGBA (its VAE
+- `resize.keep_alpha` (Qwen-Image-2.1, `decode_keeping_alpha`): a picture with transparency (a transparent
+  colour too) stays RGBA (its VAE
   reads four channels; its pipeline composites over white only the copy the VLM sees);
 - masks: the same decoding, then to L (white = edited); alpha is composited over black so that transparent
-  means "not edited".
+  means "not edited" (a mask's transparent colour is not read as alpha: `decode_mask` is unchanged).
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ from PIL import Image, ImageCms, ImageOps, PngImagePlugin, UnidentifiedImageErro
 
 from features.pictures import flattened
 from schemas.errors import UserError
+from schemas.fixes import TRANSPARENT_COLOUR
 
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "TIFF", "BMP", "GIF")
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 _ALPHA = ("RGBA", "LA", "La", "RGBa", "PA")
+_COLOUR_KEYED = ("RGB", "L", "1", *_SIXTEEN_BIT)  # the modes whose one transparent colour is taken as alpha
 
 
 class ImageRejected(Exception):
@@ -61,6 +65,9 @@ def decode_image(data: bytes, max_pixels: int) -> Decoded:
 
 def as_rgb(im: Image.Image, notes: list[str], orientation: int) -> Decoded:
     """An opened, oriented picture as 8-bit RGB, transparency over white (decode_image's last step)."""
+    if (keyed := _colour_keyed(im)) is not None:
+        return Decoded(flattened(keyed, (255, 255, 255)),
+                       notes + [f"{im.mode} {TRANSPARENT_COLOUR}, composited over white"], orientation)
     rgb, note = _to_rgb(im, background=(255, 255, 255))
     return Decoded(rgb, notes + ([note] if note else []), orientation)
 
@@ -71,6 +78,8 @@ def decode_keeping_alpha(data: bytes, max_pixels: int) -> Decoded:
     im, notes, orientation = _open_oriented(data, max_pixels)
     if im.mode in _ALPHA or (im.mode == "P" and "transparency" in im.info):
         return Decoded(im.convert("RGBA"), notes + [f"{im.mode} kept with its alpha (RGBA)"], orientation)
+    if (keyed := _colour_keyed(im)) is not None:
+        return Decoded(keyed, notes + [f"{im.mode} {TRANSPARENT_COLOUR}, kept with its alpha (RGBA)"], orientation)
     return as_rgb(im, notes, orientation)
 
 
@@ -150,6 +159,7 @@ def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]
                 f"image is {w}x{h} = {w * h} pixels, over resize.max_image_pixels = {max_pixels} (decompression bomb guard)"
             )
         deep = _sixteen_bit_read_as_eight(im)  # from the tile, which load() empties
+        keyed = _has_colour_key(im)  # told by the header, as `has_transparent_colour` tells it
         try:
             # counting frames walks every frame's header: a file cut in its second frame fails here (IndexError,
             # TypeError...), not in load(), which reads the first frame only
@@ -159,6 +169,10 @@ def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]
             im.load()
         except Exception as e:  # noqa: BLE001 - truncated/corrupt data raise OSError, ValueError, SyntaxError...
             raise ImageRejected("corrupt-image", f"truncated or corrupt image data: {e}") from None
+    if im.mode in _COLOUR_KEYED and not keyed:
+        # a tRNS after the image data (out of place: libpng ignores it), which load() reads: ignored, as before
+        # revision 4, so that the header alone tells a transparent colour (a rerun carries a sample on it)
+        im.info.pop("transparency", None)
     if deep:
         notes.append(deep)
     if frames > 1:
@@ -207,6 +221,38 @@ def _check_png_chunks(data: bytes, im: Image.Image) -> None:
     chunks = PngImagePlugin.ChunkStream(io.BytesIO(data))
     chunks.fp.seek(im.tile[0][2] - 8)  # back to the first IDAT's header, as `PngImageFile.verify`
     chunks.verify()
+
+
+def has_transparent_colour(data: bytes) -> bool:
+    """Would `decode_image` take a transparent colour of this picture as alpha (`_colour_keyed`)? From its header
+    alone (Pillow's open reads a PNG's chunks up to its image data, tRNS among them; no pixel is decoded): what a
+    rerun of a store rendered before revision 4 reads to carry a sample instead of rendering it again. True where
+    the header does not read (the render judges it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            with Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS) as im:
+                return _has_colour_key(im)
+        except Exception:  # noqa: BLE001 - any header problem: rendered, which says what it is
+            return True
+
+
+def _has_colour_key(im: Image.Image) -> bool:
+    return im.mode in _COLOUR_KEYED and isinstance(im.info.get("transparency"), (int, tuple))
+
+
+def _colour_keyed(im: Image.Image) -> Image.Image | None:
+    """An RGB, L, 1 or 16-bit grey picture whose transparency is one transparent colour (PNG's tRNS: Pillow's
+    `info["transparency"]`, a tuple or an int) as 8-bit RGBA, that colour's pixels transparent, as the same picture
+    saved as RGBA/LA decodes; None for any other. Before, such pixels kept their stored colour (often black)."""
+    if not _has_colour_key(im):
+        return None
+    key = im.info["transparency"]
+    if im.mode in _SIXTEEN_BIT:  # Pillow's convert would clip the grey values; scaled as `_to_rgb` scales them
+        out = _sixteen_to_l(im).convert("RGBA")
+        out.putalpha(Image.fromarray(np.where(np.asarray(im) == key, 0, 255).astype(np.uint8)))
+        return out
+    return im.convert("RGBA")  # Pillow applies the key for RGB, L and 1
 
 
 def _to_rgb(im: Image.Image, background: tuple[int, int, int]) -> tuple[Image.Image, str | None]:

@@ -20,6 +20,9 @@ from typing import Any
 _ROTATED_90 = re.compile(r"EXIF orientation [5-8] applied")
 MASK_RESIZED = "mask resized to its target"
 MASK_TURNED = "mask turned as its target"  # the fixed code's note (prefix; the orientation follows)
+# features/decode.py's note for an RGB/L/1/16-bit grey picture whose one transparent colour (a PNG's tRNS chunk)
+# it takes as alpha since resize-bucket revision 4 (images.4); before, those pixels kept their stored colour
+TRANSPARENT_COLOUR = "transparent colour as alpha"
 # resize.keep_alpha kept this sample's picture as RGBA (features/decode.py's note)
 KEPT_ALPHA = "kept with its alpha"
 # resize-bucket before revision 3 (18eac2c, 7016b9b): a mask of another aspect than its target was stretched onto
@@ -72,6 +75,13 @@ def prompt_was_emptied(images_row: dict[str, Any], stored_row: dict[str, Any]) -
         return False
     length, empty = stored_row.get("length"), stored_row.get("empty_length")
     return length is None or empty is None or int(length) == int(empty)
+
+
+def took_transparent_colour(images_row: dict[str, Any]) -> bool:
+    """An `images` row one of whose pictures had a transparent colour that revision 4 takes as alpha (its pixels,
+    so its latents and the VLM's view of it, changed; the note names no picture: the text of a sample whose target
+    alone had one is encoded again too)."""
+    return any(TRANSPARENT_COLOUR in n for n in _notes(images_row) or ())
 
 
 def mask_was_turned(images_row: dict[str, Any]) -> bool:

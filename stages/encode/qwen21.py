@@ -25,7 +25,7 @@ import torch
 
 from schemas.config import PipelineConfig
 from schemas.errors import Rejected, UserError
-from schemas.fixes import mask_was_turned, prompt_was_emptied
+from schemas.fixes import mask_was_turned, prompt_was_emptied, took_transparent_colour
 from schemas.pictures_lineage import TEXT_UNREAD
 from schemas.table import FieldSpec, TableSchema
 from stages.encode.common import (
@@ -51,7 +51,9 @@ TEXT_REVISION = "text21.2"
 # the RGBA fix of the Edit encoders (vae.2) does not concern them, the images' EXIF mask fix does (a copy the
 # images' revision 3 keeps instead: its mask compared, as encode-vae's FIXES says)
 VAE_REVISION = "vae.1"
-VAE_FIXES = Fixes(by_images=((1, lambda meta, row: mask_was_turned(meta)),), reads=("conversions",))
+# and its revision 4 (a picture's one transparent colour taken as alpha: such a sample's pictures changed)
+VAE_FIXES = Fixes(by_images=((1, lambda meta, row: mask_was_turned(meta)),
+                             (3, lambda meta, row: took_transparent_colour(meta))), reads=("conversions",))
 
 
 def _caption_now_too_long(meta: dict[str, Any], row: dict[str, Any]) -> bool:
@@ -62,7 +64,9 @@ def _caption_now_too_long(meta: dict[str, Any], row: dict[str, Any]) -> bool:
 
 # text21.1 encoded prompts past the transformer's frame positions (now quarantined): only those are redone
 # and a copy the images' revision 3 kept instead of its rejected first copy (stored with caption '' before)
-TEXT_FIXES = Fixes("text21.1", by_revision=_caption_now_too_long, by_images=((2, prompt_was_emptied),),
+# and a sample whose pictures revision 4 changed (a transparent colour taken as alpha: the VLM sees them)
+TEXT_FIXES = Fixes("text21.1", by_revision=_caption_now_too_long,
+                   by_images=((2, prompt_was_emptied), (3, lambda meta, row: took_transparent_colour(meta))),
                    reads=("img_shapes", "conversions"))
 
 

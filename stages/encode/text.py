@@ -49,7 +49,7 @@ from stages.encode.common import (
     with_overrides,
 )
 
-from schemas.fixes import has_alpha_picture, prompt_was_emptied
+from schemas.fixes import has_alpha_picture, prompt_was_emptied, took_transparent_colour
 from schemas.pictures_lineage import TEXT_UNREAD
 from stages.encode.plan import Fixes
 
@@ -60,9 +60,10 @@ FEATURE_REVISION = "text.2"
 # and their samples are carried forward, except those with such a picture (re-encoded over white). Of the
 # images' fixes, the masks (revisions 2, 3) are not read here; a copy revision 3 kept instead of its rejected
 # first copy was stored with caption '' before: its instruction changed (not a copy of a key whose first copy
-# revision 2 kept: the same caption and pictures).
+# revision 2 kept: the same caption and pictures). Revision 4 takes a picture's one transparent colour as alpha: the
+# VLM's view of such a sample changed.
 FIXES = Fixes("text.1", by_revision=lambda meta, row: has_alpha_picture(meta),
-              by_images=((2, prompt_was_emptied),),
+              by_images=((2, prompt_was_emptied), (3, lambda meta, row: took_transparent_colour(meta))),
               reads=("conversions",))
 COMPONENTS = ("text_encoder", "processor", "tokenizer")  # what the features depend on (per-sample reuse)
 # diffusers builds the Edit-Plus image prompt inline in `_get_qwen_prompt_embeds`; mirrored here, and recorded

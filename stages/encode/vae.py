@@ -40,7 +40,7 @@ from stages.encode.common import (
     with_overrides,
 )
 
-from schemas.fixes import has_alpha_picture, mask_was_turned
+from schemas.fixes import has_alpha_picture, mask_was_turned, took_transparent_colour
 from stages.encode.plan import Fixes
 
 STAGE = "encode-vae"
@@ -51,9 +51,11 @@ FEATURE_REVISION = "vae.2"
 # revision 2 turned (EXIF mask fix): their mask weights changed. A copy revision 3 keeps instead of one with a mask
 # of another aspect (once stretched) has another mask: its `mask_sha256` differs (`match_columns`), so it is
 # encoded again; one kept instead before too (caption '' then, which the VAE never reads) is carried.
+# Revision 4 takes a picture's one transparent colour as alpha: those samples' pictures changed.
 # Qwen-Image-2.1 (RGBA read as RGBA) has its own.
 FIXES = Fixes("vae.1", by_revision=lambda meta, row: has_alpha_picture(meta),
-              by_images=((1, lambda meta, row: mask_was_turned(meta)),), reads=("conversions",))
+              by_images=((1, lambda meta, row: mask_was_turned(meta)),
+                         (3, lambda meta, row: took_transparent_colour(meta))), reads=("conversions",))
 COMPONENTS = ("vae",)  # what the latents depend on: another model with the same VAE files reuses them
 
 

@@ -47,6 +47,7 @@ from stages.resize.shards import is_url
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from stages.resize.header_checks import HeaderChecks
     from stages.resize.pixel_limit import PixelLimit
     from store import Store
 
@@ -138,9 +139,10 @@ class KnownTars:
 
 
 def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, max_file_bytes: int,
-               limit: PixelLimit | None = None, kind: Kind = Kind()) -> KnownTars:
+               limit: PixelLimit | HeaderChecks | None = None, kind: Kind = Kind()) -> KnownTars:
     """The tars (`kind`: or parquet files) recorded with the newest complete `images` version and unchanged now,
-    with their offered rows (none of a file holding a sample `limit` must check from its bytes)."""
+    with their offered rows (none of a file holding a sample `limit` must check from its bytes: a lowered pixel limit,
+    a transparent colour since revision 4, header_checks.py)."""
     import pyarrow.compute as pc
 
     from schemas import UserError

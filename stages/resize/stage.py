@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 STAGE = "resize-bucket"
 TABLE = "images"
 # Bump when this stage's output changes for identical inputs and settings (new resampling, PNG options...).
-FEATURE_REVISION = 3
+FEATURE_REVISION = 4
 
 
 def _caption_changes(rows: pa.Table) -> np.ndarray:
@@ -73,12 +73,29 @@ MASK_FIX = RowRule(mask_orientation_changes, ("has_mask", "conversions"))
 # characters (cc89fbf), a copy kept instead of its rejected first copy was stored with caption '' (7016b9b)
 REVISION_3_FIX = AnyOf((RowRule(mask_may_misfit, ("has_mask", "conversions")),
                         ColumnRule(_caption_changes, ("caption",))))
-FIXES = ((1, MASK_FIX), (2, REVISION_3_FIX))
+# 3 -> 4: a picture with one transparent colour (a PNG's tRNS on RGB/L/1/16-bit grey) kept that colour's pixels as
+# stored instead of taking them as transparent (features/decode.py). No stored column tells such a picture (the rows
+# record neither the pictures' formats nor their transparency; `source` names the target's file, not a control's,
+# and a parquet cell no file at all): every row may change, so no revision-3 version stays current; the rerun reads
+# each sample's source pictures' headers (no pixel decoded: header_checks.py) and renders again only those with a
+# transparent colour, the others carried (`TOLD_BY_SOURCE`); the encoders encode again only rows whose new render
+# notes it (`took_transparent_colour`)
+REVISION_4_FIX = ColumnRule(lambda rows: np.ones(rows.num_rows, bool), ())
+FIXES = ((1, MASK_FIX), (2, REVISION_3_FIX), (3, REVISION_4_FIX))
+# the fixes whose rows the source's bytes settle, not the stored columns: a row only they select is carried when
+# its pictures' headers say the fix leaves it unchanged (header_checks.py)
+TOLD_BY_SOURCE = (REVISION_4_FIX,)
 
 
-def _fixed_since(revision: int) -> AnyOf:
-    """Which samples of a version of `revision` the fixes made since render differently."""
-    return AnyOf(tuple(rule for r, rule in FIXES if r >= revision))
+def _fixed_since(revision: int, by_rows: bool = False) -> AnyOf:
+    """Which samples of a version of `revision` the fixes made since render differently (`by_rows`: those the
+    stored columns tell, without the rows the source's headers settle: `TOLD_BY_SOURCE`)."""
+    return AnyOf(tuple(rule for r, rule in FIXES if r >= revision and not (by_rows and rule in TOLD_BY_SOURCE)))
+
+
+def _told_by_source_since(revision: int) -> bool:
+    """Does a fix made since `revision` leave it to the source's headers which samples it changes?"""
+    return any(r >= revision and rule in TOLD_BY_SOURCE for r, rule in FIXES)
 
 
 def _revisions_before_fixes() -> list[int]:
@@ -274,7 +291,7 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
                                    source_before=moved.before if moved and moved.version == writer.version else ""))
     try:
         record_pending(writer, pending)
-        carry = _render_source(source, fmt, rc, writer, _rendered_before(st, schema), intake, st, pending,
+        carry = _render_source(source, fmt, rc, writer, *_rendered_before(st, schema), intake, st, pending,
                                read_columns=cfg.resize.columns)
         _carry_forward(st, writer, schema, carry, intake.summary, rc)
         if intake.unread:
@@ -696,32 +713,45 @@ def _damaged_current(st: Store) -> int | None:
     return current
 
 
-def _rendered_before(st: Store, schema: TableSchema) -> dict[str, str]:
+def _rendered_before(st: Store, schema: TableSchema) -> tuple[dict[str, str], set[str]]:
     """key -> mask hash of every sample an earlier version rendered with the same pixel settings (or with the
-    revision before this one's fixes, when they leave the sample unchanged)."""
+    revision before this one's fixes, when they leave the sample unchanged), and the keys among them to carry only
+    once their source pictures' headers say a fix leaves them unchanged (`TOLD_BY_SOURCE`)."""
     from store.reuse import FEATURE_LINEAGE_ATTR, reusable_keys
 
     fixed: dict[str, str] = {}
+    checked: set[str] = set()
     for revision, before in _pictures_before_fixes(schema):  # oldest first: a later revision's row wins
-        fixed.update(reusable_keys(st, TABLE, before, "mask_sha256", changed=_fixed_since(revision)))
-    return {**fixed, **reusable_keys(st, TABLE, schema.attrs[FEATURE_LINEAGE_ATTR], "mask_sha256")}
+        keys = reusable_keys(st, TABLE, before, "mask_sha256", changed=_fixed_since(revision, by_rows=True))
+        fixed.update(keys)
+        if _told_by_source_since(revision):
+            checked.update(keys)
+        else:
+            checked.difference_update(keys)
+    now = reusable_keys(st, TABLE, schema.attrs[FEATURE_LINEAGE_ATTR], "mask_sha256")
+    checked.difference_update(now)
+    return {**fixed, **now}, checked
 
 
 def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
-                   intake: _Intake, st: Store, pending: frozenset[str] = frozenset(),
+                   colour_checked: set[str], intake: _Intake, st: Store, pending: frozenset[str] = frozenset(),
                    read_columns: Any = None) -> dict[str, str]:
     """Judge every source sample, render the new ones in `rc.workers` processes and add them to the writer.
-    Returns key -> source of the samples to carry forward from an earlier version instead. `read_columns`: the
+    Returns key -> source of the samples to carry forward from an earlier version instead (those of
+    `colour_checked` once their pictures' headers say so: header_checks.py). `read_columns`: the
     parquet mapping as set (rc.columns by default): an unset mask is judged per file (a file whose `mask` column
     holds no image bytes has no masks), where rc.columns, as the lineage records it, names `mask` once any file
     holds it."""
     from models.file_hashes import FileHashes
     from stages.resize.known_sources import known_sources
     from stages.resize.known_tars import known_tars, parquet_kind
+    from stages.resize.header_checks import HeaderChecks
     from stages.resize.pixel_limit import PixelLimit, pixel_limit
 
-    # carried samples are not decoded: those last checked under a higher resize.max_image_pixels are checked here
-    limit = pixel_limit(st, rc.max_image_pixels) if rendered_before else PixelLimit(rc.max_image_pixels)
+    # carried samples are not decoded: those last checked under a higher resize.max_image_pixels are checked here,
+    # and those rendered before revision 4 for a transparent colour, from their headers
+    limit = HeaderChecks(pixel_limit(st, rc.max_image_pixels) if rendered_before else PixelLimit(rc.max_image_pixels),
+                         colour_checked)
     intake.max_image_pixels = rc.max_image_pixels
     with FileHashes() as hashes:
         # samples of a folder or JSONL source the newest version holds, their files unchanged: carried, not read;
@@ -842,8 +872,8 @@ class _Triage:
 
 
 def _rendered_alike(rec: SourceSample, key: str, rendered_before: dict[str, str], limit: Any) -> bool:
-    """An earlier version holds `key` rendered from the same content and mask, within the pixel limit now in force:
-    carried forward, not rendered."""
+    """An earlier version holds `key` rendered from the same content and mask, within the pixel limit now in force
+    and rendered as this revision renders it (its headers: header_checks.py): carried forward, not rendered."""
     return rendered_before.get(key, None) == mask_hash(rec.mask) and limit.fits(key, rec)
 
 
@@ -915,8 +945,9 @@ def _carry_forward(st: Store, writer: Any, schema: TableSchema, carry: dict[str,
     from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, reusable
 
     befores = _pictures_before_fixes(schema)
+    # the rows the source's headers settled (`TOLD_BY_SOURCE`) are in `carry` only where they said unchanged
     for version, rows in reusable(st, TABLE, (schema.attrs[FEATURE_LINEAGE_ATTR], *(h for _, h in befores)), carry,
-                                  changed={h: _fixed_since(r) for r, h in befores} or None).items():
+                                  changed={h: _fixed_since(r, by_rows=True) for r, h in befores} or None).items():
         keys = rows.column("key").to_pylist()
         # a version written before source_hashes was recorded lacks them: split by key they are not needed
         hashes = rows.column("source_hashes").to_pylist() if "source_hashes" in rows.column_names else [None] * len(keys)

@@ -27,6 +27,7 @@ from store import Store
 
 from tests.stages.test_fix_revisions_resize import SMALL as MASK_SMALL
 from tests.stages.test_fix_revisions_resize import _build_before_fix, _source
+from tests.stages.test_fix_revisions_resize import revision_3_code  # noqa: F401,E402 - autouse: revision 3's fixes as made
 
 F32 = {"encode_text.dtype": "float32", "encode_vae.dtype": "float32"}
 ALPHA = {"resize.target_area": 64 * 64, "resize.control_vae_area": 64 * 64, "resize.control_vl_area": 64 * 64,

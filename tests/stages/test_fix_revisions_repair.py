@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from damage import HEADER, flip_bit, sample_byte  # noqa: E402
 from test_fix_revisions_encode import ALPHA, _alpha_source, _encode_before_fix, _same, _tables  # noqa: E402
 from test_fix_revisions_resize import SMALL as MASK_SMALL, _build_before_fix, _jpeg, _mask, _source  # noqa: E402
+from test_fix_revisions_resize import revision_3_code  # noqa: F401,E402 - autouse: revision 3's fixes as made
 
 runner = CliRunner()
 

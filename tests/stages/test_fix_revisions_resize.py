@@ -8,11 +8,22 @@ from __future__ import annotations
 import io
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from pipeline.config import load_config
 from stages.resize import stage as resize_stage
 from store import Store
+
+@pytest.fixture(autouse=True)
+def revision_3_code(monkeypatch):
+    """The code as of resize-bucket revision 3: the fixes of revisions 2 and 3 are tested as they were made (exact
+    counts). Revision 4 re-renders every row of an older version (a transparent colour no stored column tells:
+    test_fix_revisions_resize4.py); revision 3's decode equals it on these pictures (no transparent colour).
+    Imported (so in force) by the other revision tests that build an older `images` table."""
+    monkeypatch.setattr(resize_stage, "FEATURE_REVISION", 3)
+    monkeypatch.setattr(resize_stage, "FIXES", tuple((r, f) for r, f in resize_stage.FIXES if r < 3))
+
 
 SMALL = {"resize.target_area": 64 * 96, "resize.control_vae_area": 64 * 64, "resize.control_vl_area": 32 * 32,
          "resize.multiple": 16, "resize.min_side": 16, "resize.val_fraction": 0.0}

@@ -24,6 +24,7 @@ from store import Store
 
 from tests.stages.test_fix_revisions_encode import F32, _same, _tables
 from tests.stages.test_fix_revisions_resize import SMALL, _contents
+from tests.stages.test_fix_revisions_resize import revision_3_code  # noqa: F401,E402 - autouse: revision 3's fixes as made
 
 
 def _png(seed: int, width: int = 96, height: int = 64) -> bytes:
