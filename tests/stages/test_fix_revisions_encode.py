@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 
 import numpy as np
-import pytest
 import torch
 from PIL import Image
 
