@@ -208,20 +208,7 @@ def repair(
             echo(line)
         todo = plan.store_json or plan.litter or plan.quarantine or any(t.needs_repair or t.unrepairable for t in plan.tables)
         if not todo or dry_run:
-            if url is not None and not dry_run and (done := replaced_here(store)):  # what a killed repair finished
-                echo(f"{url}: publishing the repair of {', '.join(f'{t} v{v}' for t, v in done)} an earlier, "
-                     "interrupted run finished")
-                after = encoded_from_replaced(store, {v for t, v in done if t == "images"})
-                publish(url, store, done, echo)
-                echo(f"ok: {url} repaired and verified")
-                if after:
-                    echo(after)
-                return
-            echo(f"nothing to repair: {url or store} is intact" if not todo else "dry run: nothing changed")
-            if url is not None:  # a working copy left behind could later push back versions gc removed
-                import shutil
-
-                shutil.rmtree(store, ignore_errors=True)
+            _nothing_to_repair(url, store, todo, dry_run)
             return
         failed = rp.apply(plan, _recompute(cfg, store), echo)
         # before publish: it removes a URL's working copy
@@ -236,6 +223,30 @@ def repair(
     echo(f"ok: {url or store} repaired and verified")
     if after:
         echo(after)
+
+
+def _nothing_to_repair(url: str | None, store: Path, todo: bool, dry_run: bool) -> None:
+    """`store repair` with nothing (left) to repair, or a dry run: at a URL, what a killed repair finished is
+    published; else the line, and a URL's working copy removed."""
+    from features.images_versions import encoded_from_replaced
+
+    if url is not None and not dry_run:
+        from store.remote_work import publish, replaced_here
+
+        if done := replaced_here(store):  # what a killed repair finished
+            echo(f"{url}: publishing the repair of {', '.join(f'{t} v{v}' for t, v in done)} an earlier, "
+                 "interrupted run finished")
+            after = encoded_from_replaced(store, {v for t, v in done if t == "images"})
+            publish(url, store, done, echo)
+            echo(f"ok: {url} repaired and verified")
+            if after:
+                echo(after)
+            return
+    echo(f"nothing to repair: {url or store} is intact" if not todo else "dry run: nothing changed")
+    if url is not None:  # a working copy left behind could later push back versions gc removed
+        import shutil
+
+        shutil.rmtree(store, ignore_errors=True)
 
 
 def _recompute(cfg, store: Path):
