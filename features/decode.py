@@ -160,6 +160,7 @@ def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]
             )
         deep = _sixteen_bit_read_as_eight(im)  # from the tile, which load() empties
         keyed = _has_colour_key(im)  # told by the header, as `has_transparent_colour` tells it
+        _key_in_eight_bits(im)  # from the tile too
         try:
             # counting frames walks every frame's header: a file cut in its second frame fails here (IndexError,
             # TypeError...), not in load(), which reads the first frame only
@@ -211,6 +212,19 @@ def _sixteen_bit_read_as_eight(im: Image.Image) -> str | None:
     raw = args if isinstance(args, str) else args[0] if isinstance(args, tuple) and args and isinstance(args[0], str) else ""
     base, _, bits = raw.partition(";")
     return f"16-bit {base} read as 8-bit {im.mode} (each channel's high byte)" if bits.startswith("16") else None
+
+
+def _key_in_eight_bits(im: Image.Image) -> None:
+    """A 2- or 4-bit grey PNG's transparent grey (tRNS) in the 8-bit units of the pixels Pillow reads (L, scaled):
+    Pillow keeps it in the file's units (3 or 15 is white), so it matched no pixel (PNG optimizers reduce a
+    few-grey picture to such depths). Pillow scales a 1-bit picture's itself."""
+    key = im.info.get("transparency")
+    if im.mode != "L" or not isinstance(key, int) or not im.tile or im.format != "PNG":
+        return
+    args = im.tile[0].args
+    raw = args if isinstance(args, str) else args[0] if isinstance(args, tuple) and args and isinstance(args[0], str) else ""
+    if raw in ("L;2", "L;4"):
+        im.info["transparency"] = key * 255 // ((1 << int(raw[2:])) - 1)
 
 
 def _check_png_chunks(data: bytes, im: Image.Image) -> None:
