@@ -215,16 +215,20 @@ def _sixteen_bit_read_as_eight(im: Image.Image) -> str | None:
 
 
 def _key_in_eight_bits(im: Image.Image) -> None:
-    """A 2- or 4-bit grey PNG's transparent grey (tRNS) in the 8-bit units of the pixels Pillow reads (L, scaled):
-    Pillow keeps it in the file's units (3 or 15 is white), so it matched no pixel (PNG optimizers reduce a
-    few-grey picture to such depths). Pillow scales a 1-bit picture's itself."""
+    """A PNG's transparent colour (tRNS) in the 8-bit units of the pixels Pillow reads: Pillow keeps it in the file's
+    units, so it matched no pixel, or other ones. A 2- or 4-bit grey's (L, scaled: 3 or 15 is white; PNG optimizers
+    reduce a few-grey picture to such depths) scaled alike; a 48-bit RGB's (each channel read as its high byte) as
+    its high bytes: exact for 8-bit values stored as 16 (v x 257), else a colour within 1/256 is taken as well. Pillow
+    scales a 1-bit picture's itself."""
     key = im.info.get("transparency")
-    if im.mode != "L" or not isinstance(key, int) or not im.tile or im.format != "PNG":
+    if im.mode not in ("L", "RGB") or not isinstance(key, (int, tuple)) or not im.tile or im.format != "PNG":
         return
     args = im.tile[0].args
     raw = args if isinstance(args, str) else args[0] if isinstance(args, tuple) and args and isinstance(args[0], str) else ""
-    if raw in ("L;2", "L;4"):
+    if raw in ("L;2", "L;4") and isinstance(key, int):
         im.info["transparency"] = key * 255 // ((1 << int(raw[2:])) - 1)
+    elif raw == "RGB;16B" and isinstance(key, tuple):
+        im.info["transparency"] = tuple(int(k) >> 8 for k in key)
 
 
 def _check_png_chunks(data: bytes, im: Image.Image) -> None:
