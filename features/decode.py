@@ -160,6 +160,7 @@ def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]
             )
         deep = _sixteen_bit_read_as_eight(im)  # from the tile, which load() empties
         keyed = _has_colour_key(im)  # told by the header, as `has_transparent_colour` tells it
+        _key_in_eight_bits(im)  # from the tile too
         try:
             # counting frames walks every frame's header: a file cut in its second frame fails here (IndexError,
             # TypeError...), not in load(), which reads the first frame only
@@ -211,6 +212,23 @@ def _sixteen_bit_read_as_eight(im: Image.Image) -> str | None:
     raw = args if isinstance(args, str) else args[0] if isinstance(args, tuple) and args and isinstance(args[0], str) else ""
     base, _, bits = raw.partition(";")
     return f"16-bit {base} read as 8-bit {im.mode} (each channel's high byte)" if bits.startswith("16") else None
+
+
+def _key_in_eight_bits(im: Image.Image) -> None:
+    """A PNG's transparent colour (tRNS) in the 8-bit units of the pixels Pillow reads: Pillow keeps it in the file's
+    units, so it matched no pixel, or other ones. A 2- or 4-bit grey's (L, scaled: 3 or 15 is white; PNG optimizers
+    reduce a few-grey picture to such depths) scaled alike; a 48-bit RGB's (each channel read as its high byte) as
+    its high bytes: exact for 8-bit values stored as 16 (v x 257), else a colour within 1/256 is taken as well. Pillow
+    scales a 1-bit picture's itself."""
+    key = im.info.get("transparency")
+    if im.mode not in ("L", "RGB") or not isinstance(key, (int, tuple)) or not im.tile or im.format != "PNG":
+        return
+    args = im.tile[0].args
+    raw = args if isinstance(args, str) else args[0] if isinstance(args, tuple) and args and isinstance(args[0], str) else ""
+    if raw in ("L;2", "L;4") and isinstance(key, int):
+        im.info["transparency"] = key * 255 // ((1 << int(raw[2:])) - 1)
+    elif raw == "RGB;16B" and isinstance(key, tuple):
+        im.info["transparency"] = tuple(int(k) >> 8 for k in key)
 
 
 def _check_png_chunks(data: bytes, im: Image.Image) -> None:

@@ -91,3 +91,50 @@ def test_the_header_tells_the_transparent_colour_that_decode_takes():
     assert not has_transparent_colour(late)
     got = decode_image(late, MAX)
     assert got.notes == [] and np.array_equal(np.asarray(got.image), _cutout()[..., :3])
+
+
+def _grey_png(depth: int, values: list[int], key: int) -> bytes:
+    """A one-row grey PNG of `depth` bits (2 or 4: what optipng/oxipng reduce a few-grey picture to) with tRNS `key`
+    (written by hand: Pillow saves grey as 8 bits)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    per = 8 // depth
+    row = bytes(sum(v << (8 - depth * (j + 1)) for j, v in enumerate(values[i:i + per]))
+                for i in range(0, len(values), per))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", len(values), 1, depth, 0, 0, 0, 0))
+            + chunk(b"tRNS", struct.pack(">H", key)) + chunk(b"IDAT", zlib.compress(b"\x00" + row))
+            + chunk(b"IEND", b""))
+
+
+@pytest.mark.parametrize("depth", [2, 4])
+def test_a_low_bit_depth_grey_png_takes_its_transparent_colour_at_its_depth(depth):
+    """The tRNS grey of a 2- or 4-bit picture is in that depth's units (3 or 15 is white), its pixels scaled to 8
+    bits by Pillow: compared unscaled, the key matched no pixel, the transparent white pixels stayed opaque while the
+    note said the colour was taken as alpha."""
+    top = (1 << depth) - 1
+    data = _grey_png(depth, [0, 1, top, top], key=top)
+    alpha = np.asarray(decode_keeping_alpha(data, MAX).image)[0, :, 3]
+    assert alpha.tolist() == [255, 255, 0, 0]
+    grey = _grey_png(depth, [0, 1, top, top], key=1)  # a grey key, composited over white
+    assert np.asarray(decode_image(grey, MAX).image)[0, :, 0].tolist() == [0, 255, 255, 255]
+
+
+def test_a_16_bit_rgb_png_takes_its_transparent_colour_by_the_high_bytes_pillow_reads():
+    """Pillow reads a 48-bit PNG's channels as their high bytes but keeps its tRNS colour in 16 bits: compared so,
+    the pixels of that colour stayed opaque and others (whose high byte was the key's low value) went transparent."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    pixels = np.array([[[200, 200, 200], [51400, 51400, 51400], [65535, 0, 0]]], ">u2")  # the key, 200 high, red
+    data = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 3, 1, 16, 2, 0, 0, 0))
+            + chunk(b"tRNS", struct.pack(">HHH", 200, 200, 200))
+            + chunk(b"IDAT", zlib.compress(b"\x00" + pixels.tobytes())) + chunk(b"IEND", b""))
+    assert np.asarray(decode_keeping_alpha(data, MAX).image)[0, :, 3].tolist() == [0, 255, 255]
+    assert np.asarray(decode_image(data, MAX).image)[0].tolist() == [[255, 255, 255], [200, 200, 200], [255, 0, 0]]
