@@ -4,6 +4,7 @@ before any cleanup, leaving the lease that keeps `store gc` from removing versio
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,8 +46,11 @@ def test_a_signal_releases_the_read_lease(tiny_edit_model, tmp_path, sig):
     assert not list(leases.glob("*.json")), err
     if sig == signal.SIGINT:  # Ctrl-C: before, typer's silent exit 130
         assert proc.returncode == 130
-        assert err.rstrip().endswith("stopped by SIGINT (Ctrl-C): the run's checkpoints are kept; rerun with "
-                                     "--resume to continue from the last one"), err
+        # the CLI's line; or, where the KeyboardInterrupt landed in a finalizer (gc during the start: Python ignores
+        # it, twice in CI), the training loop's own after the next step's checkpoint (stages/train/stop.EARLIER)
+        lost = re.search(r"stopped by a signal after optimizer step \d+: its checkpoint .* is written", out + err)
+        assert lost or err.rstrip().endswith("stopped by SIGINT (Ctrl-C): the run's checkpoints are kept; rerun "
+                                             "with --resume to continue from the last one"), err
 
 
 def _main_of(monkeypatch, app) -> int:
