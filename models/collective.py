@@ -757,7 +757,10 @@ def publish_uncaught(error: BaseException) -> str | None:
     return None
 
 
-UNWATCHED_STORE_SECONDS = 5.0  # how long a rank that failed before its first exchange tries to reach the store
+# How long a rank that failed before its first exchange tries to reach the store. Not 5 s: a connect took over 5 s
+# once on a loaded host (CI), nothing was published, and the ranks waiting for this one waited BEFORE_GROUP_SECONDS
+# (30 minutes). A store that is not up (a plain env:// launch whose rank 0 never came) delays this exit that long.
+UNWATCHED_STORE_SECONDS = 30.0
 
 
 def _publish_unwatched(line: str) -> str:

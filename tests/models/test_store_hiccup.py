@@ -118,34 +118,55 @@ def test_a_rank_waiting_for_rank_0_alone_goes_on_after_a_failed_store_read(monke
     assert budget["left"] == 0 and store.check([f"{done}/seen/1"])  # it saw the mark and said so
 
 
-def test_a_store_slow_to_take_a_new_connection_is_connected_to_quietly(monkeypatch, own_collective, capfd):
-    """The port answers the probe, then torch's client takes 3 s to connect (here: the port refuses until the store
-    comes up 3 s after the probe; once in a loaded CI run, a watch thread's first connect). Before: torch's client
-    was tried for PROBE_SECONDS (2 s) after the probe, timed out and printed c10d's error and stack."""
+def _store_up_after_the_probe(monkeypatch, delay: float) -> tuple[list, threading.Thread]:
+    """MASTER_PORT: a port that answers one probe, then refuses until a real store comes up there `delay` seconds
+    later (torch's client connecting meanwhile waits that long)."""
     import socket
 
-    collective = own_collective
-    _as_rank_1(monkeypatch)
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     monkeypatch.setenv("MASTER_PORT", str(port))
     stores: list = []
 
-    def store_up_3_s_after_the_probe() -> None:
+    def up_later() -> None:
         listener.accept()[0].close()
         listener.close()
-        time.sleep(3.0)
+        time.sleep(delay)
         stores.append(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=60)))
 
-    host = threading.Thread(target=store_up_3_s_after_the_probe, daemon=True)
+    host = threading.Thread(target=up_later, daemon=True)
     host.start()
+    return stores, host
+
+
+def test_a_store_slow_to_take_a_new_connection_is_connected_to_quietly(monkeypatch, own_collective, capfd):
+    """The port answers the probe, then torch's client takes 3 s to connect (here: the port refuses until the store
+    comes up 3 s after the probe; once in a loaded CI run, a watch thread's first connect). Before: torch's client
+    was tried for PROBE_SECONDS (2 s) after the probe, timed out and printed c10d's error and stack."""
+    collective = own_collective
+    _as_rank_1(monkeypatch)
+    stores, host = _store_up_after_the_probe(monkeypatch, 3.0)
     client = collective._store_client(20.0)
     client.set("reached", "1")
     host.join(TIMEOUT)
     assert stores[0].get("reached") == b"1"
     err = capfd.readouterr().err
     assert "c10d" not in err and "frame #0" not in err, err
+
+
+def test_a_rank_failing_before_its_first_exchange_outwaits_a_slow_connect(monkeypatch, own_collective):
+    """A rank that fails before its first exchange publishes its line for the ranks waiting for it. Its connect
+    took over 5 s once in a loaded CI run: it gave up at UNWATCHED_STORE_SECONDS (5 s), published nothing, and rank
+    0 waited for it up to BEFORE_GROUP_SECONDS (30 minutes; the test's 120 s bound failed it). Here the store takes
+    new connections 8 s after the probe."""
+    collective = own_collective
+    _as_rank_1(monkeypatch)
+    stores, host = _store_up_after_the_probe(monkeypatch, 8.0)
+    client = collective._store_client(collective.UNWATCHED_STORE_SECONDS)  # before: TimeoutError after 5 s
+    client.set("published", "1")
+    host.join(TIMEOUT)
+    assert stores[0].get("published") == b"1"
 
 
 def test_a_store_gone_ends_the_watch_at_once_and_quietly(monkeypatch, own_collective, capfd) -> None:
