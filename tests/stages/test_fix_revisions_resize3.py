@@ -27,6 +27,19 @@ from tests.stages.test_fix_revisions_resize import SMALL, _contents
 from tests.stages.test_fix_revisions_resize import revision_3_code  # noqa: F401,E402 - autouse: revision 3's fixes as made
 
 
+def _equals_a_fresh_store_and_up_to_date(cfg, tmp_path, model, features) -> None:
+    """The rerun store (tmp_path/store, from tmp_path/src) equals one built afresh, pictures and features, and
+    every stage then says it is up to date."""
+    resize_stage.run(cfg, tmp_path / "src", tmp_path / "fresh")
+    for stage in (encode_text, encode_vae):
+        stage.run(cfg, tmp_path / "fresh", model, batch_size=1)
+    assert _contents(tmp_path / "store") == _contents(tmp_path / "fresh")
+    _same(features, _tables(tmp_path / "fresh", "text", "vae"))
+    assert resize_stage.run(cfg, tmp_path / "src", tmp_path / "store").up_to_date
+    for stage in (encode_text, encode_vae):
+        assert stage.run(cfg, tmp_path / "store", model, batch_size=1).up_to_date
+
+
 def _png(seed: int, width: int = 96, height: int = 64) -> bytes:
     arr = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
     b = io.BytesIO()
@@ -138,14 +151,7 @@ def test_revision_3_renders_and_encodes_again_exactly_what_it_changed(tiny_plus_
         key = after[caption][0]
         _same(*({t: {key: tables[t][key]} for t in tables} for tables in (old_features, new_features)))
 
-    resize_stage.run(cfg, tmp_path / "src", tmp_path / "fresh")
-    for stage in (encode_text, encode_vae):
-        stage.run(cfg, tmp_path / "fresh", tiny_plus_model, batch_size=1)
-    assert _contents(tmp_path / "store") == _contents(tmp_path / "fresh")
-    _same(new_features, _tables(tmp_path / "fresh", "text", "vae"))
-    assert resize_stage.run(cfg, tmp_path / "src", tmp_path / "store").up_to_date
-    for stage in (encode_text, encode_vae):
-        assert stage.run(cfg, tmp_path / "store", tiny_plus_model, batch_size=1).up_to_date
+    _equals_a_fresh_store_and_up_to_date(cfg, tmp_path, tiny_plus_model, new_features)
 
 
 def test_a_revision_2_table_revision_3_leaves_unchanged_stays_current(tiny_plus_model, monkeypatch, tmp_path):

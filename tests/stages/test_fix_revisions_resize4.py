@@ -20,7 +20,7 @@ from stages.resize import stage as resize_stage
 
 from tests.stages.test_fix_revisions_encode import F32, _same, _tables
 from tests.stages.test_fix_revisions_resize import SMALL, _contents
-from tests.stages.test_fix_revisions_resize3 import _by_caption, _png
+from tests.stages.test_fix_revisions_resize3 import _by_caption, _equals_a_fresh_store_and_up_to_date, _png
 
 
 def _keyed(seed: int) -> bytes:
@@ -79,14 +79,7 @@ def test_revision_4_renders_again_and_encodes_again_only_the_cutout(tiny_plus_mo
         k = after[caption][0]
         _same(*({t: {k: tables[t][k]} for t in tables} for tables in (old_features, new_features)))
 
-    resize_stage.run(cfg, tmp_path / "src", tmp_path / "fresh")
-    for stage in (encode_text, encode_vae):
-        stage.run(cfg, tmp_path / "fresh", tiny_plus_model, batch_size=1)
-    assert _contents(tmp_path / "store") == _contents(tmp_path / "fresh")
-    _same(new_features, _tables(tmp_path / "fresh", "text", "vae"))
-    assert resize_stage.run(cfg, tmp_path / "src", tmp_path / "store").up_to_date
-    for stage in (encode_text, encode_vae):
-        assert stage.run(cfg, tmp_path / "store", tiny_plus_model, batch_size=1).up_to_date
+    _equals_a_fresh_store_and_up_to_date(cfg, tmp_path, tiny_plus_model, new_features)
 
 
 def test_the_cutout_row_notes_the_transparent_colour(tmp_path):

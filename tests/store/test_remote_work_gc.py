@@ -128,6 +128,16 @@ def test_gc_of_a_url_keeps_the_working_copy_of_a_running_repair(s3_env, store: S
     assert remote_current(s3_env) == {"vae": 2} and not root.exists()
 
 
+def _gc_removes_the_published_copy(s3_env, work: Path, root: Path, size: int) -> None:
+    """`store gc URL` removes a killed command's working copy whose version the URL has published since."""
+    r = _cli("store", "gc", s3_env.url(), "--cache-dir", work)
+    assert r.exit_code == 0, r.output
+    assert (f"remove the working copy {root} of {s3_env.url()} (left by a killed store repair / migrate; the store "
+            f"there has moved on: its vae v2 is current there already; {size / 1e6:.1f} MB freed)") in r.output, \
+        r.output
+    assert not root.exists()
+
+
 def test_gc_of_a_url_removes_a_killed_repairs_copy_whose_version_another_repair_published(s3_env, store: Store,
                                                                                        tmp_path: Path) -> None:
     """Killed before its manifest; another node's repair of the same damage then publishes the very same v2 and
@@ -138,12 +148,7 @@ def test_gc_of_a_url_removes_a_killed_repairs_copy_whose_version_another_repair_
     size = _bytes(root)
     other = _cli("store", "repair", s3_env.url(), "--cache-dir", tmp_path / "other")
     assert other.exit_code == 0 and "retired" in other.output and remote_current(s3_env) == {"vae": 2}, other.output
-    r = _cli("store", "gc", s3_env.url(), "--cache-dir", work)
-    assert r.exit_code == 0, r.output
-    assert (f"remove the working copy {root} of {s3_env.url()} (left by a killed store repair / migrate; the store "
-            f"there has moved on: its vae v2 is current there already; {size / 1e6:.1f} MB freed)") in r.output, \
-        r.output
-    assert not root.exists()
+    _gc_removes_the_published_copy(s3_env, work, root, size)
 
 
 def test_gc_of_a_url_keeps_a_killed_repairs_copy_that_has_a_retirement_left(s3_env, store: Store,
@@ -192,9 +197,4 @@ def test_gc_of_a_url_removes_a_killed_migrates_working_copy_once_another_migrate
     other = _cli("migrate", "v1-to-v2", s3_env.url(), "--cache-dir", tmp_path / "other")
     assert other.exit_code == 0 and remote_current(s3_env) == {"vae": 2}, other.output
     size = _bytes(root)
-    r = _cli("store", "gc", s3_env.url(), "--cache-dir", work)
-    assert r.exit_code == 0, r.output
-    assert (f"remove the working copy {root} of {s3_env.url()} (left by a killed store repair / migrate; the store "
-            f"there has moved on: its vae v2 is current there already; {size / 1e6:.1f} MB freed)") in r.output, \
-        r.output
-    assert not root.exists()
+    _gc_removes_the_published_copy(s3_env, work, root, size)
