@@ -139,10 +139,10 @@ class KnownTars:
 
 
 def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, max_file_bytes: int,
-               limit: PixelLimit | HeaderChecks | None = None, kind: Kind = Kind()) -> KnownTars:
+               header_checks: PixelLimit | HeaderChecks | None = None, kind: Kind = Kind()) -> KnownTars:
     """The tars (`kind`: or parquet files) recorded with the newest complete `images` version and unchanged now,
-    with their offered rows (none of a file holding a sample `limit` must check from its bytes: a lowered pixel limit,
-    a transparent colour since revision 4, header_checks.py)."""
+    with their offered rows (none of a file holding a sample `header_checks` must check from its bytes: a lowered
+    pixel limit, a transparent colour since revision 4, header_checks.py)."""
     import pyarrow.compute as pc
 
     from schemas import UserError
@@ -177,7 +177,7 @@ def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, m
         for key, source, n, mask in zip(batch.column("key").to_pylist(), batch.column("source").to_pylist(),
                                         n_hashes, batch.column("mask_sha256").to_pylist()):
             tar = _tar_of(source, unchanged) if isinstance(source, str) else None
-            if tar is not None and limit is not None and not limit.unread_ok(key):
+            if tar is not None and header_checks is not None and not header_checks.unread_ok(key):
                 read_whole.add(tar)  # read whole once, its samples judged from their bytes (not one re-read a sample)
             elif tar is not None and n and mask is not None and rendered_before.get(key) == mask:
                 by_tar.setdefault(tar, []).append(i)

@@ -750,30 +750,30 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
 
     # carried samples are not decoded: those last checked under a higher resize.max_image_pixels are checked here,
     # and those rendered before revision 4 for a transparent colour, from their headers
-    limit = HeaderChecks(pixel_limit(st, rc.max_image_pixels) if rendered_before else PixelLimit(rc.max_image_pixels),
-                         colour_checked)
+    limit = pixel_limit(st, rc.max_image_pixels) if rendered_before else PixelLimit(rc.max_image_pixels)
+    header_checks = HeaderChecks(limit, colour_checked)
     intake.max_image_pixels = rc.max_image_pixels
     with FileHashes() as hashes:
         # samples of a folder or JSONL source the newest version holds, their files unchanged: carried, not read;
         # of a webdataset or parquet source, whole tars / parquet files (known_tars.py)
         known = known_sources(st, rendered_before, hashes, rc.max_file_bytes) if fmt in ("folder", "jsonl") else \
-            known_tars(st, rendered_before, hashes, rc.max_file_bytes, limit) if fmt == "webdataset" else \
-            known_tars(st, rendered_before, hashes, rc.max_file_bytes, limit, parquet_kind(rc.columns))
+            known_tars(st, rendered_before, hashes, rc.max_file_bytes, header_checks) if fmt == "webdataset" else \
+            known_tars(st, rendered_before, hashes, rc.max_file_bytes, header_checks, parquet_kind(rc.columns))
         intake.tars, intake.max_file_bytes = (known if fmt in ("webdataset", "parquet") else None), rc.max_file_bytes
         if intake.tars is not None:
             intake.tars.pending = pending
-        return _render_samples(source, fmt, rc, writer, rendered_before, intake, known, limit, read_columns)
+        return _render_samples(source, fmt, rc, writer, rendered_before, intake, known, header_checks, read_columns)
 
 
 def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
-                    intake: _Intake, known: Any, limit: Any, read_columns: Any = None) -> dict[str, str]:
+                    intake: _Intake, known: Any, header_checks: Any, read_columns: Any = None) -> dict[str, str]:
     """Read the source, triage each sample (`_Triage`), render those to render in `rc.workers` processes and add
     them to the writer, then the copies revived for rejected first copies. Returns the samples to carry forward."""
     from stages.resize.resumed_sources import resumed_sources
     from stages.resize.source_count import count_samples
 
     done = resumed_sources(writer.dir) if writer.done_keys else {}
-    triage = _Triage(rc, writer, rendered_before, intake, limit, done)
+    triage = _Triage(rc, writer, rendered_before, intake, header_checks, done)
     render_one = partial(_render_item, rc=rc, rules=_rules(rc))
     columns = read_columns if read_columns is not None else rc.columns
     with tqdm(desc=f"{STAGE} ({fmt})", unit="sample", total=count_samples(source, fmt, known),
@@ -785,7 +785,7 @@ def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any,
                                                     ahead=2 * rc.workers,
                                                     on_crash=_worker_died):
             intake.store(writer, rec, key, out)
-        _revive(intake, writer, rendered_before, limit, triage.carry, rc, render_one)
+        _revive(intake, writer, rendered_before, header_checks, triage.carry, rc, render_one)
         if bar.total != bar.n:  # orphans / unreadable entries counted differently: end at 100 %
             bar.total = bar.n
             bar.refresh()
@@ -801,7 +801,7 @@ class _Triage:
     writer: Any
     rendered_before: dict[str, str]
     intake: _Intake
-    limit: Any
+    header_checks: Any
     done: Any  # source -> key of the resumed version's samples (resumed_sources.py)
     carry: dict[str, str] = field(default_factory=dict)
 
@@ -824,7 +824,7 @@ class _Triage:
         if rec.done_key is None and rec.problem is None:  # a reader that read it anyway (a parquet row)
             rec.done_key = self.done.get(rec.source)
         if rec.known is not None and rec.done_key is None and not _carried_unread(
-                rec, self.writer, self.rendered_before, self.intake, self.limit):
+                rec, self.writer, self.rendered_before, self.intake, self.header_checks):
             # a copy of a key met before, one a resumed run holds, or one perhaps over a lowered
             # resize.max_image_pixels: judged from its bytes
             return rec.reread()
@@ -864,20 +864,20 @@ class _Triage:
         elif key in writer.done_keys:  # a later copy holds it: this first copy's rendering failed before
             intake.revived_before.add(key)  # rendered again for its row; its copies judged as then
             return rec, key, caption
-        elif _rendered_alike(rec, key, self.rendered_before, self.limit):  # same content, mask
+        elif _rendered_alike(rec, key, self.rendered_before, self.header_checks):  # same content, mask
             self.carry[key] = rec.source
         else:
             return rec, key, caption
         return None
 
 
-def _rendered_alike(rec: SourceSample, key: str, rendered_before: dict[str, str], limit: Any) -> bool:
+def _rendered_alike(rec: SourceSample, key: str, rendered_before: dict[str, str], header_checks: Any) -> bool:
     """An earlier version holds `key` rendered from the same content and mask, within the pixel limit now in force
     and rendered as this revision renders it (its headers: header_checks.py): carried forward, not rendered."""
-    return rendered_before.get(key, None) == mask_hash(rec.mask) and limit.fits(key, rec)
+    return rendered_before.get(key, None) == mask_hash(rec.mask) and header_checks.fits(key, rec)
 
 
-def _revive(intake: _Intake, writer: Any, rendered_before: dict[str, str], limit: Any,
+def _revive(intake: _Intake, writer: Any, rendered_before: dict[str, str], header_checks: Any,
             carry: dict[str, str], rc: ResizeConfig, render_one: Any) -> None:
     """First copies the rendering rejected (a bad mask): their next copy instead, in rounds (the i-th held copy of
     every key not yet kept), so the table does not depend on the worker count."""
@@ -891,7 +891,7 @@ def _revive(intake: _Intake, writer: Any, rendered_before: dict[str, str], limit
                 intake.summary.resumed += 1
                 intake.kept_instead(key, rec, recs + intake.superseded.pop(key, []))
                 recs.clear()
-            elif _rendered_alike(rec, key, rendered_before, limit):
+            elif _rendered_alike(rec, key, rendered_before, header_checks):
                 carry[key] = rec.source
                 intake.kept_instead(key, rec, recs)
             else:  # its caption as its first copy's (the same key): the row's instruction, not ""
@@ -914,14 +914,14 @@ def _kept_instead(out: Rendered | Rejected) -> Rendered | Rejected:
 
 
 def _carried_unread(rec: SourceSample, writer: Any, rendered_before: dict[str, str], intake: _Intake,
-                    limit: Any) -> bool:
+                    header_checks: Any) -> bool:
     """Can a sample found with its recorded key (known_sources.py) take the carry-forward branch below as read
     samples do, without its bytes? Not a copy of a key met before (a duplicate may be held for a revival, which
     renders it), a key the resumed version holds (judged by its mask), nor one whose images may be over a
     resize.max_image_pixels lowered since it was checked (pixel_limit.py)."""
     key = rec.known.key
     return key not in intake.first_source and key not in writer.done_keys \
-        and rendered_before.get(key) == rec.known.mask_sha256 and limit.unread_ok(key)
+        and rendered_before.get(key) == rec.known.mask_sha256 and header_checks.unread_ok(key)
 
 
 def _worker_died(item: tuple[SourceSample, str, str]) -> Rejected:
