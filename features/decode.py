@@ -159,8 +159,7 @@ def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]
                 f"image is {w}x{h} = {w * h} pixels, over resize.max_image_pixels = {max_pixels} (decompression bomb guard)"
             )
         deep = _sixteen_bit_read_as_eight(im)  # from the tile, which load() empties
-        keyed = _has_colour_key(im)  # told by the header, as `has_transparent_colour` tells it
-        _key_in_eight_bits(im)  # from the tile too
+        key = _header_colour_key(im)  # from the header and the tile, which load() empties
         try:
             # counting frames walks every frame's header: a file cut in its second frame fails here (IndexError,
             # TypeError...), not in load(), which reads the first frame only
@@ -170,10 +169,14 @@ def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]
             im.load()
         except Exception as e:  # noqa: BLE001 - truncated/corrupt data raise OSError, ValueError, SyntaxError...
             raise ImageRejected("corrupt-image", f"truncated or corrupt image data: {e}") from None
-    if im.mode in _COLOUR_KEYED and not keyed:
-        # a tRNS after the image data (out of place: libpng ignores it), which load() reads: ignored, as before
-        # revision 4, so that the header alone tells a transparent colour (a rerun carries a sample on it)
-        im.info.pop("transparency", None)
+    if im.mode in _COLOUR_KEYED:
+        # the header's: a tRNS after the image data (out of place: libpng ignores it), which load() reads, is
+        # ignored, as before revision 4, so that the header alone tells a transparent colour (a rerun carries a
+        # sample on it)
+        if key is None:
+            im.info.pop("transparency", None)
+        else:
+            im.info["transparency"] = key
     if deep:
         notes.append(deep)
     if frames > 1:
@@ -214,21 +217,25 @@ def _sixteen_bit_read_as_eight(im: Image.Image) -> str | None:
     return f"16-bit {base} read as 8-bit {im.mode} (each channel's high byte)" if bits.startswith("16") else None
 
 
-def _key_in_eight_bits(im: Image.Image) -> None:
-    """A PNG's transparent colour (tRNS) in the 8-bit units of the pixels Pillow reads: Pillow keeps it in the file's
-    units, so it matched no pixel, or other ones. A 2- or 4-bit grey's (L, scaled: 3 or 15 is white; PNG optimizers
-    reduce a few-grey picture to such depths) scaled alike; a 48-bit RGB's (each channel read as its high byte) as
-    its high bytes: exact for 8-bit values stored as 16 (v x 257), else a colour within 1/256 is taken as well. Pillow
-    scales a 1-bit picture's itself."""
+def _header_colour_key(im: Image.Image) -> int | tuple | None:
+    """The one transparent colour (a PNG's tRNS) an RGB, L, 1 or 16-bit grey picture's header names, in the 8-bit
+    units of the pixels Pillow reads, or None. Pillow keeps it in the file's units, so it matched no pixel, or
+    other ones: a 2- or 4-bit grey's (L, scaled: 3 or 15 is white; PNG optimizers reduce a few-grey picture to
+    such depths) scaled alike; a 48-bit RGB's (each channel read as its high byte) as its high bytes: exact for
+    8-bit values stored as 16 (v x 257), else a colour within 1/256 is taken as well. Pillow scales a 1-bit
+    picture's itself. Read before load(), which empties the tile."""
     key = im.info.get("transparency")
-    if im.mode not in ("L", "RGB") or not isinstance(key, (int, tuple)) or not im.tile or im.format != "PNG":
-        return
+    if im.mode not in _COLOUR_KEYED or not isinstance(key, (int, tuple)):
+        return None
+    if im.mode not in ("L", "RGB") or not im.tile or im.format != "PNG":
+        return key
     args = im.tile[0].args
     raw = args if isinstance(args, str) else args[0] if isinstance(args, tuple) and args and isinstance(args[0], str) else ""
     if raw in ("L;2", "L;4") and isinstance(key, int):
-        im.info["transparency"] = key * 255 // ((1 << int(raw[2:])) - 1)
-    elif raw == "RGB;16B" and isinstance(key, tuple):
-        im.info["transparency"] = tuple(int(k) >> 8 for k in key)
+        return key * 255 // ((1 << int(raw[2:])) - 1)
+    if raw == "RGB;16B" and isinstance(key, tuple):
+        return tuple(int(k) >> 8 for k in key)
+    return key
 
 
 def _check_png_chunks(data: bytes, im: Image.Image) -> None:
@@ -250,20 +257,16 @@ def has_transparent_colour(data: bytes) -> bool:
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
             with Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS) as im:
-                return _has_colour_key(im)
+                return _header_colour_key(im) is not None
         except Exception:  # noqa: BLE001 - any header problem: rendered, which says what it is
             return True
-
-
-def _has_colour_key(im: Image.Image) -> bool:
-    return im.mode in _COLOUR_KEYED and isinstance(im.info.get("transparency"), (int, tuple))
 
 
 def _colour_keyed(im: Image.Image) -> Image.Image | None:
     """An RGB, L, 1 or 16-bit grey picture whose transparency is one transparent colour (PNG's tRNS: Pillow's
     `info["transparency"]`, a tuple or an int) as 8-bit RGBA, that colour's pixels transparent, as the same picture
     saved as RGBA/LA decodes; None for any other. Before, such pixels kept their stored colour (often black)."""
-    if not _has_colour_key(im):
+    if im.mode not in _COLOUR_KEYED or not isinstance(im.info.get("transparency"), (int, tuple)):
         return None
     key = im.info["transparency"]
     if im.mode in _SIXTEEN_BIT:  # Pillow's convert would clip the grey values; scaled as `_to_rgb` scales them
