@@ -88,9 +88,22 @@ def test_the_filters_drop_only_torchao_messages(caplog):
         bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
         bnb.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure ...", "x")
         bnb.warning("a real bitsandbytes problem")
+        trust = logging.getLogger("kernels._internals.hf_hub")
+        skipped = "Skipping publisher trust check for '{}' because Hugging Face Hub is in offline mode."
+        trust.warning(skipped.format("kernels-community/quantization-bitsandbytes"))
+        trust.warning(skipped.format("someone/else"))
     shown = [r.getMessage() for r in caplog.records]
     assert shown == [msg % Mine, "some other pytree problem", "a real torchao quantizer problem",
-                     "a real bitsandbytes problem"]
+                     "a real bitsandbytes problem", skipped.format("someone/else")]
+
+
+def test_an_offline_plan_of_a_published_model_prints_nothing_on_stderr():
+    """Offline, bitsandbytes' import (by transformers, building the text encoder's shape) made the `kernels`
+    package say it skipped a CPU 4-bit kernel's publisher trust check: a line about nothing the user asked for."""
+    cmd = [sys.executable, "-m", "pipeline.cli", "plan", "--model", "Qwen/Qwen-Image-Edit-2509"]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "train" in proc.stdout, proc.stderr[-3000:]
+    assert proc.stderr == "", proc.stderr[-3000:]
 
 
 # Every bench script's `--help`, in one interpreter (each alone paid torch's import again: 21 scripts, ~45 s of
