@@ -54,9 +54,9 @@ class Fixes:
 def own_revisions(fixes: Fixes, feature_revision: str) -> list[tuple[str, int]]:
     """(feature revision, its number) of each earlier revision of the stage whose tables stay current but for what
     its own fixes made since change, oldest first: ("vae.1", 1) under "vae.2"."""
-    name, _, current = feature_revision.rpartition(".")
     if not fixes.own:
         return []
+    name, _, current = feature_revision.rpartition(".")
     if not (name and current.isdigit()):
         raise ValueError(f"feature revision {feature_revision!r} is not '<name>.<n>': its own fixes cannot be placed")
     return [(f"{name}.{r}", r) for r in revisions_before(fixes.own, int(current))]
@@ -346,8 +346,8 @@ def changed_rows(images, fixes: Fixes, rows: pa.Table, own_since: int | None, im
     """Per stored row (`key`, `ROW_COLUMNS`): does a fix change it (this stage's own made since its revision
     `own_since`; the images' made since their revision `images_since`; None: none)? Yes for a key `images` lacks.
     The rules see the images' `Fixes.reads` and the row's `ROW_COLUMNS` and are called once per distinct value of
-    those (store/row_rule.py): row by row, each row's whole images meta as Python objects, it was ~80-100 s and 2.8 GB
-    at 1M rows, now ~2.6 s (bench/fix_rules.py)."""
+    those (store/row_rule.py): row by row, each row's whole images meta as Python objects, it was ~80-100 s and
+    2.8 GB at 1M rows, now ~2.6 s (bench/fix_rules.py)."""
     from store.row_rule import Declared, per_distinct
 
     rules = made_since(fixes.own, own_since) + _images_fixes_since(fixes, images_since)
@@ -379,9 +379,8 @@ def _unchanged_by_fixes(store: Store, table: str, images, wanted: Lineage, befor
                         fixes: Fixes, since: int) -> int | None:
     """A complete version of this lineage under an earlier revision of this stage (`before`, the same `images`
     version), none of whose samples its fixes made since that revision (`since`) change: still current, so nothing
-    downstream reruns. A yes is recorded
-    with the version for `wanted` (its images version and revision: all the predicates read), so a rerun of an
-    unchanged store reads no rows (store/reuse.py `unchanged_by_fixes`)."""
+    downstream reruns. A yes is recorded with the version for `wanted` (its images version and revision: all the
+    predicates read), so a rerun of an unchanged store reads no rows (store/reuse.py `unchanged_by_fixes`)."""
     from schemas.lineage import settings_hash
     from store.manifest_files import checked_manifest
     from store.reuse import unchanged_by_fixes
