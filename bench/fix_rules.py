@@ -106,7 +106,8 @@ def old_changed_by(images, fixes, own: bool, images_fix: bool):
         if row["key"] not in images:
             return True
         meta = images.meta(row["key"])
-        return (own and fixes.by_revision(meta, row)) or (images_fix and any(rule(meta, row) for _, rule in fixes.by_images))
+        return (own and any(rule(meta, row) for _, rule in fixes.own)) or \
+            (images_fix and any(rule(meta, row) for _, rule in fixes.by_images))
     return changed
 
 
@@ -121,12 +122,13 @@ def step(how: str, images, rows: pa.Table, manifest: pa.Table):
     if path == "reuse":
         if old:
             return old_unchanged(rows, old_changed_by(images, FIXES, True, True))
-        return rows.filter(pa.array(~changed_rows(images, FIXES, rows, True, 1)))
+        return rows.filter(pa.array(~changed_rows(images, FIXES, rows, 1, 1)))
     if path == "scan":
         if old:  # stages/encode/plan.py `_unchanged_by_fixes.none_changed` before, verbatim but its read
             scanned = rows.to_pylist()
-            return not any(r["key"] not in images or FIXES.by_revision(images.meta(r["key"]), r) for r in scanned)
-        return not changed_rows(images, FIXES, rows, own=True, images_since=None).any()
+            return not any(r["key"] not in images or any(rule(images.meta(r["key"]), r) for _, rule in FIXES.own)
+                           for r in scanned)
+        return not changed_rows(images, FIXES, rows, own_since=1, images_since=None).any()
     if old:  # store/reuse.py `reusable_keys` before: every column read, the rule per row
         return old_unchanged(manifest, mask_orientation_changes)
     read = manifest.select(["key", "mask_sha256", *MASK_FIX.columns])  # what `reusable_keys` reads now

@@ -12,7 +12,9 @@ stages/resize/stage.py `FIXES`; store/row_rule.py), never per row: it reads thos
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Sequence, TypeVar
+
+Rule = TypeVar("Rule")
 
 # resize-bucket before the EXIF mask fix (e532fe5): a mask drawn on an EXIF-rotated (5..8) target's stored pixels
 # was resized across the other axis instead of turned. Such a sample's old row holds both notes below; a row
@@ -32,6 +34,19 @@ KEPT_INSTEAD = "kept instead of its first copy, which the rendering rejected"
 # a caption stored before revision 3 that it cleans (stages/resize/caption_text.py: every Cc character but tab and
 # newline, CR included), as an RE2 pattern matched over a whole column
 UNCLEANED_CAPTION = r"[\x00-\x08\x0b-\x1f\x7f-\x9f]"
+
+
+# A stage's fixes: (the revision a fix was made after, its rule: which stored samples it changes), oldest first
+# (resize-bucket's `FIXES`; an encoder's own and the images' ones, stages/encode/plan.py `Fixes`). A table of
+# revision r is carried forward but for the samples a fix made since r changes, however many revisions behind.
+def made_since(fixes: Sequence[tuple[int, Rule]], revision: int | None) -> list[Rule]:
+    """The rules of the fixes made since `revision` (None: none; 0: every one)."""
+    return [] if revision is None else [rule for r, rule in fixes if r >= revision]
+
+
+def revisions_before(fixes: Sequence[tuple[int, Any]], current: int) -> list[int]:
+    """The earlier revisions whose tables stay current but for what a fix made since changes (oldest first)."""
+    return [r for r, _ in fixes if r < current]
 
 
 def _notes(meta: dict[str, Any]) -> list[str] | None:

@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from schemas.errors import UserError
+from schemas.fixes import made_since, revisions_before
 from schemas.lineage import Lineage, code_version, feature_lineage
 from store import Store, repair_context
 from store import format as fmt
@@ -29,25 +30,36 @@ from stages.encode.summary import Summary
 IMAGES_TABLE = "images"
 
 
-def _never(*_: Any) -> bool:
-    return False
+Rule = Callable[[dict[str, Any], dict[str, Any]], bool]  # (images meta, stored row: `ROW_COLUMNS`) -> changed?
 
 
 @dataclass(frozen=True)
 class Fixes:
     """The fixes made since a stage's tables were stored, and which stored samples each changes (schemas/fixes.py):
-    samples stored before a fix are carried forward unless it changes them, so a rerun recomputes exactly those."""
+    samples stored before a fix are carried forward unless it changes them, so a rerun recomputes exactly those.
+    Two lists as resize-bucket's `FIXES` (schemas/fixes.py `made_since`): (revision, the rule of the fix made
+    after it), oldest first; a sample stored under revision r is redone where a fix made since r says yes. A fix
+    of the stage's own appends (n, its rule) to `own` and bumps its revision from "<name>.n" to "<name>.n+1"."""
 
-    revision_before: str | None = None  # the stage's feature revision before its own fixes (None: none)
-    # (images meta, stored row: `ROW_COLUMNS`) -> does this stage's own fix change the sample
-    by_revision: Callable[[dict[str, Any], dict[str, Any]], bool] = _never
-    # (images revision, (images meta, stored row: `ROW_COLUMNS`) -> does resize-bucket's fix made after that
-    # revision change what this stage read?), oldest first: a sample encoded from pictures of revision r is redone
-    # where a fix since r says yes
-    by_images: tuple[tuple[int, Callable[[dict[str, Any], dict[str, Any]], bool]], ...] = ()
-    # the images meta columns the two read (the meta they get holds only these): each is called once per
+    # this stage's own: revision n is its feature revision "<name>.n" (`open_job`'s `feature_revision` names the
+    # current one), so a table several revisions behind redoes the rows any of the fixes since says yes to
+    own: tuple[tuple[int, Rule], ...] = ()
+    # resize-bucket's, by images revision: does its fix made after that revision change what this stage read?
+    by_images: tuple[tuple[int, Rule], ...] = ()
+    # the images meta columns the rules read (the meta they get holds only these): each is called once per
     # distinct value of them and of `ROW_COLUMNS` over a whole version (`changed_rows`), never per row
     reads: tuple[str, ...] = ()
+
+
+def own_revisions(fixes: Fixes, feature_revision: str) -> list[tuple[str, int]]:
+    """(feature revision, its number) of each earlier revision of the stage whose tables stay current but for what
+    its own fixes made since change, oldest first: ("vae.1", 1) under "vae.2"."""
+    if not fixes.own:
+        return []
+    name, _, current = feature_revision.rpartition(".")
+    if not (name and current.isdigit()):
+        raise ValueError(f"feature revision {feature_revision!r} is not '<name>.<n>': its own fixes cannot be placed")
+    return [(f"{name}.{r}", r) for r in revisions_before(fixes.own, int(current))]
 
 
 NO_FIXES = Fixes()
@@ -211,7 +223,8 @@ def _job_lineages(store: Store, images, images_id: str, stage: str, table: str, 
     superseding = _supersedes_repaired(lineage, images_id, earlier_hashes, fixes, feature_revision)
     if reads is not None and not superseding and _repairs_whole_lineage(store, table, {
             feature_lineage(stage, h, fingerprint, code_version(rev), whole)
-            for h in (feature_hash, *earlier_hashes) for rev in (feature_revision, fixes.revision_before) if rev}):
+            for h in (feature_hash, *earlier_hashes)
+            for rev in (feature_revision, *(r for r, _ in own_revisions(fixes, feature_revision)))}):
         upstream = whole  # `store repair` of a version encoded before `unread`: completed under its own lineage
     fl, *earlier = (feature_lineage(stage, h, fingerprint, code_version(feature_revision), upstream)
                     for h in (feature_hash, *earlier_hashes))
@@ -245,11 +258,11 @@ def _supersedes_repaired(lineage: Lineage, images_id: str, earlier_hashes: tuple
     the job writes under this run's lineage (store/repair_context.py `supersede`) - a new version recomputing the
     damaged samples and those the fixes change, the rest carried - and the next run reuses every sample. Before,
     they were written under the old revision's lineage and the next run recomputed them again."""
-    if fixes.revision_before in (None, feature_revision) or not repair_context.active():
+    befores = [code_version(rev) for rev, _ in own_revisions(fixes, feature_revision)]
+    if not befores or not repair_context.active():
         return False
-    before = code_version(fixes.revision_before)
     olds = [lineage, *(replace(lineage, config_hash=f"{h}-images:{images_id}") for h in earlier_hashes)]
-    if repair_context.expected() not in [replace(old, code_version=before) for old in olds]:
+    if repair_context.expected() not in [replace(old, code_version=before) for old in olds for before in befores]:
         return False
     repair_context.supersede(lineage)
     return True
@@ -292,16 +305,18 @@ def _say_why_new(job: EncodeJob) -> None:
 
 def _reusable_version(job: EncodeJob, hashed_before: list[Lineage], fixes: Fixes, feature_revision: str) -> int | None:
     """A complete version this run would make (`_identical_version`), or, outside a repair, one made before this
-    stage's fixes that no fix changes (`_unchanged_by_fixes`)."""
+    stage's fixes that none made since its revision changes (`_unchanged_by_fixes`; the newest revision first)."""
     table = job.summary.table
     found = _identical_version(job.store, table, job.lineage, hashed_before, job.serving)
-    if found is None and fixes.revision_before not in (None, feature_revision) and not repair_context.active():
-        before = code_version(fixes.revision_before)
+    if found is not None or repair_context.active():
+        return found
+    for revision, since in reversed(own_revisions(fixes, feature_revision)):
         for old in (job.lineage, *hashed_before, *job.serving):
-            if (found := _unchanged_by_fixes(job.store, table, job.images, old, replace(old, code_version=before),
-                                             fixes)) is not None:
-                break
-    return found
+            if (found := _unchanged_by_fixes(job.store, table, job.images, old,
+                                             replace(old, code_version=code_version(revision)), fixes,
+                                             since)) is not None:
+                return found
+    return None
 
 
 def _lineages_before_fixes(images, fixes: Fixes, stage: str, feature_hashes: tuple[str, ...], fingerprint: str,
@@ -310,33 +325,32 @@ def _lineages_before_fixes(images, fixes: Fixes, stage: str, feature_hashes: tup
     """feature lineage the samples were stored under before a fix (this stage's; the images': `upstreams_before`,
     each with its images revision, none where the images record none) -> stored rows -> "does a fix change
     each?" (`changed_rows`): such versions give the rows no fix changes (store/reuse.py)."""
-    revisions = [(revision, False)] + ([(fixes.revision_before, True)]
-                                       if fixes.revision_before not in (None, revision) else [])
+    revisions = [(revision, None), *own_revisions(fixes, revision)]  # (feature revision, own fixes since it)
     upstreams = [(upstream, None)] + [(up, since) for up, since in upstreams_before if up != upstream]
 
-    def changed_by(own: bool, images_since: int | None) -> Callable[[pa.Table], np.ndarray]:
-        return lambda rows: changed_rows(images, fixes, rows, own, images_since)
+    def changed_by(own_since: int | None, images_since: int | None) -> Callable[[pa.Table], np.ndarray]:
+        return lambda rows: changed_rows(images, fixes, rows, own_since, images_since)
 
-    return {feature_lineage(stage, h, fingerprint, code_version(rev), up): changed_by(own, images_since)
-            for h in feature_hashes for rev, own in revisions for up, images_since in upstreams
-            if own or images_since is not None}
+    return {feature_lineage(stage, h, fingerprint, code_version(rev), up): changed_by(own_since, images_since)
+            for h in feature_hashes for rev, own_since in revisions for up, images_since in upstreams
+            if own_since is not None or images_since is not None}
 
 
-def _images_fixes_since(fixes: Fixes, revision: int | None) -> list[Callable[[dict[str, Any], dict[str, Any]], bool]]:
+def _images_fixes_since(fixes: Fixes, revision: int | None) -> list[Rule]:
     """This stage's rules for the images' fixes made since their `revision` (None: no images fix; 0: every one,
     for a revision this code cannot tell)."""
-    return [] if revision is None else [rule for r, rule in fixes.by_images if r >= revision]
+    return made_since(fixes.by_images, revision)
 
 
-def changed_rows(images, fixes: Fixes, rows: pa.Table, own: bool, images_since: int | None) -> np.ndarray:
-    """Per stored row (`key`, `ROW_COLUMNS`): does a fix change it (`own`: this stage's; `images_since`: the
-    images' made since that revision of theirs, None: none)? Yes for a key `images` lacks. The rules see the
-    images' `Fixes.reads` and the row's `ROW_COLUMNS` and are called once per distinct value of those
-    (store/row_rule.py): row by row, each row's whole images meta as Python objects, it was ~80-100 s and 2.8 GB
-    at 1M rows, now ~2.6 s (bench/fix_rules.py)."""
+def changed_rows(images, fixes: Fixes, rows: pa.Table, own_since: int | None, images_since: int | None) -> np.ndarray:
+    """Per stored row (`key`, `ROW_COLUMNS`): does a fix change it (this stage's own made since its revision
+    `own_since`; the images' made since their revision `images_since`; None: none)? Yes for a key `images` lacks.
+    The rules see the images' `Fixes.reads` and the row's `ROW_COLUMNS` and are called once per distinct value of
+    those (store/row_rule.py): row by row, each row's whole images meta as Python objects, it was ~80-100 s and
+    2.8 GB at 1M rows, now ~2.6 s (bench/fix_rules.py)."""
     from store.row_rule import Declared, per_distinct
 
-    by_images = _images_fixes_since(fixes, images_since)
+    rules = made_since(fixes.own, own_since) + _images_fixes_since(fixes, images_since)
     at = images.rows_of_keys(rows.column("key"))
     out = at < 0
     there = np.flatnonzero(~out)
@@ -355,18 +369,18 @@ def changed_rows(images, fixes: Fixes, rows: pa.Table, own: bool, images_since: 
     def changed(values: dict[str, Any]) -> bool:
         meta = Declared({k[5:]: v for k, v in values.items() if k.startswith("meta:")}, fixes.reads)
         row = Declared({k[4:]: v for k, v in values.items() if k.startswith("row:")}, ROW_COLUMNS)
-        return (own and fixes.by_revision(meta, row)) or any(rule(meta, row) for rule in by_images)
+        return any(rule(meta, row) for rule in rules)
 
     out[there] = per_distinct(pa.table(cols), changed) if cols else changed({})
     return out
 
 
 def _unchanged_by_fixes(store: Store, table: str, images, wanted: Lineage, before: Lineage,
-                        fixes: Fixes) -> int | None:
-    """A complete version of this lineage under the revision before this stage's fixes (the same `images`
-    version), none of whose samples they change: still current, so nothing downstream reruns. A yes is recorded
-    with the version for `wanted` (its images version and revision: all the predicates read), so a rerun of an
-    unchanged store reads no rows (store/reuse.py `unchanged_by_fixes`)."""
+                        fixes: Fixes, since: int) -> int | None:
+    """A complete version of this lineage under an earlier revision of this stage (`before`, the same `images`
+    version), none of whose samples its fixes made since that revision (`since`) change: still current, so nothing
+    downstream reruns. A yes is recorded with the version for `wanted` (its images version and revision: all the
+    predicates read), so a rerun of an unchanged store reads no rows (store/reuse.py `unchanged_by_fixes`)."""
     from schemas.lineage import settings_hash
     from store.manifest_files import checked_manifest
     from store.reuse import unchanged_by_fixes
@@ -377,11 +391,11 @@ def _unchanged_by_fixes(store: Store, table: str, images, wanted: Lineage, befor
 
     def none_changed() -> bool:
         try:
-            # the columns a `by_revision` predicate reads from a stored row (the rest comes from the images meta)
+            # the columns an `own` rule reads from a stored row (the rest comes from the images meta)
             rows = checked_manifest(store.version_dir(table, found), ["key", *ROW_COLUMNS])
         except UserError:
             return False
-        return not changed_rows(images, fixes, rows, own=True, images_since=None).any()
+        return not changed_rows(images, fixes, rows, own_since=since, images_since=None).any()
 
     return found if unchanged_by_fixes(store, table, found, settings_hash(wanted.to_dict()), none_changed) else None
 

@@ -65,7 +65,7 @@ def _caption_now_too_long(meta: dict[str, Any], row: dict[str, Any]) -> bool:
 # text21.1 encoded prompts past the transformer's frame positions (now quarantined): only those are redone
 # and a copy the images' revision 3 kept instead of its rejected first copy (stored with caption '' before)
 # and a sample whose pictures revision 4 changed (a transparent colour taken as alpha: the VLM sees them)
-TEXT_FIXES = Fixes("text21.1", by_revision=_caption_now_too_long,
+TEXT_FIXES = Fixes(own=((1, _caption_now_too_long),),
                    by_images=((2, prompt_was_emptied), (3, lambda meta, row: took_transparent_colour(meta))),
                    reads=("img_shapes", "conversions"))
 

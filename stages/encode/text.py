@@ -62,7 +62,7 @@ FEATURE_REVISION = "text.2"
 # first copy was stored with caption '' before: its instruction changed (not a copy of a key whose first copy
 # revision 2 kept: the same caption and pictures). Revision 4 takes a picture's one transparent colour as alpha: the
 # VLM's view of such a sample changed.
-FIXES = Fixes("text.1", by_revision=lambda meta, row: has_alpha_picture(meta),
+FIXES = Fixes(own=((1, lambda meta, row: has_alpha_picture(meta)),),
               by_images=((2, prompt_was_emptied), (3, lambda meta, row: took_transparent_colour(meta))),
               reads=("conversions",))
 COMPONENTS = ("text_encoder", "processor", "tokenizer")  # what the features depend on (per-sample reuse)

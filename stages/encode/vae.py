@@ -53,7 +53,7 @@ FEATURE_REVISION = "vae.2"
 # encoded again; one kept instead before too (caption '' then, which the VAE never reads) is carried.
 # Revision 4 takes a picture's one transparent colour as alpha: those samples' pictures changed.
 # Qwen-Image-2.1 (RGBA read as RGBA) has its own.
-FIXES = Fixes("vae.1", by_revision=lambda meta, row: has_alpha_picture(meta),
+FIXES = Fixes(own=((1, lambda meta, row: has_alpha_picture(meta)),),
               by_images=((1, lambda meta, row: mask_was_turned(meta)),
                          (3, lambda meta, row: took_transparent_colour(meta))), reads=("conversions",))
 COMPONENTS = ("vae",)  # what the latents depend on: another model with the same VAE files reuses them

@@ -27,7 +27,8 @@ from tqdm import tqdm
 from schemas.config import PipelineConfig, ResizeConfig
 from schemas import FieldSpec, Lineage, TableSchema, UserError
 from schemas.errors import Rejected
-from schemas.fixes import KEPT_INSTEAD, UNCLEANED_CAPTION, mask_may_misfit, mask_orientation_changes
+from schemas.fixes import (KEPT_INSTEAD, UNCLEANED_CAPTION, made_since, mask_may_misfit, mask_orientation_changes,
+                           revisions_before)
 from schemas.up_to_date import is_current
 from schemas.img_shapes import PIXELS_PER_PATCH, img_shapes_from_pixels
 from schemas.resize_sizes import sizes_in_force
@@ -90,17 +91,17 @@ TOLD_BY_SOURCE = (REVISION_4_FIX,)
 def _fixed_since(revision: int, by_rows: bool = False) -> AnyOf:
     """Which samples of a version of `revision` the fixes made since render differently (`by_rows`: those the
     stored columns tell, without the rows the source's headers settle: `TOLD_BY_SOURCE`)."""
-    return AnyOf(tuple(rule for r, rule in FIXES if r >= revision and not (by_rows and rule in TOLD_BY_SOURCE)))
+    return AnyOf(tuple(rule for rule in made_since(FIXES, revision) if not (by_rows and rule in TOLD_BY_SOURCE)))
 
 
 def _told_by_source_since(revision: int) -> bool:
     """Does a fix made since `revision` leave it to the source's headers which samples it changes?"""
-    return any(r >= revision and rule in TOLD_BY_SOURCE for r, rule in FIXES)
+    return any(rule in TOLD_BY_SOURCE for rule in made_since(FIXES, revision))
 
 
 def _revisions_before_fixes() -> list[int]:
     """The earlier revisions whose versions stay current (oldest first)."""
-    return [r for r, _ in FIXES if r < FEATURE_REVISION]
+    return revisions_before(FIXES, FEATURE_REVISION)
 PNG_COMPRESS_LEVEL = 3  # lossless either way; 3 is ~3x faster than the default 6 for a few % more bytes
 
 

@@ -173,3 +173,50 @@ def test_a_21_text_table_without_prompts_too_long_stays_current(tiny_21_model, m
         old = encode_text.run(cfg, tmp_path / "store", tiny_21_model)
     again = encode_text.run(cfg, tmp_path / "store", tiny_21_model)
     assert again.up_to_date and again.version == old.version
+
+
+def _later_fix(monkeypatch, stage, rule) -> None:
+    """A test-only fix of the stage's own made after its current revision: "<name>.n" -> "<name>.n+1", `rule`
+    appended to its list (it reads the images' caption)."""
+    from dataclasses import replace
+
+    name, _, n = stage.FEATURE_REVISION.rpartition(".")
+    fixes = stage.FIXES
+    monkeypatch.setattr(stage, "FEATURE_REVISION", f"{name}.{int(n) + 1}")
+    monkeypatch.setattr(stage, "FIXES", replace(fixes, own=(*fixes.own, (int(n), rule)),
+                                                reads=(*fixes.reads, "caption")))
+
+
+def test_a_table_two_own_revisions_behind_redoes_the_rows_either_later_fix_changes(tiny_plus_model, monkeypatch,
+                                                                                   tmp_path):
+    """text.1 / vae.1 under a third revision: the union of the rows the RGBA fix (s0, s2) and the next one (s2, s3)
+    change is encoded again; a text.2 / vae.2 table only the next one's rows. Before, an encoder kept one earlier
+    revision: the next fix re-encoded every row of a table two revisions behind."""
+    cfg = load_config(None, ALPHA)
+    _alpha_source(tmp_path / "src", (True, False, True, False, False))
+    for store in ("two", "one"):
+        resize_stage.run(cfg, tmp_path / "src", tmp_path / store)
+    _encode_before_fix(monkeypatch, cfg, tmp_path / "two", tiny_plus_model)
+    for stage in (encode_text, encode_vae):
+        stage.run(cfg, tmp_path / "one", tiny_plus_model, batch_size=1)
+        _later_fix(monkeypatch, stage, lambda meta, row: meta.get("caption") in ("edit 2", "edit 3"))
+
+    for stage in (encode_text, encode_vae):
+        two = stage.run(cfg, tmp_path / "two", tiny_plus_model, batch_size=1)
+        assert (two.encoded, two.reused) == (3, 2), stage.STAGE
+        one = stage.run(cfg, tmp_path / "one", tiny_plus_model, batch_size=1)
+        assert (one.encoded, one.reused) == (2, 3), stage.STAGE
+        assert stage.run(cfg, tmp_path / "two", tiny_plus_model, batch_size=1).up_to_date
+    _same(_tables(tmp_path / "two", "text", "vae"), _tables(tmp_path / "one", "text", "vae"))
+
+
+def test_a_table_two_own_revisions_behind_that_no_later_fix_changes_stays_current(tiny_plus_model, monkeypatch,
+                                                                                  tmp_path):
+    cfg = load_config(None, ALPHA)
+    _alpha_source(tmp_path / "src", (False, False))
+    resize_stage.run(cfg, tmp_path / "src", tmp_path / "store")
+    old = _encode_before_fix(monkeypatch, cfg, tmp_path / "store", tiny_plus_model)
+    for stage, before in zip((encode_text, encode_vae), old):
+        _later_fix(monkeypatch, stage, lambda meta, row: meta.get("caption") == "edit 9")
+        s = stage.run(cfg, tmp_path / "store", tiny_plus_model, batch_size=1)
+        assert s.up_to_date and s.version == before.version, stage.STAGE

@@ -44,13 +44,13 @@ def _images(st: Store, name: str, notes: bool):
     return st.reader(name)
 
 
-def _row_by_row(images, fixes, own: bool, images_since: int | None):
+def _row_by_row(images, fixes, own_since: int | None, images_since: int | None):
     """stages/encode/plan.py `changed_by` as it was (before bench/fix_rules.py)."""
     def changed(row):
         if row["key"] not in images:
             return True
         meta = images.meta(row["key"])
-        return (own and fixes.by_revision(meta, row)) or \
+        return any(rule(meta, row) for r, rule in fixes.own if own_since is not None and r >= own_since) or \
             any(rule(meta, row) for r, rule in fixes.by_images if images_since is not None and r >= images_since)
     return changed
 
@@ -73,7 +73,7 @@ def test_the_columnar_fix_rules_keep_exactly_the_rows_the_row_by_row_rule_keeps(
     kept_somewhere = set()
     for name, images in readers.items():
         for fix_name, fix in fixes.items():
-            for own, images_fix in ((True, None), (False, 1), (True, 1), (False, 2), (True, 2)):
+            for own, images_fix in ((1, None), (None, 1), (1, 1), (None, 2), (1, 2)):
                 for case, table in tables.items():
                     want = [not _row_by_row(images, fix, own, images_fix)(r) for r in table.to_pylist()]
                     got = _unchanged(table, lambda t: changed_rows(images, fix, t, own, images_fix))
@@ -82,7 +82,7 @@ def test_the_columnar_fix_rules_keep_exactly_the_rows_the_row_by_row_rule_keeps(
                     kept_somewhere.add(got.num_rows)
     assert len(kept_somewhere) > 3  # the fixes separate these rows (not all kept, or none, everywhere)
     # e.g. the RGBA fix of the Edit encoders: every row noting an alpha picture, and the keys the images lack
-    got = ~changed_rows(readers["notes"], vae.FIXES, rows, True, None)
+    got = ~changed_rows(readers["notes"], vae.FIXES, rows, 1, None)
     assert [KEYS[i] for i, keep in zip(order, got) if keep] == [KEYS[i] for i in (6, 0, 2, 5, 4)]
 
 
@@ -101,9 +101,9 @@ def test_a_rule_reading_a_column_not_declared_is_refused(tmp_path):
     rows = pa.table({"key": KEYS, "length": list(range(10))})
     undeclared = Fixes(by_images=((1, lambda meta, row: bool(meta.get("has_mask"))),), reads=("conversions",))
     with pytest.raises(KeyError, match="'has_mask', not among those declared"):
-        changed_rows(images, undeclared, rows, own=False, images_since=1)
+        changed_rows(images, undeclared, rows, own_since=None, images_since=1)
     with pytest.raises(KeyError, match="'key'"):
-        changed_rows(images, Fixes("x", by_revision=lambda meta, row: row["key"] == ""), rows, True, None)
+        changed_rows(images, Fixes(own=((1, lambda meta, row: row["key"] == ""),)), rows, 1, None)
     with pytest.raises(KeyError, match="'conversions'"):
         RowRule(mask_orientation_changes, ("has_mask",))(images.manifest)
 
