@@ -1274,6 +1274,7 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
             dm = decode_mask(rec.mask, rc.max_image_pixels)
         except ImageRejected as e:
             raise Rejected("bad-mask", f"mask{_where(rec, 1 + len(rec.controls))}: {e}", key=key) from None
+        notes.extend(dm.notes)  # its own conversions (grayscale, 16 bits, EXIF), as `_decode` keeps the images'
         mask = dm.image
         if _drawn_on_stored_pixels(mask, dm.orientation, target, decoded.orientation):
             mask = oriented_as(mask, decoded.orientation)
