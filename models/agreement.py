@@ -19,14 +19,13 @@ from typing import Sequence
 
 from schemas.errors import UserError
 
-TEXT_CHARS = 600  # a rank's reason or error as gathered (a probe's exception text can be long)
 
-
-def agree_on(world: int, mine: dict, field: str, preference: Sequence[str], key: str, noun: str,
-             size: int) -> tuple[dict, str, list[dict]]:
+def agree_on(world: int, mine: dict, field: str, preference: Sequence[str], key: str,
+             noun: str) -> tuple[dict, str, list[dict]]:
     """One decision of all ranks (a collective: every rank calls it, `world` > 1). `mine`: this rank's pick under
     `field`, its `reason`, anything else its record keeps (JSON) - or an `error` when it can run no choice.
-    `preference`: the choices, most preferred first (module docstring). `size`: bytes of a rank's JSON.
+    `preference`: the choices, most preferred first (module docstring). Every rank's JSON is gathered whole
+    (buffers as long as the longest): a reason or error is never cut, whatever its length.
 
     Returns (the `mine` of the lowest rank holding the agreed pick, the reason, every rank's `mine` with its
     `rank`), the same on every rank. The same pick everywhere: rank 0's reason, said to hold on all ranks.
@@ -34,8 +33,7 @@ def agree_on(world: int, mine: dict, field: str, preference: Sequence[str], key:
     ranks), or different picks outside `preference`."""
     from models.collective import gather_texts
 
-    mine = {k: (v[:TEXT_CHARS] if k in ("reason", "error") and isinstance(v, str) else v) for k, v in mine.items()}
-    ranks = [{"rank": i, **json.loads(text)} for i, text in enumerate(gather_texts(world, json.dumps(mine), size))]
+    ranks = [{"rank": i, **json.loads(text)} for i, text in enumerate(gather_texts(world, json.dumps(mine), None))]
     failed = [r for r in ranks if r.get("error")]
     if failed:
         where = "" if len(failed) == world else f" (on rank(s) {few(r['rank'] for r in failed)} of {world})"

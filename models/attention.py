@@ -101,7 +101,6 @@ def resolve(name: str | None, device: torch.device, dtype: torch.dtype) -> str:
 # later one (native is the processor's own path, which runs anywhere): so the least preferred of the ranks' picks
 # is the best backend every rank can run.
 PREFERENCE = (PACKED, "native")
-RECORD_BYTES = 4096  # one rank's choice as JSON (a reason and a probe error, each cut at a few hundred characters)
 
 
 def agree(choice: Choice, world: int, key: str) -> Choice:
@@ -115,7 +114,7 @@ def agree(choice: Choice, world: int, key: str) -> Choice:
     from models.agreement import agree_on
 
     mine = {"backend": choice.backend, "reason": choice.reason, "probe": choice.probe}
-    agreed, reason, ranks = agree_on(world, mine, "backend", PREFERENCE, key, "backend", RECORD_BYTES)
+    agreed, reason, ranks = agree_on(world, mine, "backend", PREFERENCE, key, "backend")
     return replace(choice, backend=agreed["backend"], reason=reason, ranks=ranks)
 
 

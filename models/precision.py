@@ -182,7 +182,6 @@ def _why(requested: str, device: str | torch.device, what: str) -> str:
 # `agreed_precision`'s choices, widest last: a rank that can run one can run every later one (float32 runs
 # wherever bf16 does, with or without autocast), so the last of the ranks' picks is what every rank can run.
 PREFERENCE = ("bfloat16", "float32 + bf16 autocast", "float32")
-RECORD_BYTES = 2048  # one rank's resolution as JSON
 
 
 def agreed_precision(resolve: Callable[[], Precision], world: int, key: str) -> Precision:
@@ -203,7 +202,7 @@ def agreed_precision(resolve: Callable[[], Precision], world: int, key: str) -> 
         text = str(e) if isinstance(e, UserError) else f"{key}: {type(e).__name__}: {e}"
         mine = {"error": " ".join(text.splitlines())}
     try:
-        agreed, reason, ranks = agree_on(world, mine, "dtype", PREFERENCE, key, "precision", RECORD_BYTES)
+        agreed, reason, ranks = agree_on(world, mine, "dtype", PREFERENCE, key, "precision")
     except UserError:
         if error is not None and not isinstance(error, UserError):
             raise error  # a bug: its traceback on the rank where it happened (the others raise its line)

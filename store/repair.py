@@ -490,7 +490,9 @@ def _repair_table(st, t: TablePlan, recompute: Recompute | None, echo: Callable[
     finally:
         w.close()
         reader.close()
-    echo(f"{t.table}: recomputing {len(t.damaged)} damaged sample(s) with {schema.lineage.stage} into v{new}")
+    # no version named: a stage of a later revision writes its own (`supersede`), known once it ran; the closing
+    # "repaired as v<M>" line names the one written
+    echo(f"{t.table}: recomputing {len(t.damaged)} damaged sample(s) with {schema.lineage.stage} into a new version")
     assert recompute is not None
     with repair_context.expecting(schema.lineage) as repairing:
         recompute(t.table, schema)

@@ -1247,8 +1247,10 @@ def _base_row(ranks, losses: LossStore | None, transformer, samples, mine: list[
                 if base_partial:
                     base = donor.base(base)
                 with _writing_losses(losses.path.parent):
-                    # a base read from the base-losses file (`reused`) or wholly a donor's: computed by no rank now
-                    _record_rows(losses, () if reused or (base_partial and known.all()) else computed_on,
+                    # wholly a donor's: computed by no rank now (the donor's machines recorded). One read from the
+                    # base-losses file (`reused`) was computed on this run's machines: the file's key holds the
+                    # device and libraries, every rank's where they differ (`base_images.losses_key`)
+                    _record_rows(losses, () if base_partial and known.all() else computed_on,
                                  donor if base_partial else None)
                     losses.write_base(base)
                 # the file holds whole computations only: a grown grid's recorded cells are float32

@@ -995,10 +995,12 @@ def _refuse_a_switch_without_hashes(st: Store, rc: ResizeConfig, schema: TableSc
 
 
 def _commit(st: Store, writer: Any, source: str | Path, intake: _Intake) -> None:
-    """Quarantine rows first, then the version (an empty result is the user's to fix, not a table)."""
+    """Quarantine rows first, then the version (an empty result is the user's to fix, not a table: its in-progress
+    version is removed, so the next run's takes this number, not the one after)."""
     summary = intake.summary
     st.add_quarantine(intake.rejects)
     if summary.written + summary.resumed + summary.reused == 0:
+        discard_version(st, writer)  # it holds no sample: a schema.json only, and the records this run wrote
         if not intake.rejects:  # nothing read at all (e.g. a target/ holding only .DS_Store): no quarantine to see
             raise UserError(f"no sample found in source {source} (dotfiles such as .DS_Store are ignored); add the "
                             "samples and rerun (the layouts: docs/resize-bucket.md, 'Sources')")
@@ -1273,6 +1275,7 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
             dm = decode_mask(rec.mask, rc.max_image_pixels)
         except ImageRejected as e:
             raise Rejected("bad-mask", f"mask{_where(rec, 1 + len(rec.controls))}: {e}", key=key) from None
+        notes.extend(dm.notes)  # its own conversions (grayscale, 16 bits, EXIF), as `_decode` keeps the images'
         mask = dm.image
         if _drawn_on_stored_pixels(mask, dm.orientation, target, decoded.orientation):
             mask = oriented_as(mask, decoded.orientation)

@@ -14,9 +14,10 @@ from schemas import UserError
 
 
 def others(monkeypatch, *ranks: dict) -> None:
-    """This process is rank 0; `ranks` are what ranks 1.. resolved (the all-gather's other texts)."""
-    monkeypatch.setattr(collective, "gather_texts",
-                        lambda world, text, size: [text, *(json.dumps(r) for r in ranks)][:world])
+    """This process is rank 0; `ranks` are what ranks 1.. resolved (the all-gather's other texts, each cut at
+    `size` bytes as `collective.gather_texts` cuts them; None: whole)."""
+    monkeypatch.setattr(collective, "gather_texts", lambda world, text, size: [
+        t.encode()[:size].decode("utf-8", "replace") for t in [text, *(json.dumps(r) for r in ranks)][:world]])
 
 
 def own(weights: str, autocast: bool = False, reason: str = "rank 0's own reason"):
@@ -59,6 +60,28 @@ def test_this_rank_failing_takes_part_in_the_agreement_before_it_raises(monkeypa
 
     with pytest.raises(UserError, match=r"2 CUDA device\(s\) \(on rank\(s\) 0 of 2\)$"):
         agreed_precision(fails, 2, "evaluate.dtype")
+
+
+def test_a_long_reason_reaches_every_rank_whole(monkeypatch) -> None:
+    """A rank's error or reason of any length (a path on a deep filesystem, a library's several lines) is gathered
+    whole: before, agree_on cut it at 600 characters silently, and a longer rank's JSON cut at the fixed buffer
+    size was no JSON at all (a traceback on every rank)."""
+    deep = "/" + "/".join(f"folder-{i:03d}" for i in range(300)) + "/model.safetensors"  # ~3,300 characters
+    others(monkeypatch, {"error": f"evaluate.dtype bfloat16: cannot read {deep}"})
+    with pytest.raises(UserError) as e:
+        agreed_precision(own("bfloat16"), 2, "evaluate.dtype")
+    assert str(e.value) == f"evaluate.dtype bfloat16: cannot read {deep} (on rank(s) 1 of 2)"
+
+    def fails():
+        raise UserError(f"evaluate.device: no such device file {deep[:1000]}")
+
+    others(monkeypatch, {"dtype": "float32", "weights": "float32", "autocast_bf16": False, "reason": "theirs"})
+    with pytest.raises(UserError) as e:
+        agreed_precision(fails, 2, "evaluate.dtype")
+    assert str(e.value) == f"evaluate.device: no such device file {deep[:1000]} (on rank(s) 0 of 2)"
+    others(monkeypatch, {"dtype": "float32", "weights": "float32", "autocast_bf16": False, "reason": deep})
+    p = agreed_precision(own("bfloat16", reason=deep), 2, "evaluate.dtype")
+    assert p.reason.endswith(f"rank 1: {deep}") and [r["reason"] for r in p.ranks] == [deep, deep]
 
 
 def test_one_process_resolves_as_before_without_any_collective(monkeypatch) -> None:

@@ -5,9 +5,12 @@ were computed on another machine (`stages.evaluate.loss_groups.note_computed_on`
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import xarray as xr
 
 from schemas.config import EvaluateConfig
+from schemas.errors import UserError
 from stages.evaluate import base_images
 from stages.evaluate import checkpoints as ev
 from stages.evaluate.loss_groups import COMPUTED_ON
@@ -67,3 +70,23 @@ def test_rows_taken_from_a_kept_group_record_its_machines(run_and_store, tiny_ed
     assert "nothing to compute" in capsys.readouterr().out and res.evaluated == 0  # none computed
     shrunk = xr.open_zarr(out / GROUP)
     assert list(shrunk.seed.values) == [0] and shrunk.attrs[COMPUTED_ON] == [here]
+
+
+def test_base_losses_taken_from_the_kept_file_record_the_machine(run_and_store, tiny_edit_model, tmp_path,
+                                                                 monkeypatch):
+    """A base row read from OUT/base-losses.safetensors (no pass: `stages.evaluate.base_losses`) was computed on
+    this very machine (the file's key holds the device and libraries, every rank's where they differ): the array
+    records it, as it does for a row computed. Before, an array whose only row came from the file recorded none."""
+    from stages.evaluate import stage
+
+    root, cfg, out = run_and_store, EvaluateConfig(**CFG), tmp_path / "report"
+    stage.run(cfg, root / "store", tiny_edit_model, dict(_ckpts(root))[10], out)  # records the base losses
+    # every checkpoint rewritten by a training beside it before it was loaded: left out, the base row alone
+    monkeypatch.setattr(ev, "_load_if_unchanged", lambda *a, **k: False)
+    for folder in (out, tmp_path / "fresh"):  # from the file; computed
+        with pytest.raises(UserError, match="no checkpoint recorded in .* is still on disk"):
+            ev.run(cfg, root / "store", tiny_edit_model, _ckpts(root), folder)
+    fresh, kept = (xr.open_zarr(folder / GROUP) for folder in (tmp_path / "fresh", out))
+    (here,) = fresh.attrs[COMPUTED_ON]
+    assert kept.attrs[COMPUTED_ON] == [here]  # before: []
+    np.testing.assert_array_equal(kept.base_loss.values, fresh.base_loss.values)

@@ -68,6 +68,8 @@ def test_repair_of_features_encoded_before_the_rgba_fix_leaves_nothing_to_recomp
                               "--config", str(config)])
     assert res.exit_code == 0, res.output
     assert "repaired as v3 (its damaged samples and those the fixes since change recomputed" in res.output
+    # the line before the stage ran named the repair version it then superseded ("... into v2")
+    assert "into v2" not in res.output, res.output
     assert verify_store(tmp_path / "store", progress=False) == []
     assert sorted(p.name for p in (tmp_path / "store" / "vae").iterdir() if not p.name.startswith(".")) == \
         ["v1.damaged", "v1.damaged.json", "v3"]  # the repair version the stage superseded (v2) is gone
@@ -94,6 +96,7 @@ def test_repair_of_images_rendered_before_the_mask_fix(monkeypatch, tmp_path):
     _damage_shards_of(tmp_path / "store", "images", *damaged)
     res = runner.invoke(app, ["store", "repair", str(tmp_path / "store"), "--config", str(config)])
     assert res.exit_code == 0, res.output
+    assert "images: v1 repaired as v3" in res.output and "into v2" not in res.output, res.output  # v2: superseded
     assert verify_store(tmp_path / "store", progress=False) == []
     rerun = resize_stage.run(cfg, tmp_path / "src", tmp_path / "store")
     assert (rerun.up_to_date, rerun.written) == (True, 0)  # before: the re-rendered masked samples again

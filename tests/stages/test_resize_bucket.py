@@ -398,6 +398,12 @@ def test_a_source_with_nothing_usable_is_an_error_after_quarantining(tmp_path):
     with pytest.raises(UserError, match=r"^no sample found in source .*litter \(dotfiles such as \.DS_Store are "
                                         r"ignored\); add the samples"):
         run(cfg(), tmp_path / "litter", tmp_path / "store")
+    # the runs that wrote nothing left no version behind: the first that writes one makes v1 (before: v3, with an
+    # in-progress v1 and v2 holding only their schema.json until a `store gc`)
+    assert not any(p.name.startswith("v") for p in (tmp_path / "store" / "images").iterdir())
+    put(tmp_path / "src", "empty", png(rgb(64, 64)))
+    assert run(cfg(), tmp_path / "src", tmp_path / "store").version == 1
+    assert sorted(p.name for p in (tmp_path / "store" / "images").iterdir() if p.is_dir()) == ["v1"]
 
 
 def test_unsupported_files_quarantine_their_sample_gif_is_read_dotfiles_ignored(tmp_path):

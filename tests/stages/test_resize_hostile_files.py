@@ -364,3 +364,20 @@ def test_a_max_image_pixels_above_pillows_own_limit_is_honoured(tmp_path, monkey
     assert set(table(store)) == {"big.png"}
     [q] = Store(store).quarantine().to_pylist()
     assert q["source"].endswith("bigger.png") and "over resize.max_image_pixels = 50000" in q["detail"]
+
+
+def test_a_masks_own_conversions_reach_its_row_and_the_summary(tmp_path):
+    """A mask's decode notes (an RGB mask made grayscale, a 16-bit one scaled to 8 bits) are the sample's
+    `conversions` and the summary's `converted:` line, as its target's and controls' are. Before, they were
+    dropped: a colour mask read as its luminance, unsaid."""
+    root, store = tmp_path / "src", tmp_path / "store"
+    photo = lambda shade: encoded(Image.new("RGB", (64, 48), (shade, 30, 30)))  # noqa: E731
+    put(root, "rgb.png", photo(200), mask=encoded(Image.new("RGB", (64, 48), (255, 255, 255))))
+    put(root, "deep.png", photo(100), caption=b"deep",
+        mask=encoded(Image.fromarray(np.full((48, 64), 65535, np.uint16)).convert("I;16")))
+    put(root, "plain.png", photo(50), caption=b"plain", mask=encoded(Image.new("L", (64, 48), 255)))
+    s = run(cfg(), root, store)
+    t = table(store)
+    rgb, deep = "RGB mask converted to grayscale", "16-bit mask scaled to 8 bits"
+    assert {n: m["conversions"] for n, (m, _) in t.items()} == {"rgb.png": [rgb], "deep.png": [deep], "plain.png": []}
+    assert (s.conversions[rgb], s.conversions[deep]) == (1, 1) and f"1x {rgb}" in str(s), str(s)
