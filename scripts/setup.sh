@@ -28,6 +28,6 @@ if [ -z "${PIPELINE_SKIP_TORCH_PIN:-}" ]; then
   pip_quiet install -q torch==2.14.1 torchvision==0.29.1
 fi
 pip_quiet install -q -e '.[test]'
-python -c "import torch, diffusers, transformers, peft, accelerate, webdataset; print('installed: torch', torch.__version__, '| diffusers', diffusers.__version__, '| transformers', transformers.__version__)"
+python -c "import models.quiet_imports, torch, diffusers, transformers, peft, accelerate, webdataset; print('installed: torch', torch.__version__, '| diffusers', diffusers.__version__, '| transformers', transformers.__version__)"
 echo "$KEY" > "$STAMP"
 echo "setup: done. In a new shell, run \`. .venv/bin/activate\` (from $(pwd)) to get the \`pipeline\` command."
