@@ -147,14 +147,19 @@ def make_sampler(lengths: list[int], batch_size: int, max_tokens: int | None, se
                  shuffle: int = PLAN_SHUFFLE):
     """`train.max_tokens_per_batch` None: today's fixed `batch_size` batches; else token-budget batches, whose
     shuffles are the run's `shuffle` (the length-aware sampler has drawn by numpy from the first)."""
+    from schemas.errors import UserError
     from stages.train.sampler import LengthAwareBatchSampler
 
+    if 0 < len(lengths) < world_size:  # the samplers' own ValueError reached a launched user as a traceback
+        raise UserError(
+            f"the training split holds {len(lengths)} sample(s), fewer than the {world_size} processes its steps are "
+            f"planned for (every process trains on a sample of each step): launch at most {len(lengths)} "
+            "process(es), or add training samples"
+        )
     if max_tokens is None:
         return LengthAwareBatchSampler(lengths, batch_size, seed=seed, window=window, world_size=world_size)
     longest = max(lengths, default=0)
     if longest > max_tokens:
-        from schemas.errors import UserError
-
         raise UserError(
             f"train.max_tokens_per_batch ({max_tokens}) is smaller than the longest training sample ({longest} "
             f"tokens): raise it to at least {longest}"

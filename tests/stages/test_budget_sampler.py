@@ -120,3 +120,15 @@ def test_plans_of_every_tail_case_are_the_ones_runs_were_trained_with():
                 s = TokenBudgetBatchSampler(lengths[:n], 3000, 5, window=4, world_size=world, shuffle=shuffle)
                 plans.append([s.global_steps(e).tolist() for e in range(2)])
         assert hashlib.sha256(json.dumps(plans).encode()).hexdigest()[:16] == pinned, shuffle
+
+
+@pytest.mark.parametrize("budget", [None, 10])
+def test_fewer_samples_than_processes_is_one_line(budget):
+    """A launch of more processes than the split has samples: the samplers' ValueError reached a launched rank's
+    top level as an unexpected error (`rank 0 failed: ValueError: ...` and its traceback); now the UserError every
+    rank prints as one line, naming the counts and what to do."""
+    from schemas.errors import UserError
+
+    with pytest.raises(UserError, match=r"holds 1 sample\(s\), fewer than the 2 processes.*at most 1 process"):
+        make_sampler([3], 2, budget, 0, 4, 2)
+    assert len(make_sampler([3, 4], 2, budget, 0, 4, 2).global_steps(0)) == 1
