@@ -89,7 +89,8 @@ class DataStream:
         n = 0
         for _ in range(micro_steps):
             steps = self.steps(epoch)
-            n += sum(len(b) for b in steps[batch])  # a re-split step (elastic.py) holds the planned samples
+            planned = getattr(steps, "planned", steps)  # a re-split step (elastic.py) holds its planned samples
+            n += sum(len(b) for b in planned[batch])
             epoch, batch = (epoch + 1, 0) if batch + 1 == len(steps) else (epoch, batch + 1)
         return n
 

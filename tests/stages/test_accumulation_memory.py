@@ -42,3 +42,24 @@ def test_one_micro_batch_of_a_step_is_alive_at_each_backward(tiny_edit_model, tm
     assert result.steps == 3 and len(prepared) == 12
     # before: 4 at every backward (all four prepared before the first forward and kept to the step's end)
     assert alive_at_backward == [1] * 12, alive_at_backward
+
+
+def test_the_planned_samples_are_those_the_stream_hands_out():
+    """The loss scale counted from the plan is the count of the micro-batches read after it, on the run's own world
+    size and re-split over others (elastic.py), across epoch ends."""
+    import numpy as np
+
+    from stages.train.budget import make_sampler
+    from stages.train.data import DataStream
+    from stages.train.elastic import on_world
+
+    lengths = np.random.default_rng(0).integers(10, 60, 101)
+    for budget in (None, 150):
+        sampler = make_sampler(lengths, 3, budget, 0, 4, 4)
+        for world in (4, 2, 3, 8):
+            for position in ((0, 0), (0, 5), (1, 2)):
+                for micro_steps in (1, 3, 40):
+                    stream = DataStream(on_world(sampler, world), *position)
+                    planned = stream.planned_samples(position, micro_steps)
+                    handed = sum(len(b) for _ in range(micro_steps) for b in stream.next()[1])
+                    assert planned == handed, (budget, world, position, micro_steps)
