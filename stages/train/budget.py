@@ -168,6 +168,12 @@ def make_sampler(lengths: list[int], batch_size: int, max_tokens: int | None, se
         )
     if max_tokens is None:
         return LengthAwareBatchSampler(lengths, batch_size, seed=seed, window=window, world_size=world_size)
+    if shuffle not in (PYTHON_SHUFFLE, NUMPY_SHUFFLE, TAIL_IN_BUDGET):  # a checkpoint of a newer release's plan
+        raise UserError(
+            f"the run's checkpoints record token-budget plan {shuffle}, which this release does not know (it plans "
+            f"{PYTHON_SHUFFLE} to {TAIL_IN_BUDGET}): a newer release started the run; finish it with that release, or "
+            "train afresh (--new-run)"
+        )
     longest = max(lengths, default=0)
     if longest > max_tokens:
         raise UserError(
