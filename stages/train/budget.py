@@ -156,7 +156,9 @@ def computed_fill(steps: list[list[list[int]]], lengths: list[int], max_tokens: 
 def make_sampler(lengths: list[int], batch_size: int, max_tokens: int | None, seed: int, window: int, world_size: int,
                  shuffle: int = PLAN_SHUFFLE):
     """`train.max_tokens_per_batch` None: today's fixed `batch_size` batches; else token-budget batches, whose
-    shuffles are the run's `shuffle` (the length-aware sampler has drawn by numpy from the first)."""
+    shuffles are the run's `shuffle` (the length-aware sampler has drawn by numpy from the first). `shuffle`
+    `TAIL_IN_BUDGET` (runs started now): both samplers plan an epoch's leftovers of fewer samples than ranks as a
+    step of their own, never into a full step's batches beyond the planned size or budget."""
     from schemas.errors import UserError
     from stages.train.sampler import LengthAwareBatchSampler
 
@@ -166,8 +168,9 @@ def make_sampler(lengths: list[int], batch_size: int, max_tokens: int | None, se
             f"planned for (every process trains on a sample of each step): launch at most {len(lengths)} "
             "process(es), or add training samples"
         )
-    if max_tokens is None:
-        return LengthAwareBatchSampler(lengths, batch_size, seed=seed, window=window, world_size=world_size)
+    if max_tokens is None:  # numpy's shuffles from the first; since plan 3 a short tail is a step of its own too
+        return LengthAwareBatchSampler(lengths, batch_size, seed=seed, window=window, world_size=world_size,
+                                       tail_apart=shuffle == TAIL_IN_BUDGET)
     if shuffle not in (PYTHON_SHUFFLE, NUMPY_SHUFFLE, TAIL_IN_BUDGET):  # a checkpoint of a newer release's plan
         raise UserError(
             f"the run's checkpoints record token-budget plan {shuffle}, which this release does not know (it plans "
