@@ -13,17 +13,22 @@ Per epoch, from (seed, epoch) alone:
    (sorted, so the longest is the newest; for consecutive runs of a sorted list greedy gives the fewest
    batches, i.e. the fullest);
 3. group consecutive batches (similar cost) into global steps of one batch per rank, shuffle the steps' order;
-4. the leftover batches (fewer than ranks) are split, largest first, into halves until there is one per rank:
-   every half of a batch within budget is within budget. Only when the leftovers hold fewer samples than there
-   are ranks do their samples join the last full step, one per batch (that one step may then exceed the budget
-   by one sample per batch) - every index still appears exactly once per epoch and every rank gets the same
-   number of batches (DDP steps in lockstep).
+4. the leftover batches (fewer than ranks) are the last step, split, largest first, into halves until there is
+   one per rank: every half of a batch within budget is within budget. When the leftovers hold fewer samples than
+   there are ranks, the ranks left over get an empty batch (the trainer runs a zero-weight stand-in there,
+   `stages/train/prefetch.py::prepare_share`, as after an elastic resume on more ranks) - every index appears
+   exactly once per epoch, every batch is within the budget and every rank gets the same number of batches (DDP
+   steps in lockstep). Runs planned before (`NUMPY_SHUFFLE`, `PYTHON_SHUFFLE`) had those few samples join the
+   last full step, one per batch, and go on so: a budget-long sample joining a batch of short ones took it far
+   over the budget (17 x 1000-token samples padded to 16000 on a budget of 16384: an out-of-memory at an
+   epoch's end that `pipeline plan`, which plans a micro-batch at the budget, did not foresee).
 A sample longer than the budget is an error: the budget must hold the longest sample.
 
 The two shuffles (steps 1 and 3) draw from (seed, epoch) by the run's `shuffle` (recorded in its checkpoints,
-`ResumeRecord.plan_shuffle`): `NUMPY_SHUFFLE` for runs started now, numpy permutations seeded from
-`store.partition.rng_for` as the length-aware sampler's; `PYTHON_SHUFFLE` for runs started before it (Python's
-random.shuffle, ~0.7 s a plan at 1M samples, every epoch and rank), so their resumes continue their own order.
+`ResumeRecord.plan_shuffle`): `TAIL_IN_BUDGET` for runs started now (step 4 above) and `NUMPY_SHUFFLE`, numpy
+permutations seeded from `store.partition.rng_for` as the length-aware sampler's; `PYTHON_SHUFFLE` for runs started
+before it (Python's random.shuffle, ~0.7 s a plan at 1M samples, every epoch and rank), so their resumes continue
+their own order.
 """
 
 from __future__ import annotations
@@ -35,20 +40,22 @@ import numpy as np
 from stages.train.epoch_plan import EpochPlan
 from store.partition import rng_for
 
-# How a plan's shuffles draw from (seed, epoch): recorded per run, never changed for a run (its resumes must see
-# its order); a fresh run takes `PLAN_SHUFFLE`.
-PYTHON_SHUFFLE, NUMPY_SHUFFLE = 1, 2
-PLAN_SHUFFLE = NUMPY_SHUFFLE
+# How a plan's shuffles draw from (seed, epoch), and where its leftovers go: recorded per run, never changed for a
+# run (its resumes must see its order); a fresh run takes `PLAN_SHUFFLE`. `TAIL_IN_BUDGET`: numpy's shuffles, and
+# leftovers of fewer samples than ranks are a step of their own (`global_steps`, step 4), never joined to a full
+# step's batches, which took those over the budget (a budget-long sample added to a batch of 16 short ones: 17x).
+PYTHON_SHUFFLE, NUMPY_SHUFFLE, TAIL_IN_BUDGET = 1, 2, 3
+PLAN_SHUFFLE = TAIL_IN_BUDGET
 
 
 def _shuffler(seed: int, epoch: int, shuffle: int):
     """`shuffled(n)`: a permutation of range(n) as int64 numbers; successive calls continue one generator."""
     rng = rng_for(seed, epoch)
-    if shuffle == NUMPY_SHUFFLE:
+    if shuffle in (NUMPY_SHUFFLE, TAIL_IN_BUDGET):
         gen = np.random.default_rng(rng.getrandbits(64))
         return lambda n: gen.permutation(n)
     if shuffle != PYTHON_SHUFFLE:
-        raise ValueError(f"plan shuffle {shuffle}: this code knows {PYTHON_SHUFFLE} and {NUMPY_SHUFFLE}")
+        raise ValueError(f"plan shuffle {shuffle}: this code knows {PYTHON_SHUFFLE} to {TAIL_IN_BUDGET}")
 
     def shuffled(n: int) -> np.ndarray:
         # an array, not a list, shuffled by the same draws (random.shuffle swaps items of any sequence): 8 B a
@@ -115,17 +122,20 @@ class TokenBudgetBatchSampler:
         starts = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
         tail = [flat[starts[j]:starts[j + 1]].tolist() for j in range(n_full * w, len(sizes))]
         last: list[list[int]] = []
-        if tail and sum(len(b) for b in tail) < w:  # fewer samples than ranks: one each joins the last full step
+        if tail and sum(len(b) for b in tail) < w and self.shuffle != TAIL_IN_BUDGET:
+            # runs planned before TAIL_IN_BUDGET: fewer samples than ranks, one each joins the last full step
             last = [flat[starts[j]:starts[j + 1]].tolist() for j in range(perm[-1] * w, perm[-1] * w + w)]
             for j, i in enumerate(i for b in tail for i in b):
                 last[j] = last[j] + [i]
             perm, tail = perm[:-1], []
         elif tail:
-            while len(tail) < w:  # halve the batch with the most samples (a half of a batch fits the budget)
+            # halve the batch with the most samples (a half of a batch fits the budget) while a rank has none and
+            # a batch has two; ranks still without one get an empty batch (a zero-weight stand-in in training)
+            while len(tail) < w and max(len(b) for b in tail) > 1:
                 big = max(range(len(tail)), key=lambda j: len(tail[j]))
                 b = tail.pop(big)
                 tail += [b[: len(b) // 2], b[len(b) // 2 :]]
-            last = sorted(tail, key=lambda b: -len(b))
+            last = sorted(tail, key=lambda b: -len(b)) + [[] for _ in range(w - len(tail))]
         batch_ids = (np.asarray(perm, dtype=np.int64)[:, None] * w + np.arange(w)).reshape(-1)
         batch_sizes = np.asarray(sizes, dtype=np.int64)[batch_ids] if len(batch_ids) else np.zeros(0, np.int64)
         # gather the batches' samples in step order: position p of batch b reads flat[starts[b] + p]
@@ -146,15 +156,29 @@ def computed_fill(steps: list[list[list[int]]], lengths: list[int], max_tokens: 
 def make_sampler(lengths: list[int], batch_size: int, max_tokens: int | None, seed: int, window: int, world_size: int,
                  shuffle: int = PLAN_SHUFFLE):
     """`train.max_tokens_per_batch` None: today's fixed `batch_size` batches; else token-budget batches, whose
-    shuffles are the run's `shuffle` (the length-aware sampler has drawn by numpy from the first)."""
+    shuffles are the run's `shuffle` (the length-aware sampler has drawn by numpy from the first). `shuffle`
+    `TAIL_IN_BUDGET` (runs started now): both samplers plan an epoch's leftovers of fewer samples than ranks as a
+    step of their own, never into a full step's batches beyond the planned size or budget."""
+    from schemas.errors import UserError
     from stages.train.sampler import LengthAwareBatchSampler
 
-    if max_tokens is None:
-        return LengthAwareBatchSampler(lengths, batch_size, seed=seed, window=window, world_size=world_size)
+    if 0 < len(lengths) < world_size:  # the samplers' own ValueError reached a launched user as a traceback
+        raise UserError(
+            f"the training split holds {len(lengths)} sample(s), fewer than the {world_size} processes its steps are "
+            f"planned for (every process trains on a sample of each step): launch at most {len(lengths)} "
+            "process(es), or add training samples"
+        )
+    if max_tokens is None:  # numpy's shuffles from the first; since plan 3 a short tail is a step of its own too
+        return LengthAwareBatchSampler(lengths, batch_size, seed=seed, window=window, world_size=world_size,
+                                       tail_apart=shuffle == TAIL_IN_BUDGET)
+    if shuffle not in (PYTHON_SHUFFLE, NUMPY_SHUFFLE, TAIL_IN_BUDGET):  # a checkpoint of a newer release's plan
+        raise UserError(
+            f"the run's checkpoints record token-budget plan {shuffle}, which this release does not know (it plans "
+            f"{PYTHON_SHUFFLE} to {TAIL_IN_BUDGET}): a newer release started the run; finish it with that release, or "
+            "train afresh (--new-run)"
+        )
     longest = max(lengths, default=0)
     if longest > max_tokens:
-        from schemas.errors import UserError
-
         raise UserError(
             f"train.max_tokens_per_batch ({max_tokens}) is smaller than the longest training sample ({longest} "
             f"tokens): raise it to at least {longest}"

@@ -81,6 +81,19 @@ class DataStream:
                     del self._plans[old]  # the oldest; whoever walks it holds its own reference
             return plan
 
+    def planned_samples(self, position: tuple[int, int], micro_steps: int) -> int:
+        """Every rank's samples of the `micro_steps` global micro-batches from `position` on, from the plans alone:
+        what an optimizer step's loss is scaled by (world_size / samples in the step) before any of its
+        micro-batches is read, so each can be read, run and dropped in turn (`recipe._accumulate`)."""
+        epoch, batch = position
+        n = 0
+        for _ in range(micro_steps):
+            steps = self.steps(epoch)
+            planned = getattr(steps, "planned", steps)  # a re-split step (elastic.py) holds its planned samples
+            n += sum(len(b) for b in planned[batch])
+            epoch, batch = (epoch + 1, 0) if batch + 1 == len(steps) else (epoch, batch + 1)
+        return n
+
     def next(self) -> tuple[int, list[list[int]], bool]:
         """(epoch, every rank's batch of the next global micro-step, whether it ends the epoch)."""
         if self._steps is None:  # held for the epoch: walkers far ahead (tiny epochs) may drop it from `_plans`

@@ -455,14 +455,20 @@ def _accumulate(r: Run, t0: float) -> tuple[list, float, int, torch.Tensor, int,
     step_losses: list[tuple[list[int], torch.Tensor]] = []  # this rank's rows and losses, for a non-finite step
     loss_sum = torch.zeros((), device=r.device)
     damaged = 0  # train.on_damaged=skip: this rank's planned samples left out as damaged (stages/train/damaged.py)
+    micro, data_seconds = [], 0.0
     with fails_alone(r.world, f"optimizer step {r.step + 1}", OOM_ADVICE):
-        micro = [r.batches.next() for _ in range(tc.grad_accum)]
-        data_seconds = time.perf_counter() - t0
-        n_step = sum(len(b) for m in micro for b in m.global_batch)
-        for k, m in enumerate(micro):
+        # the step's planned samples from the plan, not from its micro-batches: each is read, run and dropped in
+        # turn, so one micro-batch's inputs sit on the device at a time, not grad_accum of them (and after an
+        # elastic shrink not grad_accum x W0 / W planned batches', which the run was never sized for)
+        n_step = r.stream.planned_samples(r.position, tc.grad_accum)
+        for k in range(tc.grad_accum):
+            waited = time.perf_counter()
+            m = r.batches.next()
+            data_seconds += time.perf_counter() - waited
+            micro.append(m)
             parts = []
             for j, flow in enumerate(m.flows):  # several: this rank's share cut to the planned size (elastic.chunks)
-                with parallel.accumulating(r.model, last=k == len(micro) - 1 and j == len(m.flows) - 1):
+                with parallel.accumulating(r.model, last=k == tc.grad_accum - 1 and j == len(m.flows) - 1):
                     parts.append(backward_of(r.model, flow, tc, r.device, scale=r.world / n_step))
             losses = torch.cat(parts) if len(parts) > 1 else parts[0]
             loss_sum += losses.sum()
@@ -470,6 +476,7 @@ def _accumulate(r: Run, t0: float) -> tuple[list, float, int, torch.Tensor, int,
             step_losses.append((share, losses))
             _count_epoch_tokens(r, m.epoch, m.global_batch, m.ends_epoch)
             r.position = m.position
+            m.flows = flow = []  # its inputs freed now (the step keeps its rows: the figures, a non-finite line)
             if m.damaged:
                 damaged += len(m.damaged)
                 r.damage.record(r.tables, m.damaged, r.step + 1)

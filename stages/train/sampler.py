@@ -9,9 +9,11 @@ Per epoch, from (seed, epoch) alone:
    batch per rank — neighbours in length share a batch, so padding stays small;
 3. shuffle the order of the global steps, so consecutive batches still mix resolutions;
 4. without drop_last the leftover samples form one last step, split over the ranks as evenly as possible
-   (when fewer leftovers than ranks remain, they join the last full step, whose batches then hold
-   batch_size or batch_size + 1 samples) — every index appears exactly once per epoch across ranks and every
-   rank gets the same number of batches (DDP steps in lockstep).
+   (when fewer leftovers than ranks remain, `tail_apart`: one sample a batch, the ranks left over an empty batch,
+   on which the trainer runs a zero-weight stand-in, `stages/train/prefetch.py::prepare_share`; runs planned
+   before it: they join the last full step, whose batches then hold batch_size + 1 samples, one more than the
+   run was sized for - twice the activations at batch_size 1) — every index appears exactly once per epoch
+   across ranks and every rank gets the same number of batches (DDP steps in lockstep).
 Resume: the epoch's steps are a pure function of (seed, epoch), so (epoch, batch) - the trainer's data position -
 continues with exactly the batches an uninterrupted run would see. Randomness and rank slices are
 `store.partition`'s (the project's one partition/shuffle scheme).
@@ -36,6 +38,7 @@ class LengthAwareBatchSampler:
         window: int = 64,
         drop_last: bool = False,
         world_size: int = 1,
+        tail_apart: bool = False,
     ):
         if batch_size < 1 or window < 1 or world_size < 1:
             raise ValueError(f"batch_size ({batch_size}), window ({window}) and world_size ({world_size}) must be >= 1")
@@ -48,6 +51,7 @@ class LengthAwareBatchSampler:
         self.window = window
         self.drop_last = drop_last
         self.world_size = world_size
+        self.tail_apart = tail_apart  # a tail of fewer samples than ranks is a step of its own (runs started now)
 
     def global_steps(self, epoch: int) -> EpochPlan:
         """All ranks' batches: steps[k][r] is rank r's k-th batch of the epoch."""
@@ -69,8 +73,9 @@ class LengthAwareBatchSampler:
         tail = order[n_full * per_step :]
         if not len(tail):
             return EpochPlan.uniform(grid)
-        if len(tail) < self.world_size:
-            # Too few for one batch per rank: they join the last full step (batches of size B or B+1).
+        if len(tail) < self.world_size and not self.tail_apart:
+            # Too few for one batch per rank (runs planned before `tail_apart`): they join the last full step
+            # (batches of size B or B+1).
             tail, grid = np.concatenate([tail, grid[-1].reshape(-1)]), grid[:-1]
         tail = tail[np.argsort(self._lengths[tail], kind="stable")]
         shares = [stop - start for start, stop in (rank_slice(len(tail), r, self.world_size)

@@ -179,8 +179,9 @@ class ResumeRecord:
     # device; None: a record written before it was recorded, `settings.recorded_backend`). A field of its own: the
     # fingerprint hashes no backend name, so an unset backend and the name it resolves to are one run.
     attention_backend: str | None = None
-    # how the run's epoch plans shuffle (stages/train/budget.py `PLAN_SHUFFLE`), fixed at its first start so every
-    # resume sees its order (None: a record written before it was recorded, whose run drew Python's shuffles)
+    # how the run's epoch plans shuffle and where a short tail goes (stages/train/budget.py `PLAN_SHUFFLE`), fixed at
+    # its first start so every resume sees its order (None: a record written before it was recorded, whose run drew
+    # Python's shuffles)
     plan_shuffle: int | None = None
 
     @property

@@ -15,7 +15,7 @@ from models.lora import read_lora
 from pipeline.config import load_config
 from stages.train import build
 from stages.train import state as train_state
-from stages.train.budget import NUMPY_SHUFFLE, PYTHON_SHUFFLE
+from stages.train.budget import PLAN_SHUFFLE, PYTHON_SHUFFLE
 from stages.train.recipe import run
 from store.checksum import seal
 from train_store import make_train_store, mixed_specs
@@ -63,7 +63,7 @@ def test_a_run_resumes_with_the_shuffles_it_started_with(store_dir, tiny_edit_mo
     run(cfg_of(4), store_dir, tiny_edit_model, tmp_path / "straight-now")
     # the order decides the weights here: a resume with the other shuffles would not train the straight run's LoRA
     assert not same_lora(tmp_path / "straight-before", tmp_path / "straight-now")
-    assert shuffles(tmp_path / "straight-now") == [NUMPY_SHUFFLE, NUMPY_SHUFFLE]
+    assert shuffles(tmp_path / "straight-now") == [PLAN_SHUFFLE, PLAN_SHUFFLE]
 
     assert run(cfg_of(4), store_dir, tiny_edit_model, tmp_path / "before", resume=True).steps == 4
     assert same_lora(tmp_path / "before", tmp_path / "straight-before")
@@ -72,4 +72,4 @@ def test_a_run_resumes_with_the_shuffles_it_started_with(store_dir, tiny_edit_mo
     run(cfg_of(2), store_dir, tiny_edit_model, tmp_path / "now")
     assert run(cfg_of(4), store_dir, tiny_edit_model, tmp_path / "now", resume=True).steps == 4
     assert same_lora(tmp_path / "now", tmp_path / "straight-now")
-    assert shuffles(tmp_path / "now") == [NUMPY_SHUFFLE, NUMPY_SHUFFLE]
+    assert shuffles(tmp_path / "now") == [PLAN_SHUFFLE, PLAN_SHUFFLE]
