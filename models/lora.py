@@ -316,9 +316,51 @@ def read_lora(lora: str | Path, data: bytes | None = None) -> tuple[dict[str, to
     bad = [k for k in state if not k.startswith(_PREFIX)]
     if bad:
         raise UserError(f"{path}: keys without the '{_PREFIX}' prefix (not a diffusers transformer LoRA): {bad[:5]}")
-    # diffusers writes the config with each key prefixed by the component (`transformer.r`, ...)
-    config = {k[len(_PREFIX) :]: v for k, v in json.loads(meta).items() if k.startswith(_PREFIX)} if meta else None
+    config = _adapter_config(path, meta) if meta else None
     return {k[len(_PREFIX) :]: v for k, v in state.items()}, config or None
+
+
+def _is_rank(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+#: the saved config's fields that size (a rank) or scale (an alpha) a module, one value or a pattern of module name
+#: -> value: what peft builds the adapter from
+_SIZE_AND_SCALE = {"r": _is_rank, "rank_pattern": _is_rank, "lora_alpha": _is_number, "alpha": _is_number,
+                   "alpha_pattern": _is_number}
+
+
+def _adapter_config(path: Path, meta: str) -> dict:
+    """The transformer's adapter config from the file's `lora_adapter_metadata` JSON (diffusers writes each key
+    prefixed by the component: `transformer.r`, ...), its ranks and alphas checked: JSON that does not parse, or a
+    rank / alpha of another type, was a traceback from json, peft or torch in every loader and the export."""
+    def bad(why: str) -> UserError:
+        return UserError(f"{path}: its adapter config (safetensors metadata '{_METADATA_KEY}') {why}: the file is "
+                         "damaged or was edited; pass the LoRA written by `pipeline run train` (RUN/lora) or an "
+                         "intact copy")
+
+    try:
+        saved = json.loads(meta)
+    except ValueError as e:
+        raise bad(f"is not JSON ({e})") from None
+    if not isinstance(saved, dict):
+        raise bad(f"is a JSON {type(saved).__name__}, not an object")
+    config = {k[len(_PREFIX) :]: v for k, v in saved.items() if k.startswith(_PREFIX)}
+    for field, fits in _SIZE_AND_SCALE.items():
+        value = config.get(field)
+        if value is None:
+            continue
+        pattern = field.endswith("_pattern")
+        values = list(value.values()) if pattern and isinstance(value, dict) else [value]
+        if (pattern and not isinstance(value, dict)) or not all(fits(v) for v in values):
+            kind = "rank (a positive whole number)" if fits is _is_rank else "number"
+            raise bad(f"gives {field} {value!r}, not " + (f"a mapping of module names to a {kind} each" if pattern
+                                                          else f"a {kind}"))
+    return config
 
 
 def _check_finite(path: Path, state: dict[str, torch.Tensor]) -> None:
