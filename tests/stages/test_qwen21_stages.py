@@ -301,6 +301,30 @@ def test_21_predict_cli_is_the_stock_pipeline_with_the_lora(tiny_21_model, encod
     np.testing.assert_array_equal(got, np.asarray(want))
 
 
+def test_21_predict_without_references_is_the_stock_text_to_image_call(tiny_21_model, tiny_edit_model, tmp_path):
+    """A 2.1 sample holds 0..10 references, and training takes the ones with none (text-to-image), but predict
+    required an --image: a LoRA trained on such samples could not be tried. Without --image a 2.1 model now gives
+    the stock pipeline's image=None call bit for bit; the Edit models still refuse it in one line (exit 2)."""
+    from diffusers import QwenImage21Pipeline
+
+    out = tmp_path / "t2i.png"
+    _cli("predict", "--model", tiny_21_model, "--prompt", "a red square", "--steps", 2, "--height", 64, "--width",
+         96, "--out", out)
+    pipe = QwenImage21Pipeline.from_pretrained(tiny_21_model)
+    want = pipe(prompt="a red square", num_inference_steps=2, height=64, width=96,
+                generator=torch.Generator().manual_seed(0), output_type="pil").images[0]
+    np.testing.assert_array_equal(np.asarray(Image.open(out)), np.asarray(want))
+
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    result = CliRunner().invoke(app, ["predict", "--model", str(tiny_edit_model), "--prompt", "x", "--out",
+                                      str(tmp_path / "edit.png")])
+    assert result.exit_code == 2 and "pass at least one --image" in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "edit.png").exists()
+
+
 def test_21_lora_merge_gives_a_folder_the_stock_pipeline_loads_with_the_lora_fused(tiny_21_model, encoded21, tmp_path):
     from diffusers import QwenImage21Pipeline
 
