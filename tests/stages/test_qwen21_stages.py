@@ -489,6 +489,34 @@ def test_21_evaluate_extra_prompts_are_the_stock_pipeline_base_and_lora(tiny_21_
                                   np.asarray(rgb_over_white(stock())))
 
 
+def test_21_extra_prompt_without_images_is_the_stock_text_to_image_call(tiny_21_model, tiny_plus_model):
+    """An `evaluate.extra_prompts` entry needed an image (the schema's min_length 1), as predict needed an --image:
+    a 2.1 LoRA trained on samples without references could not be shown on a text-to-image prompt. On 2.1 an entry
+    with no images now gives the stock pipeline's image=None call; an Edit-Plus model refuses it in one line at
+    evaluate's start (`check_settings`)."""
+    from diffusers import QwenImage21Pipeline
+
+    from models.loading import load_component
+    from schemas import UserError
+    from stages.evaluate.qwen21 import extra_inputs_21
+    from stages.evaluate.stage import for_model
+
+    settings = {"evaluate.dtype": "float32", "evaluate.num_samples": 0, "evaluate.num_inference_steps": 2,
+                "evaluate.extra_prompts": [{"prompt": "a red square", "images": [], "height": 64, "width": 96}]}
+    ev = for_model(load_config(None, settings).evaluate, tiny_21_model)  # its start check passes
+    transformer = load_component(tiny_21_model, "transformer", dtype=torch.float32)
+    vae = load_component(tiny_21_model, "vae", dtype=torch.float32)
+    ((title, prompt, controls, _, cond, *_),) = list(extra_inputs_21(tiny_21_model, transformer, vae, ev))
+    assert (title, prompt, controls) == ("extra 1", "a red square", [])
+    pipe = QwenImage21Pipeline.from_pretrained(tiny_21_model)
+    want = pipe(prompt="a red square", num_inference_steps=2, height=64, width=96,
+                generator=torch.Generator().manual_seed(ev.seed), output_type="pil").images[0]
+    np.testing.assert_array_equal(np.asarray(cond()), np.asarray(rgb_over_white(want)))
+
+    with pytest.raises(UserError, match=r"extra_prompts\[0\]\.images: none listed.*list at least one"):
+        for_model(load_config(None, settings).evaluate, tiny_plus_model)
+
+
 def test_a_failure_in_the_21_text_loop_is_shared_with_the_other_ranks(tiny_21_model, store21, monkeypatch):
     """The 2.1 encode-text loop hands its error to `job.failed` (the launcher's store tells the other ranks at
     once, models/collective.py), as encode-text and encode-vae do. Before: it did not, so the other ranks never
