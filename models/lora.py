@@ -584,11 +584,34 @@ def saved_dtype(model: str) -> torch.dtype:
     return held.most_common(1)[0][0] if held else torch.float32
 
 
+def check_mergeable(model: str, lora: str | Path) -> None:
+    """A UserError when the LoRA adds a bias (`lora_B.bias`, applied as diffusers applies it) to a layer that has
+    none in MODEL's transformer (Qwen-Image-2.1's linears have none): peft cannot fuse such a bias into the weights,
+    and its RuntimeError was a traceback after the transformer had loaded. From the LoRA and the weight files'
+    headers alone."""
+    from models.loading import resolve_model
+
+    state, _ = read_lora(lora)
+    biased = sorted(k[: -len(".lora_B.bias")] for k in state if k.endswith(".lora_B.bias"))
+    if not biased:
+        return
+    held: set[str] = set()
+    for f in sorted((resolve_model(model) / "transformer").glob("*.safetensors")):
+        with safe_open(f, framework="pt") as st:
+            held.update(st.keys())
+    lacking = [m for m in biased if f"{m}.bias" not in held]
+    if lacking:
+        raise UserError(f"LoRA {lora} adds a bias (lora_B.bias) to {len(lacking)} layer(s) that have none in {model} "
+                        f"(e.g. {lacking[0]}): it cannot be merged into the weights; apply it with --lora (predict, "
+                        "evaluate) instead")
+
+
 def fused_transformer(model: str, lora: str | Path, scale: float = 1.0, dtype: torch.dtype | None = None,
                       device: str | torch.device = "cpu"):
     """MODEL's transformer with W + scale·(B·A)·alpha/r fused into its weights and the LoRA layers removed."""
     from models.loading import load_component
 
+    check_mergeable(model, lora)  # before the transformer loads (minutes for a 20B one)
     transformer = load_component(model, "transformer", dtype=dtype or saved_dtype(model), device=device)
     attach_lora(transformer, lora, scale=1.0, adapter_name="lora")
     transformer.fuse_lora(lora_scale=scale, adapter_names=["lora"])

@@ -348,6 +348,38 @@ def test_21_lora_merge_gives_a_folder_the_stock_pipeline_loads_with_the_lora_fus
     assert not torch.allclose(out(merged), out(QwenImage21Pipeline.from_pretrained(tiny_21_model)))  # LoRA in it
 
 
+def test_21_merge_refuses_a_lora_bias_the_model_has_no_bias_for(tiny_21_model, tmp_path, monkeypatch):
+    """A LoRA with a bias (`lora_B.bias`: read from its keys, as diffusers reads it) on 2.1's bias-free linears:
+    predict applies it, but peft cannot fuse it into the weights, and `lora merge` ended in peft's RuntimeError
+    traceback after the transformer had loaded. Now one line before the transformer loads, no folder written."""
+    from safetensors.torch import save_file
+    from typer.testing import CliRunner
+
+    import models.loading
+    from models.loading import load_component
+    from pipeline.cli import app
+
+    stock = load_component(tiny_21_model, "transformer")
+    lora = {}
+    for m in ("transformer_blocks.0.attn.to_q", "transformer_blocks.1.attn.to_v"):
+        lin = stock.get_submodule(m)
+        lora[f"transformer.{m}.lora_A.weight"] = torch.randn(2, lin.in_features) * 0.1
+        lora[f"transformer.{m}.lora_B.weight"] = torch.randn(lin.out_features, 2) * 0.1
+        lora[f"transformer.{m}.lora_B.bias"] = torch.randn(lin.out_features) * 0.1
+    save_file(lora, tmp_path / "bias.safetensors")
+
+    def no_load(*a, **k):
+        raise AssertionError("the transformer was loaded")
+
+    monkeypatch.setattr(models.loading, "load_component", no_load)
+    result = CliRunner().invoke(app, ["lora", "merge", "--model", str(tiny_21_model), "--lora",
+                                      str(tmp_path / "bias.safetensors"), "--out", str(tmp_path / "merged")])
+    assert result.exit_code == 1 and "adds a bias (lora_B.bias) to 2 layer(s) that have none" in result.output, \
+        result.output
+    assert "transformer_blocks.0.attn.to_q" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "merged").exists()
+
+
 def test_21_two_processes_train_the_same_lora_as_one(tiny_21_model, tmp_path):
     """DDP on 2.1 goes through the `Qwen21Batched` wrapper, so the ranks' gradients are all-reduced: two gloo
     processes at batch 1 train the LoRA one process trains at batch 2 (two processes of their own, started warm
