@@ -479,9 +479,10 @@ def init_from_lora(transformer, lora: str | Path, adapter_name: str = ADAPTER) -
     # per module: the file's scale (its alpha_pattern, use_rslora) over the adapter's own (peft's `scaling`)
     factors = {m: module_scale(m, r, config) / float(transformer.get_submodule(m).scaling[adapter_name])
                for m, r in ranks.items()}
-    state = {k: v * factors[k[: -len(".lora_B.weight")]] if k.endswith(".lora_B.weight") else v
+    # in float32, as the adapter holds them: a bf16 file's lora_B scaled in bf16 was rounded once more (up to 2^-9)
+    state = {k: v.float() * factors[k[: -len(".lora_B.weight")]] if k.endswith(".lora_B.weight") else v.float()
              for k, v in state.items()}
-    load_lora(transformer, lora, adapter_name, state={k: v.float() for k, v in state.items()})
+    load_lora(transformer, lora, adapter_name, state=state)
 
 
 def module_scale(module: str, rank: int, config: dict | None) -> float:

@@ -230,3 +230,31 @@ def test_a_damaged_adapter_config_is_one_line_in_every_reader(tmp_path, meta, sa
     result = CliRunner().invoke(app, ["lora", "export", str(src), "--out", str(out)])
     assert result.exit_code == 1 and says in result.output and "Traceback" not in result.output, result.output
     assert not out.exists()
+
+
+def test_init_from_a_bf16_lora_scales_it_in_float32(tiny_edit_model, tmp_path):
+    """`train.init_lora` from a bf16 file (what many trainers write) with another alpha than the config's: its
+    lora_B was multiplied by the scale ratio in bf16 and rounded again before the float32 adapter took it, so the
+    start was not the file's delta (a 0.75 ratio moved values by up to 2^-9 relative). Now lora_B is the file's
+    value times the ratio in float32, exactly."""
+    import warnings
+
+    from safetensors import safe_open
+
+    from models.lora import init_from_lora
+
+    src = _lora_transformer(tiny_edit_model, LoraConfig(rank=4, alpha=3))  # scale 0.75
+    save_lora(src, tmp_path / "lora")
+    path = tmp_path / "lora" / WEIGHT_NAME
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata()
+    bf16 = {k: v.to(torch.bfloat16) for k, v in load_file(path).items()}
+    save_file(bf16, tmp_path / "bf16.safetensors", metadata=meta)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mine = _lora_transformer(tiny_edit_model, LoraConfig(rank=4, alpha=4))  # scale 1: ratio 0.75
+    init_from_lora(mine, tmp_path / "bf16.safetensors")
+    got = lora_state_dict(mine)
+    for k, v in bf16.items():
+        want = v.float() * 0.75 if k.endswith(".lora_B.weight") else v.float()
+        assert torch.equal(got[k.removeprefix("transformer.")], want), k
