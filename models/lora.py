@@ -316,9 +316,51 @@ def read_lora(lora: str | Path, data: bytes | None = None) -> tuple[dict[str, to
     bad = [k for k in state if not k.startswith(_PREFIX)]
     if bad:
         raise UserError(f"{path}: keys without the '{_PREFIX}' prefix (not a diffusers transformer LoRA): {bad[:5]}")
-    # diffusers writes the config with each key prefixed by the component (`transformer.r`, ...)
-    config = {k[len(_PREFIX) :]: v for k, v in json.loads(meta).items() if k.startswith(_PREFIX)} if meta else None
+    config = _adapter_config(path, meta) if meta else None
     return {k[len(_PREFIX) :]: v for k, v in state.items()}, config or None
+
+
+def _is_rank(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+#: the saved config's fields that size (a rank) or scale (an alpha) a module, one value or a pattern of module name
+#: -> value: what peft builds the adapter from
+_SIZE_AND_SCALE = {"r": _is_rank, "rank_pattern": _is_rank, "lora_alpha": _is_number, "alpha": _is_number,
+                   "alpha_pattern": _is_number}
+
+
+def _adapter_config(path: Path, meta: str) -> dict:
+    """The transformer's adapter config from the file's `lora_adapter_metadata` JSON (diffusers writes each key
+    prefixed by the component: `transformer.r`, ...), its ranks and alphas checked: JSON that does not parse, or a
+    rank / alpha of another type, was a traceback from json, peft or torch in every loader and the export."""
+    def bad(why: str) -> UserError:
+        return UserError(f"{path}: its adapter config (safetensors metadata '{_METADATA_KEY}') {why}: the file is "
+                         "damaged or was edited; pass the LoRA written by `pipeline run train` (RUN/lora) or an "
+                         "intact copy")
+
+    try:
+        saved = json.loads(meta)
+    except ValueError as e:
+        raise bad(f"is not JSON ({e})") from None
+    if not isinstance(saved, dict):
+        raise bad(f"is a JSON {type(saved).__name__}, not an object")
+    config = {k[len(_PREFIX) :]: v for k, v in saved.items() if k.startswith(_PREFIX)}
+    for field, fits in _SIZE_AND_SCALE.items():
+        value = config.get(field)
+        if value is None:
+            continue
+        pattern = field.endswith("_pattern")
+        values = list(value.values()) if pattern and isinstance(value, dict) else [value]
+        if (pattern and not isinstance(value, dict)) or not all(fits(v) for v in values):
+            kind = "rank (a positive whole number)" if fits is _is_rank else "number"
+            raise bad(f"gives {field} {value!r}, not " + (f"a mapping of module names to a {kind} each" if pattern
+                                                          else f"a {kind}"))
+    return config
 
 
 def _check_finite(path: Path, state: dict[str, torch.Tensor]) -> None:
@@ -437,9 +479,10 @@ def init_from_lora(transformer, lora: str | Path, adapter_name: str = ADAPTER) -
     # per module: the file's scale (its alpha_pattern, use_rslora) over the adapter's own (peft's `scaling`)
     factors = {m: module_scale(m, r, config) / float(transformer.get_submodule(m).scaling[adapter_name])
                for m, r in ranks.items()}
-    state = {k: v * factors[k[: -len(".lora_B.weight")]] if k.endswith(".lora_B.weight") else v
+    # in float32, as the adapter holds them: a bf16 file's lora_B scaled in bf16 was rounded once more (up to 2^-9)
+    state = {k: v.float() * factors[k[: -len(".lora_B.weight")]] if k.endswith(".lora_B.weight") else v.float()
              for k, v in state.items()}
-    load_lora(transformer, lora, adapter_name, state={k: v.float() for k, v in state.items()})
+    load_lora(transformer, lora, adapter_name, state=state)
 
 
 def module_scale(module: str, rank: int, config: dict | None) -> float:
@@ -542,11 +585,34 @@ def saved_dtype(model: str) -> torch.dtype:
     return held.most_common(1)[0][0] if held else torch.float32
 
 
+def check_mergeable(model: str, lora: str | Path) -> None:
+    """A UserError when the LoRA adds a bias (`lora_B.bias`, applied as diffusers applies it) to a layer that has
+    none in MODEL's transformer (Qwen-Image-2.1's linears have none): peft cannot fuse such a bias into the weights,
+    and its RuntimeError was a traceback after the transformer had loaded. From the LoRA and the weight files'
+    headers alone."""
+    from models.loading import resolve_model
+
+    state, _ = read_lora(lora)
+    biased = sorted(k[: -len(".lora_B.bias")] for k in state if k.endswith(".lora_B.bias"))
+    if not biased:
+        return
+    held: set[str] = set()
+    for f in sorted((resolve_model(model) / "transformer").glob("*.safetensors")):
+        with safe_open(f, framework="pt") as st:
+            held.update(st.keys())
+    lacking = [m for m in biased if f"{m}.bias" not in held]
+    if lacking:
+        raise UserError(f"LoRA {lora} adds a bias (lora_B.bias) to {len(lacking)} layer(s) that have none in {model} "
+                        f"(e.g. {lacking[0]}): it cannot be merged into the weights; apply it with --lora (predict, "
+                        "evaluate) instead")
+
+
 def fused_transformer(model: str, lora: str | Path, scale: float = 1.0, dtype: torch.dtype | None = None,
                       device: str | torch.device = "cpu"):
     """MODEL's transformer with W + scale·(B·A)·alpha/r fused into its weights and the LoRA layers removed."""
     from models.loading import load_component
 
+    check_mergeable(model, lora)  # before the transformer loads (minutes for a 20B one)
     transformer = load_component(model, "transformer", dtype=dtype or saved_dtype(model), device=device)
     attach_lora(transformer, lora, scale=1.0, adapter_name="lora")
     transformer.fuse_lora(lora_scale=scale, adapter_names=["lora"])

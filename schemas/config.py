@@ -424,7 +424,8 @@ class ExtraPrompt(Section):
     """An evaluate sample that is not in the store: control image file(s), an instruction, optional target."""
 
     prompt: Annotated[str, FEATURES]
-    images: Annotated[list[str], FEATURES] = Field(..., min_length=1, description="control image files (several for Edit-Plus)")
+    # none: Qwen-Image-2.1's text-to-image (the Edit models refuse it: stages/evaluate/stage.py check_settings)
+    images: Annotated[list[str], FEATURES] = Field(..., description="control image files (several for Edit-Plus; none for a Qwen-Image-2.1 text-to-image prompt)")
     target: Annotated[str | None, FEATURES] = Field(None, description="reference image file for PSNR/SSIM (optional)")
     height: Annotated[int | None, FEATURES] = Field(None, gt=0, description="output size; default: the stock pipeline's ~1024² choice")
     width: Annotated[int | None, FEATURES] = Field(None, gt=0)

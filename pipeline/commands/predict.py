@@ -42,7 +42,7 @@ def _image_file(out: Path) -> Path:
 
 def command(
     model: str = typer.Option(..., "--model", help="Model folder or hub id."),
-    image: list[Path] = typer.Option(..., "--image", help="Control image; repeat for Edit-Plus (any number, as its stock pipeline; trained with up to 3) or Qwen-Image-2.1 (up to 10 references)."),
+    image: Optional[list[Path]] = typer.Option(None, "--image", help="Control image; repeat for Edit-Plus (any number, as its stock pipeline; trained with up to 3) or Qwen-Image-2.1 (0 to 10 references: none is text-to-image)."),
     prompt: str = typer.Option(..., "--prompt", help="Edit instruction."),
     out: Path = typer.Option(..., "--out", callback=_image_file, help="Output PNG."),
     lora: Optional[Path] = typer.Option(None, "--lora", help="LoRA folder (RUN/lora) or .safetensors file."),
@@ -63,6 +63,7 @@ def command(
     set_: list[str] = SetOpt,
 ) -> None:
     one_process("predict")  # every rank would load the model and write the same --out
+    images = list(image or [])  # none: Qwen-Image-2.1's text-to-image (the other models refuse it, check_for_model)
     cfg = config_from(config, sets=set_, overrides=
         {
             "predict.negative_prompt": negative_prompt,
@@ -77,18 +78,18 @@ def command(
     )
     prompt = cleaned_prompt(prompt, "--prompt")  # as a caption is cleaned (the config's prompts: load_config)
     with usage_errors():  # an --out that would destroy an input or cannot be a file: before any loading
-        check_out_path(out, list(image))
-    _check_local_model(model, len(image), out, cfg.predict.steps)
+        check_out_path(out, images)
+    _check_local_model(model, len(images), out, cfg.predict.steps)
     with user_errors(out):
         if lora:  # the LoRA's family from the model's config alone: before anything loads (a processor, below)
             from models.lora import check_family_before_loading
 
             check_family_before_loading(lora, model)
         # the controls read and judged before the LoRA's base check hashes the model (minutes for a 40 GB one)
-        controls = checked_controls(cfg.predict, model, list(image), prompt, out, height, width)
+        controls = checked_controls(cfg.predict, model, images, prompt, out, height, width)
         if lora:
             checked_lora(lora, model, strict_base)
-        path = predict(cfg.predict, model, list(image), prompt, out, str(lora) if lora else None, lora_scale,
+        path = predict(cfg.predict, model, images, prompt, out, str(lora) if lora else None, lora_scale,
                        height, width, controls=controls)
     echo(f"wrote {path}")
 
@@ -144,10 +145,13 @@ def check_for_model(model: str, n_images: int, out: Path, steps: int) -> None:
     if image_format(out) == "JPEG" and variant == "qwen-image-2.1":
         raise UserError(f"--out {out}: Qwen-Image-2.1 edits are RGBA (alpha kept) and JPEG has no alpha; name it "
                         ".png or .webp")
-    if variant == "qwen-image-2.1":
+    if variant == "qwen-image-2.1":  # 0 references: text-to-image, as the stock pipeline takes image=None
         from models.qwen21_predict import check_reference_count
 
         check_reference_count(n_images, model, "--image", "pass at most 10 --image")
+    elif n_images == 0:
+        raise UserError(f"--image: {model} ({variant}) edits control images; pass at least one --image (a "
+                        "Qwen-Image-2.1 model also takes none: text-to-image)")
     elif variant == "edit" and n_images != 1:  # refused before loading, not by the pipeline after
         raise UserError(f"--image: {n_images} control images, but Qwen-Image-Edit ({model}) takes exactly one; "
                         "pass one --image, or use an Edit-Plus model (Qwen-Image-Edit-2509 / -2511)")
@@ -163,8 +167,6 @@ def checked_controls(cfg, model: str, images: list[Path], prompt: str, out: Path
     from schemas.errors import UserError
     from store.io_errors import check_writable
 
-    if not images:
-        raise UserError("predict needs at least one --image")
     check_out_path(out, images)
     check_writable(Path(out).parent, f"--out {out}")  # so is the folder it goes to (before it was found at the save)
     # before minutes of loading and denoising (the CLI: when parsed, and for a model folder here right after)

@@ -377,9 +377,13 @@ def check_settings(cfg: EvaluateConfig, model: str) -> None:
 
     qwen21 = model_variant(model) == "qwen-image-2.1"
     for i, extra in enumerate(cfg.extra_prompts):
-        if qwen21:
+        if qwen21:  # none: text-to-image, the stock pipeline's image=None call (`edit_21`)
             check_reference_count(len(extra.images), model, f"evaluate.extra_prompts[{i}].images",
                                   "list at most 10 images in that extra prompt")
+        elif not extra.images:
+            raise UserError(f"evaluate.extra_prompts[{i}].images: none listed, but {model} "
+                            f"({model_variant(model)}) edits control images; list at least one (a Qwen-Image-2.1 "
+                            "model also takes none: text-to-image)")
         elif model_variant(model) == "edit" and len(extra.images) != 1:
             raise UserError(f"evaluate.extra_prompts[{i}].images: {len(extra.images)} control images, but "
                             f"Qwen-Image-Edit ({model}) takes exactly one; list one image in that extra prompt")

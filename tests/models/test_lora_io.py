@@ -199,3 +199,62 @@ def test_a_pruned_checkpoint_is_named_as_missing_with_the_kept_ones(tmp_path):
             lora_weight_file(given)
         assert f"{ckpts / 'step-10'} does not exist" in str(e.value)
         assert str(e.value).endswith(f"{ckpts} holds step-30, step-40, step-100")
+
+
+@pytest.mark.parametrize("meta, says", [
+    ("{not json", "is not JSON"),
+    ('["transformer.r", 4]', "is a JSON list, not an object"),
+    ('{"transformer.r": 4, "transformer.lora_alpha": "four"}', "gives lora_alpha 'four', not a number"),
+    ('{"transformer.r": 4.5, "transformer.lora_alpha": 4}', "gives r 4.5, not a rank"),
+    ('{"transformer.r": 4, "transformer.lora_alpha": NaN}', "gives lora_alpha nan, not a number"),
+    ('{"transformer.r": 4, "transformer.alpha_pattern": {"to_q": null}}', "alpha_pattern {'to_q': None}, not a mapping"),
+])
+def test_a_damaged_adapter_config_is_one_line_in_every_reader(tmp_path, meta, says):
+    """The adapter config in a LoRA's metadata is read by every loader (predict, merge, evaluate, init_lora) and by
+    the export: JSON that does not parse was json's traceback, a rank or alpha of another type peft's or torch's
+    (`lora_alpha / r`) after the model had loaded. Now read_lora refuses the file in one line naming it, and the
+    export writes nothing."""
+    from typer.testing import CliRunner
+
+    from models.lora import read_lora
+    from pipeline.cli import app
+
+    q = "transformer.transformer_blocks.0.attn.to_q"
+    src = tmp_path / "damaged.safetensors"
+    save_file({f"{q}.lora_A.weight": torch.ones(4, 8), f"{q}.lora_B.weight": torch.ones(8, 4)}, src,
+              metadata={"format": "pt", "lora_adapter_metadata": meta})
+    with pytest.raises(UserError) as e:
+        read_lora(src)
+    assert str(src) in str(e.value) and says in str(e.value), str(e.value)
+    out = tmp_path / "comfy.safetensors"
+    result = CliRunner().invoke(app, ["lora", "export", str(src), "--out", str(out)])
+    assert result.exit_code == 1 and says in result.output and "Traceback" not in result.output, result.output
+    assert not out.exists()
+
+
+def test_init_from_a_bf16_lora_scales_it_in_float32(tiny_edit_model, tmp_path):
+    """`train.init_lora` from a bf16 file (what many trainers write) with another alpha than the config's: its
+    lora_B was multiplied by the scale ratio in bf16 and rounded again before the float32 adapter took it, so the
+    start was not the file's delta (a 0.75 ratio moved values by up to 2^-9 relative). Now lora_B is the file's
+    value times the ratio in float32, exactly."""
+    import warnings
+
+    from safetensors import safe_open
+
+    from models.lora import init_from_lora
+
+    src = _lora_transformer(tiny_edit_model, LoraConfig(rank=4, alpha=3))  # scale 0.75
+    save_lora(src, tmp_path / "lora")
+    path = tmp_path / "lora" / WEIGHT_NAME
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata()
+    bf16 = {k: v.to(torch.bfloat16) for k, v in load_file(path).items()}
+    save_file(bf16, tmp_path / "bf16.safetensors", metadata=meta)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mine = _lora_transformer(tiny_edit_model, LoraConfig(rank=4, alpha=4))  # scale 1: ratio 0.75
+    init_from_lora(mine, tmp_path / "bf16.safetensors")
+    got = lora_state_dict(mine)
+    for k, v in bf16.items():
+        want = v.float() * 0.75 if k.endswith(".lora_B.weight") else v.float()
+        assert torch.equal(got[k.removeprefix("transformer.")], want), k

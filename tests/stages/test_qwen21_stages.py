@@ -301,6 +301,30 @@ def test_21_predict_cli_is_the_stock_pipeline_with_the_lora(tiny_21_model, encod
     np.testing.assert_array_equal(got, np.asarray(want))
 
 
+def test_21_predict_without_references_is_the_stock_text_to_image_call(tiny_21_model, tiny_edit_model, tmp_path):
+    """A 2.1 sample holds 0..10 references, and training takes the ones with none (text-to-image), but predict
+    required an --image: a LoRA trained on such samples could not be tried. Without --image a 2.1 model now gives
+    the stock pipeline's image=None call bit for bit; the Edit models still refuse it in one line (exit 2)."""
+    from diffusers import QwenImage21Pipeline
+
+    out = tmp_path / "t2i.png"
+    _cli("predict", "--model", tiny_21_model, "--prompt", "a red square", "--steps", 2, "--height", 64, "--width",
+         96, "--out", out)
+    pipe = QwenImage21Pipeline.from_pretrained(tiny_21_model)
+    want = pipe(prompt="a red square", num_inference_steps=2, height=64, width=96,
+                generator=torch.Generator().manual_seed(0), output_type="pil").images[0]
+    np.testing.assert_array_equal(np.asarray(Image.open(out)), np.asarray(want))
+
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    result = CliRunner().invoke(app, ["predict", "--model", str(tiny_edit_model), "--prompt", "x", "--out",
+                                      str(tmp_path / "edit.png")])
+    assert result.exit_code == 2 and "pass at least one --image" in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "edit.png").exists()
+
+
 def test_21_lora_merge_gives_a_folder_the_stock_pipeline_loads_with_the_lora_fused(tiny_21_model, encoded21, tmp_path):
     from diffusers import QwenImage21Pipeline
 
@@ -322,6 +346,38 @@ def test_21_lora_merge_gives_a_folder_the_stock_pipeline_loads_with_the_lora_fus
 
     torch.testing.assert_close(out(merged), out(ref), rtol=1e-5, atol=1e-6)
     assert not torch.allclose(out(merged), out(QwenImage21Pipeline.from_pretrained(tiny_21_model)))  # LoRA in it
+
+
+def test_21_merge_refuses_a_lora_bias_the_model_has_no_bias_for(tiny_21_model, tmp_path, monkeypatch):
+    """A LoRA with a bias (`lora_B.bias`: read from its keys, as diffusers reads it) on 2.1's bias-free linears:
+    predict applies it, but peft cannot fuse it into the weights, and `lora merge` ended in peft's RuntimeError
+    traceback after the transformer had loaded. Now one line before the transformer loads, no folder written."""
+    from safetensors.torch import save_file
+    from typer.testing import CliRunner
+
+    import models.loading
+    from models.loading import load_component
+    from pipeline.cli import app
+
+    stock = load_component(tiny_21_model, "transformer")
+    lora = {}
+    for m in ("transformer_blocks.0.attn.to_q", "transformer_blocks.1.attn.to_v"):
+        lin = stock.get_submodule(m)
+        lora[f"transformer.{m}.lora_A.weight"] = torch.randn(2, lin.in_features) * 0.1
+        lora[f"transformer.{m}.lora_B.weight"] = torch.randn(lin.out_features, 2) * 0.1
+        lora[f"transformer.{m}.lora_B.bias"] = torch.randn(lin.out_features) * 0.1
+    save_file(lora, tmp_path / "bias.safetensors")
+
+    def no_load(*a, **k):
+        raise AssertionError("the transformer was loaded")
+
+    monkeypatch.setattr(models.loading, "load_component", no_load)
+    result = CliRunner().invoke(app, ["lora", "merge", "--model", str(tiny_21_model), "--lora",
+                                      str(tmp_path / "bias.safetensors"), "--out", str(tmp_path / "merged")])
+    assert result.exit_code == 1 and "adds a bias (lora_B.bias) to 2 layer(s) that have none" in result.output, \
+        result.output
+    assert "transformer_blocks.0.attn.to_q" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "merged").exists()
 
 
 def test_21_two_processes_train_the_same_lora_as_one(tiny_21_model, tmp_path):
@@ -463,6 +519,34 @@ def test_21_evaluate_extra_prompts_are_the_stock_pipeline_base_and_lora(tiny_21_
     np.testing.assert_array_equal(np.asarray(ck.outputs["base"]), np.asarray(rgb_over_white(base)))
     np.testing.assert_array_equal(np.asarray(ck.outputs[f"best (step {best['step']})"]),
                                   np.asarray(rgb_over_white(stock())))
+
+
+def test_21_extra_prompt_without_images_is_the_stock_text_to_image_call(tiny_21_model, tiny_plus_model):
+    """An `evaluate.extra_prompts` entry needed an image (the schema's min_length 1), as predict needed an --image:
+    a 2.1 LoRA trained on samples without references could not be shown on a text-to-image prompt. On 2.1 an entry
+    with no images now gives the stock pipeline's image=None call; an Edit-Plus model refuses it in one line at
+    evaluate's start (`check_settings`)."""
+    from diffusers import QwenImage21Pipeline
+
+    from models.loading import load_component
+    from schemas import UserError
+    from stages.evaluate.qwen21 import extra_inputs_21
+    from stages.evaluate.stage import for_model
+
+    settings = {"evaluate.dtype": "float32", "evaluate.num_samples": 0, "evaluate.num_inference_steps": 2,
+                "evaluate.extra_prompts": [{"prompt": "a red square", "images": [], "height": 64, "width": 96}]}
+    ev = for_model(load_config(None, settings).evaluate, tiny_21_model)  # its start check passes
+    transformer = load_component(tiny_21_model, "transformer", dtype=torch.float32)
+    vae = load_component(tiny_21_model, "vae", dtype=torch.float32)
+    ((title, prompt, controls, _, cond, *_),) = list(extra_inputs_21(tiny_21_model, transformer, vae, ev))
+    assert (title, prompt, controls) == ("extra 1", "a red square", [])
+    pipe = QwenImage21Pipeline.from_pretrained(tiny_21_model)
+    want = pipe(prompt="a red square", num_inference_steps=2, height=64, width=96,
+                generator=torch.Generator().manual_seed(ev.seed), output_type="pil").images[0]
+    np.testing.assert_array_equal(np.asarray(cond()), np.asarray(rgb_over_white(want)))
+
+    with pytest.raises(UserError, match=r"extra_prompts\[0\]\.images: none listed.*list at least one"):
+        for_model(load_config(None, settings).evaluate, tiny_plus_model)
 
 
 def test_a_failure_in_the_21_text_loop_is_shared_with_the_other_ranks(tiny_21_model, store21, monkeypatch):
