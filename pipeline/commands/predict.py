@@ -164,7 +164,6 @@ def checked_controls(cfg, model: str, images: list[Path], prompt: str, out: Path
     for Qwen-Image-2.1 the references against its VLM processor and the prompt against its RoPE table), and the
     control images as PIL images, decoded as resize-bucket decodes the training images."""
     from models.loading import model_variant
-    from schemas.errors import UserError
     from store.io_errors import check_writable
 
     check_out_path(out, images)
