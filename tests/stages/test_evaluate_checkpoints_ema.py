@@ -217,3 +217,57 @@ def test_a_run_without_ema_keeps_its_report_current_and_writes_nothing_of_ema(mo
     before = (out / "metrics.json").stat().st_mtime_ns
     again = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, ckpts, out, skip_if_done=True)
     assert again.up_to_date and (out / "metrics.json").stat().st_mtime_ns == before
+
+
+def test_a_trained_runs_last_ema_point_is_its_lora_ema_evaluated_alone(tiny_edit_model, tmp_path):
+    """End to end: a real training with train.ema_decay (checkpoints sealed with their ema.safetensors); the EMA
+    curve's last step against single-LoRA evaluate of the trainer's own RUN/lora_ema (alpha folded, the same
+    delta), and the raw curve's against RUN/lora."""
+    from pipeline.config import load_config
+    from pipeline.orchestrate import kept_checkpoints
+    from stages.evaluate import stage as single
+    from stages.train.recipe import run as train
+
+    make_train_store(tmp_path / "store", tiny_edit_model, mixed_specs(4, 4, masks=True))
+    cfg = load_config(None, {"train.device": "cpu", "train.batch_size": 2, "train.learning_rate": 5e-2,
+                             "train.lora.rank": 4, "train.lora.alpha": 2.0, "train.sigma.sampling": "uniform",
+                             "train.max_steps": 4, "train.checkpoint_every": 2, "train.ema_decay": 0.9})
+    train(cfg, tmp_path / "store", tiny_edit_model, tmp_path / "run")
+    ckpts = kept_checkpoints(tmp_path / "run")
+    assert [s for s, _ in ckpts] == [2, 4] and all((p.parent / "ema.safetensors").is_file() for _, p in ckpts)
+    res = ev.run(EvaluateConfig(**CFG), tmp_path / "store", tiny_edit_model, ckpts, tmp_path / "report")
+    c = res.metrics["checkpoints"]
+    ema_last, raw_last = c["ema"]["per_step"][-1]["overall"], c["per_step"][-1]["overall"]
+    alone = {name: single.run(EvaluateConfig(**CFG), tmp_path / "store", tiny_edit_model, tmp_path / "run" / name,
+                              tmp_path / f"alone-{name}").metrics["loss"]["overall"]["lora"]
+             for name in ("lora_ema", "lora")}
+    assert abs(ema_last - raw_last) > 1e-4  # the EMA is other weights than the LoRA it averages
+    assert ema_last == pytest.approx(alone["lora_ema"], rel=1e-5)
+    assert raw_last == pytest.approx(alone["lora"], rel=1e-5)
+
+
+def test_two_ranks_score_the_ema_as_one_process_does(model_store, tiny_edit_model, tmp_path):
+    """Under `pipeline launch` (two gloo processes) the EMA rows are shared between the ranks as the raw ones are:
+    the one-process numbers, the same best, said once."""
+    import sys
+
+    import warm_start
+    from test_evaluate_checkpoints_ranks import ENV
+
+    root, transformer = model_store
+    ckpts, _ = _run(root, transformer, "run_ranks", {10: (RAW, 0.0, 2), 20: (RAW, None, 4)})
+    one = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, ckpts, tmp_path / "one")
+    args = ["run", "evaluate", "--all-checkpoints", "--set", f"paths.run={root / 'run_ranks'}", "--store",
+            str(root / "store"), "--model", tiny_edit_model, "--out", str(tmp_path / "two"), "--num-samples", "0",
+            "--device", "cpu", "--set", "evaluate.noise_seeds=[0, 1]", "--set", "evaluate.timesteps=[0.3, 0.7]",
+            "--set", "evaluate.batch_size=4"]
+    proc = warm_start.run([sys.executable, "-m", "pipeline.cli", "launch", "--standalone", "--nproc-per-node", "2",
+                           *args], env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("best checkpoint step 10 (EMA)") == 1, proc.stdout[-2000:]
+    a = xr.open_zarr(tmp_path / "one" / EMA_LOSSES / GROUP).sortby("step")
+    b = xr.open_zarr(tmp_path / "two" / EMA_LOSSES / GROUP).sortby("step")
+    assert list(b.step.values) == [10, 20]
+    np.testing.assert_allclose(b.loss.values, a.loss.values, rtol=1e-5, atol=1e-7)
+    assert json.loads((tmp_path / "two" / "metrics.json").read_text())["checkpoints"]["best"]["weights"] == "ema"
+    assert one.best["weights"] == "ema"
