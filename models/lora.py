@@ -128,21 +128,25 @@ def lora_state_dict(transformer, adapter_name: str = ADAPTER) -> dict[str, torch
     return state
 
 
-def save_lora(transformer, out_dir: str | Path, fold_alpha: bool = False, base_fingerprint: str | None = None) -> Path:
+def save_lora(transformer, out_dir: str | Path, fold_alpha: bool = False, base_fingerprint: str | None = None,
+              adapter_name: str = ADAPTER) -> Path:
     """Write only the adapter, in the diffusers LoRA format; returns the weight file.
 
     `fold_alpha` (the final LoRA): each module's alpha / r is multiplied into its lora_B and the saved config says
     alpha = r, so loaders that ignore the metadata (ComfyUI, musubi-tuner's converter: they take alpha = rank)
     apply the same weights as diffusers. Checkpoints stay unfolded: resume needs the trained values exactly
     (x * s / s is not x in floating point). `base_fingerprint`: the base model's fingerprint
-    (`models.loading.model_fingerprint`), recorded so predict / merge can tell a LoRA trained on another model."""
+    (`models.loading.model_fingerprint`), recorded so predict / merge can tell a LoRA trained on another model.
+    `adapter_name`: the trainer's adapter, or evaluate's ("lora": a checkpoint's EMA written as a LoRA, unfolded)."""
     from diffusers import QwenImageEditPipeline
 
     from models.canonical_safetensors import canonicalize
 
     out_dir = Path(out_dir)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in lora_state_dict(transformer).items()}
-    config = _sets_sorted(transformer.peft_config[ADAPTER].to_dict())
+    if fold_alpha and adapter_name != ADAPTER:
+        raise ValueError("fold_alpha folds the trainer's adapter only")
+    state = {k: v.detach().to("cpu").contiguous() for k, v in lora_state_dict(transformer, adapter_name).items()}
+    config = _sets_sorted(transformer.peft_config[adapter_name].to_dict())
     extra = {_BASE_KEY: base_fingerprint} if base_fingerprint else {}
     extra[_CLASS_KEY] = _transformer_class(transformer)
     if fold_alpha and _is_plain_lora(config) and _has_scaling(transformer):

@@ -468,6 +468,12 @@ class EvaluateConfig(Section):
         "text or vae table (as train.max_dropped_fraction for the train split)")
     max_open_shards: Annotated[int, THROUGHPUT] = Field(256, gt=0, description="shard files kept open per table "
                                                         "(as train.max_open_shards)")
+    # on by default: a run trained with train.ema_decay asks whether its EMA is the better LoRA; hashed only when
+    # off (added later: the reports made before stay current)
+    score_ema: Annotated[bool, added_later()] = Field(
+        True, description="--all-checkpoints of a run trained with train.ema_decay: also score each checkpoint's "
+        "EMA (ema.safetensors) on the same val samples, noise and sigma, and pick the best of both (one more loss "
+        "pass per checkpoint); false: the raw LoRA only")
 
     @property
     def loss_axes(self) -> tuple[list[int], list[float]]:

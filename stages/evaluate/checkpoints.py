@@ -32,6 +32,8 @@ from schemas.stage import few
 from schemas.up_to_date import UNRECORDED_REVISION
 from stages.evaluate.base_images import FOLDER as BASE_IMAGES, extra_prompt_bytes
 from stages.evaluate.curves import pick_best
+from stages.evaluate.ema_curve import (FOLDER as EMA_LOSSES, best_lora_input, ema_checkpoints, ema_settings,
+                                       label as ema_label, todo_line, write_best_lora)
 from stages.evaluate.loss_groups import cells_line, group_hash, note_computed_on, recorded_on
 from stages.evaluate.paired import paired, per_sample, signed
 from store import Store
@@ -422,6 +424,8 @@ class CheckpointsResult:
                               losses=absolute(self.report.parent / GROUP),
                               checkpoints=c["steps"], checkpoints_evaluated=self.evaluated,
                               best_checkpoint=self.best["path"], best_step=self.best["step"],
+                              best_weights=self.best.get("weights", "lora"),
+                              ema_losses=absolute(Path(c["ema"]["losses"])) if c.get("ema") else None,
                               loss_best=self.best["loss"], loss_base=c["base"]["overall"],
                               best_vs_base=self.best.get("vs_base"), runner_up=self.best.get("runner_up"),
                               last_step=c["last"]["step"], damaged_samples=sorted(self.metrics["run"]["damaged_samples"]),
@@ -440,26 +444,42 @@ class CheckpointsResult:
         if b.get("vs_base"):  # paired over val samples (reports written before these numbers have none)
             sure = f"; vs base {signed(b['vs_base'])}"
             if b.get("runner_up"):
-                sure += f", next best step {b['runner_up']['step']} {signed(b['runner_up'])}"
+                sure += (f", next best step {b['runner_up']['step']}{ema_label(b['runner_up'], 'ema' in c)} "
+                         f"{signed(b['runner_up'])}")
             sure += f" (paired over {b['vs_base']['n']} val samples, ± s.e.)"
         newer = ""
         if self.newer:
             n = len(self.newer)
             newer = (f"; {n} newer checkpoint{'s were' if n > 1 else ' was'} written meanwhile (step "
                      f"{', '.join(map(str, self.newer))}): rerun to include {'them' if n > 1 else 'it'}")
-        return (f"{head}; best checkpoint step {b['step']}: held-out loss {b['loss']:.4f} (base "
-                f"{c['base']['overall']:.4f}{sure}) {b['path']}; report: {self.report}{newer}")
+        return (f"{head}; best checkpoint step {b['step']}{ema_label(b, 'ema' in c)}: held-out loss "
+                f"{b['loss']:.4f} (base {c['base']['overall']:.4f}{sure}{_beside(b, c)}) {b['path']}; report: "
+                f"{self.report}{newer}")
+
+
+def _beside(best: dict, c: dict) -> str:
+    """The other weights of the best's step, when the EMA was scored: '; its raw LoRA 0.1234' / '; its EMA ...'."""
+    ema = c.get("ema")
+    if not ema:
+        return ""
+    on_ema = best.get("weights") == "ema"
+    steps, per = (c["steps"], c["per_step"]) if on_ema else (ema["steps"], ema["per_step"])
+    if best["step"] not in steps:
+        return ""
+    return f"; its {'raw LoRA' if on_ema else 'EMA'} {per[steps.index(best['step'])]['overall']:.4f}"
 
 
 def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
                 cfg: EvaluateConfig, settings: dict | None = None, why: list[str] | None = None,
-                n: int | None = None) -> dict | None:
+                n: int | None = None, ema_shas: dict[int, str] | None = None) -> dict | None:
     """The report's metrics when it is current (`schemas.up_to_date`): the same loss array (`fingerprint`),
     every checkpoint recorded with its present bytes (`shas`) and path (a moved run: the report names the new
     paths), the same evaluate settings (`stage.same_config`; `n`: the val split's size, which says which caps
     read every sample) and extra prompts' image bytes (pictures only: the array is kept). `why`: filled, when
     OUT holds a report that is not current, with what differs (`differences`; `settings`: the loss array's
-    settings of this run, `loss_fingerprint`)."""
+    settings of this run, `loss_fingerprint`). `ema_shas`: step -> the sha256 of its EMA file, of the checkpoints
+    whose EMA is scored (`ema_curve`): a report of a run without EMA records none and needs none (it stays
+    current); one that scored no EMA where there is one now (made before EMA was scored) is not current."""
     metrics_file = out / "metrics.json"
     if not metrics_file.is_file() or not (out / "index.html").is_file():
         return None
@@ -481,6 +501,9 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
                            "loras": {str(step): reported.get(step) for step, _ in checkpoints},
                            "paths": {str(step): recorded_paths.get(step) for step, _ in checkpoints}}
         named = named_steps(c)
+        ema_recorded = c.get("ema") or {}
+        ema_reported = dict(zip(ema_recorded.get("steps") or [], ema_recorded.get("sha256") or []))
+        best_lora = best_lora_input(c.get("best") or {})
     except (AttributeError, TypeError, KeyError, ValueError):
         return None
     present = {"fingerprint": fingerprint, "steps": sorted(recorded) if recorded is not None else c.get("steps"),
@@ -491,6 +514,15 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
     # deleted by hand) left the report "up to date" naming a path that is gone as the best
     recorded_inputs["named_on_disk"] = named
     present["named_on_disk"] = [step for step in named if step in dict(checkpoints)]
+    ema_shas = ema_shas or {}
+    if ema_recorded or ema_shas:  # neither: a run without EMA, its inputs as before
+        recorded_inputs["ema_scored"], present["ema_scored"] = bool(ema_recorded), bool(ema_shas)
+        if ema_recorded and ema_shas:  # else the line above says it, not every step's sha256 against None
+            steps = [str(step) for step, _ in checkpoints if step in ema_reported or step in ema_shas]
+            recorded_inputs["ema"] = {k: ema_reported.get(int(k)) for k in steps}
+            present["ema"] = {k: ema_shas.get(int(k)) for k in steps}
+    if best_lora is not None:
+        recorded_inputs["best_ema_lora"], present["best_ema_lora"] = best_lora
     from stages.evaluate.stage import same_config
 
     if same_config(recorded_inputs["config_fingerprint"], cfg, n, metrics):  # the same settings, spelled otherwise
@@ -512,6 +544,8 @@ def named_steps(c: dict) -> list[int]:
 
 # what a report's recorded inputs are called in the line that says why it is recomputed (`differences`)
 _INPUT_LABELS = {"named_on_disk": "checkpoints the report names (best, next best, last) still on disk", "fingerprint": "held-out loss inputs", "steps": "checkpoints in the loss array",
+                 "ema_scored": "checkpoints' EMA (train.ema_decay) scored", "ema": "checkpoint EMA weights (sha256)",
+                 "best_ema_lora": "the best EMA written as a LoRA (sha256)",
                  "config_fingerprint": "evaluate config fingerprint",
                  "extra_prompts_sha256": "extra prompts' images (sha256)", "loras": "checkpoint weights (sha256)",
                  "paths": "checkpoint paths", "tables": "store tables", "model_fingerprint": "model fingerprint",
@@ -653,12 +687,14 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     # `together`): rows of one loss grid in two precisions would be recorded as the one dtype
     cfg, precision = single.agreed_config(cfg, model, ranks.world)
     check_same_settings(ranks.world, cfg)
+    ema, ema_shas = ema_checkpoints(cfg, checkpoints, ranks)  # a run trained with train.ema_decay: scored too
     with together(ranks.world, "the ranks' devices"):  # every rank computes rows: each one's device recorded
         mine = machine(cfg)
     run = _Evaluation(ranks, cfg, store, model, out, precision, started, on_every_rank(ranks.world, mine))
     with together(ranks.world, "evaluate settings", uneven=True):  # each node hashes its copy of the model once
         _, settings = loss_fingerprint(cfg, store, model)  # its fingerprint: of the tables read, below
-    up_to_date, recorded = _recorded_if_up_to_date(run, settings, checkpoints, shas, skip_if_done, whose_report)
+    up_to_date, recorded = _recorded_if_up_to_date(run, settings, checkpoints, shas, skip_if_done, whose_report,
+                                                   ema_shas)
     if up_to_date:
         return recorded
     _check_report_folder(run, checkpoints)
@@ -673,10 +709,13 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         earlier = earlier_settings(settings, tables, cfg, out)
         damaged = dict(tables.damaged)
         losses = _losses_opened(run, share.samples, fingerprint, settings, earlier, tables)
+        ema_losses = _losses_opened(run, share.samples, *ema_settings(settings, earlier), tables,
+                                    run.out / EMA_LOSSES) if ema else None
         base_cache = (out, _base_key(run, settings, share.samples))
         transformer = single.load_transformer(cfg, model, ranks.world)  # the ranks' one attention backend
         done = _evaluate_while_training(ranks, losses, checkpoints, shas, transformer, share.samples, share.mine,
-                                        cfg, load, fingerprint, relist, base_cache, run.computed_on)
+                                        cfg, load, fingerprint, relist, base_cache, run.computed_on,
+                                        (ema_losses, ema_shas) if ema else None)
         if ranks.main:  # rank 0 summarises, generates and writes the report
             return _rank_0_alone(ranks, lambda: _report(run, tables, share, transformer, done, damaged, shas,
                                                         settings, pruned, trained))
@@ -718,8 +757,8 @@ def _checkpoints_on_disk(ranks, checkpoints: list[tuple[int, Path]],
 
 
 def _recorded_if_up_to_date(run: _Evaluation, settings: dict, checkpoints: list[tuple[int, Path]],
-                            shas: dict[int, str], skip_if_done: bool,
-                            whose_report=None) -> tuple[bool, CheckpointsResult | None]:
+                            shas: dict[int, str], skip_if_done: bool, whose_report=None,
+                            ema_shas: dict[int, str] | None = None) -> tuple[bool, CheckpointsResult | None]:
     """With `skip_if_done`, rank 0 looks whether OUT's report is current for these settings and checkpoints (else
     says why it is not), and every rank gets its answer: (True, the recorded result on rank 0, None on the others)
     when it is; (False, None) when evaluate runs."""
@@ -729,13 +768,13 @@ def _recorded_if_up_to_date(run: _Evaluation, settings: dict, checkpoints: list[
         now, now_settings, earlier, keys, n = content_fingerprint(run.cfg, run.store, run.model, settings, run.out)
         why: list[str] = []
         known = known_fingerprint(out, now, now_settings, earlier)
-        done = _up_to_date(out, known, checkpoints, shas, run.cfg, now_settings, why, n)
+        done = _up_to_date(out, known, checkpoints, shas, run.cfg, now_settings, why, n, ema_shas)
         if done is None:
             whose = whose_report(out) if why and whose_report is not None else None
             if whose:
                 why.insert(0, whose)
             say_recomputed(out, why, redone(out, known, checkpoints, shas, now_settings, run.cfg, earlier, keys,
-                                            run.computed_on),
+                                            run.computed_on) + todo_line(out, now_settings, ema_shas or {}),
                            trained_on=not whose and bool(why) and trained_on_since(out, known, checkpoints, shas))
     if ranks.from_main([int(done is not None)])[0]:
         if ranks.main:  # the figures are the same, and so is what makes them not held out
@@ -774,9 +813,9 @@ def _read_val_share(run: _Evaluation):
 
 
 def _losses_opened(run: _Evaluation, samples, fingerprint: str, settings: dict, earlier: list[dict],
-                   tables) -> LossStore | None:
+                   tables, folder: Path | None = None) -> LossStore | None:
     """OUT/losses.zarr over the val samples' axes (`_open_losses`), opened by rank 0 while the others wait; None
-    on the others."""
+    on the others. `folder`: another group's folder (the EMA's, `ema_curve`) instead of OUT."""
     from models.collective import together
 
     ranks, cfg = run.ranks, run.cfg
@@ -785,7 +824,7 @@ def _losses_opened(run: _Evaluation, samples, fingerprint: str, settings: dict, 
         if ranks.main:
             from stages.evaluate.loss_groups import start_computed_on
 
-            losses = _open_losses(run.out, fingerprint, settings, earlier, axes, tables.versions())
+            losses = _open_losses(folder or run.out, fingerprint, settings, earlier, axes, tables.versions())
             start_computed_on(losses)  # each machine recorded as it computes a row (`_record_rows`)
         else:
             losses = None
@@ -815,12 +854,19 @@ def _report(run: _Evaluation, tables, share, transformer, done, damaged: dict, s
 
     cfg, model, store, out = run.cfg, run.model, run.store, run.out
     evaluated, attached, pruned_meanwhile, newer, (metrics, best, last), held = done
+    ema = metrics["checkpoints"].get("ema") or {}
+    # the bytes each pictured point's losses are of, by path: a step's raw LoRA and its EMA are two files
+    recorded = {p: sha for p, sha in zip(ema.get("paths") or [], ema.get("sha256") or [])}
+    recorded.update({last["path"]: shas.get(last["step"])} if best.get("weights") == "ema" else
+                    {best["path"]: shas.get(best["step"]), last["path"]: shas.get(last["step"])})
     with writing("the report", out):  # a full disk: its line, not "rank 0: ... OSError" (`fails_alone`)
         rows, pictured = [], complete(tables, share, single.pick_samples(share.samples, cfg.num_samples))
         if cfg.num_samples > 0 or cfg.extra_prompts:
             rows = generated_rows(cfg, model, store, tables, transformer, pictured, best["path"],
-                                  best["step"], last["path"], last["step"], attached, damaged, shas,
+                                  best["step"], last["path"], last["step"], attached, damaged, recorded,
                                   base_cache=(out / BASE_IMAGES, settings), held=held)
+        write_best_lora(out, transformer, best, cfg.lora_scale, (held or {}).get(best["path"]),
+                        recorded.get(best["path"]))
         metrics["generation"] = single.generation_summary(rows, cfg, model)  # "lora" = the best one
         metrics["run"] = _run_record(cfg, store, model, tables, pictured, damaged, settings,
                                      run.ranks.world, transformer, run.precision)
@@ -851,7 +897,7 @@ def _rank_0_alone(ranks, work):
 def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[tuple[int, Path]],
                              shas: dict[int, str], transformer, samples, mine: list[int], cfg: EvaluateConfig, load,
                              fingerprint: str, relist, base_cache: tuple | None = None,
-                             computed_on: list[dict] = ()):
+                             computed_on: list[dict] = (), ema: tuple | None = None):
     """Evaluate the checkpoints not in the array, then list the run again (`relist`; None: the list given is all
     there is): a training beside evaluate writes new checkpoints and prunes old ones meanwhile. When a checkpoint
     evaluated is still on disk, the summary names the best of those and the newer ones are left to a rerun
@@ -860,7 +906,8 @@ def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[
     checkpoints' bytes: `held_bytes`); the others None. Every rank takes each turn of the loop together, and
     rank 0's summary is one decision of all (`together`): its refusals (none left on disk, no finite loss, a
     rewritten checkpoint) stop every rank with its line (none left on disk was rank 0's alone: the others ended
-    with status 0)."""
+    with status 0). `ema`: (the EMA group, rank 0's, None on the others; step -> EMA sha256): each checkpoint's EMA
+    scored after the raw LoRAs (`_append_ema`), the summary over both."""
     from models.collective import together
 
     listed = {step for step, _ in checkpoints}
@@ -868,6 +915,9 @@ def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[
     while True:
         n, attached, gone = _append_missing(ranks, losses, checkpoints, shas, transformer, samples, mine, cfg,
                                             load, attached, first, base_cache, computed_on)
+        if ema is not None:
+            attached = _append_ema(ranks, losses, ema, checkpoints, transformer, samples, mine, cfg, load, attached,
+                                   first, computed_on)
         evaluated, pruned, first = evaluated + n, pruned + gone, False
         now = agreed_checkpoints(relist(), ranks) if relist is not None else None
         newer = [c for c in now or [] if c[0] not in listed]
@@ -876,7 +926,7 @@ def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[
         with together(ranks.world, "the checkpoints' summary"):
             if ranks.main:
                 summary, held = _summary_held(losses, samples, cfg, fingerprint, on_disk, shas,
-                                              pictured=cfg.num_samples > 0 or bool(cfg.extra_prompts))
+                                              pictured=cfg.num_samples > 0 or bool(cfg.extra_prompts), ema=ema)
                 if summary is None and not newer:  # `newer`: the same on every rank (`agreed_checkpoints`)
                     raise UserError(f"no checkpoint recorded in {losses.path} is still on disk (pruned by the "
                                     "training while evaluating, and none newer written): rerun evaluate")
@@ -889,24 +939,47 @@ def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[
         checkpoints, new_shas = check_and_hash(newer, ranks)
         pruned += [step for step, _ in newer if step not in new_shas]
         shas.update(new_shas)
+        if ema is not None:
+            ema[1].update(ema_checkpoints(cfg, checkpoints, ranks)[1])
     if not ranks.main:
         return None
     return evaluated, attached, pruned, sorted(step for step, _ in newer), summary, held
 
 
+def _append_ema(ranks, losses: LossStore | None, ema: tuple, checkpoints: list[tuple[int, Path]], transformer,
+                samples, mine: list[int], cfg: EvaluateConfig, load, attached: bool, first: bool,
+                computed_on: list[dict]) -> bool:
+    """The EMA of each checkpoint not yet in the EMA group (`ema_curve`), appended as `_append_missing` appends the
+    raw LoRAs (one mechanism: plan, cells kept aside, machines recorded), after the raw array's base is copied in
+    (rank 0): the same val samples, noise and σ, so the two curves pair sample for sample. Returns `attached`."""
+    from models.collective import together
+    from models.ema_file import ema_of
+
+    ema_losses, ema_shas = ema
+    with together(ranks.world, "the EMA loss array"):
+        if ranks.main and not ema_losses.has_base():
+            with _writing_losses(ema_losses.path.parent):
+                ema_losses.write_base(losses.base())
+    todo = [(step, ema_of(path)) for step, path in checkpoints if step in ema_shas]
+    _, attached, _ = _append_missing(ranks, ema_losses, todo, ema_shas, transformer, samples, mine, cfg, load,
+                                     attached, first, None, computed_on, what="EMA")
+    return attached
+
+
 def _summary_held(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
-                  on_disk: list[tuple[int, Path]], shas: dict[int, str], pictured: bool):
+                  on_disk: list[tuple[int, Path]], shas: dict[int, str], pictured: bool, ema: tuple | None = None):
     """`_summary` over the checkpoints still on disk, and the bytes of the best and last it names (`held_bytes`;
     none read when no picture is made: not `pictured`); one of them pruned before it was read: the summary again
-    without it. (None, None): none left."""
+    without it. (None, None): none left. `ema`: (the EMA group, step -> EMA sha256), summarised beside."""
+    ema_losses, ema_shas = ema if ema is not None else (None, {})
     while True:
-        summary = _summary(losses, samples, cfg, fingerprint, on_disk)
+        summary = _summary(losses, samples, cfg, fingerprint, on_disk, ema_losses)
         if summary is None:
             return None, None
         _, best, last = summary
         if not pictured:
             return summary, {}
-        held = held_bytes([best, last], shas)
+        held = held_bytes([best, last], shas, ema_shas)
         if held is not None:
             return summary, held
         on_disk = [c for c in on_disk if not _gone(c[1])]
@@ -950,9 +1023,16 @@ def _run_record(cfg: EvaluateConfig, store: str | Path, model: str, tables, samp
 def use_checkpoint(transformer, path: Path, scale: float, attached: bool, data: bytes | None = None) -> None:
     """The checkpoint's weights in the one adapter "lora": copied into it when they fit (no new modules per
     checkpoint); a checkpoint of another rank, alpha or target modules (a run folder holding checkpoints of two
-    trainings) gets the adapter rebuilt from its own saved config, so it is evaluated as saved, not refused."""
+    trainings) gets the adapter rebuilt from its own saved config, so it is evaluated as saved, not refused. A
+    checkpoint's EMA file (`models.ema_file`, `ema_checkpoints`): its step's LoRA loaded, then the EMA's values."""
+    from models.ema_file import ema_state, is_ema_file
     from models.lora import attach_lora, load_lora
 
+    if is_ema_file(path):  # a checkpoint's EMA: the adapter its step's lora/ builds, holding the EMA's values
+        use_checkpoint(transformer, Path(path).parent / "lora", scale, attached)
+        data = data if data is not None else Path(path).read_bytes()
+        load_lora(transformer, path, adapter_name="lora", state=ema_state(transformer, "lora", data, Path(path)))
+        return
     if attached:
         try:
             load_lora(transformer, path, adapter_name="lora", data=data)
@@ -997,17 +1077,19 @@ def _rewritten(step: int, path: Path) -> UserError:
                      "once the training has stopped writing it")
 
 
-def held_bytes(points: list[dict], shas: dict[int, str]) -> dict[int, bytes] | None:
+def held_bytes(points: list[dict], shas: dict[int, str],
+               ema_shas: dict[int, str] | None = None) -> dict[str, bytes] | None:
     """The LoRA bytes of the checkpoints the summary names for pictures (best, last: `points`), read now and
     held until their images are made: a training beside evaluate that prunes one meanwhile (while the base
     images are made) does not stop evaluate. None when one is gone already (the summary is taken again without
-    it); a file whose bytes are not the ones evaluated is refused (`_rewritten`)."""
+    it); a file whose bytes are not the ones evaluated is refused (`_rewritten`). Keyed by path: a step's raw LoRA
+    and its EMA (`ema_shas`, a point whose `weights` is "ema") are two files."""
     from models.lora import lora_weight_file
     from stages.evaluate.lora_bytes import read_for_load
 
     held = {}
     for p in points:
-        if p["step"] in held:
+        if p["path"] in held:
             continue
         try:
             data, sha = read_for_load(lora_weight_file(p["path"]))
@@ -1015,9 +1097,10 @@ def held_bytes(points: list[dict], shas: dict[int, str]) -> dict[int, bytes] | N
             if _gone(p["path"]):
                 return None
             raise
-        if p["step"] in shas and sha != shas[p["step"]]:
+        recorded = (ema_shas or {}) if p.get("weights") == "ema" else shas
+        if p["step"] in recorded and sha != recorded[p["step"]]:
             raise _rewritten(p["step"], p["path"])
-        held[p["step"]] = data
+        held[p["path"]] = data
     return held
 
 
@@ -1141,7 +1224,7 @@ class _Shared:
 def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
                     transformer, samples, mine: list[int], cfg: EvaluateConfig, load=None, attached: bool = False,
                     first: bool = True, base_cache: tuple | None = None,
-                    computed_on: list[dict] = ()) -> tuple[int, bool, list[int]]:
+                    computed_on: list[dict] = (), what: str = "") -> tuple[int, bool, list[int]]:
     """The base's grid (once) and each checkpoint not yet in the array, one append each (rank 0; `losses` is None
     on the others), the newest first: a training beside evaluate prunes the oldest (train.keep_checkpoints), so
     the newest are the ones still there when their turn comes (the array's order is no order: every reader sorts
@@ -1149,7 +1232,8 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
     the steps pruned before they could be loaded). `base_cache`: (OUT, rank 0's key of the base losses' inputs):
     an array without base losses takes them from there when recorded under the key, and records them there when
     computed (`stages.evaluate.base_losses`). `computed_on`: every rank's machine (`loss_groups.on_every_rank`),
-    recorded with the first row computed (`_record_rows`)."""
+    recorded with the first row computed (`_record_rows`). `what`: the weights named in the bars ("EMA": the
+    checkpoints' EMA files, `_append_ema`)."""
     seeds, sigmas = cfg.loss_axes
     shared, donor = _shared_plan(ranks, losses, checkpoints, shas, first, base_cache,
                                  (len(samples), len(seeds), len(sigmas), 3))
@@ -1158,7 +1242,8 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
               computed_on=computed_on)
     evaluated, pruned = 0, []
     # no bar with nothing to do: tqdm drew "checkpoints: 0ckpt [00:00, ?ckpt/s]" (no total, no percentage)
-    for step, path in tqdm(shared.todo, desc="checkpoints", unit="ckpt", disable=not ranks.main or not shared.todo):
+    for step, path in tqdm(shared.todo, desc=f"checkpoints' {what}" if what else "checkpoints", unit="ckpt",
+                           disable=not ranks.main or not shared.todo):
         partial = bool(shared.from_donor[step])
         if partial and shared.known.all():  # a shrunk grid: every cell of its row recorded under these very bytes
             _record_checkpoint(ranks, losses, step, path, shas[step], (), donor, None)
@@ -1169,7 +1254,8 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
         if changed:
             continue
         grid = _cells(ranks, transformer, samples, mine, seeds, sigmas, cfg.batch_size,
-                      f"held-out loss (step {step})", load, ~shared.known if partial else None)
+                      f"held-out loss (step {step}{', ' + what if what else ''})", load,
+                      ~shared.known if partial else None)
         _record_checkpoint(ranks, losses, step, path, shas[step], computed_on, donor if partial else None, grid)
         evaluated += 1
     return evaluated, attached, pruned
@@ -1343,7 +1429,7 @@ def _other_trainings(losses: LossGroup, checkpoints: list[tuple[int, Path]]) -> 
 
 
 def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
-             checkpoints: list[tuple[int, Path]]) -> tuple[dict, dict, dict] | None:
+             checkpoints: list[tuple[int, Path]], ema: LossStore | None = None) -> tuple[dict, dict, dict] | None:
     """metrics.json's loss and checkpoints sections, the best and the last checkpoint still on disk; None when no
     checkpoint recorded is still on disk.
 
@@ -1351,7 +1437,10 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
     pruned since keeps its point on the curves; a run folder moved since keeps its numbers (same bytes).
 
     A val sample whose base loss is non-finite has bad stored features: evaluate.on_nonfinite stops naming it
-    (or leaves it out of every number). A checkpoint with a non-finite loss is simply never the best."""
+    (or leaves it out of every number). A checkpoint with a non-finite loss is simply never the best.
+
+    `ema`: the EMA group (`ema_curve`): its curve beside the raw one (`checkpoints.ema`), and the best picked among
+    both (a tie: the earlier step, then the raw LoRA), `best.weights` saying which ("lora" or "ema")."""
     from stages.evaluate import stage as single
 
     steps, paths, grids = losses.losses()
@@ -1366,16 +1455,23 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
     alive = [i for i, step in enumerate(steps) if step in present and Path(present[step]).exists()]  # pruned meanwhile
     if not alive:  # every one evaluated was pruned meanwhile: the caller evaluates newer ones, or says so
         return None
-    best_i = pick_best([steps[i] for i in alive], [overall[i] for i in alive])
+    last_i = alive[-1]
+    points = [{"step": step, "path": path, "loss": o} for step, path, o in zip(steps, paths, overall)]
+    curve = _ema_curve(ema, kept, base, samples, present) if ema is not None else None
+    candidates, all_grids = list(alive), grids
+    if curve is not None:  # the EMA points after the raw ones: a tie at one step goes to the raw LoRA (stable sort)
+        candidates += [len(points) + i for i in curve["alive"]]
+        points = points + curve["points"]
+        all_grids = np.concatenate([grids, curve["grids"]]) if len(curve["points"]) else grids
+    best_i = pick_best([points[i]["step"] for i in candidates], [points[i]["loss"] for i in candidates])
     if best_i is None:
         raise UserError(f"no checkpoint in {losses.path} has a finite held-out loss; check the run's training loss")
-    best_i, last_i = alive[best_i], alive[-1]
+    best_i = candidates[best_i]
     protocol = single.protocol(cfg, samples).replace("LoRA off (base) and on", "LoRA off (base) and the best checkpoint")
-    loss = loss_summary({"base": base, "lora": grids[best_i]}, samples, *cfg.loss_axes, protocol)
+    loss = loss_summary({"base": base, "lora": all_grids[best_i]}, samples, *cfg.loss_axes, protocol)
     loss["nonfinite_samples"] = nonfinite  # left out of every number (evaluate.on_nonfinite=skip)
 
-    points = [{"step": step, "path": path, "loss": o} for step, path, o in zip(steps, paths, overall)]
-    best = _best(points, grids, base, alive, best_i)
+    best = {**_best(points, all_grids, base, candidates, best_i), "weights": points[best_i].get("weights", "lora")}
     loss["lora_minus_base"] = best["vs_base"]
     metrics = {
         "loss": loss,
@@ -1392,10 +1488,34 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
             "note": "best = lowest overall held-out loss among the checkpoints still on disk (ties: earlier step); "
                     "best.vs_base and best.runner_up: differences paired over the val samples (same noise and σ) "
                     "± their standard error; within about two standard errors this held-out set does not tell "
-                    "the two apart",
+                    "the two apart" + ("; each checkpoint's EMA (train.ema_decay) is scored on the same val "
+                                       "samples, noise and σ, and competes for best (best.weights: lora or ema; a tie "
+                                       "goes to the raw LoRA)" if curve is not None else ""),
         },
     }
+    if curve is not None:
+        metrics["checkpoints"]["ema"] = curve["section"]
     return metrics, best, dict(points[last_i])  # a dict apart from metrics' "last"
+
+
+def _ema_curve(ema: LossStore, kept, base: np.ndarray, samples, present: dict[int, str]) -> dict:
+    """The EMA group's curve over the val samples `kept` (those the raw summary keeps): its points (`weights`
+    "ema", the EMA file's path), its grids, which are still on disk, and metrics.json's `checkpoints.ema`."""
+    from models.ema_file import ema_of
+
+    steps, paths, grids = ema.losses()
+    shas = ema.steps()
+    here = {step: str(ema_of(path).resolve()) for step, path in present.items()}
+    paths = [here.get(step, p) for step, p in zip(steps, paths)]
+    grids = grids[:, kept]
+    per_step = step_summaries(base, grids, [bucket_of(s) for s in samples],
+                              [has_two_regions(s) for s in samples])["steps"]
+    alive = [i for i, step in enumerate(steps) if step in here and Path(here[step]).exists()]
+    points = [{"step": step, "path": path, "loss": p["overall"], "weights": "ema"}
+              for step, path, p in zip(steps, paths, per_step)]
+    section = {"losses": str(ema.path), "steps": steps, "paths": paths, "sha256": [shas[step] for step in steps],
+               "on_disk": [i in alive for i in range(len(steps))], "per_step": per_step}
+    return {"points": points, "grids": grids, "alive": alive, "section": section}
 
 
 def _best(points: list[dict], grids: np.ndarray, base: np.ndarray, alive: list[int], best_i: int) -> dict:
@@ -1405,5 +1525,6 @@ def _best(points: list[dict], grids: np.ndarray, base: np.ndarray, alive: list[i
     others = [i for i in alive if i != best_i and math.isfinite(points[i]["loss"])]
     if others:  # a tie: the earlier step, as for the best
         nxt = min(others, key=lambda i: (points[i]["loss"], points[i]["step"]))
-        best["runner_up"] = {**points[nxt], **paired(per_sample(grids[nxt]), per_sample(grids[best_i]))}
+        best["runner_up"] = {**points[nxt], "weights": points[nxt].get("weights", "lora"),
+                             **paired(per_sample(grids[nxt]), per_sample(grids[best_i]))}
     return best

@@ -692,11 +692,13 @@ def _only_report_files(out: Path) -> bool:
                                              LORA_FOLDER as LORA_IMAGES)
 
     from stages.evaluate.base_losses import FILE as BASE_LOSSES
+    from stages.evaluate.ema_curve import BEST_LORA, FOLDER as EMA_LOSSES
     from stages.evaluate.lora_losses import FOLDER as LORA_LOSSES
 
     return all(p.name in ("grid.png", "index.html", REPORT_LOCK, BASE_IMAGES, LORA_IMAGES, LAST_IMAGES, BASE_LOSSES,
-                         LORA_LOSSES)
+                         LORA_LOSSES, EMA_LOSSES, BEST_LORA)
                or (p.name.startswith(("losses", ".losses")) and ".zarr" in p.name)
+               or p.name.startswith(f".{BEST_LORA}")  # its atomic_dir's temp / swapped folder
                or (p.is_file() and is_litter(p.name))
                for p in out.iterdir())
 

@@ -6,9 +6,9 @@ init LoRA (B = 0, a zero delta) left a run of 1000 steps at 0.999 with 37 % of i
 step is the optimizer step (`Run.step`, restored on a resume), so a resumed run's EMA is a straight run's bit for bit.
 
 float32 copies of the trainable adapter tensors, in `lora_parameters` order. Saved into each checkpoint
-(`ema.safetensors`, resumed exactly) and, at the end, as a LoRA of its own in the diffusers format
-(`RUN/lora_ema`, written through the same `save_lora` by swapping the EMA values in for the save), so
-evaluate, predict, merge and diffusers read it like `RUN/lora`.
+(`ema.safetensors`, `models.ema_file`: resumed exactly, scored by evaluate --all-checkpoints) and, at the end, as
+a LoRA of its own in the diffusers format (`RUN/lora_ema`, written through the same `save_lora` by swapping the
+EMA values in for the save), so evaluate, predict, merge and diffusers read it like `RUN/lora`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as load_bytes, save_file
 
+from models.ema_file import EMA_FILE, read_values, save_values
 from schemas.errors import UserError
-
-EMA_FILE = "ema.safetensors"
 
 
 class AdapterEMA:
@@ -54,7 +52,7 @@ class AdapterEMA:
                 p.copy_(v)
 
     def save(self, folder: Path) -> None:
-        save_file({str(i): s.contiguous().cpu() for i, s in enumerate(self.shadow)}, folder / EMA_FILE)
+        save_values(self.shadow, folder)
 
     def load(self, folder: Path, kept: dict[str, bytes] | None = None) -> None:
         """`kept`: the checkpoint's bytes its check read (stages.train.state.kept_bytes)."""
@@ -63,7 +61,7 @@ class AdapterEMA:
         path = folder / EMA_FILE
         if not (kept and EMA_FILE in kept) and not path.is_file():
             raise UserError(f"{folder} has no {EMA_FILE}: it was written without train.ema_decay")
-        saved = load_bytes(kept_bytes(folder, EMA_FILE, kept))
+        saved = read_values(kept_bytes(folder, EMA_FILE, kept))
         if len(saved) != len(self.shadow):
             raise UserError(f"{path}: EMA of {len(saved)} tensors, the adapter has {len(self.shadow)}")
-        self.shadow = [saved[str(i)].to(s.device) for i, s in enumerate(self.shadow)]
+        self.shadow = [v.to(s.device) for v, s in zip(saved, self.shadow)]
