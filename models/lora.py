@@ -129,7 +129,7 @@ def lora_state_dict(transformer, adapter_name: str = ADAPTER) -> dict[str, torch
 
 
 def save_lora(transformer, out_dir: str | Path, fold_alpha: bool = False, base_fingerprint: str | None = None,
-              adapter_name: str = ADAPTER) -> Path:
+              adapter_name: str = ADAPTER, values: dict[str, torch.Tensor] | None = None) -> Path:
     """Write only the adapter, in the diffusers LoRA format; returns the weight file.
 
     `fold_alpha` (the final LoRA): each module's alpha / r is multiplied into its lora_B and the saved config says
@@ -137,7 +137,9 @@ def save_lora(transformer, out_dir: str | Path, fold_alpha: bool = False, base_f
     apply the same weights as diffusers. Checkpoints stay unfolded: resume needs the trained values exactly
     (x * s / s is not x in floating point). `base_fingerprint`: the base model's fingerprint
     (`models.loading.model_fingerprint`), recorded so predict / merge can tell a LoRA trained on another model.
-    `adapter_name`: the trainer's adapter, or evaluate's ("lora": a checkpoint's EMA written as a LoRA, unfolded)."""
+    `adapter_name`: the trainer's adapter, or evaluate's ("lora": a checkpoint's EMA written as a LoRA, unfolded).
+    `values`: the adapter's state to write instead of the transformer's own (its keys), e.g. a float32 EMA that
+    evaluate loaded into a bf16 adapter: written as the file holds it, not rounded to the adapter's dtype."""
     from diffusers import QwenImageEditPipeline
 
     from models.canonical_safetensors import canonicalize
@@ -145,7 +147,10 @@ def save_lora(transformer, out_dir: str | Path, fold_alpha: bool = False, base_f
     out_dir = Path(out_dir)
     if fold_alpha and adapter_name != ADAPTER:
         raise ValueError("fold_alpha folds the trainer's adapter only")
-    state = {k: v.detach().to("cpu").contiguous() for k, v in lora_state_dict(transformer, adapter_name).items()}
+    own = lora_state_dict(transformer, adapter_name)
+    if values is not None and values.keys() != own.keys():
+        raise ValueError("values: not the adapter's keys")
+    state = {k: v.detach().to("cpu").contiguous() for k, v in (own if values is None else values).items()}
     config = _sets_sorted(transformer.peft_config[adapter_name].to_dict())
     extra = {_BASE_KEY: base_fingerprint} if base_fingerprint else {}
     extra[_CLASS_KEY] = _transformer_class(transformer)

@@ -63,6 +63,7 @@ def write_best_lora(out: Path, transformer, best: dict, scale: float, data: byte
     so no folder names a best that is not. Before metrics.json: a report names only a LoRA that is there. `data`:
     the EMA file's bytes read for its pictures (None: read here, and refused unless they are `sha`'s, the bytes
     its losses are of)."""
+    from models.ema_file import ema_state
     from models.lora import lora_base_fingerprint, save_lora
     from models.lora_files import lora_weight_file
     from stages.evaluate.checkpoints import _rewritten, use_checkpoint
@@ -81,8 +82,10 @@ def write_best_lora(out: Path, transformer, best: dict, scale: float, data: byte
         if sha is not None and now != sha:
             raise _rewritten(best["step"], Path(ema))
     use_checkpoint(transformer, Path(ema), scale, "lora" in (getattr(transformer, "peft_config", None) or {}), data)
+    # the EMA file's float32 values, not the adapter's (evaluate's dtype: bf16 on a GPU, one more rounding)
+    values = ema_state(transformer, "lora", data, Path(ema))
     with atomic_dir(folder) as tmp:
-        save_lora(transformer, tmp, base_fingerprint=lora_base_fingerprint(raw), adapter_name="lora")
+        save_lora(transformer, tmp, base_fingerprint=lora_base_fingerprint(raw), adapter_name="lora", values=values)
         write_folder_record(tmp)
     best.update(path=str(folder.resolve()), ema_checkpoint=ema, lora_sha256=digest(lora_weight_file(folder)).sha256)
     tqdm.write(f"the best checkpoint is step {best['step']}'s EMA: written as a LoRA to {folder}")

@@ -160,6 +160,22 @@ def test_the_best_is_the_ema_when_its_loss_is_lower_and_its_lora_is_written(mode
     assert "best EMA written as a LoRA" in "".join(capsys.readouterr())
 
 
+def test_a_best_ema_evaluated_in_bf16_is_written_with_the_ema_files_float32_values(model_store, tiny_edit_model,
+                                                                                      tmp_path):
+    """Evaluate's adapter holds its dtype (bf16 here, as on a GPU); the best EMA's LoRA is the EMA file's float32
+    values, as RUN/lora_ema and every checkpoint's lora/ hold them. Before, the bf16 adapter's (one more rounding)."""
+    root, transformer = model_store
+    # step 10's EMA: B zero (the base: the best in any dtype), A off the raw one by float32 values bf16 cannot hold
+    ckpts, ema = _run(root, transformer, "run_ema_bf16", {10: (RAW, 0.0, 2), 20: (RAW, None, 4)})
+    res = ev.run(EvaluateConfig(**{**CFG, "dtype": "bfloat16"}), root / "store", tiny_edit_model, ckpts,
+                 tmp_path / "report")
+    assert (res.best["step"], res.best["weights"]) == (10, "ema")
+    got, _ = read_lora(tmp_path / "report" / BEST_LORA)
+    want, _ = read_lora(_as_lora(transformer, ema[10], tmp_path / "ref"))
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in want.values())  # the case is one bf16 rounds
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_the_best_is_the_raw_lora_when_its_loss_is_lower_or_equal(model_store, tiny_edit_model, tmp_path):
     root, transformer = model_store
     # step 10's raw LoRA a zero delta (the base) and its EMA too (a tie: the raw LoRA); step 20 far, raw and EMA
