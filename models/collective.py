@@ -28,6 +28,7 @@ fails before its own first exchange publishes too, where the store is surely up 
 from __future__ import annotations
 
 import atexit
+import ipaddress
 import os
 import socket
 import sys
@@ -414,9 +415,11 @@ def _watch(clients: list, key: str, stop: threading.Event, alive: str | None = N
 
 STORE_RETRY_SECONDS = 30.0  # how long a store that stopped answering is tried again: well under LOST_SECONDS
 PROBE_SECONDS = 2.0  # how long one try waits for the store's port to accept a connection
-# How long torch's client may take to connect once the port answered a probe: milliseconds on an idle host, over
-# 2 s on a loaded one (a 2 s try timed out there once, printing c10d's error and stack at a rank's start). One C++
-# call that no signal ends, hence bounded: a store that accepted the probe and then went away costs this once.
+# How long torch's client may take to connect once the port answered a probe: milliseconds, but 5 s where one of
+# its reverse DNS lookups went unanswered (the resolver's timeout: torch names each connection's peer, in the
+# client's connect and on the store's one thread; a probe's handshake is the kernel's, at once): a 2 s try timed
+# out in CI, printing c10d's error and stack at a rank's start (docs/architecture.md, bench/store_connect.py). One
+# C++ call that no signal ends, hence bounded: a store that accepted the probe and then went away costs this once.
 CONNECT_SECONDS = 10.0
 
 
@@ -758,8 +761,9 @@ def publish_uncaught(error: BaseException) -> str | None:
 
 
 # How long a rank that failed before its first exchange tries to reach the store. Not 5 s: a connect took over 5 s
-# once on a loaded host (CI), nothing was published, and the ranks waiting for this one waited BEFORE_GROUP_SECONDS
-# (30 minutes). A store that is not up (a plain env:// launch whose rank 0 never came) delays this exit that long.
+# once in CI (an unanswered reverse DNS lookup in torch's connect: CONNECT_SECONDS), nothing was published, and the
+# ranks waiting for this one waited BEFORE_GROUP_SECONDS (30 minutes). A store that is not up (a plain env://
+# launch whose rank 0 never came) delays this exit that long.
 UNWATCHED_STORE_SECONDS = 30.0
 
 
@@ -1022,10 +1026,32 @@ def _before_group_store(timeout: float):
 
             import torch.distributed as dist
 
-            _before["store"] = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                             is_master=True, multi_tenant=True, wait_for_workers=False,
-                                             timeout=timedelta(seconds=timeout))
+            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            _before["store"] = dist.TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                                             timeout=timedelta(seconds=timeout), **_ipv4_listener(host, port))
             _before["hosted"] = True
         else:  # waits for a store that is not up yet (rank 0 still starting) as long as for the other ranks
             _before["store"] = _store_client(timeout)
     return _before["store"]
+
+
+def _ipv4_listener(host: str, port: int) -> dict:
+    """`master_listen_fd` for the store this rank serves, where the launch names it by an IPv4 address: a socket
+    listening on IPv4, bound as torch binds its own (every interface, the port reusable). torch's own listens on
+    IPv6, dual-stack, and names each connection it accepts by a reverse DNS lookup (c10d socket.cpp formats every
+    socket's peer with getnameinfo), on the store's one thread: a peer at 127.0.0.1 is then ::ffff:127.0.0.1,
+    which /etc/hosts does not answer, so every connection asked the DNS server, and one query left unanswered
+    held every rank's calls for the resolver's timeout, 5 s (bench/store_connect.py). Seen on IPv4, the peer is
+    named from /etc/hosts where it is there (127.0.0.1 always). An IPv6 address or a host name: torch's own."""
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return {}
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("", port))  # a port taken: "[Errno 98] Address already in use", as torch's own bind says
+    except OSError:
+        listener.close()
+        raise
+    return {"master_listen_fd": listener.detach()}  # torch listens on it and closes it with the store

@@ -1,0 +1,40 @@
+"""The store rank 0 of a plain env:// launch serves (models/collective.py `_before_group_store`) listens on IPv4
+where the launch names it by an IPv4 address. torch names each connection its store accepts by a reverse DNS
+lookup, on the store's one thread; its own listener, IPv6 dual-stack, sees 127.0.0.1 as ::ffff:127.0.0.1, which
+/etc/hosts does not answer: every connection asked the DNS server, and a query left unanswered held every rank's
+connect and calls for the resolver's timeout, 5 s (CI; bench/store_connect.py has the figures)."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import psutil
+import pytest
+import torch.distributed as dist
+
+from launch_ports import free_port
+from own_collective import own_collective  # noqa: F401  (the fixture)
+
+
+def _listening_families(port: int) -> list[int]:
+    return [c.family for c in psutil.Process().net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port]
+
+
+@pytest.mark.parametrize(("address", "family"), [("127.0.0.1", socket.AF_INET), ("localhost", socket.AF_INET6)])
+def test_rank_0s_store_listens_on_ipv4_for_an_ipv4_address(monkeypatch, own_collective, address, family) -> None:
+    port = free_port()
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": address, "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    store = own_collective._before_group_store(30)
+    # a host name (or an IPv6 address) keeps torch's own listener
+    assert _listening_families(port) == [family]
+    # it serves as before: another rank's client writes, the host reads; the process group's own store on the
+    # same port is this server (multi-tenant), not a second bind
+    client = dist.TCPStore(address, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
+    client.set("from-rank-1", "yes")
+    group_store = dist.TCPStore(address, port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                                timeout=timedelta(seconds=30))
+    assert store.get("from-rank-1") == b"yes" and group_store.get("from-rank-1") == b"yes"
