@@ -55,6 +55,9 @@ def comfyui_state_dict(lora: str | Path) -> dict[str, torch.Tensor]:
     other = [k for k in state if not k.endswith((".lora_A.weight", ".lora_B.weight"))]
     if other:
         raise UserError(f"{lora}: keys other than lora_A/lora_B ({other[:3]}): not a plain LoRA")
+    if not state:  # else a ComfyUI file of no tensors, reported as written: a runtime applies it as nothing
+        raise UserError(f"{lora_weight_file(lora)}: no lora_A / lora_B weight pairs, nothing to export; pass the LoRA "
+                        "written by `pipeline run train` (RUN/lora) or a checkpoint's")
     _check_pairs(lora, state)
     out: dict[str, torch.Tensor] = {}
     for key, a in state.items():

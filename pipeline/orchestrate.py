@@ -350,7 +350,8 @@ def _check_settings(cfg: PipelineConfig, model: str) -> None:
 def _check_resize(cfg: PipelineConfig, model: str) -> None:
     """Resize settings the model's encoders cannot use, refused before resize-bucket renders the whole source:
     an Edit-Plus encode-text refuses a table without the VL views (after resize-bucket ran), and a 2.1
-    encode-text quarantines every reference whose side is not a multiple of its 32 px VLM slot."""
+    encode-text quarantines every reference whose side is not a multiple of its 32 px VLM slot; and a 2.1 model's
+    resize.keep_alpha left unset."""
     from models.loading import model_variant, pipeline_family
     from stages.encode.qwen21 import PIXELS_PER_SIDE  # the rule encode-text quarantines by (`_side_rejection`)
 
@@ -363,6 +364,14 @@ def _check_resize(cfg: PipelineConfig, model: str) -> None:
                         f"{PIXELS_PER_SIDE}x{PIXELS_PER_SIDE} px VLM slots, so encode-text would quarantine every "
                         f"reference with a side that is not a multiple of {PIXELS_PER_SIDE}; set resize.multiple to a "
                         f"multiple of {PIXELS_PER_SIDE} (configs/qwen-image-2.1.yaml: 32)")
+    # unset, keep_alpha is false: the cut-outs would be flattened over white for a VAE that reads their alpha, with
+    # nothing said but resize's `converted:` line. Set either way it is the user's choice (false and unset hash
+    # alike, so a store rendered without it stays up to date).
+    if variant == "qwen-image-2.1" and "keep_alpha" not in cfg.resize.model_fields_set:
+        raise UserError(f"resize.keep_alpha is unset (false: pictures with transparency are composited over white), "
+                        f"but {model} (Qwen-Image-2.1) reads RGBA: set resize.keep_alpha: true to train them with "
+                        "their alpha (configs/qwen-image-2.1.yaml), or resize.keep_alpha: false to flatten them on "
+                        "purpose (a store made without it stays up to date)")
 
 
 def _run_stages(cfg: PipelineConfig, paths: Paths, access, log: Callable[[str], None],

@@ -27,6 +27,9 @@ MASK_TURNED = "mask turned as its target"  # the fixed code's note (prefix; the 
 TRANSPARENT_COLOUR = "transparent colour as alpha"
 # resize.keep_alpha kept this sample's picture as RGBA (features/decode.py's note)
 KEPT_ALPHA = "kept with its alpha"
+# resize.keep_alpha off: a picture's alpha or transparent colour composited over white (features/decode.py's notes
+# end so; a mask's, composited over black, does not)
+OVER_WHITE = "composited over white"
 # resize-bucket before revision 3 (18eac2c, 7016b9b): a mask of another aspect than its target was stretched onto
 # it (now bad-mask: quarantined, or the sample's next copy with a fitting mask kept instead), and a copy kept
 # instead of its rejected first copy was stored with caption ''. Such a copy's row says so since (this note).
@@ -109,3 +112,9 @@ def has_alpha_picture(images_row: dict[str, Any]) -> bool:
     where transparent before the RGBA fix (f6aa89f), over white since. A row without the conversions column
     predates keep_alpha, so holds none."""
     return any(KEPT_ALPHA in n for n in _notes(images_row) or ())
+
+
+def alpha_flattened(images_row: dict[str, Any]) -> bool:
+    """An `images` row one of whose pictures had transparency that resize-bucket composited over white
+    (resize.keep_alpha off): a Qwen-Image-2.1 VAE, which reads RGBA, sees it opaque."""
+    return any(n.endswith(OVER_WHITE) for n in _notes(images_row) or ())

@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from schemas.config import PipelineConfig
 from schemas.errors import Rejected, UserError
-from schemas.fixes import mask_was_turned, prompt_was_emptied, took_transparent_colour
+from schemas.fixes import alpha_flattened, mask_was_turned, prompt_was_emptied, took_transparent_colour
 from schemas.pictures_lineage import TEXT_UNREAD
 from schemas.table import FieldSpec, TableSchema
 from stages.encode.common import (
@@ -68,6 +69,28 @@ def _caption_now_too_long(meta: dict[str, Any], row: dict[str, Any]) -> bool:
 TEXT_FIXES = Fixes(own=((1, _caption_now_too_long),),
                    by_images=((2, prompt_was_emptied), (3, lambda meta, row: took_transparent_colour(meta))),
                    reads=("img_shapes", "conversions"))
+
+
+def say_alpha_flattened(job, cfg: PipelineConfig, model: str) -> None:
+    """One line (rank 0) where the `images` table composited pictures' transparency over white (resize.keep_alpha
+    off) and the config leaves keep_alpha unset: the 2.1 VAE reads RGBA, so those cut-outs train as opaque, which
+    only resize-bucket's `converted:` line hinted at. Set to false (flattened on purpose): nothing said."""
+    import pyarrow as pa
+
+    from store.row_rule import RowRule
+
+    explicit_false = "keep_alpha" in cfg.resize.model_fields_set and not cfg.resize.keep_alpha
+    images = job.images
+    if job.ranks.rank != 0 or explicit_false or not images.has_column("conversions") \
+            or (images.schema.attrs.get("resize") or {}).get("keep_alpha"):
+        return
+    rule = RowRule(lambda row: alpha_flattened(row), ("conversions",))
+    n = int(rule(pa.table({"conversions": images.column("conversions")})).sum())
+    if n:
+        tqdm.write(f"{job.summary.stage}: {n} of {len(images)} sample(s) of images v{images.version} have pictures "
+                   f"whose transparency resize-bucket composited over white (rendered with resize.keep_alpha false); "
+                   f"{model} (Qwen-Image-2.1) reads RGBA, so they train as opaque: set resize.keep_alpha: true and "
+                   "rerun resize-bucket to keep their alpha, or set resize.keep_alpha: false to flatten them on purpose")
 
 
 def reference_rejection(key: str, meta: dict[str, Any]) -> Rejected | None:
@@ -214,6 +237,7 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
                    serving_hashes=serving_config_hashes(section, prompt_format=record),
                    unread=TEXT_UNREAD["qwen-image-2.1"])
     job.prompt_fits = lambda tokens, shapes: caption_length_rejection_21("", tokens, shapes) is None
+    say_alpha_flattened(job, cfg, model)
     if job.up_to_date:
         return job.summary
     processor = load_component(model, "processor")

@@ -177,6 +177,10 @@ def run(
                    earlier_hashes=earlier_config_hashes(section), fixes=fixes, unread=VAE_UNREAD)
     job.match_columns = ("mask_sha256",)
     job.same_inputs_carry = True  # the caption is in the key, never in the latents: a recaption carries them
+    if variant == "qwen-image-2.1":  # its VAE reads RGBA: pictures flattened over white are said
+        from stages.encode.qwen21 import say_alpha_flattened
+
+        say_alpha_flattened(job, cfg, model)
     if job.up_to_date:
         return job.summary
 

@@ -169,9 +169,9 @@ def _wrap(r: Run) -> None:
     if is_qwen21(r.transformer):  # DDP must wrap the module whose forward training calls (models/qwen21_multires.py)
         from models.qwen21_multires import Qwen21Batched
 
-        r.model = parallel.wrap(Qwen21Batched(r.transformer), r.world, r.cfg.lora.target_modules)
+        r.model = parallel.wrap(Qwen21Batched(r.transformer), r.world)
     else:
-        r.model = parallel.wrap(r.transformer, r.world, r.cfg.lora.target_modules)
+        r.model = parallel.wrap(r.transformer, r.world)
 
 
 def _batches(r: Run, latest: Path | None, resumed: ResumeRecord | None) -> None:

@@ -13,17 +13,41 @@ broadcast of the LoRA changes nothing.
 
 from __future__ import annotations
 
+import re
 from contextlib import nullcontext
 
 import torch
 from torch import nn
 
-# LoRA targets whose outputs always reach the loss. LoRA on the text-stream output of the last block (or other
-# modules) may get no gradient, which DDP must be told about (find_unused_parameters, an extra graph walk).
-_ALWAYS_USED = {"to_q", "to_k", "to_v", "to_out.0"}
+# LoRA'd layers whose outputs always reach the loss, per family (a layer's name below `transformer_blocks.<i>.`).
+# Edit: the image stream's attention; the text stream's output of the last block (to_add_out, txt_mlp) feeds
+# nothing. 2.1 has one stream: every token, the target's included, passes each block's attention and MLP.
+# A LoRA'd layer outside these may get no gradient, which DDP must be told about (find_unused_parameters, an extra
+# graph walk every step).
+_ALWAYS_USED = {
+    "edit": {"attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"},
+    "qwen-image-2.1": {"attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                       "img_mlp.proj", "img_mlp.gate_layer", "img_mlp.out"},
+}
+_IN_A_BLOCK = re.compile(r"(?:^|\.)transformer_blocks\.\d+\.(.+)$")
 
 
-def wrap(transformer: nn.Module, world: int, target_modules: list[str]) -> nn.Module:
+def may_leave_unused(transformer: nn.Module) -> bool:
+    """Whether a LoRA'd layer of `transformer` may get no gradient in a step (DDP's find_unused_parameters)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from models.qwen21_flow import is_qwen21
+
+    used = _ALWAYS_USED["qwen-image-2.1" if is_qwen21(transformer) else "edit"]
+    for name, module in transformer.named_modules():
+        if isinstance(module, BaseTunerLayer):
+            in_block = _IN_A_BLOCK.search(name)
+            if in_block is None or in_block.group(1) not in used:
+                return True
+    return False
+
+
+def wrap(transformer: nn.Module, world: int) -> nn.Module:
     """The DDP wrapper for several processes, the bare model for one."""
     if world == 1:
         return transformer
@@ -34,7 +58,7 @@ def wrap(transformer: nn.Module, world: int, target_modules: list[str]) -> nn.Mo
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(transformer, frozen)
     return DistributedDataParallel(
         transformer, device_ids=None, **_no_buffer_sync(DistributedDataParallel),
-        find_unused_parameters=not set(target_modules) <= _ALWAYS_USED,
+        find_unused_parameters=may_leave_unused(transformer),
     )
 
 

@@ -52,3 +52,28 @@ def test_run_all_refuses_a_model_whose_transformer_weights_are_gone_before_resiz
     assert lines[0] == (f"error: model folder {model} is damaged: transformer/ has no weight file (*.safetensors) "
                         "next to its config.json; restore it from the original download"), lines[0]
     assert not store.exists()
+
+
+def test_run_all_refuses_a_21_model_with_keep_alpha_unset_and_takes_either_setting(tiny_21_model, tmp_path):
+    """Unset, resize.keep_alpha is false: a 2.1 run composited its cut-outs over white for a VAE that reads their
+    alpha, said only in resize's `converted:` line. Now refused first, naming both settings; set either way it
+    passes, and false hashes as unset (a store rendered without the setting stays up to date)."""
+    from pipeline.config import load_config
+    from pipeline.orchestrate import _check_resize
+
+    source, store = tmp_path / "src", tmp_path / "store"
+    make_demo_data(source, n=4, seed=0)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"paths": {"source": str(source), "store": str(store), "model": tiny_21_model,
+                                                "run": str(tmp_path / "run"), "report": str(tmp_path / "report")},
+                                      "resize": {"multiple": 32}}))
+    r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 1 and len(lines) == 1 and "Traceback" not in r.output, r.output
+    assert lines[0].startswith("error: resize.keep_alpha is unset") and tiny_21_model in lines[0], lines[0]
+    assert "resize.keep_alpha: true" in lines[0] and "resize.keep_alpha: false" in lines[0], lines[0]
+    assert not store.exists() and not (tmp_path / "run").exists()
+    unset = load_config(config)
+    for value in (True, False):
+        _check_resize(load_config(config, {"resize.keep_alpha": value}), tiny_21_model)
+    assert load_config(config, {"resize.keep_alpha": False}).resize.fingerprint() == unset.resize.fingerprint()

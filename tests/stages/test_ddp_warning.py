@@ -21,7 +21,7 @@ def test_wrap_gives_no_future_warning():
         model[1].requires_grad_(False)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            wrapped = wrap(model, 2, ["0"])
+            wrapped = wrap(model, 2)
         assert not [w for w in caught if issubclass(w.category, FutureWarning)], [str(w.message) for w in caught]
         wrapped(torch.randn(3, 4)).sum().backward()
         assert model[0].weight.grad is not None

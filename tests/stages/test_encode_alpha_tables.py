@@ -63,3 +63,46 @@ def test_a_keep_alpha_table_reaches_edit_plus_encoders_composited_over_white(tin
         with torch.no_grad():
             want = pipe._encode_vae_image(pipe.image_processor.preprocess(im, im.height, im.width).unsqueeze(2), None)[0]
         assert torch.equal(got[name], want.to(torch.bfloat16)), name
+
+
+def test_21_encoders_say_how_many_cut_outs_resize_flattened_unless_flattening_was_set(tiny_21_model, tmp_path,
+                                                                                       capsys):
+    """resize.keep_alpha unset (false) composited a 2.1 store's transparent pictures over white; its encoders,
+    whose VAE reads RGBA, said nothing (resize's `converted:` line alone hinted at it). Now each says how many
+    samples and which setting, once a run; keep_alpha: false set on purpose, or a table kept RGBA: no line."""
+    from stages.encode import text as encode_text
+
+    src = tmp_path / "src"
+    for d in ("target", "control"):
+        (src / d).mkdir(parents=True)
+    for name, colour in (("a", (200, 30, 30)), ("b", None)):
+        picture = _half_transparent(colour) if colour else _opaque()
+        (src / "target" / f"{name}.png").write_bytes(picture)
+        (src / "control" / f"{name}.png").write_bytes(_opaque())
+        (src / "target" / f"{name}.txt").write_text("make it blue")
+    small = {**{k: v for k, v in SMALL.items() if k != "resize.keep_alpha"}, "resize.multiple": 32,
+             "resize.min_side": 32, "resize.val_fraction": 0.0, "encode_text.dtype": "float32"}
+    unset = load_config(None, small)
+    resize(unset, src, tmp_path / "flat")
+    capsys.readouterr()
+    said = "1 of 2 sample(s) of images v1 have pictures whose transparency resize-bucket composited over white " \
+           "(rendered with resize.keep_alpha false)"
+    for stage, run in (("encode-vae", encode_vae.run), ("encode-text", encode_text.run)):
+        run(unset, tmp_path / "flat", tiny_21_model)
+        out = capsys.readouterr().out
+        lines = [ln for ln in out.splitlines() if "composited over white" in ln]
+        assert len(lines) == 1 and lines[0].startswith(f"{stage}: {said}; {tiny_21_model}"), out
+        assert "resize.keep_alpha: true" in lines[0], lines[0]
+
+    on_purpose = load_config(None, {**small, "resize.keep_alpha": False})
+    encode_vae.run(on_purpose, tmp_path / "flat", tiny_21_model)
+    kept = load_config(None, {**small, "resize.keep_alpha": True})
+    resize(kept, src, tmp_path / "rgba")
+    encode_vae.run(unset, tmp_path / "rgba", tiny_21_model)
+    assert "composited over white" not in capsys.readouterr().out
+
+
+def _opaque() -> bytes:
+    b = io.BytesIO()
+    Image.new("RGB", (64, 64), (30, 30, 200)).save(b, format="PNG")
+    return b.getvalue()

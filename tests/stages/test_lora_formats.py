@@ -238,6 +238,17 @@ def test_export_refuses_a_cut_lora_and_an_out_that_is_the_lora(tmp_path):
         "lone-A.safetensors", "lone-B.safetensors", "ranks.safetensors", "whole.safetensors"]
 
 
+def test_export_refuses_a_lora_with_no_weight_pairs(tmp_path):
+    """A LoRA file of no tensors exported an empty ComfyUI file and reported success: one line naming the file now,
+    and nothing is written."""
+    src, out = tmp_path / "empty.safetensors", tmp_path / "out" / "empty-comfy.safetensors"
+    save_file({}, src, metadata={"format": "pt"})
+    result = CliRunner().invoke(app, ["lora", "export", str(src), "--out", str(out)])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert f"{src}: no lora_A / lora_B weight pairs" in result.output.replace("\n", ""), result.output
+    assert not out.exists() and not out.parent.exists()
+
+
 def test_an_exported_lora_still_names_its_model_to_this_projects_loaders(tiny_21_model, tmp_path):
     """The export kept none of the metadata naming the model the LoRA was trained on: an Edit LoRA exported and
     merged (or predicted with) on a Qwen-Image-2.1 model of the same module shapes applied without a word, where
