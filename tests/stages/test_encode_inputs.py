@@ -40,6 +40,11 @@ def test_every_sample_rejected_is_an_error_and_no_empty_table(tiny_edit_model, t
     st = Store(store)
     assert "text" not in st.tables()
     assert len(st.quarantine()) == 2  # the reasons are kept
+    # the version it began is gone (it left v1 with its rank-done files: the fixed run below committed v2, and v1
+    # stayed an incomplete version until `store gc`)
+    assert not list((store / "text").glob("v*")) and not list((store / "text").glob(".v*"))
+    write_images_table(store, [FixtureSample("one", (64, 64), [(64, 64)], [(64, 64)])], tag="b")  # fixed inputs
+    assert encode_text.run(PipelineConfig(), store, tiny_edit_model).version == 1
 
 
 def test_caption_with_the_image_placeholder_token_is_quarantined_not_fatal(tiny_plus_model, tmp_path, images_fixture):
