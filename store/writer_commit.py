@@ -4,6 +4,8 @@ version on this disk - litter removed, checksums.json, manifest.parquet (presenc
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,7 +60,9 @@ def commit_local(writer: TableWriter, allow_empty: bool) -> int:
     # each index read once: its rows and, from the same bytes, its CRC32C for checksums.json
     merged = merge_runs(listed_indexes(vdir, dones, f"table '{table}' v{version}"))
     if merged.num_rows == 0 and not allow_empty:
-        writer.close()
+        # its folder goes too: left, it held the rank-done files of a run that failed, the fixed run took the
+        # number after it, and `store inspect` listed it as incomplete until `store gc`
+        discard_version(writer)
         raise UserError(f"table '{table}' v{version} would be empty: every input was rejected "
                         f"(reasons in {writer.store.root / 'quarantine.parquet'}); fix the inputs or the settings")
     check_rows(table, version, dones, merged.num_rows)
@@ -116,3 +120,22 @@ def check_rows(table: str, version: int, dones: list[dict[str, Any]], rows: int,
                         f"given {given} keys: samples {'missing' if rows + rejected < given else 'counted twice'}; "
                         "nothing committed. Rerun; if it recurs, remove the incomplete version (every node's cached "
                         f"{table}/v{version}, and `pipeline store gc` on a URL) and rerun")
+
+
+def discard_version(writer: TableWriter) -> None:
+    """The writer's in-progress version removed, then the writer closed (a version with nothing to commit: every
+    input rejected, or a stage's rows equal to a complete version's). Renamed aside under the store lock first, as
+    `store gc` does, so a kill midway leaves a `.v<N>.gc-deleting` folder that gc finishes, never a half version a
+    rerun would resume; the next run of the table then takes this number, not the one after."""
+    from store.gc import DELETING_SUFFIX
+
+    vdir = writer.dir
+    gone = vdir.with_name(f".{vdir.name}{DELETING_SUFFIX}")
+    try:
+        with fmt.flock(writer.store.root / fmt.STORE_LOCK):
+            shutil.rmtree(gone, ignore_errors=True)
+            os.rename(vdir, gone)
+            fmt.fsync_dir(vdir.parent)
+        shutil.rmtree(gone, ignore_errors=True)
+    finally:
+        writer.close()

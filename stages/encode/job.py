@@ -74,9 +74,11 @@ class EncodeJob:
 
     # ------------------------------------------------------------ input (stages/encode/intake.py)
 
-    def read_inputs(self, keys: list[str]) -> Iterator[tuple[str, dict[str, Any] | Rejected]]:
-        """(key, `images` sample) in order, each checked; a damaged one as a `Rejected` under on_damaged=skip."""
-        return intake.read_inputs(self, keys)
+    def read_inputs(self, keys: list[str], by_controls: Callable[[int, str], Rejected | None] | None = None
+                    ) -> Iterator[tuple[str, dict[str, Any] | Rejected]]:
+        """(key, `images` sample) in order, each checked; a damaged one as a `Rejected` under on_damaged=skip; one
+        `by_controls` refuses for its control count as its `Rejected`, its files unread."""
+        return intake.read_inputs(self, keys, by_controls)
 
     unless_rejected = staticmethod(intake.unless_rejected)
 

@@ -3,7 +3,6 @@ with the same feature lineage holds, or adopt a version another process complete
 
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -191,11 +190,15 @@ def _completed_meanwhile(job: EncodeJob, several_caches: bool = False, refused: 
     found = agreed_found(found, job.ranks.world_size, several_caches)
     if found is None:
         return False
-    mine = job.writer.dir
-    job.writer.close()
-    job.writer = None
-    if job.ranks.rank == 0 and not any(mine.glob("shard-*")):  # the empty folder this run just created
-        shutil.rmtree(mine, ignore_errors=True)
+    mine, job.writer = job.writer, None
+    if job.ranks.rank == 0 and not any(mine.dir.glob("shard-*")):  # the empty folder this run just created
+        # removed while its lock is held: deleted after, a writer of these settings opening in between (another
+        # launch) resumed it and lost it under its feet
+        from store.writer_commit import discard_version
+
+        discard_version(mine)
+    else:
+        mine.close()
     from models.collective import together
 
     # agreed as at the start (plan.open_job): a rank that cannot make the newest version any rank saw current (its

@@ -101,6 +101,11 @@ def reference_rejection(key: str, meta: dict[str, Any]) -> Rejected | None:
     return None
 
 
+def references_rule(num_controls: int, key: str) -> Rejected | None:
+    """`reference_rejection` on the control count alone (stages/encode/intake.py `rejected_by_controls`)."""
+    return reference_rejection(key, {"num_controls": num_controls})
+
+
 def _side_rejection(key: str, name: str, im) -> Rejected | None:
     if im.width % PIXELS_PER_SIDE or im.height % PIXELS_PER_SIDE:
         return Rejected(f"{name} size is not a multiple of {PIXELS_PER_SIDE}",
@@ -248,7 +253,8 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
     encodings = SampleEncodings(encoder)
     try:
         todo = job.open_writer(schema, section.shard_size_mb)
-        samples = prefetched(job.read_inputs(todo), job.unless_rejected(lambda item: prepare_text(*item, processor)),
+        samples = prefetched(job.read_inputs(todo, references_rule),
+                             job.unless_rejected(lambda item: prepare_text(*item, processor)),
                              workers=section.num_workers)
         with job.progress(len(todo)) as bar:
             for item in job.accepted(samples, bar):

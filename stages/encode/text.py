@@ -357,7 +357,7 @@ def run(
     try:
         todo = job.open_writer(schema, section.shard_size_mb)
         lock = threading.Lock()
-        samples = prefetched(job.read_inputs(todo),
+        samples = prefetched(job.read_inputs(todo, lambda n, key: control_count_rejection(fmt.variant, n, key)),
                              job.unless_rejected(lambda item: prepare(*item, fmt, processor, lock, nocontrol)),
                              workers=section.num_workers)
         done: dict[str, dict[str, torch.Tensor]] = {}  # key -> kind -> embeds, until both kinds are in

@@ -192,14 +192,16 @@ def run(
     latents_std = torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1)
     image_processor = VaeImageProcessor(vae_scale_factor=PIXELS_PER_PATCH)  # what the edit pipelines build
     prep = prepare
+    rule = lambda n, key: control_count_rejection(variant, n, key)  # noqa: E731 - asked before a sample is read
     if variant == "qwen-image-2.1":  # RGBA in, 64 channels, 16x (stages/encode/qwen21.py)
-        from stages.encode.qwen21 import image_processor_21, prepare_vae
+        from stages.encode.qwen21 import image_processor_21, prepare_vae, references_rule
 
         image_processor = image_processor_21()
         prep = lambda key, sample, processor, _variant: prepare_vae(key, sample, processor)  # noqa: E731
+        rule = references_rule
     try:
         todo = job.open_writer(vae_schema(job, vae, section.dtype), section.shard_size_mb)
-        samples = prefetched(job.read_inputs(todo),
+        samples = prefetched(job.read_inputs(todo, rule),
                              job.unless_rejected(lambda item: prep(*item, image_processor, variant)), workers=section.num_workers)
         done: dict[str, dict[str, torch.Tensor]] = {}  # key -> image name -> latent, until the sample is complete
         with job.progress(len(todo)) as bar:

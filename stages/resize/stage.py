@@ -43,8 +43,9 @@ from stages.resize.parquet_source import columns_in_force, remembered_footers
 from stages.resize.moved_source import Moved, recorded_source
 from stages.resize.sources import SourceSample, detect_format, iter_source
 from stages.resize.split_rule import pictures_id, rule_in_force, split_for
-from stages.resize.still_unreadable import discard_version, same_version as _same_version
+from stages.resize.still_unreadable import same_version as _same_version
 from store.row_rule import AnyOf, ColumnRule, RowRule
+from store.writer_commit import discard_version
 
 if TYPE_CHECKING:
     from store import Store
@@ -305,7 +306,7 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
             if intake.unread and (kept := _same_version(st, writer)) is not None:
                 # the unread files read again fail alike, nothing else changed: no new version (still_unreadable.py)
                 st.add_quarantine(intake.rejects)  # equal rows are not repeated; another OS error is recorded
-                discard_version(st, writer)
+                discard_version(writer)
                 return _kept_summary(st, kept, intake.summary, sorted(intake.unread), started)
         _commit(st, writer, source, intake)
     finally:
@@ -1000,7 +1001,7 @@ def _commit(st: Store, writer: Any, source: str | Path, intake: _Intake) -> None
     summary = intake.summary
     st.add_quarantine(intake.rejects)
     if summary.written + summary.resumed + summary.reused == 0:
-        discard_version(st, writer)  # it holds no sample: a schema.json only, and the records this run wrote
+        discard_version(writer)  # it holds no sample: a schema.json only, and the records this run wrote
         if not intake.rejects:  # nothing read at all (e.g. a target/ holding only .DS_Store): no quarantine to see
             raise UserError(f"no sample found in source {source} (dotfiles such as .DS_Store are ignored); add the "
                             "samples and rerun (the layouts: docs/resize-bucket.md, 'Sources')")

@@ -10,8 +10,6 @@ changed, the rows differ and a new version is committed as before."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -43,19 +41,3 @@ def same_version(st: Store, writer: Any) -> int | None:
         return None
     return found if dict(zip(rows.column("key").to_pylist(), zip(*(rows.column(c).to_pylist() for c in ROW)))) \
         == held else None
-
-
-def discard_version(st: Store, writer: Any) -> None:
-    """The writer's in-progress version removed (while its writer lock is held): renamed aside under the store lock
-    first, as `store gc` does, so a kill midway leaves a `.v<N>.gc-deleting` folder that gc finishes, never a half
-    version a rerun would resume."""
-    from store import format as fmt
-    from store.gc import DELETING_SUFFIX
-
-    vdir = writer.dir
-    gone = vdir.with_name(f".{vdir.name}{DELETING_SUFFIX}")
-    with fmt.flock(st.root / fmt.STORE_LOCK):
-        shutil.rmtree(gone, ignore_errors=True)
-        os.rename(vdir, gone)
-        fmt.fsync_dir(vdir.parent)
-    shutil.rmtree(gone, ignore_errors=True)

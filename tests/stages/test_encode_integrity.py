@@ -85,3 +85,32 @@ def test_the_version_adopted_is_one_every_rank_can_read(monkeypatch, mine, peers
 
     monkeypatch.setattr(collective, "all_max", all_max)
     assert agreed_found(mine, 2, several_caches) == adopted
+
+
+def test_the_empty_version_dropped_for_one_completed_meanwhile_is_never_another_writers(
+        tiny_edit_model, edit_store, monkeypatch):
+    """The encoder that finds its table completed meanwhile drops the empty version it opened. It gave its writer
+    lock back first, then deleted the folder: a writer of the same settings opening in between (another launch)
+    resumed that folder and lost it under its feet. Now the folder goes while the lock is held."""
+    from store.writer import TableWriter
+
+    real_open, real_close, other, armed = EncodeJob.open_writer, TableWriter.close, [], []
+
+    def other_process_finishes_first(self, schema, shard_size_mb):
+        if not armed:
+            armed.append(1)
+            encode_vae.run(load_config(None, F32), edit_store, tiny_edit_model)  # v1, complete
+            armed.append(2)  # from here on: this run's writer
+        return real_open(self, schema, shard_size_mb)
+
+    def close(self):
+        real_close(self)
+        if self.table == "vae" and len(armed) == 2 and not other:  # its lock just given back: another launch opens
+            other.append(TableWriter(Store(edit_store), "vae", self.schema))
+
+    monkeypatch.setattr(EncodeJob, "open_writer", other_process_finishes_first)
+    monkeypatch.setattr(TableWriter, "close", close)
+    summary = encode_vae.run(load_config(None, F32), edit_store, tiny_edit_model)
+    assert summary.up_to_date and summary.version == 1
+    assert other and (other[0].dir / "schema.json").is_file(), "another writer's version was removed"
+    other[0].close()

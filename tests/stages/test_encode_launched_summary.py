@@ -38,3 +38,19 @@ def test_a_launched_encode_prints_once_with_every_ranks_counts_and_damage(tiny_e
     assert skipped.startswith("skipped 2 damaged input sample(s)") and all(k in skipped for k in damaged), out0
     with Store(edit_store).reader(table) as out:
         assert sorted(out.keys()) == sorted(set(keys) - set(damaged))
+
+
+def test_a_launched_encode_whose_every_sample_is_rejected_fails_on_both_ranks_and_leaves_no_version(
+        tiny_edit_model, tmp_path, images_fixture) -> None:
+    """Rank 0 finds the version empty and removes it (every rank done and waiting at the commit's agreement): both
+    ranks end with its one line, and no version folder is left (it was: v1 with both ranks' done files)."""
+    store = tmp_path / "store"
+    # an Edit model needs exactly one control: every sample is rejected, on both ranks
+    images_fixture.write(store, [images_fixture.Sample(f"two {i}", (64, 64), [(64, 64)] * 2, [(64, 64)] * 2)
+                                 for i in range(4)])
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two(
+        "rank_cli.py", "run", "encode-text", "--store", str(store), "--model", tiny_edit_model, "--device", "cpu",
+        timeout=300)
+    assert rc0 != 0 and rc1 != 0, (out0, out1)
+    assert "would be empty" in err0 + out0 and "Traceback" not in err0 + err1, (err0[-3000:], err1[-3000:])
+    assert not list((store / "text").glob("v*")) and not list((store / "text").glob(".v*"))
