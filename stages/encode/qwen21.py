@@ -223,7 +223,7 @@ class SampleEncodings:
 def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | None = None,
              batch_size: int | None = None, ranks: Ranks | None = None) -> Summary:
     from models.loading import load_component, parse_dtype
-    from models.qwen21_text import grid_mismatch, prompt_encoder
+    from models.qwen21_text import prompt_encoder
 
     section = with_overrides(cfg.encode_text, device=device, batch_size=batch_size)
     ranks = ranks or current_ranks(section.device, "encode_text.device")
@@ -258,38 +258,7 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
                              workers=section.num_workers)
         with job.progress(len(todo)) as bar:
             for item in job.accepted(samples, bar):
-                shapes = job.images.meta(item.key).get("img_shapes")
-                # the caption's own tokens are a lower bound: a hopeless one never reaches the encoder
-                caption_tokens = len(processor.tokenizer(item.caption)["input_ids"])
-                if (too_long := caption_length_rejection_21(item.key, caption_tokens, shapes)) is not None:
-                    job.quarantine(item.key, too_long.reason, too_long.detail)
-                    bar.skipped()
-                    continue
-                # One sample per forward: the stock encoder takes one reference set per call.
-                with job.timed_forward(3 if nocontrol else 2):
-                    prompt, slots, empty, empty_slots, alone = encodings.of(item, nocontrol)
-                problem = grid_mismatch(slots, [(im.height, im.width) for im in item.references])
-                if problem is not None:
-                    job.quarantine(item.key, "VLM grid differs from the VAE grid", problem)
-                    bar.skipped()
-                    continue
-                if (too_long := caption_length_rejection_21(item.key, int((~slots).sum()), shapes)) is not None:
-                    job.quarantine(item.key, too_long.reason, too_long.detail)
-                    bar.skipped()
-                    continue
-                meta = job.images.meta(item.key)
-                job.writer.add(item.key, tensors={
-                    "prompt_embeds": prompt.to("cpu", torch.bfloat16).contiguous(),
-                    "empty_embeds": empty.to("cpu", torch.bfloat16).contiguous(),
-                    "slot_mask": slots.cpu().contiguous(), "empty_slot_mask": empty_slots.cpu().contiguous(),
-                    **({"nocontrol_embeds": alone.to("cpu", torch.bfloat16).contiguous()} if nocontrol else {}),
-                }, meta={"split": meta.get("split", "train"), "img_shapes": meta["img_shapes"],
-                         # text tokens of the joint sequence: + the image tokens (img_shapes) = its exact length,
-                         # which the join hands the length-aware sampler
-                         "length": int((~slots).sum()), "empty_length": int((~empty_slots).sum()),
-                         "num_controls": len(item.references)})
-                job.summary.encoded += 1
-                bar.encoded(1)
+                _encode_text(job, item, processor, encodings, nocontrol, bar)
         return job.finish()
     except BaseException as e:  # as encode-text/-vae: the other ranks stop with this line, not at the commit
         job.failed(e)
@@ -299,6 +268,45 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
 
 
 # ---------------------------------------------------------------- encode-vae
+
+
+def _encode_text(job, item, processor, encodings: SampleEncodings, nocontrol: bool, bar) -> None:
+    """One sample: quarantined (its caption too long for the transformer's frames, before or after the encoder;
+    a VLM grid other than the VAE's) or encoded and added."""
+    from models.qwen21_text import grid_mismatch
+
+    shapes = job.images.meta(item.key).get("img_shapes")
+    # the caption's own tokens are a lower bound: a hopeless one never reaches the encoder
+    caption_tokens = len(processor.tokenizer(item.caption)["input_ids"])
+    if (too_long := caption_length_rejection_21(item.key, caption_tokens, shapes)) is not None:
+        job.quarantine(item.key, too_long.reason, too_long.detail)
+        bar.skipped()
+        return
+    # One sample per forward: the stock encoder takes one reference set per call.
+    with job.timed_forward(3 if nocontrol else 2):
+        prompt, slots, empty, empty_slots, alone = encodings.of(item, nocontrol)
+    problem = grid_mismatch(slots, [(im.height, im.width) for im in item.references])
+    if problem is not None:
+        job.quarantine(item.key, "VLM grid differs from the VAE grid", problem)
+        bar.skipped()
+        return
+    if (too_long := caption_length_rejection_21(item.key, int((~slots).sum()), shapes)) is not None:
+        job.quarantine(item.key, too_long.reason, too_long.detail)
+        bar.skipped()
+        return
+    meta = job.images.meta(item.key)
+    job.writer.add(item.key, tensors={
+        "prompt_embeds": prompt.to("cpu", torch.bfloat16).contiguous(),
+        "empty_embeds": empty.to("cpu", torch.bfloat16).contiguous(),
+        "slot_mask": slots.cpu().contiguous(), "empty_slot_mask": empty_slots.cpu().contiguous(),
+        **({"nocontrol_embeds": alone.to("cpu", torch.bfloat16).contiguous()} if nocontrol else {}),
+    }, meta={"split": meta.get("split", "train"), "img_shapes": meta["img_shapes"],
+             # text tokens of the joint sequence: + the image tokens (img_shapes) = its exact length,
+             # which the join hands the length-aware sampler
+             "length": int((~slots).sum()), "empty_length": int((~empty_slots).sum()),
+             "num_controls": len(item.references)})
+    job.summary.encoded += 1
+    bar.encoded(1)
 
 
 def preprocess_rgba(image_processor, im) -> torch.Tensor:

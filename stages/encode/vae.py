@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -156,8 +156,6 @@ def run(
     batch_size: int | None = None,
     ranks: Ranks | None = None,
 ) -> Summary:
-    from diffusers.image_processor import VaeImageProcessor
-
     from models.loading import load_component, model_variant, parse_dtype
     from models.precision import check_loaded_dtype
 
@@ -166,12 +164,7 @@ def run(
     target = rank_device(section.device, ranks, "encode_vae.device")
     section = resolve_precision(section, target, STAGE, ranks.world_size)
     variant = model_variant(model)
-    if variant == "qwen-image-2.1":
-        from stages.encode.qwen21 import VAE_FIXES, VAE_REVISION
-
-        revision, fixes = VAE_REVISION, VAE_FIXES
-    else:
-        revision, fixes = FEATURE_REVISION, FIXES
+    revision, fixes = _revision_and_fixes(variant)
     job = open_job(store, STAGE, TABLE, settings_record(section), model, revision, ranks, components=COMPONENTS,
                    on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction,
                    earlier_hashes=earlier_config_hashes(section), fixes=fixes, unread=VAE_UNREAD)
@@ -190,15 +183,7 @@ def run(
     channels = vae.config.z_dim
     latents_mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1, 1)
     latents_std = torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1)
-    image_processor = VaeImageProcessor(vae_scale_factor=PIXELS_PER_PATCH)  # what the edit pipelines build
-    prep = prepare
-    rule = lambda n, key: control_count_rejection(variant, n, key)  # noqa: E731 - asked before a sample is read
-    if variant == "qwen-image-2.1":  # RGBA in, 64 channels, 16x (stages/encode/qwen21.py)
-        from stages.encode.qwen21 import image_processor_21, prepare_vae, references_rule
-
-        image_processor = image_processor_21()
-        prep = lambda key, sample, processor, _variant: prepare_vae(key, sample, processor)  # noqa: E731
-        rule = references_rule
+    image_processor, prep, rule = _preparation(variant)
     try:
         todo = job.open_writer(vae_schema(job, vae, section.dtype), section.shard_size_mb)
         samples = prefetched(job.read_inputs(todo, rule),
@@ -221,6 +206,28 @@ def run(
         raise
     finally:
         job.close()
+
+
+def _revision_and_fixes(variant: str) -> tuple[str, Fixes]:
+    """The feature revision and fixes of the model family's latents (Qwen-Image-2.1 has its own)."""
+    if variant == "qwen-image-2.1":
+        from stages.encode.qwen21 import VAE_FIXES, VAE_REVISION
+
+        return VAE_REVISION, VAE_FIXES
+    return FEATURE_REVISION, FIXES
+
+
+def _preparation(variant: str) -> tuple[Any, Callable, Callable]:
+    """(image processor, prepare, the control-count rule asked before a sample is read) of the model family."""
+    if variant == "qwen-image-2.1":  # RGBA in, 64 channels, 16x (stages/encode/qwen21.py)
+        from stages.encode.qwen21 import image_processor_21, prepare_vae, references_rule
+
+        return (image_processor_21(), lambda key, sample, processor, _variant: prepare_vae(key, sample, processor),
+                references_rule)
+    from diffusers.image_processor import VaeImageProcessor
+
+    return (VaeImageProcessor(vae_scale_factor=PIXELS_PER_PATCH),  # what the edit pipelines build
+            prepare, lambda n, key: control_count_rejection(variant, n, key))
 
 
 def _write(job: EncodeJob, prepared: Prepared, latents: dict[str, torch.Tensor]) -> None:
