@@ -5,7 +5,7 @@ The EMA rows are a loss group of their own, `REPORT/ema-losses/losses.zarr` (`st
 appended, set aside and taken back exactly as REPORT/losses.zarr: `checkpoints._open_losses`, `_append_missing`),
 under the raw array's settings plus `"weights": "ema"`, one row per step named by the EMA file's sha256. Its base is
 the raw array's (the same val samples, noise and σ: the two curves are paired sample for sample). Its own folder:
-`pipeline compare` and the raw curve read REPORT/losses.zarr only.
+the raw curve reads REPORT/losses.zarr only; `pipeline compare` reads both (`compare._ema_curve`).
 
 The EMA file is no LoRA by itself: a best EMA checkpoint is written as one into `REPORT/best-ema-lora/` (its
 step's adapter holding the EMA's values, `models.lora.save_lora`), the path the report, `--json` and `run all` name.
