@@ -107,6 +107,22 @@ def best_lora_input(best: dict) -> tuple[str | None, str | None] | None:
     return best.get("lora_sha256"), now
 
 
+def unscored_final_ema(lora: str | Path) -> str | None:
+    """The line saying RUN/lora_ema is not scored when evaluate scores RUN/lora alone (a run without checkpoints:
+    `run all`, `evaluate --run`), else None. Scoring it beside RUN/lora would take the checkpoints' mechanism (a
+    best picked between two LoRAs, their losses paired) into the one-LoRA report; the run's EMA is one command
+    away, and a run with checkpoints has its EMA scored at each of them."""
+    from models.ema_file import LORA_EMA
+
+    lora = Path(lora)
+    ema = lora.parent / LORA_EMA
+    if lora.name != "lora" or not ema.is_dir():
+        return None
+    return (f"evaluate: {ema} (the run's EMA, train.ema_decay) is not scored: evaluate scores {lora} alone; score "
+            f"it with `pipeline run evaluate --lora {ema} --out ANOTHER_REPORT` (`--all-checkpoints` scores each "
+            "checkpoint's EMA beside its LoRA)")
+
+
 def label(point: dict, scored: bool = True) -> str:
     """Which weights a point (best, next best) is, where the EMA was `scored`: ' (EMA)' or ' (LoRA)'; else ''."""
     return (" (EMA)" if point.get("weights") == "ema" else " (LoRA)") if scored else ""

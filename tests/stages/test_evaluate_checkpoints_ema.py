@@ -347,3 +347,29 @@ def test_compare_shows_each_runs_ema_curve_and_the_best_its_report_names(model_s
     assert header == "run,step,checkpoint,loss,loss_inside,loss_outside,best,on_disk"
     assert all(r.ema is None for r in old.runs) and "weights" not in (tmp_path / "cmp-old" / "index.html").read_text()
     assert old.runs[1].best_point["step"] == rc.best["step"]
+
+
+def test_a_run_without_checkpoints_says_its_lora_ema_is_not_scored(model_store, tiny_edit_model, tmp_path, capsys):
+    """A run without checkpoints is evaluated on RUN/lora alone (`run all`, `evaluate --run`): RUN/lora_ema was
+    ignored without a word. Now one line names it and how to score it; the report is RUN/lora's, as before."""
+    from stages.evaluate import stage as single
+
+    root, transformer = model_store
+    run = tmp_path / "run"
+    write_checkpoint(transformer, run, 0.0)  # RUN/lora, sealed as train seals it
+    capsys.readouterr()
+    alone = single.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, run / "lora", tmp_path / "plain")
+    assert "is not scored" not in "".join(capsys.readouterr())  # no RUN/lora_ema: nothing said
+    shutil.copytree(run / "lora", run / "lora_ema")
+    res = single.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, run / "lora", tmp_path / "report")
+    lines = [line for line in "".join(capsys.readouterr()).splitlines() if "lora_ema" in line]
+    assert lines == [f"evaluate: {run / 'lora_ema'} (the run's EMA, train.ema_decay) is not scored: evaluate scores "
+                     f"{run / 'lora'} alone; score it with `pipeline run evaluate --lora {run / 'lora_ema'} --out "
+                     "ANOTHER_REPORT` (`--all-checkpoints` scores each checkpoint's EMA beside its LoRA)"]
+    assert res.metrics["loss"]["overall"] == alone.metrics["loss"]["overall"]  # RUN/lora's numbers
+    # said again when the report is current (nothing evaluated), and not for RUN/lora_ema itself
+    again = single.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, run / "lora", tmp_path / "report",
+                       skip_if_done=True)
+    assert again.up_to_date and "lora_ema (the run's EMA" in "".join(capsys.readouterr())
+    single.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, run / "lora_ema", tmp_path / "ema-report")
+    assert "is not scored" not in "".join(capsys.readouterr())
