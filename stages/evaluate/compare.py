@@ -117,13 +117,19 @@ def _on_disk(checkpoints: list[str]) -> list[bool | None]:
 
 def _ema_curve(group: Path, samples: list[str], kept: np.ndarray, two: np.ndarray, r: dict) -> EmaCurve | None:
     """The EMA group beside a report's raw one (REPORT/ema-losses/losses.zarr), over the raw curve's samples (its
-    base is the raw array's: `checkpoints._ema_curve` keeps the raw summary's samples); None where there is none."""
+    base is the raw array's: `checkpoints._ema_curve` keeps the raw summary's samples); None where there is none,
+    or where the report beside it scores no EMA (`metrics.json` `checkpoints.ema`): a report written again with
+    evaluate.score_ema off, or of a run without EMA into the folder of one with, leaves the group on disk."""
     from tqdm.auto import tqdm
 
     from stages.evaluate.ema_curve import FOLDER
 
     path = group.parent / FOLDER / GROUP
-    if not (path / "zarr.json").is_file():
+    try:
+        scored = "ema" in json.loads((group.parent / "metrics.json").read_text())["checkpoints"]
+    except (OSError, ValueError, KeyError, TypeError):  # no report beside the array (a validation curve): none
+        scored = False
+    if not scored or not (path / "zarr.json").is_file():
         return None
     ds = open_dataset(path, say=tqdm.write)
     if [str(k) for k in ds.sample.values] != samples:

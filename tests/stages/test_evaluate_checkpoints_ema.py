@@ -339,14 +339,16 @@ def test_compare_shows_each_runs_ema_curve_and_the_best_its_report_names(model_s
     page = (tmp_path / "cmp" / "index.html").read_text()
     assert "a (EMA)" in page and "<td>EMA</td>" in page
 
-    # reports without EMA data: the table and page as before (no weights column)
-    rc = ev.run(EvaluateConfig(**CFG, score_ema=False), root / "store", tiny_edit_model, ckpts, tmp_path / "c")
-    assert "ema" not in rc.metrics["checkpoints"] and not (tmp_path / "c" / EMA_LOSSES).exists()
-    old = write_compare([str(b), str(tmp_path / "c")], tmp_path / "cmp-old")
+    # reports without EMA data: the table and page as before (no weights column). A's report written again
+    # without the EMA (evaluate.score_ema: false) leaves A/ema-losses on disk, no longer the report's: not read
+    rc = ev.run(EvaluateConfig(**CFG, score_ema=False), root / "store", tiny_edit_model, ckpts, a, skip_if_done=True)
+    assert "ema" not in rc.metrics["checkpoints"] and (a / EMA_LOSSES / GROUP).is_dir()
+    old = write_compare([str(b), str(a)], tmp_path / "cmp-old")
+    assert (old.runs[1].best_point["step"], old.runs[1].best_point["weights"]) == (rc.best["step"], "lora")
+    assert old.runs[1].best_point["loss"] == pytest.approx(rc.best["loss"], rel=1e-9)
     header = (tmp_path / "cmp-old" / "curves.csv").read_text().splitlines()[0]
     assert header == "run,step,checkpoint,loss,loss_inside,loss_outside,best,on_disk"
     assert all(r.ema is None for r in old.runs) and "weights" not in (tmp_path / "cmp-old" / "index.html").read_text()
-    assert old.runs[1].best_point["step"] == rc.best["step"]
 
 
 def test_a_run_without_checkpoints_says_its_lora_ema_is_not_scored(model_store, tiny_edit_model, tmp_path, capsys):
