@@ -16,6 +16,7 @@ from safetensors.torch import load as load_bytes, save_file
 from schemas.errors import UserError
 
 EMA_FILE = "ema.safetensors"
+LORA_EMA = "lora_ema"  # RUN/lora_ema: the final EMA as a LoRA (stages/train/saving.py)
 
 
 def save_values(values: list[torch.Tensor], folder: Path) -> None:

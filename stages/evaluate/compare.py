@@ -5,6 +5,10 @@ run folder whose report was kept inside it (`RUN/evaluate-report/`). Runs are co
 held-out set: the same store `text` / `vae` table versions, the same val sample keys, noise seeds and σ grid,
 measured the same way (base model, and evaluate's dtype, LoRA scale, quantised base, attention backend);
 anything else is refused with the difference named (numbers of different held-out sets are not one scale).
+
+A report of a run trained with an EMA (`REPORT/ema-losses/losses.zarr`, stages/evaluate/ema_curve.py) adds its EMA
+curve beside the raw one, and its best is picked among both by the report's rule, so compare names the best the
+report names (step and weights).
 """
 
 from __future__ import annotations
@@ -28,6 +32,17 @@ KEPT_REPORT = "evaluate-report"  # where `run all` moves a kept run's report (pi
 
 
 @dataclass
+class EmaCurve:
+    """A report's EMA curve (`ema_curve`): each checkpoint's EMA file over the raw curve's samples and base."""
+    steps: list[int]
+    checkpoints: list[str]  # the EMA files
+    overall: list[float]
+    inside: list[float]
+    outside: list[float]
+    on_disk: list[bool | None]
+
+
+@dataclass
 class RunCurves:
     label: str
     group: Path
@@ -46,15 +61,31 @@ class RunCurves:
     # how the numbers were computed (`_measured`: precision, quantised base, attention backend, LoRA scale), for an
     # evaluate array from its settings, for a validation curve from what train recorded beside them; None: unknown
     measured: dict | None = None
+    ema: EmaCurve | None = None  # a run trained with train.ema_decay, its report scoring each checkpoint's EMA
 
     @property
-    def best(self) -> int | None:
-        """The report's rule (stages/evaluate/checkpoints.py `_summary`): the lowest finite loss among the
-        checkpoints still on disk; a pruned one keeps its point on the curve but is never named. A report looked
-        at away from its run (copied, none of its checkpoints here) names its curve's minimum."""
-        rows = [i for i, here in enumerate(self.on_disk) if here is not False] or list(range(len(self.steps)))
-        best = pick_best([self.steps[i] for i in rows], [self.overall[i] for i in rows])
-        return None if best is None else rows[best]
+    def best(self) -> tuple[str, int] | None:
+        """(weights: "lora" or "ema", index into that curve) by the report's rule (stages/evaluate/checkpoints.py
+        `_summary`): the lowest finite loss among the checkpoints still on disk, raw LoRAs and EMAs alike (a tie:
+        the earlier step, then the raw LoRA); a pruned one keeps its point on the curve but is never named. A
+        report looked at away from its run (copied, none of its checkpoints here) names its curves' minimum."""
+        points = [("lora", i, self.steps[i], self.overall[i], self.on_disk[i]) for i in range(len(self.steps))]
+        if self.ema is not None:  # after the raw points: pick_best's stable sort gives a tie to the raw LoRA
+            e = self.ema
+            points += [("ema", i, e.steps[i], e.overall[i], e.on_disk[i]) for i in range(len(e.steps))]
+        rows = [p for p in points if p[4] is not False] or points
+        best = pick_best([p[2] for p in rows], [p[3] for p in rows])
+        return None if best is None else rows[best][:2]
+
+    def point(self, weights: str, i: int) -> dict:
+        """One point of the raw curve ("lora") or the EMA's: step, checkpoint, loss, on_disk."""
+        c = self if weights == "lora" else self.ema
+        return {"step": c.steps[i], "checkpoint": c.checkpoints[i], "loss": c.overall[i], "on_disk": c.on_disk[i],
+                "weights": weights}
+
+    @property
+    def best_point(self) -> dict | None:
+        return None if (b := self.best) is None else self.point(*b)
 
 
 def find_group(path: str | Path) -> Path:
@@ -79,6 +110,39 @@ def _kept(reference: np.ndarray) -> np.ndarray:
     return np.isfinite(reference).reshape(len(reference), -1).all(axis=1)
 
 
+def _on_disk(checkpoints: list[str]) -> list[bool | None]:
+    """evaluate records each checkpoint's file; validation while training a label ("training step N"): None."""
+    return [Path(c).exists() if Path(c).is_absolute() else None for c in checkpoints]
+
+
+def _ema_curve(group: Path, samples: list[str], kept: np.ndarray, two: np.ndarray, r: dict) -> EmaCurve | None:
+    """The EMA group beside a report's raw one (REPORT/ema-losses/losses.zarr), over the raw curve's samples (its
+    base is the raw array's: `checkpoints._ema_curve` keeps the raw summary's samples); None where there is none,
+    or where the report beside it scores no EMA (`metrics.json` `checkpoints.ema`): a report written again with
+    evaluate.score_ema off, or of a run without EMA into the folder of one with, leaves the group on disk."""
+    from tqdm.auto import tqdm
+
+    from stages.evaluate.ema_curve import FOLDER
+
+    path = group.parent / FOLDER / GROUP
+    try:
+        scored = "ema" in json.loads((group.parent / "metrics.json").read_text())["checkpoints"]
+    except (OSError, ValueError, KeyError, TypeError):  # no report beside the array (a validation curve): none
+        scored = False
+    if not scored or not (path / "zarr.json").is_file():
+        return None
+    ds = open_dataset(path, say=tqdm.write)
+    if [str(k) for k in ds.sample.values] != samples:
+        raise UserError(f"{path}: its val samples are not those of {group} beside it; evaluate the run again "
+                        "(`pipeline run evaluate --all-checkpoints`) to write both anew")
+    loss = ds.loss.values.astype(np.float64)
+    checkpoints = [str(c) for c in ds.checkpoint.values]
+    return EmaCurve(steps=[int(s) for s in ds.step.values], checkpoints=checkpoints,
+                    overall=[_mean(g[kept, ..., r["all"]]) for g in loss],
+                    inside=[_mean(g[two, ..., r["inside"]]) for g in loss],
+                    outside=[_mean(g[two, ..., r["outside"]]) for g in loss], on_disk=_on_disk(checkpoints))
+
+
 def read_curves(path: str | Path, label: str) -> RunCurves:
     group = find_group(path)
     from tqdm.auto import tqdm
@@ -101,8 +165,7 @@ def read_curves(path: str | Path, label: str) -> RunCurves:
     checkpoints = [str(c) for c in ds.checkpoint.values]
     return RunCurves(
         label=label, group=group, steps=[int(s) for s in ds.step.values], checkpoints=checkpoints,
-        # evaluate records each checkpoint's folder; validation while training a label ("training step N")
-        on_disk=[Path(c).exists() if Path(c).is_absolute() else None for c in checkpoints],
+        on_disk=_on_disk(checkpoints),
         overall=[_mean(g[kept, ..., r["all"]]) for g in loss], inside=[_mean(g[two, ..., r["inside"]]) for g in loss],
         outside=[_mean(g[two, ..., r["outside"]]) for g in loss],
         base={"all": _mean(base[kept, ..., r["all"]]), "inside": _mean(base[two, ..., r["inside"]]),
@@ -122,6 +185,7 @@ def read_curves(path: str | Path, label: str) -> RunCurves:
         },
         table_versions=_table_versions(settings, dict(ds.attrs)),
         measured=_measured(settings, dict(ds.attrs), group.parent),
+        ema=_ema_curve(group, [str(k) for k in ds.sample.values], kept, two, r),
     )
 
 
@@ -245,13 +309,18 @@ def write_compare(paths: list[str], out: str | Path) -> "CompareResult":
         raise UserError(twice)
     runs = [read_curves(p, label) for p, label in zip(paths, labels_for(paths))]
     check_same_held_out(runs)
-    rows = [["run", "step", "checkpoint", "loss", "loss_inside", "loss_outside", "best", "on_disk"]]
+    emas = any(r.ema is not None for r in runs)  # a `weights` column (lora / ema) only then: older tables as before
+    rows = [["run", "step", "checkpoint", "loss", "loss_inside", "loss_outside", "best", "on_disk"]
+            + (["weights"] if emas else [])]
     yes_no = {True: "yes", False: "no", None: ""}
     for r in runs:
-        rows.append([r.label, "base", "", r.base["all"], r.base["inside"], r.base["outside"], "", ""])
-        for i, s in enumerate(r.steps):
-            rows.append([r.label, s, r.checkpoints[i], r.overall[i], r.inside[i], r.outside[i],
-                         "best" if i == r.best else "", yes_no[r.on_disk[i]]])
+        rows.append([r.label, "base", "", r.base["all"], r.base["inside"], r.base["outside"], "", ""]
+                    + ([""] if emas else []))
+        for weights, c in (("lora", r), ("ema", r.ema)):
+            for i, s in enumerate(c.steps if c is not None else []):
+                rows.append([r.label, s, c.checkpoints[i], c.overall[i], c.inside[i], c.outside[i],
+                             "best" if r.best == (weights, i) else "", yes_no[c.on_disk[i]]]
+                            + ([weights] if emas else []))
     buf = io.StringIO()
     csv.writer(buf, lineterminator="\n").writerows(rows)
     page = render(runs)
@@ -262,20 +331,35 @@ def write_compare(paths: list[str], out: str | Path) -> "CompareResult":
     return CompareResult(runs, out / "index.html", out / "curves.csv")
 
 
+def _series(r: RunCurves, region: str, values: str) -> list[Series]:
+    """A run's raw curve, and its EMA curve beside it labelled "LABEL (EMA)"; the best ringed on its own curve."""
+    best = r.best
+    out = [Series(r.label, r.steps, getattr(r, values), r.base[region],
+                  r.steps[best[1]] if best is not None and best[0] == "lora" and region == "all" else None)]
+    if r.ema is not None:
+        out.append(Series(f"{r.label} (EMA)", r.ema.steps, getattr(r.ema, values), None,
+                          r.ema.steps[best[1]] if best is not None and best[0] == "ema" and region == "all" else None))
+    return out
+
+
+def _best_row(r: RunCurves, emas: bool) -> str:
+    if (b := r.best_point) is None:
+        return ""
+    weights = f"<td>{'EMA' if b['weights'] == 'ema' else 'LoRA'}</td>" if emas else ""
+    return (f"<tr><td>{html.escape(r.label)}</td><td>{b['step']}</td>{weights}<td>{b['loss']:.5g}</td>"
+            f"<td>{r.base['all']:.5g}</td><td><code>{html.escape(b['checkpoint'])}</code>"
+            f"{' (not on disk)' if b['on_disk'] is False else ''}</td></tr>")
+
+
 def render(runs: list[RunCurves]) -> str:
     charts = [Chart("held-out loss per checkpoint (all val samples)",
-                    [Series(r.label, r.steps, r.overall, r.base["all"], r.steps[r.best] if r.best is not None else None)
-                     for r in runs])]
+                    [s for r in runs for s in _series(r, "all", "overall")])]
     for region in ("inside", "outside"):
-        series = [Series(r.label, r.steps, getattr(r, region), r.base[region]) for r in runs]
+        series = [s for r in runs for s in _series(r, region, region)]
         if any(v == v for s in series for v in s.values):  # NaN != NaN: no masked sample, no chart
             charts.append(Chart(f"{region} the edit mask", series))
-    best_rows = "".join(
-        f"<tr><td>{html.escape(r.label)}</td><td>{r.steps[r.best] if r.best is not None else '–'}</td>"
-        f"<td>{r.overall[r.best]:.5g}</td><td>{r.base['all']:.5g}</td>"
-        f"<td><code>{html.escape(r.checkpoints[r.best])}</code>{' (not on disk)' if r.on_disk[r.best] is False else ''}"
-        "</td></tr>" if r.best is not None else ""
-        for r in runs)
+    emas = any(r.ema is not None for r in runs)  # a weights column (LoRA / EMA) only then
+    best_rows = "".join(_best_row(r, emas) for r in runs)
     held = runs[0].held_out
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Run comparison</title>
@@ -289,7 +373,7 @@ svg {{ margin: 0 16px 16px 0; border: 1px solid #eee; }}
 <h1>Run comparison</h1>
 <p>Same held-out set: {len(held['val samples'])} val samples x noise seeds {held['noise seeds']} x σ {held['σ grid']}
 (store tables {html.escape(json.dumps(held['store tables']))}).</p>
-<table><thead><tr><th>run</th><th>best step</th><th>held-out loss</th><th>base</th><th>checkpoint</th></tr></thead>
+<table><thead><tr><th>run</th><th>best step</th>{'<th>weights</th>' if emas else ''}<th>held-out loss</th><th>base</th><th>checkpoint</th></tr></thead>
 <tbody>{best_rows}</tbody></table>
 {''.join(svg(c) for c in charts)}
 </body></html>
@@ -308,11 +392,25 @@ class CompareResult:
         from schemas.stage import absolute
 
         return {"stage": self.stage, "report": absolute(self.report), "csv": absolute(self.csv),
-                "runs": [{"label": r.label, "group": absolute(r.group), "best_step": r.steps[r.best] if r.best is not None
-                          else None, "best_checkpoint": r.checkpoints[r.best] if r.best is not None else None,
-                          "best_loss": r.overall[r.best] if r.best is not None else None} for r in self.runs]}
+                "runs": [self._run_json(r) for r in self.runs]}
+
+    @staticmethod
+    def _run_json(r: RunCurves) -> dict:
+        from schemas.stage import absolute
+
+        b = r.best_point or {}
+        out = {"label": r.label, "group": absolute(r.group), "best_step": b.get("step"),
+               "best_checkpoint": b.get("checkpoint"), "best_loss": b.get("loss")}
+        if r.ema is not None:  # the report's `best_weights`; a run without EMA: as before
+            out["best_weights"] = b.get("weights")
+        return out
 
     def __str__(self) -> str:
-        bests = "; ".join(f"{r.label}: best step {r.steps[r.best]} ({r.overall[r.best]:.4f})" if r.best is not None
-                          else f"{r.label}: no finite loss" for r in self.runs)
+        def one(r: RunCurves) -> str:
+            if (b := r.best_point) is None:
+                return f"{r.label}: no finite loss"
+            weights = (" (EMA)" if b["weights"] == "ema" else " (LoRA)") if r.ema is not None else ""
+            return f"{r.label}: best step {b['step']}{weights} ({b['loss']:.4f})"
+
+        bests = "; ".join(one(r) for r in self.runs)
         return f"compared {len(self.runs)} runs ({bests}); page {self.report}, table {self.csv}"

@@ -5,7 +5,7 @@ The EMA rows are a loss group of their own, `REPORT/ema-losses/losses.zarr` (`st
 appended, set aside and taken back exactly as REPORT/losses.zarr: `checkpoints._open_losses`, `_append_missing`),
 under the raw array's settings plus `"weights": "ema"`, one row per step named by the EMA file's sha256. Its base is
 the raw array's (the same val samples, noise and σ: the two curves are paired sample for sample). Its own folder:
-`pipeline compare` and the raw curve read REPORT/losses.zarr only.
+the raw curve reads REPORT/losses.zarr only; `pipeline compare` reads both (`compare._ema_curve`).
 
 The EMA file is no LoRA by itself: a best EMA checkpoint is written as one into `REPORT/best-ema-lora/` (its
 step's adapter holding the EMA's values, `models.lora.save_lora`), the path the report, `--json` and `run all` name.
@@ -105,6 +105,22 @@ def best_lora_input(best: dict) -> tuple[str | None, str | None] | None:
     except (UserError, OSError, KeyError, TypeError):
         now = None
     return best.get("lora_sha256"), now
+
+
+def unscored_final_ema(lora: str | Path) -> str | None:
+    """The line saying RUN/lora_ema is not scored when evaluate scores RUN/lora alone (a run without checkpoints:
+    `run all`, `evaluate --run`), else None. Scoring it beside RUN/lora would take the checkpoints' mechanism (a
+    best picked between two LoRAs, their losses paired) into the one-LoRA report; the run's EMA is one command
+    away, and a run with checkpoints has its EMA scored at each of them."""
+    from models.ema_file import LORA_EMA
+
+    lora = Path(lora)
+    ema = lora.parent / LORA_EMA
+    if lora.name != "lora" or not ema.is_dir():
+        return None
+    return (f"evaluate: {ema} (the run's EMA, train.ema_decay) is not scored: evaluate scores {lora} alone; score "
+            f"it with `pipeline run evaluate --lora {ema} --out ANOTHER_REPORT` (`--all-checkpoints` scores each "
+            "checkpoint's EMA beside its LoRA)")
 
 
 def label(point: dict, scored: bool = True) -> str:

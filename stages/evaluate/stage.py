@@ -32,6 +32,7 @@ from features.pictures import open_png
 from models.flow import flow_loss
 from models.loading import load_component, parse_dtype
 from models.lora import attach_lora, lora_weight_file
+from stages.evaluate.ema_curve import unscored_final_ema
 from stages.evaluate.lora_bytes import checked_digest, read_for_load
 from models.attention import use_attention_backend
 from models.collective import together
@@ -723,6 +724,8 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     cfg = for_model(cfg, model)
     # the file train sealed, checked and hashed in one read: a flipped bit is refused, not evaluated
     checked = checked_digest(lora_weight_file(lora))
+    if (line := unscored_final_ema(lora)) is not None:  # said whether the report is current or not
+        tqdm.write(line)
     recorded = _recorded_report(cfg, store, model, lora, out, checked.sha256, skip_if_done)
     if recorded is not None:
         return recorded

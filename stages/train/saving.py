@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from tqdm.auto import tqdm
 
 from models.collective import together
+from models.ema_file import LORA_EMA
 from models.lora import save_lora
 from stages.train import guard, state as train_state
 from stages.train.prefetch import data_wait_line
@@ -76,7 +77,7 @@ def finish(r: Run) -> TrainResult:
             # alone, which `run all`'s up-to-date check took for the finished run, its lora_ema/ missing or stale)
             if r.ema is not None:
                 with guard.one_line_errors("the EMA LoRA", r.run_dir, guard.resume_advice(r.rerun)), \
-                        atomic_dir(r.run_dir / "lora_ema", r.run_dir / ".lora_ema.tmp") as tmp, r.ema.swapped_in():
+                        atomic_dir(r.run_dir / LORA_EMA, r.run_dir / f".{LORA_EMA}.tmp") as tmp, r.ema.swapped_in():
                     _save_final_lora(r, tmp)
             with guard.one_line_errors("the final LoRA", r.run_dir, guard.resume_advice(r.rerun)), \
                     atomic_dir(r.result.lora_dir, r.run_dir / ".lora.tmp") as tmp:

@@ -287,3 +287,91 @@ def test_two_ranks_score_the_ema_as_one_process_does(model_store, tiny_edit_mode
     np.testing.assert_allclose(b.loss.values, a.loss.values, rtol=1e-5, atol=1e-7)
     assert json.loads((tmp_path / "two" / "metrics.json").read_text())["checkpoints"]["best"]["weights"] == "ema"
     assert one.best["weights"] == "ema"
+
+
+def test_compare_shows_each_runs_ema_curve_and_the_best_its_report_names(model_store, tiny_edit_model, tmp_path):
+    """`pipeline compare` read only the raw curve: a run whose report's best is an EMA was named its best raw
+    checkpoint. Now its EMA curve is drawn and listed beside the raw one (the report's numbers), and its best is
+    the report's, step and weights; a run without EMA compares as before."""
+    import csv
+
+    from stages.evaluate.compare import write_compare
+
+    root, transformer = model_store
+    # run A: raw LoRAs far, step 10's EMA the base (the report's best: step 10, EMA); run B: no EMA files
+    ckpts, _ = _run(root, transformer, "run_cmp_ema", {10: (RAW, 0.0, 2), 20: (RAW, None, 4)})
+    plain = []
+    for step, raw in ((10, RAW), (20, 0.0)):
+        write_checkpoint(transformer, root / "run_cmp_plain" / "checkpoints" / f"step-{step}", raw)
+        plain.append((step, root / "run_cmp_plain" / "checkpoints" / f"step-{step}" / "lora"))
+    a, b = tmp_path / "a", tmp_path / "b"
+    ra = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, ckpts, a)
+    ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, plain, b)
+    assert (ra.best["step"], ra.best["weights"]) == (10, "ema")
+
+    res = write_compare([str(a), str(b)], tmp_path / "cmp")
+    ca, cb = (json.loads((r / "metrics.json").read_text())["checkpoints"] for r in (a, b))
+    # before, the raw curve's best: step 10's raw LoRA, worse than the base the EMA's loss is
+    assert res.to_json()["runs"][0]["best_loss"] == pytest.approx(ca["best"]["loss"], rel=1e-9)
+    assert "a: best step 10 (EMA)" in str(res), str(res)
+    assert res.to_json()["runs"][0]["best_weights"] == "ema" and "best_weights" not in res.to_json()["runs"][1]
+    assert res.to_json()["runs"][0]["best_checkpoint"] == ca["best"]["ema_checkpoint"]
+    run_a, run_b = res.runs
+    assert run_a.ema.steps == ca["ema"]["steps"] == [10, 20]
+    np.testing.assert_allclose(run_a.ema.overall, [p["overall"] for p in ca["ema"]["per_step"]], rtol=1e-9)
+    np.testing.assert_allclose(run_a.overall, [p["overall"] for p in ca["per_step"]], rtol=1e-9)
+    assert run_b.ema is None
+    # each run's best is its report's: step, weights and loss
+    for run, c in ((run_a, ca), (run_b, cb)):
+        best = run.best_point
+        assert (best["step"], best["weights"]) == (c["best"]["step"], c["best"]["weights"])
+        assert best["loss"] == pytest.approx(c["best"]["loss"], rel=1e-9)
+
+    # the CSV: the EMA rows beside the raw ones, labelled by a weights column, the best marked on the EMA's row
+    with open(tmp_path / "cmp" / "curves.csv") as f:
+        rows = list(csv.DictReader(f))
+    ema_rows = [r for r in rows if r["run"] == "a" and r["weights"] == "ema"]
+    assert [int(r["step"]) for r in ema_rows] == [10, 20]
+    np.testing.assert_allclose([float(r["loss"]) for r in ema_rows], [p["overall"] for p in ca["ema"]["per_step"]],
+                               rtol=1e-9)
+    assert [(r["run"], r["step"], r["weights"]) for r in rows if r["best"] == "best"] == \
+        [("a", "10", "ema"), ("b", str(cb["best"]["step"]), "lora")]
+    page = (tmp_path / "cmp" / "index.html").read_text()
+    assert "a (EMA)" in page and "<td>EMA</td>" in page
+
+    # reports without EMA data: the table and page as before (no weights column). A's report written again
+    # without the EMA (evaluate.score_ema: false) leaves A/ema-losses on disk, no longer the report's: not read
+    rc = ev.run(EvaluateConfig(**CFG, score_ema=False), root / "store", tiny_edit_model, ckpts, a, skip_if_done=True)
+    assert "ema" not in rc.metrics["checkpoints"] and (a / EMA_LOSSES / GROUP).is_dir()
+    old = write_compare([str(b), str(a)], tmp_path / "cmp-old")
+    assert (old.runs[1].best_point["step"], old.runs[1].best_point["weights"]) == (rc.best["step"], "lora")
+    assert old.runs[1].best_point["loss"] == pytest.approx(rc.best["loss"], rel=1e-9)
+    header = (tmp_path / "cmp-old" / "curves.csv").read_text().splitlines()[0]
+    assert header == "run,step,checkpoint,loss,loss_inside,loss_outside,best,on_disk"
+    assert all(r.ema is None for r in old.runs) and "weights" not in (tmp_path / "cmp-old" / "index.html").read_text()
+
+
+def test_a_run_without_checkpoints_says_its_lora_ema_is_not_scored(model_store, tiny_edit_model, tmp_path, capsys):
+    """A run without checkpoints is evaluated on RUN/lora alone (`run all`, `evaluate --run`): RUN/lora_ema was
+    ignored without a word. Now one line names it and how to score it; the report is RUN/lora's, as before."""
+    from stages.evaluate import stage as single
+
+    root, transformer = model_store
+    run = tmp_path / "run"
+    write_checkpoint(transformer, run, 0.0)  # RUN/lora, sealed as train seals it
+    capsys.readouterr()
+    alone = single.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, run / "lora", tmp_path / "plain")
+    assert "is not scored" not in "".join(capsys.readouterr())  # no RUN/lora_ema: nothing said
+    shutil.copytree(run / "lora", run / "lora_ema")
+    res = single.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, run / "lora", tmp_path / "report")
+    lines = [line for line in "".join(capsys.readouterr()).splitlines() if "lora_ema" in line]
+    assert lines == [f"evaluate: {run / 'lora_ema'} (the run's EMA, train.ema_decay) is not scored: evaluate scores "
+                     f"{run / 'lora'} alone; score it with `pipeline run evaluate --lora {run / 'lora_ema'} --out "
+                     "ANOTHER_REPORT` (`--all-checkpoints` scores each checkpoint's EMA beside its LoRA)"]
+    assert res.metrics["loss"]["overall"] == alone.metrics["loss"]["overall"]  # RUN/lora's numbers
+    # said again when the report is current (nothing evaluated), and not for RUN/lora_ema itself
+    again = single.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, run / "lora", tmp_path / "report",
+                       skip_if_done=True)
+    assert again.up_to_date and "lora_ema (the run's EMA" in "".join(capsys.readouterr())
+    single.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, run / "lora_ema", tmp_path / "ema-report")
+    assert "is not scored" not in "".join(capsys.readouterr())
