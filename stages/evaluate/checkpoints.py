@@ -501,9 +501,7 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
                            "loras": {str(step): reported.get(step) for step, _ in checkpoints},
                            "paths": {str(step): recorded_paths.get(step) for step, _ in checkpoints}}
         named = named_steps(c)
-        ema_recorded = c.get("ema") or {}
-        ema_reported = dict(zip(ema_recorded.get("steps") or [], ema_recorded.get("sha256") or []))
-        best_lora = best_lora_input(c.get("best") or {})
+        ema_inputs = _ema_inputs(c, checkpoints, ema_shas or {})
     except (AttributeError, TypeError, KeyError, ValueError):
         return None
     present = {"fingerprint": fingerprint, "steps": sorted(recorded) if recorded is not None else c.get("steps"),
@@ -514,15 +512,8 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
     # deleted by hand) left the report "up to date" naming a path that is gone as the best
     recorded_inputs["named_on_disk"] = named
     present["named_on_disk"] = [step for step in named if step in dict(checkpoints)]
-    ema_shas = ema_shas or {}
-    if ema_recorded or ema_shas:  # neither: a run without EMA, its inputs as before
-        recorded_inputs["ema_scored"], present["ema_scored"] = bool(ema_recorded), bool(ema_shas)
-        if ema_recorded and ema_shas:  # else the line above says it, not every step's sha256 against None
-            steps = [str(step) for step, _ in checkpoints if step in ema_reported or step in ema_shas]
-            recorded_inputs["ema"] = {k: ema_reported.get(int(k)) for k in steps}
-            present["ema"] = {k: ema_shas.get(int(k)) for k in steps}
-    if best_lora is not None:
-        recorded_inputs["best_ema_lora"], present["best_ema_lora"] = best_lora
+    recorded_inputs.update(ema_inputs[0])
+    present.update(ema_inputs[1])
     from stages.evaluate.stage import same_config
 
     if same_config(recorded_inputs["config_fingerprint"], cfg, n, metrics):  # the same settings, spelled otherwise
@@ -533,6 +524,25 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
     if why is not None:
         why += differences(recorded_inputs, present, metrics, cfg, settings)
     return None
+
+
+def _ema_inputs(c: dict, checkpoints: list[tuple[int, Path]], ema_shas: dict[int, str]) -> tuple[dict, dict]:
+    """The EMA's part of `_up_to_date`'s inputs, (recorded, present): whether it was scored and is now, each scored
+    step's EMA sha256, the best EMA's LoRA (`ema_curve.best_lora_input`). None of them for a run without EMA
+    whose report scored none: its inputs as before."""
+    ema_recorded = c.get("ema") or {}
+    ema_reported = dict(zip(ema_recorded.get("steps") or [], ema_recorded.get("sha256") or []))
+    recorded, present = {}, {}
+    if ema_recorded or ema_shas:
+        recorded["ema_scored"], present["ema_scored"] = bool(ema_recorded), bool(ema_shas)
+        if ema_recorded and ema_shas:  # else the line above says it, not every step's sha256 against None
+            steps = [str(step) for step, _ in checkpoints if step in ema_reported or step in ema_shas]
+            recorded["ema"] = {k: ema_reported.get(int(k)) for k in steps}
+            present["ema"] = {k: ema_shas.get(int(k)) for k in steps}
+    best_lora = best_lora_input(c.get("best") or {})
+    if best_lora is not None:
+        recorded["best_ema_lora"], present["best_ema_lora"] = best_lora
+    return recorded, present
 
 
 def named_steps(c: dict) -> list[int]:
@@ -1458,11 +1468,7 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
     last_i = alive[-1]
     points = [{"step": step, "path": path, "loss": o} for step, path, o in zip(steps, paths, overall)]
     curve = _ema_curve(ema, kept, base, samples, present) if ema is not None else None
-    candidates, all_grids = list(alive), grids
-    if curve is not None:  # the EMA points after the raw ones: a tie at one step goes to the raw LoRA (stable sort)
-        candidates += [len(points) + i for i in curve["alive"]]
-        points = points + curve["points"]
-        all_grids = np.concatenate([grids, curve["grids"]]) if len(curve["points"]) else grids
+    points, candidates, all_grids = _with_ema(points, alive, grids, curve)
     best_i = pick_best([points[i]["step"] for i in candidates], [points[i]["loss"] for i in candidates])
     if best_i is None:
         raise UserError(f"no checkpoint in {losses.path} has a finite held-out loss; check the run's training loss")
@@ -1485,17 +1491,30 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
             "on_disk": [i in alive for i in range(len(steps))],
             "base": per_step["base"], "per_step": per_step["steps"],
             "best": best, "last": points[last_i],
-            "note": "best = lowest overall held-out loss among the checkpoints still on disk (ties: earlier step); "
-                    "best.vs_base and best.runner_up: differences paired over the val samples (same noise and σ) "
-                    "± their standard error; within about two standard errors this held-out set does not tell "
-                    "the two apart" + ("; each checkpoint's EMA (train.ema_decay) is scored on the same val "
-                                       "samples, noise and σ, and competes for best (best.weights: lora or ema; a tie "
-                                       "goes to the raw LoRA)" if curve is not None else ""),
+            "note": BEST_NOTE + (EMA_NOTE if curve is not None else ""),
         },
     }
     if curve is not None:
         metrics["checkpoints"]["ema"] = curve["section"]
     return metrics, best, dict(points[last_i])  # a dict apart from metrics' "last"
+
+
+BEST_NOTE = ("best = lowest overall held-out loss among the checkpoints still on disk (ties: earlier step); "
+             "best.vs_base and best.runner_up: differences paired over the val samples (same noise and σ) ± their "
+             "standard error; within about two standard errors this held-out set does not tell the two apart")
+EMA_NOTE = ("; each checkpoint's EMA (train.ema_decay) is scored on the same val samples, noise and σ, and competes "
+            "for best (best.weights: lora or ema; a tie goes to the raw LoRA)")
+
+
+def _with_ema(points: list[dict], alive: list[int], grids: np.ndarray,
+              curve: dict | None) -> tuple[list[dict], list[int], np.ndarray]:
+    """(points, the indexes of those that may be the best, their grids) with the EMA curve's after the raw ones: a
+    tie at one step goes to the raw LoRA (a stable pick)."""
+    if curve is None:
+        return points, list(alive), grids
+    candidates = list(alive) + [len(points) + i for i in curve["alive"]]
+    all_grids = np.concatenate([grids, curve["grids"]]) if len(curve["points"]) else grids
+    return points + curve["points"], candidates, all_grids
 
 
 def _ema_curve(ema: LossStore, kept, base: np.ndarray, samples, present: dict[int, str]) -> dict:
