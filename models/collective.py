@@ -286,12 +286,15 @@ def watch_failures(world: int) -> None:
     if world <= 1 or _state["watching"]:
         return
     _state["watching"], _state["world"] = True, world
+    if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        return  # a launch naming no store: failures are only agreed on (`together`)
     try:
         client = _store_client()
-    except Exception:  # noqa: BLE001 - no store reachable: failures are only agreed on (`together`)
+    except Exception:  # noqa: BLE001 - not within CONNECT_SECONDS (two unanswered reverse DNS lookups)
+        # the watch thread tries again (`_watch`): given up here, this live rank counted no sign of life, and the
+        # ranks waiting for it (`arrive_together`) named it as killed; a failure published by another went unseen
         client = None
-    if client is None:
-        return
+        _state["store_lost"] = True  # its exit does not count itself in a store it has not reached (`_count_exit`)
     stop = threading.Event()
     alive = _alive_key(int(os.environ.get("RANK", "0")))
     clients = [client]  # the watch thread's connection, replaced after a failed call (`_reconnect`)
@@ -384,7 +387,12 @@ def _watch(clients: list, key: str, stop: threading.Event, alive: str | None = N
     POLL_SECONDS through `clients[0]`, its own connection. A failed call is not yet the end of the launch (a store
     busy past the client's timeout, a dropped connection): it connects again (`_reconnect`). Before, one failed call
     ended the thread, and with it this live rank's signs of life: the ranks waiting for it in `arrive_together`
-    stopped the launch LOST_SECONDS later, naming it as killed."""
+    stopped the launch LOST_SECONDS later, naming it as killed. No connection yet (`watch_failures`' first one
+    failed): made here first, as after a failed call; a store that does not answer then is said in one line."""
+    if clients[0] is None and not _reconnect(clients, stop):
+        if not stop.is_set():
+            _unwatched_warning()
+        return
     beat = 0.0
     while not stop.is_set():
         client = clients[0]
@@ -413,6 +421,18 @@ def _watch(clients: list, key: str, stop: threading.Event, alive: str | None = N
         os._exit(1)  # the main thread may be inside a collective that never returns
 
 
+def _unwatched_warning() -> None:
+    """Said once by a rank whose watch thread never reached the launch's store: nothing else would say it, and
+    the ranks that wait for this one may later name it as lost."""
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    text = (f"warning: rank {os.environ.get('RANK', '?')} could not reach the launch's store at {where} within "
+            f"{CONNECT_SECONDS + STORE_RETRY_SECONDS:.0f} s: it does not watch the other ranks (a failure of "
+            "another rank stops it only at the next agreement) and counts no sign of life, so ranks waiting for it "
+            f"name it as lost after {BEFORE_GROUP_SECONDS:.0f} s; see the launcher's log and this node's DNS")
+    sys.stderr.write(("\n" if _bar_mid_line() else "") + text + "\n")
+    sys.stderr.flush()
+
+
 STORE_RETRY_SECONDS = 30.0  # how long a store that stopped answering is tried again: well under LOST_SECONDS
 PROBE_SECONDS = 2.0  # how long one try waits for the store's port to accept a connection
 # How long torch's client may take to connect once the port answered a probe: milliseconds, but 5 s where one of
@@ -436,7 +456,7 @@ def _reconnect(clients: list, stop: threading.Event) -> bool:
     if not host or not port:
         return False
     deadline, pause = time.monotonic() + STORE_RETRY_SECONDS, POLL_SECONDS
-    held = getattr(clients[0], "timeout", None)
+    held = getattr(clients[0], "timeout", None)  # None: no connection yet (`_watch`)
     timeout = held.total_seconds() if isinstance(held, timedelta) else 10.0  # `_store_client`'s default
     while not stop.is_set() and time.monotonic() < deadline:
         try:
