@@ -130,6 +130,9 @@ def together(world: int, what: str = "", uneven: bool = False) -> Iterator[None]
     error: BaseException | None = None
     try:
         yield
+    except KeyboardInterrupt as e:  # on this rank alone: the others would wait for it at the agreement
+        _tell_interrupt(e, world, what)
+        raise
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         if agreed(e):  # a nested agreement already told every rank
             raise
@@ -715,6 +718,9 @@ def fails_alone(world: int, what: str, oom_advice: str = "") -> Iterator[None]:
     watch_failures(world)
     try:
         yield
+    except KeyboardInterrupt as e:
+        _tell_interrupt(e, world, what)
+        raise
     except Exception as e:  # noqa: BLE001 - published to every rank
         if agreed(e):
             raise
@@ -731,6 +737,22 @@ def fails_alone(world: int, what: str, oom_advice: str = "") -> Iterator[None]:
         else:
             text = f"rank {rank}: {_message(e, what)}"
         raise RankFailed(publish_failure(" ".join(text.splitlines()), world)) from None
+
+
+def _tell_interrupt(error: KeyboardInterrupt, world: int, what: str) -> None:
+    """A Ctrl-C that reached this rank alone (its own terminal, one node's) in `what`: published, so the other
+    ranks - inside a collective this rank will not join, or waiting for it to arrive - stop at once with one line,
+    where they waited for the collective's timeout (NCCL without torchrun: 10 minutes) or named this rank as killed
+    after LOST_SECONDS. The KeyboardInterrupt goes on here: this rank stops as a Ctrl-C stops it, nothing past the
+    last commit kept (docs/train.md). Once (nested blocks; every rank of a terminal's Ctrl-C: the first line wins)."""
+    if agreed(error):
+        return
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    publish_failure(f"rank {rank} was stopped by SIGINT (Ctrl-C){' in ' + what if what else ''}: what the ranks committed is kept (a "
+                    "run's checkpoints); rerun the same command to continue (`run train`: with --resume)", world)
+    _mark(error)
 
 
 def failure_line(error: BaseException, line: str) -> str:
