@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import ipaddress
 import os
+import select
 import socket
 import sys
 import threading
@@ -399,6 +400,9 @@ def _watch(clients: list, key: str, stop: threading.Event, alive: str | None = N
     beat = 0.0
     while not stop.is_set():
         client = clients[0]
+        if store_host_gone():  # no call: torch's client would print a C++ warning and stack for it
+            _state["store_lost"] = True
+            return
         try:
             if alive is not None and time.monotonic() >= beat:  # this rank's sign of life (`arrive_together`)
                 client.add(alive, 1)
@@ -488,11 +492,71 @@ def _read(clients: list, read: Callable[[object], T]) -> T:
     traceback, and the launch with it. Reads only, or writes that are the same when applied twice (a `set`, a
     compare-and-set): a call that failed may have been applied. A store gone: its failure, as before."""
     while True:
+        if store_host_gone():
+            import torch.distributed as dist
+
+            # what the failed call would have raised (its one line: `lost_peer_line`), without torch's C++ warning
+            raise dist.DistNetworkError("Connection closed by peer: the launch's store's process ended")
         try:
             return read(clients[0])
         except Exception:  # noqa: BLE001 - re-raised below when the store does not answer again
             if not _reconnect(clients, threading.Event()):
                 raise
+
+
+_canary_lock = threading.Lock()
+
+
+def store_host_gone() -> bool:
+    """Whether the process serving the launch's store has ended (rank 0 of a plain env:// launch killed, a node's
+    torchrun agent gone), seen without a call through torch's client: a call on a connection its peer closed
+    prints c10d's warning and C++ stack ("recvValue failed ... Connection reset by peer") before it raises, two
+    of them (the main thread's wait, the watch thread's poll) before the rank's one line. Told by a connection of
+    our own to the store's port, opened once and never written to: the store never sends on it, so it reads
+    only when the peer's process is gone (end of file, a reset; the kernel closes a killed process's sockets),
+    which a refused connection to the port confirms (`_reconnect`'s own test of a host that ended). A
+    host that ended during a call in flight still shows torch's warning (a call's microseconds); a node lost with
+    its kernel closes nothing (calls time out, as before). False where no connection could be made."""
+    where = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
+    if not where[0] or not where[1]:
+        return False
+    # per address: the store a launch names (a process's tests name several, one after another)
+    canaries, gone = _state.setdefault("canaries", {}), _state.setdefault("hosts_gone", set())
+    if where in gone:
+        return True
+    with _canary_lock:
+        canary = canaries.get(where)
+        if canary is False:  # could not be made: the calls say what they meet, as before
+            return False
+        if canary is None:
+            try:
+                # tried once (each poll of a long wait comes here; a port that does not answer costs PROBE_SECONDS)
+                canary = socket.create_connection((where[0], int(where[1])), timeout=PROBE_SECONDS)
+            except (OSError, ValueError):
+                canary = False
+            canaries[where] = canary
+            if canary is False:
+                return False
+        try:
+            if not select.select([canary], [], [], 0)[0]:
+                return False
+            closed = canary.recv(1, socket.MSG_PEEK) == b""
+        except OSError:  # reset by the kernel of a host whose process ended
+            closed = True
+        if not closed:
+            return False
+        # closed: gone only where its port refuses too (a store that closed this idle connection itself still
+        # listens: a new one next time, never a live launch's store taken for gone)
+        canaries[where] = None
+        canary.close()
+        try:
+            socket.create_connection((where[0], int(where[1])), timeout=PROBE_SECONDS).close()
+            return False
+        except ConnectionRefusedError:
+            gone.add(where)
+            return True
+        except OSError:  # no answer (a loaded host, a network blip): the calls say what they meet
+            return False
 
 
 def report_once(message: str) -> bool:
