@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import ipaddress
 import os
+import select
 import socket
 import sys
 import threading
@@ -130,6 +131,9 @@ def together(world: int, what: str = "", uneven: bool = False) -> Iterator[None]
     error: BaseException | None = None
     try:
         yield
+    except KeyboardInterrupt as e:  # on this rank alone: the others would wait for it at the agreement
+        _tell_interrupt(e, world, what)
+        raise
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         if agreed(e):  # a nested agreement already told every rank
             raise
@@ -286,12 +290,15 @@ def watch_failures(world: int) -> None:
     if world <= 1 or _state["watching"]:
         return
     _state["watching"], _state["world"] = True, world
+    if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        return  # a launch naming no store: failures are only agreed on (`together`)
     try:
         client = _store_client()
-    except Exception:  # noqa: BLE001 - no store reachable: failures are only agreed on (`together`)
+    except Exception:  # noqa: BLE001 - not within CONNECT_SECONDS (two unanswered reverse DNS lookups)
+        # the watch thread tries again (`_watch`): given up here, this live rank counted no sign of life, and the
+        # ranks waiting for it (`arrive_together`) named it as killed; a failure published by another went unseen
         client = None
-    if client is None:
-        return
+        _state["store_lost"] = True  # its exit does not count itself in a store it has not reached (`_count_exit`)
     stop = threading.Event()
     alive = _alive_key(int(os.environ.get("RANK", "0")))
     clients = [client]  # the watch thread's connection, replaced after a failed call (`_reconnect`)
@@ -384,10 +391,18 @@ def _watch(clients: list, key: str, stop: threading.Event, alive: str | None = N
     POLL_SECONDS through `clients[0]`, its own connection. A failed call is not yet the end of the launch (a store
     busy past the client's timeout, a dropped connection): it connects again (`_reconnect`). Before, one failed call
     ended the thread, and with it this live rank's signs of life: the ranks waiting for it in `arrive_together`
-    stopped the launch LOST_SECONDS later, naming it as killed."""
+    stopped the launch LOST_SECONDS later, naming it as killed. No connection yet (`watch_failures`' first one
+    failed): made here first, as after a failed call; a store that does not answer then is said in one line."""
+    if clients[0] is None and not _reconnect(clients, stop):
+        if not stop.is_set():
+            _unwatched_warning()
+        return
     beat = 0.0
     while not stop.is_set():
         client = clients[0]
+        if store_host_gone():  # no call: torch's client would print a C++ warning and stack for it
+            _state["store_lost"] = True
+            return
         try:
             if alive is not None and time.monotonic() >= beat:  # this rank's sign of life (`arrive_together`)
                 client.add(alive, 1)
@@ -413,6 +428,18 @@ def _watch(clients: list, key: str, stop: threading.Event, alive: str | None = N
         os._exit(1)  # the main thread may be inside a collective that never returns
 
 
+def _unwatched_warning() -> None:
+    """Said once by a rank whose watch thread never reached the launch's store: nothing else would say it, and
+    the ranks that wait for this one may later name it as lost."""
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    text = (f"warning: rank {os.environ.get('RANK', '?')} could not reach the launch's store at {where} within "
+            f"{CONNECT_SECONDS + STORE_RETRY_SECONDS:.0f} s: it does not watch the other ranks (a failure of "
+            "another rank stops it only at the next agreement) and counts no sign of life, so ranks waiting for it "
+            f"name it as lost after {BEFORE_GROUP_SECONDS:.0f} s; see the launcher's log and this node's DNS")
+    sys.stderr.write(("\n" if _bar_mid_line() else "") + text + "\n")
+    sys.stderr.flush()
+
+
 STORE_RETRY_SECONDS = 30.0  # how long a store that stopped answering is tried again: well under LOST_SECONDS
 PROBE_SECONDS = 2.0  # how long one try waits for the store's port to accept a connection
 # How long torch's client may take to connect once the port answered a probe: milliseconds, but 5 s where one of
@@ -436,7 +463,7 @@ def _reconnect(clients: list, stop: threading.Event) -> bool:
     if not host or not port:
         return False
     deadline, pause = time.monotonic() + STORE_RETRY_SECONDS, POLL_SECONDS
-    held = getattr(clients[0], "timeout", None)
+    held = getattr(clients[0], "timeout", None)  # None: no connection yet (`_watch`)
     timeout = held.total_seconds() if isinstance(held, timedelta) else 10.0  # `_store_client`'s default
     while not stop.is_set() and time.monotonic() < deadline:
         try:
@@ -465,11 +492,71 @@ def _read(clients: list, read: Callable[[object], T]) -> T:
     traceback, and the launch with it. Reads only, or writes that are the same when applied twice (a `set`, a
     compare-and-set): a call that failed may have been applied. A store gone: its failure, as before."""
     while True:
+        if store_host_gone():
+            import torch.distributed as dist
+
+            # what the failed call would have raised (its one line: `lost_peer_line`), without torch's C++ warning
+            raise dist.DistNetworkError("Connection closed by peer: the launch's store's process ended")
         try:
             return read(clients[0])
         except Exception:  # noqa: BLE001 - re-raised below when the store does not answer again
             if not _reconnect(clients, threading.Event()):
                 raise
+
+
+_canary_lock = threading.Lock()
+
+
+def store_host_gone() -> bool:
+    """Whether the process serving the launch's store has ended (rank 0 of a plain env:// launch killed, a node's
+    torchrun agent gone), seen without a call through torch's client: a call on a connection its peer closed
+    prints c10d's warning and C++ stack ("recvValue failed ... Connection reset by peer") before it raises, two
+    of them (the main thread's wait, the watch thread's poll) before the rank's one line. Told by a connection of
+    our own to the store's port, opened once and never written to: the store never sends on it, so it reads
+    only when the peer's process is gone (end of file, a reset; the kernel closes a killed process's sockets),
+    which a refused connection to the port confirms (`_reconnect`'s own test of a host that ended). A
+    host that ended during a call in flight still shows torch's warning (a call's microseconds); a node lost with
+    its kernel closes nothing (calls time out, as before). False where no connection could be made."""
+    where = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
+    if not where[0] or not where[1]:
+        return False
+    # per address: the store a launch names (a process's tests name several, one after another)
+    canaries, gone = _state.setdefault("canaries", {}), _state.setdefault("hosts_gone", set())
+    if where in gone:
+        return True
+    with _canary_lock:
+        canary = canaries.get(where)
+        if canary is False:  # could not be made: the calls say what they meet, as before
+            return False
+        if canary is None:
+            try:
+                # tried once (each poll of a long wait comes here; a port that does not answer costs PROBE_SECONDS)
+                canary = socket.create_connection((where[0], int(where[1])), timeout=PROBE_SECONDS)
+            except (OSError, ValueError):
+                canary = False
+            canaries[where] = canary
+            if canary is False:
+                return False
+        try:
+            if not select.select([canary], [], [], 0)[0]:
+                return False
+            closed = canary.recv(1, socket.MSG_PEEK) == b""
+        except OSError:  # reset by the kernel of a host whose process ended
+            closed = True
+        if not closed:
+            return False
+        # closed: gone only where its port refuses too (a store that closed this idle connection itself still
+        # listens: a new one next time, never a live launch's store taken for gone)
+        canaries[where] = None
+        canary.close()
+        try:
+            socket.create_connection((where[0], int(where[1])), timeout=PROBE_SECONDS).close()
+            return False
+        except ConnectionRefusedError:
+            gone.add(where)
+            return True
+        except OSError:  # no answer (a loaded host, a network blip): the calls say what they meet
+            return False
 
 
 def report_once(message: str) -> bool:
@@ -695,6 +782,9 @@ def fails_alone(world: int, what: str, oom_advice: str = "") -> Iterator[None]:
     watch_failures(world)
     try:
         yield
+    except KeyboardInterrupt as e:
+        _tell_interrupt(e, world, what)
+        raise
     except Exception as e:  # noqa: BLE001 - published to every rank
         if agreed(e):
             raise
@@ -711,6 +801,22 @@ def fails_alone(world: int, what: str, oom_advice: str = "") -> Iterator[None]:
         else:
             text = f"rank {rank}: {_message(e, what)}"
         raise RankFailed(publish_failure(" ".join(text.splitlines()), world)) from None
+
+
+def _tell_interrupt(error: KeyboardInterrupt, world: int, what: str) -> None:
+    """A Ctrl-C that reached this rank alone (its own terminal, one node's) in `what`: published, so the other
+    ranks - inside a collective this rank will not join, or waiting for it to arrive - stop at once with one line,
+    where they waited for the collective's timeout (NCCL without torchrun: 10 minutes) or named this rank as killed
+    after LOST_SECONDS. The KeyboardInterrupt goes on here: this rank stops as a Ctrl-C stops it, nothing past the
+    last commit kept (docs/train.md). Once (nested blocks; every rank of a terminal's Ctrl-C: the first line wins)."""
+    if agreed(error):
+        return
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    publish_failure(f"rank {rank} was stopped by SIGINT (Ctrl-C){' in ' + what if what else ''}: what the ranks committed is kept (a "
+                    "run's checkpoints); rerun the same command to continue (`run train`: with --resume)", world)
+    _mark(error)
 
 
 def failure_line(error: BaseException, line: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -168,8 +169,10 @@ def main() -> None:  # pragma: no cover
     except SystemExit as e:
         from pipeline.launched import launched
 
-        # launched, the launcher says it once for every rank (pipeline/commands/launch.py)
-        if (_signalled and e.code == 128 + _signalled[0] and launched()[0] <= 1 and not _said_by_training()):
+        # launched by torchrun, its agent says it once for every rank (pipeline/commands/launch.py); in a plain
+        # env:// launch none does: a Ctrl-C on one rank's terminal ended it silently (the others print its line)
+        alone = launched()[0] <= 1 or not os.environ.get("TORCHELASTIC_RUN_ID")
+        if _signalled and e.code == 128 + _signalled[0] and alone and not _said_by_training():
             print(stopped_line(sys.argv[1:], _signalled[0]), file=sys.stderr)
         raise
     except Exception as e:

@@ -8,6 +8,8 @@ are the test's):
     rank_fails_alone.py train-optimizer-oom STORE MODEL OUT R  rank R runs out of memory in its optimizer's
                                                     step (Adam's state, allocated at the first step), after the
                                                     backward: the other goes on to the next step's all-reduce
+    rank_fails_alone.py train-interrupt STORE MODEL OUT R  a Ctrl-C (SIGINT) reaches rank R alone in its first
+                                                    step's forward: the other sits in DDP's all-reduce
     rank_fails_alone.py encode-open STORE MODEL     rank 1 cannot open encode-vae's inputs (before any
                                                     collective)
     rank_fails_alone.py encode-devices STORE MODEL  one device listed for two processes: only local rank 1 has
@@ -68,6 +70,21 @@ def main() -> None:
 
         if RANK == int(sys.argv[5]):
             optimizers.build_optimizer = build
+        sys.argv = ["pipeline", "run", "train", "--store", store, "--model", model, "--out", sys.argv[4],
+                    "--device", "cpu", "--max-steps", "2", "--batch-size", "2", "--set", "train.lora.rank=4"]
+    elif case == "train-interrupt":
+        import signal
+
+        from stages.train import recipe
+
+        real = recipe.flow_loss_of
+
+        def interrupted(*a, **k):
+            os.kill(os.getpid(), signal.SIGINT)  # the CLI's handler raises KeyboardInterrupt here, as on a Ctrl-C
+            return real(*a, **k)
+
+        if RANK == int(sys.argv[5]):
+            recipe.flow_loss_of = interrupted
         sys.argv = ["pipeline", "run", "train", "--store", store, "--model", model, "--out", sys.argv[4],
                     "--device", "cpu", "--max-steps", "2", "--batch-size", "2", "--set", "train.lora.rank=4"]
     elif case == "encode-devices":

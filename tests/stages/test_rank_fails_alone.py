@@ -36,6 +36,29 @@ def test_out_of_memory_in_one_ranks_backward_stops_every_rank(tiny_edit_model, t
     assert not (tmp_path / "run" / "lora").exists()
 
 
+@pytest.mark.parametrize("interrupted", [1, 0])
+def test_a_ctrl_c_on_one_rank_mid_step_stops_every_rank_at_once(tiny_edit_model, tmp_path, interrupted) -> None:
+    """A Ctrl-C that reached one rank alone (its own terminal) in its forward: the other, inside DDP's all-reduce,
+    ends with one line naming the stop and how to go on, and the interrupted rank stops as a Ctrl-C stops it (130,
+    its own line, nothing committed past the last checkpoint).
+    Before: the KeyboardInterrupt was not published; the other rank waited in the collective (NCCL without
+    torchrun: 10 minutes) and, under gloo, ended on a lost peer named as killed."""
+    store = tmp_path / "store"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    outs = _launch("train-interrupt", str(store), tiny_edit_model, str(tmp_path / "run"), str(interrupted))
+    (rc_i, out_i, err_i), (rc_o, out_o, err_o) = outs[interrupted], outs[1 - interrupted]
+    assert "Traceback" not in err_o + out_o + err_i + out_i, (err_o[-3000:], err_i[-3000:])
+    assert rc_i == 130 and rc_o == 1, (rc_i, rc_o, err_i[-2000:], err_o[-2000:])
+    errors = [line for line in err_o.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: rank {interrupted} was stopped by SIGINT (Ctrl-C) in optimizer step 1: what the ranks "
+                      "committed is kept (a run's checkpoints); rerun the same command to continue (`run train`: "
+                      "with --resume)"], err_o[-2000:]
+    # a plain env:// launch: no torchrun agent says the stop for it (before: a silent exit 130)
+    assert err_i.strip().splitlines()[-1] == ("stopped by SIGINT (Ctrl-C): the run's checkpoints are kept; rerun with "
+                                             "--resume to continue from the last one"), err_i[-2000:]
+    assert not (tmp_path / "run" / "lora").exists()
+
+
 def test_out_of_memory_in_one_ranks_optimizer_step_stops_every_rank_with_advice(tiny_edit_model, tmp_path) -> None:
     """Adam allocates its state in the first `optimizer.step()`, after the backward: out of memory there on rank 1
     stops both ranks with the same line naming it and what to change, as in the forward and backward. Before:

@@ -1,0 +1,42 @@
+"""A Ctrl-C that reached one rank alone (its own terminal, one node's) in the middle of a step (models/collective.py
+`fails_alone`, `together`). Before, only an `Exception` was published: the KeyboardInterrupt ended this rank while
+the others waited for it inside a collective (NCCL without torchrun: its 10-minute timeout; gloo: a lost peer,
+named as killed). Now it is published first, so every other rank's watch thread ends its process with the line at
+once, and it still propagates here (the rank stops as a Ctrl-C stops it). This process plays rank 1 of 2 against a
+real TCPStore the test serves; tests/stages/test_rank_fails_alone.py runs the two ranks of a training."""
+
+from __future__ import annotations
+
+import pytest
+
+from own_collective import own_collective  # noqa: F401  (the fixture)
+from test_failure_lines import _as_rank_1
+
+
+@pytest.mark.parametrize("block", ["fails_alone", "together"])
+def test_a_ctrl_c_on_one_rank_is_published_and_still_raised(monkeypatch, own_collective, block) -> None:
+    collective = own_collective
+    store = _as_rank_1(monkeypatch)
+    key = collective._failure_key()
+    store.set(f"{key}/known/0", "1")  # rank 0's watch thread counts itself as it reads the line (not waited here)
+    with pytest.raises(KeyboardInterrupt):
+        with getattr(collective, block)(2, "the training step"):
+            raise KeyboardInterrupt
+    line = store.get(key).decode()
+    assert line.startswith("rank 1 was stopped by SIGINT (Ctrl-C) in the training step: what the ranks committed is "
+                           "kept"), line
+    assert "with --resume" in line
+
+
+def test_a_ctrl_c_in_nested_blocks_is_published_once(monkeypatch, own_collective) -> None:
+    collective = own_collective
+    store = _as_rank_1(monkeypatch)
+    key = collective._failure_key()
+    store.set(f"{key}/known/0", "1")
+    writes: list[str] = []
+    real = collective.publish_failure
+    monkeypatch.setattr(collective, "publish_failure", lambda line, world: writes.append(line) or real(line, world))
+    with pytest.raises(KeyboardInterrupt):
+        with collective.together(2, "the step"), collective.fails_alone(2, "the forward"):
+            raise KeyboardInterrupt
+    assert len(writes) == 1 and "in the forward" in store.get(key).decode()
