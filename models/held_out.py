@@ -46,7 +46,8 @@ def has_two_regions(sample: TrainSample) -> bool:
 
 @torch.no_grad()
 def loss_grid(transformer, samples: list[TrainSample], seeds: list[int], sigmas: list[float], batch_size: int,
-              desc: str = "held-out loss", show: bool = True, load=None, cells: np.ndarray | None = None) -> np.ndarray:
+              desc: str = "held-out loss", show: bool = True, load=None, cells: np.ndarray | None = None,
+              max_tokens: int | None = None) -> np.ndarray:
     """float64 [len(samples), len(seeds), len(sigmas), 3]: `flow_loss` of every row, regions all/inside/outside.
 
     Batches of one (seed, σ) cell: the samples go in chunks of `batch_size`, each chunk read once and run at
@@ -55,17 +56,18 @@ def loss_grid(transformer, samples: list[TrainSample], seeds: list[int], sigmas:
     a grown seed or σ grid computes only its new cells) equals, bit for bit, that cell of a whole grid (rows
     batched across cells depended on their neighbours by float rounding). `show`: its progress bar (one rank's of
     several: off). `load(i)`: sample i in full when `samples` are outlines (key, img_shapes, mask): only the
-    samples of one chunk are held, whatever the count.
+    samples of one chunk are held, whatever the count. `max_tokens` (training's `train.max_tokens_per_batch`): a
+    chunk also holds at most that many computed tokens (count x longest, `chunks`), as a training micro-batch does.
     """
     load = load or samples.__getitem__
     todo = [(k, t) for k in range(len(seeds)) for t in range(len(sigmas)) if cells is None or cells[k, t]]
     out = np.full((len(samples), len(seeds), len(sigmas), len(REGIONS)), np.nan)
     two = [has_two_regions(s) for s in samples]
     base = _unwrap(transformer)
-    starts = range(0, len(samples), batch_size) if todo else range(0)
-    bar = tqdm(total=len(starts) * len(todo), desc=desc, unit="batch", leave=False, disable=not show)
-    for start in starts:
-        chunk = list(range(start, min(start + batch_size, len(samples))))
+    lengths = [s.sequence_tokens for s in samples] if max_tokens is not None and todo else None
+    batches = chunks(len(samples), batch_size, lengths, max_tokens) if todo else []
+    bar = tqdm(total=len(batches) * len(todo), desc=desc, unit="batch", leave=False, disable=not show)
+    for chunk in batches:
         held = [load(i) for i in chunk]
         masked = [j for j, i in enumerate(chunk) if two[i]]
         for k, t in todo:
@@ -86,6 +88,28 @@ def loss_grid(transformer, samples: list[TrainSample], seeds: list[int], sigmas:
             bar.update()
         del held
     bar.close()
+    return out
+
+
+def chunks(count: int, batch_size: int, lengths: list[int] | None = None,
+           max_tokens: int | None = None) -> list[list[int]]:
+    """Rows 0..count-1 in order as consecutive chunks of at most `batch_size`; with `max_tokens` also of a padded
+    cost (count x longest of `lengths`) within it, one sample at least (a sample longer than the budget alone).
+    Without a budget, or where `batch_size` of them fit, the chunks are the fixed-size ones (the same companions,
+    the same numbers); cut by the budget, a row's loss differs from them by float rounding only."""
+    out: list[list[int]] = []
+    chunk: list[int] = []
+    longest = 0
+    for i in range(count):
+        length = lengths[i] if max_tokens is not None else 0
+        if chunk and (len(chunk) == batch_size
+                      or (max_tokens is not None and (len(chunk) + 1) * max(longest, length) > max_tokens)):
+            out.append(chunk)
+            chunk, longest = [], 0
+        chunk.append(i)
+        longest = max(longest, length)
+    if chunk:
+        out.append(chunk)
     return out
 
 

@@ -33,6 +33,12 @@ class TrainSample:
     def target_tokens(self) -> int:
         return prod(self.img_shapes[0])
 
+    @property
+    def sequence_tokens(self) -> int:
+        """The joint sequence's tokens (target and control image tokens + prompt tokens): the length a token budget
+        counts for this sample (`store.join.sequence_lengths_of` reads the same from the manifests)."""
+        return sum(prod(s) for s in self.img_shapes) + int(self.prompt_embeds.shape[0])
+
 
 def from_features(
     key: str, text: dict[str, Tensor], vae: dict[str, Tensor], img_shapes: list, where: str = "the store"

@@ -141,8 +141,10 @@ class Validator:
         """[sample, seed, σ, region] losses of every val sample: this rank's share computed here, summed across
         ranks (`accelerator.reduce`), so all ranks return the same full grid. Collective when world > 1."""
         mine = [i for i in range(len(self.samples)) if i % world == rank]
+        # in the curve's order (sorted, as evaluate's); under a token budget no forward holds more than a training
+        # micro-batch's tokens (`pipeline plan` plans that, not batch_size x the longest val samples)
         part = loss_grid(transformer, [self.samples[i] for i in mine], *self.cfg.validate_axes, self.cfg.batch_size,
-                         "validation")  # in the curve's order (sorted, as evaluate's)
+                         "validation", max_tokens=self.cfg.max_tokens_per_batch)
         full = torch.zeros(len(self.samples), *part.shape[1:], dtype=torch.float64)
         full[mine] = torch.from_numpy(part)  # other ranks' rows stay 0 here; the sum fills them in
         if world > 1:
@@ -150,8 +152,8 @@ class Validator:
         return full.numpy()
 
     def loss(self, transformer, rank: int = 0, world: int = 1, accelerator=None) -> float:
-        """Mean over samples x seeds x σ of the per-sample flow loss (train.batch_size val samples a forward, at one
-        (seed, σ) cell each: `loss_grid`)."""
+        """Mean over samples x seeds x σ of the per-sample flow loss (train.batch_size val samples a forward, within
+        train.max_tokens_per_batch when set, at one (seed, σ) cell each: `loss_grid`)."""
         return mean_loss(self.grid(transformer, rank, world, accelerator))
 
     def samples_grid(self, transformer) -> Image.Image:
