@@ -398,15 +398,19 @@ def encode_plan(model: str, component: str, dtype: str, batch_size: int, tokens_
 
 def inference_plan(model: str, dtype: str, quantize: str, tokens_per_sample: int, cfg_batch: int = 2,
                    image_size: tuple[int, int] | None = None) -> StagePlan:
-    """evaluate / predict: the transformer's forward (true CFG doubles the batch), no saved activations. With
-    `image_size` (height, width of the images made) also the VAE evaluate loads beside the transformer and its
-    decode's feature maps, as far as they exceed the forward's (the decode runs after the last denoising step)."""
+    """evaluate / predict: the transformer's forward of `cfg_batch` rows (true CFG doubles a picture's batch;
+    evaluate's held-out loss runs `evaluate.batch_size` rows a forward), no saved activations; 2.1's block-causal
+    mask per row as the train plan counts it for the one block that holds it at a time. With `image_size` (height,
+    width of the images made) also the VAE evaluate loads beside the transformer and its decode's feature maps, as
+    far as they exceed the forward's (the decode runs after the last denoising step)."""
     c = transformer_counts(model)
     elem = DTYPE_BYTES[dtype]
     parts = {
         "weights": transformer_weight_bytes(c, dtype, quantize),
         "activations": cfg_batch * tokens_per_sample * c.width * 8 * elem,
     }
+    if is_qwen21(model):
+        parts["block-causal mask"] = qwen21_mask_bytes(cfg_batch, tokens_per_sample, elem, 1)
     if image_size is not None:
         parts["VAE"] = component_params(model, "vae") * elem
         _decode_above(parts, vae_decode_bytes(model, dtype, *image_size), parts["activations"], "VAE decode")

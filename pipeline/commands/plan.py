@@ -111,8 +111,9 @@ def _plans(cfg, model_id: str, device: str, processes: int, vl_tokens: int, seq:
         mp.encode_plan(model_id, "vae", _dtype(cfg.encode_vae.dtype, device), cfg.encode_vae.batch_size,
                        rc.target_area // 256),
         _train_plan(cfg, model_id, device, processes, seq, cfg.train.uncheckpointed_blocks),
+        # the held-out loss's evaluate.batch_size rows a forward, or a picture's two (true CFG), the larger
         mp.inference_plan(model_id, _dtype(cfg.evaluate.dtype, device), cfg.evaluate.quantize_base, seq,
-                          image_size=(side, side)),
+                          cfg_batch=max(2, cfg.evaluate.batch_size), image_size=(side, side)),
     ]
 
 

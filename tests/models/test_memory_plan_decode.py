@@ -117,3 +117,25 @@ def test_planned_vae_encode_is_the_live_tensors_of_a_real_batch_encode(fixture, 
     planned = mp.vae_pass_bytes(model, "float32", 64, 64, encode=True, batch=2)
     assert abs(planned - live.peak) <= 0.005 * live.peak, (planned, live.peak)
     assert mp.encode_plan(model, "vae", "float32", 2, 64 * 64 // 256).parts["activations"] == planned
+
+
+def _evaluate_line(*args: str) -> str:
+    from pipeline.cli import app
+
+    result = CliRunner().invoke(app, ["plan", *args])
+    assert result.exit_code == 0, result.output
+    return next(line for line in result.output.splitlines() if line.strip().startswith("evaluate"))
+
+
+def test_the_evaluate_plan_holds_the_held_out_losss_rows_a_forward(tiny_21_model):
+    """evaluate's held-out loss runs evaluate.batch_size rows a forward (8 by default); the plan held two (a
+    picture's true CFG): a quarter of the default's activations (2509 at its planned sample: 1.58 GiB for 6.3).
+    2.1's block-causal mask (S² a row) is counted as the train plan counts it; it was absent."""
+    eight = _evaluate_line("--model", "Qwen/Qwen-Image-Edit-2509", "--set", "evaluate.batch_size=8")
+    two = _evaluate_line("--model", "Qwen/Qwen-Image-Edit-2509", "--set", "evaluate.batch_size=2")
+    activations = [float(line.split("activations ")[1].split(" GiB")[0]) for line in (eight, two)]
+    assert activations[0] == pytest.approx(4 * activations[1], rel=1e-2), (eight, two)
+    assert "block-causal mask" not in eight
+    plan = mp.inference_plan(tiny_21_model, "float32", "none", 300, cfg_batch=8)
+    assert plan.parts["block-causal mask"] == mp.qwen21_mask_bytes(8, 300, 4, 1)
+    assert "block-causal mask" in _evaluate_line("--model", tiny_21_model)
