@@ -1156,8 +1156,11 @@ def _ipv4_listener(host: str, port: int) -> dict:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("", port))  # a port taken: "[Errno 98] Address already in use", as torch's own bind says
+        listener.bind(("", port))
     except OSError:
+        # taken: by a store this process still serves there (an earlier run's in the same process, kept by its
+        # process group: torch's multi-tenant store serves it again), or by another process (torch's own bind
+        # then says "address already in use", the words launchers match): torch's own listener, as before
         listener.close()
-        raise
+        return {}
     return {"master_listen_fd": listener.detach()}  # torch listens on it and closes it with the store

@@ -65,6 +65,7 @@ def test_predict_and_merge_load_each_component_on_its_device(fake_gpus, monkeypa
 
     calls.clear()
     monkeypatch.setattr(loading, "load_component", record)
+    monkeypatch.setattr(lora, "check_mergeable", lambda *a: None)  # no LoRA file: the load is what is shown
     monkeypatch.setattr(lora, "attach_lora", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("stop")))
     with pytest.raises(RuntimeError, match="stop"):
         merge_lora(tiny_edit_model, tmp_path / "lora", tmp_path / "out", device="cuda:1")

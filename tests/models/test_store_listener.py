@@ -38,3 +38,21 @@ def test_rank_0s_store_listens_on_ipv4_for_an_ipv4_address(monkeypatch, own_coll
     group_store = dist.TCPStore(address, port, is_master=True, multi_tenant=True, wait_for_workers=False,
                                 timeout=timedelta(seconds=30))
     assert store.get("from-rank-1") == b"yes" and group_store.get("from-rank-1") == b"yes"
+
+
+def test_a_store_hosted_again_in_the_same_process_is_served_by_the_one_still_there(monkeypatch,
+                                                                                 own_collective) -> None:
+    """A second run in one process (the CLI's tests, a notebook) hosts the store again on the port its first run's
+    store still serves (kept by its process group): torch's multi-tenant store serves it. Before, the IPv4
+    listener's own bind failed first ("[Errno 98] Address already in use"): every agreement of the second run was
+    refused on rank 0 (CI: test_rank_failures, exit 2)."""
+    port = free_port()
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    first = own_collective._before_group_store(30)
+    first.set("first-run", "kept")
+    # the next run's start: its own store object, the first one still alive
+    monkeypatch.setattr(own_collective, "_before", {"store": None, "hosted": False, "count": {}})
+    again = own_collective._before_group_store(30)
+    assert again.get("first-run") == b"kept" and _listening_families(port) == [socket.AF_INET]
