@@ -803,7 +803,7 @@ def fails_alone(world: int, what: str, oom_advice: str = "") -> Iterator[None]:
         raise RankFailed(publish_failure(" ".join(text.splitlines()), world)) from None
 
 
-def _tell_interrupt(error: KeyboardInterrupt, world: int, what: str) -> None:
+def _tell_interrupt(error: BaseException, world: int, what: str) -> None:
     """A Ctrl-C that reached this rank alone (its own terminal, one node's) in `what`: published, so the other
     ranks - inside a collective this rank will not join, or waiting for it to arrive - stop at once with one line,
     where they waited for the collective's timeout (NCCL without torchrun: 10 minutes) or named this rank as killed
@@ -817,6 +817,18 @@ def _tell_interrupt(error: KeyboardInterrupt, world: int, what: str) -> None:
     publish_failure(f"rank {rank} was stopped by SIGINT (Ctrl-C){' in ' + what if what else ''}: what the ranks committed is kept (a "
                     "run's checkpoints); rerun the same command to continue (`run train`: with --resume)", world)
     _mark(error)
+
+
+def publish_interrupt(error: BaseException) -> None:
+    """A Ctrl-C that stopped this launched rank outside `fails_alone` / `together` (waiting in `arrive_together`, rank
+    0 writing a checkpoint alone, an encoder's own loop), told once its exit is under way (the CLI's top level): as
+    `_tell_interrupt` does inside them, so the ranks waiting for this one stop at once with its line, where they
+    named it as killed after LOST_SECONDS. Not where it was told already (`agreed`), before this rank's first
+    exchange (it watches nothing: not worth an exit held for a store that may not be up), nor to a store whose host
+    has ended (`store_host_gone`); otherwise bounded as every publish is (`_write_failure`)."""
+    if agreed(error) or not _state["watching"] or store_host_gone():
+        return
+    _tell_interrupt(error, _state["world"], "")
 
 
 def failure_line(error: BaseException, line: str) -> str:

@@ -160,6 +160,33 @@ def _publish_uncaught(error: Exception) -> str | None:
     return collective.publish_uncaught(error)
 
 
+def _publish_interrupt(error: BaseException) -> None:
+    """A launched rank stopped by one Ctrl-C outside the blocks that publish it themselves (models/collective.py
+    `publish_interrupt`): the ranks waiting for it stop at once with its line. Not a stop the ranks agreed on (the
+    training loop's, whose SystemExit no KeyboardInterrupt caused), nor after a second Ctrl-C (the user insists:
+    the exit goes on, not held for the store). Its own line and exit status are unchanged."""
+    if _signalled != [signal.SIGINT] or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    publish = _loaded("models.collective", "publish_interrupt")  # never imported: this rank watches nothing
+    if publish is None:
+        return
+    try:
+        publish(error)
+    except KeyboardInterrupt:
+        pass
+
+
+def _interrupted(error: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt that caused `error` (typer's exit 130 for a Ctrl-C), if any."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def main() -> None:  # pragma: no cover
     exit_gc.collect_once_at_exit()  # first: it must run after the atexit work the command registers
     signal.signal(signal.SIGTERM, _terminate)
@@ -174,6 +201,8 @@ def main() -> None:  # pragma: no cover
         alone = launched()[0] <= 1 or not os.environ.get("TORCHELASTIC_RUN_ID")
         if _signalled and e.code == 128 + _signalled[0] and alone and not _said_by_training():
             print(stopped_line(sys.argv[1:], _signalled[0]), file=sys.stderr)
+        if e.code == 128 + signal.SIGINT and (interrupt := _interrupted(e)) is not None:
+            _publish_interrupt(interrupt)
         raise
     except Exception as e:
         if not _signalled:
@@ -188,6 +217,7 @@ def main() -> None:  # pragma: no cover
         # everything has unwound (leases, locks released) - one line, no traceback.
         name = signal.Signals(_signalled[0]).name
         print(f"stopped by {name} ({type(e).__name__} while stopping)", file=sys.stderr)
+        _publish_interrupt(_interrupted(e) or e)  # the KeyboardInterrupt's mark says whether it was told already
         raise SystemExit(128 + _signalled[0]) from None
     finally:
         signal.signal(signal.SIGTERM, _exiting)

@@ -40,3 +40,24 @@ def test_a_ctrl_c_in_nested_blocks_is_published_once(monkeypatch, own_collective
         with collective.together(2, "the step"), collective.fails_alone(2, "the forward"):
             raise KeyboardInterrupt
     assert len(writes) == 1 and "in the forward" in store.get(key).decode()
+
+
+def test_a_ctrl_c_told_in_a_block_is_not_told_again_at_the_top_level(monkeypatch, own_collective) -> None:
+    """The CLI's top level publishes a Ctrl-C that stopped the rank outside the blocks (pipeline/cli.py,
+    tests/stages/test_rank_interrupt_waited.py); one that `fails_alone` told already is not told twice (a second
+    store connection and wait at the exit). One outside the blocks is told there, naming no step."""
+    collective = own_collective
+    store = _as_rank_1(monkeypatch)
+    key = collective._failure_key()
+    store.set(f"{key}/known/0", "1")
+    writes: list[str] = []
+    real = collective.publish_failure
+    monkeypatch.setattr(collective, "publish_failure", lambda line, world: writes.append(line) or real(line, world))
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        with collective.fails_alone(2, "the forward"):
+            raise KeyboardInterrupt
+    collective.publish_interrupt(stopped.value)
+    assert len(writes) == 1 and "in the forward" in store.get(key).decode()
+    store.delete_key(key)
+    collective.publish_interrupt(KeyboardInterrupt())  # outside any block: told here
+    assert len(writes) == 2 and store.get(key).decode().startswith("rank 1 was stopped by SIGINT (Ctrl-C): what")
