@@ -47,10 +47,14 @@ def test_a_signal_releases_the_read_lease(tiny_edit_model, tmp_path, sig):
     if sig == signal.SIGINT:  # Ctrl-C: before, typer's silent exit 130
         assert proc.returncode == 130
         # the CLI's line; or, where the KeyboardInterrupt landed in a finalizer (gc during the start: Python ignores
-        # it, twice in CI), the training loop's own after the next step's checkpoint (stages/train/stop.EARLIER)
+        # it, twice in CI), the training loop's own after the next step's checkpoint (stages/train/stop.EARLIER);
+        # or, where it landed inside a library's call that made another error of it (a TypeError once, during the
+        # start), the CLI's line naming that error (pipeline/cli.py: the signal the cause, everything unwound)
         lost = re.search(r"stopped by a signal after optimizer step \d+: its checkpoint .* is written", out + err)
-        assert lost or err.rstrip().endswith("stopped by SIGINT (Ctrl-C): the run's checkpoints are kept; rerun "
-                                             "with --resume to continue from the last one"), err
+        made_other = re.search(r"stopped by SIGINT \(\w+ while stopping\)$", err.rstrip())
+        assert lost or made_other or err.rstrip().endswith(
+            "stopped by SIGINT (Ctrl-C): the run's checkpoints are kept; rerun with --resume to continue from the "
+            "last one"), err
 
 
 def _main_of(monkeypatch, app) -> int:
