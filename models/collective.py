@@ -538,7 +538,11 @@ def store_host_gone() -> bool:
             if canary is False:
                 return False
         try:
-            if not select.select([canary], [], [], 0)[0]:
+            # poll, not select: select refuses a descriptor past 1024 (ValueError), which a rank holding many files
+            # open (shards, loader pipes, NCCL's sockets) gets
+            ready = select.poll()
+            ready.register(canary, select.POLLIN)
+            if not ready.poll(0):
                 return False
             closed = canary.recv(1, socket.MSG_PEEK) == b""
         except OSError:  # reset by the kernel of a host whose process ended
