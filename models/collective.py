@@ -1149,8 +1149,14 @@ def _before_group_store(timeout: float):
             import torch.distributed as dist
 
             host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-            _before["store"] = dist.TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False,
-                                             timeout=timedelta(seconds=timeout), **_ipv4_listener(host, port))
+            listener = _ipv4_listener(host, port)
+            try:
+                _before["store"] = dist.TCPStore(host, port, is_master=True, multi_tenant=True,
+                                                 wait_for_workers=False, timeout=timedelta(seconds=timeout), **listener)
+            except BaseException:  # its listening socket is ours until a store holds it: the port freed
+                if listener:
+                    os.close(listener["master_listen_fd"])
+                raise
             _before["hosted"] = True
         else:  # waits for a store that is not up yet (rank 0 still starting) as long as for the other ranks
             _before["store"] = _store_client(timeout)

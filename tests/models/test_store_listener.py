@@ -56,3 +56,22 @@ def test_a_store_hosted_again_in_the_same_process_is_served_by_the_one_still_the
     monkeypatch.setattr(own_collective, "_before", {"store": None, "hosted": False, "count": {}})
     again = own_collective._before_group_store(30)
     assert again.get("first-run") == b"kept" and _listening_families(port) == [socket.AF_INET]
+
+
+def test_a_store_that_fails_to_start_leaves_the_port_free(monkeypatch, own_collective) -> None:
+    """The IPv4 listener is this process's until torch's store holds it: a store that fails to start (any error of
+    torch's constructor) closes it, so the port is free again. Before, the listening socket leaked with the port."""
+    port = free_port()
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+
+    def fails(*args, **kwargs):
+        assert _listening_families(port) == []  # bound, not yet listening: torch listens on it
+        raise RuntimeError("the store did not start")
+
+    monkeypatch.setattr(dist, "TCPStore", fails)
+    with pytest.raises(RuntimeError, match="did not start"):
+        own_collective._before_group_store(30)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", port))  # no SO_REUSEADDR: a socket still bound there refuses this
