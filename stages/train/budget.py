@@ -168,15 +168,16 @@ def make_sampler(lengths: list[int], batch_size: int, max_tokens: int | None, se
             f"planned for (every process trains on a sample of each step): launch at most {len(lengths)} "
             "process(es), or add training samples"
         )
-    if max_tokens is None:  # numpy's shuffles from the first; since plan 3 a short tail is a step of its own too
-        return LengthAwareBatchSampler(lengths, batch_size, seed=seed, window=window, world_size=world_size,
-                                       tail_apart=shuffle == TAIL_IN_BUDGET)
     if shuffle not in (PYTHON_SHUFFLE, NUMPY_SHUFFLE, TAIL_IN_BUDGET):  # a checkpoint of a newer release's plan
+        # (fixed batches too, since plan 3 places their short tail: an unknown plan would get the old join silently)
         raise UserError(
-            f"the run's checkpoints record token-budget plan {shuffle}, which this release does not know (it plans "
+            f"the run's checkpoints record epoch plan {shuffle}, which this release does not know (it plans "
             f"{PYTHON_SHUFFLE} to {TAIL_IN_BUDGET}): a newer release started the run; finish it with that release, or "
             "train afresh (--new-run)"
         )
+    if max_tokens is None:  # numpy's shuffles from the first; since plan 3 a short tail is a step of its own too
+        return LengthAwareBatchSampler(lengths, batch_size, seed=seed, window=window, world_size=world_size,
+                                       tail_apart=shuffle == TAIL_IN_BUDGET)
     longest = max(lengths, default=0)
     if longest > max_tokens:
         raise UserError(
