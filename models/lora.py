@@ -605,8 +605,11 @@ def check_mergeable(model: str, lora: str | Path) -> None:
     biased = sorted(k[: -len(".lora_B.bias")] for k in state if k.endswith(".lora_B.bias"))
     if not biased:
         return
+    files = sorted((resolve_model(model) / "transformer").glob("*.safetensors"))
+    if not files:  # weights in another format (.bin): no header to read, peft says what it meets at the merge
+        return
     held: set[str] = set()
-    for f in sorted((resolve_model(model) / "transformer").glob("*.safetensors")):
+    for f in files:
         with safe_open(f, framework="pt") as st:
             held.update(st.keys())
     lacking = [m for m in biased if f"{m}.bias" not in held]

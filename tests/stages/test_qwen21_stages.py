@@ -736,3 +736,21 @@ def test_21_evaluate_defaults_to_no_guidance_as_predict_does(tiny_21_model, tiny
     assert stage.for_model(unset, tiny_21_model).fingerprint() != unset.fingerprint()  # a report made at 4.0 is redone
     for entry, call in ((stage.run, "cfg = for_model(cfg, model)"), (checkpoints._run, "cfg = single.for_model(cfg, model, check=ranks.main)")):
         assert call in inspect.getsource(entry)
+
+
+def test_the_merge_check_reads_no_header_of_a_model_without_safetensors(tmp_path, monkeypatch):
+    """`check_mergeable` reads the transformer's safetensors headers; a model whose weights are another format
+    (.bin) has none to read: the merge goes on (peft says what it meets). Before, every biased LoRA was refused
+    there as adding a bias to layers 'that have none'."""
+    from safetensors.torch import save_file
+
+    import models.loading
+    from models.lora import check_mergeable
+
+    (tmp_path / "model" / "transformer").mkdir(parents=True)
+    (tmp_path / "model" / "transformer" / "diffusion_pytorch_model.bin").write_bytes(b"not read")
+    m = "transformer.transformer_blocks.0.attn.to_q"
+    save_file({f"{m}.lora_A.weight": torch.ones(2, 4), f"{m}.lora_B.weight": torch.ones(4, 2),
+               f"{m}.lora_B.bias": torch.ones(4)}, tmp_path / "bias.safetensors")
+    monkeypatch.setattr(models.loading, "resolve_model", lambda model: tmp_path / "model")
+    check_mergeable("a-bin-model", tmp_path / "bias.safetensors")
