@@ -13,12 +13,22 @@ from own_collective import own_collective  # noqa: F401  (the fixture)
 from test_failure_lines import _as_rank_1
 
 
+def _rank_1_publishing(monkeypatch, collective) -> tuple:
+    """This process as rank 1 of 2 (`_as_rank_1`): the store, the launch's failure key (rank 0 counted as having
+    read the line: its watch thread does so, not waited for here) and the lines this rank publishes, in order."""
+    store = _as_rank_1(monkeypatch)
+    key = collective._failure_key()
+    store.set(f"{key}/known/0", "1")
+    writes: list[str] = []
+    real = collective.publish_failure
+    monkeypatch.setattr(collective, "publish_failure", lambda line, world: writes.append(line) or real(line, world))
+    return store, key, writes
+
+
 @pytest.mark.parametrize("block", ["fails_alone", "together"])
 def test_a_ctrl_c_on_one_rank_is_published_and_still_raised(monkeypatch, own_collective, block) -> None:
     collective = own_collective
-    store = _as_rank_1(monkeypatch)
-    key = collective._failure_key()
-    store.set(f"{key}/known/0", "1")  # rank 0's watch thread counts itself as it reads the line (not waited here)
+    store, key, _ = _rank_1_publishing(monkeypatch, collective)
     with pytest.raises(KeyboardInterrupt):
         with getattr(collective, block)(2, "the training step"):
             raise KeyboardInterrupt
@@ -30,12 +40,7 @@ def test_a_ctrl_c_on_one_rank_is_published_and_still_raised(monkeypatch, own_col
 
 def test_a_ctrl_c_in_nested_blocks_is_published_once(monkeypatch, own_collective) -> None:
     collective = own_collective
-    store = _as_rank_1(monkeypatch)
-    key = collective._failure_key()
-    store.set(f"{key}/known/0", "1")
-    writes: list[str] = []
-    real = collective.publish_failure
-    monkeypatch.setattr(collective, "publish_failure", lambda line, world: writes.append(line) or real(line, world))
+    store, key, writes = _rank_1_publishing(monkeypatch, collective)
     with pytest.raises(KeyboardInterrupt):
         with collective.together(2, "the step"), collective.fails_alone(2, "the forward"):
             raise KeyboardInterrupt
@@ -47,12 +52,7 @@ def test_a_ctrl_c_told_in_a_block_is_not_told_again_at_the_top_level(monkeypatch
     tests/stages/test_rank_interrupt_waited.py); one that `fails_alone` told already is not told twice (a second
     store connection and wait at the exit). One outside the blocks is told there, naming no step."""
     collective = own_collective
-    store = _as_rank_1(monkeypatch)
-    key = collective._failure_key()
-    store.set(f"{key}/known/0", "1")
-    writes: list[str] = []
-    real = collective.publish_failure
-    monkeypatch.setattr(collective, "publish_failure", lambda line, world: writes.append(line) or real(line, world))
+    store, key, writes = _rank_1_publishing(monkeypatch, collective)
     with pytest.raises(KeyboardInterrupt) as stopped:
         with collective.fails_alone(2, "the forward"):
             raise KeyboardInterrupt
