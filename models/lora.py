@@ -594,14 +594,14 @@ def saved_dtype(model: str) -> torch.dtype:
     return held.most_common(1)[0][0] if held else torch.float32
 
 
-def check_mergeable(model: str, lora: str | Path) -> None:
+def check_mergeable(model: str, lora: str | Path, data: bytes | None = None) -> None:
     """A UserError when the LoRA adds a bias (`lora_B.bias`, applied as diffusers applies it) to a layer that has
     none in MODEL's transformer (Qwen-Image-2.1's linears have none): peft cannot fuse such a bias into the weights,
     and its RuntimeError was a traceback after the transformer had loaded. From the LoRA and the weight files'
-    headers alone."""
+    headers alone. `data`: the LoRA file's bytes, already read."""
     from models.loading import resolve_model
 
-    state, _ = read_lora(lora)
+    state, _ = read_lora(lora, data)
     biased = sorted(k[: -len(".lora_B.bias")] for k in state if k.endswith(".lora_B.bias"))
     if not biased:
         return
@@ -624,9 +624,12 @@ def fused_transformer(model: str, lora: str | Path, scale: float = 1.0, dtype: t
     """MODEL's transformer with W + scale·(B·A)·alpha/r fused into its weights and the LoRA layers removed."""
     from models.loading import load_component
 
-    check_mergeable(model, lora)  # before the transformer loads (minutes for a 20B one)
+    # read once, parsed by both: the check and the attach each read the whole file (hundreds of MB) before
+    data = lora_weight_file(lora).read_bytes()
+    check_mergeable(model, lora, data)  # before the transformer loads (minutes for a 20B one)
     transformer = load_component(model, "transformer", dtype=dtype or saved_dtype(model), device=device)
-    attach_lora(transformer, lora, scale=1.0, adapter_name="lora")
+    attach_lora(transformer, lora, scale=1.0, adapter_name="lora", data=data)
+    del data
     transformer.fuse_lora(lora_scale=scale, adapter_names=["lora"])
     transformer.unload_lora()  # drops the peft layers, keeps the fused base weights
     return transformer

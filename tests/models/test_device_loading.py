@@ -64,8 +64,13 @@ def test_predict_and_merge_load_each_component_on_its_device(fake_gpus, monkeypa
     assert ("text_encoder", "cuda:0", "none") in calls and ("vae", "cpu", "none") in calls
 
     calls.clear()
+    from schemas.config import LoraConfig
+
+    # a real LoRA: the merge reads its bytes before the load (`fused_transformer`); the load is what is shown
+    transformer = real(tiny_edit_model, "transformer", dtype=torch.float32)
+    lora.add_lora(transformer, LoraConfig(rank=4))
+    lora.save_lora(transformer, tmp_path / "lora")
     monkeypatch.setattr(loading, "load_component", record)
-    monkeypatch.setattr(lora, "check_mergeable", lambda *a: None)  # no LoRA file: the load is what is shown
     monkeypatch.setattr(lora, "attach_lora", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("stop")))
     with pytest.raises(RuntimeError, match="stop"):
         merge_lora(tiny_edit_model, tmp_path / "lora", tmp_path / "out", device="cuda:1")
