@@ -58,7 +58,7 @@ def command(
          + (f", {processes} processes" if processes > 1 else ""))
     if budget and budget < seq:
         echo(f"  note: train.max_tokens_per_batch {budget} is below a sample's {seq} tokens: train refuses a budget "
-             "smaller than the longest sample")
+             "smaller than the longest training or val sample (naming them) at its start")
     fails = _plan_lines(plans, gpu_memory)
     if gpu_memory is not None:
         _uncheckpointed_line(lambda n: _train_plan(cfg, model_id, device, processes, seq, n, checkpointing=True).total,

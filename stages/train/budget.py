@@ -153,12 +153,35 @@ def computed_fill(steps: list[list[list[int]]], lengths: list[int], max_tokens: 
     return sum(len(b) * max(lengths[i] for i in b) for b in batches) / (len(batches) * max_tokens)
 
 
+def refuse_over_budget(lengths, max_tokens: int, split: str, keys=None, when: str = "", then: str = "") -> None:
+    """A UserError naming the `split` samples longer than `max_tokens` (the longest three by key, with their
+    tokens; `keys` None: by length alone): such a sample runs alone and still over the budget, a forward
+    `pipeline plan` (a micro-batch at the budget) did not plan. `when`: when it would run; `then`: what else the
+    user may do."""
+    from schemas.errors import UserError
+
+    lengths = np.asarray(lengths, dtype=np.int64)
+    over = np.flatnonzero(lengths > max_tokens)
+    if not len(over):
+        return
+    over = over[np.argsort(-lengths[over], kind="stable")].tolist()
+    named = ", ".join(f"{keys[i]} ({int(lengths[i])} tokens)" if keys is not None else f"{int(lengths[i])} tokens"
+                      for i in over[:3])
+    more = f" and {len(over) - 3} more" if len(over) > 3 else ""
+    raise UserError(
+        f"train.max_tokens_per_batch ({max_tokens}) is smaller than the longest {split} sample: {len(over)} "
+        f"{split} sample(s) hold more tokens ({named}{more}), and one would run alone over the budget{when}; raise it "
+        f"to at least {int(lengths[over[0]])}{then}"
+    )
+
+
 def make_sampler(lengths: list[int], batch_size: int, max_tokens: int | None, seed: int, window: int, world_size: int,
-                 shuffle: int = PLAN_SHUFFLE):
+                 shuffle: int = PLAN_SHUFFLE, keys=None):
     """`train.max_tokens_per_batch` None: today's fixed `batch_size` batches; else token-budget batches, whose
     shuffles are the run's `shuffle` (the length-aware sampler has drawn by numpy from the first). `shuffle`
     `TAIL_IN_BUDGET` (runs started now): both samplers plan an epoch's leftovers of fewer samples than ranks as a
-    step of their own, never into a full step's batches beyond the planned size or budget."""
+    step of their own, never into a full step's batches beyond the planned size or budget. `keys`: the samples'
+    keys, to name those longer than the budget."""
     from schemas.errors import UserError
     from stages.train.sampler import LengthAwareBatchSampler
 
@@ -178,11 +201,6 @@ def make_sampler(lengths: list[int], batch_size: int, max_tokens: int | None, se
     if max_tokens is None:  # numpy's shuffles from the first; since plan 3 a short tail is a step of its own too
         return LengthAwareBatchSampler(lengths, batch_size, seed=seed, window=window, world_size=world_size,
                                        tail_apart=shuffle == TAIL_IN_BUDGET)
-    longest = max(lengths, default=0)
-    if longest > max_tokens:
-        raise UserError(
-            f"train.max_tokens_per_batch ({max_tokens}) is smaller than the longest training sample ({longest} "
-            f"tokens): raise it to at least {longest}"
-        )
+    refuse_over_budget(lengths, max_tokens, "training", keys)
     return TokenBudgetBatchSampler(lengths, max_tokens, seed=seed, window=window, world_size=world_size,
                                    shuffle=shuffle)

@@ -147,7 +147,7 @@ def _data_order(r: Run, resumed: ResumeRecord | None) -> None:
         r.record = replace(r.record, extra={**r.record.extra,
                                             train_state.NONFINITE_SKIPPED: train_state.nonfinite_skipped(resumed)})
     sampler = make_sampler(r.tables.lengths, tc.batch_size, tc.max_tokens_per_batch, tc.seed, tc.sampler_window, canonical,
-                           shuffle)
+                           shuffle, keys=r.tables.keys)
     r.stream = DataStream(elastic.on_world(sampler, r.world))
 
 

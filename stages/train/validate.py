@@ -65,6 +65,20 @@ def forget_grids(run_dir: Path) -> None:
                 p.unlink(missing_ok=True)
 
 
+def check_val_budget(cfg: TrainConfig, samples: list[TrainSample]) -> None:
+    """Under a token budget, the val samples validation runs (all of them for the held-out loss, the first
+    `sample_count` for sample grids alone) refused as training samples are (`refuse_over_budget`): one longer
+    than the budget runs alone over it, an out-of-memory at the first validation, after hours of training."""
+    if cfg.max_tokens_per_batch is None:
+        return
+    from stages.train.budget import refuse_over_budget
+
+    run = samples if cfg.validate_every is not None else samples[: cfg.sample_count]
+    refuse_over_budget([s.sequence_tokens for s in run], cfg.max_tokens_per_batch, "val", [s.key for s in run],
+                       " at the first validation", ", or turn validation off (unset train.validate_every and "
+                       "train.sample_every)")
+
+
 @contextmanager
 def untouched(transformer):
     """Eval mode, no grad, the global RNG states restored afterwards: training continues as if nothing ran."""
@@ -122,6 +136,7 @@ class Validator:
                 self.samples: list[TrainSample] = read_intact(tables, cfg.validate_max_samples,
                                                               lambda i: load_at(tables, i), "read val samples",
                                                               _Agreement(world) if world > 1 else None)
+            check_val_budget(cfg, self.samples)  # the same samples on every rank: all refuse alike
         except BaseException:
             tables.close()
             raise

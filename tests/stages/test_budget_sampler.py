@@ -160,3 +160,17 @@ def test_a_plan_of_a_newer_release_is_one_line(budget):
 
     with pytest.raises(UserError, match=r"plan 9, which this release does not know.*finish it with that release"):
         make_sampler([3, 4], 2, budget, 0, 4, 1, shuffle=9)
+
+
+def test_samples_longer_than_the_budget_are_named_by_key_and_tokens():
+    """The refusal names the samples over the budget (the longest first, three at most) and the budget to set,
+    for training (here) as for validation (tests/stages/test_validation_budget.py); it gave the longest length
+    alone, so the user could not tell which samples to resize or drop."""
+    from schemas.errors import UserError
+
+    keys = ["a", "b", "c", "d", "e", "f"]
+    with pytest.raises(UserError) as refused:
+        make_sampler([10, 50, 30, 45, 21, 5], 2, 20, 0, 4, 1, keys=keys)
+    line = str(refused.value)
+    assert "4 training sample(s)" in line and "b (50 tokens), d (45 tokens), c (30 tokens) and 1 more" in line, line
+    assert "at least 50" in line and "\n" not in line

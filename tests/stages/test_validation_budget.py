@@ -59,3 +59,27 @@ def test_validation_forwards_hold_at_most_the_token_budget_with_the_per_sample_l
     roomy = validator(store, tiny_edit_model, tmp_path / "roomy", batch_size=8, max_tokens_per_batch=8 * max(lengths))
     fixed = validator(store, tiny_edit_model, tmp_path / "fixed", batch_size=8)
     assert np.array_equal(roomy.grid(transformer), fixed.grid(transformer), equal_nan=True)
+
+
+def test_a_val_sample_longer_than_the_budget_is_refused_at_the_start_as_a_training_one(tiny_edit_model, tmp_path):
+    """Training refuses a budget below its longest sample at its start; a val sample over it ran alone at the first
+    validation, over the budget (an out-of-memory on a GPU after the steps before it). Now the same refusal,
+    naming the val samples and their tokens, before any step; without validation the run trains."""
+    import pytest
+
+    from schemas.errors import UserError
+    from stages.train.recipe import run
+    from train_store import Spec, key_of
+
+    store = tmp_path / "store"
+    short, long_val = Spec((8, 8), [], 8), Spec((12, 8), [(8, 12), (8, 8)], 12, "val")  # 24 and 76 tokens
+    make_train_store(store, tiny_edit_model, [short] * 4 + [Spec((8, 8), [], 8, "val"), long_val])
+    settings = {"train.device": "cpu", "train.lora.rank": 4, "train.max_tokens_per_batch": 40, "train.max_steps": 2,
+                "train.checkpoint_every": 1}
+    with pytest.raises(UserError) as refused:
+        run(load_config(None, {**settings, "train.validate_every": 1}), store, tiny_edit_model, tmp_path / "run")
+    line = str(refused.value)
+    assert f"{key_of(5)} (76 tokens)" in line and "at least 76" in line and "1 val sample(s)" in line, line
+    assert "train.validate_every" in line and "\n" not in line
+    assert not list((tmp_path / "run").glob("checkpoints/step-*"))  # no step trained
+    assert run(load_config(None, settings), store, tiny_edit_model, tmp_path / "plain").steps == 2
