@@ -545,10 +545,43 @@ def attach_lora(transformer, lora: str | Path, scale: float = 1.0, adapter_name:
                         "model; pass a LoRA trained on this --model") from None
     if not transformer.training:  # peft builds the new layers (their lora/module dropout too) in training mode:
         transformer.eval()  # a model loaded for inference would draw dropout masks from the global RNG
+    _check_layers_match(lora, state, lora_state_dict(transformer, adapter_name))
     # peft builds adapter weights in the layers' dtype: load the saved values into exactly those (the state read
     # above: the adapter was built from its config, so the alpha check has nothing to compare; no second read)
     load_lora(transformer, lora, adapter_name, state=state)
     transformer.set_adapters([adapter_name], weights=[scale])
+
+
+def _adapted_modules(state: dict[str, torch.Tensor]) -> set[str]:
+    """The modules a peft state dict adapts (its keys up to `.lora_A`, `.hada_w1_a`, ...)."""
+    out = set()
+    for key in state:
+        at = min((key.find(t) for t in _ADAPTER_TAGS if t in key), default=-1)
+        if at > 0:
+            out.add(key[:at])
+    return out
+
+
+def _check_layers_match(lora, state: dict[str, torch.Tensor], built: dict[str, torch.Tensor]) -> None:
+    """The layers the file's own adapter config adapts (`built`: the adapter made from it) are those it holds
+    weights for. A file that holds fewer (or more) is refused in one line: every writer found (diffusers' training
+    scripts and this trainer save `get_peft_model_state_dict` with that model's own config; kohya, musubi-tuner,
+    ComfyUI, ai-toolkit write no config, and their targets come from the keys) writes them alike, so it was edited.
+    diffusers applies the layers present with one warning; the refusal said to use 'the same train.lora
+    settings', which predict / merge / evaluate have none of."""
+    have, adapted = _adapted_modules(state), _adapted_modules(built)
+    absent, unnamed = sorted(adapted - have), sorted(have - adapted)
+    if not absent and not unnamed:
+        return
+    config = f"its adapter config (safetensors metadata '{_METADATA_KEY}')"
+    if absent:
+        what = (f"{config} adapts {len(adapted)} layers and the file holds weights for {len(adapted & have)} of them "
+                f"({len(absent)} absent, e.g. {absent[0]})")
+    else:
+        what = (f"the file holds weights for {len(unnamed)} layer(s) {config} does not adapt (e.g. {unnamed[0]})")
+    raise UserError(f"LoRA {lora}: {what}: the file was edited after it was written (layers pruned, or another "
+                    "file's config put in its metadata); pass the LoRA as its trainer wrote it (RUN/lora, a "
+                    "checkpoint's lora) or an intact copy")
 
 
 def _peft_config(state: dict[str, torch.Tensor], saved: dict | None):

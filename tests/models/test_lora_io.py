@@ -258,3 +258,45 @@ def test_init_from_a_bf16_lora_scales_it_in_float32(tiny_edit_model, tmp_path):
     for k, v in bf16.items():
         want = v.float() * 0.75 if k.endswith(".lora_B.weight") else v.float()
         assert torch.equal(got[k.removeprefix("transformer.")], want), k
+
+
+def test_a_lora_holding_fewer_layers_than_its_config_adapts_is_refused_in_one_clear_line(tiny_edit_model, tmp_path):
+    """A file whose adapter config (metadata) adapts more layers than it holds weights for: diffusers (peft 0.17+
+    injects from the state dict) applies the layers present with one RuntimeWarning; no writer found makes such a
+    file (each saves its model's whole peft state with that model's config; the config-less formats take their
+    targets from the keys), so it was edited. It stays refused, but the line said 'does not match the adapter
+    built from the config ... Use the same train.lora settings', which predict / merge / evaluate have none of;
+    now it says how many layers are absent, which, and what to pass."""
+    import warnings
+
+    from diffusers import QwenImageEditPipeline
+    from safetensors import safe_open
+    from typer.testing import CliRunner
+
+    from models.lora import attach_lora
+    from pipeline.cli import app
+
+    t = _lora_transformer(tiny_edit_model, LoraConfig(rank=4, target_modules=["to_q", "to_k"]))
+    whole = save_lora(t, tmp_path / "whole")
+    with safe_open(whole, framework="pt") as f:
+        meta = f.metadata()
+    state = load_file(whole)
+    (tmp_path / "pruned").mkdir()
+    pruned = tmp_path / "pruned" / WEIGHT_NAME
+    save_file({k: v for k, v in state.items() if ".transformer_blocks.1." not in k}, pruned, metadata=meta)
+
+    pipe = QwenImageEditPipeline.from_pretrained(tiny_edit_model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe.load_lora_weights(tmp_path / "pruned")  # the reference: loaded, the absent layers named in a warning
+    assert any("additional target modules" in str(w.message) for w in caught)
+
+    with pytest.raises(UserError) as refused:
+        attach_lora(load_component(tiny_edit_model, "transformer", dtype=torch.float32), tmp_path / "pruned")
+    line = str(refused.value)
+    assert "adapts 4 layers and the file holds weights for 2 of them (2 absent, e.g. transformer_blocks.1.attn" in line
+    assert "train.lora" not in line and "\n" not in line, line
+    result = CliRunner().invoke(app, ["lora", "merge", "--model", tiny_edit_model, "--lora", str(tmp_path / "pruned"),
+                                      "--out", str(tmp_path / "merged")])
+    assert result.exit_code == 1 and "2 absent" in result.output and "Traceback" not in result.output, result.output
+    assert not (tmp_path / "merged").exists()
