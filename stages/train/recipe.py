@@ -103,7 +103,7 @@ class Run:
     bar: Any = None
     result: TrainResult | None = None
     epoch_tokens: list[int] = field(default_factory=lambda: [0, 0])  # valid, computed of the current epoch
-    carried_losses: list[float] = field(default_factory=list)  # step losses before this start since the last log point
+    carried_losses: list[float] = field(default_factory=list)  # the last step losses before this start (its checkpoint's)
     logged_step: int = 0  # the last step whose scalars the trackers got (`log_point`)
     ema: Any = None  # stages.train.ema.AdapterEMA with train.ema_decay
     validator: Any = None  # stages.train.validate.Validator with train.validate_every / sample_every

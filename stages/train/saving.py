@@ -27,8 +27,9 @@ def checkpoint(r: Run) -> None:
     (rename) once all are in. Each part is agreed on by all ranks (models/collective.py, also the barriers):
     a full disk on rank 0 stops every rank with rank 0's one line, instead of the others waiting for it."""
     epoch, batch = r.position
-    # the trackers' state too: a resume off the log cadence or mid-epoch logs the straight run's curve
-    since_log = r.logged_losses(r.step % r.cfg.log_every)
+    # the trackers' state too: a resume off the log cadence or mid-epoch logs the straight run's curve, under another
+    # log_every as well (its first window may begin before this one's last log point: the last KEPT_LOSSES kept)
+    since_log = r.logged_losses(min(r.step, max(r.cfg.log_every, train_state.KEPT_LOSSES)))
     extra = {**r.record.extra, **train_state.curve_state(since_log, r.epoch_tokens)}
     if r.damage is not None:  # the damaged-sample limit goes on counting across a resume
         extra[train_state.DAMAGED_READS] = [r.damage.damaged, r.damage.read]

@@ -89,6 +89,22 @@ def test_a_resume_off_the_log_cadence_logs_the_straight_runs_loss_curve(store_di
     assert without_step(b, 3) == a
 
 
+def test_a_resume_with_another_log_every_logs_the_straight_runs_first_window(store_dir, tiny_edit_model, tmp_path):
+    """A start with log_every 3 checkpointed at step 6 (a log point: it kept no step losses), resumed with log_every
+    4: train/loss at step 8 is the mean of steps 5-8, as a straight log_every 4 run logs it. Before, the checkpoint
+    kept only the steps since its own last log point, and the first point after the resume averaged steps 7-8."""
+    straight = run(cfg_of(max_steps=8, checkpoint_every=6, log_every=4), store_dir, tiny_edit_model,
+                   tmp_path / "straight")
+    out = tmp_path / "resumed"
+    run(cfg_of(max_steps=6, checkpoint_every=6, log_every=3), store_dir, tiny_edit_model, out)
+    run(cfg_of(max_steps=8, checkpoint_every=6, log_every=4), store_dir, tiny_edit_model, out, resume=True)
+    losses = list(straight.losses)
+    resumed = dict(scalars(out)["train/loss"])
+    assert sorted(resumed) == [3, 6, 8]
+    assert resumed[8] == pytest.approx(sum(losses[4:8]) / 4, rel=1e-6)
+    assert resumed[8] == pytest.approx(dict(scalars(tmp_path / "straight")["train/loss"])[8], rel=1e-6)
+
+
 def test_the_last_step_off_the_log_cadence_is_logged_straight_and_resumed(store_dir, tiny_edit_model, tmp_path,
                                                                           monkeypatch):
     """max_steps 8 (the second epoch's end) and train.log_every 3: the curve ends with a point at step 8, the
