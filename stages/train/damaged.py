@@ -80,9 +80,15 @@ class DamageTally:
         from stages.train import damaged_log
 
         self._listed = set(damaged_log.read(run_dir))  # a resume lists again none of the earlier starts' samples
+        self._read_to = 0  # the list's bytes this rank has read for what the other ranks listed
 
     def record(self, tables: JoinedTables, found: dict[int, str], step: int) -> None:
-        """This rank's damaged rows of a micro-batch: the new ones into the run's list and named in one line."""
+        """This rank's damaged rows of a micro-batch: the new ones into the run's list and named in one line. New
+        to the run, not to this rank: a sample another rank met in an earlier epoch is listed (and named) once."""
+        from stages.train import damaged_log
+
+        others, self._read_to = damaged_log.listed_since(self.run_dir, self._read_to)
+        self._listed |= others
         new = {k: p for k, p in ((tables.keys[i], p) for i, p in found.items()) if k not in self._listed}
         if not new:
             return

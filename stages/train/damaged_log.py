@@ -41,6 +41,12 @@ def read(run_dir: Path, up_to: int | None = None) -> dict[str, str]:
         data = path_of(run_dir).read_bytes()
     except FileNotFoundError:
         return out
+    out.update(_parsed(data, up_to))
+    return out
+
+
+def _parsed(data: bytes, up_to: int | None = None) -> dict[str, str]:
+    out: dict[str, str] = {}
     for line in data.splitlines():
         try:
             rec = json.loads(line)
@@ -50,6 +56,20 @@ def read(run_dir: Path, up_to: int | None = None) -> dict[str, str]:
         except (ValueError, KeyError, TypeError, AttributeError):
             continue
     return out
+
+
+def listed_since(run_dir: Path, since: int) -> tuple[set[str], int]:
+    """(the samples the list's whole lines from byte `since` on name, the offset after the last of them): what
+    the other ranks listed since a rank last looked, each byte read once. A rank that meets a sample another rank
+    met in another epoch then lists and names it no second time."""
+    try:
+        with open(path_of(run_dir), "rb") as f:
+            f.seek(since)
+            data = f.read()
+    except FileNotFoundError:
+        return set(), since
+    end = data.rfind(b"\n") + 1  # a line being written (or torn) is read from its start next time
+    return set(_parsed(data[:end])), since + end
 
 
 def forget(run_dir: Path) -> None:

@@ -4,6 +4,7 @@ finished and its torn last line is cut off; a full disk is one line naming the f
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -109,3 +110,26 @@ def test_a_full_disk_is_one_line_naming_the_file_and_the_list_is_left_whole(tmp_
     assert "\n" not in line and "disk full" in line and damaged_log.NAME in line and str(tmp_path) in line
     assert "MB free" in line and "--resume" in line
     assert (tmp_path / damaged_log.NAME).read_bytes() == before
+
+
+def test_a_sample_two_ranks_meet_in_different_epochs_is_listed_and_named_once(tmp_path, capsys):
+    """Each rank remembered only what the list held at its start and what it listed itself: a damaged sample rank 0
+    met in epoch 0 and rank 1 in epoch 1 (another shuffle) was appended and named twice. Now a rank reads what the
+    others listed since it last looked (each byte once) before it lists a sample; a sample new to the run still is."""
+    from types import SimpleNamespace
+
+    from stages.train.damaged import DamageTally
+
+    tables = SimpleNamespace(keys=["k0", "k1", "k2", "k3"])
+    rank0, rank1 = DamageTally(tmp_path, 0, 2), DamageTally(tmp_path, 1, 2)
+    rank0.record(tables, {2: "crc mismatch"}, 3)  # epoch 0
+    rank1.record(tables, {2: "crc mismatch"}, 9)  # epoch 1: the same sample
+    rank1.record(tables, {1: "truncated shard", 2: "crc mismatch"}, 10)
+    lines = damaged_log.path_of(tmp_path).read_text().splitlines()
+    assert [json.loads(line)["sample"] for line in lines] == ["k2", "k1"]
+    said = [line for line in capsys.readouterr().out.splitlines() if "left out damaged sample" in line]
+    assert said == [f"rank 0: optimizer step 3: left out damaged sample(s) k2 (train.on_damaged=skip; listed in "
+                    f"{damaged_log.path_of(tmp_path)})",
+                    f"rank 1: optimizer step 10: left out damaged sample(s) k1 (train.on_damaged=skip; listed in "
+                    f"{damaged_log.path_of(tmp_path)})"]
+    assert damaged_log.read(tmp_path, up_to=3) == {"k2": "crc mismatch"}  # listed at the step that first met it
