@@ -136,6 +136,12 @@ class MicroBatches:
             self._thread = threading.Thread(target=self._work, name="train-prefetch", daemon=True)
             self._thread.start()
 
+    def as_run(self, global_batch: list[list[int]]) -> list[list[int]]:
+        """Every rank's micro-batches of a global micro-step as they run (the padding figures): after a resume on
+        fewer processes a rank's share runs as several of the planned size (`elastic.micro_split`), each padded to
+        its own longest; counted as one batch its padding was that of a forward no rank ran."""
+        return [part for share in global_batch for part in self._split(share)]
+
     def _make(self) -> MicroBatch:
         epoch, global_batch, ends = self.stream.next()
         step = self._start + self._count // self.tc.grad_accum

@@ -155,7 +155,7 @@ class StepStats:
     epoch: int  # the epoch the step began in
     samples: int
     grad_norm: float
-    batches: list[list[int]]  # every rank's batch of every micro-step (for the padding figure)
+    batches: list[list[int]]  # every rank's micro-batches of every micro-step as run (the padding figure)
     seconds: float  # compute + data, up to the loss sync
     data_seconds: float  # of which waiting for this rank's micro-batches (reads + preparation, or an empty queue)
     started: float  # perf_counter / process_time at the step's start: `log` adds its own time to the step's
@@ -442,7 +442,7 @@ def step(r: Run) -> StepStats:
     r.optimizer.zero_grad(set_to_none=True)
     r.step += 1
     loss = total / intact if intact else float("nan")
-    batches = [b for m in micro for b in m.global_batch]
+    batches = [b for m in micro for b in r.batches.as_run(m.global_batch)]
     return StepStats(loss, micro[0].epoch, intact, grad_norm, batches, time.perf_counter() - t0, data_seconds, t0, c0,
                      lr=lr, stop=stop > 0)
 
@@ -474,7 +474,7 @@ def _accumulate(r: Run, t0: float) -> tuple[list, float, int, torch.Tensor, int,
             loss_sum += losses.sum()
             share = [i for i in m.global_batch[r.rank] if i not in m.damaged]
             step_losses.append((share, losses))
-            _count_epoch_tokens(r, m.epoch, m.global_batch, m.ends_epoch)
+            _count_epoch_tokens(r, m)
             r.position = m.position
             m.flows = flow = []  # its inputs freed now (the step keeps its rows: the figures, a non-finite line)
             if m.damaged:
@@ -571,12 +571,13 @@ def backward_of(model, fb: FlowBatch, tc: TrainConfig, device: torch.device, sca
     return per_sample.detach()
 
 
-def _count_epoch_tokens(r: Run, epoch: int, global_batch: list[list[int]], ends_epoch: bool) -> None:
-    """Valid / computed tokens of the epoch (all ranks, from the sampler's lengths), reported when it ends."""
-    lengths = r.tables.lengths
-    r.epoch_tokens[0] += sum(lengths[i] for b in global_batch for i in b)
-    r.epoch_tokens[1] += sum(max(lengths[i] for i in b) * len(b) for b in global_batch if b)
-    if not ends_epoch:
+def _count_epoch_tokens(r: Run, m) -> None:
+    """Valid / computed tokens of micro-batch `m`'s epoch (all ranks' micro-batches as they run,
+    `MicroBatches.as_run`, from the sampler's lengths), reported when it ends."""
+    lengths, epoch, run_batches = r.tables.lengths, m.epoch, r.batches.as_run(m.global_batch)
+    r.epoch_tokens[0] += sum(lengths[i] for b in run_batches for i in b)
+    r.epoch_tokens[1] += sum(max(lengths[i] for i in b) * len(b) for b in run_batches if b)
+    if not m.ends_epoch:
         return
     eff = r.epoch_tokens[0] / r.epoch_tokens[1]
     r.result.epoch_padding[epoch] = eff

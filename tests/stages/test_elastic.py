@@ -236,6 +236,35 @@ def test_fewer_processes_accumulate_micro_batches_of_the_planned_size():
     assert elastic.micro_split(elastic.on_world(same, 2))([3, 1, 2, 0]) == [[3, 1, 2, 0]]  # no change: as planned
 
 
+def test_the_epoch_padding_after_a_shrink_counts_the_micro_batches_that_run():
+    """A run planned for 2 processes (batch 2) resumed on 1: each step's share (4 samples, sorted by length) runs
+    as 2 micro-batches of 2, each padded to its own longest. The epoch's padding_efficiency (and each logged
+    step's) counted the share as one batch of 4 padded to the longest of all 4: a forward no process ran, and a
+    lower figure than the one computed (here 0.85 against 0.97, the straight 2-process run's too)."""
+    from types import SimpleNamespace
+
+    from stages.train.prefetch import MicroBatches
+    from stages.train.recipe import _count_epoch_tokens
+    from stages.train.sampler import padding_efficiency
+
+    lengths = random_lengths(24, 0)
+    steps = elastic.on_world(LengthAwareBatchSampler(lengths, 2, 0, world_size=2), 1)
+    batches = MicroBatches(DataStream(steps), SimpleNamespace(on_damaged="stop"),
+                           SimpleNamespace(check_ahead=0, grad_accum=1), 0, 0, torch.device("cpu"), torch.float32)
+    r = SimpleNamespace(tables=SimpleNamespace(lengths=lengths), epoch_tokens=[0, 0], writer=None, batches=batches,
+                        result=SimpleNamespace(epoch_padding={}))
+    plan = list(steps.global_steps(0))
+    for k, shares in enumerate(plan):
+        _count_epoch_tokens(r, SimpleNamespace(epoch=0, global_batch=shares, ends_epoch=k == len(plan) - 1))
+    [share] = plan[0]
+    assert len(share) == 4 and batches.as_run(plan[0]) == [share[:2], share[2:]]  # the planned size, as run
+    as_run = [part for shares in plan for share in shares for part in (share[:2], share[2:])]
+    want, _ = padding_efficiency(as_run, lengths)
+    one_batch, _ = padding_efficiency([share for shares in plan for share in shares], lengths)
+    assert r.result.epoch_padding[0] == pytest.approx(want, rel=1e-12)
+    assert want - one_batch > 0.05, (want, one_batch)  # the figure counted before
+
+
 def test_a_share_in_micro_batches_gives_the_gradient_of_one_batch(tiny_edit_model, tmp_path):
     """The share of a run planned for 2 processes (batch 2 each) resumed on 1: 4 samples as 2 micro-batches of 2
     give the loss and LoRA gradient of the 4 in one batch (the padded batches equal batch-1 runs)."""
