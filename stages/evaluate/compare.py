@@ -41,6 +41,7 @@ class EmaCurve:
     outside: list[float]
     on_disk: list[bool | None]
     per_sample: np.ndarray  # [step, sample]: each sample's loss (mean over seeds x σ, region all), for `paired`
+    sha256: list[str] | None = None  # each EMA file's bytes the numbers are of
 
 
 @dataclass
@@ -67,6 +68,7 @@ class RunCurves:
     # numbers are over (`_kept`): each run's best paired with the best run's (`paired_to_best`)
     per_sample: np.ndarray | None = None
     kept: np.ndarray | None = None
+    sha256: list[str] | None = None  # each step's LoRA bytes the numbers are of (the array's lora_sha256)
 
     @property
     def best(self) -> tuple[str, int] | None:
@@ -148,8 +150,9 @@ def _ema_curve(group: Path, samples: list[str], kept: np.ndarray, two: np.ndarra
         raise UserError(f"{path}: its val samples are not those of {group} beside it; evaluate the run again "
                         "(`pipeline run evaluate --all-checkpoints`) to write both anew")
     loss = ds.loss.values.astype(np.float64)
-    checkpoints = [str(c) for c in ds.checkpoint.values]
-    return EmaCurve(steps=[int(s) for s in ds.step.values], checkpoints=checkpoints,
+    steps = [int(s) for s in ds.step.values]
+    checkpoints = _in_run(group, steps, [str(c) for c in ds.checkpoint.values])
+    return EmaCurve(steps=steps, checkpoints=checkpoints, sha256=[str(h) for h in ds.lora_sha256.values],
                     overall=[_mean(g[kept, ..., r["all"]]) for g in loss],
                     inside=[_mean(g[two, ..., r["inside"]]) for g in loss],
                     outside=[_mean(g[two, ..., r["outside"]]) for g in loss], on_disk=_on_disk(checkpoints),
@@ -175,9 +178,10 @@ def read_curves(path: str | Path, label: str) -> RunCurves:
     kept = _kept(base[..., r["all"]]) if "base_loss" in ds else np.ones(loss.shape[1], dtype=bool)
     two = kept & (_kept(base[..., r["inside"]]) if "base_loss" in ds else np.isfinite(loss[..., r["inside"]]).any(
         axis=tuple(i for i in range(loss.ndim - 1) if i != 1)))
-    checkpoints = [str(c) for c in ds.checkpoint.values]
-    return RunCurves(
-        label=label, group=group, steps=[int(s) for s in ds.step.values], checkpoints=checkpoints,
+    steps = [int(s) for s in ds.step.values]
+    checkpoints = _in_run(group, steps, [str(c) for c in ds.checkpoint.values])
+    curves = RunCurves(
+        label=label, group=group, steps=steps, checkpoints=checkpoints,
         on_disk=_on_disk(checkpoints),
         overall=[_mean(g[kept, ..., r["all"]]) for g in loss], inside=[_mean(g[two, ..., r["inside"]]) for g in loss],
         outside=[_mean(g[two, ..., r["outside"]]) for g in loss],
@@ -202,8 +206,55 @@ def read_curves(path: str | Path, label: str) -> RunCurves:
         table_versions=_table_versions(settings, dict(ds.attrs)),
         measured=_measured(settings, dict(ds.attrs), group.parent),
         ema=_ema_curve(group, [str(k) for k in ds.sample.values], kept, two, r),
-        per_sample=_per_sample(loss, r), kept=kept,
+        per_sample=_per_sample(loss, r), kept=kept, sha256=[str(h) for h in ds.lora_sha256.values],
     )
+    _best_on_disk(curves)
+    return curves
+
+
+def _in_run(group: Path, steps: list[int], checkpoints: list[str]) -> list[str]:
+    """The recorded checkpoint paths, where the report is a kept run's (RUN.previous/N/evaluate-report: `run all`
+    moved the report into the run, then the run aside) each found in that run: RUN/checkpoints/step-N/... The
+    recorded paths are where the run was, where a new run's checkpoints of the same steps are now."""
+    if group.parent.name != KEPT_REPORT:
+        return checkpoints
+    run = group.parent.parent / "checkpoints"
+    out = []
+    for step, recorded in zip(steps, checkpoints):
+        parts = Path(recorded).parts
+        at = [i for i, part in enumerate(parts) if part == f"step-{step}"]
+        here = run.joinpath(f"step-{step}", *parts[at[-1] + 1:]) if at and Path(recorded).is_absolute() else None
+        out.append(str(here.resolve()) if here is not None and here.exists() else recorded)
+    return out
+
+
+def _best_on_disk(r: RunCurves) -> None:
+    """The best named (`RunCurves.best`) only where its file holds the bytes its numbers are of (the recorded
+    sha256): a path holding other weights (a new run trained into the folder, a checkpoint rewritten) is marked
+    not on disk and the best picked again. One file read per run where the best is its own; a validation step
+    names no file."""
+    from stages.evaluate.lora_bytes import digest
+
+    while (b := r.best) is not None:
+        c = r if b[0] == "lora" else r.ema
+        if c.on_disk[b[1]] is not True or c.sha256 is None:
+            return
+        try:
+            same = digest(_weights(c.checkpoints[b[1]])).sha256 == c.sha256[b[1]]
+        except OSError:
+            same = False
+        if same:
+            return
+        c.on_disk[b[1]] = False
+
+
+def _weights(checkpoint: str) -> Path:
+    """A recorded checkpoint's weight file: its LoRA folder's (RUN/checkpoints/step-N/lora), or the file itself (an
+    EMA file, step-N/ema.safetensors)."""
+    from models.lora_files import WEIGHT_NAME
+
+    path = Path(checkpoint)
+    return path / WEIGHT_NAME if path.is_dir() else path
 
 
 def _per_sample(loss: np.ndarray, r: dict) -> np.ndarray:
