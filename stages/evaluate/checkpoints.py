@@ -979,19 +979,20 @@ def _append_ema(ranks, losses: LossStore | None, ema: tuple, checkpoints: list[t
 def _summary_held(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
                   on_disk: list[tuple[int, Path]], shas: dict[int, str], pictured: bool, ema: tuple | None = None):
     """`_summary` over the checkpoints still on disk, and the bytes of the best and last it names (`held_bytes`;
-    none read when no picture is made: not `pictured`); one of them pruned before it was read: the summary again
-    without it. (None, None): none left. `ema`: (the EMA group, step -> EMA sha256), summarised beside."""
+    read when no picture is made too, not held then: not `pictured`); one of them pruned before it was read: the
+    summary again without it. (None, None): none left. `ema`: (the EMA group, step -> EMA sha256), summarised
+    beside. The best and last named are their recorded bytes either way (`held_bytes` refuses a rewritten one):
+    without pictures a best rewritten after its losses (a training restarted into RUN beside evaluate) was named
+    by its path, which held other weights than the numbers are of."""
     ema_losses, ema_shas = ema if ema is not None else (None, {})
     while True:
         summary = _summary(losses, samples, cfg, fingerprint, on_disk, ema_losses)
         if summary is None:
             return None, None
         _, best, last = summary
-        if not pictured:
-            return summary, {}
         held = held_bytes([best, last], shas, ema_shas)
         if held is not None:
-            return summary, held
+            return summary, held if pictured else {}
         on_disk = [c for c in on_disk if not _gone(c[1])]
 
 

@@ -40,6 +40,8 @@ class EmaCurve:
     inside: list[float]
     outside: list[float]
     on_disk: list[bool | None]
+    per_sample: np.ndarray  # [step, sample]: each sample's loss (mean over seeds x σ, region all), for `paired`
+    sha256: list[str] | None = None  # each EMA file's bytes the numbers are of
 
 
 @dataclass
@@ -62,6 +64,11 @@ class RunCurves:
     # evaluate array from its settings, for a validation curve from what train recorded beside them; None: unknown
     measured: dict | None = None
     ema: EmaCurve | None = None  # a run trained with train.ema_decay, its report scoring each checkpoint's EMA
+    # [step, sample]: each sample's loss (mean over seeds x σ, region all), and [sample] the samples the curve's
+    # numbers are over (`_kept`): each run's best paired with the best run's (`paired_to_best`)
+    per_sample: np.ndarray | None = None
+    kept: np.ndarray | None = None
+    sha256: list[str] | None = None  # each step's LoRA bytes the numbers are of (the array's lora_sha256)
 
     @property
     def best(self) -> tuple[str, int] | None:
@@ -86,6 +93,13 @@ class RunCurves:
     @property
     def best_point(self) -> dict | None:
         return None if (b := self.best) is None else self.point(*b)
+
+    def best_per_sample(self) -> np.ndarray | None:
+        """[sample] the best point's per-sample losses (NaN where the curve's numbers leave a sample out)."""
+        if (b := self.best) is None or self.per_sample is None:
+            return None
+        values = (self if b[0] == "lora" else self.ema).per_sample[b[1]]
+        return np.where(self.kept, values, np.nan)
 
 
 def find_group(path: str | Path) -> Path:
@@ -136,11 +150,13 @@ def _ema_curve(group: Path, samples: list[str], kept: np.ndarray, two: np.ndarra
         raise UserError(f"{path}: its val samples are not those of {group} beside it; evaluate the run again "
                         "(`pipeline run evaluate --all-checkpoints`) to write both anew")
     loss = ds.loss.values.astype(np.float64)
-    checkpoints = [str(c) for c in ds.checkpoint.values]
-    return EmaCurve(steps=[int(s) for s in ds.step.values], checkpoints=checkpoints,
+    steps = [int(s) for s in ds.step.values]
+    checkpoints = _in_run(group, steps, [str(c) for c in ds.checkpoint.values])
+    return EmaCurve(steps=steps, checkpoints=checkpoints, sha256=[str(h) for h in ds.lora_sha256.values],
                     overall=[_mean(g[kept, ..., r["all"]]) for g in loss],
                     inside=[_mean(g[two, ..., r["inside"]]) for g in loss],
-                    outside=[_mean(g[two, ..., r["outside"]]) for g in loss], on_disk=_on_disk(checkpoints))
+                    outside=[_mean(g[two, ..., r["outside"]]) for g in loss], on_disk=_on_disk(checkpoints),
+                    per_sample=_per_sample(loss, r))
 
 
 def read_curves(path: str | Path, label: str) -> RunCurves:
@@ -162,9 +178,10 @@ def read_curves(path: str | Path, label: str) -> RunCurves:
     kept = _kept(base[..., r["all"]]) if "base_loss" in ds else np.ones(loss.shape[1], dtype=bool)
     two = kept & (_kept(base[..., r["inside"]]) if "base_loss" in ds else np.isfinite(loss[..., r["inside"]]).any(
         axis=tuple(i for i in range(loss.ndim - 1) if i != 1)))
-    checkpoints = [str(c) for c in ds.checkpoint.values]
-    return RunCurves(
-        label=label, group=group, steps=[int(s) for s in ds.step.values], checkpoints=checkpoints,
+    steps = [int(s) for s in ds.step.values]
+    checkpoints = _in_run(group, steps, [str(c) for c in ds.checkpoint.values])
+    curves = RunCurves(
+        label=label, group=group, steps=steps, checkpoints=checkpoints,
         on_disk=_on_disk(checkpoints),
         overall=[_mean(g[kept, ..., r["all"]]) for g in loss], inside=[_mean(g[two, ..., r["inside"]]) for g in loss],
         outside=[_mean(g[two, ..., r["outside"]]) for g in loss],
@@ -182,11 +199,100 @@ def read_curves(path: str | Path, label: str) -> RunCurves:
             # set before: one held-out set, `checkpoints.samples_read`)
             "evaluate settings": settings.get("evaluate") and {k: v for k, v in settings["evaluate"].items()
                                                                 if k not in ("on_damaged", "max_loss_samples")},
+            # what evaluate computes from the same inputs (`checkpoints.EVALUATION_REVISION`; recorded before it
+            # was: revision 1): another revision's numbers are not one scale with these
+            "evaluation revision": _revision(settings),
         },
         table_versions=_table_versions(settings, dict(ds.attrs)),
         measured=_measured(settings, dict(ds.attrs), group.parent),
         ema=_ema_curve(group, [str(k) for k in ds.sample.values], kept, two, r),
+        per_sample=_per_sample(loss, r), kept=kept, sha256=[str(h) for h in ds.lora_sha256.values],
     )
+    _best_on_disk(curves)
+    return curves
+
+
+def _in_run(group: Path, steps: list[int], checkpoints: list[str]) -> list[str]:
+    """The recorded checkpoint paths, where the report is a kept run's (RUN.previous/N/evaluate-report: `run all`
+    moved the report into the run, then the run aside) each found in that run: RUN/checkpoints/step-N/... The
+    recorded paths are where the run was, where a new run's checkpoints of the same steps are now."""
+    if group.parent.name != KEPT_REPORT:
+        return checkpoints
+    run = group.parent.parent / "checkpoints"
+    out = []
+    for step, recorded in zip(steps, checkpoints):
+        parts = Path(recorded).parts
+        at = [i for i, part in enumerate(parts) if part == f"step-{step}"]
+        here = run.joinpath(f"step-{step}", *parts[at[-1] + 1:]) if at and Path(recorded).is_absolute() else None
+        out.append(str(here.resolve()) if here is not None and here.exists() else recorded)
+    return out
+
+
+def _best_on_disk(r: RunCurves) -> None:
+    """The best named (`RunCurves.best`) only where its file holds the bytes its numbers are of (the recorded
+    sha256): a path holding other weights (a new run trained into the folder, a checkpoint rewritten) is marked
+    not on disk and the best picked again. One file read per run where the best is its own; a validation step
+    names no file."""
+    from stages.evaluate.lora_bytes import digest
+
+    while (b := r.best) is not None:
+        c = r if b[0] == "lora" else r.ema
+        if c.on_disk[b[1]] is not True or c.sha256 is None:
+            return
+        try:
+            same = digest(_weights(c.checkpoints[b[1]])).sha256 == c.sha256[b[1]]
+        except OSError:
+            same = False
+        if same:
+            return
+        c.on_disk[b[1]] = False
+
+
+def _weights(checkpoint: str) -> Path:
+    """A recorded checkpoint's weight file: its LoRA folder's (RUN/checkpoints/step-N/lora), or the file itself (an
+    EMA file, step-N/ema.safetensors)."""
+    from models.lora_files import WEIGHT_NAME
+
+    path = Path(checkpoint)
+    return path / WEIGHT_NAME if path.is_dir() else path
+
+
+def _per_sample(loss: np.ndarray, r: dict) -> np.ndarray:
+    """[step, sample] of a [step, sample, seed, σ, region] array: a sample's seeds x σ rows averaged (`paired`)."""
+    return loss[..., r["all"]].mean(axis=(2, 3)) if loss.size else np.zeros(loss.shape[:2])
+
+
+def paired_to_best(runs: list[RunCurves]) -> list[dict | None]:
+    """Per run, its best point minus the best run's best (the lowest best loss; a tie: the first given), paired
+    over the val samples both curves' numbers hold, ± its standard error (`stages.evaluate.paired`, as evaluate
+    states its best checkpoint against the next best): None for the best run itself and a run without a finite
+    best. Every run is measured on one held-out set (`check_same_held_out`: the same samples, noise and σ), so the
+    runs differ sample by sample by their weights alone."""
+    from stages.evaluate.paired import paired
+
+    values = [r.best_per_sample() for r in runs]
+    losses = [p["loss"] if (p := r.best_point) is not None else math.inf for r in runs]
+    if not any(math.isfinite(x) for x in losses):
+        return [None] * len(runs)
+    top = losses.index(min(losses))
+    out: list[dict | None] = []
+    for i, v in enumerate(values):
+        if i == top or v is None or not math.isfinite(losses[i]):
+            out.append(None)
+            continue
+        both = np.isfinite(v) & np.isfinite(values[top])
+        out.append({"run": runs[top].label, **paired(v[both], values[top][both])})
+    return out
+
+
+def _revision(settings: dict) -> int | None:
+    """The evaluation revision an evaluate array's numbers are of; None for a validation curve (train's, which
+    records none: compared as before)."""
+    from schemas.up_to_date import UNRECORDED_REVISION
+
+    if not isinstance(settings.get("evaluate"), dict):
+        return None
+    return settings.get("evaluation_revision", UNRECORDED_REVISION)
 
 
 def _measured(settings: dict, attrs: dict, folder: Path | None = None) -> dict | None:
@@ -234,7 +340,7 @@ def check_same_held_out(runs: list[RunCurves]) -> None:
     for other in runs[1:]:
         for what, value in first.held_out.items():
             theirs = other.held_out[what]
-            if what == "evaluate settings" and (value is None or theirs is None):
+            if what in ("evaluate settings", "evaluation revision") and (value is None or theirs is None):
                 continue  # validation while training records none (RUN/losses.zarr): comparable as before
             if what == "store tables" and theirs != value and first.table_versions is not None and \
                     first.table_versions == other.table_versions:
@@ -244,7 +350,7 @@ def check_same_held_out(runs: list[RunCurves]) -> None:
                 if what == "val samples":
                     a, b = set(value), set(theirs)
                     detail = f" ({len(a - b)} only in the first, {len(b - a)} only in the other)"
-                elif what in ("store tables", "base model"):
+                elif what in ("store tables", "base model", "evaluation revision"):
                     detail = f" ({value} vs {theirs})"
                 elif what == "evaluate settings":
                     keys = sorted(k for k in {*value, *theirs} if value.get(k) != theirs.get(k))
@@ -323,12 +429,13 @@ def write_compare(paths: list[str], out: str | Path) -> "CompareResult":
                             + ([weights] if emas else []))
     buf = io.StringIO()
     csv.writer(buf, lineterminator="\n").writerows(rows)
-    page = render(runs)
+    vs_best = paired_to_best(runs)
+    page = render(runs, vs_best)
     with writing("the comparison", out):
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(out / "curves.csv", buf.getvalue().encode())
         atomic_write_bytes(out / "index.html", page.encode())
-    return CompareResult(runs, out / "index.html", out / "curves.csv")
+    return CompareResult(runs, out / "index.html", out / "curves.csv", vs_best)
 
 
 def _series(r: RunCurves, region: str, values: str) -> list[Series]:
@@ -342,16 +449,24 @@ def _series(r: RunCurves, region: str, values: str) -> list[Series]:
     return out
 
 
-def _best_row(r: RunCurves, emas: bool) -> str:
+def _best_row(r: RunCurves, emas: bool, vs_best: dict | None) -> str:
+    from stages.evaluate.paired import signed
+
     if (b := r.best_point) is None:
         return ""
     weights = f"<td>{'EMA' if b['weights'] == 'ema' else 'LoRA'}</td>" if emas else ""
+    vs = f"{signed(vs_best)} (n = {vs_best['n']})" if vs_best else "best run"
     return (f"<tr><td>{html.escape(r.label)}</td><td>{b['step']}</td>{weights}<td>{b['loss']:.5g}</td>"
-            f"<td>{r.base['all']:.5g}</td><td><code>{html.escape(b['checkpoint'])}</code>"
+            f"<td>{html.escape(vs)}</td><td>{r.base['all']:.5g}</td><td><code>{html.escape(b['checkpoint'])}</code>"
             f"{' (not on disk)' if b['on_disk'] is False else ''}</td></tr>")
 
 
-def render(runs: list[RunCurves]) -> str:
+SURENESS_NOTE = ("vs best run: this run's best minus the best run's, paired over the val samples (same noise and σ) "
+                 "± its standard error; within about two standard errors this held-out set does not tell the two "
+                 "runs apart")
+
+
+def render(runs: list[RunCurves], vs_best: list[dict | None] | None = None) -> str:
     charts = [Chart("held-out loss per checkpoint (all val samples)",
                     [s for r in runs for s in _series(r, "all", "overall")])]
     for region in ("inside", "outside"):
@@ -359,7 +474,7 @@ def render(runs: list[RunCurves]) -> str:
         if any(v == v for s in series for v in s.values):  # NaN != NaN: no masked sample, no chart
             charts.append(Chart(f"{region} the edit mask", series))
     emas = any(r.ema is not None for r in runs)  # a weights column (LoRA / EMA) only then
-    best_rows = "".join(_best_row(r, emas) for r in runs)
+    best_rows = "".join(_best_row(r, emas, v) for r, v in zip(runs, vs_best or [None] * len(runs)))
     held = runs[0].held_out
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Run comparison</title>
@@ -373,8 +488,9 @@ svg {{ margin: 0 16px 16px 0; border: 1px solid #eee; }}
 <h1>Run comparison</h1>
 <p>Same held-out set: {len(held['val samples'])} val samples x noise seeds {held['noise seeds']} x σ {held['σ grid']}
 (store tables {html.escape(json.dumps(held['store tables']))}).</p>
-<table><thead><tr><th>run</th><th>best step</th>{'<th>weights</th>' if emas else ''}<th>held-out loss</th><th>base</th><th>checkpoint</th></tr></thead>
+<table><thead><tr><th>run</th><th>best step</th>{'<th>weights</th>' if emas else ''}<th>held-out loss</th><th>vs best run (paired ± s.e.)</th><th>base</th><th>checkpoint</th></tr></thead>
 <tbody>{best_rows}</tbody></table>
+<p>{html.escape(SURENESS_NOTE)}.</p>
 {''.join(svg(c) for c in charts)}
 </body></html>
 """
@@ -385,22 +501,25 @@ class CompareResult:
     runs: list[RunCurves]
     report: Path
     csv: Path
+    # per run: its best minus the best run's, paired over the val samples (`paired_to_best`); None: the best run
+    vs_best: list[dict | None] | None = None
     stage: str = "compare"
     up_to_date: bool = False
 
     def to_json(self) -> dict:
         from schemas.stage import absolute
 
+        vs_best = self.vs_best or [None] * len(self.runs)
         return {"stage": self.stage, "report": absolute(self.report), "csv": absolute(self.csv),
-                "runs": [self._run_json(r) for r in self.runs]}
+                "runs": [self._run_json(r, v) for r, v in zip(self.runs, vs_best)]}
 
     @staticmethod
-    def _run_json(r: RunCurves) -> dict:
+    def _run_json(r: RunCurves, vs_best: dict | None = None) -> dict:
         from schemas.stage import absolute
 
         b = r.best_point or {}
         out = {"label": r.label, "group": absolute(r.group), "best_step": b.get("step"),
-               "best_checkpoint": b.get("checkpoint"), "best_loss": b.get("loss")}
+               "best_checkpoint": b.get("checkpoint"), "best_loss": b.get("loss"), "vs_best_run": vs_best}
         if r.ema is not None:  # the report's `best_weights`; a run without EMA: as before
             out["best_weights"] = b.get("weights")
         return out
@@ -413,4 +532,15 @@ class CompareResult:
             return f"{r.label}: best step {b['step']}{weights} ({b['loss']:.4f})"
 
         bests = "; ".join(one(r) for r in self.runs)
-        return f"compared {len(self.runs)} runs ({bests}); page {self.report}, table {self.csv}"
+        return f"compared {len(self.runs)} runs ({bests}){self._sureness()}; page {self.report}, table {self.csv}"
+
+    def _sureness(self) -> str:
+        """'; vs the best run a: b +0.0123 ± 0.0040 (paired over 6 val samples, ± s.e.)', or '' (no pair)."""
+        from stages.evaluate.paired import signed
+
+        pairs = [(r, v) for r, v in zip(self.runs, self.vs_best or []) if v is not None]
+        if not pairs:
+            return ""
+        n = ", ".join(sorted({str(v["n"]) for _, v in pairs}))
+        return (f"; vs the best run {pairs[0][1]['run']}: " + ", ".join(f"{r.label} {signed(v)}" for r, v in pairs)
+                + f" (paired over {n} val samples, ± s.e.)")

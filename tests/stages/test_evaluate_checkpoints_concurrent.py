@@ -212,6 +212,31 @@ def test_the_best_checkpoint_rewritten_before_its_images_is_refused_not_pictured
     assert list(xr.open_zarr(tmp_path / "r" / GROUP).sortby("step").step.values) == [10, 20, 30]  # kept
 
 
+def test_the_best_checkpoint_rewritten_after_its_losses_is_not_named_without_pictures(
+        run_and_store, tiny_edit_model, tmp_path, monkeypatch):
+    """No pictures (num_samples 0, as checkpoint selection is often run): step 20 (the best, a zero LoRA) is
+    rewritten with step 10's far weights while step 10 - the last evaluated, newest first - is computed. Before,
+    the summary named RUN/checkpoints/step-20/lora the best under the old weights' numbers (only a pictured best
+    was read again); now evaluate stops with the pictured path's line, the losses kept for the rerun."""
+    from schemas.errors import UserError
+
+    root = _copy_run(run_and_store, tmp_path)
+    ck = root / "run" / "checkpoints"
+    real, calls = ev.loss_grid, []
+
+    def loss_grid(*a, **k):  # base, step 30, step 20, step 10
+        calls.append(1)
+        if len(calls) == 4:
+            shutil.copyfile(ck / "step-10" / "lora" / WEIGHTS, ck / "step-20" / "lora" / WEIGHTS)
+        return real(*a, **k)
+
+    monkeypatch.setattr(ev, "loss_grid", loss_grid)
+    with pytest.raises(UserError, match="checkpoint step 20 was rewritten after its held-out loss") as e:
+        ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), tmp_path / "r")
+    assert "\n" not in str(e.value) and not (tmp_path / "r" / "metrics.json").exists()
+    assert list(xr.open_zarr(tmp_path / "r" / GROUP).sortby("step").step.values) == [10, 20, 30]  # kept
+
+
 # ---- evaluate beside a fast training (train.checkpoint_every=2, keep_checkpoints small): it prunes the oldest
 # checkpoints and writes new ones while evaluate runs. Pruned ones are skipped with a line, never a failure.
 
