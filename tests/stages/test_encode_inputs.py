@@ -29,14 +29,46 @@ def test_rebuilt_images_table_with_the_same_version_number_is_reencoded(tiny_plu
     assert st.reader("vae").keys() == st.reader("images").keys()
 
 
-def test_every_sample_rejected_is_an_error_and_no_empty_table(tiny_edit_model, tmp_path, images_fixture):
+@pytest.mark.parametrize("stage,table", [(encode_text, "text"), (encode_vae, "vae")])
+def test_every_sample_refused_for_its_control_count_fails_before_the_model_loads(stage, table, tiny_edit_model,
+                                                                                tmp_path, images_fixture,
+                                                                                monkeypatch):
+    """An Edit model over an Edit-Plus dataset: the control-count rule refuses every sample from the manifest's
+    num_controls column, so the run fails in `open_job` (every rank together) with one line naming the counts,
+    before the model loads (it loaded first, minutes for a 20B/7B model, and only then failed "would be empty"),
+    and no version is begun. The fixed run takes v1."""
+    import models.loading
+
     write_images_table, FixtureSample = images_fixture.write, images_fixture.Sample
     store = tmp_path / "store"
-    # an Edit model needs exactly one control: both samples are rejected
     write_images_table(store, [FixtureSample("two", (64, 64), [(64, 64)] * 2, [(64, 64)] * 2),
+                               FixtureSample("two more", (64, 64), [(64, 64)] * 2, [(64, 64)] * 2),
                                FixtureSample("none", (64, 64), [], [])])
+    loads, real = [], models.loading.load_component
+    monkeypatch.setattr(models.loading, "load_component", lambda *a, **k: loads.append(a[1]) or real(*a, **k))
+    with pytest.raises(UserError, match="would be empty") as e:
+        stage.run(PipelineConfig(), store, tiny_edit_model)
+    line = str(e.value)
+    assert "\n" not in line and "all 3 samples of table 'images' v1" in line, line
+    assert "1 with 0 controls, 2 with 2 controls" in line and "exactly one control image" in line, line
+    assert loads == []  # the model was never loaded
+    assert table not in Store(store).tables()
+    assert not (store / table).exists() or not list((store / table).iterdir())  # no version begun
+    write_images_table(store, [FixtureSample("one", (64, 64), [(64, 64)], [(64, 64)])], tag="b")  # fixed inputs
+    assert stage.run(PipelineConfig(), store, tiny_edit_model).version == 1
+    assert loads  # loaded once there was a sample to encode
+
+
+def test_every_sample_rejected_after_reading_is_an_error_and_no_empty_table(tiny_plus_model, tmp_path,
+                                                                           images_fixture):
+    """Every sample read and rejected (here: each caption holds a placeholder token): the commit refuses the empty
+    version and removes it (its rank-done files with it), the reasons stay in quarantine.parquet."""
+    write_images_table, FixtureSample = images_fixture.write, images_fixture.Sample
+    store = tmp_path / "store"
+    write_images_table(store, [FixtureSample("make it <|image_pad|> red", (64, 64), [(64, 64)], [(64, 64)]),
+                               FixtureSample("<|video_pad|>", (64, 64), [], [])])
     with pytest.raises(UserError, match="would be empty"):
-        encode_text.run(PipelineConfig(), store, tiny_edit_model)
+        encode_text.run(PipelineConfig(), store, tiny_plus_model)
     st = Store(store)
     assert "text" not in st.tables()
     assert len(st.quarantine()) == 2  # the reasons are kept
@@ -44,7 +76,7 @@ def test_every_sample_rejected_is_an_error_and_no_empty_table(tiny_edit_model, t
     # stayed an incomplete version until `store gc`)
     assert not list((store / "text").glob("v*")) and not list((store / "text").glob(".v*"))
     write_images_table(store, [FixtureSample("one", (64, 64), [(64, 64)], [(64, 64)])], tag="b")  # fixed inputs
-    assert encode_text.run(PipelineConfig(), store, tiny_edit_model).version == 1
+    assert encode_text.run(PipelineConfig(), store, tiny_plus_model).version == 1
 
 
 def test_caption_with_the_image_placeholder_token_is_quarantined_not_fatal(tiny_plus_model, tmp_path, images_fixture):
