@@ -47,10 +47,11 @@ def refused_by_controls(job: EncodeJob, keys: list[str], rule: Callable[[int, st
     """Each key's control count (the `images` column `num_controls`) and whether `rule` refuses it, in the order of
     `keys`. Decided from the column, so a refused sample's files are never read: an Edit model run over an Edit-Plus
     dataset read and checked every byte of the table (hours at 1M samples) to end in "would be empty". Two plain
-    lists, not a Rejected per key (a million of them held at once)."""
+    lists, not a Rejected per key (a million of them held at once). A table none of whose counts the rule refuses
+    (the usual case) is answered from its distinct counts alone, the keys not looked up (counts then 0)."""
     import pyarrow as pa
 
-    if rule is None or not keys or not job.images.has_column("num_controls"):
+    if rule is None or not keys or not job.images.has_column("num_controls") or not _refuses_any(job, rule):
         return [0] * len(keys), [False] * len(keys)
     at = job.images.rows_of_keys(pa.array(keys, pa.string()))
     counts = _control_counts(job.images.column("num_controls").take(pa.array(np.maximum(at, 0))))
@@ -58,6 +59,11 @@ def refused_by_controls(job: EncodeJob, keys: list[str], rule: Callable[[int, st
     no = np.array([rule(int(n), "") is not None for n in distinct], bool)  # asked once per distinct count
     refused = no[np.searchsorted(distinct, counts)] & (at >= 0)
     return counts.tolist(), refused.tolist()
+
+
+def _refuses_any(job: EncodeJob, rule: Callable[[int, str], Rejected | None]) -> bool:
+    """Does `rule` refuse any control count the `images` table holds?"""
+    return any(rule(int(n), "") is not None for n in np.unique(_control_counts(job.images.column("num_controls"))))
 
 
 def _control_counts(column) -> np.ndarray:

@@ -100,6 +100,7 @@ def open_job(store_path: str | Path, stage: str, table: str, settings: dict[str,
             job.summary.seconds = time.perf_counter() - job.started
             job.close()  # nothing to read: the stage returns the summary
             return job
+        job.by_controls = by_controls
         with together(ranks.world_size, f"{stage}: the samples the model takes"):  # one verdict on every rank
             check_any_allowed(job, by_controls, model)
     except BaseException:

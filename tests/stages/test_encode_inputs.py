@@ -113,3 +113,28 @@ def test_samples_the_model_refuses_for_their_control_count_are_quarantined_unrea
     assert sorted(r["key"] for r in rows) == sorted(set(keys) - {one})
     assert {r["reason"] for r in rows} == {"edit model needs exactly one control image"}
     assert sorted(r["detail"].split(";")[0] for r in rows) == ["sample has 0", "sample has 2"]
+
+
+def test_an_edit_models_vae_table_carries_no_sample_its_rule_refuses(tiny_edit_model, tiny_plus_model, tmp_path,
+                                                                    images_fixture):
+    """Edit and Edit-Plus with the same VAE files share encode-vae's feature lineage, so an Edit model's run carries
+    the latents an Edit-Plus run stored. The control-count rule holds for carried samples too: a 2-control sample is
+    quarantined, as a fresh encode quarantines it and as encode-text does (the `vae` table held it, the `text` table
+    not: the two tables of one model disagreed on which samples exist)."""
+    write_images_table, FixtureSample = images_fixture.write, images_fixture.Sample
+    store = tmp_path / "store"
+    keys = write_images_table(store, [FixtureSample("two", (64, 64), [(64, 64)] * 2, [(64, 64)] * 2),
+                                      FixtureSample("one", (64, 64), [(64, 64)], [(64, 64)])], mask_sha256=True)
+    one = next(k for k, s in keys.items() if s.caption == "one")
+    edit_model = tmp_path / "edit-with-plus-vae"  # an Edit model with the Edit-Plus model's VAE files
+    shutil.copytree(tiny_edit_model, edit_model)
+    shutil.rmtree(edit_model / "vae")
+    shutil.copytree(f"{tiny_plus_model}/vae", edit_model / "vae")
+    plus = encode_vae.run(PipelineConfig(), store, tiny_plus_model)
+    assert plus.encoded == 2
+    edit = encode_vae.run(PipelineConfig(), store, str(edit_model))
+    assert edit.reused == 1 and edit.quarantined == 1, edit  # the 1-control latents carried, not the 2-control ones
+    with Store(store).reader("vae") as vae:
+        assert vae.keys() == [one]
+    rows = [r for r in Store(store).quarantine().to_pylist() if r["table_version"] == f"vae/v{edit.version}"]
+    assert [r["reason"] for r in rows] == ["edit model needs exactly one control image"]
