@@ -100,7 +100,7 @@ def unless_rejected(prepare: Callable[[tuple[str, Any]], R]) -> Callable[[tuple[
 
 def quarantine(job: EncodeJob, key: str, reason: str, detail: str = "") -> None:
     """Reject one sample (it stays out of the table); the rows land in quarantine.parquet at `finish`."""
-    source = job.images.meta(key).get("source") or f"images/v{job.images.version}/{key}"
+    source = job.images.cells(key, ("source",)).get("source") or f"images/v{job.images.version}/{key}"
     job.quarantine_rows.append({
         "key": key, "source": str(source), "stage": job.summary.stage, "reason": reason, "detail": detail,
         "table_version": f"{job.summary.table}/v{job.summary.version}",

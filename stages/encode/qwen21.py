@@ -292,7 +292,8 @@ def _encode_text(job, item, processor, encodings: SampleEncodings, nocontrol: bo
     a VLM grid other than the VAE's) or encoded and added."""
     from models.qwen21_text import grid_mismatch
 
-    shapes = job.images.meta(item.key).get("img_shapes")
+    meta = job.images.cells(item.key, ("split", "img_shapes"))
+    shapes = meta.get("img_shapes")
     # the caption's own tokens are a lower bound: a hopeless one never reaches the encoder
     caption_tokens = len(processor.tokenizer(item.caption)["input_ids"])
     if (too_long := caption_length_rejection_21(item.key, caption_tokens, shapes)) is not None:
@@ -311,7 +312,6 @@ def _encode_text(job, item, processor, encodings: SampleEncodings, nocontrol: bo
         job.quarantine(item.key, too_long.reason, too_long.detail)
         bar.skipped()
         return
-    meta = job.images.meta(item.key)
     job.writer.add(item.key, tensors={
         "prompt_embeds": prompt.to("cpu", torch.bfloat16).contiguous(),
         "empty_embeds": empty.to("cpu", torch.bfloat16).contiguous(),

@@ -385,7 +385,7 @@ def run(
 
 
 def _write(job: EncodeJob, key: str, parts: dict[str, torch.Tensor]) -> None:
-    meta = job.images.meta(key)
+    meta = job.images.cells(key, ("split", "img_shapes", "num_controls"))
     job.writer.add(
         key,
         tensors={"prompt_embeds": parts["prompt"].contiguous(), "empty_embeds": parts["empty"].contiguous(),

@@ -231,7 +231,7 @@ def _preparation(variant: str) -> tuple[Any, Callable, Callable]:
 
 
 def _write(job: EncodeJob, prepared: Prepared, latents: dict[str, torch.Tensor]) -> None:
-    meta = job.images.meta(prepared.key)
+    meta = job.images.cells(prepared.key, ("split", "img_shapes", "mask_sha256"))
     names = prepared.names  # target first, then control_0, control_1, ...
     tensors = {n: latents[n].contiguous() for n in names}
     if prepared.mask_weight is not None:
