@@ -290,6 +290,7 @@ def _manifest(writer: TableWriter, staging: Path, recorded: dict[str, dict[str, 
     # against its rank's record, as the fetch checked the same file
     merged = merge_runs(sorted(staging.glob("shard-r*-*.index.parquet")))
     if merged.num_rows == 0 and not allow_empty:
+        discard_parts(writer)
         raise UserError(f"table '{table}' v{version} would be empty: every input was rejected (reasons in each "
                         "node's cached quarantine.parquet); fix the inputs or the settings")
     check_rows(table, version, dones, merged.num_rows, required=True)
@@ -303,6 +304,23 @@ def _manifest(writer: TableWriter, staging: Path, recorded: dict[str, dict[str, 
     if differs:
         raise UserError(f"table '{table}' v{version}: {differs[0]} differs from its index; rerun every node")
     return written.measured[1]
+
+
+def discard_parts(writer: TableWriter) -> None:
+    """A version with nothing to commit (every input rejected): every rank's part of it deleted from the remote, then
+    rank 0's cached folder removed (the writer closed with it), as a writer on one disk removes its folder
+    (`discard_version`). Left, the parts stayed under `<table>/v<N>/` until a `store gc` at the URL. Every object
+    under the version is this run's: parts of another run make the number one the ranks do not write
+    (`on_remote`'s `taken`). A kill midway leaves parts without a manifest: invisible, and gc's to remove."""
+    from store.writer_commit import discard_version
+
+    url, base = str(writer.remote_url), f"{writer.table}/v{writer.version}"
+    remote = open_remote(url)
+    with remote_errors(url, f"removing the empty table '{writer.table}' v{writer.version}"):
+        remote.delete(sorted(_listing(remote, writer.table, writer.version)))
+        if _listing(remote, writer.table, writer.version):
+            raise UserError(f"{url}/{base}/ could not be removed; run `pipeline store gc {url}`")
+    discard_version(writer)
 
 
 def _still_there(writer: TableWriter, remote, staging: Path) -> None:

@@ -34,22 +34,23 @@ def notes_of(root: Path, table: str, version: int) -> list[Path]:
     return sorted(folder.glob(f"v{version}.note-*.json")) if folder.is_dir() else []
 
 
-def read_note(store: Store, table: str, version: int, name: str) -> Any:
-    """The value written for this very version (same manifest bytes), else None."""
+def read_note(store: Store, table: str, version: int, name: str, version_id: str | None = None) -> Any:
+    """The value written for this very version (same manifest bytes), else None. `version_id`: the version's
+    `Store.version_id` where the caller holds it (its reader's view hashed the manifest: not hashed again)."""
     path = note_path(store.root, table, version, name)
     if not path.is_file():
         return None
     try:
         rec = fmt.read_json(path, "version note")
-        return rec.get("value") if rec.get("version_id") == store.version_id(table, version) else None
+        return rec.get("value") if rec.get("version_id") == (version_id or store.version_id(table, version)) else None
     except (UserError, AttributeError, OSError):  # damaged or hand-edited: as none
         return None
 
 
-def write_note(store: Store, table: str, version: int, name: str, value: Any) -> None:
+def write_note(store: Store, table: str, version: int, name: str, value: Any, version_id: str | None = None) -> None:
     """Record `value` (JSON) beside the complete version, atomically (a kill leaves the old record or the new)."""
     try:
         fmt.atomic_write_json(note_path(store.root, table, version, name),
-                              {"version_id": store.version_id(table, version), "value": value})
+                              {"version_id": version_id or store.version_id(table, version), "value": value})
     except OSError:  # a read-only store: nothing remembered, the next run does the work again
         pass

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 
+import numpy as np
+
 from schemas.errors import Rejected, UserError
 from stages.encode.summary import DAMAGED_INPUT
 
@@ -45,20 +47,50 @@ def refused_by_controls(job: EncodeJob, keys: list[str], rule: Callable[[int, st
     """Each key's control count (the `images` column `num_controls`) and whether `rule` refuses it, in the order of
     `keys`. Decided from the column, so a refused sample's files are never read: an Edit model run over an Edit-Plus
     dataset read and checked every byte of the table (hours at 1M samples) to end in "would be empty". Two plain
-    lists, not a Rejected per key (a million of them held at once)."""
-    import numpy as np
+    lists, not a Rejected per key (a million of them held at once). A table none of whose counts the rule refuses
+    (the usual case) is answered from its distinct counts alone, the keys not looked up (counts then 0)."""
     import pyarrow as pa
-    import pyarrow.compute as pc
 
-    if rule is None or not keys or not job.images.has_column("num_controls"):
+    if rule is None or not keys or not job.images.has_column("num_controls") or not _refuses_any(job, rule):
         return [0] * len(keys), [False] * len(keys)
     at = job.images.rows_of_keys(pa.array(keys, pa.string()))
-    counts = pc.fill_null(job.images.column("num_controls").take(pa.array(np.maximum(at, 0))), 0)
-    counts = counts.to_numpy(zero_copy_only=False).astype(np.int64)
+    counts = _control_counts(job.images.column("num_controls").take(pa.array(np.maximum(at, 0))))
     distinct = np.unique(counts)
     no = np.array([rule(int(n), "") is not None for n in distinct], bool)  # asked once per distinct count
     refused = no[np.searchsorted(distinct, counts)] & (at >= 0)
     return counts.tolist(), refused.tolist()
+
+
+def _refuses_any(job: EncodeJob, rule: Callable[[int, str], Rejected | None]) -> bool:
+    """Does `rule` refuse any control count the `images` table holds?"""
+    return any(rule(int(n), "") is not None for n in np.unique(_control_counts(job.images.column("num_controls"))))
+
+
+def _control_counts(column) -> np.ndarray:
+    """A `num_controls` column as int64 (a null: 0, as `meta` gives it)."""
+    import pyarrow.compute as pc
+
+    return pc.fill_null(column, 0).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def check_any_allowed(job: EncodeJob, rule: Callable[[int, str], Rejected | None] | None, model: str) -> None:
+    """Before the model loads: a table whose every sample `rule` refuses for its control count (an Edit model over
+    an Edit-Plus dataset) is one line naming the counts. Decided from the `images` column alone, the same on every
+    rank (they read one version, `plan._agreed_plan`); it used to load the model (minutes for a 20B/7B one), then
+    quarantine each sample unread and end in "would be empty". A sample refused later (damaged, caption too long)
+    still ends there, at the commit."""
+    if rule is None or not len(job.images) or not job.images.has_column("num_controls"):
+        return
+    distinct, n = np.unique(_control_counts(job.images.column("num_controls")), return_counts=True)
+    refusals = [rule(int(c), "") for c in distinct]
+    if any(r is None for r in refusals):
+        return
+    counts = ", ".join(f"{k} with {c} control{'s' if c != 1 else ''}" for c, k in zip(distinct.tolist(), n.tolist()))
+    first = refusals[0]
+    advice = first.detail.split("; ", 1)[-1]
+    raise UserError(f"table '{job.summary.table}' would be empty: all {len(job.images)} samples of table 'images' "
+                    f"v{job.images.version} in {job.store.root} are refused for their control count ({counts}): "
+                    f"{model}: {first.reason}; {advice}; nothing was encoded")
 
 
 def unless_rejected(prepare: Callable[[tuple[str, Any]], R]) -> Callable[[tuple[str, Any]], R | Rejected]:
@@ -68,7 +100,7 @@ def unless_rejected(prepare: Callable[[tuple[str, Any]], R]) -> Callable[[tuple[
 
 def quarantine(job: EncodeJob, key: str, reason: str, detail: str = "") -> None:
     """Reject one sample (it stays out of the table); the rows land in quarantine.parquet at `finish`."""
-    source = job.images.meta(key).get("source") or f"images/v{job.images.version}/{key}"
+    source = job.images.cells(key, ("source",)).get("source") or f"images/v{job.images.version}/{key}"
     job.quarantine_rows.append({
         "key": key, "source": str(source), "stage": job.summary.stage, "reason": reason, "detail": detail,
         "table_version": f"{job.summary.table}/v{job.summary.version}",

@@ -51,6 +51,8 @@ class EncodeJob:
     # carries it), and one whose img_shapes changed is carried only if it still fits (else it is read again and
     # rejected as a fresh encode rejects it; stages/encode/output.py `_shapes_now`)
     prompt_fits: Callable[[int, list], bool] | None = None
+    # the model's rule on a sample's control count (intake.read_inputs): a sample it refuses is never carried either
+    by_controls: Callable[[int, str], Rejected | None] | None = None
     lease: Any = None  # the read lease on `images` (store/lease.py); released when the job is done or collected
     on_damaged: str = "stop"  # a damaged `images` sample: stop, or skip (quarantined as DAMAGED_INPUT)
     settings: dict[str, Any] = field(default_factory=dict)  # `settings.settings_record`: hashed, and recorded

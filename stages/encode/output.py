@@ -49,19 +49,34 @@ def open_writer(job: EncodeJob, schema: TableSchema, shard_size_mb: float) -> li
     job.total = job.writer.given = len(mine)  # the commit refuses rows plus rejections short of the keys given
     todo = [k for k in mine if k not in job.writer.done_keys]
     job.summary.skipped = len(mine) - len(todo)
-    for version, rows in reusable(job.store, job.summary.table, (job.feature_lineage, *job.earlier_lineages), todo,
-                                  changed=job.changed_by_fixes).items():
+    carriable = _model_takes(job, todo)
+    for version, rows in reusable(job.store, job.summary.table, (job.feature_lineage, *job.earlier_lineages),
+                                  carriable, changed=job.changed_by_fixes).items():
         job.summary.reused += carry_forward(job.writer, version, carried_rows(job, rows))
     if job.summary.reused:
         todo = [k for k in todo if k not in job.writer.carried_keys]
-    if job.same_inputs_carry and todo:  # encode-vae: a recaptioned sample's latents (stages/encode/same_inputs.py)
+        carriable = [k for k in carriable if k not in job.writer.carried_keys]
+    if job.same_inputs_carry and carriable:  # encode-vae: a recaptioned sample's latents (stages/encode/same_inputs.py)
         from stages.encode.same_inputs import carry_same_inputs
 
-        same = carry_same_inputs(job, todo)
+        same = carry_same_inputs(job, carriable)
         job.summary.reused += len(same)
         todo = [k for k in todo if k not in same]
     job.loop_started = time.perf_counter()
     return todo
+
+
+def _model_takes(job: EncodeJob, keys: list[str]) -> list[str]:
+    """The keys whose control count the model's rule accepts (`job.by_controls`, from the `images` column): only
+    those are carried from an earlier version. Edit and Edit-Plus models with the same VAE files share encode-vae's
+    feature lineage, and an Edit model's `vae` table carried an Edit-Plus run's 2-control latents that its `text`
+    table (and a fresh encode) quarantines. The refused keys stay to do: read_inputs quarantines them unread."""
+    from stages.encode.intake import refused_by_controls
+
+    if job.by_controls is None:
+        return keys
+    _, refused = refused_by_controls(job, keys, job.by_controls)
+    return [k for k, no in zip(keys, refused) if not no]
 
 
 def _all_agree(world: int, yes: bool) -> bool:

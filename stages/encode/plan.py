@@ -22,6 +22,7 @@ from store import format as fmt
 from store.lease import hold
 from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR
 from stages.encode.current import serving_version
+from stages.encode.intake import check_any_allowed
 from stages.encode.job import EncodeJob
 from stages.encode.output import adopt
 from stages.encode.ranks import Ranks
@@ -70,13 +71,15 @@ def open_job(store_path: str | Path, stage: str, table: str, settings: dict[str,
              feature_revision: str, ranks: Ranks, components: tuple[str, ...] = (), on_damaged: str = "stop",
              max_damaged_fraction: float = 0.0, earlier_hashes: tuple[str, ...] = (),
              fixes: Fixes = NO_FIXES, unread: tuple[str, ...] = (),
-             serving_hashes: tuple[str, ...] = ()) -> EncodeJob:
+             serving_hashes: tuple[str, ...] = (),
+             by_controls: Callable[[int, str], Any] | None = None) -> EncodeJob:
     """`_open_job` on every rank, then agreed on (models/collective.py), for the features of `settings`
     (`settings.settings_record`: hashed into the lineage, recorded with the version): a rank that cannot open its inputs
     stops every rank with its line before any model is loaded (the others would wait at the commit). Whether the
     table is up to date is decided by all ranks together too (`_agreed_plan`). `serving_hashes`: feature hashes of
     settings whose tables hold all this run's would and more (`settings.serving_config_hashes`): a complete
-    version of one is up to date as well."""
+    version of one is up to date as well. `by_controls`: the model's rule on a sample's control count
+    (`intake.read_inputs`): a table it refuses whole stops every rank here, before any model loads."""
     from models.collective import together
 
     job = None
@@ -97,6 +100,9 @@ def open_job(store_path: str | Path, stage: str, table: str, settings: dict[str,
             job.summary.seconds = time.perf_counter() - job.started
             job.close()  # nothing to read: the stage returns the summary
             return job
+        job.by_controls = by_controls
+        with together(ranks.world_size, f"{stage}: the samples the model takes"):  # one verdict on every rank
+            check_any_allowed(job, by_controls, model)
     except BaseException:
         if job is not None:  # another rank failed: this one's reader and lease go now
             job.close()

@@ -71,26 +71,43 @@ TEXT_FIXES = Fixes(own=((1, _caption_now_too_long),),
                    reads=("img_shapes", "conversions"))
 
 
+ALPHA_NOTE = "alpha-flattened"  # the count of an `images` version's flattened samples (store/version_notes.py)
+
+
 def say_alpha_flattened(job, cfg: PipelineConfig, model: str) -> None:
     """One line (rank 0) where the `images` table composited pictures' transparency over white (resize.keep_alpha
     off) and the config leaves keep_alpha unset: the 2.1 VAE reads RGBA, so those cut-outs train as opaque, which
     only resize-bucket's `converted:` line hinted at. Set to false (flattened on purpose): nothing said."""
-    import pyarrow as pa
-
-    from store.row_rule import RowRule
-
     explicit_false = "keep_alpha" in cfg.resize.model_fields_set and not cfg.resize.keep_alpha
     images = job.images
     if job.ranks.rank != 0 or explicit_false or not images.has_column("conversions") \
             or (images.schema.attrs.get("resize") or {}).get("keep_alpha"):
         return
-    rule = RowRule(lambda row: alpha_flattened(row), ("conversions",))
-    n = int(rule(pa.table({"conversions": images.column("conversions")})).sum())
+    n = alpha_flattened_count(job.store, images, job.images_id)
     if n:
         tqdm.write(f"{job.summary.stage}: {n} of {len(images)} sample(s) of images v{images.version} have pictures "
                    f"whose transparency resize-bucket composited over white (rendered with resize.keep_alpha false); "
                    f"{model} (Qwen-Image-2.1) reads RGBA, so they train as opaque: set resize.keep_alpha: true and "
                    "rerun resize-bucket to keep their alpha, or set resize.keep_alpha: false to flatten them on purpose")
+
+
+def alpha_flattened_count(store, images, images_id: str) -> int:
+    """How many samples of this `images` version (its `Store.version_id`: `images_id`) had a picture flattened over
+    white: counted from its whole `conversions` column once, then read from a note beside the version
+    (store/version_notes.py, tied to its manifest's bytes). Counted on every run, it was a second per run at 1M
+    rows (bench/alpha_flattened.py), up-to-date runs included."""
+    import pyarrow as pa
+
+    from store.row_rule import RowRule
+    from store.version_notes import read_note, write_note
+
+    n = read_note(store, "images", images.version, ALPHA_NOTE, images_id)
+    if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= len(images):
+        return n
+    rule = RowRule(lambda row: alpha_flattened(row), ("conversions",))
+    n = int(rule(pa.table({"conversions": images.column("conversions")})).sum())
+    write_note(store, "images", images.version, ALPHA_NOTE, n, images_id)
+    return n
 
 
 def reference_rejection(key: str, meta: dict[str, Any]) -> Rejected | None:
@@ -240,7 +257,7 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
                    ranks, components=("text_encoder", "processor", "tokenizer"),
                    on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction, fixes=TEXT_FIXES,
                    serving_hashes=serving_config_hashes(section, prompt_format=record),
-                   unread=TEXT_UNREAD["qwen-image-2.1"])
+                   unread=TEXT_UNREAD["qwen-image-2.1"], by_controls=references_rule)
     job.prompt_fits = lambda tokens, shapes: caption_length_rejection_21("", tokens, shapes) is None
     say_alpha_flattened(job, cfg, model)
     if job.up_to_date:
@@ -275,7 +292,8 @@ def _encode_text(job, item, processor, encodings: SampleEncodings, nocontrol: bo
     a VLM grid other than the VAE's) or encoded and added."""
     from models.qwen21_text import grid_mismatch
 
-    shapes = job.images.meta(item.key).get("img_shapes")
+    meta = job.images.cells(item.key, ("split", "img_shapes"))
+    shapes = meta.get("img_shapes")
     # the caption's own tokens are a lower bound: a hopeless one never reaches the encoder
     caption_tokens = len(processor.tokenizer(item.caption)["input_ids"])
     if (too_long := caption_length_rejection_21(item.key, caption_tokens, shapes)) is not None:
@@ -294,7 +312,6 @@ def _encode_text(job, item, processor, encodings: SampleEncodings, nocontrol: bo
         job.quarantine(item.key, too_long.reason, too_long.detail)
         bar.skipped()
         return
-    meta = job.images.meta(item.key)
     job.writer.add(item.key, tensors={
         "prompt_embeds": prompt.to("cpu", torch.bfloat16).contiguous(),
         "empty_embeds": empty.to("cpu", torch.bfloat16).contiguous(),

@@ -331,12 +331,16 @@ def run(
     ranks = ranks or current_ranks(section.device, "encode_text.device")
     target = rank_device(section.device, ranks, "encode_text.device")
     section = resolve_precision(section, target, STAGE, ranks.world_size)
+
+    def by_controls(n: int, key: str) -> Rejected | None:  # asked of the manifest's column: refused ones unread
+        return control_count_rejection(fmt.variant, n, key)
+
     job = open_job(store, STAGE, TABLE, settings_record(section, prompt_format=fmt.lineage_record()), model,
                    FEATURE_REVISION, ranks, components=COMPONENTS,
                    on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction,
                    earlier_hashes=earlier_config_hashes(section, prompt_format=fmt.lineage_record()), fixes=FIXES,
                    serving_hashes=serving_config_hashes(section, earlier=True, prompt_format=fmt.lineage_record()),
-                   unread=TEXT_UNREAD[fmt.variant])
+                   unread=TEXT_UNREAD[fmt.variant], by_controls=by_controls)
     job.prompt_fits = prompt_fits
     if job.up_to_date:
         return job.summary
@@ -357,7 +361,7 @@ def run(
     try:
         todo = job.open_writer(schema, section.shard_size_mb)
         lock = threading.Lock()
-        samples = prefetched(job.read_inputs(todo, lambda n, key: control_count_rejection(fmt.variant, n, key)),
+        samples = prefetched(job.read_inputs(todo, by_controls),
                              job.unless_rejected(lambda item: prepare(*item, fmt, processor, lock, nocontrol)),
                              workers=section.num_workers)
         done: dict[str, dict[str, torch.Tensor]] = {}  # key -> kind -> embeds, until both kinds are in
@@ -381,7 +385,7 @@ def run(
 
 
 def _write(job: EncodeJob, key: str, parts: dict[str, torch.Tensor]) -> None:
-    meta = job.images.meta(key)
+    meta = job.images.cells(key, ("split", "img_shapes", "num_controls"))
     job.writer.add(
         key,
         tensors={"prompt_embeds": parts["prompt"].contiguous(), "empty_embeds": parts["empty"].contiguous(),

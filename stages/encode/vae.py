@@ -165,9 +165,10 @@ def run(
     section = resolve_precision(section, target, STAGE, ranks.world_size)
     variant = model_variant(model)
     revision, fixes = _revision_and_fixes(variant)
+    image_processor, prep, rule = _preparation(variant)
     job = open_job(store, STAGE, TABLE, settings_record(section), model, revision, ranks, components=COMPONENTS,
                    on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction,
-                   earlier_hashes=earlier_config_hashes(section), fixes=fixes, unread=VAE_UNREAD)
+                   earlier_hashes=earlier_config_hashes(section), fixes=fixes, unread=VAE_UNREAD, by_controls=rule)
     job.match_columns = ("mask_sha256",)
     job.same_inputs_carry = True  # the caption is in the key, never in the latents: a recaption carries them
     if variant == "qwen-image-2.1":  # its VAE reads RGBA: pictures flattened over white are said
@@ -183,7 +184,6 @@ def run(
     channels = vae.config.z_dim
     latents_mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1, 1)
     latents_std = torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1)
-    image_processor, prep, rule = _preparation(variant)
     try:
         todo = job.open_writer(vae_schema(job, vae, section.dtype), section.shard_size_mb)
         samples = prefetched(job.read_inputs(todo, rule),
@@ -231,7 +231,7 @@ def _preparation(variant: str) -> tuple[Any, Callable, Callable]:
 
 
 def _write(job: EncodeJob, prepared: Prepared, latents: dict[str, torch.Tensor]) -> None:
-    meta = job.images.meta(prepared.key)
+    meta = job.images.cells(prepared.key, ("split", "img_shapes", "mask_sha256"))
     names = prepared.names  # target first, then control_0, control_1, ...
     tensors = {n: latents[n].contiguous() for n in names}
     if prepared.mask_weight is not None:

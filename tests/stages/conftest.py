@@ -52,7 +52,7 @@ def _noise(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
     return np.clip(up.astype(np.int16) + rng.integers(-20, 20, (h, w, 3)), 0, 255).astype(np.uint8)
 
 
-def images_schema(tag: str) -> TableSchema:
+def images_schema(tag: str, mask_sha256: bool = False) -> TableSchema:
     col = "column"
     return TableSchema(
         name="images",
@@ -70,17 +70,18 @@ def images_schema(tag: str) -> TableSchema:
             FieldSpec("num_controls", "int64", kind=col),
             FieldSpec("source", "string", kind=col),
             FieldSpec("has_mask", "bool", kind=col),
-        ],
+        ] + ([FieldSpec("mask_sha256", "string", kind=col)] if mask_sha256 else []),
     )
 
 
 def write_images_table(store_path: Path, samples: list[FixtureSample], seed: int = 0,
-                       tag: str = "a", val=lambda i: i % 4 == 3) -> dict[str, FixtureSample]:
+                       tag: str = "a", val=lambda i: i % 4 == 3, mask_sha256: bool = False) -> dict[str, FixtureSample]:
     """Write one `images` version; returns key -> sample. A new `tag` gives a new lineage (a new version); `val`:
-    whether sample i is in the val split (the same samples under another split: a re-split)."""
+    whether sample i is in the val split (the same samples under another split: a re-split). `mask_sha256`: the
+    column as resize-bucket writes it ("" without a mask), which encode-vae's carry compares."""
     rng = np.random.default_rng(seed)
     st = Store(store_path)
-    w = st.writer("images", images_schema(tag))
+    w = st.writer("images", images_schema(tag, mask_sha256))
     out = {}
     for i, s in enumerate(samples):
         h, w_ = s.target
@@ -101,6 +102,7 @@ def write_images_table(store_path: Path, samples: list[FixtureSample], seed: int
             "caption": s.caption, "split": "val" if val(i) else "train", "img_shapes": shapes,
             "bucket": [h, w_], "control_sizes": [list(c) for c in s.controls], "num_controls": len(s.controls),
             "source": f"fixture/{i}", "has_mask": s.mask,
+            **({"mask_sha256": hashlib.sha256(files["mask.png"]).hexdigest() if s.mask else ""} if mask_sha256 else {}),
         })
         out[key] = s
     w.commit()

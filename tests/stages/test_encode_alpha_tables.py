@@ -66,7 +66,7 @@ def test_a_keep_alpha_table_reaches_edit_plus_encoders_composited_over_white(tin
 
 
 def test_21_encoders_say_how_many_cut_outs_resize_flattened_unless_flattening_was_set(tiny_21_model, tmp_path,
-                                                                                       capsys):
+                                                                                       capsys, monkeypatch):
     """resize.keep_alpha unset (false) composited a 2.1 store's transparent pictures over white; its encoders,
     whose VAE reads RGBA, said nothing (resize's `converted:` line alone hinted at it). Now each says how many
     samples and which setting, once a run; keep_alpha: false set on purpose, or a table kept RGBA: no line."""
@@ -93,6 +93,17 @@ def test_21_encoders_say_how_many_cut_outs_resize_flattened_unless_flattening_wa
         lines = [ln for ln in out.splitlines() if "composited over white" in ln]
         assert len(lines) == 1 and lines[0].startswith(f"{stage}: {said}; {tiny_21_model}"), out
         assert "resize.keep_alpha: true" in lines[0], lines[0]
+    # the count is the images version's: its `conversions` column is read once (the first run), not on every run
+    # (the whole column, seconds at 1M rows, also for a run with nothing to encode): an up-to-date rerun says the
+    # same line from the note beside the version
+    from store.reader import TableReader
+
+    real, read = TableReader.column, []
+    monkeypatch.setattr(TableReader, "column", lambda self, name: read.append((self.table, name)) or real(self, name))
+    assert encode_vae.run(unset, tmp_path / "flat", tiny_21_model).up_to_date
+    assert f"encode-vae: {said}" in capsys.readouterr().out
+    assert ("images", "conversions") not in read, read
+    monkeypatch.setattr(TableReader, "column", real)
 
     on_purpose = load_config(None, {**small, "resize.keep_alpha": False})
     encode_vae.run(on_purpose, tmp_path / "flat", tiny_21_model)

@@ -450,3 +450,25 @@ def test_an_index_damaged_on_the_remote_is_refused_at_the_commit_with_nothing_co
         zero.commit()
     assert not (tmp_path / "remote" / "vae" / "v1" / "manifest.parquet").exists()
     assert not (tmp_path / "remote" / "vae" / "v1" / "checksums.json").exists()
+
+
+def test_a_version_that_would_be_empty_leaves_nothing_on_the_remote(s3_env, tmp_path) -> None:
+    """Every rank rejected every key it was given: rank 0's commit refuses an empty version, as on one disk, and
+    like a local store (its folder removed: `discard_version`) it leaves nothing behind: the ranks' uploaded parts
+    (schema.json, world-size.json, rank-done files) are deleted from the remote, rank 0's cached folder too.
+    They stayed under `vae/v1/` until a `store gc` at the URL."""
+    url = s3_env.url("empty")
+    writers = {r: Store(tmp_path / f"node{r}").writer("vae", vae_schema(), rank=r, world_size=2, version=1,
+                                                      remote_url=url) for r in (0, 1)}
+    for w in writers.values():
+        w.given = 3  # every key rejected
+    writers[1].finish_rank(rejected=3)
+    writers[1].close()
+    assert [n for n in _objects(s3_env, "empty") if n.startswith("vae/v1/")]  # rank 1's part is up there
+    with pytest.raises(UserError, match=r"table 'vae' v1 would be empty") as e:
+        writers[0].commit(allow_empty=False)
+    assert "\n" not in str(e.value)
+    assert [n for n in _objects(s3_env, "empty") if not n.startswith(".leases/")] == []
+    assert _objects(s3_env, "empty/.leases") == []  # every push lease released
+    assert not (tmp_path / "node0" / "vae" / "v1").exists()
+    assert not list((tmp_path / "node0" / "vae").glob(".v1*"))
