@@ -290,6 +290,7 @@ def watch_failures(world: int) -> None:
     if world <= 1 or _state["watching"]:
         return
     _state["watching"], _state["world"] = True, world
+    forget_store_hosts()  # this run's store: what an earlier one at the same address did says nothing of it
     if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
         return  # a launch naming no store: failures are only agreed on (`together`)
     try:
@@ -314,6 +315,7 @@ def watch_failures(world: int) -> None:
         stop.set()
         watcher.join(timeout=15)
         _count_exit(clients[0], world)
+        forget_store_hosts()  # the run's last use of its store: its canaries closed
 
     atexit.register(_stop_watching)
     _state["stop_watching"], _state["watcher"] = _stop_watching, (stop, watcher)
@@ -507,6 +509,19 @@ def _read(clients: list, read: Callable[[object], T]) -> T:
 _canary_lock = threading.Lock()
 
 
+def forget_store_hosts() -> None:
+    """Close this process's canaries (`store_host_gone`) and forget the store hosts it saw gone: the state of one
+    run's store, not of its address for the process life. Called when a run sets up its store (its first exchange,
+    `_before_group_store`; its watch, `watch_failures`) and when it is done with it (`_stop_watching`, at its exit).
+    Before, a host seen gone stayed gone for that address: a later run of a long-lived process (tests; a notebook)
+    given the same port by the next launch found every wait failed at once; and the canaries stayed open."""
+    with _canary_lock:
+        for canary in _state.get("canaries", {}).values():
+            if canary:  # False: none could be made; None: closed already
+                canary.close()
+        _state["canaries"], _state["hosts_gone"] = {}, set()
+
+
 def store_host_gone() -> bool:
     """Whether the process serving the launch's store has ended (rank 0 of a plain env:// launch killed, a node's
     torchrun agent gone), seen without a call through torch's client: a call on a connection its peer closed
@@ -520,11 +535,11 @@ def store_host_gone() -> bool:
     where = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
     if not where[0] or not where[1]:
         return False
-    # per address: the store a launch names (a process's tests name several, one after another)
-    canaries, gone = _state.setdefault("canaries", {}), _state.setdefault("hosts_gone", set())
-    if where in gone:
-        return True
     with _canary_lock:
+        # per address: the store a launch names (a run's: `forget_store_hosts` replaces both)
+        canaries, gone = _state.setdefault("canaries", {}), _state.setdefault("hosts_gone", set())
+        if where in gone:
+            return True
         canary = canaries.get(where)
         if canary is False:  # could not be made: the calls say what they meet, as before
             return False
@@ -1142,6 +1157,7 @@ def _before_group_store(timeout: float):
     multi-tenant as torch's env:// rendezvous makes rank 0's: the process group then serves from this server
     instead of binding MASTER_PORT a second time."""
     if _before["store"] is None:
+        forget_store_hosts()  # a new store (a later run's in this process may have this address)
         # rank 0 of a plain env:// launch serves the store itself; under torchrun the agent does
         if _hosts_store():
             from datetime import timedelta
