@@ -833,21 +833,50 @@ def _tell_interrupt(error: BaseException, world: int, what: str) -> None:
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    publish_failure(f"rank {rank} was stopped by SIGINT (Ctrl-C){' in ' + what if what else ''}: what the ranks committed is kept (a "
-                    "run's checkpoints); rerun the same command to continue (`run train`: with --resume)", world)
+    publish_failure(_interrupt_line(rank, what), world)
     _mark(error)
+
+
+def _interrupt_line(rank: int | str, what: str) -> str:
+    return (f"rank {rank} was stopped by SIGINT (Ctrl-C){' in ' + what if what else ''}: what the ranks committed is "
+            "kept (a run's checkpoints); rerun the same command to continue (`run train`: with --resume)")
 
 
 def publish_interrupt(error: BaseException) -> None:
     """A Ctrl-C that stopped this launched rank outside `fails_alone` / `together` (waiting in `arrive_together`, rank
     0 writing a checkpoint alone, an encoder's own loop), told once its exit is under way (the CLI's top level): as
     `_tell_interrupt` does inside them, so the ranks waiting for this one stop at once with its line, where they
-    named it as killed after LOST_SECONDS. Not where it was told already (`agreed`), before this rank's first
-    exchange (it watches nothing: not worth an exit held for a store that may not be up), nor to a store whose host
-    has ended (`store_host_gone`); otherwise bounded as every publish is (`_write_failure`)."""
-    if agreed(error) or not _state["watching"] or store_host_gone():
+    named it as killed after LOST_SECONDS. Not where it was told already (`agreed`), nor to a store whose host
+    has ended (`store_host_gone`); otherwise bounded as every publish is (`_write_failure`). Before this rank's
+    first exchange too (`_publish_unwatched_interrupt`)."""
+    if agreed(error):
+        return
+    if not _state["watching"]:
+        _publish_unwatched_interrupt(error)
+        return
+    if store_host_gone():
         return
     _tell_interrupt(error, _state["world"], "")
+
+
+def _publish_unwatched_interrupt(error: BaseException) -> None:
+    """`publish_interrupt` of a rank stopped before its own first exchange (loading its config, importing torch):
+    the others may wait for it at theirs already, for BEFORE_GROUP_SECONDS (30 minutes) - before, nothing was
+    published. Told where the store answers at once (one probe of its port, PROBE_SECONDS: a Ctrl-C's exit is not
+    held for a store still starting, as `_publish_unwatched` waits for one), through a connect bounded by
+    CONNECT_SECONDS, then the wait every publish makes for the ranks to read it (HOST_WAIT_SECONDS; a second Ctrl-C
+    ends it). Not by rank 0 of a plain env:// launch: the store is its own from its first exchange on, so none is up
+    yet and no rank can be waiting at one (they wait for it to come up, as for any rank 0 that never starts)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if world <= 1 or not host or not port or _hosts_store():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=PROBE_SECONDS).close()
+    except (OSError, ValueError):  # not up (or not answering): nobody reads it there now
+        return
+    _write_failure(_interrupt_line(os.environ.get("RANK", "?"), ""), world, CONNECT_SECONDS)
+    _mark(error)
 
 
 def failure_line(error: BaseException, line: str) -> str:

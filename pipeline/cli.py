@@ -167,12 +167,15 @@ def _publish_interrupt(error: BaseException) -> None:
     the exit goes on, not held for the store). Its own line and exit status are unchanged."""
     if _signalled != [signal.SIGINT] or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
-    publish = _loaded("models.collective", "publish_interrupt")  # never imported: this rank watches nothing
-    if publish is None:
-        return
     try:
-        publish(error)
+        # imported here where the rank stopped before its first exchange (the others may wait for it already); not
+        # in the signal's handler, which may land mid-import. models.collective imports torch only to publish.
+        from models.collective import publish_interrupt
+
+        publish_interrupt(error)
     except KeyboardInterrupt:
+        pass
+    except Exception:  # noqa: BLE001 - an install that cannot import what publishing needs: nothing to publish with
         pass
 
 

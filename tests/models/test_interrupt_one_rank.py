@@ -61,3 +61,23 @@ def test_a_ctrl_c_told_in_a_block_is_not_told_again_at_the_top_level(monkeypatch
     store.delete_key(key)
     collective.publish_interrupt(KeyboardInterrupt())  # outside any block: told here
     assert len(writes) == 2 and store.get(key).decode().startswith("rank 1 was stopped by SIGINT (Ctrl-C): what")
+
+
+def test_a_ctrl_c_before_the_ranks_first_exchange_is_published_where_the_store_answers(monkeypatch,
+                                                                                      own_collective) -> None:
+    """A Ctrl-C that stops a launched rank before its own first exchange (it watches nothing yet: loading its
+    config, importing torch), through the CLI's top level (pipeline/cli.py `_publish_interrupt`): published where
+    the launch's store answers (torchrun's agent serves it from the start), so the ranks already waiting for this
+    one at their first exchange stop with its line. Before: nothing was published, and they waited
+    BEFORE_GROUP_SECONDS (30 minutes)."""
+    import signal
+
+    from pipeline import cli
+
+    collective = own_collective
+    store, key, _ = _rank_1_publishing(monkeypatch, collective)
+    monkeypatch.setattr(cli, "_signalled", [signal.SIGINT])
+    assert not collective._state["watching"]
+    cli._publish_interrupt(KeyboardInterrupt())
+    assert store.check([key]), "nothing published"
+    assert store.get(key).decode().startswith("rank 1 was stopped by SIGINT (Ctrl-C): what the ranks committed")
