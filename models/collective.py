@@ -31,6 +31,7 @@ import atexit
 import ipaddress
 import os
 import select
+import signal
 import socket
 import sys
 import threading
@@ -40,6 +41,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 from schemas.errors import UserError
+from schemas.interruptible import received
 
 if TYPE_CHECKING:
     import torch
@@ -426,8 +428,34 @@ def _watch(clients: list, key: str, stop: threading.Event, alive: str | None = N
     except Exception:  # noqa: BLE001 - the store went away meanwhile: the main thread meets the others' exit
         return
     _known_by_all(client, key, _state["world"])  # before the exit: it may end this node's store
+    if received(signal.SIGINT):  # the same Ctrl-C reached this rank (a terminal's, every rank's): its own stop
+        _stopped_here(stop)
+        return
     if report_once(message):
         os._exit(1)  # the main thread may be inside a collective that never returns
+
+
+def _stopped_here(stop: threading.Event) -> None:
+    """The watch thread of a rank that a Ctrl-C reached too, having read another rank's line for the same Ctrl-C
+    (every rank of a terminal's gets it at once; the first to publish names itself): this rank ends as a Ctrl-C
+    ends it, exit 130 with its own line, from its main thread (`stop` is set by its exit). Before, a rank whose
+    main thread had not run its handler yet (inside a collective's C++ call, or simply later) printed the peer's
+    line and exited 1. A main thread still not exiting after CLOSE_SECONDS (a collective that never returns:
+    NCCL's waits for its timeout) is ended here as it would end: its line where no launcher says it, 130."""
+    deadline = time.monotonic() + CLOSE_SECONDS
+    while not stop.wait(POLL_SECONDS):
+        if not threading.main_thread().is_alive():  # the interpreter's exit is under way: its line said
+            return
+        if time.monotonic() > deadline:
+            break
+    else:
+        return
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):  # as the CLI's own line: under torchrun its agent says it
+        cli = sys.modules.get("pipeline.cli")
+        line = cli.stopped_line(sys.argv[1:]) if cli is not None else "stopped by SIGINT (Ctrl-C)"
+        sys.stderr.write(("\n" if _bar_mid_line() else "") + line + "\n")
+        sys.stderr.flush()
+    os._exit(128 + signal.SIGINT)
 
 
 def _unwatched_warning() -> None:
