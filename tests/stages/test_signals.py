@@ -71,12 +71,19 @@ def _main_of(monkeypatch, app) -> int:
 
     monkeypatch.setattr(stop, "EARLIER", [])
     monkeypatch.setattr(stop, "ANNOUNCED", [])
+    # and the signals it records as received (schemas/interruptible.py): this worker's later tests took none
+    from schemas import interruptible
+
+    monkeypatch.setattr(interruptible, "_received", {"fd": None, "seen": set()})
     try:
         with pytest.raises(SystemExit) as stop:
             cli.main()
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+        signal.set_wakeup_fd(-1)
+        if interruptible._received["fd"] is not None:
+            os.close(interruptible._received["fd"])
     return stop.value.code
 
 
