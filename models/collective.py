@@ -31,6 +31,7 @@ import atexit
 import ipaddress
 import os
 import select
+import signal
 import socket
 import sys
 import threading
@@ -40,6 +41,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 from schemas.errors import UserError
+from schemas.interruptible import received
 
 if TYPE_CHECKING:
     import torch
@@ -290,6 +292,7 @@ def watch_failures(world: int) -> None:
     if world <= 1 or _state["watching"]:
         return
     _state["watching"], _state["world"] = True, world
+    forget_store_hosts()  # this run's store: what an earlier one at the same address did says nothing of it
     if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
         return  # a launch naming no store: failures are only agreed on (`together`)
     try:
@@ -314,6 +317,7 @@ def watch_failures(world: int) -> None:
         stop.set()
         watcher.join(timeout=15)
         _count_exit(clients[0], world)
+        forget_store_hosts()  # the run's last use of its store: its canaries closed
 
     atexit.register(_stop_watching)
     _state["stop_watching"], _state["watcher"] = _stop_watching, (stop, watcher)
@@ -424,8 +428,34 @@ def _watch(clients: list, key: str, stop: threading.Event, alive: str | None = N
     except Exception:  # noqa: BLE001 - the store went away meanwhile: the main thread meets the others' exit
         return
     _known_by_all(client, key, _state["world"])  # before the exit: it may end this node's store
+    if received(signal.SIGINT):  # the same Ctrl-C reached this rank (a terminal's, every rank's): its own stop
+        _stopped_here(stop)
+        return
     if report_once(message):
         os._exit(1)  # the main thread may be inside a collective that never returns
+
+
+def _stopped_here(stop: threading.Event) -> None:
+    """The watch thread of a rank that a Ctrl-C reached too, having read another rank's line for the same Ctrl-C
+    (every rank of a terminal's gets it at once; the first to publish names itself): this rank ends as a Ctrl-C
+    ends it, exit 130 with its own line, from its main thread (`stop` is set by its exit). Before, a rank whose
+    main thread had not run its handler yet (inside a collective's C++ call, or simply later) printed the peer's
+    line and exited 1. A main thread still not exiting after CLOSE_SECONDS (a collective that never returns:
+    NCCL's waits for its timeout) is ended here as it would end: its line where no launcher says it, 130."""
+    deadline = time.monotonic() + CLOSE_SECONDS
+    while not stop.wait(POLL_SECONDS):
+        if not threading.main_thread().is_alive():  # the interpreter's exit is under way: its line said
+            return
+        if time.monotonic() > deadline:
+            break
+    else:
+        return
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):  # as the CLI's own line: under torchrun its agent says it
+        cli = sys.modules.get("pipeline.cli")
+        line = cli.stopped_line(sys.argv[1:]) if cli is not None else "stopped by SIGINT (Ctrl-C)"
+        sys.stderr.write(("\n" if _bar_mid_line() else "") + line + "\n")
+        sys.stderr.flush()
+    os._exit(128 + signal.SIGINT)
 
 
 def _unwatched_warning() -> None:
@@ -507,6 +537,19 @@ def _read(clients: list, read: Callable[[object], T]) -> T:
 _canary_lock = threading.Lock()
 
 
+def forget_store_hosts() -> None:
+    """Close this process's canaries (`store_host_gone`) and forget the store hosts it saw gone: the state of one
+    run's store, not of its address for the process life. Called when a run sets up its store (its first exchange,
+    `_before_group_store`; its watch, `watch_failures`) and when it is done with it (`_stop_watching`, at its exit).
+    Before, a host seen gone stayed gone for that address: a later run of a long-lived process (tests; a notebook)
+    given the same port by the next launch found every wait failed at once; and the canaries stayed open."""
+    with _canary_lock:
+        for canary in _state.get("canaries", {}).values():
+            if canary:  # False: none could be made; None: closed already
+                canary.close()
+        _state["canaries"], _state["hosts_gone"] = {}, set()
+
+
 def store_host_gone() -> bool:
     """Whether the process serving the launch's store has ended (rank 0 of a plain env:// launch killed, a node's
     torchrun agent gone), seen without a call through torch's client: a call on a connection its peer closed
@@ -520,11 +563,11 @@ def store_host_gone() -> bool:
     where = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
     if not where[0] or not where[1]:
         return False
-    # per address: the store a launch names (a process's tests name several, one after another)
-    canaries, gone = _state.setdefault("canaries", {}), _state.setdefault("hosts_gone", set())
-    if where in gone:
-        return True
     with _canary_lock:
+        # per address: the store a launch names (a run's: `forget_store_hosts` replaces both)
+        canaries, gone = _state.setdefault("canaries", {}), _state.setdefault("hosts_gone", set())
+        if where in gone:
+            return True
         canary = canaries.get(where)
         if canary is False:  # could not be made: the calls say what they meet, as before
             return False
@@ -818,21 +861,50 @@ def _tell_interrupt(error: BaseException, world: int, what: str) -> None:
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    publish_failure(f"rank {rank} was stopped by SIGINT (Ctrl-C){' in ' + what if what else ''}: what the ranks committed is kept (a "
-                    "run's checkpoints); rerun the same command to continue (`run train`: with --resume)", world)
+    publish_failure(_interrupt_line(rank, what), world)
     _mark(error)
+
+
+def _interrupt_line(rank: int | str, what: str) -> str:
+    return (f"rank {rank} was stopped by SIGINT (Ctrl-C){' in ' + what if what else ''}: what the ranks committed is "
+            "kept (a run's checkpoints); rerun the same command to continue (`run train`: with --resume)")
 
 
 def publish_interrupt(error: BaseException) -> None:
     """A Ctrl-C that stopped this launched rank outside `fails_alone` / `together` (waiting in `arrive_together`, rank
     0 writing a checkpoint alone, an encoder's own loop), told once its exit is under way (the CLI's top level): as
     `_tell_interrupt` does inside them, so the ranks waiting for this one stop at once with its line, where they
-    named it as killed after LOST_SECONDS. Not where it was told already (`agreed`), before this rank's first
-    exchange (it watches nothing: not worth an exit held for a store that may not be up), nor to a store whose host
-    has ended (`store_host_gone`); otherwise bounded as every publish is (`_write_failure`)."""
-    if agreed(error) or not _state["watching"] or store_host_gone():
+    named it as killed after LOST_SECONDS. Not where it was told already (`agreed`), nor to a store whose host
+    has ended (`store_host_gone`); otherwise bounded as every publish is (`_write_failure`). Before this rank's
+    first exchange too (`_publish_unwatched_interrupt`)."""
+    if agreed(error):
+        return
+    if not _state["watching"]:
+        _publish_unwatched_interrupt(error)
+        return
+    if store_host_gone():
         return
     _tell_interrupt(error, _state["world"], "")
+
+
+def _publish_unwatched_interrupt(error: BaseException) -> None:
+    """`publish_interrupt` of a rank stopped before its own first exchange (loading its config, importing torch):
+    the others may wait for it at theirs already, for BEFORE_GROUP_SECONDS (30 minutes) - before, nothing was
+    published. Told where the store answers at once (one probe of its port, PROBE_SECONDS: a Ctrl-C's exit is not
+    held for a store still starting, as `_publish_unwatched` waits for one), through a connect bounded by
+    CONNECT_SECONDS, then the wait every publish makes for the ranks to read it (HOST_WAIT_SECONDS; a second Ctrl-C
+    ends it). Not by rank 0 of a plain env:// launch: the store is its own from its first exchange on, so none is up
+    yet and no rank can be waiting at one (they wait for it to come up, as for any rank 0 that never starts)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if world <= 1 or not host or not port or _hosts_store():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=PROBE_SECONDS).close()
+    except (OSError, ValueError):  # not up (or not answering): nobody reads it there now
+        return
+    _write_failure(_interrupt_line(os.environ.get("RANK", "?"), ""), world, CONNECT_SECONDS)
+    _mark(error)
 
 
 def failure_line(error: BaseException, line: str) -> str:
@@ -1142,6 +1214,7 @@ def _before_group_store(timeout: float):
     multi-tenant as torch's env:// rendezvous makes rank 0's: the process group then serves from this server
     instead of binding MASTER_PORT a second time."""
     if _before["store"] is None:
+        forget_store_hosts()  # a new store (a later run's in this process may have this address)
         # rank 0 of a plain env:// launch serves the store itself; under torchrun the agent does
         if _hosts_store():
             from datetime import timedelta

@@ -10,6 +10,7 @@ import typer
 
 import models.quiet_imports  # noqa: F401  (before any command imports torchao: drops two harmless messages)
 from pipeline import exit_gc
+from schemas.interruptible import note_signal, record_signals
 from pipeline.commands.common import OneLineUsageErrors
 from pipeline.commands import (
     compare,
@@ -83,6 +84,7 @@ def _terminate(signum, frame) -> None:
     # SIGTERM's default kills the process at once: no finally block, no atexit (read leases, locks, temp files
     # stay behind). As SystemExit in the main thread, everything unwinds as on Ctrl-C.
     _signalled.append(signum)
+    note_signal(signum)
     earlier = _loaded("stages.train.stop", "EARLIER")  # the training loop acts on it if this exit is lost
     if earlier is not None:
         earlier.append(signum)
@@ -110,6 +112,7 @@ def _exiting(signum, frame) -> None:
 
 def _interrupt(signum, frame) -> None:
     _signalled.append(signum)
+    note_signal(signum)
     earlier = _loaded("stages.train.stop", "EARLIER")  # as a SIGTERM's: a KeyboardInterrupt a finalizer swallowed
     if earlier is not None:
         earlier.append(signum)
@@ -167,12 +170,15 @@ def _publish_interrupt(error: BaseException) -> None:
     the exit goes on, not held for the store). Its own line and exit status are unchanged."""
     if _signalled != [signal.SIGINT] or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
-    publish = _loaded("models.collective", "publish_interrupt")  # never imported: this rank watches nothing
-    if publish is None:
-        return
     try:
-        publish(error)
+        # imported here where the rank stopped before its first exchange (the others may wait for it already); not
+        # in the signal's handler, which may land mid-import. models.collective imports torch only to publish.
+        from models.collective import publish_interrupt
+
+        publish_interrupt(error)
     except KeyboardInterrupt:
+        pass
+    except Exception:  # noqa: BLE001 - an install that cannot import what publishing needs: nothing to publish with
         pass
 
 
@@ -191,6 +197,9 @@ def main() -> None:  # pragma: no cover
     exit_gc.collect_once_at_exit()  # first: it must run after the atexit work the command registers
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGINT, _interrupt)
+    # any thread may ask whether a signal came, before this handler has run (a launched rank's watch thread: a
+    # Ctrl-C on every rank is each rank's own stop, not a peer's line to end on; models/collective.py)
+    record_signals()
     try:
         app()
     except SystemExit as e:

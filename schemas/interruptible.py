@@ -15,7 +15,9 @@ Here because store/, models/ and stages/ all wait this way, and may all import s
 from __future__ import annotations
 
 import fcntl
+import os
 import queue
+import signal
 import threading
 import time
 from concurrent import futures
@@ -71,3 +73,44 @@ def flock(fd: int) -> None:
         except BlockingIOError:
             time.sleep(pause)
             pause = min(2 * pause, POLL_SECONDS)
+
+
+# ------------------------------------------------------------------------------- which signals reached the process
+
+_received: dict = {"fd": None, "seen": set()}
+_received_lock = threading.Lock()
+
+
+def record_signals() -> None:
+    """From now on `received(signum)` tells any thread, at once, whether SIGNUM reached this process: CPython's C
+    handler writes each signal's number to the wakeup fd the moment the signal lands, on whichever thread, while
+    the Python handler (the CLI's KeyboardInterrupt) runs only once the main thread is back in bytecode - not while
+    it waits in a collective's C++ call. Called once by the CLI's entry point (main thread: `set_wakeup_fd` is
+    refused elsewhere), after its handlers are installed."""
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    with _received_lock:
+        _received["fd"] = read
+
+
+def note_signal(signum: int) -> None:
+    """Record SIGNUM as received (a Python handler's own record: another wakeup fd may have replaced ours)."""
+    with _received_lock:
+        _received["seen"].add(int(signum))
+
+
+def received(signum: int) -> bool:
+    """Whether SIGNUM reached this process since `record_signals` (or a handler's `note_signal`)."""
+    with _received_lock:
+        fd = _received["fd"]
+        while fd is not None:
+            try:
+                data = os.read(fd, 512)
+            except OSError:  # nothing more (BlockingIOError), or closed
+                break
+            if not data:
+                break
+            _received["seen"].update(data)
+        return int(signum) in _received["seen"]

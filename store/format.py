@@ -23,6 +23,16 @@ from typing import Any, BinaryIO, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+# pyarrow imports pandas (where installed) at its first conversion of a Python value - `pc.equal(column, "train")`,
+# `pa.array(rows)`, `pa.scalar(x)` - inside that call, and pyarrow.compute reports any error of it as "TypeError: Got
+# unexpected argument type <class 'str'>". A Ctrl-C landing in that import (0.4-0.6 s on 2 cores; pandas' Cython
+# modules make a SystemError of the KeyboardInterrupt) ended a training's start on "stopped by SIGINT (TypeError while
+# stopping)", from `split_rows`. Imported with the store's code instead, where an error of it is its own.
+try:
+    import pandas  # noqa: F401
+except ImportError:  # not installed: pyarrow does without it
+    pass
+
 from schemas.errors import UserError
 from schemas import interruptible
 from schemas.newer import refuse_newer

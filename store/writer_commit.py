@@ -126,7 +126,9 @@ def discard_version(writer: TableWriter) -> None:
     """The writer's in-progress version removed, then the writer closed (a version with nothing to commit: every
     input rejected, or a stage's rows equal to a complete version's). Renamed aside under the store lock first, as
     `store gc` does, so a kill midway leaves a `.v<N>.gc-deleting` folder that gc finishes, never a half version a
-    rerun would resume; the next run of the table then takes this number, not the one after."""
+    rerun would resume; the next run of the table then takes this number, not the one after. A failed rename is
+    one line (`UserError`): under a launcher the callers run this inside the ranks' agreement (`together`), and
+    every rank stops with that line."""
     from store.gc import DELETING_SUFFIX
 
     vdir = writer.dir
@@ -134,8 +136,24 @@ def discard_version(writer: TableWriter) -> None:
     try:
         with fmt.flock(writer.store.root / fmt.STORE_LOCK):
             shutil.rmtree(gone, ignore_errors=True)
-            os.rename(vdir, gone)
+            try:
+                os.rename(vdir, gone)
+            except OSError as e:
+                raise _not_discarded(writer, e) from e
             fmt.fsync_dir(vdir.parent)
         shutil.rmtree(gone, ignore_errors=True)
     finally:
         writer.close()
+
+
+def _not_discarded(writer: TableWriter, error: OSError) -> UserError:
+    """The line for a version folder `discard_version` could not rename aside (a read-only store, a folder held busy
+    by another host's mount): nothing of it was removed, and it holds no committed data."""
+    from store.io_errors import describe
+
+    what = f"table '{writer.table}' v{writer.version}: its empty version folder"
+    said = describe(error, f"{what} (renamed aside to remove it)", writer.dir.parent)
+    if said is not None:
+        return said
+    return UserError(f"{what} {writer.dir} could not be renamed aside to remove it ({type(error).__name__}: "
+                     f"{error}); nothing is committed there: remove it or run `pipeline store gc`, then rerun")

@@ -200,6 +200,12 @@ def user_errors(output: Path | str | None = None) -> Iterator[None]:
         report_error(failure_line(e, _not_a_folder(name)))
         raise typer.Exit(1) from None
     except Exception as e:  # a full disk / read-only folder missed by a closer handler: still one line
+        import signal
+
+        from schemas.interruptible import received
+
+        if received(signal.SIGINT):  # a Ctrl-C this rank took, made another error by a library's call: the CLI's
+            raise  # main names the stop (130, its own line); not a peer's line of the same Ctrl-C and exit 1
         from models.collective import failure_line, peer_line, rank_error_line
         if (peer := peer_line(e)) is not None:  # another rank's failure (published, or a rank killed) seen here
             report_error(peer)

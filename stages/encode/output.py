@@ -206,19 +206,20 @@ def _completed_meanwhile(job: EncodeJob, several_caches: bool = False, refused: 
     if found is None:
         return False
     mine, job.writer = job.writer, None
-    if job.ranks.rank == 0 and not any(mine.dir.glob("shard-*")):  # the empty folder this run just created
-        # removed while its lock is held: deleted after, a writer of these settings opening in between (another
-        # launch) resumed it and lost it under its feet
-        from store.writer_commit import discard_version
-
-        discard_version(mine)
-    else:
-        mine.close()
     from models.collective import together
 
     # agreed as at the start (plan.open_job): a rank that cannot make the newest version any rank saw current (its
-    # view of a shared folder lags) stops every rank with its line, not itself alone while the others report it
+    # view of a shared folder lags), or rank 0 failing to remove its empty version, stops every rank with its line,
+    # not itself alone while the others go on to wait for it
     with together(job.ranks.world_size, f"{job.summary.stage}: reusing table '{job.summary.table}' v{found}"):
+        if job.ranks.rank == 0 and not any(mine.dir.glob("shard-*")):  # the empty folder this run just created
+            # removed while its lock is held: deleted after, a writer of these settings opening in between (another
+            # launch) resumed it and lost it under its feet
+            from store.writer_commit import discard_version
+
+            discard_version(mine)
+        else:
+            mine.close()
         adopt(job, found)
     return True
 

@@ -61,3 +61,82 @@ def test_a_ctrl_c_told_in_a_block_is_not_told_again_at_the_top_level(monkeypatch
     store.delete_key(key)
     collective.publish_interrupt(KeyboardInterrupt())  # outside any block: told here
     assert len(writes) == 2 and store.get(key).decode().startswith("rank 1 was stopped by SIGINT (Ctrl-C): what")
+
+
+def test_a_ctrl_c_before_the_ranks_first_exchange_is_published_where_the_store_answers(monkeypatch,
+                                                                                      own_collective) -> None:
+    """A Ctrl-C that stops a launched rank before its own first exchange (it watches nothing yet: loading its
+    config, importing torch), through the CLI's top level (pipeline/cli.py `_publish_interrupt`): published where
+    the launch's store answers (torchrun's agent serves it from the start), so the ranks already waiting for this
+    one at their first exchange stop with its line. Before: nothing was published, and they waited
+    BEFORE_GROUP_SECONDS (30 minutes)."""
+    import signal
+
+    from pipeline import cli
+
+    collective = own_collective
+    store, key, _ = _rank_1_publishing(monkeypatch, collective)
+    monkeypatch.setattr(cli, "_signalled", [signal.SIGINT])
+    assert not collective._state["watching"]
+    cli._publish_interrupt(KeyboardInterrupt())
+    assert store.check([key]), "nothing published"
+    assert store.get(key).decode().startswith("rank 1 was stopped by SIGINT (Ctrl-C): what the ranks committed")
+
+
+@pytest.fixture
+def sigint_here(monkeypatch):
+    """A SIGINT that reached this process as a terminal's Ctrl-C reaches every rank: recorded at C level
+    (`schemas.interruptible.record_signals`, the CLI's entry point) before any Python handler acts on it; the
+    handler here does nothing (the test's main thread goes on). Restored after: the record, the handler, the fd."""
+    import os
+    import signal
+
+    from schemas import interruptible
+
+    monkeypatch.setattr(interruptible, "_received", {"fd": None, "seen": set()})
+    handler = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    try:
+        interruptible.record_signals()
+        os.kill(os.getpid(), signal.SIGINT)
+        assert interruptible.received(signal.SIGINT)
+        yield
+    finally:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGINT, handler)
+        os.close(interruptible._received["fd"])
+
+
+def test_a_rank_the_same_ctrl_c_reached_ends_on_its_own_stop_not_a_peers_line(monkeypatch, own_collective,
+                                                                                sigint_here, capsys) -> None:
+    """A Ctrl-C on every rank at once (a terminal's): rank 0 publishes its stop first; this rank's watch thread
+    reads that line before its main thread has acted on its own SIGINT (inside a collective's C++ call, or just
+    later). Before: it printed rank 0's line and ended the process with status 1. Now it counts itself as having
+    read the line and leaves the stop to its main thread (130, its own line); its exit stops the watch. The CLI's
+    handler of any error (`user_errors`) does the same with a library's error made of the Ctrl-C: re-raised for
+    the CLI's main to name the stop, not ended on the peer's line with 1."""
+    import time
+
+    import typer
+
+    from pipeline.commands.common import user_errors
+    from test_launch_devices import TIMEOUT
+
+    collective = own_collective
+    store, key, _ = _rank_1_publishing(monkeypatch, collective)
+    exits: list[int] = []
+    monkeypatch.setattr(collective.os, "_exit", exits.append)
+    peer = collective._interrupt_line(0, "")
+    store.compare_set(key, "", peer)  # rank 0 was first
+    collective.watch_failures(2)
+    deadline = time.monotonic() + TIMEOUT
+    while not store.check([f"{key}/known/1"]):  # the watch thread read it
+        assert time.monotonic() < deadline, "the watch thread never read the published line"
+        time.sleep(0.05)
+    with pytest.raises(RuntimeError):  # not typer.Exit(1) after the peer's line
+        try:
+            with user_errors():
+                raise RuntimeError("Connection closed by peer (a library's call, stopped by the Ctrl-C)")
+        except typer.Exit as e:
+            pytest.fail(f"user_errors ended on exit {e.exit_code}")
+    collective._state["stop_watching"]()  # this rank's exit
+    assert exits == [] and "error:" not in capsys.readouterr().err

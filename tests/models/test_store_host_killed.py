@@ -52,3 +52,41 @@ def test_a_rank_whose_store_host_was_killed_ends_without_torchs_warnings(monkeyp
         host.wait()
     err = capfd.readouterr().err
     assert "[c10d]" not in err and "frame #" not in err, err[-3000:]
+
+
+def test_a_store_seen_gone_is_that_runs_alone_and_its_canary_closed_at_the_end(monkeypatch, own_collective):
+    """A store host seen gone was remembered by address for the process life: a later run of the same process given
+    the same port by its launch (tests; a notebook) found every wait failed at once ("the store's process ended").
+    Now what `store_host_gone` learnt belongs to the run's store: forgotten when a run sets its store up, and its
+    canary closed when the run is done with it (`_stop_watching`). The first store is a plain listening socket
+    that is closed with the canary still in its backlog (a reset: no TIME_WAIT holding the port); the second is
+    torch's, on that port, reached as rank 1 of a torchrun launch."""
+    import socket
+
+    from test_launch_devices import _env
+
+    collective = own_collective
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    port = listener.getsockname()[1]
+    for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in _env(1, port, agent_store=True).items():
+        monkeypatch.setenv(name, value)
+    assert not collective.store_host_gone()  # the canary waits in the listener's backlog: alive
+    listener.close()  # the first run's store host ended
+    assert collective.store_host_gone()
+    from datetime import timedelta
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    collective._before_group_store(TIMEOUT)  # the next run's store, at the same address
+    assert not collective.store_host_gone(), "the next run's store was taken for the first one's, gone"
+    collective.watch_failures(2)
+    assert not collective.store_host_gone()  # its canary made (here, or by the watch thread's first poll)
+    canary = collective._state["canaries"][("127.0.0.1", str(port))]
+    assert canary and canary.fileno() >= 0
+    collective._state["stop_watching"]()  # the run's end
+    assert canary.fileno() == -1, "the canary stayed open after the run"
+    del store

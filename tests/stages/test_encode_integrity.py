@@ -114,3 +114,50 @@ def test_the_empty_version_dropped_for_one_completed_meanwhile_is_never_another_
     assert summary.up_to_date and summary.version == 1
     assert other and (other[0].dir / "schema.json").is_file(), "another writer's version was removed"
     other[0].close()
+
+
+def test_an_empty_version_not_removed_is_one_line_the_ranks_agree_on(tiny_edit_model, edit_store, monkeypatch):
+    """The encoder that finds its table completed meanwhile removes the empty version it opened (rank 0). A rename
+    that fails there (a read-only store, a folder busy on another host's mount) raised its OSError on rank 0 alone,
+    before the ranks' agreement on the adoption: the others went on into it and learnt of the failure only through
+    the CLI's top level. Now the removal runs inside that agreement (`together`, recorded here: the one process of
+    this test is rank 0 of 1) and fails in one line naming the folder."""
+    import contextlib
+    import errno
+
+    import models.collective as collective
+    import store.writer_commit as writer_commit
+    from schemas.errors import UserError
+
+    real_open, armed = EncodeJob.open_writer, []
+
+    def other_process_finishes_first(self, schema, shard_size_mb):
+        if not armed:
+            armed.append(1)
+            encode_vae.run(load_config(None, F32), edit_store, tiny_edit_model)  # v1, complete
+        return real_open(self, schema, shard_size_mb)
+
+    def rename(src, dst):
+        raise OSError(errno.EBUSY, "Device or resource busy", str(src))
+
+    agreed: list[tuple[str, BaseException | None]] = []
+    real_together = collective.together
+
+    @contextlib.contextmanager
+    def together(world, what="", uneven=False):
+        with real_together(world, what, uneven):
+            try:
+                yield
+            except BaseException as e:
+                agreed.append((what, e))
+                raise
+            agreed.append((what, None))
+
+    monkeypatch.setattr(EncodeJob, "open_writer", other_process_finishes_first)
+    monkeypatch.setattr(writer_commit.os, "rename", rename)
+    monkeypatch.setattr(collective, "together", together)
+    with pytest.raises(UserError) as refused:
+        encode_vae.run(load_config(None, F32), edit_store, tiny_edit_model)
+    line = str(refused.value)
+    assert "\n" not in line and "v2: its empty version folder" in line and "pipeline store gc" in line, line
+    assert agreed and agreed[-1][0] == "encode-vae: reusing table 'vae' v1" and agreed[-1][1] is refused.value

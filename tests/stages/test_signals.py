@@ -49,7 +49,9 @@ def test_a_signal_releases_the_read_lease(tiny_edit_model, tmp_path, sig):
         # the CLI's line; or, where the KeyboardInterrupt landed in a finalizer (gc during the start: Python ignores
         # it, twice in CI), the training loop's own after the next step's checkpoint (stages/train/stop.EARLIER);
         # or, where it landed inside a library's call that made another error of it (a TypeError once, during the
-        # start), the CLI's line naming that error (pipeline/cli.py: the signal the cause, everything unwound)
+        # start: pyarrow's lazy import of pandas, now made with the store's code,
+        # tests/store/test_pandas_import_error.py), the CLI's line naming that error (pipeline/cli.py: the signal the
+        # cause, everything unwound)
         lost = re.search(r"stopped by a signal after optimizer step \d+: its checkpoint .* is written", out + err)
         made_other = re.search(r"stopped by SIGINT \(\w+ while stopping\)$", err.rstrip())
         assert lost or made_other or err.rstrip().endswith(
@@ -71,12 +73,19 @@ def _main_of(monkeypatch, app) -> int:
 
     monkeypatch.setattr(stop, "EARLIER", [])
     monkeypatch.setattr(stop, "ANNOUNCED", [])
+    # and the signals it records as received (schemas/interruptible.py): this worker's later tests took none
+    from schemas import interruptible
+
+    monkeypatch.setattr(interruptible, "_received", {"fd": None, "seen": set()})
     try:
         with pytest.raises(SystemExit) as stop:
             cli.main()
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+        signal.set_wakeup_fd(-1)
+        if interruptible._received["fd"] is not None:
+            os.close(interruptible._received["fd"])
     return stop.value.code
 
 

@@ -1,0 +1,47 @@
+"""pyarrow imports pandas lazily, inside its first conversion of a Python value (`split_rows`' `pc.equal(column,
+"train")` at a training's start), and pyarrow.compute reports any error of that import as "TypeError: Got unexpected
+argument type <class 'str'> for compute function". A Ctrl-C landing in the import (pandas' Cython modules make a
+SystemError of the KeyboardInterrupt) ended `run train` on "stopped by SIGINT (TypeError while stopping)" (seen in
+test_signals). The store's code imports pandas itself now (store/format.py), so an error of that import is its own.
+Here a pandas whose import fails as the interrupted one did stands in for the Ctrl-C (no signal, no timing), in a
+process of its own (pyarrow keeps its first try for the process life)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# the column read from a file, as a manifest's: no conversion of a Python value before split_rows' own
+READ = """
+import sys
+import pyarrow.parquet as pq
+try:
+    from store.reader_manifest import split_rows
+    split_rows(pq.ParquetFile(sys.argv[1]).read().column("split"), "train", "t")  # read_table converts one
+    print("NO ERROR")
+except Exception as e:
+    print(f"{type(e).__name__}: {e}")
+"""
+
+
+def test_an_interrupted_pandas_import_is_not_a_type_error_of_a_store_read(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    manifest = tmp_path / "manifest.parquet"
+    pq.write_table(pa.table({"split": ["train", "val", "train"]}), manifest)
+    fake = tmp_path / "fake" / "pandas"
+    fake.mkdir(parents=True)
+    # what the interrupted import raised (its KeyboardInterrupt lost inside pandas' Cython module init)
+    (fake / "__init__.py").write_text("raise SystemError(\"<class 'pandas._libs.tslibs.fields.__pyx_defaults'> "
+                                      "returned a result with an exception set\")\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake.parent), str(REPO)])}
+    out = subprocess.run([sys.executable, "-c", READ, str(manifest)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith("SystemError: <class 'pandas._libs"), line  # not "TypeError: Got unexpected argument"
