@@ -217,10 +217,13 @@ def remote_errors(url: str, action: str, missing: str | None = None) -> Iterator
             raise UserError(f"{action}: the endpoint of {url} is not a valid URL ({_first_line(e)}); check "
                             + (f"AWS_ENDPOINT_URL ({given!r}) or " if given is not None else "")
                             + "-o endpoint_url=...: a URL with its scheme, e.g. http://127.0.0.1:9000") from None
-        if not _is_transport_error(e):
-            raise
-        raise UserError(f"{action}: lost the connection to {url} ({type(e).__name__}: {_first_line(e)}); "
-                        + _hint(url, source=missing is not None)) from None
+        if _is_transport_error(e):
+            raise UserError(f"{action}: lost the connection to {url} ({type(e).__name__}: {_first_line(e)}); "
+                            + _hint(url, source=missing is not None)) from None
+        if _is_aws_config_error(e):
+            raise UserError(f"{action}: the AWS configuration for {url} is unusable ({type(e).__name__}: "
+                            f"{_first_line(e)}); check {_config_hint(url)}") from None
+        raise
 
 
 def _remote_os_error(e: OSError, url: str, action: str, source: bool = False) -> None:
@@ -291,6 +294,30 @@ def lost_version(remote: "Remote", table: str, version: int) -> UserError | None
 def _is_credentials_error(e: BaseException) -> bool:
     # botocore's NoCredentialsError / PartialCredentialsError (by name: botocore is imported only with s3fs)
     return any(c.__name__ in ("NoCredentialsError", "PartialCredentialsError") for c in type(e).__mro__)
+
+
+# botocore's refusals of the AWS configuration it reads before any request (by name, as above; subclasses count)
+_AWS_CONFIG_ERRORS = frozenset((
+    "ProfileNotFound", "ConfigNotFound", "ConfigParseError", "InvalidConfigError", "InvalidRetryConfigurationError",
+    "NoRegionError", "CredentialRetrievalError", "TokenRetrievalError", "SSOError", "UnknownCredentialError",
+    "InvalidS3AddressingStyleError", "InvalidProxiesConfigError"))
+
+
+def _is_aws_config_error(e: BaseException) -> bool:
+    """AWS_PROFILE or `-o profile=` naming a profile that ~/.aws/config and ~/.aws/credentials lack (a node set up
+    without it), a malformed config file, an expired SSO login, a failing credential_process: botocore's traceback
+    of a dozen frames before, on every command."""
+    return any(c.__name__ in _AWS_CONFIG_ERRORS for c in type(e).__mro__)
+
+
+def _config_hint(url: str) -> str:
+    """Where that configuration comes from: the profile named (by `-o profile=` or AWS_PROFILE), else the files."""
+    given = _credentials_from.get(url.rstrip("/"))
+    if given is not None and "profile" in given:
+        return f"{given} and AWS_CONFIG_FILE / AWS_SHARED_CREDENTIALS_FILE (default ~/.aws/config, ~/.aws/credentials)"
+    named = f"AWS_PROFILE={os.environ['AWS_PROFILE']}, " if os.environ.get("AWS_PROFILE") else ""
+    return (f"{named}AWS_CONFIG_FILE / AWS_SHARED_CREDENTIALS_FILE (default ~/.aws/config, ~/.aws/credentials) "
+            "and the other AWS_* variables on this node")
 
 
 def _is_endpoint_error(e: BaseException) -> bool:
