@@ -448,7 +448,19 @@ class Remote:
                 pass
 
     def read(self, rel: str) -> bytes:
-        return self.fs.cat_file(self.path(rel))
+        """The whole object; read again once when it arrived other than the server's checksum of it (botocore's
+        FlexibleChecksumError: damaged on the way), then refused in one line naming it (damaged on the server)."""
+        for attempt in range(2):
+            try:
+                return self.fs.cat_file(self.path(rel))
+            except Exception as e:  # noqa: BLE001
+                if not remote_download.differs_from_server_checksum(e):
+                    raise
+                if attempt:
+                    raise UserError(f"{self.url}/{rel} is damaged: read twice, its bytes differ from the server's own "
+                                    f"checksum of it ({_first_line(e)}); push it again from an intact store, or "
+                                    f"`pipeline store repair {self.url}`") from None
+        raise AssertionError("not reached")
 
     def write(self, rel: str, data: bytes, crc: str | None = None) -> None:
         if self.is_local:
