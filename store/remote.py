@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 from schemas import interruptible
 from schemas.errors import UserError
 from store import remote_download, remote_endpoint, remote_local, remote_upload
-from store.checksum import CHUNK, RunningCrc, SealError, unseal
+from store.checksum import RunningCrc, SealError, unseal
 
 # user metadata recorded on every object we upload to S3: a rerun can tell an object is already there (same size,
 # same CRC32C as the store's checksums.json) from one HEAD request, without reading it back
@@ -470,17 +470,18 @@ class Remote:
 
     def recorded_crc(self, rel: str) -> str | None:
         """The CRC32C recorded with the object at upload (S3 user metadata, a file's xattr); else computed from its
-        bytes."""
+        bytes: on S3 too, for an object another tool uploaded (`aws s3 sync` of a store: no metadata of ours), which
+        was taken for another store's object ("the stores grew apart") by every later push."""
         if self.is_s3:
-            return (self.fs.metadata(self.path(rel)) or {}).get(CRC_META)
-        if self.is_local and (recorded := remote_local.recorded_crc(self.path(rel))) is not None:
+            if (recorded := (self.fs.metadata(self.path(rel)) or {}).get(CRC_META)) is not None:
+                return recorded
+        elif self.is_local and (recorded := remote_local.recorded_crc(self.path(rel))) is not None:
             return recorded
-        if not self.is_local and (native := native_crc32c(self.fs.info(self.path(rel)))) is not None:
+        elif not self.is_local and (native := native_crc32c(self.fs.info(self.path(rel)))) is not None:
             return native  # the server's own CRC32C of the bytes (GCS): a resumed push reads nothing back
         crc = RunningCrc()
-        with self.fs.open(self.path(rel), "rb") as f:
-            while chunk := f.read(CHUNK):
-                crc.update(chunk)
+        for chunk in remote_download.pieces(self.fs, self.path(rel), READ_PIECE, self.is_s3):  # one streamed GET
+            crc.update(chunk)
         return crc.hex()
 
     def upload(self, local: Path, rel: str, crc: str, progress, nbytes: int | None = None) -> bool:
