@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 from schemas import interruptible
 from schemas.errors import UserError
 from store import remote_download, remote_endpoint, remote_local, remote_upload
-from store.checksum import CHUNK, RunningCrc, SealError, unseal
+from store.checksum import RunningCrc, SealError, unseal
 
 # user metadata recorded on every object we upload to S3: a rerun can tell an object is already there (same size,
 # same CRC32C as the store's checksums.json) from one HEAD request, without reading it back
@@ -217,10 +217,13 @@ def remote_errors(url: str, action: str, missing: str | None = None) -> Iterator
             raise UserError(f"{action}: the endpoint of {url} is not a valid URL ({_first_line(e)}); check "
                             + (f"AWS_ENDPOINT_URL ({given!r}) or " if given is not None else "")
                             + "-o endpoint_url=...: a URL with its scheme, e.g. http://127.0.0.1:9000") from None
-        if not _is_transport_error(e):
-            raise
-        raise UserError(f"{action}: lost the connection to {url} ({type(e).__name__}: {_first_line(e)}); "
-                        + _hint(url, source=missing is not None)) from None
+        if _is_transport_error(e):
+            raise UserError(f"{action}: lost the connection to {url} ({type(e).__name__}: {_first_line(e)}); "
+                            + _hint(url, source=missing is not None)) from None
+        if _is_aws_config_error(e):
+            raise UserError(f"{action}: the AWS configuration for {url} is unusable ({type(e).__name__}: "
+                            f"{_first_line(e)}); check {_config_hint(url)}") from None
+        raise
 
 
 def _remote_os_error(e: OSError, url: str, action: str, source: bool = False) -> None:
@@ -291,6 +294,30 @@ def lost_version(remote: "Remote", table: str, version: int) -> UserError | None
 def _is_credentials_error(e: BaseException) -> bool:
     # botocore's NoCredentialsError / PartialCredentialsError (by name: botocore is imported only with s3fs)
     return any(c.__name__ in ("NoCredentialsError", "PartialCredentialsError") for c in type(e).__mro__)
+
+
+# botocore's refusals of the AWS configuration it reads before any request (by name, as above; subclasses count)
+_AWS_CONFIG_ERRORS = frozenset((
+    "ProfileNotFound", "ConfigNotFound", "ConfigParseError", "InvalidConfigError", "InvalidRetryConfigurationError",
+    "NoRegionError", "CredentialRetrievalError", "TokenRetrievalError", "SSOError", "UnknownCredentialError",
+    "InvalidS3AddressingStyleError", "InvalidProxiesConfigError"))
+
+
+def _is_aws_config_error(e: BaseException) -> bool:
+    """AWS_PROFILE or `-o profile=` naming a profile that ~/.aws/config and ~/.aws/credentials lack (a node set up
+    without it), a malformed config file, an expired SSO login, a failing credential_process: botocore's traceback
+    of a dozen frames before, on every command."""
+    return any(c.__name__ in _AWS_CONFIG_ERRORS for c in type(e).__mro__)
+
+
+def _config_hint(url: str) -> str:
+    """Where that configuration comes from: the profile named (by `-o profile=` or AWS_PROFILE), else the files."""
+    given = _credentials_from.get(url.rstrip("/"))
+    if given is not None and "profile" in given:
+        return f"{given} and AWS_CONFIG_FILE / AWS_SHARED_CREDENTIALS_FILE (default ~/.aws/config, ~/.aws/credentials)"
+    named = f"AWS_PROFILE={os.environ['AWS_PROFILE']}, " if os.environ.get("AWS_PROFILE") else ""
+    return (f"{named}AWS_CONFIG_FILE / AWS_SHARED_CREDENTIALS_FILE (default ~/.aws/config, ~/.aws/credentials) "
+            "and the other AWS_* variables on this node")
 
 
 def _is_endpoint_error(e: BaseException) -> bool:
@@ -421,7 +448,19 @@ class Remote:
                 pass
 
     def read(self, rel: str) -> bytes:
-        return self.fs.cat_file(self.path(rel))
+        """The whole object; read again once when it arrived other than the server's checksum of it (botocore's
+        FlexibleChecksumError: damaged on the way), then refused in one line naming it (damaged on the server)."""
+        for attempt in range(2):
+            try:
+                return self.fs.cat_file(self.path(rel))
+            except Exception as e:  # noqa: BLE001
+                if not remote_download.differs_from_server_checksum(e):
+                    raise
+                if attempt:
+                    raise UserError(f"{self.url}/{rel} is damaged: read twice, its bytes differ from the server's own "
+                                    f"checksum of it ({_first_line(e)}); push it again from an intact store, or "
+                                    f"`pipeline store repair {self.url}`") from None
+        raise AssertionError("not reached")
 
     def write(self, rel: str, data: bytes, crc: str | None = None) -> None:
         if self.is_local:
@@ -431,17 +470,18 @@ class Remote:
 
     def recorded_crc(self, rel: str) -> str | None:
         """The CRC32C recorded with the object at upload (S3 user metadata, a file's xattr); else computed from its
-        bytes."""
+        bytes: on S3 too, for an object another tool uploaded (`aws s3 sync` of a store: no metadata of ours), which
+        was taken for another store's object ("the stores grew apart") by every later push."""
         if self.is_s3:
-            return (self.fs.metadata(self.path(rel)) or {}).get(CRC_META)
-        if self.is_local and (recorded := remote_local.recorded_crc(self.path(rel))) is not None:
+            if (recorded := (self.fs.metadata(self.path(rel)) or {}).get(CRC_META)) is not None:
+                return recorded
+        elif self.is_local and (recorded := remote_local.recorded_crc(self.path(rel))) is not None:
             return recorded
-        if not self.is_local and (native := native_crc32c(self.fs.info(self.path(rel)))) is not None:
+        elif not self.is_local and (native := native_crc32c(self.fs.info(self.path(rel)))) is not None:
             return native  # the server's own CRC32C of the bytes (GCS): a resumed push reads nothing back
         crc = RunningCrc()
-        with self.fs.open(self.path(rel), "rb") as f:
-            while chunk := f.read(CHUNK):
-                crc.update(chunk)
+        for chunk in remote_download.pieces(self.fs, self.path(rel), READ_PIECE, self.is_s3):  # one streamed GET
+            crc.update(chunk)
         return crc.hex()
 
     def upload(self, local: Path, rel: str, crc: str, progress, nbytes: int | None = None) -> bool:

@@ -19,6 +19,7 @@ by itself, and only small files travel to rank 0:
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
@@ -37,6 +38,8 @@ from store.writer_open import WORLD_JSON
 if TYPE_CHECKING:
     from store.store import Store
     from store.writer import TableWriter
+
+log = logging.getLogger("store")
 
 #: which remote a cached store copies (written by store/remote_cache.local_store into the cache's store folder)
 SOURCE_URL = "source-url.txt"
@@ -152,6 +155,7 @@ def adopt_uploaded(writer: TableWriter) -> None:
     remote = open_remote(url)
     with remote_errors(url, f"reading rank {writer.rank}'s part of table '{writer.table}' v{writer.version}"):
         listing = _rank_listing(remote, writer.table, writer.version, writer.rank)
+        _drop_orphan_indexes(writer, base, listing)
 
         def adopt(rel: str) -> None:
             name = rel[len(base) + 1:]
@@ -171,6 +175,22 @@ def adopt_uploaded(writer: TableWriter) -> None:
                   dynamic_ncols=True) as bar:
             for _ in each_at_once(adopt, indexes):
                 bar.update()
+
+
+def _drop_orphan_indexes(writer: TableWriter, base: str, listing: dict[str, int]) -> None:
+    """This rank's indexes in the cache whose shard is neither there nor on the remote with the size the index
+    records: adopted by an earlier open, and the remote's copy gone since (a `store gc` removed the incomplete
+    version while no run held it, e.g. that run was killed too). Removed, so their keys are encoded again: kept,
+    they counted as committed and every rerun's upload refused the shard that no one had any more."""
+    for index in sorted(writer.dir.glob(f"{fmt.shard_prefix(writer.rank)}*{INDEX_SUFFIX}")):
+        shard = index.name[: -len(INDEX_SUFFIX)] + ".tar"
+        if (writer.dir / shard).is_file():
+            continue
+        sizes = pq.read_table(index, columns=["shard_nbytes"]).column("shard_nbytes").to_pylist()
+        if not sizes or listing.get(f"{base}/{shard}") != int(sizes[0]):
+            log.warning("%s: its shard is no longer on %s (nor in this cache); its samples are encoded again",
+                        index, writer.remote_url)
+            index.unlink()
 
 
 def commit_remote(writer: TableWriter, allow_empty: bool) -> int:

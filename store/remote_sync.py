@@ -487,37 +487,13 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
         rec, tables, wanted = wanted_versions(_remote_record(remote, listing), url, tables, optional, listing)
         _refuse_lost_current(remote, rec, tables, listing)
         store = Store(dst)
-        plan: list[tuple[str, int, bytes, list[_File]]] = []
-        for rel in sorted(listing):
-            m = _MANIFEST_RE.fullmatch(rel)
-            if not m:
-                continue
-            table, version = m.group(1), int(m.group(2))
-            if tables is not None and (table, version) not in wanted:
-                continue
-            if marker_rel(table, version) in listing:
-                continue
-            if damaged_ok and fmt.damaged_marker(dst, table, version).exists():  # replaced here by a killed repair
-                continue
-            record = _read_checksums(remote, table, version)
-            files = _ordered(table, version, version_files(record, f"{url}/{table}/v{version}/{fmt.CHECKSUMS}"),
-                             record)
-            vdir = fmt.version_dir(dst, table, version)
-            if vdir.exists():
-                if not _same_version(vdir, record, files):
-                    raise _conflict(table, version, url, dst)
-                # repair's working copy keeps what it pulled as it is, for its scan; a version it holds lazily
-                # (opened as an older one by a killed run, current since) is completed all the same
-                if not damaged_ok or is_lazy(vdir):
-                    refill(remote, dst, table, version, files, summary, damaged_ok)
-                summary.present.append(f"{table}/v{version}")
-                continue
-            plan.append((table, version, record, files))
-        total = sum(f.nbytes for *_, files in plan for f in files)
-        with _progress(total, f"pull {url}") as bar:
-            for table, version, record, files in plan:
-                _pull_version(remote, dst, table, version, files, bar, summary, damaged_ok)
-                summary.copied.append(f"{table}/v{version}")
+        versions = _versions_to_pull(listing, tables, wanted, dst, damaged_ok)
+        lease = _hold_pulling(remote, versions, dst)
+        try:
+            _pull_versions(remote, dst, versions, summary, damaged_ok)
+        finally:  # held till every version is copied: a gc meanwhile keeps them
+            if lease is not None:
+                lease.release()
         if fmt.QUARANTINE in listing:
             pull_quarantine(remote, dst, damaged_ok)
         for table, entry in sorted(rec["tables"].items()):
@@ -526,6 +502,75 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
             if fmt.is_complete(fmt.version_dir(dst, table, int(entry["current"]))):
                 store.set_current(table, int(entry["current"]))
     return summary
+
+
+def _versions_to_pull(listing: dict[str, int], tables: list[str] | None, wanted: set[tuple[str, int]], dst: Path,
+                      damaged_ok: bool) -> list[tuple[str, int]]:
+    """The complete versions of the listing a pull copies (or refills): those of `wanted` when `tables` is given,
+    never one `store repair` retired, nor - repair's working copy - one a killed repair replaced in `dst` already."""
+    out = []
+    for rel in sorted(listing):
+        m = _MANIFEST_RE.fullmatch(rel)
+        if not m:
+            continue
+        table, version = m.group(1), int(m.group(2))
+        if tables is not None and (table, version) not in wanted:
+            continue
+        if marker_rel(table, version) in listing:
+            continue
+        if damaged_ok and fmt.damaged_marker(dst, table, version).exists():  # replaced here by a killed repair
+            continue
+        out.append((table, version))
+    return out
+
+
+def _hold_pulling(remote: Remote, versions: list[tuple[str, int]], dst: Path) -> remote_lease.RemoteLease | None:
+    """A read lease naming the versions a pull copies, as every reader of a URL holds one: a `store gc` elsewhere
+    during a pull of hours removed those no longer current from under it (the pull stopped at the first object
+    gone, and its rerun found the version no more). Written before their manifests are looked at again, as
+    store/remote_lease.hold_reading does: one a gc deleted before it could see the lease is refused. None with
+    nothing to copy, or with credentials that may not write (warned; the pull goes on without). Lost (the process
+    paused past its margin), it stops reads of `dst` only."""
+    if not versions:
+        return None
+    try:
+        lease = remote_lease.hold(remote, versions, "store pull", scope=str(dst))
+    except PermissionError as e:
+        log.warning("%s: no read lease (%s); a `store gc` meanwhile could remove versions this pull copies",
+                    remote.url, e)
+        return None
+    if gone := [f"{t} v{v}" for t, v in versions if not remote.exists(f"{t}/v{v}/{fmt.MANIFEST}")]:
+        lease.release()
+        raise UserError(f"{remote.url}: {gone[0]} was removed (by `store gc`) while this pull listed it; rerun to "
+                        "copy what is there now")
+    return lease
+
+
+def _pull_versions(remote: Remote, dst: Path, versions: list[tuple[str, int]], summary: SyncSummary,
+                   damaged_ok: bool) -> None:
+    """Each version into `dst`: a copy there already is checked to be the same and refilled, the others fetched."""
+    url = remote.url
+    plan: list[tuple[str, int, bytes, list[_File]]] = []
+    for table, version in versions:
+        record = _read_checksums(remote, table, version)
+        files = _ordered(table, version, version_files(record, f"{url}/{table}/v{version}/{fmt.CHECKSUMS}"),
+                         record)
+        vdir = fmt.version_dir(dst, table, version)
+        if vdir.exists():
+            if not _same_version(vdir, record, files):
+                raise _conflict(table, version, url, dst)
+            # repair's working copy keeps what it pulled as it is, for its scan; a version it holds lazily
+            # (opened as an older one by a killed run, current since) is completed all the same
+            if not damaged_ok or is_lazy(vdir):
+                refill(remote, dst, table, version, files, summary, damaged_ok)
+            summary.present.append(f"{table}/v{version}")
+            continue
+        plan.append((table, version, record, files))
+    total = sum(f.nbytes for *_, files in plan for f in files)
+    with _progress(total, f"pull {url}") as bar:
+        for table, version, record, files in plan:
+            _pull_version(remote, dst, table, version, files, bar, summary, damaged_ok)
+            summary.copied.append(f"{table}/v{version}")
 
 
 def _refuse_lost_current(remote: Remote, rec: dict[str, Any], tables: list[str] | None,

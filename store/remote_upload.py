@@ -81,6 +81,7 @@ def s3_create(fs: Any, path: str, local: Path, progress: Any, meta: dict[str, An
     """Create object `path` from `local` unless it exists (False then, nothing written); `expect` (nbytes, crc):
     refused with `Mismatch` when the bytes read are not those, nothing visible."""
     bucket, key, _ = fs.split_path(path)
+    _rewind_on_every_try(fs, bucket)
     with open(local, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if expect is not None and size != expect[0]:
@@ -133,6 +134,30 @@ class _Sent:
         if self.now > self.counted:
             self.progress.update(self.now - self.counted)
             self.counted = self.now
+
+
+def _rewind_body(params: dict[str, Any], **_: Any) -> None:
+    """botocore's hook at the start of every API call: the request's body from its first byte (ours always start
+    there). s3fs's own loop of tries (store/remote.S3FS_TRIES, after botocore's AWS_MAX_ATTEMPTS: a server throttling
+    with 503 SlowDown, a connection lost once the body was sent) calls again with the same BytesIO, which the try
+    before had read to its end: botocore took its length from there, 0, and the server created an empty object (or
+    an empty last part, a truncated object) counted as sent; the commit's look refused it as another store's."""
+    body = params.get("Body")
+    if hasattr(body, "seek"):
+        body.seek(0)
+
+
+def _rewind_on_every_try(fs: Any, bucket: str) -> None:
+    """`_rewind_body` on the client s3fs sends this bucket's requests with (once per client: `unique_id`)."""
+    from fsspec.asyn import sync
+
+    async def client() -> Any:
+        await fs.set_session()
+        return await fs.get_s3(bucket)
+
+    events = sync(fs.loop, client).meta.events
+    for operation in ("PutObject", "UploadPart"):
+        events.register(f"before-parameter-build.s3.{operation}", _rewind_body, unique_id=f"rewind-{operation}")
 
 
 def _head(fs: Any, bucket: str, key: str) -> bool:

@@ -24,8 +24,8 @@ ANSWERS = {"slow": (503, SLOW_DOWN), "conflict": (409, CONFLICT)}
 
 class FaultProxy:
     def __init__(self, upstream: str, fault: Callable[[str, str], str | None]) -> None:
-        """`fault(method, path)`: None (relay), "slow" (503 SlowDown), "conflict" (409 ConditionalRequestConflict)
-        or "cut" (half the body, then close)."""
+        """`fault(method, path)`: None (relay), "slow" (503 SlowDown), "conflict" (409 ConditionalRequestConflict),
+        "cut" (half the body, then close) or "flip" (one bit of the body flipped, the server's headers kept)."""
         target = urlsplit(upstream)
         proxy = self
         self.faults: list[tuple[str, str, str]] = []
@@ -67,6 +67,9 @@ class FaultProxy:
                     self.wfile.flush()
                     self.close_connection = True
                     return
+                if how == "flip" and len(data) > 1:  # one bit of the body flipped in transit, headers as sent
+                    proxy.faults.append((how, self.command, self.path))
+                    data = data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 1]) + data[len(data) // 2 + 1:]
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)

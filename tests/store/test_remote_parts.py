@@ -472,3 +472,36 @@ def test_a_version_that_would_be_empty_leaves_nothing_on_the_remote(s3_env, tmp_
     assert _objects(s3_env, "empty/.leases") == []  # every push lease released
     assert not (tmp_path / "node0" / "vae" / "v1").exists()
     assert not list((tmp_path / "node0" / "vae").glob(".v1*"))
+
+def test_a_node_whose_adopted_part_was_collected_since_encodes_it_again(s3_env, tmp_path) -> None:
+    """A replaced node's rank adopts the indexes of its part on the remote (the shards stay there); that run is
+    killed too (spot instances), and a `store gc` meanwhile removes the incomplete version, which no live run holds.
+    Before, every rerun skipped those keys (their adopted indexes were in the cache) and refused the upload of
+    shards neither the cache nor the remote had ("... remove the incomplete version on the remote (`pipeline store
+    gc`) and rerun": the advice already followed, for ever). Now the open drops such indexes: their keys are
+    encoded again, and the version commits whole."""
+    import shutil
+
+    from store.remote_gc import collect
+
+    url = s3_env.url("regc")
+    first = _writer(tmp_path / "node1", url, 1)
+    first.finish_rank()  # rank 1's part is on the remote; then its node is replaced
+    first.close()
+    shutil.rmtree(tmp_path / "node1")
+    adopted = Store(tmp_path / "node1-new").writer("vae", vae_schema(), rank=1, world_size=2, shard_size_mb=0.02,
+                                                    version=1, remote_url=url)
+    assert adopted.done_keys and not list(adopted.dir.glob("*.tar"))  # the indexes alone came
+    adopted.close()  # killed before its upload
+    collect(url, grace_s=0, echo=lambda line: None)  # no live run: the incomplete version goes
+    assert not _objects(s3_env, "regc")
+
+    again = _writer(tmp_path / "node1-new", url, 1)
+    assert len(again.done_keys) == 0  # what the remote lost is encoded again
+    again.finish_rank()
+    again.close()
+    assert _writer(tmp_path / "node0", url, 0).commit() == 1
+    pulled = tmp_path / "pulled"
+    pull(url, pulled)
+    assert Store(pulled).reader("vae").keys() == sorted(key_of(i) for i in range(N))
+    assert verify_store(pulled, progress=False) == []
