@@ -185,10 +185,14 @@ def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]
     applied = 1
     try:
         orientation = im.getexif().get(0x0112, 1)
-        if orientation not in (None, 1):
+        if isinstance(orientation, int) and 2 <= orientation <= 8:
             im = ImageOps.exif_transpose(im)
             notes.append(f"EXIF orientation {orientation} applied")
-            applied = orientation if orientation in range(2, 9) else 1
+            applied = orientation
+        elif orientation not in (None, 1):
+            # 0 ("undefined", which some phones write) or 9: exif_transpose leaves the pixels as stored; noted
+            # "applied" before, a rotation counted in the summary that no pixel had
+            notes.append(f"EXIF orientation {orientation!r} is not one of 1-8: ignored")
     except Exception:  # noqa: BLE001 - a corrupt EXIF block: keep the pixels as stored, say so
         notes.append("EXIF unreadable, orientation ignored")
     return im, notes, applied
