@@ -53,7 +53,8 @@ class TarIndex:
     offsets, not by streaming the tar up to them (one stream a sample read again). A source whose members the
     reader would refuse (a link, a name twice, one over resize.max_file_bytes) or that runs twice, and every source
     once the tar is not the one walked (its size, mtime, ctime or inode changed: its offsets would name other
-    bytes): None (read as before, streamed)."""
+    bytes): None (read as before, streamed). Held: ~850 B a sample (100k samples of 3 members: 81 MiB; 26 s to
+    walk on this 2-core machine under load), one tar at a time."""
 
     def __init__(self, tar: str, max_file_bytes: int) -> None:
         self.tar, self._max = tar, max_file_bytes
@@ -70,7 +71,8 @@ class TarIndex:
         runs: dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None] = {}
         last = None
         with tarfile.open(self.tar, mode="r:") as tf:  # uncompressed: seeks header to header
-            for m in tf:
+            while (m := tf.next()) is not None:
+                tf.members.clear()  # tarfile keeps every header it met (~1 KB each): the offsets are kept here
                 if m.isdir() or dot_member(m.name):
                     continue
                 key, ext = _split_member(m.name)
