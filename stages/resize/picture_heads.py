@@ -19,7 +19,7 @@ from pathlib import Path
 from stages.resize.first_read import file_stamp
 from stages.resize.header_checks import Heads, Reader
 from stages.resize.sources import SourceSample, _printable_names, _reread_tar, _sample_from_members, _split_member, \
-    dot_member, printable
+    dot_member, printable, tar_headers
 
 
 def read_first(path: str | Path, n: int, offset: int = 0, size: int | None = None) -> bytes:
@@ -71,8 +71,7 @@ class TarIndex:
         runs: dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None] = {}
         last = None
         with tarfile.open(self.tar, mode="r:") as tf:  # uncompressed: seeks header to header
-            while (m := tf.next()) is not None:
-                tf.members.clear()  # tarfile keeps every header it met (~1 KB each): the offsets are kept here
+            for m in tar_headers(tf):
                 if m.isdir() or dot_member(m.name):
                     continue
                 key, ext = _split_member(m.name)

@@ -478,6 +478,14 @@ def _reread_folder(name: str, source: str, f: _FolderFiles, max_file_bytes: int)
 # ---------------------------------------------------------------- webdataset
 
 
+def tar_headers(tf: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
+    """Each member's header in order, none kept: a TarFile keeps every header it met (~1 KB each), GBs for a tar of
+    a million samples (a folder dataset put in one `.tar`) read whole; webdataset's reader lets them go alike."""
+    while (m := tf.next()) is not None:
+        tf.members.clear()
+        yield m
+
+
 def _split_member(name: str) -> tuple[str, str]:
     """webdataset's rule: key = path up to the first dot of the base name, suffix = the rest (lowercased)."""
     d, _, base = name.rpartition("/")
@@ -650,7 +658,7 @@ def _tar_samples(tar: str, tf: tarfile.TarFile, stream: Any, max_file_bytes: int
     at, failed = -1, None  # the header offset of the last member met; the local read error that ended the stream
     try:
         with tf:
-            for m in tf:
+            for m in tar_headers(tf):
                 at = m.offset
                 if m.isdir() or dot_member(m.name):
                     continue
@@ -713,7 +721,7 @@ def _unread_rest(tar: str, after: int, key: str | None, done: Done, error: OSErr
     last = key
     try:
         with tarfile.open(tar, mode="r:") as tf:  # uncompressed: seeks header to header, member data unread
-            for m in tf:
+            for m in tar_headers(tf):
                 if m.offset <= after or m.isdir() or dot_member(m.name):
                     continue
                 k = _split_member(m.name)[0]

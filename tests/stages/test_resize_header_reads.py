@@ -141,3 +141,27 @@ def test_a_tar_rewritten_after_its_walk_is_read_by_streaming_not_at_its_old_offs
     _tar(tmp_path / "src", {"s1": pictures["s1"], "s0": pictures["s0"]})
     assert index.heads(f"{tar}:s1") is None
     assert index.sample(f"{tar}:s1").target == pictures["s1"][0]
+
+
+def test_a_tar_read_whole_keeps_no_header_of_its_members(monkeypatch, tmp_path):
+    """tarfile remembers every header it meets (~1 KB each): a tar of a million samples (a folder dataset put in one
+    `.tar`) held GBs of them while streamed, and again while counted for the bar. Each header is let go once read:
+    at most the one being read is held, however many members."""
+    from stages.resize.source_count import count_samples
+
+    _tar(tmp_path / "src", {f"s{i}": [b"not a picture"] for i in range(40)})  # 80 members
+    held = []
+    real_next = tarfile.TarFile.next
+
+    def next_header(self):
+        held.append(len(self.members))
+        return real_next(self)
+
+    monkeypatch.setattr(tarfile.TarFile, "next", next_header)
+    tar = str(tmp_path / "src" / "a.tar")
+    assert count_samples(tar, "webdataset") == 40
+    assert len(list(sources.iter_webdataset(tar))) == 40
+    assert len(held) > 160 and max(held) <= 1
+    held.clear()
+    assert len(picture_heads.TarIndex(tar, 1 << 30).heads(f"{tar}:s3").controls) == 0
+    assert len(held) > 80 and max(held) <= 1
