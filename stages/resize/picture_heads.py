@@ -64,7 +64,10 @@ class TarIndex:
     def _run(self, source: str) -> tuple[str, str, dict[str, tuple[int, int]]] | None:
         if self._runs is None:
             self._stamp = file_stamp(self.tar)
-            self._runs = self._walk()
+            try:
+                self._runs = self._walk()
+            except (OSError, tarfile.TarError, EOFError):  # each sample streamed instead, which names the error
+                self._runs = {}
         return self._runs.get(source) if self._stamp is not None and file_stamp(self.tar) == self._stamp else None
 
     def _walk(self) -> dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None]:

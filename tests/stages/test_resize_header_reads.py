@@ -165,3 +165,17 @@ def test_a_tar_read_whole_keeps_no_header_of_its_members(monkeypatch, tmp_path):
     held.clear()
     assert len(picture_heads.TarIndex(tar, 1 << 30).heads(f"{tar}:s3").controls) == 0
     assert len(held) > 80 and max(held) <= 1
+
+
+def test_a_carried_tar_whose_headers_do_not_read_is_streamed_for_its_samples(tmp_path):
+    """A walk that fails (a header cut, a read error) gives no offsets: each sample is read by streaming, which
+    quarantines what it cannot read as a fresh run does, instead of the run stopping on tarfile's error."""
+    pictures = {"s0": [_png(20)], "s1": [_png(21)]}
+    _tar(tmp_path / "src", pictures)
+    tar = tmp_path / "src" / "a.tar"
+    data = tar.read_bytes()
+    tar.write_bytes(data[:512 + len(pictures["s0"][0]) + 100])  # cut in s0's caption header
+    index = picture_heads.TarIndex(str(tar), 1 << 30)
+    assert index.heads(f"{tar}:s1") is None
+    again = index.sample(f"{tar}:s1")
+    assert again.target is None and "no longer in" in again.problem
