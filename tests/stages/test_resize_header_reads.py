@@ -192,3 +192,34 @@ def test_a_carried_tar_whose_headers_do_not_read_is_streamed_for_its_samples(tmp
     assert index.heads(f"{tar}:s1") is None
     again = index.sample(f"{tar}:s1")
     assert again.target is None and "no longer in" in again.problem
+
+
+def test_a_carried_tar_whose_samples_became_copies_is_not_streamed_once_a_sample(monkeypatch, tmp_path):
+    """A tar added before a carried one (sorted first) holding copies of its samples makes each of them a duplicate,
+    judged from its bytes: read by its members' offsets, not by streaming the tar up to it once per sample (a tar
+    of n samples was read ~n/2 times whole). The quarantine is a fresh run's."""
+    cfg = load_config(None, SMALL)
+    pictures = {f"s{i}": [_png(30 + i)] for i in range(4)}
+    src = tmp_path / "src"
+    src.mkdir()
+    with tarfile.open(src / "b.tar", "w", format=tarfile.USTAR_FORMAT) as tf:
+        for stem, (data,) in pictures.items():
+            for ext, member in (("png", data), ("txt", f"edit {stem}".encode())):
+                info = tarfile.TarInfo(f"{stem}.{ext}")
+                info.size = len(member)
+                tf.addfile(info, io.BytesIO(member))
+    resize_stage.run(cfg, src, tmp_path / "store")
+    (src / "a.tar").write_bytes((src / "b.tar").read_bytes())  # the same samples, listed first now
+
+    streamed = []
+    real_open = sources.open_shard
+    monkeypatch.setattr(sources, "open_shard", lambda url: streamed.append(url) or real_open(url))
+    rerun = resize_stage.run(cfg, src, tmp_path / "store")
+    assert (rerun.written, rerun.quarantined["duplicate"]) == (0, 4)
+    assert streamed.count(str(src / "b.tar")) == 0  # 4 before: one stream a copy
+    resize_stage.run(cfg, src, tmp_path / "fresh")
+    from store import Store
+
+    def quarantine(store):
+        return sorted((r["reason"], r["source"], r["detail"]) for r in Store(store).quarantine().to_pylist())
+    assert quarantine(tmp_path / "store") == quarantine(tmp_path / "fresh")
