@@ -29,6 +29,7 @@ import io
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 from PIL import Image, ImageCms, ImageOps, PngImagePlugin, UnidentifiedImageError
@@ -184,10 +185,14 @@ def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]
     applied = 1
     try:
         orientation = im.getexif().get(0x0112, 1)
-        if orientation not in (None, 1):
+        if isinstance(orientation, int) and 2 <= orientation <= 8:
             im = ImageOps.exif_transpose(im)
             notes.append(f"EXIF orientation {orientation} applied")
-            applied = orientation if orientation in range(2, 9) else 1
+            applied = orientation
+        elif orientation not in (None, 1):
+            # 0 ("undefined", which some phones write) or 9: exif_transpose leaves the pixels as stored; noted
+            # "applied" before, a rotation counted in the summary that no pixel had
+            notes.append(f"EXIF orientation {orientation!r} is not one of 1-8: ignored")
     except Exception:  # noqa: BLE001 - a corrupt EXIF block: keep the pixels as stored, say so
         notes.append("EXIF unreadable, orientation ignored")
     return im, notes, applied
@@ -248,15 +253,16 @@ def _check_png_chunks(data: bytes, im: Image.Image) -> None:
     chunks.verify()
 
 
-def has_transparent_colour(data: bytes) -> bool:
+def has_transparent_colour(data: bytes | IO[bytes]) -> bool:
     """Would `decode_image` take a transparent colour of this picture as alpha (`_colour_keyed`)? From its header
     alone (Pillow's open reads a PNG's chunks up to its image data, tRNS among them; no pixel is decoded): what a
     rerun of a store rendered before revision 4 reads to carry a sample instead of rendering it again. True where
-    the header does not read (the render judges it)."""
+    the header does not read (the render judges it). `data`: the bytes, or a file of them (header_checks.py reads
+    its first bytes only)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
-            with Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS) as im:
+            with Image.open(io.BytesIO(data) if isinstance(data, bytes) else data, formats=ALLOWED_FORMATS) as im:
                 return _header_colour_key(im) is not None
         except Exception:  # noqa: BLE001 - any header problem: rendered, which says what it is
             return True

@@ -7,19 +7,100 @@
   earlier revision (`colour_checked`) is carried only when none of its target and controls has one
   (features.decode.has_transparent_colour; a mask's is not read as alpha). A row with one is rendered again.
 
-Such a sample is never carried unread (`unread_ok`): a folder or JSONL source reads its files, a webdataset or
-parquet source its tar or file whole (known_sources.py, known_tars.py). Rendering every row of a revision-3 store
-again cost what its first build cost (80-250 ms a sample); reading a header is the file read plus
-~10-20 µs (a 1024x1024 PNG 12 µs, JPEG 21 µs; their decode alone 23 and 8 ms).
+A sample whose files are unchanged (known_sources.py, known_tars.py) is checked from the first bytes of each picture
+(`Heads`: a folder or JSONL source's files, a carried local tar's members by their offsets), FIRST_READ at first
+and 4x more while the header goes on past them (`from_header`): a PNG's chunks before its image data, a JPEG's
+markers up to its first scan. Before, each picture was read whole for its header: a revision-3 store of 1M
+samples of ~1.5 MB pictures read terabytes. Only a sample the check selects is read whole (to render it). A
+parquet source's cells have no prefix to read (its pages are compressed whole): a file holding a sample to check
+is read whole once, as before. Rendering every row of a revision-3 store again cost what its first build cost
+(80-250 ms a sample); reading a header is ~10-20 µs more than its read (a 1024x1024 PNG 12 µs, JPEG 21 µs).
 """
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any, Callable, TypeVar
 
 from features.decode import has_transparent_colour
 from stages.resize.pixel_limit import PixelLimit
+
+T = TypeVar("T")
+# a PNG's IHDR, an ICC profile and tRNS, a JPEG's EXIF and ICC segments mostly fit: one read a picture
+FIRST_READ = 64 * 1024
+Reader = Callable[[int], bytes]  # a picture's first n bytes (fewer: the whole file)
+
+
+class _PastPrefix(BaseException):
+    """A header parse asked for bytes past those read. A BaseException: Pillow's plugins and the checks' own
+    `except Exception` would take it for a damaged header and answer from the cut bytes."""
+
+
+class _Prefix(io.BytesIO):
+    """A file's first bytes: reading (or seeking from the end) past them raises _PastPrefix, unless they are all."""
+
+    def __init__(self, data: bytes, whole: bool) -> None:
+        super().__init__(data)
+        self._size, self._whole = len(data), whole
+
+    def _wants(self, n: int | None) -> None:
+        if not self._whole and (n is None or n < 0 or self.tell() + n > self._size):
+            raise _PastPrefix
+
+    def read(self, n: int | None = -1) -> bytes:
+        self._wants(n)
+        return super().read(n)
+
+    def read1(self, n: int = -1) -> bytes:
+        self._wants(n)
+        return super().read1(n)
+
+    def readinto(self, b: Any) -> int:
+        self._wants(len(b))
+        return super().readinto(b)
+
+    def readline(self, n: int | None = -1) -> bytes:
+        line = super().readline(n)
+        if not self._whole and not line.endswith(b"\n") and (n is None or n < 0 or len(line) < n):
+            raise _PastPrefix
+        return line
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence == 2 and not self._whole:
+            raise _PastPrefix
+        return super().seek(pos, whence)
+
+
+def from_header(read_first: Reader, judge: Callable[[IO[bytes]], T]) -> T:
+    """`judge` of a picture file given its first bytes: the answer it gives of the whole file, from FIRST_READ
+    bytes, 4x more each time the parse goes on past them."""
+    n = FIRST_READ
+    while True:
+        data = read_first(n + 1)  # one byte more tells whether these are all
+        try:
+            return judge(_Prefix(data[:n], whole=len(data) <= n))
+        except _PastPrefix:
+            n *= 4
+
+
+def whole(data: bytes | None) -> Reader:
+    """The reader of bytes read whole (a sample read anyway)."""
+    return lambda n: (data or b"")[:n]
+
+
+@dataclass(frozen=True)
+class Heads:
+    """A sample's pictures, each as a reader of its first bytes."""
+
+    target: Reader
+    controls: tuple[Reader, ...]
+    mask: Reader | None
+
+
+def heads_of(rec: Any) -> Heads:
+    """The pictures of a sample read whole."""
+    return Heads(whole(rec.target), tuple(whole(c) for c in rec.controls), None if rec.mask is None else whole(rec.mask))
 
 
 @dataclass
@@ -27,12 +108,23 @@ class HeaderChecks:
     limit: PixelLimit
     colour_checked: set[str] = field(default_factory=set)  # keys rendered before revision 4 (module doc)
 
-    def unread_ok(self, key: str) -> bool:
-        """May the sample be carried without reading its bytes?"""
-        return key not in self.colour_checked and self.limit.unread_ok(key)
+    def unread_ok(self, key: str, heads: Callable[[], Heads | None] | None = None) -> bool:
+        """May the sample be carried without reading its bytes whole? `heads`: its pictures' first bytes, to
+        check them from where the row cannot tell (None, or giving None: they cannot be read so)."""
+        if key not in self.colour_checked and self.limit.unread_ok(key):
+            return True
+        try:
+            got = heads() if heads is not None else None
+            return got is not None and self.heads_fit(key, got)
+        except OSError:  # read whole instead, which names the error
+            return False
 
     def fits(self, key: str, rec: Any) -> bool:
         """May the read sample `rec` be carried (its headers say it renders as its row says)?"""
-        if not self.limit.fits(key, rec):
+        return self.heads_fit(key, heads_of(rec))
+
+    def heads_fit(self, key: str, heads: Heads) -> bool:
+        if not self.limit.fits(key, (heads.target, *heads.controls, *([heads.mask] if heads.mask else []))):
             return False
-        return key not in self.colour_checked or not any(has_transparent_colour(b) for b in (rec.target, *rec.controls))
+        return key not in self.colour_checked or \
+            not any(from_header(r, has_transparent_colour) for r in (heads.target, *heads.controls))

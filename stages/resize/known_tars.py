@@ -18,10 +18,11 @@ with `known` (the stage judges them by their recorded key, control count and mas
 not the tar's: within one such tar every key is distinct (rows of one table), so only the tars' order matters,
 which is kept. Nothing is carried under a lower resize.max_file_bytes than recorded (a member now over it is
 refused by the reader). A sample the stage must judge from its bytes after all (a copy of a key met in an earlier tar)
-is read from its tar alone (`reread`, sources.py). Not carried: tars at URLs (no file-hash cache row), a tar
-whose name is not UTF-8, one unreadable now or not a regular file; a tar one of whose samples a lowered
-resize.max_image_pixels must check from its bytes (pixel_limit.py): streamed once, not re-read per sample; every
-tar of a note written by another revision of the tar reader's rules (`READER`).
+is read from its tar alone, by its members' offsets (`reread`, picture_heads.TarIndex); one whose headers must be
+checked (a lowered resize.max_image_pixels, a transparent colour since revision 4: header_checks.py) from its
+members' first bytes, and read whole only when they select it. Not carried: tars at URLs (no file-hash cache row),
+a tar whose name is not UTF-8, one unreadable now or not a regular file; every tar of a note written by another
+revision of the tar reader's rules (`READER`).
 
 A local parquet source's files are judged by the same rules (`parquet_kind`, note `source-parquet`): an unchanged
 file, every row of it a row, is not read beyond its footer (parquet_source.iter_parquet checks each file's columns
@@ -75,6 +76,9 @@ class Kind:
     reader_revision: int | None = None  # None: the tar reader's `READER`, as it is when read
     settings: dict | None = None  # recorded; a note with other ones carries nothing
     urls: bool = False  # files at URLs judged too, by their size and content tag (`KnownTars.identity`)
+    # a sample's pictures' first bytes are read by their offsets for its header checks (a tar's members:
+    # picture_heads.TarIndex); a parquet cell's are not (its page is compressed whole): its file is read whole
+    heads: bool = True
 
     @property
     def reader(self) -> int:
@@ -82,7 +86,7 @@ class Kind:
 
 
 def parquet_kind(columns: Any) -> Kind:
-    return Kind(PARQUET_NOTE, PARQUET_READER, {"columns": columns.model_dump(mode="json")}, urls=True)
+    return Kind(PARQUET_NOTE, PARQUET_READER, {"columns": columns.model_dump(mode="json")}, urls=True, heads=False)
 
 
 class KnownTars:
@@ -141,8 +145,9 @@ class KnownTars:
 def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, max_file_bytes: int,
                header_checks: PixelLimit | HeaderChecks | None = None, kind: Kind = Kind()) -> KnownTars:
     """The tars (`kind`: or parquet files) recorded with the newest complete `images` version and unchanged now,
-    with their offered rows (none of a file holding a sample `header_checks` must check from its bytes: a lowered
-    pixel limit, a transparent colour since revision 4, header_checks.py)."""
+    with their offered rows (none of a parquet file holding a sample `header_checks` must check from its bytes: a
+    lowered pixel limit, a transparent colour since revision 4, header_checks.py; a tar's are checked from its
+    members' first bytes, the tar carried)."""
     import pyarrow.compute as pc
 
     from schemas import UserError
@@ -177,8 +182,8 @@ def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, m
         for key, source, n, mask in zip(batch.column("key").to_pylist(), batch.column("source").to_pylist(),
                                         n_hashes, batch.column("mask_sha256").to_pylist()):
             tar = _tar_of(source, unchanged) if isinstance(source, str) else None
-            if tar is not None and header_checks is not None and not header_checks.unread_ok(key):
-                read_whole.add(tar)  # read whole once, its samples judged from their bytes (not one re-read a sample)
+            if tar is not None and not kind.heads and header_checks is not None and not header_checks.unread_ok(key):
+                read_whole.add(tar)  # read whole once, its samples judged from their bytes (not one re-read a row)
             elif tar is not None and n and mask is not None and rendered_before.get(key) == mask:
                 by_tar.setdefault(tar, []).append(i)
             i += 1

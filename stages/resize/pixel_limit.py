@@ -14,14 +14,14 @@ rejects it: `image-too-large` (`bad-mask` for a mask) naming the first such file
 
 from __future__ import annotations
 
-import io
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Iterable
 
 from PIL import Image
 
 if TYPE_CHECKING:
+    from stages.resize.header_checks import Reader
     from store import Store
 
 TABLE = "images"
@@ -39,12 +39,11 @@ class PixelLimit:
         got = self.recheck.get(key)
         return got is None or (got[0] <= self.limit and not got[1])
 
-    def fits(self, key: str, rec: Any) -> bool:
-        """Is every image of the read sample `rec` (target, controls, mask) within the limit?"""
-        if key not in self.recheck:
-            return True
-        images = (rec.target, *rec.controls, *([rec.mask] if rec.mask is not None else []))
-        return all(_pixels(data) <= self.limit for data in images)
+    def fits(self, key: str, pictures: Iterable[Reader]) -> bool:
+        """Is every image of the sample (target, controls, mask: readers of their first bytes) within the limit?"""
+        from stages.resize.header_checks import from_header
+
+        return key not in self.recheck or all(from_header(r, picture_pixels) <= self.limit for r in pictures)
 
 
 def pixel_limit(st: Store, limit: int) -> PixelLimit:
@@ -109,15 +108,13 @@ def _area(size: object) -> float:
     return float("inf")
 
 
-def _pixels(data: bytes | None) -> float:
+def picture_pixels(fp: IO[bytes]) -> float:
     """width x height from the header alone; infinite where it cannot be read (the render judges it)."""
-    if not data:
-        return float("inf")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
-            with Image.open(io.BytesIO(data)) as im:
+            with Image.open(fp) as im:
                 w, h = im.size
-        except Exception:  # noqa: BLE001 - any header problem: rendered, which says what it is
+        except Exception:  # noqa: BLE001 - any header problem (an empty file too): rendered, which says what it is
             return float("inf")
     return w * h

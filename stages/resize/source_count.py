@@ -37,7 +37,7 @@ def count_samples(source: str | Path, fmt: str, known: Any = None) -> int | None
                     total += n
                     continue
                 with tarfile.open(tar, mode="r:") as tf:  # uncompressed tar: seeks header to header
-                    total += len({sources._split_member(m.name)[0] for m in tf.getmembers()
+                    total += len({sources._split_member(m.name)[0] for m in sources.tar_headers(tf)
                                   if m.isfile() and not sources.dot_member(m.name)})
             return total
         return sum(1 for _, line in manifest_lines(sources._jsonl_path(Path(source))) if line.strip())

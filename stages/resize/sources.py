@@ -79,6 +79,9 @@ class SourceSample:
     # a sample an earlier version holds, its files unchanged (known_sources.py): only its caption read, no image
     known: Any = None  # known_sources.Known
     reread: Any = None  # with `known`: a callable giving the sample with its bytes read, for the stage's rare needs
+    # with `known`: a callable giving its pictures' first bytes (header_checks.Heads, picture_heads.py), for the
+    # header checks a rerun makes of a sample it carries; None (or giving None): read whole for them
+    heads: Any = None
     # the local file (a folder/JSONL file, a tar, a parquet file) whose read failed (problem_kind "read-error": EIO, EACCES): the
     # version does not count it as read, so a rerun reads it again (stage.py). Its real name, for the listing lines.
     unread: str | None = None
@@ -458,7 +461,14 @@ def _known_folder_sample(s: SourceSample, f: _FolderFiles, known: Any, max_file_
     s.known, s.caption = hit, caption
     s.files = [str(p) for p in (*images, *([f.mask] if f.mask is not None else []))]
     s.reread = partial(_reread_folder, s.name, s.source, f, max_file_bytes)
+    s.heads = partial(_file_heads, images, f.mask)
     return True
+
+
+def _file_heads(images: list[Path], mask: Path | None) -> Any:
+    from stages.resize.picture_heads import file_heads
+
+    return file_heads(images, mask)
 
 
 def _reread_folder(name: str, source: str, f: _FolderFiles, max_file_bytes: int) -> SourceSample:
@@ -466,6 +476,14 @@ def _reread_folder(name: str, source: str, f: _FolderFiles, max_file_bytes: int)
 
 
 # ---------------------------------------------------------------- webdataset
+
+
+def tar_headers(tf: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
+    """Each member's header in order, none kept: a TarFile keeps every header it met (~1 KB each), GBs for a tar of
+    a million samples (a folder dataset put in one `.tar`) read whole; webdataset's reader lets them go alike."""
+    while (m := tf.next()) is not None:
+        tf.members.clear()
+        yield m
 
 
 def _split_member(name: str) -> tuple[str, str]:
@@ -555,10 +573,13 @@ def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYT
     for tar in shard_urls(root):
         carried = known.unchanged(tar) if known is not None else None
         if carried is not None:
+            from stages.resize.picture_heads import TarIndex
+
             sha, samples = carried
+            index = TarIndex(tar, max_file_bytes)  # its headers walked only when a sample is read after all
             for source, hit in samples:
                 yield SourceSample(name=source[len(tar) + 1:], source=source, known=hit,
-                                   reread=partial(_reread_tar, tar, source, max_file_bytes))
+                                   reread=partial(index.sample, source), heads=partial(index.heads, source))
             known.note(tar, sha, len(samples))
             continue
         if known is not None and str(Path(tar)) in known.pending:  # read for the first time: hashed as streamed
@@ -637,7 +658,7 @@ def _tar_samples(tar: str, tf: tarfile.TarFile, stream: Any, max_file_bytes: int
     at, failed = -1, None  # the header offset of the last member met; the local read error that ended the stream
     try:
         with tf:
-            for m in tf:
+            for m in tar_headers(tf):
                 at = m.offset
                 if m.isdir() or dot_member(m.name):
                     continue
@@ -700,7 +721,7 @@ def _unread_rest(tar: str, after: int, key: str | None, done: Done, error: OSErr
     last = key
     try:
         with tarfile.open(tar, mode="r:") as tf:  # uncompressed: seeks header to header, member data unread
-            for m in tf:
+            for m in tar_headers(tf):
                 if m.offset <= after or m.isdir() or dot_member(m.name):
                     continue
                 k = _split_member(m.name)[0]
@@ -896,6 +917,7 @@ def _known_jsonl_sample(s: SourceSample, obj: dict, line: str, base: Path, known
     s.source, s.known, s.caption = source, hit, caption
     s.files = [str(_resolve(base, r)) for r in (*rels, *([mask] if mask is not None else []))]
     s.reread = partial(_reread_jsonl, s.name, s.source, obj, line, base, max_file_bytes)
+    s.heads = partial(_file_heads, [_resolve(base, r) for r in rels], None if mask is None else _resolve(base, mask))
     return True
 
 

@@ -920,10 +920,11 @@ def _carried_unread(rec: SourceSample, writer: Any, rendered_before: dict[str, s
     """Can a sample found with its recorded key (known_sources.py) take the carry-forward branch below as read
     samples do, without its bytes? Not a copy of a key met before (a duplicate may be held for a revival, which
     renders it), a key the resumed version holds (judged by its mask), nor one whose images may be over a
-    resize.max_image_pixels lowered since it was checked (pixel_limit.py)."""
+    resize.max_image_pixels lowered since it was checked (pixel_limit.py) or hold a transparent colour (revision 4),
+    unless their headers, read from their first bytes (`rec.heads`), say they are not (header_checks.py)."""
     key = rec.known.key
     return key not in intake.first_source and key not in writer.done_keys \
-        and rendered_before.get(key) == rec.known.mask_sha256 and header_checks.unread_ok(key)
+        and rendered_before.get(key) == rec.known.mask_sha256 and header_checks.unread_ok(key, rec.heads)
 
 
 def _worker_died(item: tuple[SourceSample, str, str]) -> Rejected:

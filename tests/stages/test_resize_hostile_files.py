@@ -194,6 +194,21 @@ def test_exif_orientations_2_to_8_on_targets_controls_and_masks(tmp_path):
             assert f"EXIF orientation {o} applied" in meta["conversions"]
 
 
+@pytest.mark.parametrize("orientation", [0, 9, 65535])
+def test_an_exif_orientation_outside_1_to_8_is_said_ignored_not_applied(orientation):
+    """0 ("undefined", which some phones write) and 9+ name no rotation: the pixels stay as stored, and the
+    sample's conversions (and the summary's `converted:` line) say so; before: "EXIF orientation 0 applied"."""
+    from features.decode import decode_image
+
+    base = quadrants()
+    for fmt in ("JPEG", "PNG"):
+        decoded = decode_image(encoded(base, fmt, exif=_exif(orientation)), 1 << 24)
+        assert decoded.notes == [f"EXIF orientation {orientation} is not one of 1-8: ignored"], fmt
+        assert decoded.orientation == 1
+        plain = decode_image(encoded(base, fmt), 1 << 24)
+        assert np.array_equal(np.asarray(decoded.image), np.asarray(plain.image)), fmt
+
+
 def _exif(o: int) -> bytes:
     ex = Image.Exif()
     ex[0x0112] = o
