@@ -453,6 +453,10 @@ class _Intake:
     # local files a read error kept from being read whole (`read-error`): the version's listing does not count
     # them as read (first_read.settle_listing), so a rerun reads them again
     unread: set[str] = field(default_factory=set)
+    # what the revivals let go, dropped from `rejects` and `summary.duplicates` at once by `settle_revivals`: ids
+    # of the quarantine rows taken back, and the count of each (kept, dropped) pair gone
+    taken_back: set[int] = field(default_factory=set)
+    pairs_gone: Counter = field(default_factory=Counter)
 
     def reject(self, rec: SourceSample, r: Rejected) -> dict[str, Any]:
         row = {"key": r.key, "source": rec.source, "stage": STAGE, "reason": r.reason, "detail": r.detail}
@@ -525,19 +529,36 @@ class _Intake:
         return {k: self.held.pop(k) for k in [k for k in self.held if k in self.failed]}
 
     def take_back(self, key: str, rec: SourceSample, row: dict[str, Any]) -> None:
-        """A held duplicate is rendered after all, and judged on its own: its "duplicate" row goes."""
-        del self.rejects[next(i for i, r in enumerate(self.rejects) if r is row)]
+        """A held duplicate is rendered after all, and judged on its own: its "duplicate" row goes (at
+        `settle_revivals`: a search of the lists per revived copy made 1M samples' revivals quadratic)."""
+        self.taken_back.add(id(row))  # the row stays referenced by `rejects` until settled: its id is its own
         self.summary.quarantined["duplicate"] -= 1
         if not self.summary.quarantined["duplicate"]:  # not "duplicate 0" in the summary and --json
             del self.summary.quarantined["duplicate"]
-        self.summary.duplicates.remove((self.first_source[key], rec.source))
+        self.pairs_gone[(self.first_source[key], rec.source)] += 1
 
     def kept_instead(self, key: str, kept: SourceSample, later: list[tuple[SourceSample, dict[str, Any]]]) -> None:
         """The revived copy `kept` is in the table: the later held copies are its duplicates."""
         for rec, row in later:
             row["detail"] = f"same content (target, controls, caption) as {kept.source}"
-            self.summary.duplicates.remove((self.first_source[key], rec.source))
+            self.pairs_gone[(self.first_source[key], rec.source)] += 1
             self.summary.duplicates.append((kept.source, rec.source))
+
+    def settle_revivals(self) -> None:
+        """Drop the rows and pairs `take_back` and `kept_instead` let go, in one pass over each list (as one
+        `list.remove` each: an equal pair's first occurrence goes)."""
+        if self.taken_back:
+            self.rejects[:] = [r for r in self.rejects if id(r) not in self.taken_back]
+            self.taken_back.clear()
+        if self.pairs_gone:
+            gone, kept = self.pairs_gone, []
+            for pair in self.summary.duplicates:
+                if gone.get(pair, 0) > 0:
+                    gone[pair] -= 1
+                else:
+                    kept.append(pair)
+            self.summary.duplicates[:] = kept
+            gone.clear()
 
 
 def _adopted(st: Store, schema: TableSchema) -> Moved | None:
@@ -904,6 +925,7 @@ def _revive(intake: _Intake, writer: Any, rendered_before: dict[str, str], heade
                 intake.kept_instead(key, rec, pending[key])
         pending = {k: recs for k, recs in pending.items()
                    if recs and k not in carry and k not in writer.carried_keys}
+    intake.settle_revivals()
 
 
 def _kept_instead(out: Rendered | Rejected) -> Rendered | Rejected:

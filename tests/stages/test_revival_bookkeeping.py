@@ -1,0 +1,41 @@
+"""The revivals' bookkeeping (stages/resize/stage.py `_Intake.take_back`, `kept_instead`, `settle_revivals`):
+the rows and pairs they let go are dropped in one pass at the end (a list search per revived copy made 1M
+samples' revivals quadratic: bench/revival_bookkeeping.py); the quarantine rows, their order and the summary's
+duplicate pairs are those the removals one by one left."""
+
+from __future__ import annotations
+
+from schemas.errors import Rejected
+from stages.resize.sources import SourceSample
+from stages.resize.stage import ResizeSummary, _Intake
+
+
+def _dup(intake: _Intake, key: str, source: str) -> tuple[SourceSample, dict]:
+    rec = SourceSample(name=key, source=source)
+    return rec, intake.reject(rec, Rejected("duplicate", "same content", key=key))
+
+
+def test_revived_copies_leave_the_rows_and_pairs_a_removal_each_left():
+    intake = _Intake(ResizeSummary(version=1))
+    intake.first_source.update({"a": "a1", "b": "b1", "c": "c1"})
+    intake.reject(SourceSample(name="x", source="x1"), Rejected("bad-caption", "empty", key=None))
+    a2, a3 = _dup(intake, "a", "a2"), _dup(intake, "a", "a3")
+    c2 = _dup(intake, "c", "c2")  # a plain duplicate of a kept sample: stays
+    b2, b3, b4 = _dup(intake, "b", "b2"), _dup(intake, "b", "b3"), _dup(intake, "b", "b4")
+    # round 1: a2 kept instead of a1 (a3 its duplicate); b2 taken back and rejected itself
+    intake.take_back("a", *a2)
+    intake.kept_instead("a", a2[0], [a3])
+    intake.take_back("b", *b2)
+    intake.reject(b2[0], Rejected("bad-mask", "damaged mask", key="b"))
+    # round 2: b3 kept instead (b4 its duplicate)
+    intake.take_back("b", *b3)
+    intake.kept_instead("b", b3[0], [b4])
+    intake.settle_revivals()
+    assert [(r["source"], r["reason"]) for r in intake.rejects] == [
+        ("x1", "bad-caption"), ("a3", "duplicate"), ("c2", "duplicate"), ("b4", "duplicate"), ("b2", "bad-mask")]
+    assert a3[1]["detail"].endswith("as a2") and b4[1]["detail"].endswith("as b3")
+    assert intake.summary.duplicates == [("c1", "c2"), ("a2", "a3"), ("b3", "b4")]
+    assert intake.summary.quarantined == {"bad-caption": 1, "duplicate": 3, "bad-mask": 1}
+    assert not intake.taken_back and not intake.pairs_gone  # settled: a second settle changes nothing
+    intake.settle_revivals()
+    assert len(intake.rejects) == 5 and len(intake.summary.duplicates) == 3
