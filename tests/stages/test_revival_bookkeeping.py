@@ -20,7 +20,7 @@ def test_revived_copies_leave_the_rows_and_pairs_a_removal_each_left():
     intake.first_source.update({"a": "a1", "b": "b1", "c": "c1"})
     intake.reject(SourceSample(name="x", source="x1"), Rejected("bad-caption", "empty", key=None))
     a2, a3 = _dup(intake, "a", "a2"), _dup(intake, "a", "a3")
-    c2 = _dup(intake, "c", "c2")  # a plain duplicate of a kept sample: stays
+    _dup(intake, "c", "c2")  # a plain duplicate of a kept sample: stays
     b2, b3, b4 = _dup(intake, "b", "b2"), _dup(intake, "b", "b3"), _dup(intake, "b", "b4")
     # round 1: a2 kept instead of a1 (a3 its duplicate); b2 taken back and rejected itself
     intake.take_back("a", *a2)
