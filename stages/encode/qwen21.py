@@ -262,13 +262,13 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
     say_alpha_flattened(job, cfg, model)
     if job.up_to_date:
         return job.summary
-    processor = load_component(model, "processor")
-    text_encoder = load_component(model, "text_encoder", dtype=parse_dtype(section.dtype), device=target)
-    encoder = prompt_encoder(text_encoder, processor)
-    nocontrol = section.no_control_embeds  # reference dropout: the text-to-image prompt, no references
-    schema = text_schema(job, text_encoder.config.text_config.hidden_size, section.dtype, nocontrol)
-    encodings = SampleEncodings(encoder)
-    try:
+    try:  # from the model load on: a load that fails closes the job too (its images reader, its lease)
+        processor = load_component(model, "processor")
+        text_encoder = load_component(model, "text_encoder", dtype=parse_dtype(section.dtype), device=target)
+        encoder = prompt_encoder(text_encoder, processor)
+        nocontrol = section.no_control_embeds  # reference dropout: the text-to-image prompt, no references
+        schema = text_schema(job, text_encoder.config.text_config.hidden_size, section.dtype, nocontrol)
+        encodings = SampleEncodings(encoder)
         todo = job.open_writer(schema, section.shard_size_mb)
         samples = prefetched(job.read_inputs(todo, references_rule),
                              job.unless_rejected(lambda item: prepare_text(*item, processor)),

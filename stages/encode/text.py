@@ -350,15 +350,15 @@ def run(
                         f"so it has no control_{{i}}_vl.png, which {model}'s text encoder reads; rerun resize-bucket "
                         "with resize.vl_views: true")
 
-    # Only what this stage needs: the VL model and its processor (never the transformer or the VAE).
-    processor = load_component(model, "processor")
-    text_encoder = load_component(model, "text_encoder", dtype=parse_dtype(section.dtype),
-                                  device=target)
-    check_loaded_dtype(text_encoder, section.dtype, "encode_text.dtype")
-    nocontrol = section.no_control_embeds
-    kinds = KINDS + ((NOCONTROL,) if nocontrol else ())
-    schema = text_schema(job, fmt, text_encoder.config.text_config.hidden_size, section.dtype, nocontrol)
-    try:
+    try:  # from the model load on: a load that fails closes the job too (its images reader, its lease)
+        # Only what this stage needs: the VL model and its processor (never the transformer or the VAE).
+        processor = load_component(model, "processor")
+        text_encoder = load_component(model, "text_encoder", dtype=parse_dtype(section.dtype),
+                                      device=target)
+        check_loaded_dtype(text_encoder, section.dtype, "encode_text.dtype")
+        nocontrol = section.no_control_embeds
+        kinds = KINDS + ((NOCONTROL,) if nocontrol else ())
+        schema = text_schema(job, fmt, text_encoder.config.text_config.hidden_size, section.dtype, nocontrol)
         todo = job.open_writer(schema, section.shard_size_mb)
         lock = threading.Lock()
         samples = prefetched(job.read_inputs(todo, by_controls),

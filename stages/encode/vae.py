@@ -178,13 +178,13 @@ def run(
     if job.up_to_date:
         return job.summary
 
-    # Only the VAE (never the VL model or the transformer).
-    vae = load_component(model, "vae", dtype=parse_dtype(section.dtype), device=target)
-    check_loaded_dtype(vae, section.dtype, "encode_vae.dtype")
-    channels = vae.config.z_dim
-    latents_mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1, 1)
-    latents_std = torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1)
-    try:
+    try:  # from the model load on: a load that fails closes the job too (its images reader, its lease)
+        # Only the VAE (never the VL model or the transformer).
+        vae = load_component(model, "vae", dtype=parse_dtype(section.dtype), device=target)
+        check_loaded_dtype(vae, section.dtype, "encode_vae.dtype")
+        channels = vae.config.z_dim
+        latents_mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1, 1)
+        latents_std = torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1)
         todo = job.open_writer(vae_schema(job, vae, section.dtype), section.shard_size_mb)
         samples = prefetched(job.read_inputs(todo, rule),
                              job.unless_rejected(lambda item: prep(*item, image_processor, variant)), workers=section.num_workers)
