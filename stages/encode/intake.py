@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
@@ -103,6 +104,36 @@ def check_any_allowed(job: EncodeJob, rule: Callable[[int, str], Rejected | None
     raise UserError(f"table '{job.summary.table}' would be empty: all {len(job.images)} samples of table 'images' "
                     f"v{job.images.version} in {job.store.root} are refused for their control count ({counts}): "
                     f"{model}: {first.reason}; {advice}; nothing was encoded")
+
+
+# NFC (the Qwen tokenizers' normalizer) makes a text at most 3x shorter in UTF-8 (a Hangul syllable's three
+# 3-byte jamo become one 3-byte syllable); a byte-level BPE token then covers at most its own longest spelling
+NFC_SHRINK = 3
+
+
+def least_caption_tokens(caption: str, tokenizer) -> int:
+    """A lower bound on the tokens of any prompt holding `caption`, from its UTF-8 length alone (no tokenizing:
+    a 20 MB caption took the tokenizer minutes and gigabytes before "caption too long" rejected it)."""
+    return len(caption.encode("utf-8")) // (NFC_SHRINK * _longest_token_bytes(tokenizer))
+
+
+@lru_cache(maxsize=4)
+def _longest_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes a vocabulary entry (added tokens too) spells: the most text one token covers (a
+    byte-level entry's mapped characters count 1-2 bytes each: an overestimate, so a lower bound still)."""
+    return max((len(t.encode("utf-8")) for t in tokenizer.get_vocab()), default=1) or 1
+
+
+def caption_hopeless(key: str, caption: str, tokenizer, rejects: Callable[[int], Rejected | None]) -> Rejected | None:
+    """"caption too long" for a caption whose `least_caption_tokens` the encoder's length rule (`rejects(tokens)`)
+    already refuses: the same verdict the tokenized prompt gets (it has at least as many tokens), reached before
+    any tokenizing."""
+    least = least_caption_tokens(caption, tokenizer)
+    if not least or (refused := rejects(least)) is None:
+        return None
+    return Rejected(refused.reason, f"the caption is {len(caption.encode('utf-8'))} bytes (not tokenized: at least "
+                    f"{least} tokens), past the transformer's text positions next to this sample's images (its RoPE "
+                    "table); shorten the caption", key=key)
 
 
 def unless_rejected(prepare: Callable[[tuple[str, Any]], R]) -> Callable[[tuple[str, Any]], R | Rejected]:

@@ -37,6 +37,7 @@ from stages.encode.common import (
     open_job,
     open_png,
     placeholder_rejection,
+    caption_hopeless,
     prefetched,
     rank_device,
     resolve_precision,
@@ -294,9 +295,14 @@ def _encode_text(job, item, processor, encodings: SampleEncodings, nocontrol: bo
 
     meta = job.images.cells(item.key, ("split", "img_shapes"))
     shapes = meta.get("img_shapes")
-    # the caption's own tokens are a lower bound: a hopeless one never reaches the encoder
-    caption_tokens = len(processor.tokenizer(item.caption)["input_ids"])
-    if (too_long := caption_length_rejection_21(item.key, caption_tokens, shapes)) is not None:
+    # the caption's own tokens are a lower bound: a hopeless one never reaches the encoder (nor, when its length
+    # alone tells, the tokenizer)
+    too_long = caption_hopeless(item.key, item.caption, processor.tokenizer,
+                                lambda least: caption_length_rejection_21(item.key, least, shapes))
+    if too_long is None:
+        caption_tokens = len(processor.tokenizer(item.caption)["input_ids"])
+        too_long = caption_length_rejection_21(item.key, caption_tokens, shapes)
+    if too_long is not None:
         job.quarantine(item.key, too_long.reason, too_long.detail)
         bar.skipped()
         return

@@ -42,6 +42,7 @@ from stages.encode.common import (
     open_job,
     open_png,
     placeholder_rejection,
+    caption_hopeless,
     prefetched,
     rank_device,
     resolve_precision,
@@ -173,6 +174,9 @@ def prepare(key: str, sample: dict[str, Any], fmt: PromptFormat, processor,
     if (rejected := control_count_rejection(fmt.variant, n, key)) is not None:
         return rejected
     if (rejected := placeholder_rejection(str(meta.get("caption") or ""), processor, key)) is not None:
+        return rejected
+    if (rejected := caption_hopeless(key, str(meta.get("caption") or ""), processor.tokenizer,
+                                     lambda least: caption_length_rejection(key, least - fmt.start_idx, meta))):
         return rejected
     try:
         images = control_images(sample["files"], fmt.variant, n)

@@ -30,3 +30,42 @@ def test_a_caption_too_long_is_quarantined_at_encode_text(tiny_edit_model, tmp_p
     rows = {q["key"]: q for q in st.quarantine().to_pylist() if q["stage"] == "encode-text"}
     assert rows[keys[2]]["reason"] == "caption too long"
     assert "text positions" in rows[keys[2]]["detail"] and "shorten the caption" in rows[keys[2]]["detail"]
+
+
+def test_a_caption_of_megabytes_is_quarantined_without_tokenizing_it(tiny_edit_model, tmp_path, images_fixture,
+                                                                      monkeypatch):
+    """A 3 MB caption (20 MB ones took the tokenizer minutes and gigabytes) is refused from its length: the
+    tokenizer never sees it; the same reason as a tokenized one."""
+    from transformers import PreTrainedTokenizerBase
+
+    longest, real = [0], PreTrainedTokenizerBase.__call__
+
+    def measured(self, text=None, *args, **kwargs):
+        longest[0] = max([longest[0], *(len(t) for t in ([text] if isinstance(text, str) else text or ()))])
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "__call__", measured)
+    fx = images_fixture
+    samples = fx.edit_samples()[:1] + [fx.Sample("make it blue " * 240_000, (64, 64), [(64, 64)], [(64, 64)])]
+    keys = list(fx.write(tmp_path / "s", samples))
+    r = CliRunner().invoke(app, ["run", "encode-text", "--store", str(tmp_path / "s"), "--model", tiny_edit_model,
+                                 "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    rows = {q["key"]: q for q in Store(tmp_path / "s").quarantine().to_pylist() if q["stage"] == "encode-text"}
+    assert rows[keys[1]]["reason"] == "caption too long" and "not tokenized" in rows[keys[1]]["detail"]
+    assert 0 < longest[0] < 100_000  # the other sample's prompts were tokenized; the 3 MB caption never was
+
+
+def test_the_token_bound_from_bytes_never_exceeds_the_tokenizers_count(tiny_edit_model):
+    """`least_caption_tokens` is a lower bound whatever the text: runs the tokenizer merges most (spaces, repeated
+    punctuation), Hangul jamo NFC composes, special tokens spelled out, emoji."""
+    from transformers import AutoTokenizer
+
+    from stages.encode.intake import least_caption_tokens
+
+    tok = AutoTokenizer.from_pretrained(tiny_edit_model, subfolder="tokenizer")
+    texts = [" " * 20_000, "=" * 20_000, "-" * 20_000, "\n" * 20_000, "\u1100\u1161\u11a8" * 5_000,
+             "e\u0323\u0302" * 5_000, "<|im_start|><|endoftext|>" * 2_000, "\U0001F600" * 5_000,
+             "make it blue " * 5_000, "".join(chr(c) for c in range(0x20, 0x3000)) * 2]
+    for text in texts:
+        assert 0 < least_caption_tokens(text, tok) <= len(tok(text)["input_ids"]), text[:20]
