@@ -42,6 +42,8 @@ ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "TIFF", "BMP", "GIF")
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 _ALPHA = ("RGBA", "LA", "La", "RGBa", "PA")
 _COLOUR_KEYED = ("RGB", "L", "1", *_SIXTEEN_BIT)  # the modes whose one transparent colour is taken as alpha
+# resize.max_image_frames' default: animated GIFs run to a few thousand frames, scanned TIFFs to hundreds of pages
+MAX_FRAMES = 10_000
 
 
 class ImageRejected(Exception):
@@ -59,9 +61,9 @@ class Decoded:
     orientation: int = 1  # the EXIF orientation applied (1: none)
 
 
-def decode_image(data: bytes, max_pixels: int) -> Decoded:
+def decode_image(data: bytes, max_pixels: int, max_frames: int = MAX_FRAMES) -> Decoded:
     """Bytes -> 8-bit RGB image with EXIF orientation applied; raises ImageRejected."""
-    return as_rgb(*_open_oriented(data, max_pixels))
+    return as_rgb(*_open_oriented(data, max_pixels, max_frames))
 
 
 def as_rgb(im: Image.Image, notes: list[str], orientation: int) -> Decoded:
@@ -73,10 +75,10 @@ def as_rgb(im: Image.Image, notes: list[str], orientation: int) -> Decoded:
     return Decoded(rgb, notes + ([note] if note else []), orientation)
 
 
-def decode_keeping_alpha(data: bytes, max_pixels: int) -> Decoded:
+def decode_keeping_alpha(data: bytes, max_pixels: int, max_frames: int = MAX_FRAMES) -> Decoded:
     """Bytes -> RGBA when the image has an alpha channel or a transparent palette entry, else what `decode_image`
     gives, from the one decode (a second `decode_image` decoded every opaque image twice)."""
-    im, notes, orientation = _open_oriented(data, max_pixels)
+    im, notes, orientation = _open_oriented(data, max_pixels, max_frames)
     if im.mode in _ALPHA or (im.mode == "P" and "transparency" in im.info):
         return Decoded(im.convert("RGBA"), notes + [f"{im.mode} kept with its alpha (RGBA)"], orientation)
     if (keyed := _colour_keyed(im)) is not None:
@@ -101,9 +103,9 @@ def read_image_file(path: str | Path, keep_alpha: bool = False, what: str = "ima
         raise UserError(f"cannot use {what} {path}: {e}; pass a PNG, JPEG or WebP picture") from None
 
 
-def decode_mask(data: bytes, max_pixels: int) -> Decoded:
+def decode_mask(data: bytes, max_pixels: int, max_frames: int = MAX_FRAMES) -> Decoded:
     """Bytes -> 8-bit L mask (white = edited) with EXIF orientation applied; raises ImageRejected."""
-    im, notes, orientation = _open_oriented(data, max_pixels)
+    im, notes, orientation = _open_oriented(data, max_pixels, max_frames)
     if im.mode in ("1", "L"):
         return Decoded(im.convert("L"), notes, orientation)
     if im.mode in _SIXTEEN_BIT:
@@ -135,7 +137,7 @@ def is_picture(data: bytes | None) -> bool:
             return False
 
 
-def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str], int]:
+def _open_oriented(data: bytes, max_pixels: int, max_frames: int) -> tuple[Image.Image, list[str], int]:
     if not data:
         raise ImageRejected("empty-image", "empty file (0 bytes)")
     notes: list[str] = []
@@ -164,12 +166,16 @@ def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]
         try:
             # counting frames walks every frame's header: a file cut in its second frame fails here (IndexError,
             # TypeError...), not in load(), which reads the first frame only
-            frames = getattr(im, "n_frames", 1)
+            frames = _frame_count(im, max_frames)
             if im.format == "PNG":
                 _check_png_chunks(data, im)
             im.load()
         except Exception as e:  # noqa: BLE001 - truncated/corrupt data raise OSError, ValueError, SyntaxError...
             raise ImageRejected("corrupt-image", f"truncated or corrupt image data: {e}") from None
+        if frames > max_frames:
+            raise ImageRejected(
+                "image-too-large", f"{im.format} of more than {max_frames} frames (pages), over "
+                f"resize.max_image_frames = {max_frames} (counting them walks every frame); raise it to keep such files")
     if im.mode in _COLOUR_KEYED:
         # the header's: a tRNS after the image data (out of place: libpng ignores it), which load() reads, is
         # ignored, as before revision 4, so that the header alone tells a transparent colour (a rerun carries a
@@ -196,6 +202,27 @@ def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]
     except Exception:  # noqa: BLE001 - a corrupt EXIF block: keep the pixels as stored, say so
         notes.append("EXIF unreadable, orientation ignored")
     return im, notes, applied
+
+
+def _frame_count(im: Image.Image, most: int) -> int:
+    """The frames (pages) of an opened picture, counted up to `most` + 1. Pillow's `n_frames` walks a GIF's or
+    TIFF's every frame, unbounded: a file of millions of tiny frames held a render worker 20-40 min. APNG and WebP
+    tell theirs in the header (`_n_frames` set at open); a GIF is stepped as its `n_frames` steps (no frame
+    decoded), a TIFF by `seek` (its tags only). The first frame is selected again after."""
+    if not getattr(im, "is_animated", False):  # looks at the second frame only
+        return 1
+    known = getattr(im, "_n_frames", None)
+    if known is not None:
+        return known
+    step = (lambda: im._seek(im.tell() + 1, False)) if im.format == "GIF" else (lambda: im.seek(im.tell() + 1))
+    try:
+        while im.tell() < most:
+            step()
+        count = most + 1  # frame number `most` (from 0) is there: more than `most`
+    except EOFError:
+        count = im.tell() + 1
+    im.seek(0)
+    return count
 
 
 def _pillow_opens(max_pixels: int) -> None:

@@ -128,6 +128,9 @@ class ResizeConfig(Section):
     max_controls: Annotated[int, IDENTITY] = Field(3, ge=0)
     min_controls: Annotated[int, IDENTITY] = Field(0, ge=0)
     max_image_pixels: Annotated[int, IDENTITY] = Field(64 * 1024 * 1024, gt=0, description="larger images are rejected (decompression bombs)")
+    max_image_frames: Annotated[int, added_later("identity")] = Field(
+        10_000, gt=0, description="animated GIFs / multi-page TIFFs of more frames are rejected (counting them walks "
+        "every frame: a hostile file of millions held a worker for half an hour)")
     max_file_bytes: Annotated[int, added_later("identity")] = Field(
         1 << 30, gt=0, description="larger source files are quarantined unread (only regular files are read at all)")
     keep_alpha: Annotated[bool, added_later()] = Field(

@@ -1296,7 +1296,7 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
                 _note_crop(notes, "control", ctrl, rc.max_aspect)
     if rec.mask is not None:
         try:
-            dm = decode_mask(rec.mask, rc.max_image_pixels)
+            dm = decode_mask(rec.mask, rc.max_image_pixels, rc.max_image_frames)
         except ImageRejected as e:
             raise Rejected("bad-mask", f"mask{_where(rec, 1 + len(rec.controls))}: {e}", key=key) from None
         notes.extend(dm.notes)  # its own conversions (grayscale, 16 bits, EXIF), as `_decode` keeps the images'
@@ -1383,7 +1383,7 @@ def _decode(
 ) -> Decoded:
     try:
         # Qwen-Image-2.1 (keep_alpha): RGBA kept for its VAE
-        d = (decode_keeping_alpha if rc.keep_alpha else decode_image)(data, rc.max_image_pixels)
+        d = (decode_keeping_alpha if rc.keep_alpha else decode_image)(data, rc.max_image_pixels, rc.max_image_frames)
     except ImageRejected as e:
         raise Rejected(e.kind, f"{what}{_where(rec, file_index)}: {e}", key=key) from None
     notes.extend(d.notes)

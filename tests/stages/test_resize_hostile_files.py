@@ -396,3 +396,30 @@ def test_a_masks_own_conversions_reach_its_row_and_the_summary(tmp_path):
     rgb, deep = "RGB mask converted to grayscale", "16-bit mask scaled to 8 bits"
     assert {n: m["conversions"] for n, (m, _) in t.items()} == {"rgb.png": [rgb], "deep.png": [deep], "plain.png": []}
     assert (s.conversions[rgb], s.conversions[deep]) == (1, 1) and f"1x {rgb}" in str(s), str(s)
+
+
+def frames_file(n: int, fmt: str) -> bytes:
+    """An animated GIF / multi-page TIFF of `n` distinct 32x32 frames."""
+    frames = [Image.new("RGB", (32, 32), (i * 7 % 256, i * 13 % 256, 90)) for i in range(n)]
+    return encoded(frames[0], fmt, save_all=True, append_images=frames[1:])
+
+
+@pytest.mark.parametrize("fmt", ["GIF", "TIFF"])
+def test_a_file_of_more_frames_than_max_image_frames_is_quarantined_naming_the_setting(tmp_path, fmt):
+    """Counting a GIF's or TIFF's frames walked every one, unbounded (a hostile file of millions held a render
+    worker 20-40 min): now up to resize.max_image_frames, and a file past it is image-too-large, as a picture past
+    max_image_pixels; one at the limit is kept, its first frame used."""
+    from features.decode import MAX_FRAMES
+    from schemas.config import ResizeConfig
+
+    assert ResizeConfig().max_image_frames == MAX_FRAMES  # the decoder's default for predict/evaluate is the same
+    root, store = tmp_path / "src", tmp_path / "store"
+    suffix = fmt.lower()
+    put(root, f"at_limit.{suffix}", frames_file(6, fmt))
+    put(root, f"past_limit.{suffix}", frames_file(7, fmt), caption=b"make it red")
+    summary = run(cfg(max_image_frames=6), root, store)
+    assert summary.written == 1 and summary.quarantined == {"image-too-large": 1}
+    assert "first frame of 6 used" in table(store)[f"at_limit.{suffix}"][0]["conversions"]
+    q = quarantined(store)[f"past_limit.{suffix}"]
+    assert q["reason"] == "image-too-large" and f"past_limit.{suffix}" in q["detail"]
+    assert "more than 6 frames (pages), over resize.max_image_frames = 6" in q["detail"], q["detail"]
