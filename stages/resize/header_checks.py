@@ -1,7 +1,8 @@
 """What a rerun reads of a sample an earlier version rendered before carrying it forward instead of rendering it
 (stage.py): its source pictures' headers, no pixel decoded, where the stored row cannot tell.
 
-- a resize.max_image_pixels lowered since the row was checked (pixel_limit.py);
+- a resize.max_image_pixels lowered since the row was checked (pixel_limit.py); a resize.max_image_frames below
+  a frame count its row notes (frame_limit.py: such a key is rendered, never carried);
 - resize-bucket revision 4 (stage.REVISION_4_FIX): a picture with one transparent colour (a PNG's tRNS on an RGB,
   L, 1 or 16-bit grey picture) is taken as alpha since; no stored column tells such a picture, so each row of an
   earlier revision (`colour_checked`) is carried only when none of its target and controls has one
@@ -107,10 +108,14 @@ def heads_of(rec: Any) -> Heads:
 class HeaderChecks:
     limit: PixelLimit
     colour_checked: set[str] = field(default_factory=set)  # keys rendered before revision 4 (module doc)
+    # keys whose row notes more frames than resize.max_image_frames (frame_limit.py): rendered, never carried
+    frames_over: set[str] = field(default_factory=set)
 
     def unread_ok(self, key: str, heads: Callable[[], Heads | None] | None = None) -> bool:
         """May the sample be carried without reading its bytes whole? `heads`: its pictures' first bytes, to
         check them from where the row cannot tell (None, or giving None: they cannot be read so)."""
+        if key in self.frames_over:
+            return False
         if key not in self.colour_checked and self.limit.unread_ok(key):
             return True
         try:
@@ -124,6 +129,8 @@ class HeaderChecks:
         return self.heads_fit(key, heads_of(rec))
 
     def heads_fit(self, key: str, heads: Heads) -> bool:
+        if key in self.frames_over:
+            return False
         if not self.limit.fits(key, (heads.target, *heads.controls, *([heads.mask] if heads.mask else []))):
             return False
         return key not in self.colour_checked or \

@@ -768,13 +768,15 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
     from models.file_hashes import FileHashes
     from stages.resize.known_sources import known_sources
     from stages.resize.known_tars import known_tars, parquet_kind
+    from stages.resize.frame_limit import frames_over
     from stages.resize.header_checks import HeaderChecks
     from stages.resize.pixel_limit import PixelLimit, pixel_limit
 
     # carried samples are not decoded: those last checked under a higher resize.max_image_pixels are checked here,
     # and those rendered before revision 4 for a transparent colour, from their headers
     limit = pixel_limit(st, rc.max_image_pixels) if rendered_before else PixelLimit(rc.max_image_pixels)
-    header_checks = HeaderChecks(limit, colour_checked)
+    header_checks = HeaderChecks(limit, colour_checked,
+                                 frames_over(st, rc.max_image_frames) if rendered_before else set())
     intake.max_image_pixels = rc.max_image_pixels
     with FileHashes() as hashes:
         # samples of a folder or JSONL source the newest version holds, their files unchanged: carried, not read;

@@ -423,3 +423,19 @@ def test_a_file_of_more_frames_than_max_image_frames_is_quarantined_naming_the_s
     q = quarantined(store)[f"past_limit.{suffix}"]
     assert q["reason"] == "image-too-large" and f"past_limit.{suffix}" in q["detail"]
     assert "more than 6 frames (pages), over resize.max_image_frames = 6" in q["detail"], q["detail"]
+
+
+def test_a_rerun_under_a_lowered_max_image_frames_quarantines_as_a_fresh_run(tmp_path):
+    """A carried sample is not decoded: its row's `first frame of N used` tells its frames (frame_limit.py), so a
+    rerun under a lower resize.max_image_frames quarantines what a fresh run under it does, not carries it."""
+    root = tmp_path / "src"
+    put(root, "few.gif", frames_file(3, "GIF"))
+    put(root, "many.gif", frames_file(8, "GIF"), caption=b"make it red")
+    first = run(cfg(), root, tmp_path / "store")
+    assert first.written == 2
+    rerun = run(cfg(max_image_frames=5), root, tmp_path / "store")
+    fresh = run(cfg(max_image_frames=5), root, tmp_path / "fresh")
+    assert set(table(tmp_path / "store")) == set(table(tmp_path / "fresh")) == {"few.gif"}
+    assert rerun.reused == 1 and rerun.quarantined == fresh.quarantined == {"image-too-large": 1}
+    q, f = quarantined(tmp_path / "store")["many.gif"], quarantined(tmp_path / "fresh")["many.gif"]
+    assert (q["reason"], q["detail"].rsplit(": ", 1)[-1]) == (f["reason"], f["detail"].rsplit(": ", 1)[-1])
