@@ -125,9 +125,9 @@ def _longest_token_bytes(tokenizer) -> int:
 
 
 def caption_hopeless(key: str, caption: str, tokenizer, rejects: Callable[[int], Rejected | None]) -> Rejected | None:
-    """"caption too long" for a caption whose `least_caption_tokens` the encoder's length rule (`rejects(tokens)`)
-    already refuses: the same verdict the tokenized prompt gets (it has at least as many tokens), reached before
-    any tokenizing."""
+    """The encoder's "caption too long" for a caption whose `least_caption_tokens` its length rule
+    (`rejects(tokens)`) already refuses: the verdict the tokenized prompt gets (it has at least as many tokens),
+    reached before any tokenizing."""
     least = least_caption_tokens(caption, tokenizer)
     if not least or (refused := rejects(least)) is None:
         return None

@@ -175,8 +175,10 @@ def prepare(key: str, sample: dict[str, Any], fmt: PromptFormat, processor,
         return rejected
     if (rejected := placeholder_rejection(str(meta.get("caption") or ""), processor, key)) is not None:
         return rejected
-    if (rejected := caption_hopeless(key, str(meta.get("caption") or ""), processor.tokenizer,
-                                     lambda least: caption_length_rejection(key, least - fmt.start_idx, meta))):
+    with lock:  # its vocabulary read once, not while another thread's call holds the fast tokenizer
+        rejected = caption_hopeless(key, str(meta.get("caption") or ""), processor.tokenizer,
+                                    lambda least: caption_length_rejection(key, least - fmt.start_idx, meta))
+    if rejected is not None:
         return rejected
     try:
         images = control_images(sample["files"], fmt.variant, n)
