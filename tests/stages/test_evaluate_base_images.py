@@ -469,8 +469,12 @@ def test_another_extra_prompt_generates_only_its_own_base_image(run_and_store, t
     full denoising run with true CFG). Now a val sample's image is kept under inputs without the extra prompts
     (its negative is its stored empty prompt) and each extra prompt's under its own: 1 generated, the others'
     pixels reused; a changed negative prompt regenerates the extra prompts' images alone."""
+    import models.edit
     from stages.evaluate import stage
 
+    # the controls' VAE view at 256² rather than the stock ~1024² (as tests/stages/test_predict.py): each extra
+    # prompt's text and VAE encoding took ~8 s of CPU, and which images are generated does not depend on its size
+    monkeypatch.setattr(models.edit, "VAE_AREA", 256 * 256)
     root = run_and_store
     count = _counting_base(monkeypatch)
     lora = dict(_ckpts(root))[10]

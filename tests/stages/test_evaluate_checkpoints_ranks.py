@@ -219,87 +219,101 @@ def test_rank_0_failing_in_its_report_stops_every_rank_with_its_line(run_and_sto
     assert list(xr.open_zarr(out / GROUP).step.values) == [30, 20, 10]  # the losses computed are kept
 
 
-# each rank counts its base passes into RESULTS/rank-N; rank 1 finds no kept base losses (its node's view of the
-# report folder differs): rank 0's file alone decides
-BASE_PASSES = """
+# each rank counts its base passes into RESULTS/passes-N and the target rows it predicts into RESULTS/rows-N;
+# `blind`: rank 1 finds no kept base losses (its node's view of the report folder differs): rank 0's file alone
+# decides. One script for the tests that count either (a launch into a fresh folder serves them all: `counted`)
+COUNTING = """
 import os, sys
 from pathlib import Path
-RESULTS = Path(sys.argv.pop(1))
+RESULTS, BLIND = Path(sys.argv.pop(1)), sys.argv.pop(1) == "blind"
+import models.held_out as held_out
 from stages.evaluate import base_losses, checkpoints as ev
 real_grid, passes = ev.loss_grid, []
 def loss_grid(*a, **k):
     passes.append(a[5])
     return real_grid(*a, **k)
 ev.loss_grid = loss_grid
-if os.environ["RANK"] == "1":
+real_targets, rows = held_out.target_predictions, []
+held_out.target_predictions = lambda t, fb: (rows.append(len(fb.targets)), real_targets(t, fb))[1]
+if BLIND and os.environ["RANK"] == "1":
     base_losses.read = lambda *a, **k: None
 from pipeline.cli import app
 sys.argv = ["pipeline", *sys.argv[1:]]
 try:
     app()
 finally:
-    (RESULTS / f"rank-{os.environ['RANK']}").write_text(str(sum("(base)" in p for p in passes)))
+    (RESULTS / f"passes-{os.environ['RANK']}").write_text(str(sum("(base)" in p for p in passes)))
+    (RESULTS / f"rows-{os.environ['RANK']}").write_text(str(sum(rows)))
 """
 
 
-def test_ranks_take_the_kept_base_losses_together(run_and_store, tiny_edit_model, tmp_path):
+def _counted_launch(results: Path, blind: bool, args: list[str]) -> tuple[list[int], list[int], str]:
+    """COUNTING on two ranks: ([base passes of rank 0, 1], [target rows of rank 0, 1], rank 0's output)."""
+    from two_ranks import launch_two
+
+    results.mkdir(exist_ok=True)
+    script = results / "counting.py"
+    script.write_text(COUNTING)
+    (rc0, out0, err0), (rc1, _, err1) = launch_two(str(script), str(results), "blind" if blind else "sees",
+                                                   *args, timeout=300)
+    assert rc0 == rc1 == 0, (rc0, rc1, err0[-2000:], err1[-2000:])
+    return ([int((results / f"passes-{r}").read_text()) for r in (0, 1)],
+            [int((results / f"rows-{r}").read_text()) for r in (0, 1)], out0 + err0)
+
+
+@pytest.fixture(scope="module")
+def counted(run_and_store, tiny_edit_model, tmp_path_factory):
+    """The default grid (seeds [0, 1]) on two ranks into a fresh folder, rank 1 blind to kept base losses (a fresh
+    folder has none: it computes as any rank does) and the ranks alike: (folder, base passes, target rows). Read,
+    never written, by the tests that need a fresh two-rank array (a launch each before)."""
+    tmp = tmp_path_factory.mktemp("counted")
+    passes, rows, _ = _counted_launch(tmp / "results", True, _args(run_and_store, tiny_edit_model, tmp / "fresh"))
+    return tmp / "fresh", passes, rows
+
+
+@pytest.fixture(scope="module")
+def other_device(run_and_store, tiny_edit_model, tmp_path_factory):
+    """The default grid on two ranks into a fresh folder, rank 1's device named otherwise (OTHER_DEVICE_RANK)."""
+    from two_ranks import launch_two
+
+    tmp = tmp_path_factory.mktemp("other-device")
+    script = tmp / "other_device_rank.py"
+    script.write_text(OTHER_DEVICE_RANK)
+    (rc0, _, err0), (rc1, _, err1) = launch_two(str(script), *_args(run_and_store, tiny_edit_model, tmp / "out"),
+                                                timeout=300)
+    assert rc0 == rc1 == 0, (rc0, rc1, err0[-2000:], err1[-2000:])
+    return tmp / "out"
+
+
+def test_ranks_take_the_kept_base_losses_together(run_and_store, tiny_edit_model, counted, tmp_path):
     """A report folder with base losses of these inputs (`run all` linked the kept report's in) and no loss array:
     both ranks skip the base pass, as rank 0's file says, though rank 1 sees none; the array's base is the one a
     two-rank base pass gives (before, both ranks computed it again)."""
     from stages.evaluate import base_losses
-    from two_ranks import launch_two
 
-    root, out, fresh = run_and_store, tmp_path / "report", tmp_path / "fresh"
-    script = tmp_path / "base_passes.py"
-    script.write_text(BASE_PASSES)
-    (rc0, _, err0), (rc1, _, err1) = launch_two(str(script), str(tmp_path), *_args(root, tiny_edit_model, fresh),
-                                                timeout=300)
-    assert rc0 == rc1 == 0, (rc0, rc1, err0[-2000:], err1[-2000:])
-    assert [(tmp_path / f"rank-{r}").read_text() for r in (0, 1)] == ["1", "1"]
+    root, out, (fresh, fresh_passes, _) = run_and_store, tmp_path / "report", counted
+    assert fresh_passes == [1, 1]  # rank 1 blind there too: a fresh folder, each rank computes its share
     out.mkdir()
     (out / base_losses.FILE).write_bytes((fresh / base_losses.FILE).read_bytes())  # recorded by rank 0
 
-    (rc0, out0, err0), (rc1, _, err1) = launch_two(str(script), str(tmp_path), *_args(root, tiny_edit_model, out),
-                                                   timeout=300)
-    assert rc0 == rc1 == 0, (rc0, rc1, err0[-2000:], err1[-2000:])
-    assert [(tmp_path / f"rank-{r}").read_text() for r in (0, 1)] == ["0", "0"], (err0[-2000:], err1[-2000:])
-    assert "base held-out loss: unchanged inputs, reused" in out0 + err0
+    passes, _, output0 = _counted_launch(tmp_path / "results", True, _args(root, tiny_edit_model, out))
+    assert passes == [0, 0], output0[-2000:]
+    assert "base held-out loss: unchanged inputs, reused" in output0
     np.testing.assert_array_equal(xr.open_zarr(out / GROUP).base_loss.values,
                                   xr.open_zarr(fresh / GROUP).base_loss.values)
 
 
-FORWARDS = """
-import os, sys
-from pathlib import Path
-RESULTS = Path(sys.argv.pop(1))
-import models.held_out as held_out
-real, rows = held_out.target_predictions, []
-held_out.target_predictions = lambda t, fb: (rows.append(len(fb.targets)), real(t, fb))[1]
-from pipeline.cli import app
-sys.argv = ["pipeline", *sys.argv[1:]]
-try:
-    app()
-finally:
-    (RESULTS / f"rank-{os.environ['RANK']}").write_text(str(sum(rows)))
-"""
-
-
-def test_two_ranks_grow_a_seed_grid_computing_its_new_cells_alone(run_and_store, tiny_edit_model, tmp_path):
+def test_two_ranks_grow_a_seed_grid_computing_its_new_cells_alone(run_and_store, tiny_edit_model, counted,
+                                                                  tmp_path):
     """Seeds [0] then [0, 1] over two ranks: each rank computes its share of seed 1's cells only (the plan, the
-    donor's cells, broadcast from rank 0), and the array is the one two ranks give for [0, 1] afresh, bit for bit."""
-    from two_ranks import launch_two
-
-    root, out, fresh = run_and_store, tmp_path / "report", tmp_path / "fresh"
-    script = tmp_path / "forwards.py"
-    script.write_text(FORWARDS)
+    donor's cells, broadcast from rank 0), and the array is the one two ranks give for [0, 1] afresh, bit for bit
+    (`counted`: the default grid's seeds are [0, 1])."""
+    root, out, (fresh, _, whole) = run_and_store, tmp_path / "report", counted
 
     def rows(target, seeds: str) -> list[int]:
-        (rc0, _, err0), (rc1, _, err1) = launch_two(str(script), str(tmp_path), *_args(root, tiny_edit_model, target),
-                                                    "--set", f"evaluate.noise_seeds={seeds}", timeout=300)
-        assert rc0 == rc1 == 0, (rc0, rc1, err0[-2000:], err1[-2000:])
-        return [int((tmp_path / f"rank-{r}").read_text()) for r in (0, 1)]
+        args = [*_args(root, tiny_edit_model, target), "--set", f"evaluate.noise_seeds={seeds}"]
+        return _counted_launch(tmp_path / "results", False, args)[1]
 
-    whole = rows(fresh, "[0, 1]")
     rows(out, "[0]")
     grown = rows(out, "[0, 1]")
     assert [2 * g for g in grown] == whole, (grown, whole)
@@ -308,35 +322,22 @@ def test_two_ranks_grow_a_seed_grid_computing_its_new_cells_alone(run_and_store,
         np.testing.assert_array_equal(a[name].values, b[name].values)
 
 
-def test_the_array_records_every_ranks_device(run_and_store, tiny_edit_model, tmp_path):
+def test_the_array_records_every_ranks_device(other_device):
     """Each rank computes its share of every row on its own device: `computed_on` names each (it named rank 0's
     alone, on a run of two GPU models)."""
     from stages.evaluate import base_images
     from stages.evaluate.loss_groups import COMPUTED_ON
-    from two_ranks import launch_two
 
-    root, out = run_and_store, tmp_path / "report"
-    script = tmp_path / "other_device_rank.py"
-    script.write_text(OTHER_DEVICE_RANK)
-    (rc0, out0, err0), (rc1, out1, err1) = launch_two(str(script), *_args(root, tiny_edit_model, out), timeout=300)
-    assert rc0 == rc1 == 0, (rc0, rc1, err0[-2000:], err1[-2000:])
+    out = other_device
     here = base_images.machine(EvaluateConfig(**CFG))
     rank_0 = {"device": here["device"], "libraries": here["libraries"]}
     assert xr.open_zarr(out / GROUP).attrs[COMPUTED_ON] == [
         rank_0, {**rank_0, "device": ["cpu", ["probe device of rank 1"]]}]
 
 
-# the ranks alike (one machine): the CLI as launched
-ALIKE_RANK = """
-import sys
-from pipeline.cli import app
-sys.argv = ["pipeline", *sys.argv[1:]]
-app()
-"""
-
-
 def test_base_losses_two_ranks_computed_on_two_devices_serve_no_run_on_one_of_them(run_and_store, tiny_edit_model,
-                                                                                   tmp_path, monkeypatch):
+                                                                                   other_device, counted, tmp_path,
+                                                                                   monkeypatch):
     """OUT/base-losses.safetensors is keyed by the machine that computed it (another GPU model rounds otherwise).
     Rank 1 on another device computed half of its rows, but the key named rank 0's machine alone: a one-process
     run on rank 0's machine took those numbers as its own. Now the key holds every rank's machine
@@ -344,15 +345,12 @@ def test_base_losses_two_ranks_computed_on_two_devices_serve_no_run_on_one_of_th
     alike keep the one-process key (files written before stay readable): their file serves it."""
     from stages.evaluate import base_losses
     from test_evaluate_checkpoints_base_cache import _counting
-    from two_ranks import launch_two
 
     root = run_and_store
     passes = _counting(monkeypatch)
-    for name, rank_script, computed in (("other", OTHER_DEVICE_RANK, 1), ("alike", ALIKE_RANK, 0)):
-        script, two, one = tmp_path / f"{name}.py", tmp_path / f"two-{name}", tmp_path / f"one-{name}"
-        script.write_text(rank_script)
-        (rc0, _, err0), (rc1, _, err1) = launch_two(str(script), *_args(root, tiny_edit_model, two), timeout=300)
-        assert rc0 == rc1 == 0, (rc0, rc1, err0[-2000:], err1[-2000:])
+    # the ranks alike (one machine): `counted`'s, whose counting wrappers change no number and no key
+    for name, two, computed in (("other", other_device, 1), ("alike", counted[0], 0)):
+        one = tmp_path / f"one-{name}"
         one.mkdir()
         (one / base_losses.FILE).write_bytes((two / base_losses.FILE).read_bytes())
         passes.clear()

@@ -81,6 +81,9 @@ def test_edit_extra_prompts_generate_without_the_text_encoder(tiny_edit_model, t
     cfg = load_config(None, {"evaluate.dtype": "float32", "evaluate.num_inference_steps": 2,
                              "evaluate.extra_prompts": [{"prompt": "make it red", "images": [str(ref)],
                                                          "height": 48, "width": 64}]}).evaluate
+    # the controls' view at 256² rather than the stock ~1024² (as tests/stages/test_predict.py): the text and VAE
+    # encoding of each extra prompt's control took seconds of CPU; nothing asserted here depends on its size
+    monkeypatch.setattr(models.edit, "VAE_AREA", 256 * 256)
     encoder = _text_encoders_loaded(monkeypatch, models.edit)
     transformer = load_component(tiny_edit_model, "transformer", dtype=torch.float32)
     torch.manual_seed(0)

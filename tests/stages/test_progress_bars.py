@@ -11,14 +11,15 @@ from pathlib import Path
 
 from pipeline.demo_data import make_demo_data
 from stages.encode.progress import SampleProgress
+import warm_start
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], env={**ENV, "COLUMNS": "200"},
-                          capture_output=True, text=True, timeout=300)
+    # started warm (tests/warm_start.py): the CLI's own process, output to files (not a terminal) as to pipes
+    proc = warm_start.run([sys.executable, "-m", "pipeline.cli", *args], env={**ENV, "COLUMNS": "200"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

@@ -16,6 +16,7 @@ from stages.resize import first_read, stage
 from store import Store
 from tests.stages.test_resize_first_read import _source, changed_once_streamed
 from tests.stages.test_resize_rerun_reads import SMALL
+import warm_start
 
 
 def _rewrite(tar: Path, seed: int) -> None:
@@ -157,7 +158,6 @@ def test_a_first_run_sigkilled_at_each_step_of_settling_resumes_its_version(tmp_
     nothing finished, ends as an uninterrupted run (rows, schema) and the next run is up to date."""
     import json
     import os
-    import subprocess
     import sys
 
     from tests.stages.test_resize_rerun_reads import _rows
@@ -165,7 +165,7 @@ def test_a_first_run_sigkilled_at_each_step_of_settling_resumes_its_version(tmp_
     src, out = _source(tmp_path), tmp_path / "store"
     run = ("import sys; from pipeline.config import load_config; from stages.resize.stage import run;"
            f"run(load_config(None, {SMALL!r}), sys.argv[1], sys.argv[2])")
-    done = subprocess.run([sys.executable, "-c", run, str(src), str(out)], capture_output=True, text=True,
+    done = warm_start.run([sys.executable, "-c", run, str(src), str(out)],  # started warm (tests/warm_start.py)
                           env={**os.environ, "STORE_CRASH_AT": at})
     assert done.returncode == -9, done.stderr[-2000:]
     cfg = load_config(None, SMALL)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import os
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -21,6 +20,7 @@ from store import Store
 from tests.stages.read_counter import count_reads_under
 from tests.stages.test_resize_first_read import _png, _source
 from tests.stages.test_resize_rerun_reads import SMALL, _quarantine, _rows
+import warm_start
 
 
 def _add_tar(src: Path) -> None:
@@ -43,7 +43,7 @@ def test_a_run_sigkilled_after_its_manifest_loses_nothing_and_reads_no_tar_again
         _add_tar(src)
     code = ("import sys; from pipeline.config import load_config; from stages.resize.stage import run;"
             f"run(load_config(None, {SMALL!r}), sys.argv[1], sys.argv[2])")
-    killed = subprocess.run([sys.executable, "-c", code, str(src), str(out)], capture_output=True, text=True,
+    killed = warm_start.run([sys.executable, "-c", code, str(src), str(out)],  # started warm (tests/warm_start.py)
                             env={**os.environ, "STORE_CRASH_AT": "after_manifest"})
     assert killed.returncode == -9, killed.stderr[-2000:]
     st = Store(out)

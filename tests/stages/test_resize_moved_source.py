@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from stages.resize import stage
 from store import Store
 from store.verify import verify_store
 from test_resize_resume_reads import _quarantine, _rows
+import warm_start
 
 SMALL = {"resize.target_area": 64 * 64, "resize.control_vae_area": 64 * 64, "resize.control_vl_area": 32 * 32,
          "resize.multiple": 16, "resize.min_side": 16, "resize.max_controls": 2, "resize.shard_size_mb": 0.01}
@@ -38,7 +38,7 @@ def _cfg():
 
 
 def _killed(source: Path | str, store: Path, at: str = "after_shard_commit") -> None:
-    done = subprocess.run([sys.executable, "-c", RUN, str(source), str(store)], capture_output=True, text=True,
+    done = warm_start.run([sys.executable, "-c", RUN, str(source), str(store)],  # started warm (tests/warm_start.py)
                           env={**os.environ, "STORE_CRASH_AT": at})
     assert done.returncode == -9, done.stderr[-2000:]
 

@@ -111,7 +111,11 @@ def test_a_node_without_the_extra_prompt_files_does_not_stop_evaluate(run_and_st
                                                                        tmp_path):
     root = run_and_store
     extra = json.dumps([_extra(tmp_path)])
-    p = launch_with_hook(tmp_path, LACKS_EXTRA.replace("os.environ.get('NO_EXTRA_RANK')", "'1'"), [
+    # rank 0's controls at a 256² view rather than the stock ~1024² (as tests/stages/test_predict.py): its text
+    # and VAE encoding took seconds of CPU; which rank makes the images does not depend on their size
+    small_controls = "if os.environ.get('RANK') == '0':\n    import models.edit\n    models.edit.VAE_AREA = 256 * 256\n"
+    hook = LACKS_EXTRA.replace("os.environ.get('NO_EXTRA_RANK')", "'1'") + small_controls
+    p = launch_with_hook(tmp_path, hook, [
         "run", "evaluate", "--all-checkpoints", "--set", f"paths.run={root / 'run'}", "--store", str(root / "store"),
         "--model", tiny_edit_model, "--out", str(tmp_path / "report"), "--num-samples", "0", "--device", "cpu",
         "--set", "evaluate.noise_seeds=[0]", "--set", "evaluate.timesteps=[0.5]",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 from stages.train import previous
 from stages.train.recipe import run
 from test_train import REPO, assert_same_lora, cfg_of, lora_of, store_dir  # noqa: F401 (the fixture: test_train's store)
+import warm_start
 
 
 A, B = {"max_steps": 2, "checkpoint_every": 2}, {"max_steps": 2, "checkpoint_every": 2, "learning_rate": 5e-3}
@@ -62,8 +62,8 @@ def test_a_kill_between_the_renames_loses_neither(store_dir, tiny_edit_model, tm
 
     env = {**os.environ, "STORE_CRASH_AT": "take_back_between_renames", "PYTHONPATH": str(REPO)}
     args = {**BASE, **{f"train.{k}": v for k, v in A.items()}}
-    done = subprocess.run([sys.executable, "-c", _KILLED, str(store_dir), tiny_edit_model, str(out), json.dumps(args)],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = warm_start.run([sys.executable, "-c", _KILLED, str(store_dir), tiny_edit_model, str(out), json.dumps(args)],
+                          env=env, cwd=REPO, timeout=300)  # started warm (tests/warm_start.py)
     assert done.returncode == -9, done.stderr[-2000:]
     assert not out.exists()  # between the renames: both runs under RUN.previous
     kept = previous.kept_runs(out)

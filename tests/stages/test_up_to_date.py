@@ -211,11 +211,16 @@ def _extra_prompt(tmp_path, seed: int):
     return {"prompt": "make it red", "images": [str(img)], "height": 32, "width": 32}
 
 
-def test_evaluate_report_is_stale_when_an_extra_prompt_image_is_replaced(trained, tiny_edit_model, tmp_path):
+def test_evaluate_report_is_stale_when_an_extra_prompt_image_is_replaced(trained, tiny_edit_model, tmp_path,
+                                                                         monkeypatch):
     """Before: the report recorded the extra prompts' paths only, so a picture replaced at probe/cat.png kept a
     report of the old one up to date."""
+    import models.edit
     from stages.evaluate.stage import report_up_to_date, run
 
+    # the controls' view at 256² rather than the stock ~1024² (as tests/stages/test_predict.py): the text and VAE
+    # encoding of each extra prompt's control took seconds of CPU; nothing asserted here depends on its size
+    monkeypatch.setattr(models.edit, "VAE_AREA", 256 * 256)
     store, lora, out = trained / "store", trained / "run" / "lora", tmp_path / "report"
     cfg = EvaluateConfig(**EVAL, num_inference_steps=2, extra_prompts=[_extra_prompt(tmp_path, 0)])
     run(cfg, store, tiny_edit_model, lora, out)
@@ -224,10 +229,15 @@ def test_evaluate_report_is_stale_when_an_extra_prompt_image_is_replaced(trained
     assert not report_up_to_date(cfg, store, tiny_edit_model, lora, out)
 
 
-def test_checkpoint_report_is_stale_when_an_extra_prompt_image_is_replaced(trained, tiny_edit_model, tmp_path):
+def test_checkpoint_report_is_stale_when_an_extra_prompt_image_is_replaced(trained, tiny_edit_model, tmp_path,
+                                                                           monkeypatch):
     """--all-checkpoints: the pictures are made again, the held-out losses are kept (extra prompts change none)."""
+    import models.edit
     from stages.evaluate import checkpoints as ev
 
+    # the controls' view at 256² rather than the stock ~1024² (as tests/stages/test_predict.py): the text and VAE
+    # encoding of each extra prompt's control took seconds of CPU; nothing asserted here depends on its size
+    monkeypatch.setattr(models.edit, "VAE_AREA", 256 * 256)
     store, out = trained / "store", tmp_path / "report"
     ckpts = [(2, trained / "run" / "checkpoints" / "step-2" / "lora")]
     cfg = EvaluateConfig(**EVAL, num_inference_steps=2, extra_prompts=[_extra_prompt(tmp_path, 0)])

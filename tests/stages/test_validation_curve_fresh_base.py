@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from store.loss_array import GROUP, recorded_steps
+import warm_start
 
 # run folder, then "kill" to be SIGKILLed right after zarr deleted the base's files
 START = """
@@ -43,8 +44,8 @@ curve.record(0, np.full((2, 2, 2, 3), 4.0), np.full((2, 2, 2, 3), 7.0))  # a fre
 
 def _start(run: Path, *kill: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run([sys.executable, "-c", START, str(run), *kill], env=env, capture_output=True, text=True,
-                          timeout=600)
+    # started warm (tests/warm_start.py): a process of its own without a cold start's ~9 s of imports each
+    return warm_start.run([sys.executable, "-c", START, str(run), *kill], env=env, timeout=600)
 
 
 def test_a_fresh_start_killed_while_it_writes_its_base_leaves_the_curve_readable(tmp_path):

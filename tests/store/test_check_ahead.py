@@ -17,6 +17,7 @@ from signal_elsewhere import run_script
 from store import Store
 from store.integrity import DamagedData
 from store_samples import fill
+import warm_start
 
 
 def _threads() -> list[threading.Thread]:
@@ -221,7 +222,6 @@ def test_a_shard_cut_short_under_a_checking_reader_is_damaged_data_not_sigbus(st
     the shard and touch pages past the new end. In a subprocess: a SIGBUS fails this test instead of killing
     pytest."""
     import os
-    import subprocess
     import sys
 
     fill(store, 12, shard_size_mb=0.02)
@@ -245,7 +245,7 @@ except DamagedData as e:
 r.close()
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    done = warm_start.run([sys.executable, "-c", script], env=env, timeout=120)  # started warm (tests/warm_start.py)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -7: SIGBUS
     assert done.stdout.startswith("DamagedData:") and "bytes before the sample does" in done.stdout, done.stdout
 

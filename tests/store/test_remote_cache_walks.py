@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import zlib
@@ -21,6 +20,7 @@ from store.remote_cache import USAGE, local_store
 from store.remote_shards import fetch_stats, fetcher_for
 from store.remote_sync import push
 from store_samples import fill
+import warm_start
 
 
 def _cache_bytes(cache: Path) -> int:
@@ -115,10 +115,12 @@ def test_two_processes_filling_one_cache_keep_its_limit(s3_env, store: Store, tm
     cache = tmp_path / "cache"
     local_store(url, ["vae"], cache)
     limit = _cache_bytes(cache) + 8 * _shard_bytes(store)  # a quarter of the shards
-    procs = [subprocess.Popen([sys.executable, "-c", FILLER, url, str(cache), str(limit / 1e9), str(seed)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    # started warm (tests/warm_start.py, as test_remote_lazy.py's): two processes of their own, without importing
+    # torch twice (~9 s of CPU each)
+    procs = [warm_start.WarmProcess([sys.executable, "-c", FILLER, url, str(cache), str(limit / 1e9), str(seed)],
+                                    env=os.environ.copy())
              for seed in (1, 2)]
-    outs = [p.communicate(timeout=300) for p in procs]
+    outs = [(out, err) for code, out, err in warm_start.outcomes(procs, timeout=300)]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
     with store.reader("vae") as local:

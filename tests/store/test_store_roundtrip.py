@@ -11,6 +11,7 @@ from schemas import UserError
 from store import Store
 
 from store_samples import fill, key_of, lineage, sample, vae_schema
+import warm_start
 
 
 def test_roundtrip_exact_random_access(store: Store) -> None:
@@ -232,7 +233,6 @@ def test_tensors_outlive_the_shard_lru_and_the_reader(tmp_path):
     """A tensor is a view of its shard's map: the LRU dropping that map (max_open_shards=1) or the reader's
     close() must not unmap memory the tensor still reads (run in a child process: that bug is a segfault)."""
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -253,7 +253,7 @@ assert all(torch.equal(t.clone(), fresh.tensors(key_of(i))["target"]) for i, t i
 print("ok")
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    done = warm_start.run([sys.executable, "-c", script], env=env)  # started warm (tests/warm_start.py)
     assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
 
 

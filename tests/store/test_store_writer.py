@@ -17,6 +17,7 @@ from schemas import UserError
 from store import Store
 from store.verify import verify_store
 from store_samples import fill, key_of, sample, vae_schema
+import warm_start
 
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
@@ -48,9 +49,11 @@ WRITE_SCRIPT = textwrap.dedent("""
 
 def run_writer(root: Path, n: int, kill_after: int, rank: int = 0, world: int = 1,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The writer in a process of its own, started warm (tests/warm_start.py: torch imported already, ~9 s of CPU
+    each cold start); its SIGKILL, exit status and output are a cold start's."""
     script = WRITE_SCRIPT.format(here=str(HERE))
-    return subprocess.run([sys.executable, "-c", script, str(root), str(n), str(kill_after), str(rank), str(world)],
-                          capture_output=True, text=True, cwd=REPO, timeout=120, env={**os.environ, **(env or {})})
+    return warm_start.run([sys.executable, "-c", script, str(root), str(n), str(kill_after), str(rank), str(world)],
+                          cwd=REPO, timeout=120, env={**os.environ, **(env or {})})
 
 
 def assert_exact(st: Store, n: int) -> None:
@@ -107,11 +110,11 @@ def test_second_writer_fails_fast_and_nothing_is_corrupted(store: Store) -> None
 def test_two_rank_subprocesses_merge_into_one_sorted_manifest(tmp_path: Path) -> None:
     root = tmp_path / "s"
     Store(root)
-    procs = [subprocess.Popen([sys.executable, "-c", WRITE_SCRIPT.format(here=str(HERE)), str(root), "20", "-1",
-                               str(r), "2"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    procs = [warm_start.WarmProcess([sys.executable, "-c", WRITE_SCRIPT.format(here=str(HERE)), str(root), "20",
+                                     "-1", str(r), "2"], cwd=REPO)  # two processes, started warm as `run_writer`
              for r in range(2)]
-    for p in procs:
-        assert p.wait(timeout=120) == 0, p.stderr.read()  # type: ignore[union-attr]
+    for code, _, err in warm_start.outcomes(procs, timeout=120):
+        assert code == 0, err
     vdir = root / "vae" / "v1"
     assert {p.name[:9] for p in vdir.glob("shard-*.tar")} == {"shard-r00", "shard-r01"}
     st = Store(root)
