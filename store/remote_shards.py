@@ -46,6 +46,15 @@ from store.remote import READ_PIECE, Remote, SharedBar, each_at_once, lost_objec
 
 log = logging.getLogger("store")
 
+# store URL -> the storage options (`-o`: an endpoint, a profile) its lazy open was given in this process, for the
+# shard fetches and metadata refetches after it: they open the URL from a cached version's marker, which never
+# records them (they may hold secrets). Without it they asked the environment's server.
+_opened_with: dict[str, dict[str, Any]] = {}
+
+
+def _open(url: str) -> Remote:
+    return open_remote(url, _opened_with.get(url.rstrip("/")))
+
 MARKER = ".remote.json"  # in a lazily cached version folder: {"url", "table", "version"} of its remote copy
 LAZY_SUFFIX = ".lazy"  # `.v<N>.lazy`: a version's metadata being fetched (not a version name: readers skip it)
 # `.<shard>.fetch-<pid>-<pid start time>-n<pid namespace>-<thread>` (store/lease.process_tag; `<pid>-<start>-<thread>`
@@ -126,7 +135,7 @@ def _refetch_metadata(vdir: Path, url: str, base: str, fixed: list[str]) -> bool
     from store.remote_sync import _File, fetch_checked
 
     with remote_errors(url, f"fetch {base}"):
-        remote = open_remote(url)
+        remote = _open(url)
         try:
             sums = integrity.read_version_checksums(vdir) or {}
         except integrity.DamagedData:  # damaged, or missing (a cached copy always has one)
@@ -222,7 +231,7 @@ class ShardFetcher:
     @property
     def remote(self) -> Remote:
         if self._remote is None:
-            self._remote = open_remote(self.url)
+            self._remote = _open(self.url)
         return self._remote
 
     @contextmanager
@@ -479,6 +488,10 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
     from store.store import Store
 
     remote = open_remote(url, storage_options)
+    if storage_options:
+        _opened_with[url.rstrip("/")] = dict(storage_options)
+    else:  # a later open without options reads by the environment, as `open_remote` does
+        _opened_with.pop(url.rstrip("/"), None)
     with remote_errors(url, "open"):
         try:
             rec = _parse_record(remote.read(fmt.STORE_JSON), url)
