@@ -305,6 +305,7 @@ def _rank_done(data: bytes, rank: int, where: str) -> dict[str, Any]:
         done = json.loads(data)
         files = done["files"]
         ok = done["rank"] == rank and isinstance(files, dict) and all(
+            isinstance(done.get(count, 0), int) for count in ("given", "rejected")) and all(
             isinstance(e, dict) and isinstance(e.get("nbytes"), int) and isinstance(e.get("crc32c"), str)
             for e in files.values())
         why = "" if ok else f"not rank {rank}'s record of its files"

@@ -507,15 +507,22 @@ def test_a_node_whose_adopted_part_was_collected_since_encodes_it_again(s3_env, 
     assert verify_store(pulled, progress=False) == []
 
 
-def test_a_damaged_rank_done_file_on_the_remote_is_refused_in_one_line_and_its_advice_works(s3_env, tmp_path):
+@pytest.mark.parametrize("damage", ["truncated", "not a count"])
+def test_a_damaged_rank_done_file_on_the_remote_is_refused_in_one_line_and_its_advice_works(s3_env, tmp_path,
+                                                                                            damage):
     """rank 0's commit parses every other rank's rank-done file from the remote: a truncated one (a bad disk, a
     copy by hand) was a JSONDecodeError traceback. Refused naming the object, nothing committed; deleting it and
     rerunning that rank (its cache rewrites and uploads it) commits."""
     url = s3_env.url("done")
-    _writer(tmp_path / "node1", url, 1).finish_rank()
+    one = _writer(tmp_path / "node1", url, 1)
+    one.finish_rank()
+    one.close()  # its lock: the rerun below opens the same cache
     key = "done/vae/v1/rank-01.done"
     whole = s3_env.client().get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()
-    s3_env.client().put_object(Bucket=s3_env.bucket, Key=key, Body=whole[: len(whole) // 2])
+    import json
+
+    bad = whole[: len(whole) // 2] if damage == "truncated" else json.dumps({**json.loads(whole), "given": "6"}).encode()
+    s3_env.client().put_object(Bucket=s3_env.bucket, Key=key, Body=bad)
     zero = _writer(tmp_path / "node0", url, 0)
     with pytest.raises(UserError, match="is damaged") as e:
         zero.commit()
