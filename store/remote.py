@@ -223,6 +223,9 @@ def remote_errors(url: str, action: str, missing: str | None = None) -> Iterator
         if _is_aws_config_error(e):
             raise UserError(f"{action}: the AWS configuration for {url} is unusable ({type(e).__name__}: "
                             f"{_first_line(e)}); check {_config_hint(url)}") from None
+        if (bad := _bad_config_value(e)) is not None:
+            raise UserError(f"{action}: the AWS configuration for {url} is unusable ({bad}); check "
+                            f"{_config_hint(url)}") from None
         raise
 
 
@@ -308,6 +311,21 @@ def _is_aws_config_error(e: BaseException) -> bool:
     without it), a malformed config file, an expired SSO login, a failing credential_process: botocore's traceback
     of a dozen frames before, on every command."""
     return any(c.__name__ in _AWS_CONFIG_ERRORS for c in type(e).__mro__)
+
+
+def _bad_config_value(e: BaseException) -> str | None:
+    """What botocore's conversion of a configured value (AWS_MAX_ATTEMPTS=abc, `max_attempts = abc` in
+    ~/.aws/config) refused: a bare ValueError raised in its config provider, told from any other ValueError by
+    where it was raised, never caught by type alone. Names the AWS_* variable holding that value when one does."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if not isinstance(e, ValueError) or tb is None or \
+            not tb.tb_frame.f_code.co_filename.endswith(os.path.join("botocore", "configprovider.py")):
+        return None
+    named = sorted(k for k, v in os.environ.items() if k.startswith("AWS_") and v and str(e).endswith(repr(v)))
+    return (f"{', '.join(f'{k}={os.environ[k]!r}' for k in named)} is not a valid value: {_first_line(e)}" if named
+            else f"a setting of the AWS config file is not a valid value: {_first_line(e)}")
 
 
 def _config_hint(url: str) -> str:

@@ -48,6 +48,11 @@ def pieces(fs: Any, path: str, piece: int, is_s3: bool) -> Iterator[bytes]:
             raise UserError(f"s3://{bucket}/{key} changed while it was read (another object under its name since "
                             "its first bytes came); rerun to read it again") from None
         etag = etag or resp.get("ETag")
+        if offset and not resp.get("ContentRange"):
+            # a server (or proxy) that ignores Range sent the whole object again (200, no Content-Range): its first
+            # `offset` bytes are those received already; appended, they spliced the object into a damaged copy
+            await _skip(resp["Body"], offset)
+            return resp["Body"], int(resp.get("ContentLength") or 0)
         return resp["Body"], offset + int(resp.get("ContentLength") or 0)
 
     async def fill(body) -> bytes:  # one hop into the event loop per piece, not per socket read
@@ -81,6 +86,12 @@ def pieces(fs: Any, path: str, piece: int, is_s3: bool) -> Iterator[bytes]:
             yield chunk
     finally:
         body.close()
+
+
+async def _skip(body: Any, n: int) -> None:
+    """`n` bytes of `body` read and dropped (a piece at a time: never the whole prefix in memory)."""
+    while n > 0 and (got := await body.read(min(n, CHUNK))):
+        n -= len(got)
 
 
 def differs_from_server_checksum(e: BaseException) -> bool:

@@ -263,10 +263,11 @@ def _gather(writer: TableWriter, remote, listing: dict[str, int],
         if f"{base}/{done}" not in listing:
             missing.append(r)
             continue
-        data = (writer.dir / done).read_bytes() if r == writer.rank else remote.read(f"{base}/{done}")
+        own = r == writer.rank
+        data = (writer.dir / done).read_bytes() if own else remote.read(f"{base}/{done}")
         (staging / done).write_bytes(data)
-        dones.append(json.loads(data))
-        recorded.update(dones[-1].get("files") or {})
+        dones.append(_rank_done(data, r, str(writer.dir / done) if own else f"{url}/{base}/{done}"))
+        recorded.update(dones[-1]["files"])
     if missing:
         raise UserError(f"table '{writer.table}' v{writer.version}: ranks {missing} have not uploaded their part to "
                         f"{url}; rerun every node")
@@ -294,6 +295,26 @@ def _gather(writer: TableWriter, remote, listing: dict[str, int],
         for _ in each_at_once(fetch, small):
             bar.update()
     return recorded, dones
+
+
+def _rank_done(data: bytes, rank: int, where: str) -> dict[str, Any]:
+    """A rank-done file parsed and checked for what the commit reads of it: a damaged one (a bad disk, a store
+    copied by hand) is refused, naming it, rather than taken as that rank not done: its rank's rerun would find its
+    own upload there with other content and be refused too (write-once), so it must be deleted first."""
+    try:
+        done = json.loads(data)
+        files = done["files"]
+        ok = done["rank"] == rank and isinstance(files, dict) and all(
+            isinstance(done.get(count, 0), int) for count in ("given", "rejected")) and all(
+            isinstance(e, dict) and isinstance(e.get("nbytes"), int) and isinstance(e.get("crc32c"), str)
+            for e in files.values())
+        why = "" if ok else f"not rank {rank}'s record of its files"
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+        why = f"{type(e).__name__}: {e}"
+    if why:
+        raise UserError(f"{where} is damaged ({why}); nothing committed: delete it and rerun every node (rank {rank} "
+                        "writes it again from its node's cache)")
+    return done
 
 
 def _manifest(writer: TableWriter, staging: Path, recorded: dict[str, dict[str, Any]], dones: list[dict[str, Any]],

@@ -46,6 +46,15 @@ from store.remote import READ_PIECE, Remote, SharedBar, each_at_once, lost_objec
 
 log = logging.getLogger("store")
 
+# store URL -> the storage options (`-o`: an endpoint, a profile) its lazy open was given in this process, for the
+# shard fetches and metadata refetches after it: they open the URL from a cached version's marker, which never
+# records them (they may hold secrets). Without it they asked the environment's server.
+_opened_with: dict[str, dict[str, Any]] = {}
+
+
+def _open(url: str) -> Remote:
+    return open_remote(url, _opened_with.get(url.rstrip("/")))
+
 MARKER = ".remote.json"  # in a lazily cached version folder: {"url", "table", "version"} of its remote copy
 LAZY_SUFFIX = ".lazy"  # `.v<N>.lazy`: a version's metadata being fetched (not a version name: readers skip it)
 # `.<shard>.fetch-<pid>-<pid start time>-n<pid namespace>-<thread>` (store/lease.process_tag; `<pid>-<start>-<thread>`
@@ -126,7 +135,7 @@ def _refetch_metadata(vdir: Path, url: str, base: str, fixed: list[str]) -> bool
     from store.remote_sync import _File, fetch_checked
 
     with remote_errors(url, f"fetch {base}"):
-        remote = open_remote(url)
+        remote = _open(url)
         try:
             sums = integrity.read_version_checksums(vdir) or {}
         except integrity.DamagedData:  # damaged, or missing (a cached copy always has one)
@@ -214,6 +223,7 @@ class ShardFetcher:
         self._shard_locks: dict[str, threading.Lock] = {}
         self._ranged: dict[str, int] = {}  # shard -> bytes fetched by range so far
         self._uncacheable: dict[str, str] = {}  # shard -> why its whole fetch failed (read by range instead)
+        self._whole_answers = False  # the server answered a range read with the whole object (it ignores Range)
         self._memo: OrderedDict[tuple[str, int, int], np.ndarray] = OrderedDict()
         self._memo_bytes = 0
         self.stats = {"shards": 0, "shard_bytes": 0, "ranges": 0, "range_bytes": 0}
@@ -221,7 +231,7 @@ class ShardFetcher:
     @property
     def remote(self) -> Remote:
         if self._remote is None:
-            self._remote = open_remote(self.url)
+            self._remote = _open(self.url)
         return self._remote
 
     @contextmanager
@@ -342,12 +352,16 @@ class ShardFetcher:
             if os.path.exists(self.vdir / shard):
                 return None
         entry = self.sums.get(shard)
-        if (entry is not None and shard not in self._uncacheable and ranged >= WHOLE_AFTER * int(entry["nbytes"])
-                and self.fetch_whole(shard, wait=False) is None):
+        # a server that ignores Range sends the whole object for every range: fetched whole once, into the cache
+        whole_first = self._whole_answers or (entry is not None and ranged >= WHOLE_AFTER * int(entry["nbytes"]))
+        if entry is not None and shard not in self._uncacheable and whole_first and \
+                self.fetch_whole(shard, wait=False) is None:
             return None
         with self._connection(f"read {self.base}/{shard}", shard):
             data = self.remote.fs.cat_file(self.remote.path(f"{self.base}/{shard}"),
                                             start=start, end=start + n)  # an HTTP Range GET
+        if len(data) > n:
+            data = self._asked_bytes(shard, start, n, data)
         buf = np.frombuffer(bytearray(data), np.uint8)  # writable, as a pread buffer
         with self._lock:
             self.stats["ranges"] += 1
@@ -359,6 +373,22 @@ class ShardFetcher:
                     (_, _, m), _ = self._memo.popitem(last=False)
                     self._memo_bytes -= m
         return buf
+
+    def _asked_bytes(self, shard: str, start: int, n: int, data: bytes) -> bytes:
+        """Bytes [start, start + n) out of an answer longer than asked: a server or proxy that ignores Range (some
+        S3-compatible servers do) sends the whole object with a 200, which the sample's check took for a damaged
+        shard ("ends -N bytes before the sample does"). The whole object (its recorded size) is sliced, and later
+        reads fetch each shard whole into the cache first; any other length is refused in one line."""
+        entry = self.sums.get(shard)
+        if entry is None or len(data) != int(entry["nbytes"]):
+            raise UserError(f"{self.url}/{self.base}/{shard}: a read of bytes [{start}, {start + n}) got {len(data)} "
+                            "bytes, neither those nor the whole object: the server (or a proxy) does not honour Range "
+                            f"reads; copy the store with `pipeline store pull {self.url} DIR` and read the copy")
+        if not self._whole_answers:
+            log.warning("%s ignores Range reads (the whole object came for a sample's bytes): shards are fetched whole "
+                        "into the cache instead", self.url)
+            self._whole_answers = True
+        return data[start:start + n]
 
     def _node_ranged(self, shard: str, n: int) -> int:
         """Add `n` to the bytes this node's processes have read from `shard` by range; their total. Ranks of one
@@ -458,6 +488,10 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
     from store.store import Store
 
     remote = open_remote(url, storage_options)
+    if storage_options:
+        _opened_with[url.rstrip("/")] = dict(storage_options)
+    else:  # a later open without options reads by the environment, as `open_remote` does
+        _opened_with.pop(url.rstrip("/"), None)
     with remote_errors(url, "open"):
         try:
             rec = _parse_record(remote.read(fmt.STORE_JSON), url)

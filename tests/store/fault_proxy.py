@@ -25,7 +25,9 @@ ANSWERS = {"slow": (503, SLOW_DOWN), "conflict": (409, CONFLICT)}
 class FaultProxy:
     def __init__(self, upstream: str, fault: Callable[[str, str], str | None]) -> None:
         """`fault(method, path)`: None (relay), "slow" (503 SlowDown), "conflict" (409 ConditionalRequestConflict),
-        "cut" (half the body, then close) or "flip" (one bit of the body flipped, the server's headers kept)."""
+        "cut" (half the body, then close), "flip" (one bit of the body flipped, the server's headers kept) or
+        "norange" (the request relayed without its Range header: the whole object, 200, as a server or proxy that
+        ignores Range answers)."""
         target = urlsplit(upstream)
         proxy = self
         self.faults: list[tuple[str, str, str]] = []
@@ -50,7 +52,12 @@ class FaultProxy:
                     return
                 conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
                 try:
-                    conn.request(self.command, self.path, body=body or None, headers=dict(self.headers))
+                    headers = dict(self.headers)
+                    ranges = [k for k in headers if k.lower() == "range"]
+                    if how == "norange" and ranges:
+                        proxy.faults.append((how, self.command, self.path))
+                        del headers[ranges[0]]
+                    conn.request(self.command, self.path, body=body or None, headers=headers)
                     resp = conn.getresponse()
                     data = resp.read()
                 finally:

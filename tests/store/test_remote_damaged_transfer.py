@@ -21,6 +21,7 @@ from store import remote as remote_mod
 from store.remote_sync import pull, push
 
 SHARD = "shard-r00-000001.tar"
+ONE_SHARD = "shard-r00-000000.tar"  # a store of one shard (fill's shard_size_mb=1)
 
 
 def _flipping(s3_env, monkeypatch, name: str, times: int = 1000) -> FaultProxy:
@@ -90,3 +91,34 @@ def test_a_small_object_that_arrives_damaged_is_read_again_then_named(s3_env, pu
     finally:
         proxy.stop()
     assert len(proxy.faults) == times
+
+
+def test_a_server_that_ignores_range_reads_is_read_right(s3_env, store: Store, tmp_path: Path, monkeypatch):
+    """A server or proxy that ignores Range answers a sample's range read with the whole object (200): the lazy
+    reader refused every sample as damaged ("the shard ends -N bytes before the sample does"). The sample's bytes
+    are taken out of the whole object, and the shard is then kept whole in the cache (one fetch, not one per
+    sample)."""
+    from store.remote_cache import local_store
+
+    fill(store, 6, shard_size_mb=1)  # one shard of several samples
+    push(store.root, s3_env.url())
+    pushed = store
+
+    def fault(method: str, path: str) -> str | None:
+        return "norange" if method == "GET" and path.partition("?")[0].endswith("/" + ONE_SHARD) else None
+
+    proxy = FaultProxy(s3_env.endpoint, fault)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        root = local_store(s3_env.url(), ["vae"], tmp_path / "cache")
+        with Store(root, create=False).reader("vae") as cached, pushed.reader("vae") as local:
+            keys = [k for k in local.keys() if local.view.samples.shard_of(local.row_of(k)) == ONE_SHARD]
+            assert len(keys) > 1
+            for k in keys:
+                got, want = cached.tensors(k), local.tensors(k)
+                assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    finally:
+        proxy.stop()
+    assert proxy.faults  # the range reads did arrive without their Range
+    cached_shard = fmt.version_dir(root, "vae", 1) / ONE_SHARD
+    assert cached_shard.read_bytes() == (fmt.version_dir(pushed.root, "vae", 1) / ONE_SHARD).read_bytes()

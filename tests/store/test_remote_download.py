@@ -101,3 +101,36 @@ def test_a_body_really_cut_off_once_per_shard_resumes_and_the_pull_completes(s3_
     assert summary.copied == ["vae/v1"] and len(cut) == len(shards) == len(proxy.faults)
     assert verify_store(pulled) == []
     assert [(pulled / "vae" / "v1" / p.name).read_bytes() for p in shards] == [p.read_bytes() for p in shards]
+
+
+def test_a_cut_body_resumed_from_a_server_that_ignores_range_is_not_spliced(s3_env, tmp_path, monkeypatch) -> None:
+    """The resume of a cut body asks `Range: bytes=N-`; a server (or proxy) that ignores Range answers with the whole
+    object again, which was appended after the N bytes received: every shard cut once was refused as damaged.
+    The first N bytes of that answer are skipped."""
+    from fault_proxy import FaultProxy
+
+    store = _store(tmp_path / "store")
+    push(store.root, s3_env.url())
+    cut: list[str] = []
+
+    def fault(method: str, path: str):
+        key = path.split("?")[0]
+        if method != "GET" or not key.endswith(".tar"):
+            return None
+        if key not in cut:
+            cut.append(key)
+            return "cut"
+        return "norange"
+
+    proxy = FaultProxy(s3_env.endpoint, fault)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        pulled = tmp_path / "pulled"
+        summary = pull(s3_env.url(), pulled)
+    finally:
+        proxy.stop()
+    shards = sorted(fmt.version_dir(store.root, "vae", 1).glob("shard-*.tar"))
+    # (a cut before any byte arrived resumes from 0, with no Range to ignore)
+    assert summary.copied == ["vae/v1"] and any(how == "norange" for how, *_ in proxy.faults), proxy.faults
+    assert verify_store(pulled) == []
+    assert [(pulled / "vae" / "v1" / p.name).read_bytes() for p in shards] == [p.read_bytes() for p in shards]

@@ -48,3 +48,13 @@ def test_an_unusable_aws_configuration_is_one_line_naming_it(case, s3_env, tmp_p
     else:
         assert "ProfileNotFound" in out and ("AWS_PROFILE=absent" if case == "AWS_PROFILE absent" else
                                               "-o profile=absent") in out
+
+
+def test_a_bad_aws_variable_value_is_one_line_naming_the_variable(s3_env, monkeypatch):
+    """AWS_MAX_ATTEMPTS=abc: botocore's config provider raises a bare ValueError while making the client, a
+    traceback of thirty frames before; told from other ValueErrors by where it was raised."""
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "abc")
+    res = CliRunner().invoke(app, ["store", "inspect", s3_env.url()])
+    out = res.output.strip()
+    assert res.exit_code == 1 and len(out.splitlines()) == 1, out[-3000:]
+    assert f"the AWS configuration for {s3_env.url()} is unusable" in out and "AWS_MAX_ATTEMPTS='abc'" in out

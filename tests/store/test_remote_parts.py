@@ -505,3 +505,34 @@ def test_a_node_whose_adopted_part_was_collected_since_encodes_it_again(s3_env, 
     pull(url, pulled)
     assert Store(pulled).reader("vae").keys() == sorted(key_of(i) for i in range(N))
     assert verify_store(pulled, progress=False) == []
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not a count"])
+def test_a_damaged_rank_done_file_on_the_remote_is_refused_in_one_line_and_its_advice_works(s3_env, tmp_path,
+                                                                                            damage):
+    """rank 0's commit parses every other rank's rank-done file from the remote: a truncated one (a bad disk, a
+    copy by hand) was a JSONDecodeError traceback. Refused naming the object, nothing committed; deleting it and
+    rerunning that rank (its cache rewrites and uploads it) commits."""
+    url = s3_env.url("done")
+    one = _writer(tmp_path / "node1", url, 1)
+    one.finish_rank()
+    one.close()  # its lock: the rerun below opens the same cache
+    key = "done/vae/v1/rank-01.done"
+    whole = s3_env.client().get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()
+    import json
+
+    bad = whole[: len(whole) // 2] if damage == "truncated" else json.dumps({**json.loads(whole), "given": "6"}).encode()
+    s3_env.client().put_object(Bucket=s3_env.bucket, Key=key, Body=bad)
+    zero = _writer(tmp_path / "node0", url, 0)
+    with pytest.raises(UserError, match="is damaged") as e:
+        zero.commit()
+    assert f"{url}/vae/v1/rank-01.done" in str(e.value) and "delete it" in str(e.value) and "\n" not in str(e.value)
+    assert "vae/v1/manifest.parquet" not in _objects(s3_env, "done")
+    zero.close()
+
+    s3_env.client().delete_object(Bucket=s3_env.bucket, Key=key)  # the advice
+    _writer(tmp_path / "node1", url, 1).finish_rank()
+    assert _writer(tmp_path / "node0", url, 0).commit() == 1
+    pulled = tmp_path / "pulled"
+    pull(url, pulled)
+    assert Store(pulled).reader("vae").keys() == sorted(key_of(i) for i in range(N))

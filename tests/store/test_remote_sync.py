@@ -364,3 +364,47 @@ def test_the_summary_of_a_pull_says_fetched_not_sent():
     pull, push = SyncSummary("pull", "s3://b/p"), SyncSummary("push", "s3://b/p")
     assert "0.0 MiB fetched" in str(pull) and "sent" not in str(pull)
     assert "0.0 MiB sent" in str(push)
+
+
+def test_push_and_pull_reach_the_server_by_the_endpoint_option_alone(s3_env, store: Store, tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    """`-o endpoint_url=...` is the only way to the server here (no AWS_ENDPOINT_URL): every object push and pull
+    touch - the lease, the listing, the objects, store.json's swap, the quarantine - goes through the options
+    (a client opened from the URL alone would ask AWS itself and fail)."""
+    from store import quarantine
+
+    fill(store, 4)
+    assert quarantine.add_rows(store.root, [{"key": "ab" * 16, "source": "src/m.jsonl:3", "stage": "resize-bucket",
+                                             "reason": "too-small", "detail": "8x8"}]) == 1
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    option = ["-o", f"endpoint_url={s3_env.endpoint}"]
+    r = runner.invoke(app, ["store", "push", str(store.root), s3_env.url(), *option])
+    assert r.exit_code == 0, r.output
+    pulled = tmp_path / "pulled"
+    r = runner.invoke(app, ["store", "pull", s3_env.url(), str(pulled), *option])
+    assert r.exit_code == 0, r.output
+    assert verify_store(pulled) == [] and Store(pulled).reader("vae").keys() == store.reader("vae").keys()
+    assert quarantine.read(pulled).column("key").to_pylist() == ["ab" * 16]
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_lazy_open_with_an_endpoint_option_fetches_its_shards_through_it(s3_env, store: Store, tmp_path: Path,
+                                                                          monkeypatch, whole: bool) -> None:
+    """`local_store(url, ..., storage_options=...)` (the Python API; no CLI command passes -o there): the open
+    used the options, but the shard fetches after it (a reader's range reads, a whole open's fetches) opened the URL
+    from the environment alone and asked another server, here one that refuses connections."""
+    from s3_server import unreachable_endpoint
+
+    from store.remote_cache import local_store
+
+    fill(store, 4)
+    push(store.root, s3_env.url())
+    with unreachable_endpoint() as nowhere:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", nowhere)  # the environment points elsewhere: only -o reaches it
+        root = local_store(s3_env.url(), ["vae"], tmp_path / "cache", whole=whole,
+                           storage_options={"endpoint_url": s3_env.endpoint})
+        with Store(root, create=False).reader("vae") as cached, store.reader("vae") as local:
+            for k in local.keys():
+                got, want = cached.tensors(k), local.tensors(k)
+                assert all(torch.equal(got[n], want[n]) for n in want)
