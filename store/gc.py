@@ -2,10 +2,9 @@
 
 Kept: each table's current version (store.json) and, transitively, the versions named in a kept version's
 lineage `upstream` (evaluate reads the `images` version its `vae` table was built from). Removed: every other
-complete version older than its table's current one, and incomplete versions whose table has no live writer (a
-writer holds `.write-rNN.lock`); a complete version past the current one is kept (a commit writes the manifest,
-then switches store.json: in between, or after a kill there, the version is complete and not yet current, and the
-rerun adopts it), and while a table has a live writer so are its incomplete ones.
+complete version, and incomplete versions whose table has no live writer (a writer holds `.write-rNN.lock`);
+while a table has a live writer, its versions past the current one are kept, complete or not (a commit writes
+the manifest, then switches store.json: in between, the version is complete and not yet current).
 Carried-forward samples live in hard links inside the version that uses them, so removing an older version
 never takes bytes a kept version needs. Kept as well: every version a live read lease names (a training or an
 encode stage still reading a version that is no longer current, `store/lease.py`), with its upstream; the files
@@ -73,9 +72,6 @@ class GcPlan:
     stale_records: list[Path] = field(default_factory=list)
     # `.trim-v<N>/` working folders of killed `store repair`s (none while a writer of the table is live), removed
     repair_work: list[Path] = field(default_factory=list)
-    # complete versions past their table's current one (kept): a commit whose store.json switch failed; its rerun
-    # makes that version current (`find_version`) instead of writing it again -> the current version (0: none)
-    unswitched: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
 def _kept(root: Path, current: dict[str, int] | list[tuple[str, int]],
@@ -123,14 +119,6 @@ def kept_closure(current: dict[str, int] | list[tuple[str, int]],
     return keep
 
 
-def unswitched_lines(unswitched: dict[tuple[str, int], int]) -> list[str]:
-    """The line for each complete version kept past its table's current one (local and URL gc alike)."""
-    return [f"keep {table}/v{v}: complete, past the current " + (f"v{now}" if now else "none")
-            + " (its commit did not switch store.json; the next run of its settings makes it current; removed once a"
-            " newer one is current)"
-            for (table, v), now in sorted(unswitched.items())]
-
-
 def unknown_lines(unknown: dict[tuple[str, int], str]) -> list[str]:
     """What gc says of the versions `kept_closure` kept every other table's versions for."""
     return [f"keep every version of the other tables: {table} v{v} is kept and the versions it was made from are "
@@ -153,21 +141,6 @@ def _writer_active(table_dir: Path) -> bool:
         finally:
             os.close(fd)
     return False
-
-
-def _unswitched(root: Path, current: dict[str, int]) -> dict[tuple[str, int], int]:
-    """Each complete version past its table's current one -> that current version (0: none), kept with its
-    upstream: a commit writes its manifest, then switches store.json (store/writer_commit.py); killed in between,
-    or during that switch, its version is complete and not current, and its rerun makes it current
-    (`find_version`) instead of writing it all again. Only versions a newer current one replaced are garbage; this
-    one goes once a version past it is current."""
-    found = {}
-    for table_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        now = current.get(table_dir.name, 0)
-        for v in fmt.list_versions(root, table_dir.name):
-            if v > now and fmt.is_complete(fmt.version_dir(root, table_dir.name, v)):
-                found[(table_dir.name, v)] = now
-    return found
 
 
 def _freed(folder: Path) -> int:
@@ -208,8 +181,7 @@ def _stale_records(root: Path, table_dir: Path) -> list[Path]:
 def plan(root: Path) -> GcPlan:
     current = {t: int(v["current"]) for t, v in fmt.read_store_record(root)["tables"].items()}
     out = GcPlan()
-    out.unswitched = _unswitched(root, current)
-    keep = _kept(root, sorted(current.items()) + sorted(out.unswitched), out.unknown_upstream)
+    keep = _kept(root, current, out.unknown_upstream)
     named_by: dict[tuple[str, int], list[str]] = {}  # every version a live lease names, existing or not
     for found in leases.leases(root):
         if not found.live:
@@ -225,11 +197,13 @@ def plan(root: Path) -> GcPlan:
     for table_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         out.leftovers += sorted(p for p in table_dir.iterdir() if p.name.endswith(DELETING_SUFFIX))
         active = _writer_active(table_dir)
+        newest_current = current.get(table_dir.name, 0)
         for v in fmt.list_versions(root, table_dir.name):
             vdir = fmt.version_dir(root, table_dir.name, v)
-            # A live writer's version: still being filled, or complete and about to become current (kept with
-            # every complete version past the current one: `_unswitched`)
-            if (table_dir.name, v) in keep or (active and not fmt.is_complete(vdir)):
+            # A live writer's version: still being filled, or complete (its manifest written) and about to become
+            # current (store.json is switched next, store/writer_commit.py). Writers only ever create versions
+            # past the newest, so with a writer live every version past the current one is kept.
+            if (table_dir.name, v) in keep or (active and (not fmt.is_complete(vdir) or v > newest_current)):
                 if fmt.is_complete(vdir):
                     out.unreferenced += _unreferenced(vdir)
                 continue
@@ -285,8 +259,6 @@ def _say_plan(root: Path, p: GcPlan, dry_run: bool, echo: Callable[[str], None])
         echo(f"keep {d.relative_to(root)}: a damaged version set aside, but its number is read by " + "; ".join(by))
     for (table, v), by in sorted(p.leased.items()):
         echo(f"keep {table}/v{v}: not current, but read by " + "; ".join(by))
-    for line in unswitched_lines(p.unswitched):
-        echo(line)
     for f in p.stale_records:
         echo(f"{remove} {f.relative_to(root)} (the record of a version no longer there: an interrupted gc)")
     for found in p.dead_leases:

@@ -1,10 +1,9 @@
 """`pipeline store gc URL [--dry-run]`: store/gc.py for a store at a URL.
 
-Kept, as on a local disk: each table's current version (store.json), every complete version past it (a commit
-whose store.json swap failed: its rerun adopts it, store/remote_parts.py `on_remote`), the versions a kept version's
-lineage names (`upstream`), and every version a live lease object names (store/remote_lease.py: readers and pushes in
+Kept, as on a local disk: each table's current version (store.json), the versions a kept version's lineage
+names (`upstream`), and every version a live lease object names (store/remote_lease.py: readers and pushes in
 progress), with their upstream. Removed:
-- every other complete version (one with a manifest): those a newer current version replaced;
+- every other complete version (one with a manifest);
 - incomplete versions (data objects without a manifest: a push or a gc that was killed half-way) that no live
   lease names and whose newest object is older than `grace_s` (default 1 hour): a version number a killed push
   left behind then no longer blocks another store's push of that number;
@@ -38,7 +37,7 @@ from typing import Any, Callable
 from schemas.errors import UserError
 from store import format as fmt
 from store import remote_endpoint, remote_lease
-from store.gc import kept_closure, unknown_lines, unswitched_lines
+from store.gc import kept_closure, unknown_lines
 from store.lease import Found
 from store.manifest_files import checked_schema
 from store.remote import CLOCK_DIR, Remote, open_remote, remote_errors
@@ -89,9 +88,6 @@ class RemoteGcPlan:
     now: float = 0.0  # the server's clock at the plan
     # kept versions whose schema.json does not read -> why: every version of the other tables kept for them
     unknown_upstream: dict[tuple[str, int], str] = field(default_factory=dict)
-    # complete versions past their table's current one -> that current version (0: none), kept with their upstream:
-    # a commit whose store.json swap failed, which its rerun adopts (store/gc.py `_unswitched`)
-    unswitched: dict[tuple[str, int], int] = field(default_factory=dict)
     nbytes: int = 0
 
 
@@ -173,10 +169,6 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
             out.leftovers.append(rel)
     current = _current(remote)
     roots = sorted(current.items()) if current is not None else [tv for tv, v in versions.items() if v.complete]
-    if current is not None:  # (without a store.json every complete version is a root already)
-        out.unswitched = {tv: current.get(tv[0], 0) for tv, v in sorted(versions.items())
-                          if v.complete and tv[1] > current.get(tv[0], 0)}
-        roots += sorted(out.unswitched)
     read = _once(remote)
     keep = _closure(remote, roots, versions, out.unknown_upstream, read)
     found_leases = remote_lease.leases(remote, listing, now)  # one GET per lease object (a reader per rank)
@@ -330,8 +322,6 @@ def _say_plan(p: RemoteGcPlan, dry_run: bool, grace_s: float, echo: Callable[[st
         echo(f"{would} {v.name}{what}")
     for (table, v), by in sorted(p.leased.items()):
         echo(f"keep {table}/v{v}: not current, but held by " + "; ".join(by))
-    for line in unswitched_lines(p.unswitched):
-        echo(line)
     for v in p.young_incomplete:
         echo(f"keep {v.name}: incomplete, its newest object is {(p.now - v.newest) / 60:.0f} min old "
              f"(a push may still be writing it; removed once {grace_s / 60:.0f} min old)")

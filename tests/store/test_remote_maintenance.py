@@ -17,7 +17,6 @@ import torch
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from schemas.errors import UserError
 from store import Store
 from store import remote as remote_mod
 from store import remote_lease
@@ -534,29 +533,3 @@ def test_a_url_reader_killed_with_9_holds_nothing_on_the_url_nor_in_its_cache(s3
     assert r.exit_code == 0, r.output
     assert f"a reader of the URL (pid {proc.pid} on {socket.gethostname()} is gone" in r.output, r.output
     assert Store(cache_store).versions("vae") == [2] and not cached_lease.exists()
-
-
-def test_gc_of_a_url_keeps_a_complete_version_whose_store_json_swap_failed(s3_env, store: Store, tmp_path: Path,
-                                                                           monkeypatch) -> None:
-    """A commit that wrote its manifest and failed its store.json swap (a lost connection, a killed rank 0) leaves
-    a complete version past the current one, which its rerun adopts (store/remote_parts.py `on_remote`). gc removed
-    it at once, a cron gc in between throwing away a whole multi-node encode. Kept and said so; removed once a
-    version past it is current."""
-    fill(store, 4, tag="a")  # v1
-    push(store.root, s3_env.url())
-    fill(store, 4, tag="b", start=10)  # v2
-
-    def lost(self, *a, **k):
-        raise ConnectionResetError("lost the connection")
-
-    with monkeypatch.context() as m, pytest.raises(UserError):
-        m.setattr(remote_mod.Remote, "swap", lost)
-        push(store.root, s3_env.url())
-    assert "store/vae/v2/manifest.parquet" in objects(s3_env)
-
-    r = _cli("store", "gc", s3_env.url())
-    assert r.exit_code == 0 and "keep vae/v2: complete, past the current v1" in r.output, r.output
-    assert "store/vae/v2/manifest.parquet" in objects(s3_env) and "store/vae/v1/manifest.parquet" in objects(s3_env)
-    push(store.root, s3_env.url())  # the rerun: v2 current now
-    assert _cli("store", "gc", s3_env.url()).exit_code == 0
-    assert [k for k in objects(s3_env) if k.endswith("manifest.parquet")] == ["store/vae/v2/manifest.parquet"]
