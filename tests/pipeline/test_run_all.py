@@ -9,7 +9,6 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,18 +57,18 @@ def test_run_all_resumes_after_kill_and_skips_when_up_to_date(tiny_plus_model, t
     config = _config(tmp_path, tiny_plus_model)
 
     # 1) a run killed (SIGKILL, whole process group) as soon as train has committed a checkpoint
+    # a process of its own in a session of its own, started warm (tests/warm_start.py: its third-party imports
+    # done already; the project's modules it imports itself)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    log = tmp_path / "killed-run.log"
-    with log.open("wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "all", "--config", str(config)],
-                                stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + 240
-        while not _first_checkpoint(tmp_path / "run") and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        code = proc.wait()
-    assert code == -signal.SIGKILL, f"run all ended (exit {code}) before the kill:\n{log.read_text()[-3000:]}"
+    proc = warm_start.WarmProcess([sys.executable, "-m", "pipeline.cli", "run", "all", "--config", str(config)],
+                                  env=env, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not _first_checkpoint(tmp_path / "run") and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    code = proc.wait(60)
+    assert code == -signal.SIGKILL, f"run all ended (exit {code}) before the kill:\n{''.join(proc.output())[-3000:]}"
     assert not (tmp_path / "run" / "lora").exists() and not (tmp_path / "report").exists()
 
     # 2) rerun: finished stages are up to date, train resumes from its checkpoint, evaluate writes the report
