@@ -218,13 +218,13 @@ def content_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str, sett
         return fingerprint, settings, earlier_settings(settings, tables, cfg, out), loss_keys(cfg, tables), len(tables)
 
 
-def lora_digest(checkpoint: Path):
-    """The checkpoint's LoRA file checked against its sealed record and hashed, in one read
-    (`stages.evaluate.lora_bytes`)."""
+def lora_digest(checkpoint: Path, hashes) -> str:
+    """The sha256 of the checkpoint's LoRA file, checked against its sealed record and hashed in one read, or as
+    `hashes` remembers it unchanged since such a read (`stages.evaluate.lora_bytes.known_or_checked`)."""
     from models.lora import lora_weight_file
-    from stages.evaluate.lora_bytes import checked_digest
+    from stages.evaluate.lora_bytes import known_or_checked
 
-    return checked_digest(lora_weight_file(checkpoint))
+    return known_or_checked(lora_weight_file(checkpoint), hashes)
 
 
 # What a checkpoint's weights were trained from, in its step folder's resume.json (stages/train/state.py): the
@@ -328,23 +328,26 @@ def check_and_hash(checkpoints: list[tuple[int, Path]], ranks=None) -> tuple[lis
     """Each checkpoint's LoRA file against the CRC32C its sealed resume.json records (as single-LoRA evaluate
     checks RUN/lora's checksums.json): a flipped bit is refused naming the file, not evaluated as trained
     weights, nor taken (its hash changed) for another run's checkpoint. The same pass gives its bytes' sha256
-    (the up-to-date check and the appends both compare them). Each file is read once per run: under a launcher
-    checkpoint i by rank i % world, the hashes then shared, every rank deciding alike. A checkpoint removed
+    (the up-to-date check and the appends both compare them). Each file is read once, not on every run: its
+    sha256 is remembered by `models.file_hashes` (a checkpoint unchanged since is not read again; one rewritten
+    is), and under a launcher checkpoint i is looked at by rank i % world, the hashes then shared, every rank
+    deciding alike. A checkpoint removed
     meanwhile (pruned by a training running beside evaluate) is left out with a line, not taken for a damaged
     one. Returns (kept, step -> sha256), the same on every rank."""
     from models.collective import together
+    from models.file_hashes import FileHashes
     from models.lora import lora_base_fingerprint
     from stages.evaluate.ranks import Ranks
 
     ranks = ranks or Ranks()
     hashes: list[str | None] = [None] * len(checkpoints)
     gone = [0] * len(checkpoints)
-    with together(ranks.world, "check the checkpoints"):
+    with together(ranks.world, "check the checkpoints"), FileHashes() as remembered:
         for i in tqdm(ranks.share(len(checkpoints)), desc="check and hash checkpoints", unit="ckpt",
                       disable=not ranks.main):
             step, path = checkpoints[i]
             try:
-                hashes[i] = lora_digest(path).sha256
+                hashes[i] = lora_digest(path, remembered)
                 lora_base_fingerprint(path)  # its header parses: a truncated file unsealed (older runs) is named here
             except (UserError, OSError) as e:
                 if _gone(path):
