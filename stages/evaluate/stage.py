@@ -490,21 +490,23 @@ def read_table_ids(cfg: EvaluateConfig, store: str | Path, model: str, tables: J
     so an `images` rerun that changed no sample keeps the report. A table without one: its version id."""
     from models.loading import model_files
     from stages.evaluate.checkpoints import read_tables
+    from stages.evaluate.val_share import scored_rows
 
     if tables is None:
         with open_configured(cfg, "evaluate", store, model, model_files(model), "val") as opened:
             return read_table_ids(cfg, store, model, opened)
-    ids = read_tables(tables)
+    ids = read_tables(tables, cfg.max_loss_samples)
     st = Store(store, create=False)
     if "images" in st.tables():
-        rows = images_rows_id(st, tables)
+        rows = images_rows_id(st, tables, scored_rows(tables, cfg.max_loss_samples))
         ids["images"] = f"content:{rows}" if rows else st.version_id("images", st.tables()["images"])
     return dict(sorted(ids.items()))
 
 
-def images_rows_id(st: Store, tables: JoinedTables) -> str | None:
+def images_rows_id(st: Store, tables: JoinedTables, first: int | None = None) -> str | None:
     """`store.join.rows_content_id` of the `images` rows evaluate shows (`images_reader`: the version the vae table
-    was built from) for every val key: their bytes (pictures) and `PICTURE_COLUMNS`. None: no such id."""
+    was built from) for the val keys scored (the first `first`, `val_share.scored_rows`; None: every one), which
+    the pictures are taken from: their bytes (pictures) and `PICTURE_COLUMNS`. None: no such id."""
     from store.join import rows_content_id
 
     try:
@@ -514,14 +516,15 @@ def images_rows_id(st: Store, tables: JoinedTables) -> str | None:
     if images is None:
         return None
     with images:
-        return rows_content_id(images, tables.keys.array, PICTURE_COLUMNS)
+        keys = tables.keys.array
+        return rows_content_id(images, keys if first is None else keys.slice(0, first), PICTURE_COLUMNS)
 
 
 def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path,
                       lora_sha256: str | None = None, why: list[str] | None = None) -> bool:
     """Is OUT's report this run's (`schemas.up_to_date`)? `why`: filled, when it holds one that is not, with what
     differs (`checkpoints.differences`)."""
-    from stages.evaluate.checkpoints import damaged_current, differences, nonfinite_current
+    from stages.evaluate.checkpoints import damaged_read, damaged_current, differences, nonfinite_current
 
     metrics = Path(out) / "metrics.json"
     if not metrics.is_file() or not (Path(out) / "index.html").is_file():
@@ -544,6 +547,7 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
     from models.loading import model_files
 
     with open_configured(cfg, "evaluate", store, model, model_files(model), "val") as tables:  # its size: the cap
+        tables.damaged.update(damaged_read(Path(out)))  # its read went as many rows further (`scored_rows`)
         present = evaluate_inputs(cfg, store, model, lora, lora_sha256, tables, table_ids)
         n = len(tables)
     resolved = resolved_config(cfg, model)
