@@ -142,6 +142,11 @@ def test_a_val_sample_after_those_scored_keeps_the_losses_and_a_scored_one_chang
     assert first.evaluated == 3 and first.metrics["loss"]["overall"]["n"] == 2
     grown = ev.run(cfg, store("six", 6), model, ckpts, out, skip_if_done=True)  # before: 3 evaluated again
     assert grown.up_to_date, capsys.readouterr().out
+    # a report of its own on the six-sample split: one held-out set for `pipeline compare` (before: "store tables")
+    from stages.evaluate.compare import check_same_held_out, read_curves
+
+    ev.run(cfg, tmp_path / "six", model, ckpts, tmp_path / "report-six")
+    check_same_held_out([read_curves(out, "five"), read_curves(tmp_path / "report-six", "six")])
     late = ev.run(cfg, store("late", poison={4: 3.0}), model, ckpts, out, skip_if_done=True)
     assert late.up_to_date and _aside(out) == []
     capsys.readouterr()
