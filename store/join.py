@@ -155,6 +155,7 @@ class JoinedTables:
         self.lease: Any = None  # the opener's read lease on these versions (store/lease.py)
         self._versions: dict[str, str] | None = None  # `versions()`, once computed
         self._contents: dict[str, str] | None | bool = False  # `content_ids()` (False: not computed yet)
+        self._prefix_contents: dict[int, dict[str, str] | None] = {}  # `content_ids(first)`, once each
         split_rows = {t: r.rows_of(split) for t, r in readers.items()}
         for r in readers.values():
             r.view.forget("split")  # the join's rows replace it
@@ -249,20 +250,28 @@ class JoinedTables:
             self._versions = {t: r.view.version_id() for t, r in self.readers.items()}
         return dict(self._versions)
 
-    def content_ids(self) -> dict[str, str] | None:
+    def content_ids(self, first: int | None = None) -> dict[str, str] | None:
         """Content identities of the joined tables as read through this join (`_content_ids`): equal ids, the
         same samples (keys, bytes, img_shapes, lengths) of the same split, whatever the versions are numbered
         (encode carrying every sample of an earlier version forward into a new one, e.g. after an `images`
-        rerun that changed no sample). None when a table has none (compare `versions()` then). Computed once."""
+        rerun that changed no sample). None when a table has none (compare `versions()` then). Computed once.
+        `first`: of the first `first` joined rows alone (the samples a reader of a prefix reads: evaluate's
+        `max_loss_samples`), another id than the whole split's; at or above its size, the whole split's."""
+        if first is not None and first < len(self):
+            if first not in self._prefix_contents:
+                self._prefix_contents[first] = _content_ids(self, first)
+            contents = self._prefix_contents[first]
+            return dict(contents) if contents else None
         if self._contents is False:
             self._contents = _content_ids(self)
         return dict(self._contents) if self._contents else None
 
-    def content_names(self) -> dict[str, str]:
-        """The joined tables as a record of what was read from them names them: `content:<id>` (`content_ids`),
-        so an `images` rerun that changed no sample keeps the record (evaluate's loss arrays, reports and caches;
-        train's validation curve); the version ids (`versions()`) where a table has no content id."""
-        contents = self.content_ids()
+    def content_names(self, first: int | None = None) -> dict[str, str]:
+        """The joined tables as a record of what was read from them names them: `content:<id>` (`content_ids`,
+        of the first `first` rows where given), so an `images` rerun that changed no sample keeps the record
+        (evaluate's loss arrays, reports and caches; train's validation curve); the version ids (`versions()`)
+        where a table has no content id."""
+        contents = self.content_ids(first)
         return {t: f"content:{c}" for t, c in sorted(contents.items())} if contents else self.versions()
 
     def iter_keys(
@@ -316,7 +325,7 @@ def _feed_rows(h: "hashlib._Hash", column: pa.Array, rows: np.ndarray | None) ->
         _feed(h, column.slice(a, b - a) if rows is None else column.take(pa.array(rows[a:b])))
 
 
-def _content_ids(j: JoinedTables) -> dict[str, str] | None:
+def _content_ids(j: JoinedTables, first: int | None = None) -> dict[str, str] | None:
     """table -> sha256 of what a reader of the join gets from it: the joined keys (sorted: a sample's index) and
     their joint sequence lengths, the split, and per joined row the table's `CONTENT_COLUMNS` (the checksums of
     the sample's bytes, its img_shapes and text length). Train's sampler orders samples by index and length alone
@@ -324,20 +333,27 @@ def _content_ids(j: JoinedTables) -> dict[str, str] | None:
 
     None for a table no encode stage wrote (no feature lineage in its schema: a sample whose first member is not
     its safetensors file is read by the manifest's `tensors` layout, which is not hashed) or of schema v1 (its
-    img_shapes come from other columns): such a join is named by its version ids alone."""
+    img_shapes come from other columns): such a join is named by its version ids alone. `first`: of the first
+    `first` joined rows only (`JoinedTables.content_ids`), their count hashed: never a whole split's id."""
     from store.reuse import FEATURE_LINEAGE_ATTR
 
     if any(r.view.is_v1 or not r.schema.attrs.get(FEATURE_LINEAGE_ATTR) for r in j.readers.values()):
         return None
-    common = hashlib.sha256(CONTENT_FORMAT + b"\0" + json.dumps({"split": j.split}).encode())
+    split = {"split": j.split, **({"first": first} if first is not None else {})}
+    common = hashlib.sha256(CONTENT_FORMAT + b"\0" + json.dumps(split).encode())
+    n = len(j) if first is None else min(first, len(j))
     try:
-        _feed_rows(common, j.keys.source, j.keys.rows)
-        _feed(common, pa.array(np.asarray(j.lengths, dtype=np.int64)))
+        if first is None:
+            _feed_rows(common, j.keys.source, j.keys.rows)
+        else:
+            keys = np.arange(n, dtype=np.int64) if j.keys.rows is None else np.asarray(j.keys.rows[:n])
+            _feed_rows(common, j.keys.source, keys)
+        _feed(common, pa.array(np.asarray(j.lengths[:n], dtype=np.int64)))
         out = {}
         for t, r in j.readers.items():
             h = common.copy()
             h.update(b"\0table\0" + t.encode())
-            rows = np.asarray(j.rows[t])
+            rows = np.asarray(j.rows[t])[:n]
             for name in CONTENT_COLUMNS:
                 h.update(b"\0column\0" + name.encode())
                 if not r.view.has_column(name):

@@ -133,13 +133,18 @@ def spelled_as(settings: dict, earlier: list[dict] = ()):
     return spelled
 
 
-def read_tables(tables) -> dict:
+def read_tables(tables, cap: int | None) -> dict:
     """The text / vae tables the val samples were read from (`tables`, the val split's join), named by what
-    evaluate reads from them: their content ids (`JoinedTables.content_ids`: the split's keys, sample checksums,
-    img_shapes, lengths), so an `images` rerun that changed no sample (encode carries every sample forward into
-    new versions) keeps the losses; the version ids read where a table has none (`JoinedTables.content_names`,
-    as train's validation curve names them)."""
-    return tables.content_names()
+    evaluate reads from them: the content ids (`JoinedTables.content_ids`: keys, sample checksums, img_shapes,
+    lengths) of the rows the loss passes read (`val_share.scored_rows` of `cap`, max_loss_samples), so an
+    `images` rerun that changed no sample (encode carries every sample forward into new versions) keeps the
+    losses, and so does a val sample added or changed after those rows (keyed by the whole split, it evaluated
+    every checkpoint and the base again, and `pipeline compare` refused two reports of one held-out set); the
+    version ids read where a table has none (`JoinedTables.content_names`, as train's validation curve names
+    them)."""
+    from stages.evaluate.val_share import scored_rows
+
+    return tables.content_names(scored_rows(tables, cap))
 
 
 def read_fingerprint(settings: dict, tables) -> tuple[str, dict]:
@@ -147,7 +152,8 @@ def read_fingerprint(settings: dict, tables) -> tuple[str, dict]:
     store's current versions, looked up before the tables were opened, may have moved since (an encode beside
     evaluate), and an array keyed by those would hold the new version's losses under the old one's name (reused
     by the next run that reads the old one). `max_loss_samples` as the samples it reads (`samples_read`)."""
-    settings = {**settings, "tables": read_tables(tables), "evaluate": samples_read(settings["evaluate"], len(tables))}
+    tables_read = read_tables(tables, settings["evaluate"].get("max_loss_samples"))
+    settings = {**settings, "tables": tables_read, "evaluate": samples_read(settings["evaluate"], len(tables))}
     return group_hash(settings), settings
 
 
@@ -162,7 +168,7 @@ def samples_read(evaluate: dict, n: int) -> dict:
 
 def earlier_settings(settings: dict, tables, cfg: EvaluateConfig, out: Path | None = None) -> list[dict]:
     """`read_fingerprint`'s settings as spelled before: the tables named by the version ids read (before they
-    were named by content), the evaluate settings with max_loss_samples as set (before `samples_read`; also as OUT's
+    were named by content) or by the whole split's content (before the rows read), the evaluate settings with max_loss_samples as set (before `samples_read`; also as OUT's
     loss array records it, where that cap read every sample too) and all as set (`cfg`'s; before on_damaged was
     hashed as its default), each with both table spellings; each also with the attention backend unset (before it
     was hashed as resolved) where OUT's loss array records it unset and its evidence says that was this backend
@@ -175,8 +181,10 @@ def earlier_settings(settings: dict, tables, cfg: EvaluateConfig, out: Path | No
     cap = _recorded_cap(out) if out is not None else None
     if settings["evaluate"].get("max_loss_samples") is None and cap is not None and cap >= n:
         evaluates += [{**e, "max_loss_samples": cap} for e in evaluates]
+    # the tables named by the whole split's content (before they were named by the rows read, `read_tables`): the
+    # same split, so the same rows read
     spellings = [{**settings, "tables": t, "evaluate": e} for e in evaluates
-                 for t in (settings["tables"], tables.versions())]
+                 for t in (settings["tables"], tables.content_names(), tables.versions())]
     used = unset_array_backend(out) if out is not None else None
     if used is not None and used == settings["evaluate"].get("attention_backend"):
         spellings += [{**s, "evaluate": {**s["evaluate"], "attention_backend": None}} for s in spellings]
@@ -214,17 +222,32 @@ def content_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str, sett
     from stages.evaluate.val_share import loss_keys
 
     with open_configured(cfg, "evaluate", store, model, model_files(model), "val") as tables:
+        # the samples OUT's report left out as damaged (on_damaged=skip): its read took as many rows more
+        # (`val_share.scored_rows`), as a read now would where they are still damaged
+        tables.damaged.update(damaged_read(out) if out is not None else {})
         fingerprint, settings = read_fingerprint(settings, tables)
         return fingerprint, settings, earlier_settings(settings, tables, cfg, out), loss_keys(cfg, tables), len(tables)
 
 
-def lora_digest(checkpoint: Path):
-    """The checkpoint's LoRA file checked against its sealed record and hashed, in one read
-    (`stages.evaluate.lora_bytes`)."""
-    from models.lora import lora_weight_file
-    from stages.evaluate.lora_bytes import checked_digest
+def damaged_read(out: Path) -> dict[str, str]:
+    """The val samples OUT's report records the loss passes' read left out as damaged (`run.damaged_samples`; not
+    the pictures' `images:` rows); none when there is no such record."""
+    try:
+        damaged = (json.loads((out / "metrics.json").read_text()).get("run") or {}).get("damaged_samples")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if not isinstance(damaged, dict):
+        return {}
+    return {str(k): str(v) for k, v in damaged.items() if not str(k).startswith("images:")}
 
-    return checked_digest(lora_weight_file(checkpoint))
+
+def lora_digest(checkpoint: Path, hashes) -> str:
+    """The sha256 of the checkpoint's LoRA file, checked against its sealed record and hashed in one read, or as
+    `hashes` remembers it unchanged since such a read (`stages.evaluate.lora_bytes.known_or_checked`)."""
+    from models.lora import lora_weight_file
+    from stages.evaluate.lora_bytes import known_or_checked
+
+    return known_or_checked(lora_weight_file(checkpoint), hashes)
 
 
 # What a checkpoint's weights were trained from, in its step folder's resume.json (stages/train/state.py): the
@@ -328,23 +351,26 @@ def check_and_hash(checkpoints: list[tuple[int, Path]], ranks=None) -> tuple[lis
     """Each checkpoint's LoRA file against the CRC32C its sealed resume.json records (as single-LoRA evaluate
     checks RUN/lora's checksums.json): a flipped bit is refused naming the file, not evaluated as trained
     weights, nor taken (its hash changed) for another run's checkpoint. The same pass gives its bytes' sha256
-    (the up-to-date check and the appends both compare them). Each file is read once per run: under a launcher
-    checkpoint i by rank i % world, the hashes then shared, every rank deciding alike. A checkpoint removed
+    (the up-to-date check and the appends both compare them). Each file is read once, not on every run: its
+    sha256 is remembered by `models.file_hashes` (a checkpoint unchanged since is not read again; one rewritten
+    is), and under a launcher checkpoint i is looked at by rank i % world, the hashes then shared, every rank
+    deciding alike. A checkpoint removed
     meanwhile (pruned by a training running beside evaluate) is left out with a line, not taken for a damaged
     one. Returns (kept, step -> sha256), the same on every rank."""
     from models.collective import together
+    from models.file_hashes import FileHashes
     from models.lora import lora_base_fingerprint
     from stages.evaluate.ranks import Ranks
 
     ranks = ranks or Ranks()
     hashes: list[str | None] = [None] * len(checkpoints)
     gone = [0] * len(checkpoints)
-    with together(ranks.world, "check the checkpoints"):
+    with together(ranks.world, "check the checkpoints"), FileHashes() as remembered:
         for i in tqdm(ranks.share(len(checkpoints)), desc="check and hash checkpoints", unit="ckpt",
                       disable=not ranks.main):
             step, path = checkpoints[i]
             try:
-                hashes[i] = lora_digest(path).sha256
+                hashes[i] = lora_digest(path, remembered)
                 lora_base_fingerprint(path)  # its header parses: a truncated file unsealed (older runs) is named here
             except (UserError, OSError) as e:
                 if _gone(path):

@@ -232,15 +232,15 @@ def _best_on_disk(r: RunCurves) -> None:
     """The best named (`RunCurves.best`) only where its file holds the bytes its numbers are of (the recorded
     sha256): a path holding other weights (a new run trained into the folder, a checkpoint rewritten) is marked
     not on disk and the best picked again. One file read per run where the best is its own; a validation step
-    names no file."""
-    from stages.evaluate.lora_bytes import digest
+    names no file; none when it is unchanged since it was hashed (`models.file_hashes`)."""
+    from stages.evaluate.lora_bytes import remembered_sha256
 
     while (b := r.best) is not None:
         c = r if b[0] == "lora" else r.ema
         if c.on_disk[b[1]] is not True or c.sha256 is None:
             return
         try:
-            same = digest(_weights(c.checkpoints[b[1]])).sha256 == c.sha256[b[1]]
+            same = remembered_sha256(_weights(c.checkpoints[b[1]])) == c.sha256[b[1]]
         except OSError:
             same = False
         if same:

@@ -96,12 +96,12 @@ def best_lora_input(best: dict) -> tuple[str | None, str | None] | None:
     checkpoint): a report whose LoRA was removed or changed since is not current."""
     from models.lora_files import lora_weight_file
     from schemas.errors import UserError
-    from stages.evaluate.lora_bytes import digest
+    from stages.evaluate.lora_bytes import remembered_sha256
 
     if best.get("weights") != "ema":
         return None
     try:
-        now = digest(lora_weight_file(best["path"])).sha256
+        now = remembered_sha256(lora_weight_file(best["path"]))
     except (UserError, OSError, KeyError, TypeError):
         now = None
     return best.get("lora_sha256"), now

@@ -8,11 +8,19 @@ network disk, minutes per run, and on every rank of a launched `--all-checkpoint
 `read_for_load`: the file's bytes in memory with their sha256; the loader parses those very bytes
 (`models.lora.attach_lora(..., data=)`), so the weights evaluated are the bytes hashed. A file rewritten after
 its digest (a training running beside evaluate) is seen by the hash differing, without reading it again.
+
+`known_or_checked`: the sha256 `models.file_hashes` remembers for the file (same size, mtime, ctime and inode as
+when a checked pass read it), else `checked_digest` remembered. The up-to-date check of `--all-checkpoints` read
+every checkpoint whole on every run (100 checkpoints of 0.5 GB: 50 GB read, on every rank of a launch, to say "up
+to date"); an unchanged one is now not read. A rewritten one (any write changes its ctime) is read and checked
+again, and the bytes scored or pictured are still read and compared with the sha256 (`read_for_load`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,3 +63,25 @@ def read_for_load(path: str | Path) -> tuple[bytes, str]:
     with open(path, "rb") as f:
         data = f.read()
     return data, hashlib.sha256(data).hexdigest()
+
+
+def known_or_checked(path: str | Path, hashes) -> str:
+    """The file's sha256: the one `hashes` (a `models.file_hashes.FileHashes` block) remembers for these very
+    bytes, or one `checked_digest` pass, remembered when the file did not change while it was read."""
+    known = hashes.cached(path)
+    if known is not None:
+        return known
+    before, read_at = os.stat(path), time.time_ns()
+    sha = checked_digest(path).sha256
+    hashes.learn(path, sha, before, read_at)
+    return sha
+
+
+def remembered_sha256(path: str | Path) -> str:
+    """The file's sha256 through `models.file_hashes` (read only when changed since it was last hashed): for a
+    file whose bytes are compared with a report's record alone, not evaluated (the best EMA's LoRA a report
+    names, the best checkpoint `pipeline compare` names), each read whole on every run before."""
+    from models.file_hashes import FileHashes
+
+    with FileHashes() as hashes:
+        return hashes.sha256(path)

@@ -29,11 +29,12 @@ from features.damaged import read_intact
 from features.decode import read_image_file
 from features.open import open_configured
 from features.pictures import open_png
+from models.file_hashes import FileHashes
 from models.flow import flow_loss
 from models.loading import load_component, parse_dtype
 from models.lora import attach_lora, lora_weight_file
 from stages.evaluate.ema_curve import unscored_final_ema
-from stages.evaluate.lora_bytes import checked_digest, read_for_load
+from stages.evaluate.lora_bytes import known_or_checked, read_for_load
 from models.attention import use_attention_backend
 from models.collective import together
 from models.multires import install_multires
@@ -489,21 +490,23 @@ def read_table_ids(cfg: EvaluateConfig, store: str | Path, model: str, tables: J
     so an `images` rerun that changed no sample keeps the report. A table without one: its version id."""
     from models.loading import model_files
     from stages.evaluate.checkpoints import read_tables
+    from stages.evaluate.val_share import scored_rows
 
     if tables is None:
         with open_configured(cfg, "evaluate", store, model, model_files(model), "val") as opened:
             return read_table_ids(cfg, store, model, opened)
-    ids = read_tables(tables)
+    ids = read_tables(tables, cfg.max_loss_samples)
     st = Store(store, create=False)
     if "images" in st.tables():
-        rows = images_rows_id(st, tables)
+        rows = images_rows_id(st, tables, scored_rows(tables, cfg.max_loss_samples))
         ids["images"] = f"content:{rows}" if rows else st.version_id("images", st.tables()["images"])
     return dict(sorted(ids.items()))
 
 
-def images_rows_id(st: Store, tables: JoinedTables) -> str | None:
+def images_rows_id(st: Store, tables: JoinedTables, first: int | None = None) -> str | None:
     """`store.join.rows_content_id` of the `images` rows evaluate shows (`images_reader`: the version the vae table
-    was built from) for every val key: their bytes (pictures) and `PICTURE_COLUMNS`. None: no such id."""
+    was built from) for the val keys scored (the first `first`, `val_share.scored_rows`; None: every one), which
+    the pictures are taken from: their bytes (pictures) and `PICTURE_COLUMNS`. None: no such id."""
     from store.join import rows_content_id
 
     try:
@@ -513,14 +516,15 @@ def images_rows_id(st: Store, tables: JoinedTables) -> str | None:
     if images is None:
         return None
     with images:
-        return rows_content_id(images, tables.keys.array, PICTURE_COLUMNS)
+        keys = tables.keys.array
+        return rows_content_id(images, keys if first is None else keys.slice(0, first), PICTURE_COLUMNS)
 
 
 def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path,
                       lora_sha256: str | None = None, why: list[str] | None = None) -> bool:
     """Is OUT's report this run's (`schemas.up_to_date`)? `why`: filled, when it holds one that is not, with what
     differs (`checkpoints.differences`)."""
-    from stages.evaluate.checkpoints import damaged_current, differences, nonfinite_current
+    from stages.evaluate.checkpoints import damaged_read, damaged_current, differences, nonfinite_current
 
     metrics = Path(out) / "metrics.json"
     if not metrics.is_file() or not (Path(out) / "index.html").is_file():
@@ -543,6 +547,7 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
     from models.loading import model_files
 
     with open_configured(cfg, "evaluate", store, model, model_files(model), "val") as tables:  # its size: the cap
+        tables.damaged.update(damaged_read(Path(out)))  # its read went as many rows further (`scored_rows`)
         present = evaluate_inputs(cfg, store, model, lora, lora_sha256, tables, table_ids)
         n = len(tables)
     resolved = resolved_config(cfg, model)
@@ -722,11 +727,13 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     out = Path(out)
     started = time.perf_counter()
     cfg = for_model(cfg, model)
-    # the file train sealed, checked and hashed in one read: a flipped bit is refused, not evaluated
-    checked = checked_digest(lora_weight_file(lora))
+    # the file train sealed, checked and hashed in one read (none when unchanged since such a read: the up-to-date
+    # check read it whole on every run): a flipped bit is refused, not evaluated; the bytes loaded are compared
+    with FileHashes() as remembered:
+        lora_sha256 = known_or_checked(lora_weight_file(lora), remembered)
     if (line := unscored_final_ema(lora)) is not None:  # said whether the report is current or not
         tqdm.write(line)
-    recorded = _recorded_report(cfg, store, model, lora, out, checked.sha256, skip_if_done)
+    recorded = _recorded_report(cfg, store, model, lora, out, lora_sha256, skip_if_done)
     if recorded is not None:
         return recorded
     check_report_folder(out)
@@ -742,20 +749,20 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     # closed on every path (readers, read lease): a process that goes on (`run all`) holds nothing of them, and a
     # lease left held after a failure kept `store gc` from removing the version
     with tables:
-        inputs = evaluate_inputs(cfg, store, model, lora, checked.sha256, tables)  # of the tables read
+        inputs = evaluate_inputs(cfg, store, model, lora, lora_sha256, tables)  # of the tables read
         samples, damaged = share.samples, dict(tables.damaged)
         trained = trained_val.check(Store(store, create=False), lora, [s.key for s in samples],
                                     trained_val.val_images_version(tables))  # said before the long passes
 
         transformer = load_transformer(cfg, model)
-        attach_checked(transformer, lora, cfg.lora_scale, checked.sha256)
-        loss = _held_out(cfg, store, model, lora, out, tables, share, transformer, checked.sha256)
+        attach_checked(transformer, lora, cfg.lora_scale, lora_sha256)
+        loss = _held_out(cfg, store, model, lora, out, tables, share, transformer, lora_sha256)
 
         rows: list[SampleRow] = []
         if cfg.num_samples > 0 or cfg.extra_prompts:  # the pictured samples read in full
             rows = sample_rows(cfg, store, model, transformer, tables,
                                complete(tables, share, pick_samples(samples, cfg.num_samples)), damaged, out,
-                               checked.sha256)
+                               lora_sha256)
 
         metrics = {
             "loss": loss,

@@ -34,6 +34,16 @@ def loss_sample_count(cfg, tables) -> int:
     return min(len(tables), cfg.max_loss_samples) if cfg.max_loss_samples else len(tables)
 
 
+def scored_rows(tables, cap: int | None) -> int | None:
+    """How many of the val split's first rows the loss passes read: the first `cap` (max_loss_samples; None: all
+    rows, returned as None) and one more for each damaged sample the read left out so far (on_damaged=skip, in
+    row order: `tables.damaged`). What the loss array, the base caches and the report are keyed by: a sample
+    after these rows is never read."""
+    if not cap or cap >= len(tables):
+        return None
+    return min(len(tables), cap + len(tables.damaged))
+
+
 def loss_keys(cfg, tables) -> list[str]:
     """The keys of the val samples the loss passes read when none is found damaged (`loss_sample_count`): the
     loss array's sample axis, known before a sample is read (the up-to-date check's line)."""

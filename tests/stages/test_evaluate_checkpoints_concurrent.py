@@ -15,6 +15,7 @@ import xarray as xr
 
 from schemas.config import EvaluateConfig
 from stages.evaluate import checkpoints as ev
+from read_counter import count_lora_reads
 from store.loss_array import GROUP
 from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
 
@@ -61,10 +62,10 @@ def test_a_checkpoint_pruned_while_hashing_is_left_out(run_and_store, tiny_edit_
     root = _copy_run(run_and_store, tmp_path)
     real = ev.lora_digest
 
-    def lora_digest(path):  # step 10 hashed: the training prunes step 20 meanwhile
+    def lora_digest(path, hashes):  # step 10 hashed: the training prunes step 20 meanwhile
         if "step-10" in str(path):
             shutil.rmtree(root / "run" / "checkpoints" / "step-20", ignore_errors=True)
-        return real(path)
+        return real(path, hashes)
 
     monkeypatch.setattr(ev, "lora_digest", lora_digest)
     res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), tmp_path / "r")
@@ -375,3 +376,31 @@ def test_base_losses_computed_after_a_checkpoint_was_loaded_are_the_base_models(
         np.testing.assert_allclose(f.get_tensor("base"), base, rtol=1e-6)
     c = res.metrics["checkpoints"]
     assert c["per_step"][0]["overall"] == pytest.approx(c["base"]["overall"], rel=1e-6)  # a zero LoRA: the base
+
+
+def test_an_up_to_date_rerun_reads_no_checkpoint_and_a_rewritten_one_is_still_caught(
+        run_and_store, tiny_edit_model, tmp_path, monkeypatch, capsys):
+    """The up-to-date check hashed every checkpoint whole on every run (100 checkpoints of 0.5 GB: 50 GB read to
+    say "up to date", on every rank): their sha256 is remembered by `models.file_hashes` now. A checkpoint
+    rewritten with the same size and its mtime put back is read again (its new ctime gives it away) and evaluated
+    again under its new bytes, as before."""
+    root = _copy_run(run_and_store, tmp_path)
+    ck, out = root / "run" / "checkpoints", tmp_path / "r"
+    ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), out)
+    read = count_lora_reads(monkeypatch)
+    again = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), out,
+                   skip_if_done=True)
+    assert again.up_to_date and sum(read.values()) == 0  # before: every checkpoint's bytes
+    # step 10 rewritten in place with step 30's bytes (a zero LoRA: the same size), its mtime restored
+    step10, step30 = ck / "step-10" / "lora" / WEIGHTS, ck / "step-30" / "lora" / WEIGHTS
+    st = step10.stat()
+    assert step30.stat().st_size == st.st_size
+    fd = os.open(step10, os.O_WRONLY)  # in place: the same inode and size
+    os.write(fd, step30.read_bytes())
+    os.close(fd)
+    os.utime(step10, ns=(st.st_atime_ns, st.st_mtime_ns))
+    capsys.readouterr()
+    rerun = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), out,
+                   skip_if_done=True)
+    assert not rerun.up_to_date and rerun.evaluated == 3 and read[str(step10.resolve())] >= st.st_size
+    assert "checkpoint step 10 holds other weights than the losses recorded" in capsys.readouterr().out

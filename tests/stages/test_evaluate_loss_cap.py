@@ -120,3 +120,105 @@ def test_a_single_lora_report_is_kept_across_caps_that_read_every_sample(run_and
     passes.clear()
     fewer = stage.run(EvaluateConfig(**{**CFG, "max_loss_samples": 3}), store, model, lora, out, skip_if_done=True)
     assert not fewer.up_to_date and "held-out loss (lora)" in passes and fewer.metrics["loss"]["overall"]["n"] == 3
+
+
+def test_a_val_sample_after_those_scored_keeps_the_losses_and_a_scored_one_changed_does_not(
+        run_and_store, tiny_edit_model, tmp_path, capsys):
+    """The losses (the array, the base losses) are keyed by the val samples read: the first max_loss_samples of
+    the split. Keyed by the whole split, a sample added or changed after those (never read) evaluated every
+    checkpoint and the base again. Val samples 1..5 sort as keys 2, 1, 3, 5, 4; a sixth sorts third: with a cap of
+    2 it is not read, nor is sample 4 (last). Sample 1 is read: changed, it is evaluated again."""
+    from train_store import make_train_store, mixed_specs
+
+    ckpts, model, out = _ckpts(run_and_store), tiny_edit_model, tmp_path / "report"
+    cfg = EvaluateConfig(**{**CFG, "max_loss_samples": 2})
+
+    def store(name: str, n_val: int = 5, **kw):  # encoded-like tables: named by content
+        make_train_store(tmp_path / name, model, mixed_specs(1, n_val, masks=True),
+                         attrs={"feature_lineage": "encoded-by-a-stage"}, **kw)
+        return tmp_path / name
+
+    first = ev.run(cfg, store("five"), model, ckpts, out)
+    assert first.evaluated == 3 and first.metrics["loss"]["overall"]["n"] == 2
+    grown = ev.run(cfg, store("six", 6), model, ckpts, out, skip_if_done=True)  # before: 3 evaluated again
+    assert grown.up_to_date, capsys.readouterr().out
+    # a report of its own on the six-sample split: one held-out set for `pipeline compare` (before: "store tables")
+    from stages.evaluate.compare import check_same_held_out, read_curves
+
+    ev.run(cfg, tmp_path / "six", model, ckpts, tmp_path / "report-six")
+    check_same_held_out([read_curves(out, "five"), read_curves(tmp_path / "report-six", "six")])
+    late = ev.run(cfg, store("late", poison={4: 3.0}), model, ckpts, out, skip_if_done=True)
+    assert late.up_to_date and _aside(out) == []
+    capsys.readouterr()
+    scored = ev.run(cfg, store("scored", poison={1: 3.0}), model, ckpts, out, skip_if_done=True)
+    assert not scored.up_to_date and scored.evaluated == 3
+    said = capsys.readouterr().out
+    assert "base held-out loss: unchanged inputs" not in said  # the base computed again too
+    assert scored.metrics["loss"]["overall"]["base"] != first.metrics["loss"]["overall"]["base"]
+
+
+def _respell_tables(out, tables: dict) -> None:
+    """The array and the report as a release that keyed the tables by the whole val split recorded them."""
+    group = zarr.open_group(out / GROUP, mode="r+", use_consolidated=True)
+    settings = {**dict(group.attrs["settings"]), "tables": tables}
+    fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    group.attrs.update({"settings": settings, "fingerprint": fingerprint})
+    zarr.consolidate_metadata(out / GROUP)
+    metrics = json.loads((out / "metrics.json").read_text())
+    metrics["checkpoints"]["fingerprint"] = fingerprint
+    metrics["run"]["settings"] = settings
+    (out / "metrics.json").write_text(json.dumps(metrics))
+
+
+def test_losses_keyed_by_the_whole_val_split_before_stay_current_for_that_split_only(
+        run_and_store, tiny_edit_model, tmp_path):
+    """An array an earlier release keyed by the whole split's content ids is this split's (its first samples are
+    the ones read), not another split's with the same samples read: that one evaluates again."""
+    from features.open import open_configured
+    from models.loading import model_files
+    from train_store import make_train_store, mixed_specs
+
+    ckpts, model, out = _ckpts(run_and_store), tiny_edit_model, tmp_path / "report"
+    cfg = EvaluateConfig(**{**CFG, "max_loss_samples": 2})
+
+    def whole_split(name: str, n_val: int) -> tuple:
+        make_train_store(tmp_path / name, model, mixed_specs(1, n_val, masks=True),
+                         attrs={"feature_lineage": "encoded-by-a-stage"})
+        with open_configured(cfg, "evaluate", tmp_path / name, model, model_files(model), "val") as tables:
+            return tmp_path / name, tables.content_names()
+
+    (five, five_ids), (_, six_ids) = whole_split("five", 5), whole_split("six", 6)
+    assert five_ids != six_ids
+    ev.run(cfg, five, model, ckpts, out)
+    _respell_tables(out, five_ids)
+    assert ev.run(cfg, five, model, ckpts, out, skip_if_done=True).up_to_date
+    _respell_tables(out, six_ids)  # recorded for the six-sample split: not taken for the five's
+    again = ev.run(cfg, five, model, ckpts, out, skip_if_done=True)
+    assert not again.up_to_date and again.evaluated == 3
+
+
+def test_a_damaged_sample_skipped_among_those_scored_keeps_the_report_current(run_and_store, tiny_edit_model,
+                                                                             tmp_path):
+    """on_damaged=skip: a damaged val sample among the first max_loss_samples is left out and the next row read in
+    its place, so the losses are keyed by one row more; the up-to-date check counts the report's damaged samples
+    alike (else every rerun found the report not current and wrote it again)."""
+    from store import Store
+    from train_store import key_of, make_train_store, mixed_specs
+
+    ckpts, model, out, root = _ckpts(run_and_store), tiny_edit_model, tmp_path / "report", tmp_path / "store"
+    make_train_store(root, model, mixed_specs(1, 5, masks=True), attrs={"feature_lineage": "encoded-by-a-stage"},
+                     shard_size_mb=1e-6)  # a shard a sample
+    r = Store(root, create=False).reader("vae", on_damaged="skip")
+    shard = r.dir / r.manifest.to_pylist()[r.keys().index(key_of(1))]["shard"]  # val sample 1 sorts second
+    r.close()
+    shard.write_bytes(shard.read_bytes()[:600])
+    cfg = EvaluateConfig(**{**CFG, "max_loss_samples": 2, "on_damaged": "skip", "max_damaged_fraction": 0.5})
+    first = ev.run(cfg, root, model, ckpts, out)
+    assert first.evaluated == 3 and first.metrics["loss"]["overall"]["n"] == 2
+    assert key_of(1) in first.metrics["run"]["damaged_samples"]
+    assert ev.run(cfg, root, model, ckpts, out, skip_if_done=True).up_to_date
+    from stages.evaluate import stage  # the single-LoRA report alike
+
+    one = stage.run(cfg, root, model, ckpts[0][1], tmp_path / "one")
+    assert not one.up_to_date and key_of(1) in one.damaged
+    assert stage.run(cfg, root, model, ckpts[0][1], tmp_path / "one", skip_if_done=True).up_to_date

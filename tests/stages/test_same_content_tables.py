@@ -284,8 +284,8 @@ def test_reports_and_arrays_recorded_under_version_ids_stay_current(trained, tin
     from stages.evaluate import stage
 
     with monkeypatch.context() as old_release:  # every table named by its version id, as before
-        old_release.setattr(ev, "read_tables", lambda tables: tables.versions())
-        old_release.setattr(stage, "images_rows_id", lambda st, tables: None)
+        old_release.setattr(ev, "read_tables", lambda tables, cap: tables.versions())
+        old_release.setattr(stage, "images_rows_id", lambda st, tables, first=None: None)
         store, run, single, every = _evaluated(trained, tiny_plus_model, tmp_path)
     import json
 
@@ -324,7 +324,7 @@ def test_compare_matches_an_array_named_by_content_with_one_named_by_versions(tr
 
     store, run = _copy(trained, tmp_path)
     with monkeypatch.context() as old_release:
-        old_release.setattr(ev, "read_tables", lambda tables: tables.versions())
+        old_release.setattr(ev, "read_tables", lambda tables, cap: tables.versions())
         ev.run(EvaluateConfig(**EVAL, max_loss_samples=1), store, tiny_plus_model, _steps(run), tmp_path / "old")
     ev.run(EvaluateConfig(**EVAL, max_loss_samples=1), store, tiny_plus_model, _steps(run), tmp_path / "new")
     old, new = read_curves(tmp_path / "old", "old"), read_curves(tmp_path / "new", "new")
