@@ -259,3 +259,17 @@ def test_a_store_linked_to_a_folder_that_is_gone_is_named_as_such(tmp_path):
     (tmp_path / "file").write_text("x")
     res = _run(["run", "resize-bucket", "--source", str(tmp_path / "data"), "--store", str(tmp_path / "file" / "s")])
     assert res.exit_code == 1 and "is a file, not a folder" in res.output, res.output
+
+
+@pytest.mark.parametrize("flags, key", [
+    (["--target-area", "0"], "resize.target_area"),
+    (["--control-vae-area", "0"], "resize.control_vae_area"),
+    (["--area", "4096", "--target-area", "0"], "resize.target_area"),
+])
+def test_resize_bucket_refuses_a_zero_area_flag_rather_than_taking_the_default(flags, key, tmp_path, monkeypatch):
+    """`--target-area 0` (or `--control-vae-area 0`) was read as "not given" (`target_area or area`): the stage
+    sized every bucket at the default 1024² and exited 0. Now a usage error naming the key, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    r = _run(["run", "resize-bucket", "--source", "SRC", "--store", "ST", *flags])
+    assert r.exit_code == 2 and f"'{key}': Input should be greater than 0 (got 0)" in r.output, r.output
+    assert "Traceback" not in r.output and list(tmp_path.iterdir()) == []
