@@ -346,6 +346,10 @@ def _unsupported_message(root: Path, files: list[Path]) -> str:
     wrong image type), the others with the types that are read."""
     odd = {f: kind for f in files if (kind := _not_regular(f))}
     names = ", ".join(os.path.relpath(f, root) + (f" ({odd[f]})" if f in odd else "") for f in files)
+    if set(odd.values()) == {"a folder"}:  # target/cats/*.png: a layout of nested folders, not a file gone wrong
+        return (f"{names}: not a regular file, not read: a folder source is flat (target/<stem>.png, "
+                f"control/<stem>.png, ...), its sub-folders are not read; move their files up into "
+                f"{os.path.relpath(files[0].parent, root)}/ or remove them")
     if len(odd) == len(files):
         return f"{names}: not a regular file, not read; replace it with the file or remove it"
     return f"unsupported file(s) {names}: images must be one of {', '.join(IMAGE_SUFFIXES)} (captions target/<stem>.txt)"
@@ -406,8 +410,9 @@ def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     for stem, fs in sorted(unsupported.items()):
         if stem not in targets:
             for f in fs:
-                yield SourceSample(name=stem, source=str(f), problem=_unsupported_message(root, [f]) +
-                                   " (and no matching target image in target/)", problem_kind="unsupported-file")
+                orphan = "" if f.is_dir() else " (and no matching target image in target/)"  # a folder's is said
+                yield SourceSample(name=stem, source=str(f), problem=_unsupported_message(root, [f]) + orphan,
+                                   problem_kind="unsupported-file")
 
 
 @dataclass(frozen=True)

@@ -273,3 +273,26 @@ def test_resize_bucket_refuses_a_zero_area_flag_rather_than_taking_the_default(f
     r = _run(["run", "resize-bucket", "--source", "SRC", "--store", "ST", *flags])
     assert r.exit_code == 2 and f"'{key}': Input should be greater than 0 (got 0)" in r.output, r.output
     assert "Traceback" not in r.output and list(tmp_path.iterdir()) == []
+
+
+def test_a_nested_folder_source_is_one_line_saying_to_move_the_files_up(tmp_path, monkeypatch):
+    """target/cats/*.png (a common layout): every sub-folder is quarantined and nothing is usable. The line said
+    only 'no usable sample: 2 quarantined (see quarantine.parquet)', whose rows told the user to 'replace it [the
+    folder] with the file' and that it had 'no matching target image'. Now the line says why, and what to do."""
+    from PIL import Image
+
+    monkeypatch.chdir(tmp_path)
+    for folder in ("target/cats", "control/cats"):
+        (tmp_path / "src" / folder).mkdir(parents=True)
+        Image.new("RGB", (64, 48), (200, 10, 10)).save(tmp_path / "src" / folder / "a.png")
+    (tmp_path / "src" / "target" / "cats" / "a.txt").write_text("make it blue")
+    r = _run(["run", "resize-bucket", "--source", "src", "--store", "st", "--area", "4096"])
+    assert r.exit_code == 1 and r.output.count("error:") == 1, r.output
+    line = r.output[r.output.index("error:"):]
+    assert "src: 2 quarantined, e.g. unsupported-file: " in line and "target/cats (a folder): not a regular file, " \
+        "not read: a folder source is flat" in line and "move their files up into target/" in line and "Traceback" not in r.output, line
+    from store.quarantine import read
+
+    details = read(tmp_path / "st").column("detail").to_pylist()
+    assert sorted(d.split(":")[0] for d in details) == ["control/cats (a folder)", "target/cats (a folder)"]
+    assert not any("replace it with the file" in d or "no matching target" in d for d in details), details
