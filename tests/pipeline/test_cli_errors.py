@@ -296,3 +296,50 @@ def test_a_nested_folder_source_is_one_line_saying_to_move_the_files_up(tmp_path
     details = read(tmp_path / "st").column("detail").to_pylist()
     assert sorted(d.split(":")[0] for d in details) == ["control/cats (a folder)", "target/cats (a folder)"]
     assert not any("replace it with the file" in d or "no matching target" in d for d in details), details
+
+
+def test_every_flag_for_a_config_key_shows_that_keys_default_in_help():
+    """A stage flag's own default is None (unset: the config's value), so --help showed no default: `run encode-text
+    --help` never said the text encoder runs on the CPU unless told, nor `run train --help` its 100 steps. Each
+    flag whose help names its key now shows the key's default, as `config show` prints it."""
+    import re
+
+    import typer
+
+    from pipeline.config import load_config
+
+    key_named = re.compile(r"\(((?:paths|resize|encode_text|encode_vae|train|evaluate|predict)(?:\.[a-z_0-9]+)+)")
+    defaults = load_config(None).model_dump(mode="json")
+    shown: dict[str, object] = {}
+
+    def walk(cmd, path):
+        for name, sub in getattr(cmd, "commands", {}).items():
+            walk(sub, f"{path} {name}".strip())
+        for p in getattr(cmd, "params", []) if not hasattr(cmd, "commands") else []:
+            key = found.group(1) if (found := key_named.search(p.help or "")) else None
+            if key is None or p.default is not None or "default" in (p.help or ""):
+                continue
+            value = defaults
+            for part in key.split("."):
+                value = value.get(part) if isinstance(value, dict) else None
+            if value not in (None, [], {}):
+                shown[f"{path} {p.opts[0]}"] = (p.show_default, value)
+
+    walk(typer.main.get_command(app), "")
+    assert shown["run encode-text --device"] == ("cpu", "cpu") and shown["run train --max-steps"] == ("100", 100)
+    assert shown["run encode-vae --batch-size"] == ("8", 8)  # its help names encode_vae.batch_size now
+    assert shown["predict --negative-prompt"] == ('" "', " ")
+    wrong = {flag: pair for flag, pair in shown.items() if pair[0] != _as_yaml_writes_it(pair[1])}
+    assert not wrong, wrong
+    assert len(shown) >= 30, sorted(shown)  # every stage's flags, not a few
+    r = CliRunner().invoke(app, ["run", "encode-text", "--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"})
+    assert "(encode_text.device). [default: (cpu)]" in r.output, r.output
+
+
+def _as_yaml_writes_it(value) -> str:
+    """`cpu`, `8`, `0.1`; a boolean, a list and a blank string as JSON (`true`, `["to_q"]`, `" "`)."""
+    import json
+
+    if isinstance(value, str) and value.strip() == value:
+        return value
+    return json.dumps(value) if isinstance(value, (str, bool, list, dict)) else str(value)
