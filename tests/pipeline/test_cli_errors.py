@@ -343,3 +343,23 @@ def _as_yaml_writes_it(value) -> str:
     if isinstance(value, str) and value.strip() == value:
         return value
     return json.dumps(value) if isinstance(value, (str, bool, list, dict)) else str(value)
+
+
+def test_an_evaluate_that_fails_before_writing_leaves_no_report_folder(tmp_path):
+    """`run evaluate --out REPORT` on a store without its `text` table (or stopped while loading) said so in one
+    line and left REPORT behind holding only `.evaluate.lock`; `run train` leaves no --out then. A folder that was
+    there before is kept, lock and all."""
+    from schemas.errors import UserError
+    from stages.evaluate.stage import REPORT_LOCK, one_evaluate_per_report
+
+    @one_evaluate_per_report
+    def refused(cfg, store, model, lora, out):
+        raise UserError("store ST has no 'text' table")
+
+    with pytest.raises(UserError):
+        refused(None, "ST", "M", "L", tmp_path / "new-report")
+    assert not (tmp_path / "new-report").exists()
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(UserError):
+        refused(None, "ST", "M", "L", tmp_path / "kept")
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == [REPORT_LOCK]
