@@ -11,7 +11,7 @@ import typer
 import models.quiet_imports  # noqa: F401  (before any command imports torchao: drops two harmless messages)
 from pipeline import exit_gc
 from schemas.interruptible import note_signal, record_signals
-from pipeline.commands.common import OneLineUsageErrors
+from pipeline.commands.common import OneLineUsageErrors, with_config_defaults
 from pipeline.commands import (
     compare,
     demo,
@@ -53,14 +53,14 @@ app.add_typer(store_cmd.store_app, name="store", help="Inspect, verify, repair, 
 app.add_typer(store_cmd.migrate_app, name="migrate", help="Upgrade a store's schemas.")
 
 run_app.command("resize-bucket", help="Source dataset -> `images` table (resize, bucket, quarantine).")(
-    resize_bucket.command
+    with_config_defaults(resize_bucket.command)
 )
 run_app.command("encode-text", help="`images` -> `text` table (Qwen2.5-VL / Qwen3-VL prompt embeds).")(
-    encode.text_command
+    with_config_defaults(encode.text_command)
 )
-run_app.command("encode-vae", help="`images` -> `vae` table (target and control latents).")(encode.vae_command)
-run_app.command("train", help="`text` + `vae` tables -> LoRA run directory.")(train.command)
-run_app.command("evaluate", help="Held-out loss and samples, base vs LoRA -> report directory.")(evaluate.command)
+run_app.command("encode-vae", help="`images` -> `vae` table (target and control latents).")(with_config_defaults(encode.vae_command))
+run_app.command("train", help="`text` + `vae` tables -> LoRA run directory.")(with_config_defaults(train.command))
+run_app.command("evaluate", help="Held-out loss and samples, base vs LoRA -> report directory.")(with_config_defaults(evaluate.command))
 run_app.command("all", help="Every stage in order, each skipped when up to date.")(run_all.command)
 app.add_typer(run_app, name="run")
 app.command("launch", context_settings=launch.LAUNCH_SETTINGS,
@@ -71,7 +71,7 @@ app.command("launch", context_settings=launch.LAUNCH_SETTINGS,
 app.command("compare", help="Several runs' held-out loss curves and best checkpoints on one page + a CSV.")(
     compare.command
 )
-app.command("predict", help="Edit an image with the model (+ optional LoRA).")(predict.command)
+app.command("predict", help="Edit an image with the model (+ optional LoRA).")(with_config_defaults(predict.command))
 app.command("plan", help="Predicted peak memory per stage for a config; fits --gpu-memory?")(plan.command)
 app.add_typer(lora.lora_app, name="lora", help="Fuse a LoRA into the model (merge) or write it for ComfyUI (export).")
 app.command("demo", help="Tiny model + synthetic data + every stage end to end, then a report.")(demo.command)

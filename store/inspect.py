@@ -11,6 +11,7 @@ from schemas.resize_sizes import sizes_in_force
 from store import format as fmt
 from store import integrity, quarantine, version_counts
 from store.integrity import DamagedData
+from store.io_errors import size_text
 from store.manifest_files import checked_manifest, checked_schema, mapped_checked
 from store.store import Store
 
@@ -91,8 +92,8 @@ def render(info: dict[str, Any]) -> str:
                 lines.append(f"   {mark} v{v['version']}: damaged: {v['damaged']}")
                 continue
             lines.append(f"   {mark} v{v['version']}: schema v{v['schema_version']}, {v['samples']} samples, "
-                         f"{v['shards']} shards, {v['bytes'] / 1e6:.1f} MB"
-                         + (f", splits {v['splits']}" if "splits" in v else ""))
+                         f"{v['shards']} shards, {size_text(v['bytes'])}"
+                         + (f", splits {_in_order(v['splits'])}" if "splits" in v else ""))
             if v["buckets"]:
                 lines.append("       buckets: " + ", ".join(f"{b} ({n})" for b, n in v["buckets"].items()))
             if v.get("control_buckets"):
@@ -108,5 +109,13 @@ def render(info: dict[str, Any]) -> str:
     q = info["quarantine"]
     samples = q.get("samples", q["rows"])
     lines.append(f"  quarantine: {q['rows']} rows" + (f" ({samples} samples)" if samples != q["rows"] else "")
-                 + (f" {q['by_reason']}" if q["rows"] else ""))
+                 + (f" {q['by_reason']} (each file's reason and detail: {info['store'].rstrip('/')}/"
+                    f"{fmt.QUARANTINE})" if q["rows"] else ""))
     return "\n".join(lines)
+
+
+def _in_order(splits: dict[str, int]) -> dict[str, int]:
+    """train, then val, then any other: the manifest's order of first appearance put val first in one store and
+    train first in the next."""
+    order = {"train": 0, "val": 1}
+    return dict(sorted(splits.items(), key=lambda kv: (order.get(kv[0], 2), kv[0])))

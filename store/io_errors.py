@@ -48,8 +48,9 @@ def is_not_writable(e: BaseException) -> bool:
     return any(f"(os error {n})" in text for n in _READ_ONLY)
 
 
-def _size(nbytes: int) -> str:
-    """MB, or kB below 0.1 MB: a manifest's 30 kB needed read "about 0.0 MB needed"."""
+def size_text(nbytes: int) -> str:
+    """MB, or kB below 0.1 MB: a manifest's 30 kB needed read "about 0.0 MB needed" (`store inspect`'s small
+    tables "0.0 MB")."""
     return f"{nbytes / 1e6:.1f} MB" if nbytes >= 100_000 else f"{nbytes / 1e3:.0f} kB"
 
 
@@ -58,7 +59,7 @@ def _free(where: Path) -> str:
     while not p.exists() and p != p.parent:
         p = p.parent
     try:
-        return f"{_size(shutil.disk_usage(p).free)} free"
+        return f"{size_text(shutil.disk_usage(p).free)} free"
     except OSError:
         return "free space unknown"
 
@@ -67,7 +68,7 @@ def describe(e: BaseException, what: str, where: Path, need: int | None = None, 
     """The one-line error for a disk-full / not-writable failure, else None. `instead`: what else helps with a full
     disk than freeing space (a rerun alone meets the same full disk at the same point)."""
     if is_disk_full(e):
-        needed = f", about {_size(need)} needed" if need else ""
+        needed = f", about {size_text(need)} needed" if need else ""
         return DiskFullError(f"disk full while writing {what} in {where} ({_free(where)}{needed}); free space"
                              f"{f' ({instead})' if instead else ''} and rerun: what was already committed is kept, "
                              "the partial write was removed")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, NoReturn
 
@@ -14,13 +15,60 @@ from schemas.config import PipelineConfig
 
 from pipeline.config import ConfigError, load_config
 
-# flags left unset take the config's value: `config show` prints every key with its default (help shows none)
+# flags left unset take the config's value: `config show` prints every key with its default (a flag's help shows its key's)
 ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config file (sections per stage); unset flags take its "
                          "values, else the defaults: `pipeline config show` prints them all.", exists=False)
 SetOpt = typer.Option(
     [], "--set", "-s", help="Set any config key: --set train.lora.rank=32 (value parsed as YAML, null included; "
     "repeatable).",
 )
+
+
+def with_config_defaults(command: Callable[..., None]) -> Callable[..., None]:
+    """COMMAND with each flag that stands for a config key (its help names it: `(encode_text.device)`) showing that
+    key's default in --help, `[default: (cpu)]`: such a flag's own default is None (unset: the config's value), so
+    help showed none, and `run encode-text --help` never said the encoder runs on the CPU unless told otherwise.
+    A key whose default is None, and a help that states its default itself, are left as they are."""
+    import inspect
+
+    from typer.models import OptionInfo
+
+    for param in inspect.signature(command).parameters.values():
+        info = param.default
+        if not isinstance(info, OptionInfo) or info.default is not None or "default" in (info.help or ""):
+            continue
+        if (key := _key_in_help(info.help or "")) is not None and (value := config_default(key)) is not None:
+            info.show_default = value
+    return command
+
+
+def _key_in_help(text: str) -> str | None:
+    """The first dotted config key a flag's help names in parentheses: `... (resize.val_fraction; ...)`."""
+    import re
+
+    sections = "|".join(PipelineConfig.model_fields)
+    found = re.search(rf"\(((?:{sections})(?:\.[a-z_0-9]+)+)", text)
+    return found.group(1) if found else None
+
+
+def config_default(key: str) -> str | None:
+    """The default of dotted KEY as a config file writes it (`cpu`, `8`, `0.1`), None where it has none (unset)."""
+    import json
+
+    value: Any = _defaults()
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    if value is None or isinstance(value, (dict, list)) and not value:
+        return None
+    if isinstance(value, str) and value.strip() == value:
+        return value
+    return json.dumps(value)  # a list, a boolean (true / false), a blank prompt (" ") as YAML reads them
+
+
+@lru_cache(maxsize=1)
+def _defaults() -> dict[str, Any]:
+    """Every key's default, as `config show` prints them."""
+    return PipelineConfig().model_dump(mode="json")
 
 
 JsonOpt = typer.Option(False, "--json", help="Print the summary as one JSON object on stdout (messages go to stderr).")

@@ -77,6 +77,8 @@ def _command(section: str, stage_module: str, component: str, batch_help: str, o
 
 text_command = _command(
     "encode_text", "stages.encode.text", "text encoder",
-    "Prompts per forward (same shape with batching=exact, similar length with padded).", "text",
+    "Prompts per forward (encode_text.batch_size; same shape with batching=exact, similar length with padded).",
+    "text",
 )
-vae_command = _command("encode_vae", "stages.encode.vae", "VAE", "Same-size images per forward.", "vae")
+vae_command = _command("encode_vae", "stages.encode.vae", "VAE", "Same-size images per forward (encode_vae.batch_size).",
+                       "vae")

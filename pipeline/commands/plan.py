@@ -47,7 +47,8 @@ def command(
     with usage_errors():  # a train setting the config alone refuses
         check_checkpointing(tc)
     with user_errors():
-        vl_tokens, sample_tokens = _tokens(rc, mp.plan_family(model_id), text_tokens)
+        family = mp.plan_family(model_id)
+        vl_tokens, sample_tokens = _tokens(rc, family, text_tokens)
     seq = tokens or sample_tokens
     budget = tc.max_tokens_per_batch
     with user_errors():
@@ -64,10 +65,27 @@ def command(
         _uncheckpointed_line(lambda n: _train_plan(cfg, model_id, device, processes, seq, n, checkpointing=True).total,
                              tc, mp.transformer_counts(model_id).blocks, gpu_memory)
     if fails:
-        echo("options (try one with --set KEY=VALUE): train.quantize_base int8|fp8|nf4, train.offload blocks, "
-             "train.gradient_checkpointing true, "
-             f"a smaller {'train.max_tokens_per_batch' if budget else 'train.batch_size'} / resize.target_area")
+        for stage in fails:
+            echo(f"options for {stage} (try one with --set KEY=VALUE): {_options(stage, tc, family)}")
         raise typer.Exit(1)
+
+
+def _options(stage: str, tc, family: str) -> str:
+    """The settings that shrink STAGE's peak (what its plan counts): the train options were named for every stage
+    that did not fit, and an encode-vae over the GPU was told to quantize or offload the transformer it never
+    loads."""
+    if stage == "encode-text":
+        view = "resize.control_vl_area" if family == "edit-plus" else "resize.control_vae_area"  # what the VLM sees
+        return f"a smaller encode_text.batch_size / {view} (the VL view of each control)"
+    if stage == "encode-vae":
+        return "a smaller encode_vae.batch_size / resize.target_area"
+    if stage.startswith("evaluate"):
+        return ("evaluate.quantize_base int8|fp8|nf4 (predict.quantize_base for predict), a smaller "
+                "evaluate.batch_size / resize.target_area")
+    checkpointing = "" if tc.gradient_checkpointing else "train.gradient_checkpointing true, "
+    batch = "train.max_tokens_per_batch" if tc.max_tokens_per_batch else "train.batch_size"
+    return (f"train.quantize_base int8|fp8|nf4, train.offload blocks, {checkpointing}a smaller {batch} / "
+            "resize.target_area")
 
 
 def _dtype(name: str, device: str, mixed: str = "no") -> str:
@@ -117,17 +135,17 @@ def _plans(cfg, model_id: str, device: str, processes: int, vl_tokens: int, seq:
     ]
 
 
-def _plan_lines(plans: list, gpu_memory: float | None) -> int:
-    """One line per stage's plan (its parts; with `gpu_memory`, fits or not); returns how many do not fit."""
+def _plan_lines(plans: list, gpu_memory: float | None) -> list[str]:
+    """One line per stage's plan (its parts; with `gpu_memory`, fits or not); returns the stages that do not fit."""
     from models import memory_plan as mp
 
-    fails = 0
+    fails = []
     for p in plans:
         detail = ", ".join(f"{k} {mp.gib(v)}" for k, v in p.parts.items())
         verdict = ""
         if gpu_memory is not None:
             ok = p.total <= gpu_memory * 2**30
-            fails += not ok
+            fails += [] if ok else [p.stage]
             verdict = "  fits" if ok else f"  DOES NOT FIT in {gpu_memory:g} GiB"
         echo(f"  {p.stage:32s} {mp.gib(p.total):>11s}{verdict}   ({detail})")
     return fails

@@ -40,11 +40,12 @@ def command(
             "paths.source": source,
             "paths.store": store,
             "resize.val_fraction": val_fraction,
-            # --area overrides both keys (a flag wins over the file); --target-area / --control-vae-area win over it
-            "resize.target_area": target_area or area,
+            # --area overrides both keys (a flag wins over the file); --target-area / --control-vae-area win over it.
+            # `is None`, not `or`: `--target-area 0` fell through to the default 1024² unsaid instead of being refused
+            "resize.target_area": area if target_area is None else target_area,
             "resize.multiple": multiple,
             "resize.control_vl_area": control_vl_area,
-            "resize.control_vae_area": control_vae_area or area,
+            "resize.control_vae_area": area if control_vae_area is None else control_vae_area,
             "resize.min_controls": min_controls,
             "resize.max_controls": max_controls,
             "resize.max_image_pixels": max_image_pixels,

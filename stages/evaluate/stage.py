@@ -681,11 +681,29 @@ def one_evaluate_per_report(run):
     def locked(cfg, store, model, what, out, *args, **kwargs):
         single_process()
         out = Path(out)
+        made = not out.exists()
         out.mkdir(parents=True, exist_ok=True)
-        with flock(out / REPORT_LOCK, blocking=False, holder=f"the report folder {out}"):
-            return run(cfg, store, model, what, out, *args, **kwargs)
+        try:
+            with flock(out / REPORT_LOCK, blocking=False, holder=f"the report folder {out}"):
+                return run(cfg, store, model, what, out, *args, **kwargs)
+        except BaseException:
+            if made:
+                _remove_if_only_the_lock(out)
+            raise
 
     return locked
+
+
+def _remove_if_only_the_lock(out: Path) -> None:
+    """The report folder this evaluate made, when it stopped before writing anything (a store without its `text`
+    table, a Ctrl-C while loading): removed, as train leaves no --out behind then; a folder holding only
+    `.evaluate.lock` was left for every such mistake."""
+    try:
+        if [p.name for p in out.iterdir()] == [REPORT_LOCK]:
+            (out / REPORT_LOCK).unlink()
+            out.rmdir()
+    except OSError:  # another evaluate's, or something written meanwhile: left as it is
+        pass
 
 
 def _only_report_files(out: Path) -> bool:

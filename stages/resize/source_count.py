@@ -21,7 +21,8 @@ def count_samples(source: str | Path, fmt: str, known: Any = None) -> int | None
     (known_tars.KnownTars): a tar carried unread is counted by its record, not opened."""
     try:
         if fmt == "folder":
-            return len(sources._images_by_stem(sources.scan(Path(source) / "target", Path(source)), {}, also=(".txt",)))
+            layout = sources.folder_layout(Path(source))  # the listing is cached: no second scan of the disk
+            return len(layout.targets) + len(sources.folder_leftovers(Path(source), layout))
         if fmt == "parquet":
             from stages.resize.parquet_source import count_rows
 

@@ -346,30 +346,72 @@ def _unsupported_message(root: Path, files: list[Path]) -> str:
     wrong image type), the others with the types that are read."""
     odd = {f: kind for f in files if (kind := _not_regular(f))}
     names = ", ".join(os.path.relpath(f, root) + (f" ({odd[f]})" if f in odd else "") for f in files)
+    if set(odd.values()) == {"a folder"}:  # target/cats/*.png: a layout of nested folders, not a file gone wrong
+        return (f"{names}: not a regular file, not read: a folder source is flat (target/<stem>.png, "
+                f"control/<stem>.png, ...), its sub-folders are not read; move their files up into "
+                f"{os.path.relpath(files[0].parent, root)}/ or remove them")
     if len(odd) == len(files):
         return f"{names}: not a regular file, not read; replace it with the file or remove it"
     return f"unsupported file(s) {names}: images must be one of {', '.join(IMAGE_SUFFIXES)} (captions target/<stem>.txt)"
 
 
-def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                done: Done | None = None, known: Any = None) -> Iterator[SourceSample]:
-    unsupported: dict[str, list[Path]] = {}  # stem -> files the layout cannot use; they must not vanish
+@dataclass
+class _FolderLayout:
+    """A folder source as listed (nothing read): each folder's files by stem, and what no sample can use."""
+
+    targets: dict[str, list[str]]
+    captions: dict[str, list[str]]  # stem -> its caption file names (`x.txt`, `x.TXT`: either, not both)
+    control_dirs: dict[int, Path]
+    controls: dict[int, dict[str, list[str]]]
+    masks: dict[str, list[str]]
+    unsupported: dict[str, list[Path]]  # stem -> files the layout cannot use; they must not vanish
+
+
+def folder_layout(root: Path) -> _FolderLayout:
+    unsupported: dict[str, list[Path]] = {}
     listed = scan(root / "target", root)
     targets = _images_by_stem(listed, unsupported, also=(".txt",))
-    captions: dict[str, list[str]] = {}  # stem -> its caption file names (`x.txt`, `x.TXT`: either, not both)
+    captions: dict[str, list[str]] = {}
     for name in listed.names:
         if listed.is_file(name) and (split := _stem(name))[1].lower() == ".txt":
             captions.setdefault(split[0], []).append(name)
     control_dirs = _control_dirs(root)
     controls = {i: _images_by_stem(scan(d, root), unsupported) for i, d in control_dirs.items()}
     masks = _images_by_stem(scan(root / "mask", root), unsupported)
+    return _FolderLayout(targets, captions, control_dirs, controls, masks, unsupported)
 
+
+def folder_leftovers(root: Path, layout: _FolderLayout) -> list[SourceSample]:
+    """A record for each file that belongs to no target (it would otherwise vanish silently), after the targets'
+    own: what `iter_folder` yields beyond one record per target, so the bar's total counts them too (it ran past
+    its total into a count without one, losing its ETA)."""
+    orphans: list[Path] = [root / "target" / n for stem, ns in layout.captions.items() if stem not in layout.targets
+                           for n in ns]
+    for i in sorted(layout.controls):
+        orphans += [layout.control_dirs[i] / f for stem, fs in layout.controls[i].items() if stem not in layout.targets
+                    for f in fs]
+    orphans += [root / "mask" / f for stem, fs in layout.masks.items() if stem not in layout.targets for f in fs]
+    out = [SourceSample(name=f.stem, source=str(f), problem="file has no matching target image in target/",
+                        problem_kind="orphan-file") for f in orphans]
+    for stem, fs in sorted(layout.unsupported.items()):
+        if stem not in layout.targets:
+            for f in fs:
+                orphan = "" if f.is_dir() else " (and no matching target image in target/)"  # a folder's is said
+                out.append(SourceSample(name=stem, source=str(f), problem=_unsupported_message(root, [f]) + orphan,
+                                        problem_kind="unsupported-file"))
+    return out
+
+
+def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+                done: Done | None = None, known: Any = None) -> Iterator[SourceSample]:
+    layout = folder_layout(root)
+    targets, controls, control_dirs, masks = layout.targets, layout.controls, layout.control_dirs, layout.masks
     for stem in sorted(targets):
         s = SourceSample(name=stem, source=str(root / "target" / stem))
         found = [root / "target" / name for name in targets[stem]]
-        if stem in unsupported:
+        if stem in layout.unsupported:
             s.source = str(found[0])
-            s.problem, s.problem_kind = _unsupported_message(root, unsupported[stem]), "unsupported-file"
+            s.problem, s.problem_kind = _unsupported_message(root, layout.unsupported[stem]), "unsupported-file"
             yield s
             continue
         if len(found) > 1:
@@ -387,27 +429,13 @@ def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
             yield s
             continue
         files = _FolderFiles(root, found[0], [[control_dirs[i] / name for name in controls[i][stem]] for i in present],
-                             [root / "target" / name for name in captions.get(stem, ())],
+                             [root / "target" / name for name in layout.captions.get(stem, ())],
                              root / "mask" / masks[stem][0] if stem in masks else None)
         if known and _known_folder_sample(s, files, known, max_file_bytes):
             yield s
             continue
         yield _read_folder_sample(s, files, max_file_bytes)
-
-    # files that belong to no target would otherwise vanish silently
-    orphans: list[Path] = [root / "target" / n for stem, ns in captions.items() if stem not in targets for n in ns]
-    for i in sorted(controls):
-        orphans += [control_dirs[i] / f for stem, fs in controls[i].items() if stem not in targets for f in fs]
-    orphans += [root / "mask" / f for stem, fs in masks.items() if stem not in targets for f in fs]
-    for f in orphans:
-        yield SourceSample(
-            name=f.stem, source=str(f), problem="file has no matching target image in target/", problem_kind="orphan-file"
-        )
-    for stem, fs in sorted(unsupported.items()):
-        if stem not in targets:
-            for f in fs:
-                yield SourceSample(name=stem, source=str(f), problem=_unsupported_message(root, [f]) +
-                                   " (and no matching target image in target/)", problem_kind="unsupported-file")
+    yield from folder_leftovers(root, layout)
 
 
 @dataclass(frozen=True)

@@ -1030,9 +1030,11 @@ def _commit(st: Store, writer: Any, source: str | Path, intake: _Intake) -> None
         if not intake.rejects:  # nothing read at all (e.g. a target/ holding only .DS_Store): no quarantine to see
             raise UserError(f"no sample found in source {source} (dotfiles such as .DS_Store are ignored); add the "
                             "samples and rerun (the layouts: docs/resize-bucket.md, 'Sources')")
+        first = intake.rejects[0]  # every one is alike often enough (a nested layout, no captions): the line says why
         raise UserError(
-            f"no usable sample in source {source}: {len(intake.rejects)} quarantined "
-            f"(see {summary.quarantine_file}); fix the source and rerun"
+            f"no usable sample in source {source}: {len(intake.rejects)} quarantined, e.g. {first['reason']}"
+            f"{': ' + first['detail'] if first['detail'] else ''} (all in {summary.quarantine_file}); fix the source "
+            "and rerun"
         )
     summary.version = writer.commit()  # its last shard committed first
     if intake.tars is not None and intake.tars.seen:  # after the commit: a kill before it leaves no record (read)

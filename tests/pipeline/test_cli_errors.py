@@ -259,3 +259,107 @@ def test_a_store_linked_to_a_folder_that_is_gone_is_named_as_such(tmp_path):
     (tmp_path / "file").write_text("x")
     res = _run(["run", "resize-bucket", "--source", str(tmp_path / "data"), "--store", str(tmp_path / "file" / "s")])
     assert res.exit_code == 1 and "is a file, not a folder" in res.output, res.output
+
+
+@pytest.mark.parametrize("flags, key", [
+    (["--target-area", "0"], "resize.target_area"),
+    (["--control-vae-area", "0"], "resize.control_vae_area"),
+    (["--area", "4096", "--target-area", "0"], "resize.target_area"),
+])
+def test_resize_bucket_refuses_a_zero_area_flag_rather_than_taking_the_default(flags, key, tmp_path, monkeypatch):
+    """`--target-area 0` (or `--control-vae-area 0`) was read as "not given" (`target_area or area`): the stage
+    sized every bucket at the default 1024² and exited 0. Now a usage error naming the key, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    r = _run(["run", "resize-bucket", "--source", "SRC", "--store", "ST", *flags])
+    assert r.exit_code == 2 and f"'{key}': Input should be greater than 0 (got 0)" in r.output, r.output
+    assert "Traceback" not in r.output and list(tmp_path.iterdir()) == []
+
+
+def test_a_nested_folder_source_is_one_line_saying_to_move_the_files_up(tmp_path, monkeypatch):
+    """target/cats/*.png (a common layout): every sub-folder is quarantined and nothing is usable. The line said
+    only 'no usable sample: 2 quarantined (see quarantine.parquet)', whose rows told the user to 'replace it [the
+    folder] with the file' and that it had 'no matching target image'. Now the line says why, and what to do."""
+    from PIL import Image
+
+    monkeypatch.chdir(tmp_path)
+    for folder in ("target/cats", "control/cats"):
+        (tmp_path / "src" / folder).mkdir(parents=True)
+        Image.new("RGB", (64, 48), (200, 10, 10)).save(tmp_path / "src" / folder / "a.png")
+    (tmp_path / "src" / "target" / "cats" / "a.txt").write_text("make it blue")
+    r = _run(["run", "resize-bucket", "--source", "src", "--store", "st", "--area", "4096"])
+    assert r.exit_code == 1 and r.output.count("error:") == 1, r.output
+    line = r.output[r.output.index("error:"):]
+    assert "src: 2 quarantined, e.g. unsupported-file: " in line and "target/cats (a folder): not a regular file, " \
+        "not read: a folder source is flat" in line and "move their files up into target/" in line and "Traceback" not in r.output, line
+    from store.quarantine import read
+
+    details = read(tmp_path / "st").column("detail").to_pylist()
+    assert sorted(d.split(":")[0] for d in details) == ["control/cats (a folder)", "target/cats (a folder)"]
+    assert not any("replace it with the file" in d or "no matching target" in d for d in details), details
+
+
+def test_every_flag_for_a_config_key_shows_that_keys_default_in_help():
+    """A stage flag's own default is None (unset: the config's value), so --help showed no default: `run encode-text
+    --help` never said the text encoder runs on the CPU unless told, nor `run train --help` its 100 steps. Each
+    flag whose help names its key now shows the key's default, as `config show` prints it."""
+    import re
+
+    import typer
+
+    from pipeline.config import load_config
+
+    key_named = re.compile(r"\(((?:paths|resize|encode_text|encode_vae|train|evaluate|predict)(?:\.[a-z_0-9]+)+)")
+    defaults = load_config(None).model_dump(mode="json")
+    shown: dict[str, object] = {}
+
+    def walk(cmd, path):
+        for name, sub in getattr(cmd, "commands", {}).items():
+            walk(sub, f"{path} {name}".strip())
+        for p in getattr(cmd, "params", []) if not hasattr(cmd, "commands") else []:
+            key = found.group(1) if (found := key_named.search(p.help or "")) else None
+            if key is None or p.default is not None or "default" in (p.help or ""):
+                continue
+            value = defaults
+            for part in key.split("."):
+                value = value.get(part) if isinstance(value, dict) else None
+            if value not in (None, [], {}):
+                shown[f"{path} {p.opts[0]}"] = (p.show_default, value)
+
+    walk(typer.main.get_command(app), "")
+    assert shown["run encode-text --device"] == ("cpu", "cpu") and shown["run train --max-steps"] == ("100", 100)
+    assert shown["run encode-vae --batch-size"] == ("8", 8)  # its help names encode_vae.batch_size now
+    assert shown["predict --negative-prompt"] == ('" "', " ")
+    wrong = {flag: pair for flag, pair in shown.items() if pair[0] != _as_yaml_writes_it(pair[1])}
+    assert not wrong, wrong
+    assert len(shown) >= 30, sorted(shown)  # every stage's flags, not a few
+    r = CliRunner().invoke(app, ["run", "encode-text", "--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"})
+    assert "(encode_text.device). [default: (cpu)]" in r.output, r.output
+
+
+def _as_yaml_writes_it(value) -> str:
+    """`cpu`, `8`, `0.1`; a boolean, a list and a blank string as JSON (`true`, `["to_q"]`, `" "`)."""
+    import json
+
+    if isinstance(value, str) and value.strip() == value:
+        return value
+    return json.dumps(value) if isinstance(value, (str, bool, list, dict)) else str(value)
+
+
+def test_an_evaluate_that_fails_before_writing_leaves_no_report_folder(tmp_path):
+    """`run evaluate --out REPORT` on a store without its `text` table (or stopped while loading) said so in one
+    line and left REPORT behind holding only `.evaluate.lock`; `run train` leaves no --out then. A folder that was
+    there before is kept, lock and all."""
+    from schemas.errors import UserError
+    from stages.evaluate.stage import REPORT_LOCK, one_evaluate_per_report
+
+    @one_evaluate_per_report
+    def refused(cfg, store, model, lora, out):
+        raise UserError("store ST has no 'text' table")
+
+    with pytest.raises(UserError):
+        refused(None, "ST", "M", "L", tmp_path / "new-report")
+    assert not (tmp_path / "new-report").exists()
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(UserError):
+        refused(None, "ST", "M", "L", tmp_path / "kept")
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == [REPORT_LOCK]

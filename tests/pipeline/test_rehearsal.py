@@ -67,3 +67,18 @@ def test_plan_cli_says_fit_or_not(tiny_edit_model):
     assert ok.exit_code == 0 and "fits" in ok.output and "train" in ok.output
     small = CliRunner().invoke(app, ["plan", "--model", tiny_edit_model, "--gpu-memory", "0.0001"])
     assert small.exit_code == 1 and "DOES NOT FIT" in small.output and "quantize_base" in small.output
+
+
+def test_plan_names_the_options_of_the_stage_that_does_not_fit(tiny_edit_model):
+    """Only encode-vae over --gpu-memory (its VAE batch at 1024²; the tiny transformer fits): the options line
+    named the train settings (quantize or offload the transformer, checkpointing), none of which encode-vae
+    reads. Now each stage that does not fit gets its own settings."""
+    from pipeline.cli import app
+
+    r = CliRunner().invoke(app, ["plan", "--model", tiny_edit_model, "--gpu-memory", "1"])
+    assert r.exit_code == 1 and "encode-vae" in r.output, r.output
+    stages_over = [line.split()[0] for line in r.output.splitlines() if "DOES NOT FIT" in line]
+    assert stages_over == ["encode-vae"], r.output
+    options = [line for line in r.output.splitlines() if line.startswith("options")]
+    assert options == ["options for encode-vae (try one with --set KEY=VALUE): a smaller encode_vae.batch_size / "
+                       "resize.target_area"], r.output

@@ -65,3 +65,19 @@ def test_a_flag_wins_over_the_files_area_or_its_two_keys(tmp_path):
     clash.write_text("resize:\n  area: 9216\n  target_area: 4096\n")
     with pytest.raises(ConfigError, match="resize.area = 9216 sets target_area"):
         load_config(clash, {"resize.control_vae_area": 4096})
+
+
+def test_store_inspect_of_a_small_store_says_its_size_and_where_the_quarantine_rows_are(tmp_path):
+    """A table under 50 kB read `0.0 MB` (an empty table, to a new user), the splits came in the manifest's order
+    (`{'val': 1, 'train': 3}` in one store, train first in the next), and the quarantine line counted the rows
+    without saying where they are to be read."""
+    make_demo_data(tmp_path / "data", n=3, fmt="folder", max_controls=1, seed=3)
+    (tmp_path / "data" / "target" / "orphan.txt").write_text("a caption without its picture")
+    _cli("run", "resize-bucket", "--source", str(tmp_path / "data"), "--store", str(tmp_path / "st"), "--area", "1024",
+         "--val-fraction", "0.5")
+    inspect = _cli("store", "inspect", str(tmp_path / "st"))
+    version = next(line for line in inspect.splitlines() if "* v1:" in line)
+    assert version.split(" shards, ")[1].split(" kB")[0].isdigit() and "0.0 MB" not in version, version
+    splits = version.split("splits ")[1]
+    assert splits.index("'train'") < splits.index("'val'"), version
+    assert f"{{'orphan-file': 1}} (each file's reason and detail: {tmp_path / 'st'}/quarantine.parquet)" in inspect

@@ -282,7 +282,7 @@ def test_caption_extensions_match_as_image_extensions_do_regardless_of_case(tmp_
     (t / "w.txt").write_text("lower")
     (t / "w.TXT").write_text("twice")
     (t / "z.TXT").write_text("no picture")
-    assert count_samples(src, "folder") == 3
+    assert count_samples(src, "folder") == 4  # the bar's total: 3 targets and the orphan z.TXT's record
     result = _resize(src, tmp_path / "store")
     assert result.exit_code == 0, result.output
     assert _captions(tmp_path / "store") == ["mixed", "upper"]
@@ -301,3 +301,24 @@ def test_a_dataset_without_any_control_gets_the_text_to_image_note(tmp_path):
     assert result.exit_code == 0, result.output
     assert ("controls per sample: 0: 2; samples without a control train text-to-image (resize.min_controls: 1 "
             "quarantines them)") in result.output, result.output
+
+
+def test_a_folder_sources_bar_total_counts_the_files_no_target_claims(tmp_path):
+    """The bar's total counted the targets alone, while the reader yields one more record per file no target
+    claims (a caption without its picture, a control or mask of no target, a sub-folder, an unsupported file):
+    the bar ran past its total into a count without one (`8/8`, then `9sample [...]`, its ETA gone)."""
+    from stages.resize.sources import iter_folder
+
+    src = tmp_path / "src"
+    for stem in ("a", "b", "c"):
+        _sample(src, stem, _image(seed=len(stem)))
+    (src / "target" / "gone.txt").write_text("a caption whose picture was not downloaded")
+    (src / "target" / "cats").mkdir()
+    (src / "target" / "d.heic").write_bytes(b"not read")
+    (src / "control").mkdir()
+    (src / "control" / "a.png").write_bytes(_image())
+    (src / "control" / "lost.png").write_bytes(_image())
+    (src / "mask").mkdir()
+    (src / "mask" / "lost2.png").write_bytes(_image())
+    records = list(iter_folder(src))
+    assert len(records) == 3 + 5 and count_samples(src, "folder") == len(records)
