@@ -78,7 +78,9 @@ def flock(fd: int) -> None:
 # ------------------------------------------------------------------------------- which signals reached the process
 
 _received: dict = {"fd": None, "seen": set(), "write": None}  # the pipe's read end, what it said, its write end
-_received_lock = threading.Lock()
+# reentrant: the CLI's signal handlers take it (`note_signal`) on the main thread, between any two bytecodes of it,
+# also while that thread holds it in `received` (a plain lock hung the process there for good on a second Ctrl-C)
+_received_lock = threading.RLock()
 
 
 def record_signals() -> None:
