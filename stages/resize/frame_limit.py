@@ -1,7 +1,7 @@
 """resize.max_image_frames applied to the samples a rerun carries forward instead of rendering (stage.py), as
 pixel_limit.py applies max_image_pixels: a carried sample is not decoded, so its frames are not counted. Its row
-tells them: a picture of several frames is noted `first frame of N used` (features/decode.py). A limit set below
-the default (`MAX_FRAMES`) reads that note of every complete `images` version, and a key one of them notes with
+tells them: a picture of several frames is noted `first frame of N used` (features/decode.py). A limit below the
+one a complete `images` version was rendered under reads that note of its rows, and a key one of them notes with
 more frames than the limit is rendered, so rejected exactly as a fresh run rejects it (`image-too-large`).
 
 Only the versions rendered under a higher limit than `limit` are read (the one their schema records; none recorded:
