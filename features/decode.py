@@ -188,20 +188,25 @@ def _open_oriented(data: bytes, max_pixels: int, max_frames: int) -> tuple[Image
         notes.append(deep)
     if frames > 1:
         notes.append(f"first frame of {frames} used")
-    applied = 1
+    im, applied = _oriented(im, notes)
+    return im, notes, applied
+
+
+def _oriented(im: Image.Image, notes: list[str]) -> tuple[Image.Image, int]:
+    """The picture turned as its EXIF orientation says, and the orientation applied (1: none); said in `notes`."""
     try:
         orientation = im.getexif().get(0x0112, 1)
         if isinstance(orientation, int) and 2 <= orientation <= 8:
-            im = ImageOps.exif_transpose(im)
+            turned = ImageOps.exif_transpose(im)
             notes.append(f"EXIF orientation {orientation} applied")
-            applied = orientation
-        elif orientation not in (None, 1):
+            return turned, orientation
+        if orientation not in (None, 1):
             # 0 ("undefined", which some phones write) or 9: exif_transpose leaves the pixels as stored; noted
             # "applied" before, a rotation counted in the summary that no pixel had
             notes.append(f"EXIF orientation {orientation!r} is not one of 1-8: ignored")
     except Exception:  # noqa: BLE001 - a corrupt EXIF block: keep the pixels as stored, say so
         notes.append("EXIF unreadable, orientation ignored")
-    return im, notes, applied
+    return im, 1
 
 
 def _frame_count(im: Image.Image, most: int) -> int:

@@ -77,8 +77,10 @@ def flock(fd: int) -> None:
 
 # ------------------------------------------------------------------------------- which signals reached the process
 
-_received: dict = {"fd": None, "seen": set()}
-_received_lock = threading.Lock()
+_received: dict = {"fd": None, "seen": set(), "write": None}  # the pipe's read end, what it said, its write end
+# reentrant: the CLI's signal handlers take it (`note_signal`) on the main thread, between any two bytecodes of it,
+# also while that thread holds it in `received` (a plain lock hung the process there for good on a second Ctrl-C)
+_received_lock = threading.RLock()
 
 
 def record_signals() -> None:
@@ -86,13 +88,22 @@ def record_signals() -> None:
     handler writes each signal's number to the wakeup fd the moment the signal lands, on whichever thread, while
     the Python handler (the CLI's KeyboardInterrupt) runs only once the main thread is back in bytecode - not while
     it waits in a collective's C++ call. Called once by the CLI's entry point (main thread: `set_wakeup_fd` is
-    refused elsewhere), after its handlers are installed."""
+    refused elsewhere), after its handlers are installed. A second call (another run in this process: a test's
+    in-process `main()`) starts with nothing received and closes the first call's pipe, which before stayed open and
+    told that run's signals as the next one's."""
     read, write = os.pipe()
     os.set_blocking(read, False)
     os.set_blocking(write, False)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     with _received_lock:
-        _received["fd"] = read
+        earlier = (_received.get("fd"), _received.get("write"))
+        _received.update(fd=read, write=write, seen=set())
+    for fd in earlier:
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:  # closed already (a test's own cleanup)
+                pass
 
 
 def note_signal(signum: int) -> None:

@@ -55,24 +55,11 @@ def pieces(fs: Any, path: str, piece: int, is_s3: bool) -> Iterator[bytes]:
             return resp["Body"], int(resp.get("ContentLength") or 0)
         return resp["Body"], offset + int(resp.get("ContentLength") or 0)
 
-    async def fill(body) -> bytes:  # one hop into the event loop per piece, not per socket read
-        out = bytearray()
-        try:
-            while len(out) < piece and (got := await body.read(piece - len(out))):
-                out += got
-        except Exception as e:  # noqa: BLE001
-            if not differs_from_server_checksum(e):
-                raise
-            # botocore compares the bytes with the server's own checksum at the body's end, once every byte was
-            # read: the bytes stand, and the caller's check against the version's sealed checksums.json names the
-            # object (pull, verify: damaged; a lazy fetch: read by range instead). A traceback before.
-        return bytes(out)
-
     (body, size), received, failures = sync(fs.loop, open_at, 0), 0, 0
     try:
         while True:
             try:
-                chunk = sync(fs.loop, fill, body)
+                chunk = sync(fs.loop, _fill, body, piece)
             except S3_RETRYABLE_ERRORS:
                 failures += 1
                 if failures >= max(RESUMES, getattr(fs, "retries", 1)) or received >= size:  # nothing left to ask for
@@ -86,6 +73,22 @@ def pieces(fs: Any, path: str, piece: int, is_s3: bool) -> Iterator[bytes]:
             yield chunk
     finally:
         body.close()
+
+
+async def _fill(body: Any, piece: int) -> bytes:
+    """The next `piece` bytes of `body` (fewer at its end): one hop into the event loop per piece, not per socket
+    read."""
+    out = bytearray()
+    try:
+        while len(out) < piece and (got := await body.read(piece - len(out))):
+            out += got
+    except Exception as e:  # noqa: BLE001
+        if not differs_from_server_checksum(e):
+            raise
+        # botocore compares the bytes with the server's own checksum at the body's end, once every byte was read:
+        # the bytes stand, and the caller's check against the version's sealed checksums.json names the object
+        # (pull, verify: damaged; a lazy fetch: read by range instead). A traceback before.
+    return bytes(out)
 
 
 async def _skip(body: Any, n: int) -> None:

@@ -1,11 +1,13 @@
 """resize.max_image_frames applied to the samples a rerun carries forward instead of rendering (stage.py), as
 pixel_limit.py applies max_image_pixels: a carried sample is not decoded, so its frames are not counted. Its row
-tells them: a picture of several frames is noted `first frame of N used` (features/decode.py). A limit set below
-the default (`MAX_FRAMES`) reads that note of every complete `images` version, and a key one of them notes with
+tells them: a picture of several frames is noted `first frame of N used` (features/decode.py). A limit below the
+one a complete `images` version was rendered under reads that note of its rows, and a key one of them notes with
 more frames than the limit is rendered, so rejected exactly as a fresh run rejects it (`image-too-large`).
 
-At the default nothing is read: no row rendered before the limit existed holds a picture of more than 10000 frames
-but a hostile file's (its sample stays until its version is rendered again), and rows rendered since are within it.
+Only the versions rendered under a higher limit than `limit` are read (the one their schema records; none recorded:
+the default), so at the default, after none raised it, nothing: no row rendered before the limit existed holds a
+picture of more than 10000 frames but a hostile file's (its sample stays until its version is rendered again).
+A version rendered under a limit raised past the default is read at the default too: its rows may be past it.
 """
 
 from __future__ import annotations
@@ -21,18 +23,16 @@ _NOTE = r"^first frame of (?P<frames>\d+) used$"
 
 
 def frames_over(st: Store, limit: int) -> set[str]:
-    """The keys a complete `images` version notes with more frames than `limit` (none read at the default)."""
+    """The keys a complete `images` version rendered under a higher limit notes with more frames than `limit`."""
     from schemas import UserError
     from store import format as fmt
     from store.manifest_files import checked_manifest
 
-    if limit >= MAX_FRAMES:
-        return set()
     over: set[str] = set()
     for v in st.versions(TABLE):
         vdir = st.version_dir(TABLE, v)
         try:
-            if not fmt.is_complete(vdir):
+            if not fmt.is_complete(vdir) or _rendered_under(vdir) <= limit:
                 continue
             rows = checked_manifest(vdir, ["key", "conversions"])
         except UserError:  # damaged or unreadable: nothing is carried from it (store/reuse.py)
@@ -40,6 +40,20 @@ def frames_over(st: Store, limit: int) -> set[str]:
         if "conversions" in rows.column_names:
             over.update(rows.column("key").take(_rows_over(rows.column("conversions"), limit)).to_pylist())
     return over
+
+
+def _rendered_under(vdir) -> float:
+    """The resize.max_image_frames a complete version's schema records (none: the default; unreadable: unknown, so
+    its rows are looked at)."""
+    from schemas import UserError
+    from store.manifest_files import checked_schema
+
+    try:
+        resize = checked_schema(vdir).attrs.get("resize")
+    except UserError:
+        return float("inf")
+    value = resize.get("max_image_frames") if isinstance(resize, dict) else None
+    return value if isinstance(value, int) else MAX_FRAMES
 
 
 def _rows_over(conversions: pa.ChunkedArray, limit: int) -> pa.Array:

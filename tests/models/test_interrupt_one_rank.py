@@ -103,7 +103,9 @@ def sigint_here(monkeypatch):
     finally:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGINT, handler)
-        os.close(interruptible._received["fd"])
+        for end in ("fd", "write"):  # the pipe's two ends (record_signals')
+            if interruptible._received.get(end) is not None:
+                os.close(interruptible._received[end])
 
 
 def test_a_rank_the_same_ctrl_c_reached_ends_on_its_own_stop_not_a_peers_line(monkeypatch, own_collective,

@@ -439,3 +439,20 @@ def test_a_rerun_under_a_lowered_max_image_frames_quarantines_as_a_fresh_run(tmp
     assert rerun.reused == 1 and rerun.quarantined == fresh.quarantined == {"image-too-large": 1}
     q, f = quarantined(tmp_path / "store")["many.gif"], quarantined(tmp_path / "fresh")["many.gif"]
     assert (q["reason"], q["detail"].rsplit(": ", 1)[-1]) == (f["reason"], f["detail"].rsplit(": ", 1)[-1])
+
+
+def test_a_rerun_at_the_default_max_image_frames_after_a_raised_one_quarantines_as_a_fresh_run(tmp_path):
+    """A version rendered under a resize.max_image_frames raised past its default holds rows of more frames than
+    the default: a rerun back at the default must judge them (frame_limit.py), not take every row as within it."""
+    from features.decode import MAX_FRAMES
+
+    root = tmp_path / "src"
+    put(root, "few.gif", frames_file(3, "GIF"))
+    many = [Image.new("RGB", (32, 32), ((i % 2) * 200, 90, 90)) for i in range(MAX_FRAMES + 2)]
+    put(root, "many.gif", encoded(many[0], "GIF", save_all=True, append_images=many[1:]), caption=b"make it red")
+    first = run(cfg(max_image_frames=MAX_FRAMES + 10), root, tmp_path / "store")
+    assert first.written == 2
+    rerun = run(cfg(), root, tmp_path / "store")
+    fresh = run(cfg(), root, tmp_path / "fresh")
+    assert set(table(tmp_path / "store")) == set(table(tmp_path / "fresh")) == {"few.gif"}
+    assert rerun.quarantined == fresh.quarantined == {"image-too-large": 1}

@@ -84,8 +84,9 @@ def _main_of(monkeypatch, app) -> int:
         for s, handler in before.items():
             signal.signal(s, handler)
         signal.set_wakeup_fd(-1)
-        if interruptible._received["fd"] is not None:
-            os.close(interruptible._received["fd"])
+        for end in ("fd", "write"):  # the pipe's two ends (record_signals')
+            if interruptible._received.get(end) is not None:
+                os.close(interruptible._received[end])
     return stop.value.code
 
 
