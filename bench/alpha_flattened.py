@@ -23,18 +23,14 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's store/, not an installed one
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from encode_carry import build  # noqa: E402
+from encode_carry import with_notes  # noqa: E402
 from schemas.fixes import alpha_flattened  # noqa: E402
 from store import Store  # noqa: E402
-from store import format as fmt  # noqa: E402
-from store.integrity import write_version_checksums  # noqa: E402
 from store.version_notes import note_path  # noqa: E402
 
 NOTES = [[], ["target: RGBA, composited over white"], ["EXIF orientation 6 applied"]]
@@ -43,18 +39,7 @@ NOTES_P = [0.97, 0.02, 0.01]
 
 def flattened(root: Path, n: int) -> None:
     """bench/encode_carry.py's images version, 2% of its samples flattened over white (once)."""
-    build(root, n)
-    vdir = fmt.version_dir(root, "images", 1)
-    if (vdir.parent / "flattened").is_file():
-        return
-    table = pq.read_table(vdir / fmt.MANIFEST)
-    pick = np.random.default_rng(3).choice(len(NOTES), n, p=NOTES_P)
-    table = table.set_column(table.schema.get_field_index("conversions"), "conversions",
-                             pa.array([NOTES[i] for i in pick], pa.list_(pa.string())))
-    data = fmt.parquet_bytes(table)
-    write_version_checksums(vdir, table, data)
-    fmt.atomic_write_bytes(vdir / fmt.MANIFEST, data)
-    (vdir.parent / "flattened").touch()
+    with_notes(root, n, NOTES, NOTES_P, 3, "flattened")
 
 
 def old_count(images) -> int:

@@ -112,6 +112,25 @@ def build(root: Path, n: int, seed: int = 0) -> None:
     fmt.write_store_record(root, {**fmt.new_store_record(), "tables": {"images": {"current": 1}}})
 
 
+def with_notes(root: Path, n: int, notes: list[list[str]], p: list[float], seed: int, marker: str) -> None:
+    """`build`'s images version with its `conversions` notes drawn from `notes` (probabilities `p`), once (a file
+    `marker` beside the version says it was done): the benches of the rules that read those notes."""
+    import pyarrow.parquet as pq
+
+    build(root, n)
+    vdir = fmt.version_dir(root, "images", 1)
+    if (vdir.parent / marker).is_file():
+        return
+    table = pq.read_table(vdir / fmt.MANIFEST)
+    pick = np.random.default_rng(seed).choice(len(notes), n, p=p)
+    table = table.set_column(table.schema.get_field_index("conversions"), "conversions",
+                             pa.array([notes[i] for i in pick], pa.list_(pa.string())))
+    data = fmt.parquet_bytes(table)
+    write_version_checksums(vdir, table, data)
+    fmt.atomic_write_bytes(vdir / fmt.MANIFEST, data)
+    (vdir.parent / marker).touch()
+
+
 def stored_rows(images, share: int, rng: np.random.Generator) -> pa.Table:
     """The stored vae rows of rank 0's share (encode's contiguous share), in their version's order: stale splits,
     1% of the masks changed since."""

@@ -41,19 +41,16 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's store/, not an installed one
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from encode_carry import build  # noqa: E402
+from encode_carry import with_notes  # noqa: E402
 from schemas.fixes import mask_orientation_changes  # noqa: E402
 from stages.encode.plan import changed_rows  # noqa: E402
 from stages.encode.vae import FIXES  # noqa: E402
 from stages.resize.stage import MASK_FIX  # noqa: E402
 from store import Store  # noqa: E402
-from store import format as fmt  # noqa: E402
-from store.integrity import write_version_checksums  # noqa: E402
 from store.manifest import TENSOR_STRUCT  # noqa: E402
 
 NOTES = [[], ["kept with its alpha (RGBA)"], ["mask turned as its target (EXIF 6)"],
@@ -63,18 +60,7 @@ NOTES_P = [0.96, 0.02, 0.01, 0.01]
 
 def mixed(root: Path, n: int) -> None:
     """bench/encode_carry.py's images version, its `conversions` notes mixed (once)."""
-    build(root, n)
-    vdir = fmt.version_dir(root, "images", 1)
-    if (vdir.parent / "mixed").is_file():
-        return
-    table = pq.read_table(vdir / fmt.MANIFEST)
-    pick = np.random.default_rng(2).choice(len(NOTES), n, p=NOTES_P)
-    table = table.set_column(table.schema.get_field_index("conversions"), "conversions",
-                             pa.array([NOTES[i] for i in pick], pa.list_(pa.string())))
-    data = fmt.parquet_bytes(table)
-    write_version_checksums(vdir, table, data)
-    fmt.atomic_write_bytes(vdir / fmt.MANIFEST, data)
-    (vdir.parent / "mixed").touch()
+    with_notes(root, n, NOTES, NOTES_P, 2, "mixed")
 
 
 def stored_rows(images) -> pa.Table:

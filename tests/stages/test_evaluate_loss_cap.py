@@ -24,9 +24,14 @@ def _aside(out):
 
 def _respell_as_set(out, cap: int) -> None:
     """The array and the report as a release that hashed max_loss_samples as set recorded them."""
+    _respell(out, lambda settings: {**settings, "evaluate": {**settings["evaluate"], "max_loss_samples": cap}})
+
+
+def _respell(out, change) -> None:
+    """The array's and the report's settings as `change` makes them, fingerprinted again (as an older release
+    recorded them)."""
     group = zarr.open_group(out / GROUP, mode="r+", use_consolidated=True)
-    settings = dict(group.attrs["settings"])
-    settings["evaluate"] = {**settings["evaluate"], "max_loss_samples": cap}
+    settings = change(dict(group.attrs["settings"]))
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
     group.attrs.update({"settings": settings, "fingerprint": fingerprint})
     zarr.consolidate_metadata(out / GROUP)
@@ -159,15 +164,7 @@ def test_a_val_sample_after_those_scored_keeps_the_losses_and_a_scored_one_chang
 
 def _respell_tables(out, tables: dict) -> None:
     """The array and the report as a release that keyed the tables by the whole val split recorded them."""
-    group = zarr.open_group(out / GROUP, mode="r+", use_consolidated=True)
-    settings = {**dict(group.attrs["settings"]), "tables": tables}
-    fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
-    group.attrs.update({"settings": settings, "fingerprint": fingerprint})
-    zarr.consolidate_metadata(out / GROUP)
-    metrics = json.loads((out / "metrics.json").read_text())
-    metrics["checkpoints"]["fingerprint"] = fingerprint
-    metrics["run"]["settings"] = settings
-    (out / "metrics.json").write_text(json.dumps(metrics))
+    _respell(out, lambda settings: {**settings, "tables": tables})
 
 
 def test_losses_keyed_by_the_whole_val_split_before_stay_current_for_that_split_only(

@@ -74,11 +74,24 @@ def test_a_pull_streams_each_object_in_one_get_and_resumes_a_cut_body(s3_env, tm
     assert verify_store(pulled) == []
 
 
+def _pull_through(fault, s3_env, tmp_path, monkeypatch):
+    """`pull` of the S3 test store through tests/store/fault_proxy.py answering with `fault`: (the pulled folder,
+    the summary, the stopped proxy: its `faults`)."""
+    from fault_proxy import FaultProxy
+
+    proxy = FaultProxy(s3_env.endpoint, fault)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        pulled = tmp_path / "pulled"
+        summary = pull(s3_env.url(), pulled)
+    finally:
+        proxy.stop()
+    return pulled, summary, proxy
+
+
 def test_a_body_really_cut_off_once_per_shard_resumes_and_the_pull_completes(s3_env, tmp_path, monkeypatch) -> None:
     """A real reset mid-body (tests/store/fault_proxy.py sends half of each shard's first GET, then closes the
     connection): the download resumes from the bytes received, every file checked, nothing refetched whole."""
-    from fault_proxy import FaultProxy
-
     store = _store(tmp_path / "store")
     push(store.root, s3_env.url())
     cut: list[str] = []
@@ -90,13 +103,7 @@ def test_a_body_really_cut_off_once_per_shard_resumes_and_the_pull_completes(s3_
             return "cut"
         return None
 
-    proxy = FaultProxy(s3_env.endpoint, fault)
-    try:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-        pulled = tmp_path / "pulled"
-        summary = pull(s3_env.url(), pulled)
-    finally:
-        proxy.stop()
+    pulled, summary, proxy = _pull_through(fault, s3_env, tmp_path, monkeypatch)
     shards = sorted(fmt.version_dir(store.root, "vae", 1).glob("shard-*.tar"))
     assert summary.copied == ["vae/v1"] and len(cut) == len(shards) == len(proxy.faults)
     assert verify_store(pulled) == []
@@ -107,8 +114,6 @@ def test_a_cut_body_resumed_from_a_server_that_ignores_range_is_not_spliced(s3_e
     """The resume of a cut body asks `Range: bytes=N-`; a server (or proxy) that ignores Range answers with the whole
     object again, which was appended after the N bytes received: every shard cut once was refused as damaged.
     The first N bytes of that answer are skipped."""
-    from fault_proxy import FaultProxy
-
     store = _store(tmp_path / "store")
     push(store.root, s3_env.url())
     cut: list[str] = []
@@ -122,13 +127,7 @@ def test_a_cut_body_resumed_from_a_server_that_ignores_range_is_not_spliced(s3_e
             return "cut"
         return "norange"
 
-    proxy = FaultProxy(s3_env.endpoint, fault)
-    try:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-        pulled = tmp_path / "pulled"
-        summary = pull(s3_env.url(), pulled)
-    finally:
-        proxy.stop()
+    pulled, summary, proxy = _pull_through(fault, s3_env, tmp_path, monkeypatch)
     shards = sorted(fmt.version_dir(store.root, "vae", 1).glob("shard-*.tar"))
     # (a cut before any byte arrived resumes from 0, with no Range to ignore)
     assert summary.copied == ["vae/v1"] and any(how == "norange" for how, *_ in proxy.faults), proxy.faults
