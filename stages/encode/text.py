@@ -325,8 +325,7 @@ def run(
     batch_size: int | None = None,
     ranks: Ranks | None = None,
 ) -> Summary:
-    from models.loading import load_component, model_variant, parse_dtype, pipeline_family
-    from models.precision import check_loaded_dtype
+    from models.loading import model_variant, pipeline_family
 
     if model_variant(model) == "qwen-image-2.1":  # Qwen3-VL, 0..10 references, slot masks
         from stages.encode.qwen21 import run_text
@@ -357,37 +356,45 @@ def run(
                         "with resize.vl_views: true")
 
     try:  # from the model load on: a load that fails closes the job too (its images reader, its lease)
-        # Only what this stage needs: the VL model and its processor (never the transformer or the VAE).
-        processor = load_component(model, "processor")
-        text_encoder = load_component(model, "text_encoder", dtype=parse_dtype(section.dtype),
-                                      device=target)
-        check_loaded_dtype(text_encoder, section.dtype, "encode_text.dtype")
-        nocontrol = section.no_control_embeds
-        kinds = KINDS + ((NOCONTROL,) if nocontrol else ())
-        schema = text_schema(job, fmt, text_encoder.config.text_config.hidden_size, section.dtype, nocontrol)
-        todo = job.open_writer(schema, section.shard_size_mb)
-        lock = threading.Lock()
-        samples = prefetched(job.read_inputs(todo, by_controls),
-                             job.unless_rejected(lambda item: prepare(*item, fmt, processor, lock, nocontrol)),
-                             workers=section.num_workers)
-        done: dict[str, dict[str, torch.Tensor]] = {}  # key -> kind -> embeds, until both kinds are in
-        with job.progress(len(todo)) as bar:
-            requests = (r for pair in job.accepted(samples, bar) for r in pair)
-            for batch in batches(requests, section.batching, section.batch_size):
-                with job.timed_forward(len(batch)):
-                    embeds = encode_batch(text_encoder, batch, fmt.start_idx, processor.tokenizer.pad_token_id)
-                for req, emb in zip(batch, embeds):
-                    parts = done.setdefault(req.key, {})
-                    parts[req.kind] = emb.to("cpu", torch.bfloat16)
-                    bar.encoded(len(kinds))
-                    if len(parts) == len(kinds):
-                        _write(job, req.key, done.pop(req.key))
-        return job.finish()
+        return _encode(job, section, fmt, model, target, by_controls)
     except BaseException as e:
         job.failed(e)
         raise
     finally:
         job.close()
+
+
+def _encode(job, section, fmt, model: str, target, by_controls) -> Summary:
+    """`run`'s work from the model load on: the VL model and its processor (never the transformer or the VAE),
+    the table's writer, every sample's prompt and no-control embeddings written as both kinds are in."""
+    from models.loading import load_component, parse_dtype
+    from models.precision import check_loaded_dtype
+
+    processor = load_component(model, "processor")
+    text_encoder = load_component(model, "text_encoder", dtype=parse_dtype(section.dtype),
+                                  device=target)
+    check_loaded_dtype(text_encoder, section.dtype, "encode_text.dtype")
+    nocontrol = section.no_control_embeds
+    kinds = KINDS + ((NOCONTROL,) if nocontrol else ())
+    schema = text_schema(job, fmt, text_encoder.config.text_config.hidden_size, section.dtype, nocontrol)
+    todo = job.open_writer(schema, section.shard_size_mb)
+    lock = threading.Lock()
+    samples = prefetched(job.read_inputs(todo, by_controls),
+                         job.unless_rejected(lambda item: prepare(*item, fmt, processor, lock, nocontrol)),
+                         workers=section.num_workers)
+    done: dict[str, dict[str, torch.Tensor]] = {}  # key -> kind -> embeds, until both kinds are in
+    with job.progress(len(todo)) as bar:
+        requests = (r for pair in job.accepted(samples, bar) for r in pair)
+        for batch in batches(requests, section.batching, section.batch_size):
+            with job.timed_forward(len(batch)):
+                embeds = encode_batch(text_encoder, batch, fmt.start_idx, processor.tokenizer.pad_token_id)
+            for req, emb in zip(batch, embeds):
+                parts = done.setdefault(req.key, {})
+                parts[req.kind] = emb.to("cpu", torch.bfloat16)
+                bar.encoded(len(kinds))
+                if len(parts) == len(kinds):
+                    _write(job, req.key, done.pop(req.key))
+    return job.finish()
 
 
 def _write(job: EncodeJob, key: str, parts: dict[str, torch.Tensor]) -> None:
