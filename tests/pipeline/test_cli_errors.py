@@ -326,14 +326,14 @@ def test_every_flag_for_a_config_key_shows_that_keys_default_in_help():
                 shown[f"{path} {p.opts[0]}"] = (p.show_default, value)
 
     walk(typer.main.get_command(app), "")
-    assert shown["run encode-text --device"] == ("cpu", "cpu") and shown["run train --max-steps"] == ("100", 100)
+    assert shown["run encode-text --device"] == ("auto", "auto") and shown["run train --max-steps"] == ("100", 100)
     assert shown["run encode-vae --batch-size"] == ("8", 8)  # its help names encode_vae.batch_size now
     assert shown["predict --negative-prompt"] == ('" "', " ")
     wrong = {flag: pair for flag, pair in shown.items() if pair[0] != _as_yaml_writes_it(pair[1])}
     assert not wrong, wrong
     assert len(shown) >= 30, sorted(shown)  # every stage's flags, not a few
     r = CliRunner().invoke(app, ["run", "encode-text", "--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"})
-    assert "(encode_text.device). [default: (cpu)]" in r.output, r.output
+    assert "(encode_text.device). [default: (auto)]" in r.output, r.output
 
 
 def _as_yaml_writes_it(value) -> str:
