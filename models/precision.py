@@ -33,7 +33,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def bf16_supported(device: str | torch.device) -> bool:
-    dev = torch.device(device)
+    dev = torch.device(resolve_auto(device) if isinstance(device, str) else device)
     if dev.type != "cuda" or not torch.cuda.is_available():
         return False
     index = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -44,7 +44,7 @@ def bf16_supported(device: str | torch.device) -> bool:
 def bf16_usable(device: str | torch.device) -> bool:
     """bf16 runs here at all (emulated on a CPU, `torch.cuda.is_bf16_supported` on CUDA): what an explicit
     bfloat16 or train's bf16 autocast needs. `bf16_supported` is the narrower "native, so `auto` picks it"."""
-    dev = torch.device(device)
+    dev = torch.device(resolve_auto(device) if isinstance(device, str) else device)
     return dev.type == "cpu" or (dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported())
 
 
@@ -80,8 +80,6 @@ def resolve_auto(spec: DeviceSpec) -> DeviceSpec:
         return [resolve_auto(d) for d in spec]
     if spec != "auto":
         return spec
-    import torch
-
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
