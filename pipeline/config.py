@@ -224,7 +224,10 @@ def _area_overridden(data: dict[str, Any], overridden: dict[str, Any]) -> None:
     """A flag or --set wins over the file for `resize.area` and the two keys it sets, as for every other key: the
     file's keys that `resize.area` given on the command line sets are dropped, and the file's `area` is resolved
     into its two keys when one of them is given there (before, either clash was refused, naming a shipped file's
-    keys to drop; `run all` has no --area flag). A file clashing with itself, or two flags, are still refused."""
+    keys to drop; `run all` has no --area flag). A file clashing with itself, or `resize.area` with a differing
+    `resize.target_area` / `resize.control_vae_area` both on the command line (--set or flags), are still refused
+    (the model's validator); resize-bucket's own `--area` with a differing `--target-area` / `--control-vae-area`
+    is refused by the command (`pipeline.commands.resize_bucket._refuse_area_clash`)."""
     resize = data.get("resize")
     if not isinstance(resize, dict):
         return

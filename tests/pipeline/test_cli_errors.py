@@ -363,3 +363,20 @@ def test_an_evaluate_that_fails_before_writing_leaves_no_report_folder(tmp_path)
     with pytest.raises(UserError):
         refused(None, "ST", "M", "L", tmp_path / "kept")
     assert [p.name for p in (tmp_path / "kept").iterdir()] == [REPORT_LOCK]
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--area", "4096", "--target-area", "8192"], "error: --area 4096 sets the target and control VAE areas, and "
+     "--target-area 8192 differs: give --area alone, or --target-area without --area"),
+    (["--area", "4096", "--control-vae-area", "1024"], "error: --area 4096 sets the target and control VAE areas, "
+     "and --control-vae-area 1024 differs: give --area alone, or --control-vae-area without --area"),
+])
+def test_resize_bucket_refuses_area_beside_a_differing_narrower_area_flag(flags, line, tmp_path, monkeypatch):
+    """`--area 4096 --target-area 8192` silently resized targets to 8192 (the narrower flag won): now refused in
+    one line, nothing written; the same value twice is no clash."""
+    monkeypatch.chdir(tmp_path)
+    r = _run(["run", "resize-bucket", "--source", "SRC", "--store", "ST", *flags])
+    assert r.exit_code == 2 and r.output.strip() == line, r.output
+    assert list(tmp_path.iterdir()) == []
+    r = _run(["run", "resize-bucket", "--source", "SRC", "--store", "ST", "--area", "4096", "--target-area", "4096"])
+    assert "--area 4096 sets" not in r.output, r.output
