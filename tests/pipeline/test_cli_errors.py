@@ -380,3 +380,21 @@ def test_resize_bucket_refuses_area_beside_a_differing_narrower_area_flag(flags,
     assert list(tmp_path.iterdir()) == []
     r = _run(["run", "resize-bucket", "--source", "SRC", "--store", "ST", "--area", "4096", "--target-area", "4096"])
     assert "--area 4096 sets" not in r.output, r.output
+
+
+def test_a_number_yaml_reads_as_text_names_the_spelling_it_reads(tmp_path):
+    """`target_area: 1e6` is the string '1e6' to PyYAML (YAML 1.1 floats need a dot and a signed exponent): the
+    error said only 'unable to parse string as an integer (got '1e6')', which reads as nonsense. Now it says why
+    and what to write; the suggested spelling loads."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("resize:\n  target_area: 1e6\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg)
+    assert str(e.value).splitlines()[1].endswith(
+        "(got '1e6'); YAML reads 1e6 as text: write 1000000 or 1.0e+6"), str(e.value)
+    cfg.write_text("resize:\n  target_area: 1.0e+6\n")
+    assert load_config(cfg).resize.target_area == 1000000
+    cfg.write_text("resize:\n  target_area: big\n")  # not a number at all: no hint
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg)
+    assert "YAML reads" not in str(e.value)
