@@ -160,3 +160,6 @@ def test_device_auto_on_a_cpu_machine_keeps_the_old_default_hashes(monkeypatch):
     assert hashes == {"encode-text": "ffa1c0861ba5171c", "encode-vae": "7065852b67a71bf0"}  # main before auto
     evaluate = resolved_config(cfg.evaluate, "tiny-model")
     assert (evaluate.device, evaluate.dtype) == ("cpu", "float32")
+    from stages.evaluate.base_images import machine  # the device in evaluate's cache keys: as the old default's
+
+    assert machine(cfg.evaluate)["device"] == machine(cfg.evaluate.model_copy(update={"device": "cpu"}))["device"]
