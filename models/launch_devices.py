@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from models.precision import DeviceSpec
 
 
-def agreed_cpu(world: int, what: str) -> bool:
+def agreed_cpu(world: int, what: str, how: str = "is unset") -> bool:
     """With the device setting `what` unset: whether the `world` launched ranks run on the CPU (gloo). Every rank
     sees a GPU of its own (cuda:LOCAL_RANK): no (NCCL, as accelerate chooses); no rank sees any GPU: yes; some do
     and some do not: the same `UserError` on every rank, naming the ranks without one and their hosts. A
@@ -38,7 +38,7 @@ def agreed_cpu(world: int, what: str) -> bool:
     one = len(without) == 1
     from models.collective import RankFailed  # taken by every rank from the same data: nothing to publish
 
-    raise RankFailed(f"{what} is unset and {_named(without)} (of {world}) {'has' if one else 'have'} no GPU of "
+    raise RankFailed(f"{what} {how} and {_named(without)} (of {world}) {'has' if one else 'have'} no GPU of "
                      f"{'its' if one else 'their'} own while the other ranks do (NCCL and gloo ranks cannot train "
                      "together): fix the GPU driver there (nvidia-smi)"
                      + (" or launch as many processes per node as it has GPUs" if fewer else "")
@@ -47,12 +47,19 @@ def agreed_cpu(world: int, what: str) -> bool:
 
 def check_devices(spec: DeviceSpec, what: str, world: int) -> None:
     """The device setting `what` (`spec`: one device, or one per local rank; cuda = cuda:LOCAL_RANK) checked for
-    this rank: a device that is not there raises `UserError`. With several ranks and a GPU in the setting, every
+    this rank (`auto`: CUDA where every rank has a GPU, the CPU where none has, else refused by all ranks alike): a
+    device that is not there raises `UserError`. With several ranks and a GPU in the setting, every
     rank checks and all refuse together, with the lowest failing rank's line naming the failing ranks and their
     hosts, instead of that rank stopping alone while the others set up the process group and wait for it. A
     setting of CPUs only is checked by each rank alone (nothing there differs per node)."""
     from models.loading import check_device
-    from models.precision import device_for_rank
+    from models.precision import device_for_rank, resolve_auto
+
+    if world > 1 and "auto" in ([spec] if isinstance(spec, str) else list(spec)):
+        # decided on each node by its own GPUs: all ranks decide together, as for train.device unset, so that
+        # a node without CUDA does not join over gloo while the others wait for NCCL
+        agreed_cpu(world, what, "is auto")
+    spec = resolve_auto(spec)
 
     def own() -> None:
         check_device(device_for_rank(spec, what=what), what)

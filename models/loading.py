@@ -232,9 +232,13 @@ def _folder_files(root: Path, components: tuple[str, ...] | None) -> tuple[Model
 
 
 def check_device(device: str | torch.device, what: str) -> torch.device:
-    """The device, or a UserError naming the setting when it does not exist on this machine."""
+    """The device (`auto` resolved: `models.precision.resolve_auto`), or a UserError naming the setting when it
+    does not exist on this machine."""
     import torch
 
+    from models.precision import resolve_auto
+
+    device = resolve_auto(device) if isinstance(device, str) else device
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -275,7 +279,7 @@ def load_component(
     if component in ("transformer", "vae", "text_encoder") and dtype is not None:
         kwargs["torch_dtype"] = dtype
     if device is not None:
-        check_device(device, f"device of the {component}")
+        device = check_device(device, f"device of the {component}")
     if component in ("transformer", "vae", "text_encoder") and device is not None and torch.device(device).type != "cpu":
         # Stream the weights straight onto the accelerator: N ranks on one host must not each hold a full copy
         # of a 40 GB transformer in host RAM first. (Unverified on a GPU in this project's CI: none is lent.)

@@ -33,7 +33,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def bf16_supported(device: str | torch.device) -> bool:
-    dev = torch.device(device)
+    dev = torch.device(resolve_auto(device) if isinstance(device, str) else device)
     if dev.type != "cuda" or not torch.cuda.is_available():
         return False
     index = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -44,7 +44,7 @@ def bf16_supported(device: str | torch.device) -> bool:
 def bf16_usable(device: str | torch.device) -> bool:
     """bf16 runs here at all (emulated on a CPU, `torch.cuda.is_bf16_supported` on CUDA): what an explicit
     bfloat16 or train's bf16 autocast needs. `bf16_supported` is the narrower "native, so `auto` picks it"."""
-    dev = torch.device(device)
+    dev = torch.device(resolve_auto(device) if isinstance(device, str) else device)
     return dev.type == "cpu" or (dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported())
 
 
@@ -71,9 +71,31 @@ def local_rank() -> tuple[int, int]:
     return int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def resolve_auto(spec: DeviceSpec) -> DeviceSpec:
+    """`auto` (the stages' default device, each entry of a per-rank list alike) -> `cuda` where CUDA is available,
+    else `cpu`; any other spelling as given. The one place `auto` is decided: `device_for_rank`, `first_device` and
+    `models.launch_devices.check_devices` read a setting through it (a GPU machine then encodes and evaluates on
+    its GPU unless told otherwise, as train does with train.device unset)."""
+    if isinstance(spec, (list, tuple)):
+        return [resolve_auto(d) for d in spec]
+    if spec != "auto":
+        return spec
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def auto_note(*specs: DeviceSpec | None) -> str:
+    """', device auto (CUDA)' / ', device auto (no CUDA)' for a stage's first line when one of its device settings
+    was `auto`, else '': the line then says the device was chosen, and why there."""
+    if not any(s == "auto" or (isinstance(s, (list, tuple)) and "auto" in s) for s in specs):
+        return ""
+    return ", device auto (" + ("CUDA" if resolve_auto("auto") == "cuda" else "no CUDA") + ")"
+
+
 def device_for_rank(spec: DeviceSpec, rank: int | None = None, world_size: int | None = None,
                     what: str = "device") -> str:
-    """This rank's device: a list gives one entry per local rank; `cuda` with several ranks is cuda:LOCAL_RANK."""
+    """This rank's device: a list gives one entry per local rank; `cuda` with several ranks is cuda:LOCAL_RANK;
+    `auto` is `cuda` with CUDA, else `cpu` (`resolve_auto`)."""
+    spec = resolve_auto(spec)
     env_rank, env_world = local_rank()
     rank = env_rank if rank is None else rank
     world_size = env_world if world_size is None else world_size
@@ -98,7 +120,8 @@ def describe(stage: str, dtype: torch.dtype, device: str | torch.device, request
 
 
 def first_device(spec: DeviceSpec | None) -> str | None:
-    """The device a single-process caller would use (for messages and device-type checks)."""
+    """The device a single-process caller would use (for messages and device-type checks); `auto` resolved."""
+    spec = resolve_auto(spec) if spec is not None else None
     if isinstance(spec, Sequence) and not isinstance(spec, str):
         return str(spec[0]) if spec else None
     return spec

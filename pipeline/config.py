@@ -93,8 +93,25 @@ def _format_errors(err: ValidationError, path: Path | None, overridden: dict[str
         if e["type"] == "extra_forbidden":
             lines.append(f"  unknown key '{key}'{_did_you_mean(e['loc'])}{typed}")
         else:
-            lines.append(f"  '{key}': {e['msg']} (got {e.get('input')!r}){typed}")
+            lines.append(f"  '{key}': {e['msg']} (got {e.get('input')!r}){_yaml_number_hint(e)}{typed}")
     return "\n".join(lines)
+
+
+# YAML 1.1 (PyYAML) reads a float only with a dot and a signed exponent: `1e6` and `1.0e6` are strings
+_EXPONENT_TEXT = re.compile(r"([-+]?)(\d+)(?:\.(\d*))?[eE]([-+]?)(\d+)")
+
+
+def _yaml_number_hint(error: dict) -> str:
+    """'; YAML reads 1e6 as text: write 1000000 or 1.0e+6' for a number in exponent form a numeric key got as a
+    string (the error alone, 'unable to parse string as an integer', does not say why 1e6 is not a number)."""
+    given, numeric = error.get("input"), error["type"].endswith("_parsing") or error["type"] in ("int_type", "float_type")
+    match = _EXPONENT_TEXT.fullmatch(given.strip()) if numeric and isinstance(given, str) else None
+    if match is None:
+        return ""
+    sign, whole, fraction, exp_sign, exponent = match.groups()
+    value = float(given)
+    plain = str(int(value)) if value.is_integer() and abs(value) < 1e16 else repr(value)
+    return f"; YAML reads {given} as text: write {plain} or {sign}{whole}.{fraction or 0}e{exp_sign or '+'}{exponent}"
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -224,7 +241,10 @@ def _area_overridden(data: dict[str, Any], overridden: dict[str, Any]) -> None:
     """A flag or --set wins over the file for `resize.area` and the two keys it sets, as for every other key: the
     file's keys that `resize.area` given on the command line sets are dropped, and the file's `area` is resolved
     into its two keys when one of them is given there (before, either clash was refused, naming a shipped file's
-    keys to drop; `run all` has no --area flag). A file clashing with itself, or two flags, are still refused."""
+    keys to drop; `run all` has no --area flag). A file clashing with itself, or `resize.area` with a differing
+    `resize.target_area` / `resize.control_vae_area` both on the command line (--set or flags), are still refused
+    (the model's validator); resize-bucket's own `--area` with a differing `--target-area` / `--control-vae-area`
+    is refused by the command (`pipeline.commands.resize_bucket._refuse_area_clash`)."""
     resize = data.get("resize")
     if not isinstance(resize, dict):
         return

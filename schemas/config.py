@@ -186,11 +186,12 @@ def _on_damaged(what: str, otherwise: str):
 def _max_damaged_fraction(of: str):
     return Field(0.01, ge=0.0, le=1.0, description=f"on_damaged=skip: stop anyway when more than this fraction of "
                  f"{of} is damaged")
-_DEVICE_HELP = "cpu, cuda, cuda:N, or one device per local rank ([cuda:0, cuda:1]); cuda = cuda:LOCAL_RANK"
+_DEVICE_HELP = ("auto (CUDA when there is one, else the CPU), cpu, cuda, cuda:N, or one device per local rank "
+                "([cuda:0, cuda:1]); cuda = cuda:LOCAL_RANK")
 
 
 class EncodeTextConfig(Section):
-    device: Annotated[str | list[str], THROUGHPUT] = Field("cpu", description=_DEVICE_HELP)
+    device: Annotated[str | list[str], THROUGHPUT] = Field("auto", description=_DEVICE_HELP)
     dtype: Annotated[DType, FEATURES] = Field("auto", description=_DTYPE_HELP)
     batch_size: Annotated[int, THROUGHPUT] = Field(8, gt=0)
     prompt_template: Annotated[str | None, FEATURES] = Field(None, description="None = the model's own diffusers template")
@@ -213,7 +214,7 @@ class EncodeTextConfig(Section):
 
 
 class EncodeVaeConfig(Section):
-    device: Annotated[str | list[str], THROUGHPUT] = Field("cpu", description=_DEVICE_HELP)
+    device: Annotated[str | list[str], THROUGHPUT] = Field("auto", description=_DEVICE_HELP)
     dtype: Annotated[DType, FEATURES] = Field("auto", description=_DTYPE_HELP)
     batch_size: Annotated[int, THROUGHPUT] = Field(8, gt=0)
     shard_size_mb: Annotated[float, THROUGHPUT] = Field(256, gt=0, description="shard file size target (fractions allowed)")
@@ -435,7 +436,7 @@ class ExtraPrompt(Section):
 
 
 class EvaluateConfig(Section):
-    device: Annotated[str | list[str], THROUGHPUT] = Field("cpu", description=_DEVICE_HELP)
+    device: Annotated[str | list[str], THROUGHPUT] = Field("auto", description=_DEVICE_HELP)
     dtype: Annotated[DType, FEATURES] = Field("auto", description=_DTYPE_HELP)
     quantize_base: Annotated[Quantize, FEATURES] = Field("none", description=_QUANTIZE_HELP)
     seed: Annotated[int, FEATURES] = Field(1234, description="generation seed (the same for base and LoRA, for every sample)")
@@ -489,7 +490,7 @@ PREDICT_COMPONENTS = ("transformer", "text_encoder", "vae")
 
 
 class PredictConfig(Section):
-    devices: Annotated[dict[str, str], THROUGHPUT] = {"transformer": "cpu", "text_encoder": "cpu", "vae": "cpu"}
+    devices: Annotated[dict[str, str], THROUGHPUT] = {"transformer": "auto", "text_encoder": "auto", "vae": "auto"}
     dtype: Annotated[DType, FEATURES] = Field("auto", description=_DTYPE_HELP + " (decided by the transformer's device)")
     quantize_base: Annotated[Quantize, FEATURES] = Field("none", description=_QUANTIZE_HELP)
     steps: Annotated[int, FEATURES] = Field(20, ge=1, description=ONE_STEP)
@@ -500,7 +501,7 @@ class PredictConfig(Section):
     @field_validator("devices")
     @classmethod
     def _known_components(cls, devices: dict[str, str]) -> dict[str, str]:
-        # a dict, so extra="forbid" does not reach its keys: a misspelt component would be read as absent (cpu)
+        # a dict, so extra="forbid" does not reach its keys: a misspelt component would be read as absent (auto)
         for name in devices:
             if name not in PREDICT_COMPONENTS:
                 close = difflib.get_close_matches(name, PREDICT_COMPONENTS, n=1)

@@ -30,7 +30,7 @@ def command(
     set_: list[str] = SetOpt,
     num_samples: Optional[int] = typer.Option(None, "--num-samples", help="Val samples to generate (evaluate.num_samples)."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Inference steps (evaluate.num_inference_steps)."),
-    device: Optional[str] = typer.Option(None, "--device", help="Device of the transformer: cpu, cuda, cuda:N (evaluate.device)."),
+    device: Optional[str] = typer.Option(None, "--device", help="Device of the transformer: auto, cpu, cuda, cuda:N (evaluate.device)."),
     all_checkpoints: bool = typer.Option(False, "--all-checkpoints", help="Evaluate the base and every kept checkpoint of the run (RUN/checkpoints/step-N): held-out losses into REPORT/losses.zarr, curves, the best checkpoint."),
     run_dir: Optional[str] = typer.Option(None, "--run", help="Run folder (paths.run): --all-checkpoints evaluates its checkpoints, else its LoRA RUN/lora."),
     as_json: bool = JsonOpt,

@@ -55,7 +55,7 @@ def command(
                                          help="Output height (default: the control's ~1024² size)."),
     width: Optional[int] = typer.Option(None, "--width", min=PIXELS_PER_PATCH, help="Output width."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto | float32 | bfloat16 | float16 (predict.dtype; auto = bf16 on a bf16 GPU, float32 on CPU)."),
-    transformer_device: Optional[str] = typer.Option(None, "--transformer-device", help="Device of the transformer: cpu, cuda:N (predict.devices.transformer)."),
+    transformer_device: Optional[str] = typer.Option(None, "--transformer-device", help="Device of the transformer: auto, cpu, cuda:N (predict.devices.transformer)."),
     text_encoder_device: Optional[str] = typer.Option(None, "--text-encoder-device", help="Device of the text encoder (predict.devices.text_encoder)."),
     vae_device: Optional[str] = typer.Option(None, "--vae-device", help="Device of the VAE (predict.devices.vae)."),
     strict_base: bool = StrictBaseOpt,
@@ -209,11 +209,11 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
         raise UserError(f"predict.devices: unknown component(s) {sorted(unknown)}; use {list(COMPONENTS)}")
     from tqdm.auto import tqdm
 
-    from models.precision import check_loaded_dtype, device_for_rank, resolve_precision
+    from models.precision import auto_note, check_loaded_dtype, device_for_rank, resolve_precision
 
-    devices = {name: device_for_rank(cfg.devices.get(name, "cpu"), what=f"predict.devices.{name}") for name in COMPONENTS}
+    devices = {name: device_for_rank(cfg.devices.get(name, "auto"), what=f"predict.devices.{name}") for name in COMPONENTS}
     precision = resolve_precision(cfg.dtype, devices["transformer"])  # auto: decided by where the big model runs
-    tqdm.write(precision.describe("predict", devices["transformer"])
+    tqdm.write(precision.describe("predict", devices["transformer"], auto_note(*(cfg.devices.get(n, "auto") for n in COMPONENTS)))
                + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
     if model_variant(model) == "qwen-image-2.1":  # the stock 2.1 pipeline; references keep their alpha
         from models.qwen21_predict import edit_21, load_pipeline_21

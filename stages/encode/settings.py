@@ -22,11 +22,11 @@ def resolve_precision(section: S, device: str, stage: str, world: int = 1) -> S:
     table's rows from one precision, the one its lineage records (the line says why where the ranks differed)."""
     from tqdm.auto import tqdm
 
-    from models.precision import agreed_precision, resolve_precision as resolve
+    from models.precision import agreed_precision, auto_note, resolve_precision as resolve
 
     key = f"{stage.replace('-', '_')}.dtype"
     precision = agreed_precision(lambda: resolve(section.dtype, device, what=key), world, key)
-    tqdm.write(precision.describe(stage, device))
+    tqdm.write(precision.describe(stage, device, auto_note(section.device)))
     return with_overrides(section, dtype=precision.weights)
 
 

@@ -131,8 +131,11 @@ def machine(cfg) -> dict:
     import torch
     import transformers
 
+    from models.precision import resolve_auto
+
+    device = resolve_auto(cfg.device)  # a resolved config's already; `auto` keyed as what it runs on, not its spelling
     return {
-        "device": [str(cfg.device), _device_names(cfg.device)],
+        "device": [str(device), _device_names(device)],
         "libraries": {m.__name__: m.__version__ for m in (torch, diffusers, transformers, peft)},
         "sources": _sources_digest(),
     }

@@ -710,6 +710,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
          skip_if_done: bool, relist=None, whose_report=None) -> CheckpointsResult | None:
     """The steps of `run`, every rank taking each collective one together (named in `together`'s lines)."""
     from models.collective import together
+    from models.precision import auto_note
     from stages.evaluate import stage as single, trained_val
     from stages.evaluate.base_images import machine
     from stages.evaluate.loss_groups import on_every_rank
@@ -721,12 +722,13 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     checkpoints, shas, pruned = _checkpoints_on_disk(ranks, checkpoints, relist)
     # the device and precision every rank computes its share in: one decision of all (a collective, outside
     # `together`): rows of one loss grid in two precisions would be recorded as the one dtype
+    device_note = auto_note(cfg.device)  # before the device setting is replaced by the one resolved
     cfg, precision = single.agreed_config(cfg, model, ranks.world)
     check_same_settings(ranks.world, cfg)
     ema, ema_shas = ema_checkpoints(cfg, checkpoints, ranks)  # a run trained with train.ema_decay: scored too
     with together(ranks.world, "the ranks' devices"):  # every rank computes rows: each one's device recorded
         mine = machine(cfg)
-    run = _Evaluation(ranks, cfg, store, model, out, precision, started, on_every_rank(ranks.world, mine))
+    run = _Evaluation(ranks, cfg, store, model, out, precision, started, on_every_rank(ranks.world, mine), device_note)
     with together(ranks.world, "evaluate settings", uneven=True):  # each node hashes its copy of the model once
         _, settings = loss_fingerprint(cfg, store, model)  # its fingerprint: of the tables read, below
     up_to_date, recorded = _recorded_if_up_to_date(run, settings, checkpoints, shas, skip_if_done, whose_report,
@@ -772,6 +774,7 @@ class _Evaluation:
     precision: object
     started: float  # time.perf_counter() at the start: the result's seconds
     computed_on: list[dict]  # every rank's device and libraries (`loss_groups.on_every_rank`)
+    device_note: str = ""  # `models.precision.auto_note` of evaluate.device as set, for the precision line
 
 
 def _checkpoints_on_disk(ranks, checkpoints: list[tuple[int, Path]],
@@ -832,7 +835,7 @@ def _check_report_folder(run: _Evaluation, checkpoints: list[tuple[int, Path]]) 
         if ranks.main:
             single.check_report_folder(run.out)
             ranked = f", {ranks.world} ranks" if ranks.world > 1 else ""
-            tqdm.write(run.precision.describe("evaluate", cfg.device, ranked))
+            tqdm.write(run.precision.describe("evaluate", cfg.device, run.device_note + ranked))
             single.warn_other_base([path for _, path in checkpoints], run.model, [step for step, _ in checkpoints])
 
 

@@ -98,6 +98,10 @@ def test_predict_resolves_auto_by_the_transformer_device(fake_gpus, monkeypatch,
         predict(cfg, tiny_edit_model, [img], "x", tmp_path / "o.png", None, 1.0, None, None)
     assert got == {"dtype": torch.bfloat16, "devices": {"transformer": "cuda:1", "text_encoder": "cpu", "vae": "cpu"},
                    "quantize": "int8"}
+    on_cpu = PredictConfig(devices={"transformer": "cpu", "text_encoder": "cpu", "vae": "cpu"})
     with pytest.raises(RuntimeError, match="stop"):
-        predict(PredictConfig(), tiny_edit_model, [img], "x", tmp_path / "o.png", None, 1.0, None, None)
+        predict(on_cpu, tiny_edit_model, [img], "x", tmp_path / "o.png", None, 1.0, None, None)
     assert got["dtype"] == torch.float32  # all on the CPU: auto = float32
+    with pytest.raises(RuntimeError, match="stop"):  # the default devices, auto: the (mocked) GPU there is
+        predict(PredictConfig(), tiny_edit_model, [img], "x", tmp_path / "o.png", None, 1.0, None, None)
+    assert (got["dtype"], got["devices"]) == (torch.bfloat16, {"transformer": "cuda", "text_encoder": "cuda", "vae": "cuda"})

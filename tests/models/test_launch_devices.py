@@ -100,6 +100,15 @@ def test_a_device_setting_missing_on_one_rank_stops_every_rank() -> None:
     assert _results(_two_ranks("1,1", "set", "cuda"), "checked") == ["yes", "yes"]
 
 
+def test_device_auto_is_decided_by_all_ranks_together() -> None:
+    """`auto` follows each node's GPUs: every rank on its own GPU, or every rank on the CPU; a node without CUDA
+    among nodes with it is refused on every rank alike (not one rank joining over gloo while the others wait)."""
+    line = _same_line_everywhere(_two_ranks("0,1", "set", "auto"))
+    assert line.startswith(f"error: encode_vae.device is auto and rank 0 on {socket.gethostname()} (of 2) has no GPU"), line
+    assert _results(_two_ranks("0,0", "set", "auto"), "checked") == ["yes", "yes"]
+    assert _results(_two_ranks("1,1", "set", "auto"), "checked") == ["yes", "yes"]
+
+
 def test_without_a_launchers_store_rank_0_serves_it_and_the_group_forms_there() -> None:
     """A plain env:// launch (a platform set WORLD_SIZE, RANK, MASTER_*; no torchrun agent): rank 0 serves the store
     for the decision, and the process group then forms on the same port (its multi-tenant server)."""

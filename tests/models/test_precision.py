@@ -120,3 +120,46 @@ def test_one_resolver_train_dtype_is_the_base_and_mixed_precision_the_autocast(f
     assert resolve_precision("auto", "cuda:0", "bf16") == Precision("float32", False, "auto")  # falls back, said
     with pytest.raises(UserError, match="train.dtype bfloat16: cuda:0 has no bf16 support"):
         resolve_precision("bfloat16", "cuda:0", "no", what="train.dtype")
+
+
+def test_device_auto_is_the_default_and_resolves_to_cuda_only_with_cuda(fake_gpus, monkeypatch, capsys):
+    """`auto` (encode, evaluate, predict): the GPU where CUDA is available (cuda:LOCAL_RANK under a launcher), else
+    the CPU; an explicit `cpu` stays on the CPU. Mocked CUDA: only the resolved strings are checked."""
+    from models.precision import first_device
+    from stages.encode.common import Ranks, rank_device, resolve_precision
+
+    cfg = load_config(None)
+    specs = [cfg.encode_text.device, cfg.encode_vae.device, cfg.evaluate.device, *cfg.predict.devices.values()]
+    assert specs == ["auto"] * 6
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert [device_for_rank(s) for s in specs] == ["cpu"] * 6 and first_device("auto") == "cpu"
+    assert resolve_precision(cfg.encode_vae, rank_device("auto", Ranks()), "encode-vae").dtype == "float32"
+    assert capsys.readouterr().out.strip() == "encode-vae: float32 on cpu (auto), device auto (no CUDA)"
+
+    fake_gpus((9, 0))
+    assert [device_for_rank(s) for s in specs] == ["cuda"] * 6 and first_device(["auto"]) == "cuda"
+    assert rank_device("auto", Ranks(1, 2, 1)) == "cuda:1"  # under a launcher: this rank's own GPU
+    assert device_for_rank("cpu") == "cpu" and device_for_rank(["cpu", "auto"], 0, 2) == "cpu"
+    assert resolve_precision(cfg.encode_vae, rank_device("auto", Ranks()), "encode-vae").dtype == "bfloat16"
+    assert capsys.readouterr().out.strip() == "encode-vae: bfloat16 on cuda (auto), device auto (CUDA)"
+    explicit = load_config(None, {"encode_vae.device": "cpu"}).encode_vae
+    assert resolve_precision(explicit, rank_device(explicit.device, Ranks()), "encode-vae").dtype == "float32"
+    assert capsys.readouterr().out.strip() == "encode-vae: float32 on cpu (auto)"  # no device note: it was set
+
+
+def test_device_auto_on_a_cpu_machine_keeps_the_old_default_hashes(monkeypatch):
+    """The features hashes and evaluate's resolved settings of the default config, without CUDA, as computed with
+    the default `cpu` before `auto` existed: stores and reports made then stay current."""
+    from stages.encode.common import Ranks, config_hash, rank_device, resolve_precision
+    from stages.evaluate.stage import resolved_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = load_config(None)
+    hashes = {stage: config_hash(resolve_precision(section, rank_device(section.device, Ranks()), stage))
+              for stage, section in (("encode-text", cfg.encode_text), ("encode-vae", cfg.encode_vae))}
+    assert hashes == {"encode-text": "ffa1c0861ba5171c", "encode-vae": "7065852b67a71bf0"}  # main before auto
+    evaluate = resolved_config(cfg.evaluate, "tiny-model")
+    assert (evaluate.device, evaluate.dtype) == ("cpu", "float32")
+    from stages.evaluate.base_images import machine  # the device in evaluate's cache keys: as the old default's
+
+    assert machine(cfg.evaluate)["device"] == machine(cfg.evaluate.model_copy(update={"device": "cpu"}))["device"]

@@ -326,14 +326,14 @@ def test_every_flag_for_a_config_key_shows_that_keys_default_in_help():
                 shown[f"{path} {p.opts[0]}"] = (p.show_default, value)
 
     walk(typer.main.get_command(app), "")
-    assert shown["run encode-text --device"] == ("cpu", "cpu") and shown["run train --max-steps"] == ("100", 100)
+    assert shown["run encode-text --device"] == ("auto", "auto") and shown["run train --max-steps"] == ("100", 100)
     assert shown["run encode-vae --batch-size"] == ("8", 8)  # its help names encode_vae.batch_size now
     assert shown["predict --negative-prompt"] == ('" "', " ")
     wrong = {flag: pair for flag, pair in shown.items() if pair[0] != _as_yaml_writes_it(pair[1])}
     assert not wrong, wrong
     assert len(shown) >= 30, sorted(shown)  # every stage's flags, not a few
     r = CliRunner().invoke(app, ["run", "encode-text", "--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"})
-    assert "(encode_text.device). [default: (cpu)]" in r.output, r.output
+    assert "(encode_text.device). [default: (auto)]" in r.output, r.output
 
 
 def _as_yaml_writes_it(value) -> str:
@@ -363,3 +363,38 @@ def test_an_evaluate_that_fails_before_writing_leaves_no_report_folder(tmp_path)
     with pytest.raises(UserError):
         refused(None, "ST", "M", "L", tmp_path / "kept")
     assert [p.name for p in (tmp_path / "kept").iterdir()] == [REPORT_LOCK]
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--area", "4096", "--target-area", "8192"], "error: --area 4096 sets the target and control VAE areas, and "
+     "--target-area 8192 differs: give --area alone, or --target-area without --area"),
+    (["--area", "4096", "--control-vae-area", "1024"], "error: --area 4096 sets the target and control VAE areas, "
+     "and --control-vae-area 1024 differs: give --area alone, or --control-vae-area without --area"),
+])
+def test_resize_bucket_refuses_area_beside_a_differing_narrower_area_flag(flags, line, tmp_path, monkeypatch):
+    """`--area 4096 --target-area 8192` silently resized targets to 8192 (the narrower flag won): now refused in
+    one line, nothing written; the same value twice is no clash."""
+    monkeypatch.chdir(tmp_path)
+    r = _run(["run", "resize-bucket", "--source", "SRC", "--store", "ST", *flags])
+    assert r.exit_code == 2 and r.output.strip() == line, r.output
+    assert list(tmp_path.iterdir()) == []
+    r = _run(["run", "resize-bucket", "--source", "SRC", "--store", "ST", "--area", "4096", "--target-area", "4096"])
+    assert "--area 4096 sets" not in r.output, r.output
+
+
+def test_a_number_yaml_reads_as_text_names_the_spelling_it_reads(tmp_path):
+    """`target_area: 1e6` is the string '1e6' to PyYAML (YAML 1.1 floats need a dot and a signed exponent): the
+    error said only 'unable to parse string as an integer (got '1e6')', which reads as nonsense. Now it says why
+    and what to write; the suggested spelling loads."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("resize:\n  target_area: 1e6\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg)
+    assert str(e.value).splitlines()[1].endswith(
+        "(got '1e6'); YAML reads 1e6 as text: write 1000000 or 1.0e+6"), str(e.value)
+    cfg.write_text("resize:\n  target_area: 1.0e+6\n")
+    assert load_config(cfg).resize.target_area == 1000000
+    cfg.write_text("resize:\n  target_area: big\n")  # not a number at all: no hint
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg)
+    assert "YAML reads" not in str(e.value)
