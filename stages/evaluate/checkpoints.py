@@ -798,8 +798,11 @@ def _checkpoints_on_disk(ranks, checkpoints: list[tuple[int, Path]],
     pruned already, the ones the training keeps now (`relist`). UserError when none is left."""
     checkpoints = agreed_checkpoints(checkpoints, ranks)
     if not checkpoints:
-        raise UserError("no checkpoints to evaluate: the run folder holds no checkpoints/step-N "
-                        "(train with train.checkpoint_every set, or evaluate one LoRA without --all-checkpoints)")
+        # launched (`run all`, `evaluate --all-checkpoints`; one process checks before): it advised --all-checkpoints
+        # left out, which `run all` has not, and one LoRA is evaluated in one process only
+        raise UserError("no checkpoints to evaluate: the run folder holds no checkpoints/step-N; a run without any is "
+                        "evaluated on its final LoRA in one process: `pipeline run evaluate --lora RUN/lora`, or "
+                        "`pipeline run all` not under `pipeline launch`")
     listed = [step for step, _ in checkpoints]
     checkpoints, shas = check_and_hash(checkpoints, ranks)
     pruned = [step for step in listed if step not in shas]
