@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import stat
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
@@ -23,20 +24,43 @@ from typing import Any, BinaryIO, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-# pyarrow imports pandas (where installed) at its first conversion of a Python value - `pc.equal(column, "train")`,
-# `pa.array(rows)`, `pa.scalar(x)` - inside that call, and pyarrow.compute reports any error of it as "TypeError: Got
-# unexpected argument type <class 'str'>". A Ctrl-C landing in that import (0.4-0.6 s on 2 cores; pandas' Cython
-# modules make a SystemError of the KeyboardInterrupt) ended a training's start on "stopped by SIGINT (TypeError while
-# stopping)", from `split_rows`. Imported with the store's code instead, where an error of it is its own.
-try:
-    import pandas  # noqa: F401
-except ImportError:  # not installed: pyarrow does without it
-    pass
-
 from schemas.errors import UserError
 from schemas import interruptible
 from schemas.newer import refuse_newer
 from schemas.temp_files import remove_dead_temps, siblings, temp_of, temp_stem
+
+
+# pyarrow imports pandas (where installed) at its first conversion of a Python value - `pc.equal(column, "train")`,
+# `pa.array(rows)`, `pa.scalar(x)`, even of a numpy array - inside that call, to ask whether the value is a pandas
+# one, and pyarrow.compute reports any error of it as "TypeError: Got unexpected argument type <class 'str'>". A
+# Ctrl-C landing in that import (0.4-0.6 s on 2 cores; pandas' Cython modules make a SystemError of the
+# KeyboardInterrupt) ended a training's start on "stopped by SIGINT (TypeError while stopping)", from `split_rows`.
+# Nothing here hands pyarrow a pandas value, so its first check is answered "no pandas" (an import that fails at
+# once, as on an install without pandas): no import for a signal to land in, and none of its 0.4-0.6 s at the start
+# of every command that reads a store. pyarrow's own pandas calls (`to_pandas`) still import it when asked.
+class _NoPandas:
+    """An import finder that answers `import pandas` with ImportError, as an install without pandas does (a None in
+    sys.modules does not: pyarrow's Cython import takes the None for the module)."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "pandas":
+            raise ImportError("pandas: left to pyarrow's own pandas calls")
+        return None
+
+
+def _arrow_without_pandas() -> None:
+    """Have pyarrow's first pandas check (pandas-shim's `_have_pandas_internal`, once per process) find none."""
+    if "pandas" in sys.modules:  # imported already (xarray's): pyarrow's check costs nothing, nothing can land in it
+        return
+    sys.meta_path.insert(0, _NoPandas)
+    try:
+        pa.array([0])
+    finally:
+        sys.meta_path.remove(_NoPandas)
+
+
+_arrow_without_pandas()
 
 STORE_FORMAT = "qwen-edit-feature-store"
 # 2: store.json sealed with its own CRC32C, each version's `checksums.json`, per-sample `sample_crc32c` (see
