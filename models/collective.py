@@ -240,6 +240,25 @@ _state: dict = {"watching": False, "published": False}
 _report_lock = threading.Lock()
 
 
+def new_run() -> None:
+    """Forget what an earlier run in this process left (a test's in-process `main()`, a notebook's second command):
+    its watch thread stopped (its exit's work, `_stop_watching`, done now), and the watch state, the arrivals and
+    before-group exchanges counted, the before-group store and the report lock started afresh, as the signal record
+    is (schemas/interruptible.py `record_signals`). Before, `watching` stayed set: the second run started no watch
+    thread, so a peer failing in it was not seen (its line, its stop), and a lock kept by the first run's report
+    silenced the second's lines. The process group's close at exit (`close_at_exit`) is the process's, kept."""
+    global _report_lock
+    stop = _state.get("stop_watching")
+    if stop is not None:
+        stop()
+    forget_store_hosts()
+    closing = _state.get("closing", False)
+    _state.clear()
+    _state.update(watching=False, published=False, closing=closing)
+    _before.update(store=None, hosted=False, count={})
+    _report_lock = threading.Lock()
+
+
 def _launch_key(kind: str) -> str:
     # One key per launch attempt: torchrun's agent store outlives a restarted attempt (max_restarts).
     run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
