@@ -932,8 +932,9 @@ def _publish_unwatched_interrupt(error: BaseException) -> None:
     CONNECT_SECONDS, then a wait for the ranks watching already to read it (`_watching_ranks`; HOST_WAIT_SECONDS at
     most, a second Ctrl-C ends it): before, it waited for every rank, the whole bound where none had reached its
     first exchange yet (nobody waiting for this one, nobody to read the line now; 14 s in all with torch's import,
-    a second Ctrl-C needed). Not by rank 0 of a plain env:// launch: the store is its own from its first exchange on, so none is up
-    yet and no rank can be waiting at one (they wait for it to come up, as for any rank 0 that never starts)."""
+    a second Ctrl-C needed). Not by rank 0 of a plain env:// launch: the store is its own from its first exchange
+    on, so none is up yet and no rank can be waiting at one (they wait for it to come up, as for any rank 0 that
+    never starts)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if world <= 1 or not host or not port or _hosts_store():
