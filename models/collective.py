@@ -937,7 +937,7 @@ def _publish_unwatched_interrupt(error: BaseException) -> None:
     never starts)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if world <= 1 or not host or not port or _hosts_store():
+    if world <= 1 or not host or not port or _hosts_store() or _one_agents_ranks(world):
         return
     try:
         socket.create_connection((host, int(port)), timeout=PROBE_SECONDS).close()
@@ -945,6 +945,15 @@ def _publish_unwatched_interrupt(error: BaseException) -> None:
         return
     _write_failure(_interrupt_line(os.environ.get("RANK", "?"), ""), world, CONNECT_SECONDS, watching_only=True)
     _mark(error)
+
+
+def _one_agents_ranks(world: int) -> bool:
+    """Whether every rank of the launch is a worker of this node's torchrun agent (one node): this rank's exit
+    makes the agent stop every other rank at once (it restarts or ends the whole group), and a Ctrl-C's line is
+    the agent's (pipeline/commands/launch.py), so a stop before the first exchange has no one to tell. Its exit
+    then imports no torch and connects to no store: a terminal's Ctrl-C reaches every rank and the agent, which
+    waits for its ranks' exits, and each rank's took seconds (a second Ctrl-C needed)."""
+    return bool(os.environ.get("TORCHELASTIC_RUN_ID")) and os.environ.get("LOCAL_WORLD_SIZE") == str(world)
 
 
 def failure_line(error: BaseException, line: str) -> str:

@@ -115,6 +115,28 @@ def test_a_ctrl_c_before_the_first_exchange_waits_only_for_the_ranks_watching(mo
     assert store.get(key).decode().startswith("rank 1 was stopped by SIGINT (Ctrl-C): what the ranks committed")
 
 
+def test_a_ctrl_c_before_the_first_exchange_on_one_torchrun_node_tells_no_one(monkeypatch, own_collective) -> None:
+    """Every rank a worker of this node's torchrun agent: this rank's exit makes the agent stop them all (and the
+    agent says the line), so the exit publishes nothing: no store connection, no import of torch where the Ctrl-C
+    came before it. Before, each rank of a terminal's Ctrl-C (the agent waiting for their exits) imported torch and
+    connected to publish a line no rank was waiting for."""
+    import signal
+
+    from pipeline import cli
+    from test_launch_devices import _env
+
+    collective = own_collective
+    store = _as_rank_1(monkeypatch)
+    for name, value in _env(1, store.port, agent_store=True, nodes=1).items():  # 2 ranks on this node
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "one-node")
+    monkeypatch.setattr(cli, "_signalled", [signal.SIGINT])
+    connected: list[float] = []
+    monkeypatch.setattr(collective, "_store_client", lambda timeout=10.0: connected.append(timeout))
+    cli._publish_interrupt(KeyboardInterrupt())
+    assert connected == [] and not store.check([collective._failure_key()])
+
+
 @pytest.fixture
 def sigint_here(monkeypatch):
     """A SIGINT that reached this process as a terminal's Ctrl-C reaches every rank: recorded at C level
