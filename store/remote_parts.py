@@ -324,7 +324,7 @@ def _manifest(writer: TableWriter, staging: Path, recorded: dict[str, dict[str, 
     plus the rejected samples are the keys the ranks were given."""
     from store.integrity import write_version_checksums
     from store.manifest import merge_runs
-    from store.writer_commit import check_rows
+    from store.writer_commit import EmptyVersion, check_rows
 
     table, version = writer.table, writer.version
     # checksums.json takes each index's CRC32C from the bytes the merge read (each read once); checked below
@@ -332,7 +332,7 @@ def _manifest(writer: TableWriter, staging: Path, recorded: dict[str, dict[str, 
     merged = merge_runs(sorted(staging.glob("shard-r*-*.index.parquet")))
     if merged.num_rows == 0 and not allow_empty:
         discard_parts(writer)
-        raise UserError(f"table '{table}' v{version} would be empty: every input was rejected (reasons in each "
+        raise EmptyVersion(f"table '{table}' v{version} would be empty: every input was rejected (reasons in each "
                         "node's cached quarantine.parquet); fix the inputs or the settings")
     check_rows(table, version, dones, merged.num_rows, required=True)
     with fmt.atomic_file(staging / fmt.MANIFEST) as f:  # streamed, never whole in memory (as a local commit)
