@@ -507,6 +507,35 @@ def test_a_node_whose_adopted_part_was_collected_since_encodes_it_again(s3_env, 
     assert verify_store(pulled, progress=False) == []
 
 
+def test_a_damaged_index_a_node_adopted_is_fetched_again_not_a_traceback(s3_env, tmp_path, caplog) -> None:
+    """An index a replaced node adopted from the remote (its shard stays there) is damaged in the cache (a disk
+    error, a copy killed mid-write). The next open read it unguarded (`_drop_orphan_indexes`): pyarrow's traceback
+    on every rerun. Now it is dropped with one line and fetched again from the remote, and its keys count as done."""
+    import shutil
+
+    url = s3_env.url("dmgidx")
+    first = _writer(tmp_path / "node1", url, 1)
+    first.finish_rank()
+    first.close()
+    shutil.rmtree(tmp_path / "node1")
+    adopted = Store(tmp_path / "node1-new").writer("vae", vae_schema(), rank=1, world_size=2, shard_size_mb=0.02,
+                                                    version=1, remote_url=url)
+    done = set(adopted.done_keys)
+    adopted.close()
+    index = sorted((tmp_path / "node1-new" / "vae" / "v1").glob("*.index.parquet"))[0]
+    index.write_bytes(index.read_bytes()[:20])  # truncated
+    again = _writer(tmp_path / "node1-new", url, 1)
+    assert set(again.done_keys) == done and not list(again.dir.glob("*.tar"))
+    said = [r.getMessage() for r in caplog.records if "cannot be read" in r.getMessage()]
+    assert len(said) == 1 and str(index) in said[0] and "\n" not in said[0], said
+    again.finish_rank()
+    again.close()
+    assert _writer(tmp_path / "node0", url, 0).commit() == 1
+    pulled = tmp_path / "pulled"
+    pull(url, pulled)
+    assert Store(pulled).reader("vae").keys() == sorted(key_of(i) for i in range(N))
+
+
 @pytest.mark.parametrize("damage", ["truncated", "not a count"])
 def test_a_damaged_rank_done_file_on_the_remote_is_refused_in_one_line_and_its_advice_works(s3_env, tmp_path,
                                                                                             damage):
