@@ -413,6 +413,30 @@ def read_json(path: Path, what: str) -> Any:
 # ---------------------------------------------------------------- store.json
 
 
+# A table's entry in store.json: {"current": N}, and "was_current": [numbers past N that were current once] when a
+# version was switched back to an older one (a rerun of older settings adopting their version: `Store.set_current`,
+# a URL's `make_current`). gc tells the two kinds of complete version past the current one apart by it: one never
+# current is a commit whose store.json switch failed, which its rerun adopts (kept), one in this list was switched
+# away from (removed, as every replaced version). Only numbers past the current one are listed: any version below it
+# is replaced already. gc takes a number out before it removes that version (a later version of that number is
+# another one), and so does a switch that makes it current again or passes it.
+WAS_CURRENT = "was_current"
+
+
+def was_current(entry: dict[str, Any] | None) -> set[int]:
+    """The versions past a table's current one that were current once (its store.json entry's `was_current`)."""
+    return {int(v) for v in (entry or {}).get(WAS_CURRENT) or ()}
+
+
+def table_entry(old: dict[str, Any] | None, version: int, forget: set[int] = frozenset()) -> dict[str, Any]:
+    """A table's store.json entry with `version` current, after `old` (None: the table is new): the current one it
+    replaces joins `was_current` when it is past `version` (a switch back), and numbers not past `version` (or in
+    `forget`: gc removes those versions) leave it."""
+    was = was_current(old) | ({int(old["current"])} if old is not None else set())
+    was = sorted(v for v in was if v > version and v not in forget)
+    return {"current": version, **({WAS_CURRENT: was} if was else {})}
+
+
 def new_store_record() -> dict[str, Any]:
     return {"format": STORE_FORMAT, "format_version": STORE_FORMAT_VERSION, "tables": {}}
 
@@ -463,12 +487,17 @@ def check_store_record(rec: Any, path: Path | str, sealed: bool = True) -> None:
         )
     tables = rec.get("tables")
     bad = not isinstance(tables, dict) or any(
-        not isinstance(t, dict) or not isinstance(t.get("current"), int) or isinstance(t.get("current"), bool)
+        not isinstance(t, dict) or not _is_int(t.get("current"))
+        or not (isinstance(t.get(WAS_CURRENT, []), list) and all(_is_int(v) for v in t.get(WAS_CURRENT, [])))
         for t in tables.values())
     if bad:
         folder = path.parent if isinstance(path, Path) else path.rsplit("/", 1)[0]
-        raise UserError(f"{path}: 'tables' must map each table to {{'current': N}}; the file is damaged: "
-                        f"run `pipeline store repair {folder}`")
+        raise UserError(f"{path}: 'tables' must map each table to {{'current': N}} (and '{WAS_CURRENT}': [N, ...]); "
+                        f"the file is damaged: run `pipeline store repair {folder}`")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # ---------------------------------------------------------------- locks

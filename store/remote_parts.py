@@ -31,7 +31,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store.checksum import crc_hex, file_crc
 from store.manifest import read_indexes
-from store.remote import SharedBar, each_at_once, open_remote, remote_errors
+from store.remote import SharedBar, _first_line, each_at_once, open_remote, remote_errors
 from store.remote_upload import Mismatch
 from store.writer_open import WORLD_JSON
 
@@ -186,7 +186,15 @@ def _drop_orphan_indexes(writer: TableWriter, base: str, listing: dict[str, int]
         shard = index.name[: -len(INDEX_SUFFIX)] + ".tar"
         if (writer.dir / shard).is_file():
             continue
-        sizes = pq.read_table(index, columns=["shard_nbytes"]).column("shard_nbytes").to_pylist()
+        try:
+            sizes = pq.read_table(index, columns=["shard_nbytes"]).column("shard_nbytes").to_pylist()
+        except (pa.ArrowException, OSError, ValueError, KeyError) as e:  # a damaged disk, a killed copy, a hand edit
+            # a copy of the remote's object (its shard is not here): dropped, it is adopted again just after when
+            # its shard is on the remote, else its samples are encoded again
+            log.warning("%s: cannot be read (%s); dropped: fetched again from %s if its shard is there, else its "
+                        "samples are encoded again", index, _first_line(e), writer.remote_url)
+            index.unlink()
+            continue
         if not sizes or listing.get(f"{base}/{shard}") != int(sizes[0]):
             log.warning("%s: its shard is no longer on %s (nor in this cache); its samples are encoded again",
                         index, writer.remote_url)
