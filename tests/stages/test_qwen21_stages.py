@@ -754,3 +754,27 @@ def test_the_merge_check_reads_no_header_of_a_model_without_safetensors(tmp_path
                f"{m}.lora_B.bias": torch.ones(4)}, tmp_path / "bias.safetensors")
     monkeypatch.setattr(models.loading, "resolve_model", lambda model: tmp_path / "model")
     check_mergeable("a-bin-model", tmp_path / "bias.safetensors")
+
+
+def test_21_dynamic_shift_left_unset_is_the_models_scheduler_shift(tiny_21_model, encoded21, tmp_path):
+    """`train.sigma.sampling: dynamic_shift` with its shift settings unset trains with the model's own scheduler
+    numbers (what the 2.1 pipeline's calculate_shift reads: 0.5 at 256 tokens to 1.15 at 4096), the same LoRA as
+    with them spelled out; before, the Edit models' 0.9 at 8192 tokens trained a 2.1 model without a word."""
+    import yaml
+
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from models.lora import read_lora
+    from stages.train.recipe import run
+
+    sched = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_21_model, subfolder="scheduler").config
+    assert (sched.max_shift, sched.max_image_seq_len) == (1.15, 4096)
+    unset = load_config(None, {"train.device": "cpu", "train.batch_size": 2, "train.learning_rate": 0.01,
+                               "train.lora.rank": 4, "train.max_steps": 2, "train.sigma.sampling": "dynamic_shift"})
+    run(unset, encoded21, tiny_21_model, tmp_path / "unset")
+    run(_train_cfg(max_steps=2, caption_dropout=0.0), encoded21, tiny_21_model, tmp_path / "spelled")
+    a, b = read_lora(tmp_path / "unset" / "lora")[0], read_lora(tmp_path / "spelled" / "lora")[0]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    recorded = yaml.safe_load((tmp_path / "unset" / "train_config.yaml").read_text())
+    sigma = recorded.get("train", recorded)["sigma"]
+    assert (sigma["max_shift"], sigma["max_image_seq_len"]) == (1.15, 4096)  # the run records what it used
