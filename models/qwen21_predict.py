@@ -164,3 +164,30 @@ def edit_21(pipe, images: list, prompt: str, negative_prompt: str | None, steps:
                true_cfg_scale=true_cfg_scale, num_inference_steps=steps, height=height, width=width,
                generator=generator, output_type="pil", **extra)
     return out.images[0]
+
+
+def vlm_pixel_limits(model: str) -> tuple[int, int]:
+    """(min, max) pixels of an image the model's VLM processor keeps as it is (`smart_resize`'s bounds; outside
+    them it resizes the image and its grid no longer matches the VAE's). The image processor alone is read."""
+    from transformers import AutoImageProcessor
+
+    from models.loading import resolve_model
+
+    size = AutoImageProcessor.from_pretrained(resolve_model(model) / "processor").size
+    return size["shortest_edge"], size["longest_edge"]
+
+
+def check_reference_area(area: int, model: str) -> None:
+    """`resize.control_vae_area` (each reference's area, which the VLM reads as it is) outside the model's VLM
+    processor limits, refused in one line by `pipeline run all` before resize-bucket: the processor would resize
+    every reference, and encode-text ran the VLM on each sample and then quarantined it ("VLM grid differs from
+    the VAE grid"). References near a limit may still round past it at some aspects: encode-text quarantines those."""
+    from schemas.errors import UserError
+
+    low, high = vlm_pixel_limits(model)
+    if not low <= area <= high:
+        raise UserError(f"resize.control_vae_area = {area}: {model} (Qwen-Image-2.1)'s VLM processor keeps images of "
+                        f"{low}..{high} px (its processor/ folder) and reads each reference at that area, so it would "
+                        "resize every one and encode-text would quarantine them all (VLM grid differs from the VAE "
+                        f"grid); set resize.control_vae_area within {low}..{high} (the pipeline's output_resolution², "
+                        "1048576 for the released model)")
