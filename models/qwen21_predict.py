@@ -112,23 +112,30 @@ def check_prompt_fits(pipe, images: list, prompt: str, negative_prompt: str | No
     return left
 
 
+def processor_keeps(image_processor, height: int, width: int) -> bool:
+    """Whether the VLM image processor reads a height x width image as it is (transformers' `smart_resize`, which
+    Qwen3-VL's processor calls, returns its size): False where it would resize it (outside its min / max pixels)
+    or cannot read it (a longer side over 200x the shorter, a 0 px side)."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    factor = image_processor.patch_size * image_processor.merge_size
+    try:
+        return smart_resize(height, width, factor, image_processor.size["shortest_edge"],
+                            image_processor.size["longest_edge"]) == (height, width)
+    except (ValueError, ZeroDivisionError):
+        return False
+
+
 def check_reference_grid(image_processor, height: int, width: int, area: int) -> None:
     """A UserError when the processor would resize a reference of height x width (the pipeline's size for it at
     the reference area `area`) for the VLM: its slots would then not be the VAE's 2x2-latent grid, and the
     transformer fails with a shape mismatch (encode-text quarantines such a sample: `grid_mismatch`)."""
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
-
     from schemas.errors import UserError
 
-    size = image_processor.size
-    factor = image_processor.patch_size * image_processor.merge_size
-    min_pixels, max_pixels = size["shortest_edge"], size["longest_edge"]
+    min_pixels, max_pixels = image_processor.size["shortest_edge"], image_processor.size["longest_edge"]
 
     def kept(h: int, w: int) -> bool:
-        try:
-            return smart_resize(h, w, factor, min_pixels, max_pixels) == (h, w)
-        except (ValueError, ZeroDivisionError):  # too elongated, or a 0 px side: the search below tries it
-            return False
+        return processor_keeps(image_processor, h, w)
 
     if min(height, width) < 1 or max(height, width) / min(height, width) > MAX_VL_ASPECT:  # smart_resize's limit / 0
         raise UserError(f"a reference sized {width}x{height} px (output area {area} px) is too elongated for the "

@@ -778,3 +778,21 @@ def test_21_dynamic_shift_left_unset_is_the_models_scheduler_shift(tiny_21_model
     recorded = yaml.safe_load((tmp_path / "unset" / "train_config.yaml").read_text())
     sigma = recorded.get("train", recorded)["sigma"]
     assert (sigma["max_shift"], sigma["max_image_seq_len"]) == (1.15, 4096)  # the run records what it used
+
+
+def test_a_reference_the_21_vlm_processor_cannot_keep_is_quarantined_before_the_encoder(tiny_21_model, tmp_path):
+    """resize.max_aspect above 200 lets through a reference the VLM processor refuses (transformers' smart_resize:
+    "absolute aspect ratio must be smaller than 200"): encode-text stopped there with that ValueError's traceback,
+    no sample written. A reference the processor would resize (outside its min..max pixels) reached the encoder,
+    then was quarantined. Both are quarantined now, before the forward, the other samples encoded."""
+    too_long = (32, 32 * 203, "RGB")  # 203:1, within the tiny processor's 1024..262144 px
+    too_big = (608, 448, "RGB")  # 272,384 px, over its 262,144
+    store = write_store21(tmp_path / "s", samples=[SAMPLES[1], ("wide", (64, 64, "RGB"), [too_long]),
+                                                   ("big", (64, 64, "RGB"), [(64, 64, "RGB"), too_big])])
+    t = encode_text.run(load_config(None, F32), store, tiny_21_model)
+    assert (t.encoded, t.quarantined, t.forwards) == (1, 2, 1), t
+    rows = {r["source"]: r for r in Store(store).quarantine().to_pylist()}
+    assert rows["fixture/1"]["reason"] == "reference too elongated for the VLM", rows
+    assert "6496x32" in rows["fixture/1"]["detail"] and "200:1" in rows["fixture/1"]["detail"], rows
+    assert rows["fixture/2"]["reason"] == "VLM grid differs from the VAE grid", rows
+    assert "control_1" in rows["fixture/2"]["detail"] and "1024..262144" in rows["fixture/2"]["detail"], rows
