@@ -718,6 +718,10 @@ def test_21_predict_and_the_sample_grid_default_to_no_guidance(tiny_21_model, tm
     np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "default.png")), stock())
     np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "cfg4.png")),
                                   stock(true_cfg_scale=4.0, negative_prompt=" "))
+    # a negative prompt without --cfg changes nothing (no guidance): said, as the stock pipeline warns; it was silent
+    said = _cli(*args, "--negative-prompt", "blurry", "--out", tmp_path / "negative.png")
+    assert "note: --negative-prompt / predict.negative_prompt is unused" in said and "--cfg" in said, said
+    np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "negative.png")), stock())
 
 
 def test_21_evaluate_defaults_to_no_guidance_as_predict_does(tiny_21_model, tiny_edit_model):
