@@ -706,7 +706,7 @@ def test_21_predict_and_the_sample_grid_default_to_no_guidance(tiny_21_model, tm
     Image.fromarray(np.random.default_rng(3).integers(0, 255, (64, 96, 4), dtype=np.uint8), "RGBA").save(ref)
     args = ("predict", "--model", tiny_21_model, "--image", ref, "--prompt", "make it red", "--steps", 2,
             "--height", 64, "--width", 96)
-    _cli(*args, "--out", tmp_path / "default.png")
+    assert "negative" not in _cli(*args, "--out", tmp_path / "default.png")
     _cli(*args, "--cfg", 4.0, "--out", tmp_path / "cfg4.png")
     pipe = QwenImage21Pipeline.from_pretrained(tiny_21_model)
 
