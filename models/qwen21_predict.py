@@ -82,6 +82,14 @@ def _text_tokens(pipe, prompt: str, n_images: int) -> int:
     return len(ids) - ids.count(pipe._img_token_id) - pipe._drop_idx
 
 
+def media_placeholders(text: str, processor) -> list[str]:
+    """The processor's media placeholder tokens (`<|image_pad|>`, `<|video_pad|>`) that `text` holds: the stock
+    pipelines' processor counts them against the pictures / videos passed and refuses such a prompt (encode-text
+    quarantines such a caption, `stages.encode.intake.placeholder_rejection`)."""
+    return [t for t in (getattr(processor, f"{m}_token", None) for m in ("image", "video", "audio"))
+            if isinstance(t, str) and t and t in text]
+
+
 def check_prompt_fits(pipe, images: list, prompt: str, negative_prompt: str | None, height: int | None,
                       width: int | None) -> int:
     """Positions left after the target's (>= 0), or a UserError when the target would sit past the transformer's
@@ -102,6 +110,9 @@ def check_prompt_fits(pipe, images: list, prompt: str, negative_prompt: str | No
     for what, text in (("prompt", prompt), ("negative prompt", negative_prompt)):
         if text is None:
             continue
+        if held := media_placeholders(text, pipe.processor):  # the processor's ValueError, after loading the model
+            raise UserError(f"the {what} holds {', '.join(held)}, a placeholder the model's processor reserves for a "
+                            f"picture or video (the stock pipeline refuses such a prompt); remove it from the {what}")
         tokens = _text_tokens(pipe, text, len(images))
         at = target_frame_position(tokens, refs)
         if at >= frame_positions():
