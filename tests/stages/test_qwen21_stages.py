@@ -457,9 +457,11 @@ def test_21_validation_loss_while_training(tiny_21_model, tmp_path):
     assert grid.size == (64 + 64, 96)  # the two val samples (64x64 and 96x64 px targets) side by side
 
 
-def test_21_evaluate_extra_prompts_are_the_stock_pipeline_base_and_lora(tiny_21_model, tmp_path, monkeypatch):
+def test_21_evaluate_extra_prompts_are_the_stock_pipeline_base_and_lora(tiny_21_model, tmp_path, monkeypatch,
+                                                                          capsys):
     """`evaluate.extra_prompts` on 2.1 (refused before): the report's extra row holds the stock
-    `QwenImage21Pipeline`'s image without the LoRA (base) and with `load_lora_weights` (LoRA), same seed."""
+    `QwenImage21Pipeline`'s image without the LoRA (base) and with `load_lora_weights` (LoRA), same seed. A
+    negative prompt without true CFG is unused (the stock call's image without it) and said so: it was silent."""
     import json
 
     from diffusers import QwenImage21Pipeline
@@ -481,10 +483,13 @@ def test_21_evaluate_extra_prompts_are_the_stock_pipeline_base_and_lora(tiny_21_
     write_report = evaluate.write_report
     monkeypatch.setattr(evaluate, "write_report", lambda out, metrics, r: (rows.extend(r), write_report(out, metrics, r))[1])
     ev = load_config(None, {"evaluate.dtype": "float32", "evaluate.num_samples": 0, "evaluate.num_inference_steps": 2,
-                            "evaluate.true_cfg_scale": 1.0,
+                            "evaluate.true_cfg_scale": 1.0, "evaluate.negative_prompt": "blurry",
                             "evaluate.extra_prompts": [{"prompt": "make the square red", "images": [str(ref)],
                                                         "target": str(target), "height": 64, "width": 96}]}).evaluate
+    capsys.readouterr()
     evaluate.run(ev, store, tiny_21_model, tmp_path / "run" / "lora", tmp_path / "report")
+    said = capsys.readouterr().out
+    assert said.count("note: evaluate.negative_prompt is unused") == 1 and "true_cfg_scale" in said, said
     (row,) = rows
     assert row.title == "extra 1" and row.caption == "make the square red" and "psnr_lora" in row.scores
     samples = json.loads((tmp_path / "report" / "metrics.json").read_text())["generation"]["samples"]
