@@ -82,6 +82,14 @@ def _text_tokens(pipe, prompt: str, n_images: int) -> int:
     return len(ids) - ids.count(pipe._img_token_id) - pipe._drop_idx
 
 
+def media_placeholders(text: str, processor) -> list[str]:
+    """The processor's media placeholder tokens (`<|image_pad|>`, `<|video_pad|>`) that `text` holds: the stock
+    pipelines' processor counts them against the pictures / videos passed and refuses such a prompt (encode-text
+    quarantines such a caption, `stages.encode.intake.placeholder_rejection`)."""
+    return [t for t in (getattr(processor, f"{m}_token", None) for m in ("image", "video", "audio"))
+            if isinstance(t, str) and t and t in text]
+
+
 def check_prompt_fits(pipe, images: list, prompt: str, negative_prompt: str | None, height: int | None,
                       width: int | None) -> int:
     """Positions left after the target's (>= 0), or a UserError when the target would sit past the transformer's
@@ -102,6 +110,9 @@ def check_prompt_fits(pipe, images: list, prompt: str, negative_prompt: str | No
     for what, text in (("prompt", prompt), ("negative prompt", negative_prompt)):
         if text is None:
             continue
+        if held := media_placeholders(text, pipe.processor):  # the processor's ValueError, after loading the model
+            raise UserError(f"the {what} holds {', '.join(held)}, a placeholder the model's processor reserves for a "
+                            f"picture or video (the stock pipeline refuses such a prompt); remove it from the {what}")
         tokens = _text_tokens(pipe, text, len(images))
         at = target_frame_position(tokens, refs)
         if at >= frame_positions():
@@ -112,23 +123,30 @@ def check_prompt_fits(pipe, images: list, prompt: str, negative_prompt: str | No
     return left
 
 
+def processor_keeps(image_processor, height: int, width: int) -> bool:
+    """Whether the VLM image processor reads a height x width image as it is (transformers' `smart_resize`, which
+    Qwen3-VL's processor calls, returns its size): False where it would resize it (outside its min / max pixels)
+    or cannot read it (a longer side over 200x the shorter, a 0 px side)."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    factor = image_processor.patch_size * image_processor.merge_size
+    try:
+        return smart_resize(height, width, factor, image_processor.size["shortest_edge"],
+                            image_processor.size["longest_edge"]) == (height, width)
+    except (ValueError, ZeroDivisionError):
+        return False
+
+
 def check_reference_grid(image_processor, height: int, width: int, area: int) -> None:
     """A UserError when the processor would resize a reference of height x width (the pipeline's size for it at
     the reference area `area`) for the VLM: its slots would then not be the VAE's 2x2-latent grid, and the
     transformer fails with a shape mismatch (encode-text quarantines such a sample: `grid_mismatch`)."""
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
-
     from schemas.errors import UserError
 
-    size = image_processor.size
-    factor = image_processor.patch_size * image_processor.merge_size
-    min_pixels, max_pixels = size["shortest_edge"], size["longest_edge"]
+    min_pixels, max_pixels = image_processor.size["shortest_edge"], image_processor.size["longest_edge"]
 
     def kept(h: int, w: int) -> bool:
-        try:
-            return smart_resize(h, w, factor, min_pixels, max_pixels) == (h, w)
-        except (ValueError, ZeroDivisionError):  # too elongated, or a 0 px side: the search below tries it
-            return False
+        return processor_keeps(image_processor, h, w)
 
     if min(height, width) < 1 or max(height, width) / min(height, width) > MAX_VL_ASPECT:  # smart_resize's limit / 0
         raise UserError(f"a reference sized {width}x{height} px (output area {area} px) is too elongated for the "
@@ -164,3 +182,30 @@ def edit_21(pipe, images: list, prompt: str, negative_prompt: str | None, steps:
                true_cfg_scale=true_cfg_scale, num_inference_steps=steps, height=height, width=width,
                generator=generator, output_type="pil", **extra)
     return out.images[0]
+
+
+def vlm_pixel_limits(model: str) -> tuple[int, int]:
+    """(min, max) pixels of an image the model's VLM processor keeps as it is (`smart_resize`'s bounds; outside
+    them it resizes the image and its grid no longer matches the VAE's). The image processor alone is read."""
+    from transformers import AutoImageProcessor
+
+    from models.loading import resolve_model
+
+    size = AutoImageProcessor.from_pretrained(resolve_model(model) / "processor").size
+    return size["shortest_edge"], size["longest_edge"]
+
+
+def check_reference_area(area: int, model: str) -> None:
+    """`resize.control_vae_area` (each reference's area, which the VLM reads as it is) outside the model's VLM
+    processor limits, refused in one line by `pipeline run all` before resize-bucket: the processor would resize
+    every reference, and encode-text ran the VLM on each sample and then quarantined it ("VLM grid differs from
+    the VAE grid"). References near a limit may still round past it at some aspects: encode-text quarantines those."""
+    from schemas.errors import UserError
+
+    low, high = vlm_pixel_limits(model)
+    if not low <= area <= high:
+        raise UserError(f"resize.control_vae_area = {area}: {model} (Qwen-Image-2.1)'s VLM processor keeps images of "
+                        f"{low}..{high} px (its processor/ folder) and reads each reference at that area, so it would "
+                        "resize every one and encode-text would quarantine them all (VLM grid differs from the VAE "
+                        f"grid); set resize.control_vae_area within {low}..{high} (the pipeline's output_resolution², "
+                        "1048576 for the released model)")

@@ -350,8 +350,8 @@ def _check_settings(cfg: PipelineConfig, model: str) -> None:
 def _check_resize(cfg: PipelineConfig, model: str) -> None:
     """Resize settings the model's encoders cannot use, refused before resize-bucket renders the whole source:
     an Edit-Plus encode-text refuses a table without the VL views (after resize-bucket ran), and a 2.1
-    encode-text quarantines every reference whose side is not a multiple of its 32 px VLM slot; and a 2.1 model's
-    resize.keep_alpha left unset."""
+    encode-text quarantines every reference whose side is not a multiple of its 32 px VLM slot, or whose area
+    (resize.control_vae_area) its VLM processor resizes; and a 2.1 model's resize.keep_alpha left unset."""
     from models.loading import model_variant, pipeline_family
     from stages.encode.qwen21 import PIXELS_PER_SIDE  # the rule encode-text quarantines by (`_side_rejection`)
 
@@ -372,6 +372,10 @@ def _check_resize(cfg: PipelineConfig, model: str) -> None:
                         f"but {model} (Qwen-Image-2.1) reads RGBA: set resize.keep_alpha: true to train them with "
                         "their alpha (configs/qwen-image-2.1.yaml), or resize.keep_alpha: false to flatten them on "
                         "purpose (a store made without it stays up to date)")
+    if variant == "qwen-image-2.1":
+        from models.qwen21_predict import check_reference_area
+
+        check_reference_area(cfg.resize.control_vae_area, model)
 
 
 def _run_stages(cfg: PipelineConfig, paths: Paths, access, log: Callable[[str], None],

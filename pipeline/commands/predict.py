@@ -219,6 +219,10 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
         from models.qwen21_predict import edit_21, load_pipeline_21
 
         scale = _cfg_21(cfg)
+        # the stock call warns of it; edit_21 drops it (the config always lists it as set: compared with " ")
+        if scale <= 1 and cfg.negative_prompt.strip():
+            tqdm.write(f"note: --negative-prompt / predict.negative_prompt is unused: {model} (Qwen-Image-2.1) samples "
+                       "without guidance unless --cfg / predict.true_cfg_scale is above 1 (its pipeline's default 1.0)")
         pipe = load_pipeline_21(model, precision.dtype, devices, lora, lora_scale, quantize=cfg.quantize_base)
         from models.qwen21_generate import pipeline_sample_sigmas
 

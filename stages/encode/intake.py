@@ -233,8 +233,9 @@ def placeholder_rejection(caption: str, processor, key: str) -> Rejected | None:
     stock pipelines' processor counts them against the pictures / videos passed and refuses the prompt, so there
     are no stock features to store. Quarantined, as the stock pipeline would fail at inference on that prompt (encoded
     as text it made features no stock pipeline computes; 2.1's stock call raising stopped the whole run)."""
-    held = [t for t in (getattr(processor, f"{m}_token", None) for m in ("image", "video", "audio"))
-            if isinstance(t, str) and t and t in caption]
+    from models.qwen21_predict import media_placeholders
+
+    held = media_placeholders(caption, processor)
     if not held:
         return None
     return Rejected("prompt does not fit the template",

@@ -11,8 +11,9 @@ empty prompt (caption dropout) with the same references, and with `encode_text.n
 instruction alone in the text-to-image template (`nocontrol_embeds`, for reference dropout). vae table: as for the Edit variants, 64-channel
 latents [64, 1, H/16, W/16] of the RGBA target and references, normalised as `_encode_vae_image` does.
 
-A sample with more than 10 references, a reference side not a multiple of 32, or a VLM grid that differs from
-the VAE grid is quarantined with its reason.
+A sample with more than 10 references, a reference side not a multiple of 32, a reference the VLM processor would
+not read as it is (outside its min..max pixels, or over its 200:1: asked before the encoder, `_vlm_rejection`), or
+a VLM grid that differs from the VAE grid is quarantined with its reason.
 """
 
 from __future__ import annotations
@@ -131,6 +132,26 @@ def _side_rejection(key: str, name: str, im) -> Rejected | None:
     return None
 
 
+def _vlm_rejection(key: str, name: str, im, processor) -> Rejected | None:
+    """A reference the VLM processor would not read as it is, quarantined before the encoder: too elongated (its
+    ValueError stopped the whole stage, with resize.max_aspect above 200), or outside its min..max pixels (it would
+    resize it: the slots would not be the VAE's grid, found only after the forward)."""
+    from models.control_shapes import MAX_VL_ASPECT
+    from models.qwen21_predict import processor_keeps
+
+    ip = processor.image_processor
+    if processor_keeps(ip, im.height, im.width):
+        return None
+    if max(im.size) > MAX_VL_ASPECT * min(im.size):
+        return Rejected("reference too elongated for the VLM", f"{name} {im.width}x{im.height} px: the VLM processor "
+                        f"reads at most {MAX_VL_ASPECT}:1; rerun resize-bucket with resize.max_aspect <= {MAX_VL_ASPECT}",
+                        key=key)
+    low, high = ip.size["shortest_edge"], ip.size["longest_edge"]
+    return Rejected("VLM grid differs from the VAE grid", f"{name} {im.width}x{im.height} px is outside the VLM "
+                    f"processor's {low}..{high} px, which would resize it; rerun resize-bucket with "
+                    "resize.control_vae_area within them", key=key)
+
+
 def caption_length_rejection_21(key: str, text_tokens: int, img_shapes) -> Rejected | None:
     """Quarantine a prompt whose target block would sit past the transformer's frame positions
     (`models.qwen21_text.target_frame_position`; img_shapes: the images table's, target first). Past them the
@@ -164,7 +185,7 @@ def prepare_text(key: str, sample: dict[str, Any], processor) -> TextItem | Reje
     except (KeyError, OSError, ValueError) as e:
         return Rejected("control image unreadable", f"{type(e).__name__}: {e}", key=key)
     for i, im in enumerate(refs):
-        if (r := _side_rejection(key, f"control_{i}", im)) is not None:
+        if (r := _side_rejection(key, f"control_{i}", im) or _vlm_rejection(key, f"control_{i}", im, processor)):
             return r
     return TextItem(key, str(meta.get("caption") or ""), refs)
 

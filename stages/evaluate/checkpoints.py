@@ -734,6 +734,8 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     started = time.perf_counter()
     with together(ranks.world, "evaluate settings"):  # rank 0 makes the images: its node's extra prompt files
         cfg = single.for_model(cfg, model, check=ranks.main)
+    if ranks.main:
+        single.say_unused_negative(cfg, model)
     checkpoints, shas, pruned = _checkpoints_on_disk(ranks, checkpoints, relist)
     # the device and precision every rank computes its share in: one decision of all (a collective, outside
     # `together`): rows of one loss grid in two precisions would be recorded as the one dtype

@@ -361,6 +361,14 @@ def for_model(cfg: EvaluateConfig, model: str, check: bool = True) -> EvaluateCo
     return cfg
 
 
+def say_unused_negative(cfg: EvaluateConfig, model: str) -> None:
+    """One line where `evaluate.negative_prompt` is set but the extra prompts run without true CFG (a scale of 1 or
+    less: on Qwen-Image-2.1 the default, its pipeline's 1.0): it is then dropped, as the stock call warns."""
+    if cfg.extra_prompts and cfg.true_cfg_scale <= 1 and cfg.negative_prompt.strip():
+        tqdm.write(f"note: evaluate.negative_prompt is unused: the extra prompts' images on {model} are made without "
+                   f"guidance (evaluate.true_cfg_scale {cfg.true_cfg_scale}); set it above 1 for true CFG")
+
+
 def check_settings(cfg: EvaluateConfig, model: str) -> None:
     """Every evaluate setting that the config and the model decide, refused before anything is read or loaded,
     and by `pipeline run all` before its first stage (not hours later, after training): the denoising steps
@@ -745,6 +753,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     out = Path(out)
     started = time.perf_counter()
     cfg = for_model(cfg, model)
+    say_unused_negative(cfg, model)
     # the file train sealed, checked and hashed in one read (none when unchanged since such a read: the up-to-date
     # check read it whole on every run): a flipped bit is refused, not evaluated; the bytes loaded are compared
     with FileHashes() as remembered:

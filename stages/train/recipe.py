@@ -65,7 +65,8 @@ from stages.train.prefetch import MicroBatches
 from stages.train.result import TrainResult
 from stages.train.sampler import padding_efficiency
 from stages.train.saving import checkpoint, cleanup, finish
-from stages.train.settings import make_accelerator, resolved_config, run_backend, train_device, validate_config
+from stages.train.settings import (make_accelerator, resolved_config, run_backend, sigma_for_model, train_device,
+                                   validate_config)
 from stages.train.start import check_same_start, open_tables, prepare_run_dir, resume_point, start_record
 from stages.train.state import ResumeRecord
 from stages.train.stop import StopOnSignal
@@ -179,6 +180,7 @@ def run(
     started = time.perf_counter()
     validate_config(cfg.train)
     check_sampling(cfg.train, model)  # every rank alike, before any work
+    cfg = sigma_for_model(cfg, model)  # before the finished-run check and the fingerprint
     world = launched_world_size()
     accelerator = make_accelerator(cfg.train) if world > 1 else None  # the ranks' process group, to decide together
     if skip_if_done and finished_here(cfg, store, model, out, world):
@@ -366,6 +368,7 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     if accelerator is None:  # `run` makes it first (the run-folder lock needs the process rank)
         validate_config(cfg.train)
         accelerator = make_accelerator(cfg.train)
+    cfg = sigma_for_model(cfg, model)  # `run` resolved it already: then a no-op (every shift setting is set)
     chosen = train_device(cfg.train, accelerator.local_process_index, accelerator.num_processes)
     # the precision every rank trains in (decided by all: one DDP model in one dtype), before anything is hashed
     cfg, precision = resolved_config(cfg, chosen or accelerator.device, accelerator.is_main_process,

@@ -285,3 +285,24 @@ def resolved_config(cfg: PipelineConfig, device: torch.device, main: bool,
         tqdm.write(precision.describe("train (frozen base)", device,
                                       f", quantize_base {tc.quantize_base}" if tc.quantize_base != "none" else ""))
     return cfg.model_copy(update={"train": tc}), precision
+
+
+# The settings of `dynamic_shift` that the pipelines read from the model's scheduler config (`calculate_shift`).
+SHIFT_SETTINGS = ("base_shift", "max_shift", "base_image_seq_len", "max_image_seq_len")
+
+
+def sigma_for_model(cfg: PipelineConfig, model: str) -> PipelineConfig:
+    """`train.sigma.sampling: dynamic_shift` with any of its shift settings unset: the model's scheduler's value,
+    as its pipeline's `calculate_shift` reads it (Qwen-Image-2.1: 0.5 at 256 tokens to 1.15 at 4096; the Edit
+    models: 0.5 to 0.9 at 8192, the section's defaults). Before, the defaults (the Edit models') trained a 2.1
+    model without a word. Resolved before anything is fingerprinted, so the run records the numbers it used."""
+    sigma = cfg.train.sigma
+    unset = [name for name in SHIFT_SETTINGS if name not in sigma.model_fields_set]
+    if sigma.sampling != "dynamic_shift" or not unset:
+        return cfg
+    from models.loading import load_component
+
+    scheduler = load_component(model, "scheduler").config
+    update = {name: scheduler[name] for name in unset if scheduler.get(name) is not None}
+    tc = cfg.train.model_copy(update={"sigma": sigma.model_copy(update=update)})
+    return cfg.model_copy(update={"train": tc})

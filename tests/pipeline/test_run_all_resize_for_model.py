@@ -17,6 +17,10 @@ from pipeline.demo_data import make_demo_data
     ("plus", ["resize.vl_views=false"], "error: resize.vl_views: false writes no control_{i}_vl.png, which "),
     ("21", ["resize.multiple=16"], "error: resize.multiple = 16: "),
     ("21", ["resize.multiple=48"], "error: resize.multiple = 48: "),
+    # references resized to an area the VLM processor resizes again (the tiny one keeps 1024..262144 px): encode-text
+    # ran the VLM on each and quarantined every sample with a reference ("VLM grid differs from the VAE grid")
+    ("21", ["resize.keep_alpha=true", "resize.control_vae_area=331776"], "error: resize.control_vae_area = 331776: "),
+    ("21", ["resize.keep_alpha=true", "resize.control_vae_area=512"], "error: resize.control_vae_area = 512: "),
 ])
 def test_run_all_refuses_resize_settings_the_model_cannot_read_before_resizing(tiny_plus_model, tiny_21_model,
                                                                                   tmp_path, variant, sets, said):
@@ -66,7 +70,7 @@ def test_run_all_refuses_a_21_model_with_keep_alpha_unset_and_takes_either_setti
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"paths": {"source": str(source), "store": str(store), "model": tiny_21_model,
                                                 "run": str(tmp_path / "run"), "report": str(tmp_path / "report")},
-                                      "resize": {"multiple": 32}}))
+                                      "resize": {"multiple": 32, "control_vae_area": 96 * 96}}))
     r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
     lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
     assert r.exit_code == 1 and len(lines) == 1 and "Traceback" not in r.output, r.output

@@ -100,6 +100,25 @@ def test_21_predict_refuses_a_prompt_past_the_rope_table_before_loading_the_mode
     assert [component for _, component in LOAD_LOG] == ["processor"]
 
 
+def test_21_predict_refuses_a_prompt_holding_the_processors_placeholder_before_loading_the_model(tiny_21_model,
+                                                                                                  tmp_path):
+    """A prompt holding `<|image_pad|>` (which encode-text quarantines in a caption): predict loaded every
+    component, then the stock call failed with the processor's ValueError traceback ("The total number of
+    <|image_pad|> tokens ... should be the same as the number of images passed"). Now one line, the processor
+    alone read; so for the negative prompt under true CFG."""
+    from models.loading import LOAD_LOG
+
+    out = tmp_path / "out.png"
+    for flags in (["--prompt", "make <|image_pad|> red"], ["--prompt", "p", "--cfg", "4", "--negative-prompt",
+                                                            "<|video_pad|>"]):
+        LOAD_LOG.clear()
+        result = CliRunner().invoke(app, ["predict", "--model", tiny_21_model, "--image", str(_refs(tmp_path, 1)[0]),
+                                          *flags, "--steps", "2", "--height", "32", "--width", "32", "--out", str(out)])
+        assert result.exit_code == 1 and "a placeholder the model's processor reserves" in result.output, result.output
+        assert "Traceback" not in result.output and not out.exists()
+        assert [component for _, component in LOAD_LOG] == ["processor"]
+
+
 def test_21_evaluate_refuses_an_extra_prompt_past_the_rope_table_before_loading(tiny_21_model, tmp_path):
     """evaluate's 2.1 extra prompts met the same check only when their images were made: after the transformer
     had loaded and every held-out loss pass had run. Now at the start, naming the extra prompt."""

@@ -457,9 +457,11 @@ def test_21_validation_loss_while_training(tiny_21_model, tmp_path):
     assert grid.size == (64 + 64, 96)  # the two val samples (64x64 and 96x64 px targets) side by side
 
 
-def test_21_evaluate_extra_prompts_are_the_stock_pipeline_base_and_lora(tiny_21_model, tmp_path, monkeypatch):
+def test_21_evaluate_extra_prompts_are_the_stock_pipeline_base_and_lora(tiny_21_model, tmp_path, monkeypatch,
+                                                                          capsys):
     """`evaluate.extra_prompts` on 2.1 (refused before): the report's extra row holds the stock
-    `QwenImage21Pipeline`'s image without the LoRA (base) and with `load_lora_weights` (LoRA), same seed."""
+    `QwenImage21Pipeline`'s image without the LoRA (base) and with `load_lora_weights` (LoRA), same seed. A
+    negative prompt without true CFG is unused (the stock call's image without it) and said so: it was silent."""
     import json
 
     from diffusers import QwenImage21Pipeline
@@ -481,10 +483,13 @@ def test_21_evaluate_extra_prompts_are_the_stock_pipeline_base_and_lora(tiny_21_
     write_report = evaluate.write_report
     monkeypatch.setattr(evaluate, "write_report", lambda out, metrics, r: (rows.extend(r), write_report(out, metrics, r))[1])
     ev = load_config(None, {"evaluate.dtype": "float32", "evaluate.num_samples": 0, "evaluate.num_inference_steps": 2,
-                            "evaluate.true_cfg_scale": 1.0,
+                            "evaluate.true_cfg_scale": 1.0, "evaluate.negative_prompt": "blurry",
                             "evaluate.extra_prompts": [{"prompt": "make the square red", "images": [str(ref)],
                                                         "target": str(target), "height": 64, "width": 96}]}).evaluate
+    capsys.readouterr()
     evaluate.run(ev, store, tiny_21_model, tmp_path / "run" / "lora", tmp_path / "report")
+    said = capsys.readouterr().out
+    assert said.count("note: evaluate.negative_prompt is unused") == 1 and "true_cfg_scale" in said, said
     (row,) = rows
     assert row.title == "extra 1" and row.caption == "make the square red" and "psnr_lora" in row.scores
     samples = json.loads((tmp_path / "report" / "metrics.json").read_text())["generation"]["samples"]
@@ -706,7 +711,7 @@ def test_21_predict_and_the_sample_grid_default_to_no_guidance(tiny_21_model, tm
     Image.fromarray(np.random.default_rng(3).integers(0, 255, (64, 96, 4), dtype=np.uint8), "RGBA").save(ref)
     args = ("predict", "--model", tiny_21_model, "--image", ref, "--prompt", "make it red", "--steps", 2,
             "--height", 64, "--width", 96)
-    _cli(*args, "--out", tmp_path / "default.png")
+    assert "negative" not in _cli(*args, "--out", tmp_path / "default.png")
     _cli(*args, "--cfg", 4.0, "--out", tmp_path / "cfg4.png")
     pipe = QwenImage21Pipeline.from_pretrained(tiny_21_model)
 
@@ -718,6 +723,10 @@ def test_21_predict_and_the_sample_grid_default_to_no_guidance(tiny_21_model, tm
     np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "default.png")), stock())
     np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "cfg4.png")),
                                   stock(true_cfg_scale=4.0, negative_prompt=" "))
+    # a negative prompt without --cfg changes nothing (no guidance): said, as the stock pipeline warns; it was silent
+    said = _cli(*args, "--negative-prompt", "blurry", "--out", tmp_path / "negative.png")
+    assert "note: --negative-prompt / predict.negative_prompt is unused" in said and "--cfg" in said, said
+    np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "negative.png")), stock())
 
 
 def test_21_evaluate_defaults_to_no_guidance_as_predict_does(tiny_21_model, tiny_edit_model):
@@ -754,3 +763,45 @@ def test_the_merge_check_reads_no_header_of_a_model_without_safetensors(tmp_path
                f"{m}.lora_B.bias": torch.ones(4)}, tmp_path / "bias.safetensors")
     monkeypatch.setattr(models.loading, "resolve_model", lambda model: tmp_path / "model")
     check_mergeable("a-bin-model", tmp_path / "bias.safetensors")
+
+
+def test_21_dynamic_shift_left_unset_is_the_models_scheduler_shift(tiny_21_model, encoded21, tmp_path):
+    """`train.sigma.sampling: dynamic_shift` with its shift settings unset trains with the model's own scheduler
+    numbers (what the 2.1 pipeline's calculate_shift reads: 0.5 at 256 tokens to 1.15 at 4096), the same LoRA as
+    with them spelled out; before, the Edit models' 0.9 at 8192 tokens trained a 2.1 model without a word."""
+    import yaml
+
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from models.lora import read_lora
+    from stages.train.recipe import run
+
+    sched = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_21_model, subfolder="scheduler").config
+    assert (sched.max_shift, sched.max_image_seq_len) == (1.15, 4096)
+    unset = load_config(None, {"train.device": "cpu", "train.batch_size": 2, "train.learning_rate": 0.01,
+                               "train.lora.rank": 4, "train.max_steps": 2, "train.sigma.sampling": "dynamic_shift"})
+    run(unset, encoded21, tiny_21_model, tmp_path / "unset")
+    run(_train_cfg(max_steps=2, caption_dropout=0.0), encoded21, tiny_21_model, tmp_path / "spelled")
+    a, b = read_lora(tmp_path / "unset" / "lora")[0], read_lora(tmp_path / "spelled" / "lora")[0]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    recorded = yaml.safe_load((tmp_path / "unset" / "train_config.yaml").read_text())
+    sigma = recorded.get("train", recorded)["sigma"]
+    assert (sigma["max_shift"], sigma["max_image_seq_len"]) == (1.15, 4096)  # the run records what it used
+
+
+def test_a_reference_the_21_vlm_processor_cannot_keep_is_quarantined_before_the_encoder(tiny_21_model, tmp_path):
+    """resize.max_aspect above 200 lets through a reference the VLM processor refuses (transformers' smart_resize:
+    "absolute aspect ratio must be smaller than 200"): encode-text stopped there with that ValueError's traceback,
+    no sample written. A reference the processor would resize (outside its min..max pixels) reached the encoder,
+    then was quarantined. Both are quarantined now, before the forward, the other samples encoded."""
+    too_long = (32, 32 * 203, "RGB")  # 203:1, within the tiny processor's 1024..262144 px
+    too_big = (608, 448, "RGB")  # 272,384 px, over its 262,144
+    store = write_store21(tmp_path / "s", samples=[SAMPLES[1], ("wide", (64, 64, "RGB"), [too_long]),
+                                                   ("big", (64, 64, "RGB"), [(64, 64, "RGB"), too_big])])
+    t = encode_text.run(load_config(None, F32), store, tiny_21_model)
+    assert (t.encoded, t.quarantined, t.forwards) == (1, 2, 1), t
+    rows = {r["source"]: r for r in Store(store).quarantine().to_pylist()}
+    assert rows["fixture/1"]["reason"] == "reference too elongated for the VLM", rows
+    assert "6496x32" in rows["fixture/1"]["detail"] and "200:1" in rows["fixture/1"]["detail"], rows
+    assert rows["fixture/2"]["reason"] == "VLM grid differs from the VAE grid", rows
+    assert "control_1" in rows["fixture/2"]["detail"] and "1024..262144" in rows["fixture/2"]["detail"], rows
