@@ -19,6 +19,15 @@ _LOAD_AND_RUN = r"""
 import sys, numpy as np, torch
 from PIL import Image
 import diffusers
+import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit as edit
+import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus
+# The control's views at 256² rather than the stock ~1024² (Edit: its one view, text encoder and VAE; Edit-Plus: the
+# VAE's, its module constant, as tests/stages/test_encode_from_source_files.py sets it): ~4k control tokens went
+# through every step (and Edit's VL encoder saw ~5k patches); the output's size is given, and the views' sizes
+# are nothing this run checks
+dims = edit.calculate_dimensions
+edit.calculate_dimensions = lambda area, ratio: dims(min(area, 256 * 256), ratio)
+plus.VAE_IMAGE_SIZE = 256 * 256
 cls = getattr(diffusers, sys.argv[2])
 pipe = cls.from_pretrained(sys.argv[1])
 assert type(pipe.processor).__name__ == "Qwen2VLProcessor", type(pipe.processor)

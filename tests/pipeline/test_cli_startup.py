@@ -56,9 +56,41 @@ def test_plan_of_a_mistyped_model_says_so_without_the_model_stack(tmp_path):
     assert imported == "[]"
 
 
+# `python -m pipeline.cli ARGS`, with the controls' VAE view at 256² once the command itself imports models.edit
+# (a finder consulted on each import, itself importing nothing, so every module still loads when the command
+# loads it): the stock ~1024² view took ~3.5 s of the predict's ~14 s of CPU, and the messages checked are the
+# imports', whatever the view's size (as tests/stages/test_predict.py).
+SMALL_CONTROLS = """
+import runpy, sys
+from importlib.abc import MetaPathFinder
+from importlib.util import find_spec
+
+
+class SmallControls(MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "models.edit":
+            return None
+        sys.meta_path.remove(self)
+        spec = find_spec(name)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            module.VAE_AREA = 256 * 256
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, SmallControls())
+sys.argv = ["pipeline", *sys.argv[1:]]
+runpy.run_module("pipeline.cli", run_name="__main__", alter_sys=True)
+"""
+
+
 def test_model_loading_command_has_no_torchao_import_noise(tiny_plus_model, tmp_path):
     Image.new("RGB", (64, 48), (200, 30, 30)).save(tmp_path / "in.png")
-    cmd = [sys.executable, "-m", "pipeline.cli", "predict", "--model", tiny_plus_model, "--image", str(tmp_path / "in.png"),
+    cmd = [sys.executable, "-c", SMALL_CONTROLS, "predict", "--model", tiny_plus_model, "--image", str(tmp_path / "in.png"),
            "--prompt", "make it blue", "--out", str(tmp_path / "out.png"), "--steps", "2", "--height", "64", "--width", "64"]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

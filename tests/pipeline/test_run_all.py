@@ -50,9 +50,14 @@ def _run_cli(config: Path) -> str:
     return result.output
 
 
-def test_run_all_resumes_after_kill_and_skips_when_up_to_date(tiny_plus_model, tmp_path):
+def test_run_all_resumes_after_kill_and_skips_when_up_to_date(tiny_plus_model, tmp_path, monkeypatch):
+    import models.edit
     from pipeline.demo_data import make_demo_data
 
+    # the extra prompt's control at a 256² VAE view rather than the stock ~1024² (as tests/stages/test_predict.py):
+    # its ~4k control tokens went through every denoising step of its base and LoRA images, and nothing checked
+    # here depends on the view's size (the killed first run stops before evaluate; the reruns are in-process)
+    monkeypatch.setattr(models.edit, "VAE_AREA", 256 * 256)
     make_demo_data(tmp_path / "data", n=12, fmt="folder", max_controls=2, seed=1, with_masks=True)
     config = _config(tmp_path, tiny_plus_model)
 
