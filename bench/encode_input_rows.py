@@ -1,6 +1,6 @@
 """The `images` rows an encoder's check-ahead walks (stages/encode/intake.py `read_inputs`), for a rank's keys:
 before, `row_of` per key (a binary search from Python, a `str.encode` and a numpy scalar each); now one
-`rows_of_keys` over the whole list (stages/encode/intake.py `_rows_to_read`). Synthetic: a KeyIndex of --samples
+`rows_of_keys` over the whole list (stages/encode/intake.py `key_rows`). Synthetic: a KeyIndex of --samples
 sorted 64-hex-digit keys (content hashes, as the `images` table's), the keys asked in a shuffled order; both
 checked to give the same rows.
 

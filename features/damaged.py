@@ -40,6 +40,16 @@ class Agreement(Protocol):
     def any(self, flags: list[int]) -> list[int]: ...  # each flag's maximum over the ranks
 
 
+def rows_read(tables: JoinedTables, n: int | None) -> int | None:
+    """How many of the join's first rows `read_intact(tables, n)` reads: the first `n` and one more for each damaged
+    sample left out so far (on_damaged=skip, in row order: `tables.damaged`); None where that is every row (`n`
+    None, or not below the join's size). What a record of the samples read is keyed by (`content_names(first)`:
+    evaluate's loss arrays and caches, train's validation curve): a sample after these rows is never read."""
+    if not n or n >= len(tables):
+        return None
+    return min(len(tables), n + len(tables.damaged))
+
+
 def read_intact(tables: JoinedTables, n: int, load: Callable[[int], T], desc: str = "read samples",
                 agreement: Agreement | None = None) -> list[T]:
     """The first `n` intact samples of the join in row order (`load(row)` each). With the tables opened

@@ -240,6 +240,25 @@ _state: dict = {"watching": False, "published": False}
 _report_lock = threading.Lock()
 
 
+def new_run() -> None:
+    """Forget what an earlier run in this process left (a test's in-process `main()`, a notebook's second command):
+    its watch thread stopped (its exit's work, `_stop_watching`, done now), and the watch state, the arrivals and
+    before-group exchanges counted, the before-group store and the report lock started afresh, as the signal record
+    is (schemas/interruptible.py `record_signals`). Before, `watching` stayed set: the second run started no watch
+    thread, so a peer failing in it was not seen (its line, its stop), and a lock kept by the first run's report
+    silenced the second's lines. The process group's close at exit (`close_at_exit`) is the process's, kept."""
+    global _report_lock
+    stop = _state.get("stop_watching")
+    if stop is not None:
+        stop()
+    forget_store_hosts()
+    closing = _state.get("closing", False)
+    _state.clear()
+    _state.update(watching=False, published=False, closing=closing)
+    _before.update(store=None, hosted=False, count={})
+    _report_lock = threading.Lock()
+
+
 def _launch_key(kind: str) -> str:
     # One key per launch attempt: torchrun's agent store outlives a restarted attempt (max_restarts).
     run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
@@ -669,9 +688,11 @@ def _publish(message: str, world: int) -> str | None:
     return _write_failure(message, world)
 
 
-def _write_failure(message: str, world: int, timeout: float = 10.0) -> str | None:
+def _write_failure(message: str, world: int, timeout: float = 10.0, watching_only: bool = False) -> str | None:
     """Write `message` under the launch's failure key unless a line is there already (that one is returned), then
-    wait for the ranks to read it (`_known_by_all`); None when no store could be reached in `timeout` seconds."""
+    wait for the ranks to read it (`_known_by_all`); None when no store could be reached in `timeout` seconds.
+    `watching_only`: wait only for the ranks watching already (`_watching_ranks`), for a publisher that cannot
+    know whether any rank waits for it (one stopped before its own first exchange)."""
     _state["published"] = True
     try:
         client = _store_client(timeout)
@@ -681,13 +702,23 @@ def _write_failure(message: str, world: int, timeout: float = 10.0) -> str | Non
         # tried again after a hiccup (`_read`; a compare-and-set writes once): unpublished, the line reached no rank,
         # which ended on another (a lost peer's) or, waiting in `arrive_together`, only after LOST_SECONDS
         line = _read(clients, lambda c: c.compare_set(key, "", message)).decode("utf-8", "replace")
-        _known_by_all(clients[0], key, world)
+        _known_by_all(clients[0], key, world, _read(clients, lambda c: _watching_ranks(c, world)) if watching_only
+                      else None)
         return line
     except Exception:  # noqa: BLE001 - no store: the others learn it at their next agreement, if ever
         return None
 
 
-def _known_by_all(client, key: str, world: int) -> None:
+def _watching_ranks(client, world: int) -> list[int]:
+    """The other ranks whose watch thread has counted a sign of life (`_alive_key`): those that may wait for this
+    one (a rank waiting at an exchange or an arrival watches from its first exchange on) and read a line it
+    publishes within POLL_SECONDS. A rank with none is still starting: it reads the line at its first exchange, if
+    the store is still up, and no wait here would make it read sooner."""
+    me = int(os.environ.get("RANK", "0"))
+    return [r for r in range(world) if r != me and client.add(_alive_key(r), 0) > 0]
+
+
+def _known_by_all(client, key: str, world: int, ranks: list[int] | None = None) -> None:
     """Count this process, once, among the ranks that know the published line, then wait, at most
     HOST_WAIT_SECONDS, until every rank does (`_count_and_wait`). Called by each rank that is about to end on it
     (its publisher, a watch thread, a main thread that met a peer's exit first), because the store ends with a
@@ -696,7 +727,8 @@ def _known_by_all(client, key: str, world: int) -> None:
     watch thread polls every POLL_SECONDS and needs the GIL, which a long call of its main thread may hold) found
     the store gone and ended on another line (gloo's "connection closed"; NCCL: waited until the collective
     timeout). Ranks that fail at once each count themselves: no wait. A killed rank never counts: the others wait
-    the bound. The store's last use by this process (`_count_exit`)."""
+    the bound. `ranks`: the only ranks waited for (None: all). The store's last use by this process
+    (`_count_exit`)."""
     _state["store_done"] = True
     watch = _state.get("watcher")
     if watch is not None and watch[1] is not threading.current_thread():
@@ -704,21 +736,23 @@ def _known_by_all(client, key: str, world: int) -> None:
         # printed torch's C++ warning and stack after the rank's last line; CI, a rank that published its failure)
         watch[0].set()
         watch[1].join(timeout=15)
-    _count_and_wait(client, f"{key}/known", world, together=True)
+    _count_and_wait(client, f"{key}/known", world, together=True, ranks=ranks)
 
 
 _count_lock = threading.Lock()
 
 
-def _count_and_wait(store, counter: str, world: int, wait: bool = True, together: bool = False) -> None:
+def _count_and_wait(store, counter: str, world: int, wait: bool = True, together: bool = False,
+                    ranks: list[int] | None = None) -> None:
     """Count this process under `counter` in the launch's store, once (a watch thread and the main thread may both
     count it), then, with `wait`, wait at most HOST_WAIT_SECONDS until all `world` ranks have: a process whose end
     may end the store lets every rank read what it holds first. Each rank counts by setting its own key
     (`COUNTER/RANK`), which a try repeated after a store hiccup (`_read`) sets again, not twice: an `add` that
     failed may have been applied. Counted in one try, a hiccup there left the rank uncounted and the store's host
     waiting the whole bound for it (a hiccup in the wait ended the host's wait early). A store that is gone (its
-    host ended): nothing left to wait for."""
+    host ended): nothing left to wait for. `ranks`: the only ranks waited for (None: all)."""
     clients, keys = [store], [f"{counter}/{r}" for r in range(world)]
+    waited = keys if ranks is None else [keys[r] for r in ranks]
     try:
         with _count_lock:
             if counter not in _state.get("counted", ()):  # a frozenset, replaced: a copy of `_state` keeps its own
@@ -728,26 +762,29 @@ def _count_and_wait(store, counter: str, world: int, wait: bool = True, together
         deadline = time.monotonic() + HOST_WAIT_SECONDS
         # every rank of a failed launch waits here, polling the one store
         if wait:
-            counted = _all_set(lambda k: _read(clients, lambda c: c.check([k])), keys, deadline)
+            counted = _all_set(lambda k: _read(clients, lambda c: c.check([k])), waited, deadline)
             if together:
-                _left_together(clients, counter, world, rank=int(os.environ.get("RANK", "0")), counted=counted)
+                _left_together(clients, counter, world, rank=int(os.environ.get("RANK", "0")), counted=counted,
+                               ranks=ranks)
     except Exception:  # noqa: BLE001 - the store is gone (its host ended): nothing left to wait for
         pass
 
 
-def _left_together(clients: list, counter: str, world: int, rank: int, counted: bool) -> None:
+def _left_together(clients: list, counter: str, world: int, rank: int, counted: bool,
+                   ranks: list[int] | None = None) -> None:
     """After the wait for every rank to count under `counter` (`_count_and_wait`; `counted`: all did): a rank that
     does not host the store says it stopped waiting and calls the store no more (also when its wait ran out: the
     host waits for its word); the host, where all counted, waits at most HOST_WAIT_SECONDS more until each of them
     has. Before, the host ended the store as soon as it saw every rank counted, while a rank still polling to see
     the same got its connection reset: torch's C++ warning and stack after that rank's last line (CI, seen once).
     That bound is its own: shared with the wait for the counts, a last rank counted near its end left the host
-    one look at the others' words before it ended the store under a rank still polling."""
+    one look at the others' words before it ended the store under a rank still polling. `ranks`: the only ranks
+    waited for (None: all)."""
     if not _hosts_store():
         _read(clients, lambda c: c.set(f"{counter}/left/{rank}", "1"))
         return
     if counted:
-        others = [f"{counter}/left/{r}" for r in range(world) if r != rank]
+        others = [f"{counter}/left/{r}" for r in (range(world) if ranks is None else ranks) if r != rank]
         _all_set(lambda k: _read(clients, lambda c: c.check([k])), others, time.monotonic() + HOST_WAIT_SECONDS)
 
 
@@ -892,19 +929,31 @@ def _publish_unwatched_interrupt(error: BaseException) -> None:
     the others may wait for it at theirs already, for BEFORE_GROUP_SECONDS (30 minutes) - before, nothing was
     published. Told where the store answers at once (one probe of its port, PROBE_SECONDS: a Ctrl-C's exit is not
     held for a store still starting, as `_publish_unwatched` waits for one), through a connect bounded by
-    CONNECT_SECONDS, then the wait every publish makes for the ranks to read it (HOST_WAIT_SECONDS; a second Ctrl-C
-    ends it). Not by rank 0 of a plain env:// launch: the store is its own from its first exchange on, so none is up
-    yet and no rank can be waiting at one (they wait for it to come up, as for any rank 0 that never starts)."""
+    CONNECT_SECONDS, then a wait for the ranks watching already to read it (`_watching_ranks`; HOST_WAIT_SECONDS at
+    most, a second Ctrl-C ends it): before, it waited for every rank, the whole bound where none had reached its
+    first exchange yet (nobody waiting for this one, nobody to read the line now; 14 s in all with torch's import,
+    a second Ctrl-C needed). Not by rank 0 of a plain env:// launch: the store is its own from its first exchange
+    on, so none is up yet and no rank can be waiting at one (they wait for it to come up, as for any rank 0 that
+    never starts)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if world <= 1 or not host or not port or _hosts_store():
+    if world <= 1 or not host or not port or _hosts_store() or _one_agents_ranks(world):
         return
     try:
         socket.create_connection((host, int(port)), timeout=PROBE_SECONDS).close()
     except (OSError, ValueError):  # not up (or not answering): nobody reads it there now
         return
-    _write_failure(_interrupt_line(os.environ.get("RANK", "?"), ""), world, CONNECT_SECONDS)
+    _write_failure(_interrupt_line(os.environ.get("RANK", "?"), ""), world, CONNECT_SECONDS, watching_only=True)
     _mark(error)
+
+
+def _one_agents_ranks(world: int) -> bool:
+    """Whether every rank of the launch is a worker of this node's torchrun agent (one node): this rank's exit
+    makes the agent stop every other rank at once (it restarts or ends the whole group), and a Ctrl-C's line is
+    the agent's (pipeline/commands/launch.py), so a stop before the first exchange has no one to tell. Its exit
+    then imports no torch and connects to no store: a terminal's Ctrl-C reaches every rank and the agent, which
+    waits for its ranks' exits, and each rank's took seconds (a second Ctrl-C needed)."""
+    return bool(os.environ.get("TORCHELASTIC_RUN_ID")) and os.environ.get("LOCAL_WORLD_SIZE") == str(world)
 
 
 def failure_line(error: BaseException, line: str) -> str:

@@ -123,7 +123,10 @@ class ResizeConfig(Section):
     multiple: Annotated[int, FEATURES] = Field(32, gt=0, description="bucket sides are multiples of this")
     min_side: Annotated[int, FEATURES] = Field(32, gt=0)
     max_aspect: Annotated[float, FEATURES] = Field(4.0, gt=1.0, description="buckets are clamped to this aspect ratio")
-    control_vl_area: Annotated[int, FEATURES] = Field(384 * 384, gt=0, description="VL view of each control (Edit-Plus CONDITION_IMAGE_SIZE)")
+    # read only while VL views are rendered (`vl_views`, stages/resize/stage.py `_render`): under false it enters
+    # every hash as its default (changing it there re-rendered every picture into the same bytes)
+    control_vl_area: Annotated[int, Role("features", read_if=lambda rc: rc.vl_views)] = Field(
+        384 * 384, gt=0, description="VL view of each control (Edit-Plus CONDITION_IMAGE_SIZE)")
     control_vae_area: Annotated[int, FEATURES] = Field(1024 * 1024, gt=0, description="VAE view of each control (Edit-Plus VAE_IMAGE_SIZE)")
     max_controls: Annotated[int, IDENTITY] = Field(3, ge=0)
     min_controls: Annotated[int, IDENTITY] = Field(0, ge=0)
@@ -245,15 +248,23 @@ class LoraConfig(Section):
         "only lora loads in diffusers' Qwen-Image pipelines (docs/train.md)")
 
 
+def _read_under(sampling: str) -> Role:
+    """A σ distribution's parameter: `models.flow.sample_sigmas` reads it under that `sampling` only, else it
+    enters the run fingerprint as its default. Before: always hashed, so `sigma.shift` edited under logit_normal
+    refused the resume and `run all` trained the same weights again from step 0 (runs fingerprinted with such a
+    value as set resume: stages/train/settings.py `earlier_config_fingerprints`)."""
+    return Role("features", read_if=lambda sigma: sigma.sampling == sampling)
+
+
 class SigmaConfig(Section):
     sampling: Annotated[Literal["uniform", "logit_normal", "shift", "dynamic_shift"], FEATURES] = "logit_normal"
-    logit_mean: Annotated[float, FEATURES] = 0.0
-    logit_std: Annotated[float, FEATURES] = Field(1.0, gt=0)
-    shift: Annotated[float, FEATURES] = Field(3.0, gt=0)
-    base_shift: Annotated[float, FEATURES] = 0.5
-    max_shift: Annotated[float, FEATURES] = 0.9
-    base_image_seq_len: Annotated[int, FEATURES] = 256
-    max_image_seq_len: Annotated[int, FEATURES] = 8192
+    logit_mean: Annotated[float, _read_under("logit_normal")] = 0.0
+    logit_std: Annotated[float, _read_under("logit_normal")] = Field(1.0, gt=0)
+    shift: Annotated[float, _read_under("shift")] = Field(3.0, gt=0)
+    base_shift: Annotated[float, _read_under("dynamic_shift")] = 0.5
+    max_shift: Annotated[float, _read_under("dynamic_shift")] = 0.9
+    base_image_seq_len: Annotated[int, _read_under("dynamic_shift")] = 256
+    max_image_seq_len: Annotated[int, _read_under("dynamic_shift")] = 8192
 
 
 class MaskWeight(Section):
@@ -298,6 +309,10 @@ _FIXED_BATCHES_ONLY = Role("features", features_if=lambda train: train.max_token
 # (stages/train/state.py), so the same file moved or mounted elsewhere is the same run (runs fingerprinted with its
 # path: `earlier_config_fingerprints`)
 _BYTES_RECORDED = Role("features", hashed_unless_default=True, hashed_as=lambda path: "weights: init_lora_sha256")
+
+# train.adam_betas / adam_eps: Adafactor takes neither (stages/train/optimizers.py): under it they enter the run
+# fingerprint as their defaults, as the σ parameters `sigma.sampling` does not read (`_read_under`)
+_ADAM_ONLY = Role("features", read_if=lambda train: train.optimizer != "adafactor")
 
 
 # evaluate.on_damaged changes no number unless a sample is damaged, and then the samples read differ: their keys
@@ -347,8 +362,8 @@ class TrainConfig(Section):
     max_steps: Annotated[int, _DECAYING_LR_ONLY] = Field(100, gt=0)
     learning_rate: Annotated[float, FEATURES] = Field(1e-4, gt=0)
     weight_decay: Annotated[float, FEATURES] = Field(0.0, ge=0)
-    adam_betas: Annotated[tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]], FEATURES] = (0.9, 0.999)
-    adam_eps: Annotated[float, FEATURES] = Field(1e-8, gt=0)
+    adam_betas: Annotated[tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]], _ADAM_ONLY] = (0.9, 0.999)
+    adam_eps: Annotated[float, _ADAM_ONLY] = Field(1e-8, gt=0)
     warmup_steps: Annotated[int, FEATURES] = Field(0, ge=0)
     lr_schedule: Annotated[Literal["constant", "cosine", "linear"], FEATURES] = "constant"
     max_grad_norm: Annotated[float | None, FEATURES] = Field(1.0, gt=0)

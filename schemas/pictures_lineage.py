@@ -32,11 +32,19 @@ TEXT_UNREAD = {"edit": ("target_area", "control_vl_area", "vl_views"),
                "qwen-image-2.1": ("target_area", "control_vl_area", "vl_views")}
 
 
-def pictures_lineage(rc: ResizeConfig, code_version: str, unread: tuple[str, ...] = ()) -> str:
+def pictures_lineage(rc: ResizeConfig, code_version: str, unread: tuple[str, ...] = (), as_set: bool = False) -> str:
     """The feature lineage of the pictures resize-bucket renders under `rc` (all of them; or those an encoder
-    reads, without the settings in `unread`)."""
-    render = {k: v for k, v in hashed_settings(rc, "sample").items() if k not in unread}
+    reads, without the settings in `unread`). `as_set`: as recorded before a setting was hashed only where read
+    (control_vl_area without VL views)."""
+    render = {k: v for k, v in hashed_settings(rc, "sample", as_set=as_set).items() if k not in unread}
     return feature_lineage(IMAGES_STAGE, render, code_version=code_version)
+
+
+def earlier_pictures_lineage(rc: ResizeConfig, code_version: str) -> str | None:
+    """`pictures_lineage` as recorded before the settings `rc` does not read were hashed as their defaults, where
+    that differs (None: the same): pictures made then are these (carried, not rendered again)."""
+    earlier = pictures_lineage(rc, code_version, as_set=True)
+    return earlier if earlier != pictures_lineage(rc, code_version) else None
 
 
 def read_lineage(resize: Any, recorded: str | None, code_version: str | None, unread: tuple[str, ...]) -> str | None:
@@ -50,7 +58,7 @@ def read_lineage(resize: Any, recorded: str | None, code_version: str | None, un
         rc = ResizeConfig.model_validate(resize)
     except ValueError:  # pydantic's ValidationError: settings of another release
         return None
-    if pictures_lineage(rc, code_version) != recorded:
+    if recorded not in (pictures_lineage(rc, code_version), earlier_pictures_lineage(rc, code_version)):
         return None
     return pictures_lineage(rc, code_version, unread)
 

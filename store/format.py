@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import stat
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
@@ -23,20 +24,43 @@ from typing import Any, BinaryIO, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-# pyarrow imports pandas (where installed) at its first conversion of a Python value - `pc.equal(column, "train")`,
-# `pa.array(rows)`, `pa.scalar(x)` - inside that call, and pyarrow.compute reports any error of it as "TypeError: Got
-# unexpected argument type <class 'str'>". A Ctrl-C landing in that import (0.4-0.6 s on 2 cores; pandas' Cython
-# modules make a SystemError of the KeyboardInterrupt) ended a training's start on "stopped by SIGINT (TypeError while
-# stopping)", from `split_rows`. Imported with the store's code instead, where an error of it is its own.
-try:
-    import pandas  # noqa: F401
-except ImportError:  # not installed: pyarrow does without it
-    pass
-
 from schemas.errors import UserError
 from schemas import interruptible
 from schemas.newer import refuse_newer
 from schemas.temp_files import remove_dead_temps, siblings, temp_of, temp_stem
+
+
+# pyarrow imports pandas (where installed) at its first conversion of a Python value - `pc.equal(column, "train")`,
+# `pa.array(rows)`, `pa.scalar(x)`, even of a numpy array - inside that call, to ask whether the value is a pandas
+# one, and pyarrow.compute reports any error of it as "TypeError: Got unexpected argument type <class 'str'>". A
+# Ctrl-C landing in that import (0.4-0.6 s on 2 cores; pandas' Cython modules make a SystemError of the
+# KeyboardInterrupt) ended a training's start on "stopped by SIGINT (TypeError while stopping)", from `split_rows`.
+# Nothing here hands pyarrow a pandas value, so its first check is answered "no pandas" (an import that fails at
+# once, as on an install without pandas): no import for a signal to land in, and none of its 0.4-0.6 s at the start
+# of every command that reads a store. pyarrow's own pandas calls (`to_pandas`) still import it when asked.
+class _NoPandas:
+    """An import finder that answers `import pandas` with ImportError, as an install without pandas does (a None in
+    sys.modules does not: pyarrow's Cython import takes the None for the module)."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "pandas":
+            raise ImportError("pandas: left to pyarrow's own pandas calls")
+        return None
+
+
+def _arrow_without_pandas() -> None:
+    """Have pyarrow's first pandas check (pandas-shim's `_have_pandas_internal`, once per process) find none."""
+    if "pandas" in sys.modules:  # imported already (xarray's): pyarrow's check costs nothing, nothing can land in it
+        return
+    sys.meta_path.insert(0, _NoPandas)
+    try:
+        pa.array([0])
+    finally:
+        sys.meta_path.remove(_NoPandas)
+
+
+_arrow_without_pandas()
 
 STORE_FORMAT = "qwen-edit-feature-store"
 # 2: store.json sealed with its own CRC32C, each version's `checksums.json`, per-sample `sample_crc32c` (see
@@ -389,6 +413,30 @@ def read_json(path: Path, what: str) -> Any:
 # ---------------------------------------------------------------- store.json
 
 
+# A table's entry in store.json: {"current": N}, and "was_current": [numbers past N that were current once] when a
+# version was switched back to an older one (a rerun of older settings adopting their version: `Store.set_current`,
+# a URL's `make_current`). gc tells the two kinds of complete version past the current one apart by it: one never
+# current is a commit whose store.json switch failed, which its rerun adopts (kept), one in this list was switched
+# away from (removed, as every replaced version). Only numbers past the current one are listed: any version below it
+# is replaced already. gc takes a number out before it removes that version (a later version of that number is
+# another one), and so does a switch that makes it current again or passes it.
+WAS_CURRENT = "was_current"
+
+
+def was_current(entry: dict[str, Any] | None) -> set[int]:
+    """The versions past a table's current one that were current once (its store.json entry's `was_current`)."""
+    return {int(v) for v in (entry or {}).get(WAS_CURRENT) or ()}
+
+
+def table_entry(old: dict[str, Any] | None, version: int, forget: set[int] = frozenset()) -> dict[str, Any]:
+    """A table's store.json entry with `version` current, after `old` (None: the table is new): the current one it
+    replaces joins `was_current` when it is past `version` (a switch back), and numbers not past `version` (or in
+    `forget`: gc removes those versions) leave it."""
+    was = was_current(old) | ({int(old["current"])} if old is not None else set())
+    was = sorted(v for v in was if v > version and v not in forget)
+    return {"current": version, **({WAS_CURRENT: was} if was else {})}
+
+
 def new_store_record() -> dict[str, Any]:
     return {"format": STORE_FORMAT, "format_version": STORE_FORMAT_VERSION, "tables": {}}
 
@@ -439,12 +487,17 @@ def check_store_record(rec: Any, path: Path | str, sealed: bool = True) -> None:
         )
     tables = rec.get("tables")
     bad = not isinstance(tables, dict) or any(
-        not isinstance(t, dict) or not isinstance(t.get("current"), int) or isinstance(t.get("current"), bool)
+        not isinstance(t, dict) or not _is_int(t.get("current"))
+        or not (isinstance(t.get(WAS_CURRENT, []), list) and all(_is_int(v) for v in t.get(WAS_CURRENT, [])))
         for t in tables.values())
     if bad:
         folder = path.parent if isinstance(path, Path) else path.rsplit("/", 1)[0]
-        raise UserError(f"{path}: 'tables' must map each table to {{'current': N}}; the file is damaged: "
-                        f"run `pipeline store repair {folder}`")
+        raise UserError(f"{path}: 'tables' must map each table to {{'current': N}} (and '{WAS_CURRENT}': [N, ...]); "
+                        f"the file is damaged: run `pipeline store repair {folder}`")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # ---------------------------------------------------------------- locks

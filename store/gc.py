@@ -1,10 +1,12 @@
 """`pipeline store gc STORE [--dry-run]`: remove the table versions nothing current references.
 
-Kept: each table's current version (store.json) and, transitively, the versions named in a kept version's
-lineage `upstream` (evaluate reads the `images` version its `vae` table was built from). Removed: every other
-complete version, and incomplete versions whose table has no live writer (a writer holds `.write-rNN.lock`);
-while a table has a live writer, its versions past the current one are kept, complete or not (a commit writes
-the manifest, then switches store.json: in between, the version is complete and not yet current).
+Kept: each table's current version (store.json), each complete version past it that was never current (a commit
+writes the manifest, then switches store.json: killed in between, or that switch failing, its version is complete
+and not current, and its rerun makes it current, `find_version`, instead of writing it again) and, transitively,
+the versions named in a kept version's lineage `upstream` (evaluate reads the `images` version its `vae` table was
+built from). Removed: every other complete version - replaced by a newer current one, or switched away from to an
+older one (store.json's `was_current`, `fmt.table_entry`) - and incomplete versions whose table has no live writer
+(a writer holds `.write-rNN.lock`); while a table has a live writer, its versions past the current one are kept.
 Carried-forward samples live in hard links inside the version that uses them, so removing an older version
 never takes bytes a kept version needs. Kept as well: every version a live read lease names (a training or an
 encode stage still reading a version that is no longer current, `store/lease.py`), with its upstream; the files
@@ -72,6 +74,9 @@ class GcPlan:
     stale_records: list[Path] = field(default_factory=list)
     # `.trim-v<N>/` working folders of killed `store repair`s (none while a writer of the table is live), removed
     repair_work: list[Path] = field(default_factory=list)
+    # complete versions past their table's current one and never current (kept) -> the current version (0: none):
+    # a commit whose store.json switch failed; its rerun makes that version current (`find_version`)
+    unswitched: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
 def _kept(root: Path, current: dict[str, int] | list[tuple[str, int]],
@@ -117,6 +122,29 @@ def kept_closure(current: dict[str, int] | list[tuple[str, int]],
             continue
         todo += upstream or []
     return keep
+
+
+def unswitched(tables: dict[str, dict], versions: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
+    """Of the complete `versions` (local or at a URL), each past its table's current one that was never current
+    (not in store.json's `was_current` for it: `tables`, the record's entries) -> that current version (0: none).
+    A commit writes its manifest, then switches store.json (store/writer_commit.py, store/remote_parts.py): killed
+    in between, or that switch failing, its version is complete and not current, and its rerun makes it current
+    instead of writing it all again. A version switched away from to an older one is garbage, as one a newer
+    current version replaced."""
+    found = {}
+    for table, v in versions:
+        entry = tables.get(table)
+        now = 0 if entry is None else int(entry["current"])
+        if v > now and v not in fmt.was_current(entry):
+            found[(table, v)] = now
+    return found
+
+
+def unswitched_lines(found: dict[tuple[str, int], int]) -> list[str]:
+    """The line for each complete version kept past its table's current one (local and URL gc alike)."""
+    return [f"keep {table}/v{v}: complete, never current (past the current " + (f"v{now}" if now else "none")
+            + "): its commit did not switch store.json, and the next run of its settings makes it current; removed"
+            " once a newer one is current" for (table, v), now in sorted(found.items())]
 
 
 def unknown_lines(unknown: dict[tuple[str, int], str]) -> list[str]:
@@ -179,9 +207,12 @@ def _stale_records(root: Path, table_dir: Path) -> list[Path]:
 
 
 def plan(root: Path) -> GcPlan:
-    current = {t: int(v["current"]) for t, v in fmt.read_store_record(root)["tables"].items()}
+    entries = fmt.read_store_record(root)["tables"]
+    current = {t: int(e["current"]) for t, e in entries.items()}
     out = GcPlan()
-    keep = _kept(root, current, out.unknown_upstream)
+    out.unswitched = unswitched(entries, [(t, v) for t in _tables(root) for v in fmt.list_versions(root, t)
+                                          if fmt.is_complete(fmt.version_dir(root, t, v))])
+    keep = _kept(root, sorted(current.items()) + sorted(out.unswitched), out.unknown_upstream)
     named_by: dict[tuple[str, int], list[str]] = {}  # every version a live lease names, existing or not
     for found in leases.leases(root):
         if not found.live:
@@ -259,6 +290,8 @@ def _say_plan(root: Path, p: GcPlan, dry_run: bool, echo: Callable[[str], None])
         echo(f"keep {d.relative_to(root)}: a damaged version set aside, but its number is read by " + "; ".join(by))
     for (table, v), by in sorted(p.leased.items()):
         echo(f"keep {table}/v{v}: not current, but read by " + "; ".join(by))
+    for line in unswitched_lines(p.unswitched):
+        echo(line)
     for f in p.stale_records:
         echo(f"{remove} {f.relative_to(root)} (the record of a version no longer there: an interrupted gc)")
     for found in p.dead_leases:
@@ -269,6 +302,7 @@ def _say_plan(root: Path, p: GcPlan, dry_run: bool, echo: Callable[[str], None])
 
 def _remove(root: Path, p: GcPlan) -> None:
     """The plan carried out: each folder renamed out of the store first (the commit), then deleted; records last."""
+    _forget_removed(root, p)
     doomed = list(p.leftovers)
     for vdir in p.remove + p.set_aside + p.repair_work:
         fmt.crash_point("gc_before_rename")
@@ -295,6 +329,26 @@ def _remove(root: Path, p: GcPlan) -> None:
         f.unlink(missing_ok=True)
     for found in p.dead_leases:
         found.path.unlink(missing_ok=True)
+
+
+def _forget_removed(root: Path, p: GcPlan) -> None:
+    """Before any folder goes: the numbers of the versions removed (and of none there, removed by hand) leave
+    store.json's `was_current`, as a later version of that number is another one, never current. A kill after
+    this leaves such a version taken for never current: kept by the next gc until a newer one is current."""
+    removed = {(vdir.parent.name, int(vdir.name.lstrip("v"))) for vdir in p.remove}
+    rec = fmt.read_store_record(root)
+    changed = False
+    for table, entry in rec["tables"].items():
+        there = set(fmt.list_versions(root, table))
+        forget = {v for v in fmt.was_current(entry) if (table, v) in removed or v not in there}
+        if forget:
+            rec["tables"][table] = fmt.table_entry(entry, int(entry["current"]), forget)
+            changed = True
+    if changed:
+        from store.io_errors import writing
+
+        with writing("store.json", root):
+            fmt.write_store_record(root, rec)
 
 
 def _remove_records(root: Path, table: str, v: int) -> None:

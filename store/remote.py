@@ -491,15 +491,36 @@ class Remote:
         bytes: on S3 too, for an object another tool uploaded (`aws s3 sync` of a store: no metadata of ours), which
         was taken for another store's object ("the stores grew apart") by every later push."""
         if self.is_s3:
-            if (recorded := (self.fs.metadata(self.path(rel)) or {}).get(CRC_META)) is not None:
-                return recorded
-        elif self.is_local and (recorded := remote_local.recorded_crc(self.path(rel))) is not None:
+            return self._s3_crc(rel)
+        if self.is_local and (recorded := remote_local.recorded_crc(self.path(rel))) is not None:
             return recorded
         elif not self.is_local and (native := native_crc32c(self.fs.info(self.path(rel)))) is not None:
             return native  # the server's own CRC32C of the bytes (GCS): a resumed push reads nothing back
         crc = RunningCrc()
         for chunk in remote_download.pieces(self.fs, self.path(rel), READ_PIECE, self.is_s3):  # one streamed GET
             crc.update(chunk)
+        return crc.hex()
+
+    def _s3_crc(self, rel: str) -> str:
+        """`recorded_crc` on S3: one HEAD (our metadata, else the object's ETag and size); an object without our
+        metadata is read once, its CRC32C remembered by its ETag (store/remote_crcs.py): before, every push read it
+        back again."""
+        from store import remote_crcs
+
+        bucket, key, _ = self.fs.split_path(self.path(rel))
+        head = self.fs.call_s3("head_object", Bucket=bucket, Key=key)
+        if (recorded := (head.get("Metadata") or {}).get(CRC_META)) is not None:
+            return recorded
+        # by URL, ETag and size: an ETag is of the bytes (or a write's own), so another endpoint's object of that
+        # name and ETag holds the same bytes
+        obj, etag, size = f"s3://{bucket}/{key}", head.get("ETag"), int(head.get("ContentLength", -1))
+        if etag and (known := remote_crcs.known(obj, etag, size)) is not None:
+            return known
+        crc = RunningCrc()
+        for chunk in remote_download.pieces(self.fs, self.path(rel), READ_PIECE, True, etag):  # one streamed GET
+            crc.update(chunk)
+        if etag:
+            remote_crcs.remember(obj, etag, size, crc.hex())
         return crc.hex()
 
     def upload(self, local: Path, rel: str, crc: str, progress, nbytes: int | None = None) -> bool:

@@ -22,8 +22,9 @@ from store.checksum import CHUNK
 RESUMES = 5
 
 
-def pieces(fs: Any, path: str, piece: int, is_s3: bool) -> Iterator[bytes]:
-    """The bytes of object `path`, `piece` bytes at a time (the last piece shorter)."""
+def pieces(fs: Any, path: str, piece: int, is_s3: bool, etag: str | None = None) -> Iterator[bytes]:
+    """The bytes of object `path`, `piece` bytes at a time (the last piece shorter). `etag` (S3): those of the
+    object with that ETag only, from the first byte (a caller remembers what it read by it: store/remote_crcs.py)."""
     if not is_s3:
         with fs.open(path, "rb", block_size=CHUNK) as f:
             while chunk := f.read(piece):
@@ -33,17 +34,16 @@ def pieces(fs: Any, path: str, piece: int, is_s3: bool) -> Iterator[bytes]:
     from s3fs.core import S3_RETRYABLE_ERRORS
 
     bucket, key, _ = fs.split_path(path)
-    etag = None
 
     async def open_at(offset: int):
         nonlocal etag
         # a resumed body must be of the same object (If-Match: the first response's ETag): one replaced meanwhile
         # (gc removed a dead push's object, another push wrote the name) would splice the bytes of two objects
-        kw = {"Range": f"bytes={offset}-", **({"IfMatch": etag} if etag else {})} if offset else {}
+        kw = {**({"Range": f"bytes={offset}-"} if offset else {}), **({"IfMatch": etag} if etag else {})}
         try:
             resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kw)
         except OSError as e:
-            if not offset or not ("precondition" in str(e).lower().replace("-", "") or "412" in str(e)):
+            if not etag or not ("precondition" in str(e).lower().replace("-", "") or "412" in str(e)):
                 raise
             raise UserError(f"s3://{bucket}/{key} changed while it was read (another object under its name since "
                             "its first bytes came); rerun to read it again") from None

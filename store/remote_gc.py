@@ -1,9 +1,11 @@
 """`pipeline store gc URL [--dry-run]`: store/gc.py for a store at a URL.
 
-Kept, as on a local disk: each table's current version (store.json), the versions a kept version's lineage
-names (`upstream`), and every version a live lease object names (store/remote_lease.py: readers and pushes in
-progress), with their upstream. Removed:
-- every other complete version (one with a manifest);
+Kept, as on a local disk: each table's current version (store.json), each complete version past it that was never
+current (a commit whose store.json swap failed: its rerun adopts it, store/remote_parts.py `on_remote`; store/gc.py
+`unswitched`), the versions a kept version's lineage names (`upstream`), and every version a live lease object
+names (store/remote_lease.py: readers and pushes in progress), with their upstream. Removed:
+- every other complete version (one with a manifest): replaced by a newer current one, or switched away from to
+  an older one (store.json's `was_current`; its number leaves that record first, `_forget_removed`);
 - incomplete versions (data objects without a manifest: a push or a gc that was killed half-way) that no live
   lease names and whose newest object is older than `grace_s` (default 1 hour): a version number a killed push
   left behind then no longer blocks another store's push of that number;
@@ -37,7 +39,7 @@ from typing import Any, Callable
 from schemas.errors import UserError
 from store import format as fmt
 from store import remote_endpoint, remote_lease
-from store.gc import kept_closure, unknown_lines
+from store.gc import kept_closure, unknown_lines, unswitched, unswitched_lines
 from store.lease import Found
 from store.manifest_files import checked_schema
 from store.remote import CLOCK_DIR, Remote, open_remote, remote_errors
@@ -88,19 +90,27 @@ class RemoteGcPlan:
     now: float = 0.0  # the server's clock at the plan
     # kept versions whose schema.json does not read -> why: every version of the other tables kept for them
     unknown_upstream: dict[tuple[str, int], str] = field(default_factory=dict)
+    # complete versions past their table's current one and never current -> the current one (0: none), kept
+    unswitched: dict[tuple[str, int], int] = field(default_factory=dict)
+    was_current: set[tuple[str, int]] = field(default_factory=set)  # store.json's `was_current`, at the plan
     nbytes: int = 0
 
 
 def _current(remote: Remote) -> dict[str, int] | None:
     """The current versions; None without a store.json (a first push killed before it: nothing is current yet,
     so gc keeps every complete version and removes only stale incomplete ones)."""
+    entries = _entries(remote)
+    return None if entries is None else {t: int(e["current"]) for t, e in entries.items()}
+
+
+def _entries(remote: Remote) -> dict[str, dict[str, Any]] | None:
+    """store.json's table entries (`fmt.table_entry`); None without a store.json."""
     from store.remote_sync import _parse_record
 
     try:
-        rec = _parse_record(remote.read(fmt.STORE_JSON), remote.url)
+        return _parse_record(remote.read(fmt.STORE_JSON), remote.url)["tables"]
     except FileNotFoundError:
         return None
-    return {t: int(e["current"]) for t, e in rec["tables"].items()}
 
 
 def _once(remote: Remote) -> Callable[[str], bytes]:
@@ -167,8 +177,13 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
             # a clock probe of a command killed between its PUT and its DELETE, or the temp file of a killed
             # write to a file:// remote (store/remote_local.py); untouched for the grace period: not in use
             out.leftovers.append(rel)
-    current = _current(remote)
+    entries = _entries(remote)
+    current = None if entries is None else {t: int(e["current"]) for t, e in entries.items()}
     roots = sorted(current.items()) if current is not None else [tv for tv, v in versions.items() if v.complete]
+    if entries is not None:  # (without a store.json every complete version is a root already)
+        out.unswitched = unswitched(entries, [tv for tv, v in sorted(versions.items()) if v.complete])
+        out.was_current = {(t, v) for t, e in entries.items() for v in fmt.was_current(e)}
+        roots += sorted(out.unswitched)
     read = _once(remote)
     keep = _closure(remote, roots, versions, out.unknown_upstream, read)
     found_leases = remote_lease.leases(remote, listing, now)  # one GET per lease object (a reader per rank)
@@ -322,6 +337,8 @@ def _say_plan(p: RemoteGcPlan, dry_run: bool, grace_s: float, echo: Callable[[st
         echo(f"{would} {v.name}{what}")
     for (table, v), by in sorted(p.leased.items()):
         echo(f"keep {table}/v{v}: not current, but held by " + "; ".join(by))
+    for line in unswitched_lines(p.unswitched):
+        echo(line)
     for v in p.young_incomplete:
         echo(f"keep {v.name}: incomplete, its newest object is {(p.now - v.newest) / 60:.0f} min old "
              f"(a push may still be writing it; removed once {grace_s / 60:.0f} min old)")
@@ -348,6 +365,8 @@ def _remove_versions(remote: Remote, p: RemoteGcPlan, echo: Callable[[str], None
     from tqdm import tqdm
 
     removed, held = [], set()  # held: (table, version) whose data a lease taken meanwhile keeps
+    if doomed := {(v.table, v.version) for v in p.remove} & p.was_current:
+        _forget_removed(remote, doomed)
     for v in tqdm(p.remove, desc=f"gc {remote.url}", unit="version"):
         keepers = _still_doomed(remote, v)
         if keepers:
@@ -371,6 +390,29 @@ def _remove_versions(remote: Remote, p: RemoteGcPlan, echo: Callable[[str], None
         if (v.table, v.version) in p.markers:
             remote.delete([p.markers[(v.table, v.version)]])
     return removed, held
+
+
+def _forget_removed(remote: Remote, doomed: set[tuple[str, int]]) -> None:
+    """Before any DELETE: the numbers of the versions to remove leave store.json's `was_current` (compare-and-swap;
+    no write when none is there), as a later version of that number is another one, never current (store/gc.py's
+    `_forget_removed`). A kill after this, or a version kept since the plan, is taken for never current: kept until
+    a newer one is current."""
+    from store.checksum import seal
+    from store.remote_sync import _parse_record
+
+    def update(old: bytes | None) -> bytes | None:
+        if old is None:
+            return None
+        rec = _parse_record(old, remote.url)
+        tables = dict(rec["tables"])
+        for table, entry in rec["tables"].items():
+            if forget := {v for v in fmt.was_current(entry) if (table, v) in doomed}:
+                tables[table] = fmt.table_entry(entry, int(entry["current"]), forget)
+        if tables == rec["tables"]:
+            return None
+        return seal({**rec, "tables": tables, "format_version": fmt.STORE_FORMAT_VERSION})
+
+    remote.swap(fmt.STORE_JSON, update)
 
 
 def _dead_leases(remote: Remote, p: RemoteGcPlan, gone: set[tuple[str, int]], echo: Callable[[str], None]

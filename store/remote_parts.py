@@ -31,7 +31,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store.checksum import crc_hex, file_crc
 from store.manifest import read_indexes
-from store.remote import SharedBar, each_at_once, open_remote, remote_errors
+from store.remote import SharedBar, _first_line, each_at_once, open_remote, remote_errors
 from store.remote_upload import Mismatch
 from store.writer_open import WORLD_JSON
 
@@ -186,7 +186,15 @@ def _drop_orphan_indexes(writer: TableWriter, base: str, listing: dict[str, int]
         shard = index.name[: -len(INDEX_SUFFIX)] + ".tar"
         if (writer.dir / shard).is_file():
             continue
-        sizes = pq.read_table(index, columns=["shard_nbytes"]).column("shard_nbytes").to_pylist()
+        try:
+            sizes = pq.read_table(index, columns=["shard_nbytes"]).column("shard_nbytes").to_pylist()
+        except (pa.ArrowException, OSError, ValueError, KeyError) as e:  # a damaged disk, a killed copy, a hand edit
+            # a copy of the remote's object (its shard is not here): dropped, it is adopted again just after when
+            # its shard is on the remote, else its samples are encoded again
+            log.warning("%s: cannot be read (%s); dropped: fetched again from %s if its shard is there, else its "
+                        "samples are encoded again", index, _first_line(e), writer.remote_url)
+            index.unlink()
+            continue
         if not sizes or listing.get(f"{base}/{shard}") != int(sizes[0]):
             log.warning("%s: its shard is no longer on %s (nor in this cache); its samples are encoded again",
                         index, writer.remote_url)
@@ -324,7 +332,7 @@ def _manifest(writer: TableWriter, staging: Path, recorded: dict[str, dict[str, 
     plus the rejected samples are the keys the ranks were given."""
     from store.integrity import write_version_checksums
     from store.manifest import merge_runs
-    from store.writer_commit import check_rows
+    from store.writer_commit import EmptyVersion, check_rows
 
     table, version = writer.table, writer.version
     # checksums.json takes each index's CRC32C from the bytes the merge read (each read once); checked below
@@ -332,7 +340,7 @@ def _manifest(writer: TableWriter, staging: Path, recorded: dict[str, dict[str, 
     merged = merge_runs(sorted(staging.glob("shard-r*-*.index.parquet")))
     if merged.num_rows == 0 and not allow_empty:
         discard_parts(writer)
-        raise UserError(f"table '{table}' v{version} would be empty: every input was rejected (reasons in each "
+        raise EmptyVersion(f"table '{table}' v{version} would be empty: every input was rejected (reasons in each "
                         "node's cached quarantine.parquet); fix the inputs or the settings")
     check_rows(table, version, dones, merged.num_rows, required=True)
     with fmt.atomic_file(staging / fmt.MANIFEST) as f:  # streamed, never whole in memory (as a local commit)

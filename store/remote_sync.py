@@ -400,6 +400,8 @@ def _merged_record(old: bytes | None, current: dict[str, Any], url: str,
         if now is not None and int(now) != v and (new is None or int(now) != int(new)):  # new: a rerun's again
             raise UserError(f"{url}: table '{table}' became v{now} while this command replaced v{v}; its new "
                             f"version is uploaded but not made current: rerun the command on the new state")
+    # each entry from the remote's own (`was_current`: what was current there, never the pushing store's record)
+    current = {t: fmt.table_entry(rec["tables"].get(t), int(e["current"])) for t, e in current.items()}
     return seal({**rec, "tables": {**rec["tables"], **current}, "format_version": fmt.STORE_FORMAT_VERSION})
 
 

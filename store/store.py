@@ -93,7 +93,8 @@ class Store:
 
         with writing("store.json", self.root), fmt.flock(self.root / fmt.STORE_LOCK):
             rec = fmt.read_store_record(self.root)
-            rec["tables"][table] = {"current": version}
+            # a switch back to an older version records the one it leaves (gc's tell, `fmt.table_entry`)
+            rec["tables"][table] = fmt.table_entry(rec["tables"].get(table), version)
             fmt.write_store_record(self.root, rec)
 
     def find_version(self, table: str, lineage: Lineage, serving: Iterable[Lineage] = ()) -> int | None:

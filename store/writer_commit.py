@@ -48,6 +48,11 @@ def mark_rank_done(writer: TableWriter, rejected: int = 0) -> None:
         upload_rank(writer, done["files"])
 
 
+class EmptyVersion(UserError):
+    """A commit's refusal of a version with no rows (`allow_empty=False`: every input rejected), its folder (and a
+    store URL's parts) removed already: a caller with other nodes' caches of it removes those too."""
+
+
 def commit_local(writer: TableWriter, allow_empty: bool) -> int:
     """Rank 0, every rank done: merge the indexes into the manifest, commit it, make the version current, release
     the writer. Returns the version."""
@@ -63,7 +68,7 @@ def commit_local(writer: TableWriter, allow_empty: bool) -> int:
         # its folder goes too: left, it held the rank-done files of a run that failed, the fixed run took the
         # number after it, and `store inspect` listed it as incomplete until `store gc`
         discard_version(writer)
-        raise UserError(f"table '{table}' v{version} would be empty: every input was rejected "
+        raise EmptyVersion(f"table '{table}' v{version} would be empty: every input was rejected "
                         f"(reasons in {writer.store.root / 'quarantine.parquet'}); fix the inputs or the settings")
     check_rows(table, version, dones, merged.num_rows)
     for p in vdir.iterdir():  # temp files of killed writes: never part of a committed version

@@ -102,7 +102,8 @@ def _all_checkpoints(cfg, store_dir: str, model_id: str, report: str, run_dir: O
             kept = kept_checkpoints(run_path)
             if not kept and launched()[0] <= 1:  # launched, the ranks decide together (the stage's own check)
                 raise UserError(f"no checkpoints to evaluate: {run_path} holds no checkpoints/step-N (train "
-                                "with train.checkpoint_every set, or evaluate one LoRA without --all-checkpoints)")
+                                "writes one every train.checkpoint_every steps and at its end: has it trained into "
+                                "this folder?); a LoRA alone is evaluated with --lora PATH, without --all-checkpoints")
             local = _local(store_dir, cache_dir, cache_gb)
             resolve_model(model_id)
         from stages.evaluate.checkpoints import run as run_checkpoints  # torch: after the checks

@@ -42,7 +42,10 @@ def merge(
     scale: float = typer.Option(1.0, "--scale", callback=finite(), help="LoRA strength baked into the weights."),
     dtype: Optional[str] = typer.Option(None, "--dtype", callback=one_of(lambda: get_args(DType)),
                                         help="auto | float32 | bfloat16 | float16 (default: as stored)."),
-    device: str = typer.Option("cpu", "--device", help="Device the transformer loads onto for the fuse (cpu, cuda:N)."),
+    device: str = typer.Option("cpu", "--device", help="Device the transformer loads onto for the fuse (cpu, cuda:N). "
+                               "cpu, not auto as the stages: it loads whole (the 20B model ~41 GB in bf16, more than "
+                               "a 24-32 GB GPU holds, about all of a 40 GB one), and its fuse is little work next to "
+                               "reading and writing it."),
     strict_base: bool = StrictBaseOpt,
 ) -> None:
     one_process("lora merge")  # every rank would fuse the same model into the same --out

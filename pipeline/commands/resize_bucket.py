@@ -60,6 +60,11 @@ def command(
 
     with usage_errors():  # the stage's own check at its start, here before a store URL is pulled
         check_config(cfg.resize)
+    _write_images(cfg, src, dst, as_json, cache_dir, cache_gb)
+
+
+def _write_images(cfg, src: str, dst: str, as_json: bool, cache_dir: Optional[Path], cache_gb: Optional[float]) -> None:
+    """The stage over SRC into DST (checked first), on rank 0 of a launch while the others wait; its summary."""
     from functools import partial
 
     from pipeline.launched import rank_0_alone

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from stages.encode.intake import check_damaged_total, flush_quarantine
 from stages.encode.output import rank_shard_sizes
 from stages.encode.summary import Summary, over_ranks
+from store.writer_commit import EmptyVersion
 
 if TYPE_CHECKING:
     from stages.encode.job import EncodeJob
@@ -44,15 +45,14 @@ def finish(job: EncodeJob) -> Summary:
         with together(world, f"{stage}: the remote quarantine.parquet"):
             if job.ranks.local_rank == 0:
                 check_node_quarantine(job.writer)
+    empty = None
     # uneven: rank 0 commits alone (every rank's indexes merged or fetched, a repaired version read back in full)
     with together(world, f"{stage}: the commit of table '{job.summary.table}'", uneven=True):
         if job.ranks.rank == 0:
-            job.summary.version = job.writer.commit(allow_empty=False)
-            job.summary.newer_current = job.writer.newer_current  # a store URL: another writer's stays current
-            if job.repairing is not None:
-                _verify_repaired(job)
+            empty = _commit(job)
         else:
             job.writer.close()
+    _drop_if_empty(job, empty)
     if job.writer.remote_url is not None:  # committed on the remote by rank 0 (store/remote_parts.py)
         from store.remote_parts import drop_local_version
 
@@ -63,6 +63,40 @@ def finish(job: EncodeJob) -> Summary:
     if job.lease is not None:
         job.lease.release()
     return over_ranks(job.summary, world)  # every rank's counts and damaged samples: one line says it all
+
+
+def _commit(job: EncodeJob) -> EmptyVersion | None:
+    """Rank 0's commit. A version found empty (every input rejected: its folder and a store URL's parts removed) is
+    returned, not raised: every node removes its own part of it first (`_drop_if_empty`)."""
+    try:
+        job.summary.version = job.writer.commit(allow_empty=False)
+    except EmptyVersion as e:
+        return e
+    job.summary.newer_current = job.writer.newer_current  # a store URL: another writer's stays current
+    if job.repairing is not None:
+        _verify_repaired(job)
+    return None
+
+
+def _drop_if_empty(job: EncodeJob, empty: EmptyVersion | None) -> None:
+    """After the commit, every rank learns whether rank 0 found the version empty (`empty`, on rank 0); if so,
+    each node's cached folder of it goes (several caches of a store URL: rank 0's commit removed its own and the
+    remote's parts), and every rank stops with rank 0's line, all ranks agreeing. Before, only rank 0's node
+    removed its folder; the others kept theirs (rank-done files, schema.json) of a version no longer anywhere."""
+    from models.collective import all_max, together
+
+    world = job.ranks.world_size
+    (found,) = all_max(world, [int(empty is not None)])
+    if not found:
+        return
+    with together(world, f"{job.summary.stage}: this node's cached folder of the empty table "
+                         f"'{job.summary.table}' v{job.writer.version}"):
+        if job.writer.remote_url is not None:
+            from store.remote_parts import drop_local_version
+
+            drop_local_version(job.writer)  # gone already on rank 0's node: nothing there
+        if empty is not None:
+            raise empty
 
 
 def push_node_rows(job: EncodeJob, url: str | None = None) -> None:

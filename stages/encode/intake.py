@@ -28,8 +28,9 @@ def read_inputs(job: EncodeJob, keys: list[str], by_controls: Callable[[int, str
     before any byte is read; a sample it rejects comes as its `Rejected`, unread (`refused_by_controls`)."""
     from store.integrity import DamagedData
 
-    counts, refused = refused_by_controls(job, keys, by_controls)
-    job.images.check_ahead(_rows_to_read(job, keys, refused))
+    at = _rows_of_todo(job, keys)
+    counts, refused = refused_by_controls(job, keys, by_controls, at)
+    job.images.check_ahead(at[(at >= 0) & ~np.asarray(refused, bool)].tolist())
     for key, n, no in zip(keys, counts, refused):
         if no and by_controls is not None and (rejected := by_controls(n, key)) is not None:
             yield key, rejected
@@ -43,40 +44,59 @@ def read_inputs(job: EncodeJob, keys: list[str], by_controls: Callable[[int, str
         yield key, sample
 
 
-def _rows_to_read(job: EncodeJob, keys: list[str], refused: list[bool]) -> list[int]:
-    """The `images` rows of the keys read, in their order (the check-ahead's): one batched lookup (a `row_of` per
-    key took 7.5 s of one process at 1M keys, bench/encode_input_rows.py). A key the table lacks is left out (its
-    read says so)."""
+def key_rows(job: EncodeJob, keys: list[str]) -> np.ndarray:
+    """The `images` rows of `keys`, in their order (-1: a key the table lacks; its read says so): one batched
+    lookup (a `row_of` per key took 7.5 s of one process at 1M keys, bench/encode_input_rows.py)."""
     import pyarrow as pa
 
     if not keys:
-        return []
-    at = job.images.rows_of_keys(pa.array(keys, pa.string()))
-    return at[(at >= 0) & ~np.asarray(refused, bool)].tolist()
+        return np.empty(0, np.int64)
+    return job.images.rows_of_keys(pa.array(keys, pa.string()))
 
 
-def refused_by_controls(job: EncodeJob, keys: list[str], rule: Callable[[int, str], Rejected | None] | None
-                        ) -> tuple[list[int], list[bool]]:
+def _rows_of_todo(job: EncodeJob, keys: list[str]) -> np.ndarray:
+    """`key_rows(keys)`, taken from `open_writer` where it looked the same list up already (`job.todo_rows`: a
+    rule that refuses some control count; ~2 s per 1M keys), once."""
+    held, job.todo_rows = job.todo_rows, None
+    if held is not None and held[0] is keys:
+        return held[1]
+    return key_rows(job, keys)
+
+
+def refused_by_controls(job: EncodeJob, keys: list[str], rule: Callable[[int, str], Rejected | None] | None,
+                        at: np.ndarray | None = None) -> tuple[list[int], list[bool]]:
     """Each key's control count (the `images` column `num_controls`) and whether `rule` refuses it, in the order of
-    `keys`. Decided from the column, so a refused sample's files are never read: an Edit model run over an Edit-Plus
-    dataset read and checked every byte of the table (hours at 1M samples) to end in "would be empty". Two plain
-    lists, not a Rejected per key (a million of them held at once). A table none of whose counts the rule refuses
-    (the usual case) is answered from its distinct counts alone, the keys not looked up (counts then 0)."""
+    `keys` (`at`: their `key_rows`, looked up here when not given). Decided from the column, so a refused sample's
+    files are never read: an Edit model run over an Edit-Plus dataset read and checked every byte of the table
+    (hours at 1M samples) to end in "would be empty". Two plain lists, not a Rejected per key (a million of them
+    held at once). A table none of whose counts the rule refuses (the usual case) is answered from its distinct
+    counts alone, the keys not looked up (counts then 0)."""
     import pyarrow as pa
 
-    if rule is None or not keys or not job.images.has_column("num_controls") or not _refuses_any(job, rule):
+    if rule is None or not keys or not refuses_any(job, rule):
         return [0] * len(keys), [False] * len(keys)
-    at = job.images.rows_of_keys(pa.array(keys, pa.string()))
+    if at is None:
+        at = key_rows(job, keys)
     counts = _control_counts(job.images.column("num_controls").take(pa.array(np.maximum(at, 0))))
-    distinct = np.unique(counts)
-    no = np.array([rule(int(n), "") is not None for n in distinct], bool)  # asked once per distinct count
+    distinct = control_census(job)[0]  # every count a row holds; the rule asked once per distinct count
+    no = np.array([rule(int(n), "") is not None for n in distinct], bool)
     refused = no[np.searchsorted(distinct, counts)] & (at >= 0)
     return counts.tolist(), refused.tolist()
 
 
-def _refuses_any(job: EncodeJob, rule: Callable[[int, str], Rejected | None]) -> bool:
+def refuses_any(job: EncodeJob, rule: Callable[[int, str], Rejected | None] | None) -> bool:
     """Does `rule` refuse any control count the `images` table holds?"""
-    return any(rule(int(n), "") is not None for n in np.unique(_control_counts(job.images.column("num_controls"))))
+    if rule is None or not job.images.has_column("num_controls"):
+        return False
+    return any(rule(int(n), "") is not None for n in control_census(job)[0])
+
+
+def control_census(job: EncodeJob) -> tuple[np.ndarray, np.ndarray]:
+    """The `images` table's distinct control counts, sorted, and how many samples hold each: taken once per job
+    (the plan's check, the writer's open and the reads asked it each, ~3 passes over a 1M-row column)."""
+    if job.control_census is None:
+        job.control_census = np.unique(_control_counts(job.images.column("num_controls")), return_counts=True)
+    return job.control_census
 
 
 def _control_counts(column) -> np.ndarray:
@@ -94,7 +114,7 @@ def check_any_allowed(job: EncodeJob, rule: Callable[[int, str], Rejected | None
     still ends there, at the commit."""
     if rule is None or not len(job.images) or not job.images.has_column("num_controls"):
         return
-    distinct, n = np.unique(_control_counts(job.images.column("num_controls")), return_counts=True)
+    distinct, n = control_census(job)
     refusals = [rule(int(c), "") for c in distinct]
     if any(r is None for r in refusals):
         return

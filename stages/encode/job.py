@@ -53,6 +53,10 @@ class EncodeJob:
     prompt_fits: Callable[[int, list], bool] | None = None
     # the model's rule on a sample's control count (intake.read_inputs): a sample it refuses is never carried either
     by_controls: Callable[[int, str], Rejected | None] | None = None
+    control_census: Any = None  # the `images` distinct control counts and their samples (intake.control_census)
+    # (the keys `open_writer` returned, their `images` rows): looked up there where the rule refuses some count,
+    # read once by `read_inputs` instead of looked up again
+    todo_rows: tuple[list[str], Any] | None = None
     lease: Any = None  # the read lease on `images` (store/lease.py); released when the job is done or collected
     on_damaged: str = "stop"  # a damaged `images` sample: stop, or skip (quarantined as DAMAGED_INPUT)
     settings: dict[str, Any] = field(default_factory=dict)  # `settings.settings_record`: hashed, and recorded

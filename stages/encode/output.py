@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 
 from schemas.errors import UserError
 from schemas.table import TableSchema
+from stages.encode.intake import key_rows, refused_by_controls, refuses_any
 from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, reusable
 
 if TYPE_CHECKING:
@@ -49,33 +50,48 @@ def open_writer(job: EncodeJob, schema: TableSchema, shard_size_mb: float) -> li
     job.total = job.writer.given = len(mine)  # the commit refuses rows plus rejections short of the keys given
     todo = [k for k in mine if k not in job.writer.done_keys]
     job.summary.skipped = len(mine) - len(todo)
-    carriable = _model_takes(job, todo)
+    todo, at = _carried_forward(job, todo)
+    job.todo_rows = (todo, at) if at is not None else None  # read_inputs' rows of these keys
+    job.loop_started = time.perf_counter()
+    return todo
+
+
+def _carried_forward(job: EncodeJob, todo: list[str]) -> tuple[list[str], np.ndarray | None]:
+    """Carry forward what an earlier version with the same feature lineage holds of `todo` (and, encode-vae, a
+    recaptioned sample's latents); return the keys left, with their `images` rows where the model's rule was asked
+    of them (`_model_takes`), else None."""
+    at = key_rows(job, todo) if refuses_any(job, job.by_controls) else None
+    carriable = _model_takes(job, todo, at)
     for version, rows in reusable(job.store, job.summary.table, (job.feature_lineage, *job.earlier_lineages),
                                   carriable, changed=job.changed_by_fixes).items():
         job.summary.reused += carry_forward(job.writer, version, carried_rows(job, rows))
     if job.summary.reused:
-        todo = [k for k in todo if k not in job.writer.carried_keys]
+        todo, at = _left(todo, at, job.writer.carried_keys)
         carriable = [k for k in carriable if k not in job.writer.carried_keys]
     if job.same_inputs_carry and carriable:  # encode-vae: a recaptioned sample's latents (stages/encode/same_inputs.py)
         from stages.encode.same_inputs import carry_same_inputs
 
         same = carry_same_inputs(job, carriable)
         job.summary.reused += len(same)
-        todo = [k for k in todo if k not in same]
-    job.loop_started = time.perf_counter()
-    return todo
+        todo, at = _left(todo, at, same)
+    return todo, at
 
 
-def _model_takes(job: EncodeJob, keys: list[str]) -> list[str]:
-    """The keys whose control count the model's rule accepts (`job.by_controls`, from the `images` column): only
-    those are carried from an earlier version. Edit and Edit-Plus models with the same VAE files share encode-vae's
-    feature lineage, and an Edit model's `vae` table carried an Edit-Plus run's 2-control latents that its `text`
-    table (and a fresh encode) quarantines. The refused keys stay to do: read_inputs quarantines them unread."""
-    from stages.encode.intake import refused_by_controls
+def _left(todo: list[str], at: np.ndarray | None, carried) -> tuple[list[str], np.ndarray | None]:
+    """The keys of `todo` not in `carried`, and their rows `at` (kept aligned)."""
+    keep = [k not in carried for k in todo]
+    return [k for k, kept in zip(todo, keep) if kept], (None if at is None else at[np.asarray(keep, bool)])
 
-    if job.by_controls is None:
+
+def _model_takes(job: EncodeJob, keys: list[str], at: np.ndarray | None) -> list[str]:
+    """The keys whose control count the model's rule accepts (`job.by_controls`, from the `images` column; `at`:
+    their rows): only those are carried from an earlier version. Edit and Edit-Plus models with the same VAE files
+    share encode-vae's feature lineage, and an Edit model's `vae` table carried an Edit-Plus run's 2-control latents
+    that its `text` table (and a fresh encode) quarantines. The refused keys stay to do: read_inputs quarantines
+    them unread."""
+    if at is None:  # no rule, or one that refuses no count the table holds
         return keys
-    _, refused = refused_by_controls(job, keys, job.by_controls)
+    _, refused = refused_by_controls(job, keys, job.by_controls, at)
     return [k for k, no in zip(keys, refused) if not no]
 
 

@@ -527,6 +527,7 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
                            "loras": {str(step): reported.get(step) for step, _ in checkpoints},
                            "paths": {str(step): recorded_paths.get(step) for step, _ in checkpoints}}
         named = named_steps(c)
+        listed = listed_on_disk(c, named)
         ema_inputs = _ema_inputs(c, checkpoints, ema_shas or {})
     except (AttributeError, TypeError, KeyError, ValueError):
         return None
@@ -538,6 +539,10 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
     # deleted by hand) left the report "up to date" naming a path that is gone as the best
     recorded_inputs["named_on_disk"] = named
     present["named_on_disk"] = [step for step in named if step in dict(checkpoints)]
+    # and every other step it lists as on disk: one removed since stayed "up to date" listed with its path as any
+    # other (metrics.json's on_disk true), not marked removed; rewritten, no checkpoint is evaluated again
+    recorded_inputs["listed_on_disk"] = listed
+    present["listed_on_disk"] = [step for step in listed if step in dict(checkpoints)]
     recorded_inputs.update(ema_inputs[0])
     present.update(ema_inputs[1])
     from stages.evaluate.stage import same_config
@@ -578,8 +583,18 @@ def named_steps(c: dict) -> list[int]:
     return sorted({p["step"] for p in points if isinstance(p.get("step"), int)})
 
 
+def listed_on_disk(c: dict, named: list[int]) -> list[int]:
+    """The steps other than `named` that a report's checkpoints section lists as still on disk (a report from
+    before `on_disk` was recorded: every one, as its table shows them)."""
+    steps = c.get("steps") or []
+    on_disk = c.get("on_disk") or [True] * len(steps)
+    return [step for step, here in zip(steps, on_disk) if here and step not in named]
+
+
 # what a report's recorded inputs are called in the line that says why it is recomputed (`differences`)
-_INPUT_LABELS = {"named_on_disk": "checkpoints the report names (best, next best, last) still on disk", "fingerprint": "held-out loss inputs", "steps": "checkpoints in the loss array",
+_INPUT_LABELS = {"named_on_disk": "checkpoints the report names (best, next best, last) still on disk",
+                 "listed_on_disk": "other checkpoints the report lists as on disk still there",
+                 "fingerprint": "held-out loss inputs", "steps": "checkpoints in the loss array",
                  "ema_scored": "checkpoints' EMA (train.ema_decay) scored", "ema": "checkpoint EMA weights (sha256)",
                  "best_ema_lora": "the best EMA written as a LoRA (sha256)",
                  "config_fingerprint": "evaluate config fingerprint",
@@ -783,8 +798,11 @@ def _checkpoints_on_disk(ranks, checkpoints: list[tuple[int, Path]],
     pruned already, the ones the training keeps now (`relist`). UserError when none is left."""
     checkpoints = agreed_checkpoints(checkpoints, ranks)
     if not checkpoints:
-        raise UserError("no checkpoints to evaluate: the run folder holds no checkpoints/step-N "
-                        "(train with train.checkpoint_every set, or evaluate one LoRA without --all-checkpoints)")
+        # launched (`run all`, `evaluate --all-checkpoints`; one process checks before): it advised --all-checkpoints
+        # left out, which `run all` has not, and one LoRA is evaluated in one process only
+        raise UserError("no checkpoints to evaluate: the run folder holds no checkpoints/step-N; a run without any is "
+                        "evaluated on its final LoRA in one process: `pipeline run evaluate --lora RUN/lora`, or "
+                        "`pipeline run all` not under `pipeline launch`")
     listed = [step for step, _ in checkpoints]
     checkpoints, shas = check_and_hash(checkpoints, ranks)
     pruned = [step for step in listed if step not in shas]

@@ -752,8 +752,18 @@ def _rendered_before(st: Store, schema: TableSchema) -> tuple[dict[str, str], se
         else:
             checked.difference_update(keys)
     now = reusable_keys(st, TABLE, schema.attrs[FEATURE_LINEAGE_ATTR], "mask_sha256")
+    if (earlier := _earlier_spelling(schema)) is not None:  # the same pictures, their settings hashed as set
+        now = {**reusable_keys(st, TABLE, earlier, "mask_sha256"), **now}
     checked.difference_update(now)
     return {**fixed, **now}, checked
+
+
+def _earlier_spelling(schema: TableSchema) -> str | None:
+    """The pictures' feature lineage of this run as recorded before unread settings were hashed as their defaults
+    (`schemas.pictures_lineage.earlier_pictures_lineage`), where it differs."""
+    from schemas.pictures_lineage import earlier_pictures_lineage
+
+    return earlier_pictures_lineage(ResizeConfig.model_validate(schema.attrs["resize"]), schema.lineage.code_version)
 
 
 def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
@@ -972,8 +982,9 @@ def _carry_forward(st: Store, writer: Any, schema: TableSchema, carry: dict[str,
     from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, reusable
 
     befores = _pictures_before_fixes(schema)
+    now = (schema.attrs[FEATURE_LINEAGE_ATTR], *filter(None, [_earlier_spelling(schema)]))
     # the rows the source's headers settled (`TOLD_BY_SOURCE`) are in `carry` only where they said unchanged
-    for version, rows in reusable(st, TABLE, (schema.attrs[FEATURE_LINEAGE_ATTR], *(h for _, h in befores)), carry,
+    for version, rows in reusable(st, TABLE, (*now, *(h for _, h in befores)), carry,
                                   changed={h: _fixed_since(r, by_rows=True) for r, h in befores} or None).items():
         keys = rows.column("key").to_pylist()
         # a version written before source_hashes was recorded lacks them: split by key they are not needed

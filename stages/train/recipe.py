@@ -1,7 +1,7 @@
 """`train` stage: `text` + `vae` tables -> a LoRA run directory (DESIGN §6), as a recipe.
 
     run = setup(...)               check config, open inputs and run folder, build model + optimizer, resume
-    while run.step < max_steps:
+    while run.step < max_steps:    (train_steps)
         stats = step(run)          grad_accum micro-batches: flow matching on mixed-resolution batches
         log(run, stats)            TensorBoard scalars, progress bar
         checkpoint(run)            every checkpoint_every steps and at the end
@@ -185,18 +185,8 @@ def run(
         lora = Path(out) / "lora"
         return TrainResult(Path(out), lora, cfg.train.max_steps, cfg.train.max_steps, up_to_date=True,
                            unapplied=_unapplied(Path(out), cfg))
-    from stages.train.trackers import tracker_classes
-
     accelerator = accelerator or make_accelerator(cfg.train)
-    # One writer per run folder: a second `train` into the same OUT is refused, naming the holder. Only rank 0
-    # locks, so every rank learns of its refusal here (models/collective.py), instead of waiting for it at the
-    # first collective while it exits. The trackers are rank 0's, checked there in the same agreement (alone, a
-    # node without one stopped, and the others met its closed connection, told of a rank killed without a word).
-    locks: list = []
-    with together(accelerator.num_processes, "the trackers and the run folder's lock"):
-        if accelerator.is_main_process:
-            tracker_classes(cfg.train.log_with)
-        locks.append(guard.RunDirLock(Path(out)) if accelerator.is_main_process else None)
+    locks = _lock_run_folder(cfg.train, accelerator, Path(out))
     r, moved = None, None
     try:
         if skip_if_done and new_run and world == 1:
@@ -209,25 +199,7 @@ def run(
                      "rank 0 writes each checkpoint, every rank adds its RNG state and reads it on --resume")
         r = setup(cfg, store, model, out, resume, accelerator, new_run=new_run, before_keep=before_keep, locks=locks,
                   rerun=rerun)
-        if r.validator is not None and r.step > 0:  # a validation due at the resumed step (a failure there came
-            r.validator(r)  # after its checkpoint): the validator runs only what it left unrecorded
-        with StopOnSignal() as r.stop:
-            while r.step < r.cfg.max_steps:
-                stats = step(r)
-                log(r, stats)
-                # checkpoint first: a validation that fails (out of memory generating samples) loses no training
-                saved = r.step % r.cfg.checkpoint_every == 0 or r.step == r.cfg.max_steps or stats.stop
-                if saved:
-                    checkpoint(r)
-                # every rank: the flag came with the step's loss, or (a signal while the checkpoint was written)
-                # is agreed right after it, so the checkpoint just written is the resume point without one more step
-                if r.step < r.cfg.max_steps and (stats.stop or saved and r.stop.pending(r.world)):
-                    log_point(r, stats)  # this start's curve ends where its checkpoint does, as a finished run's
-                    r.stop.stop_now(f"stopped by a signal after optimizer step {r.step}: its checkpoint "
-                                    f"{r.checkpoints / f'step-{r.step}'} is written; {r.rerun} to continue from it"
-                                    if r.main else None)
-                if r.validator is not None:
-                    r.validator(r)
+        train_steps(r)
         result = finish(r)
         result.kept_previous = result.kept_previous or moved  # a kept run taken back to resume: where OUT's went
         stopped_late(r)
@@ -235,6 +207,51 @@ def run(
         return result
     finally:
         cleanup(r, locks)
+
+
+def _lock_run_folder(tc: TrainConfig, accelerator, out: Path) -> list:
+    """The run folder's lock, as the first entry of the list `run` releases at the end (None on the other ranks).
+    One writer per run folder: a second `train` into the same OUT is refused, naming the holder. Only rank 0
+    locks, so every rank learns of its refusal here (models/collective.py), instead of waiting for it at the
+    first collective while it exits. The trackers are rank 0's, checked there in the same agreement (alone, a
+    node without one stopped, and the others met its closed connection, told of a rank killed without a word)."""
+    from stages.train.trackers import tracker_classes
+
+    locks: list = []
+    with together(accelerator.num_processes, "the trackers and the run folder's lock"):
+        if accelerator.is_main_process:
+            tracker_classes(tc.log_with)
+        locks.append(guard.RunDirLock(out) if accelerator.is_main_process else None)
+    return locks
+
+
+def train_steps(r: Run) -> None:
+    """The steps from where `setup` left the run to max_steps, each logged, checkpointed when due and validated
+    when due; a stop signal ends them after the checkpoint it asks for (`_stop_after_checkpoint`)."""
+    if r.validator is not None and r.step > 0:  # a validation due at the resumed step (a failure there came
+        r.validator(r)  # after its checkpoint): the validator runs only what it left unrecorded
+    with StopOnSignal() as r.stop:
+        while r.step < r.cfg.max_steps:
+            stats = step(r)
+            log(r, stats)
+            # checkpoint first: a validation that fails (out of memory generating samples) loses no training
+            saved = r.step % r.cfg.checkpoint_every == 0 or r.step == r.cfg.max_steps or stats.stop
+            if saved:
+                checkpoint(r)
+            _stop_after_checkpoint(r, stats, saved)
+            if r.validator is not None:
+                r.validator(r)
+
+
+def _stop_after_checkpoint(r: Run, stats: StepStats, saved: bool) -> None:
+    """Every rank stops here alike when a signal asked for it: the flag came with the step's loss, or (a signal
+    while the checkpoint was written) is agreed right after it, so the checkpoint just written is the resume point
+    without one more step."""
+    if r.step < r.cfg.max_steps and (stats.stop or saved and r.stop.pending(r.world)):
+        log_point(r, stats)  # this start's curve ends where its checkpoint does, as a finished run's
+        r.stop.stop_now(f"stopped by a signal after optimizer step {r.step}: its checkpoint "
+                        f"{r.checkpoints / f'step-{r.step}'} is written; {r.rerun} to continue from it"
+                        if r.main else None)
 
 
 def _unapplied(out: Path, cfg: PipelineConfig) -> list[str]:

@@ -118,8 +118,9 @@ def earlier_config_fingerprints(cfg: TrainConfig, backend: str | None = None) ->
     kept on the device as configured now, or 0), before batch_size left it under a token budget (only with
     the batch_size they were made with, as before), and before init_lora's path left it (only with the path
     configured now: its bytes were recorded beside it, or taken as the file there), and with lora.target_modules in
-    the order set (before they were hashed in one order): runs made then resume and stay current. Each also as
-    hashed before the backend was recorded resolved: the name unset, as configured, or as `backend` (the one this
+    the order set (before they were hashed in one order), and with the σ parameters `sigma.sampling` does not read
+    and the Adam ones Adafactor does not read as set (before an unread one was hashed as its default): runs made
+    then resume and stay current. Each also as hashed before the backend was recorded resolved: the name unset, as configured, or as `backend` (the one this
     run resolves to: a run made with `native` spelled out resumes unset on the CPU);
     which backend such a record's run used is `recorded_backend`'s to say, and compared there."""
     now = hashed_settings(cfg)
@@ -127,10 +128,12 @@ def earlier_config_fingerprints(cfg: TrainConfig, backend: str | None = None) ->
     budget = [{}] if cfg.max_tokens_per_batch is None else [{}, {"batch_size": cfg.batch_size}]
     path = {} if cfg.init_lora is None else {"init_lora": cfg.init_lora}  # hashed in every earlier spelling
     lora = [{}, {"lora": hashed_settings(cfg.lora, as_set=True)}]  # target_modules in the order set
+    as_set = hashed_settings(cfg, as_set=True)
+    unread = [{}, {k: as_set[k] for k in ("sigma", "adam_betas", "adam_eps")}]  # unread σ / Adam parameters as set
     memory = ({"gradient_checkpointing": gc, "offload": off, "offload_blocks_on_device": n}
               for gc, off in _MEMORY_AS_BEFORE for n in {cfg.offload_blocks_on_device, 0})
-    spellings = ({**now, "attention_backend": n, **b, **path, **m, **t} for n in names for m in [{}, *memory]
-                 for b in budget for t in lora)
+    spellings = ({**now, "attention_backend": n, **b, **path, **m, **t, **s} for n in names for m in [{}, *memory]
+                 for b in budget for t in lora for s in unread)
     return tuple(dict.fromkeys(settings_hash(s) for s in spellings))
 
 

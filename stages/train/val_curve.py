@@ -1,12 +1,15 @@
 """RUN/losses.zarr, the validation curve of one run (main process): the setting it is recorded under, how its
 losses were measured, and the appends.
 
-The setting names the val split's tables by content (`JoinedTables.content_names`, as evaluate's loss arrays
-do): an `images` rerun that changed no sample gives new version numbers that a resume accepts (train's
-`ResumeRecord.table_contents`), and the curve goes on in the same array instead of being set aside. The version
+The setting names the val split's tables by the content of the rows validation reads (`JoinedTables.content_names`
+of the first `validate_max_samples` and the damaged ones left out: `features.damaged.rows_read`, as evaluate's loss
+arrays are named): an `images` rerun that changed none of those samples gives new version numbers that a resume
+accepts (train's `ResumeRecord.table_contents`), and the curve goes on in the same array instead of being set
+aside, comparable with the curves of runs read from either. The version
 ids read are kept beside it, with how the losses were measured (precision, quantised base, attention backend:
 `measured`), for `pipeline compare` (`LossStore.note`); a curve recorded under an earlier spelling (tables by
-version ids; batch_size hashed under a token budget) is continued and re-recorded under today's.
+version ids or by the whole split's content; batch_size hashed under a token budget) is continued and re-recorded
+under today's.
 """
 
 from __future__ import annotations
@@ -24,13 +27,16 @@ from schemas.config import TrainConfig, held_out_axes
 
 class ValidationCurve:
     def __init__(self, cfg: TrainConfig, run_dir: Path, samples: list[TrainSample], tables: list[str] | dict,
-                 versions, model_fingerprint: str, start_step: int = 0, attention_backend: str | None = None) -> None:
+                 versions, model_fingerprint: str, start_step: int = 0, attention_backend: str | None = None,
+                 whole_split: dict | None = None) -> None:
         """`tables`: the val split's tables as the setting names them (by content; the other ranks, which never
         read the setting, pass the version ids), `versions`: the version ids read. `start_step`: the step this
         start resumes at (0: a fresh start, whose curve begins anew: what a killed earlier start in this folder
         recorded before its first checkpoint, base included, was measured for another run). `attention_backend`: the
-        one the run resolved (`settings.run_backend`; None: as configured)."""
+        one the run resolved (`settings.run_backend`; None: as configured). `whole_split`: the tables named by the
+        whole split's content, as a curve was recorded before it was named by the rows read (None: the same)."""
         self.cfg, self.run_dir, self.samples, self.versions = cfg, run_dir, samples, versions
+        self.whole_split = whole_split
         self.start_step = start_step
         from store.loss_array import Axes
 
@@ -47,12 +53,13 @@ class ValidationCurve:
 
     def _respelled(self, settings: dict) -> dict:
         """A recorded setting spelled as today's where it was an earlier spelling of it: the tables named by the
-        version ids read now (before the curve named them by content), under a token budget without
+        version ids read now (before the curve named them by content) or by the whole split's content (before it
+        named the rows validation reads), under a token budget without
         batch_size (hashed before, whatever value it recorded: validation's rows per forward only), and the noise
         seeds and σ sorted (hashed in the configured order before; the group's axes are read by value,
         `store.loss_array._placement`)."""
         out = dict(settings)
-        if out.get("tables") == self.versions:
+        if out.get("tables") == self.versions or self.whole_split is not None and out.get("tables") == self.whole_split:
             out["tables"] = self.settings["tables"]
         validate = out.get("validate")
         if isinstance(validate, dict) and all(isinstance(validate.get(k), list) for k in ("noise_seeds", "timesteps")):

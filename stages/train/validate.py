@@ -109,6 +109,20 @@ class _Agreement:
         return all_max(self.world, flags)
 
 
+def _curve_tables(tables, cfg: TrainConfig, run_dir: Path) -> tuple[dict, dict | None]:
+    """(the val split's tables as the curve's setting names them: by the content of the rows validation reads, the
+    first validate_max_samples and the damaged ones left out, as evaluate names its loss arrays; the whole split's
+    names where a curve is recorded already, the spelling it was recorded under before, else None). Named by the
+    whole split, a val sample added or changed past those rows (an `images` rerun) set the curve aside on resume
+    and `pipeline compare` refused two curves of the same samples."""
+    from features.damaged import rows_read
+    from store.loss_array import recorded_setting
+
+    scored = rows_read(tables, cfg.validate_max_samples)
+    whole = tables.content_names() if scored is not None and recorded_setting(run_dir) is not None else None
+    return tables.content_names(scored), whole
+
+
 class Validator:
     def __init__(self, cfg: TrainConfig, store, model: str, run_dir: Path, world: int = 1, main: bool = True,
                  start_step: int = 0, attention_backend: str | None = None):
@@ -146,9 +160,9 @@ class Validator:
         self._base_known = False  # decided at this process's first validation, by all ranks together
         self.start_step = start_step
         try:  # the other ranks never read the setting (`_unrecorded` and `record` are the main process's)
-            named = tables.content_names() if main else tables.versions()
+            named, whole = _curve_tables(tables, cfg, run_dir) if main else (tables.versions(), None)
             self.curve = ValidationCurve(cfg, run_dir, self.samples, named, tables.versions(),
-                                         fingerprint_of(files), start_step, attention_backend)
+                                         fingerprint_of(files), start_step, attention_backend, whole)
         finally:
             tables.close()  # the samples are in memory now
 

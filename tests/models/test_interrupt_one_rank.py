@@ -83,6 +83,60 @@ def test_a_ctrl_c_before_the_ranks_first_exchange_is_published_where_the_store_a
     assert store.get(key).decode().startswith("rank 1 was stopped by SIGINT (Ctrl-C): what the ranks committed")
 
 
+@pytest.mark.parametrize("rank_0", ["starting", "watching"])
+def test_a_ctrl_c_before_the_first_exchange_waits_only_for_the_ranks_watching(monkeypatch, own_collective,
+                                                                              rank_0) -> None:
+    """That exit's publish waits only for the ranks that watch already (a sign of life in the store): those that
+    may wait for this one and read its line at once. Before, it waited HOST_WAIT_SECONDS for every rank to read it,
+    also where none had reached its first exchange (nobody waiting for this one): 14 s with torch's import, a
+    second Ctrl-C needed. Here a wait for rank 0 would last an hour (the bound below is not a timing assert)."""
+    import signal
+    import threading
+
+    from pipeline import cli
+    from test_launch_devices import TIMEOUT
+
+    collective = own_collective
+    store = _as_rank_1(monkeypatch)  # rank 0 counts nothing as read: it is not watching, or not yet
+    key = collective._failure_key()
+    monkeypatch.setattr(collective, "HOST_WAIT_SECONDS", 3600.0)
+    monkeypatch.setattr(cli, "_signalled", [signal.SIGINT])
+    if rank_0 == "watching":
+        store.add(collective._alive_key(0), 1)  # its watch thread's sign of life
+    exiting = threading.Thread(target=cli._publish_interrupt, args=(KeyboardInterrupt(),), daemon=True)
+    exiting.start()
+    if rank_0 == "watching":  # it reads the line: waited for until then
+        while not store.check([key]):
+            exiting.join(0.05)
+        assert exiting.is_alive(), "the exit did not wait for a rank that watches"
+        store.set(f"{key}/known/0", "1")
+    exiting.join(TIMEOUT)
+    assert not exiting.is_alive(), "the exit waited for a rank that is not watching"
+    assert store.get(key).decode().startswith("rank 1 was stopped by SIGINT (Ctrl-C): what the ranks committed")
+
+
+def test_a_ctrl_c_before_the_first_exchange_on_one_torchrun_node_tells_no_one(monkeypatch, own_collective) -> None:
+    """Every rank a worker of this node's torchrun agent: this rank's exit makes the agent stop them all (and the
+    agent says the line), so the exit publishes nothing: no store connection, no import of torch where the Ctrl-C
+    came before it. Before, each rank of a terminal's Ctrl-C (the agent waiting for their exits) imported torch and
+    connected to publish a line no rank was waiting for."""
+    import signal
+
+    from pipeline import cli
+    from test_launch_devices import _env
+
+    collective = own_collective
+    store = _as_rank_1(monkeypatch)
+    for name, value in _env(1, store.port, agent_store=True, nodes=1).items():  # 2 ranks on this node
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "one-node")
+    monkeypatch.setattr(cli, "_signalled", [signal.SIGINT])
+    connected: list[float] = []
+    monkeypatch.setattr(collective, "_store_client", lambda timeout=10.0: connected.append(timeout))
+    cli._publish_interrupt(KeyboardInterrupt())
+    assert connected == [] and not store.check([collective._failure_key()])
+
+
 @pytest.fixture
 def sigint_here(monkeypatch):
     """A SIGINT that reached this process as a terminal's Ctrl-C reaches every rank: recorded at C level

@@ -239,6 +239,8 @@ def test_all_checkpoints_of_a_run_without_any_names_the_run_and_writes_no_report
               "--model", "M", "--out", str(tmp_path / "report")])
     assert r.exit_code == 1, r.output
     assert r.output.startswith(f"error: no checkpoints to evaluate: {tmp_path / 'run'} holds no checkpoints/step-N")
+    # it advised "train with train.checkpoint_every set", a key always set (> 0; training checkpoints at its end too)
+    assert "has it trained into this folder?" in r.output and "checkpoint_every set" not in r.output
     assert not (tmp_path / "report").exists()
 
 

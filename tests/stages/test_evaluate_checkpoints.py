@@ -1112,3 +1112,29 @@ def test_a_lost_chunk_file_of_the_loss_array_is_refused_not_read_as_a_non_finite
                                    str(tmp_path / "cmp3"), "--json"])
     assert cmp.exit_code == 0 and [r["best_step"] for r in json.loads(cmp.stdout)["runs"]] == [20, 20], cmp.output
     assert f"no chunk file {chunk(tmp_path / 'copy2', 40)};" in cmp.output
+
+
+def test_a_checkpoint_removed_since_an_up_to_date_report_is_marked_removed(run_and_store, tiny_edit_model, tmp_path):
+    """A checkpoint the report neither names best, next best nor last, removed after the report was written: the
+    rerun (skip_if_done, as `pipeline run evaluate` and `run all` run it) said the report was up to date, its table
+    listing the removed step's path as any other and metrics.json's on_disk true. The report is written again
+    marking it removed; no checkpoint is evaluated again, and the next rerun finds it up to date."""
+    import shutil
+
+    root = run_and_store
+    copies = []
+    for step, path in _ckpts(root):
+        shutil.copytree(path.parent, tmp_path / "run" / "checkpoints" / f"step-{step}")
+        copies.append((step, (tmp_path / "run" / "checkpoints" / f"step-{step}" / "lora").resolve()))
+    out = tmp_path / "report"
+    first = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, copies, out)
+    named = ev.named_steps(first.metrics["checkpoints"])
+    assert named == [20, 30], named  # step 10 (the worst, not the last) is named by nothing
+    shutil.rmtree(copies[0][1].parent)  # step 10 removed
+    res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, copies[1:], out, skip_if_done=True)
+    assert not res.up_to_date and res.evaluated == 0
+    c = json.loads((out / "metrics.json").read_text())["checkpoints"]
+    assert c["steps"] == [10, 20, 30] and c["on_disk"] == [False, True, True]
+    assert f"{copies[0][1]} (removed: " in (out / "index.html").read_text()
+    assert ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, copies[1:], out,
+                  skip_if_done=True).up_to_date

@@ -49,7 +49,7 @@ def test_a_signal_releases_the_read_lease(tiny_edit_model, tmp_path, sig):
         # the CLI's line; or, where the KeyboardInterrupt landed in a finalizer (gc during the start: Python ignores
         # it, twice in CI), the training loop's own after the next step's checkpoint (stages/train/stop.EARLIER);
         # or, where it landed inside a library's call that made another error of it (a TypeError once, during the
-        # start: pyarrow's lazy import of pandas, now made with the store's code,
+        # start: pyarrow's lazy import of pandas, which the store's code now spares it,
         # tests/store/test_pandas_import_error.py), the CLI's line naming that error (pipeline/cli.py: the signal the
         # cause, everything unwound)
         lost = re.search(r"stopped by a signal after optimizer step \d+: its checkpoint .* is written", out + err)

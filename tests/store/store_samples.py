@@ -69,11 +69,11 @@ def read_only_open(real_open):
     return opener
 
 
-def rank_writer(cache, url: str, rank: int, n: int, shard_size_mb: float, tag: str = "a"):
-    """Rank `rank` of 2 writing its half of `n` samples into version 1 of table `vae` of store URL `url` through
+def rank_writer(cache, url: str, rank: int, n: int, shard_size_mb: float, tag: str = "a", version: int = 1):
+    """Rank `rank` of 2 writing its half of `n` samples into `version` of table `vae` of store URL `url` through
     the node cache `cache` (keys already committed there skipped: a rerun resumes)."""
-    w = Store(cache).writer("vae", vae_schema(tag), rank=rank, world_size=2, shard_size_mb=shard_size_mb, version=1,
-                            remote_url=url)
+    w = Store(cache).writer("vae", vae_schema(tag), rank=rank, world_size=2, shard_size_mb=shard_size_mb,
+                            version=version, remote_url=url)
     w.given = len(range(rank, n, 2))  # as the encoders tell it: the commit checks the sum of the ranks' keys
     for i in range(rank, n, 2):
         s = sample(i)

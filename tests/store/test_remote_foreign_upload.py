@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from store_samples import fill
 
 from store import Store
@@ -32,3 +34,34 @@ def test_a_push_after_another_tool_copied_the_store_sends_only_what_is_new(s3_en
     pulled = tmp_path / "pulled"
     pull(s3_env.url(), pulled)
     assert Store(pulled, create=False).tables() == {"vae": 2} and verify_store(pulled, progress=False) == []
+
+
+def test_a_second_push_of_a_copied_store_reads_none_of_its_objects_again(s3_env, store: Store, monkeypatch):
+    """An object another tool uploaded has no CRC32C of ours, so a push reads it back to compare (a manifest per
+    version present, every object of a version not complete there). Before, every later push read it again: its
+    CRC was neither cached nor written. Now the CRC read is remembered by the object's ETag and size
+    (store/remote_crcs.py): a second push reads nothing; an object replaced since (a new ETag) is read again."""
+    from schemas import UserError
+    from store import remote_download
+
+    fill(store, 4)
+    _sync(s3_env, store.root)
+    reads: list[str] = []
+    real = remote_download.pieces
+
+    def counted(fs, path, *a, **k):
+        reads.append(path)
+        return real(fs, path, *a, **k)
+
+    monkeypatch.setattr(remote_download, "pieces", counted)
+    assert push(store.root, s3_env.url()).present == ["vae/v1"]
+    assert [p.rsplit("/", 3)[-3:] for p in reads] == [["vae", "v1", "manifest.parquet"]]
+    reads.clear()
+    assert push(store.root, s3_env.url()).present == ["vae/v1"]
+    assert reads == []  # known by its ETag
+    manifest = store.root / "vae" / "v1" / "manifest.parquet"
+    other = manifest.read_bytes()[:-1] + b"\0"  # same size, other bytes: only a read tells
+    s3_env.client().put_object(Bucket=s3_env.bucket, Key="store/vae/v1/manifest.parquet", Body=other)
+    with pytest.raises(UserError, match="differs|conflict|grew apart"):
+        push(store.root, s3_env.url())
+    assert len(reads) == 1  # replaced: read again, and refused

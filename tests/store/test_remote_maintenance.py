@@ -533,3 +533,59 @@ def test_a_url_reader_killed_with_9_holds_nothing_on_the_url_nor_in_its_cache(s3
     assert r.exit_code == 0, r.output
     assert f"a reader of the URL (pid {proc.pid} on {socket.gethostname()} is gone" in r.output, r.output
     assert Store(cache_store).versions("vae") == [2] and not cached_lease.exists()
+
+
+def _manifests(env) -> list[str]:
+    return sorted(k for k in objects(env) if k.endswith("manifest.parquet"))
+
+
+def test_gc_of_a_url_keeps_a_complete_version_whose_store_json_swap_failed(s3_env, store: Store,
+                                                                           monkeypatch) -> None:
+    """A commit that wrote its manifest and failed its store.json swap (a lost connection, a killed rank 0) leaves
+    a complete version past the current one, which its rerun adopts (store/remote_parts.py `on_remote`). gc removed
+    it at once, a cron gc in between throwing away a whole multi-node encode. Kept and said so; removed once a
+    version past it is current."""
+    from schemas.errors import UserError
+
+    fill(store, 4, tag="a")  # v1
+    push(store.root, s3_env.url())
+    fill(store, 4, tag="b", start=10)  # v2
+
+    def lost(self, *a, **k):
+        raise ConnectionResetError("lost the connection")
+
+    with monkeypatch.context() as m, pytest.raises(UserError):
+        m.setattr(remote_mod.Remote, "swap", lost)
+        push(store.root, s3_env.url())
+    assert _manifests(s3_env) == ["store/vae/v1/manifest.parquet", "store/vae/v2/manifest.parquet"]
+
+    r = _cli("store", "gc", s3_env.url())
+    assert r.exit_code == 0 and "keep vae/v2: complete, never current (past the current v1)" in r.output, r.output
+    assert _manifests(s3_env) == ["store/vae/v1/manifest.parquet", "store/vae/v2/manifest.parquet"]
+    push(store.root, s3_env.url())  # the rerun: v2 current now
+    assert _cli("store", "gc", s3_env.url()).exit_code == 0
+    assert _manifests(s3_env) == ["store/vae/v2/manifest.parquet"]
+
+
+def test_gc_of_a_url_removes_a_version_switched_away_from(s3_env, store: Store) -> None:
+    """v2 current, then v1 made current again over it (a rerun of v1's settings adopting it: `make_current` over
+    v2): v2 is past the current one, complete, and garbage. The remote's store.json records it (`was_current`,
+    never copied from a pushing store's), so gc removes it, taking its number out of the record first."""
+    from store import format as fmt
+    from store.remote_parts import make_current
+    from store.remote_sync import _parse_record
+
+    fill(store, 4, tag="a")  # v1
+    push(store.root, s3_env.url())
+    fill(store, 4, tag="b", start=10)  # v2
+    push(store.root, s3_env.url())
+    remote = open_remote(s3_env.url())
+    assert make_current(remote, "vae", 1, over=2) == 1
+
+    def entry() -> dict:
+        return _parse_record(remote.read(fmt.STORE_JSON), remote.url)["tables"]["vae"]
+
+    assert entry() == {"current": 1, "was_current": [2]}
+    r = _cli("store", "gc", s3_env.url())
+    assert r.exit_code == 0 and "never current" not in r.output, r.output
+    assert _manifests(s3_env) == ["store/vae/v1/manifest.parquet"] and entry() == {"current": 1}

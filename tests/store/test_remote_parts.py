@@ -130,6 +130,40 @@ def test_a_complete_version_whose_swap_was_lost_is_found_for_its_own_schema_only
     assert pull(url, tmp_path / "pulled").copied == ["vae/v1"]  # current: what a reader opens
 
 
+def test_a_gc_between_a_lost_swap_and_its_rerun_keeps_the_version_for_the_rerun(s3_env, tmp_path,
+                                                                                  monkeypatch) -> None:
+    """Two nodes' ranks commit v2 over the current v1, and rank 0 loses the store.json swap: v2 is complete on the
+    remote and was never current. A `store gc` before the rerun removed it (the whole multi-node encode thrown
+    away: the rerun encoded everything again); now gc keeps it, says so, and the rerun's look still offers it."""
+    from store.remote_gc import collect
+    from store.remote_parts import on_remote
+    from store_samples import rank_writer
+
+    url = s3_env.url("gc-swap")
+    _writer(tmp_path / "node1", url, 1).finish_rank()
+    assert _writer(tmp_path / "node0", url, 0).commit() == 1
+    one = rank_writer(tmp_path / "node1", url, 1, N, 0.02, tag="b", version=2)
+    one.finish_rank()
+    one.close()  # the run is gone: no lease holds v2
+    real = remote_mod.Remote.swap
+
+    def lost(self, rel, *a, **k):
+        if rel == "store.json":
+            raise ConnectionError("connection reset by peer")
+        return real(self, rel, *a, **k)
+
+    zero = rank_writer(tmp_path / "node0", url, 0, N, 0.02, tag="b", version=2)
+    with monkeypatch.context() as m, pytest.raises(UserError, match="lost the connection"):
+        m.setattr(remote_mod.Remote, "swap", lost)
+        zero.commit()
+    zero.close()
+    lines: list[str] = []
+    collect(url, grace_s=0, echo=lines.append)
+    assert "vae/v2/manifest.parquet" in _objects(s3_env, "gc-swap")
+    assert any(line.startswith("keep vae/v2: complete, never current (past the current v1)") for line in lines), lines
+    assert on_remote(url, "vae", vae_schema("b").to_dict(), 2).committed == 2
+
+
 def test_the_version_number_skips_what_the_remote_holds_for_other_runs(s3_env, tmp_path) -> None:
     from store.remote_parts import on_remote
 
@@ -505,6 +539,35 @@ def test_a_node_whose_adopted_part_was_collected_since_encodes_it_again(s3_env, 
     pull(url, pulled)
     assert Store(pulled).reader("vae").keys() == sorted(key_of(i) for i in range(N))
     assert verify_store(pulled, progress=False) == []
+
+
+def test_a_damaged_index_a_node_adopted_is_fetched_again_not_a_traceback(s3_env, tmp_path, caplog) -> None:
+    """An index a replaced node adopted from the remote (its shard stays there) is damaged in the cache (a disk
+    error, a copy killed mid-write). The next open read it unguarded (`_drop_orphan_indexes`): pyarrow's traceback
+    on every rerun. Now it is dropped with one line and fetched again from the remote, and its keys count as done."""
+    import shutil
+
+    url = s3_env.url("dmgidx")
+    first = _writer(tmp_path / "node1", url, 1)
+    first.finish_rank()
+    first.close()
+    shutil.rmtree(tmp_path / "node1")
+    adopted = Store(tmp_path / "node1-new").writer("vae", vae_schema(), rank=1, world_size=2, shard_size_mb=0.02,
+                                                    version=1, remote_url=url)
+    done = set(adopted.done_keys)
+    adopted.close()
+    index = sorted((tmp_path / "node1-new" / "vae" / "v1").glob("*.index.parquet"))[0]
+    index.write_bytes(index.read_bytes()[:20])  # truncated
+    again = _writer(tmp_path / "node1-new", url, 1)
+    assert set(again.done_keys) == done and not list(again.dir.glob("*.tar"))
+    said = [r.getMessage() for r in caplog.records if "cannot be read" in r.getMessage()]
+    assert len(said) == 1 and str(index) in said[0] and "\n" not in said[0], said
+    again.finish_rank()
+    again.close()
+    assert _writer(tmp_path / "node0", url, 0).commit() == 1
+    pulled = tmp_path / "pulled"
+    pull(url, pulled)
+    assert Store(pulled).reader("vae").keys() == sorted(key_of(i) for i in range(N))
 
 
 @pytest.mark.parametrize("damage", ["truncated", "not a count"])
