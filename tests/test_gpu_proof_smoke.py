@@ -109,8 +109,11 @@ def test_each_configuration_reports_its_wall_time_and_offload_what_it_held(smoke
     assert offload["offload_most_live_blocks"] == 1
     assert ", live blocks at most 1, onloads waited for " in lines["int8-offload-24g"]
     assert "live blocks" not in lines["bf16-packed"]
-    cut = {"cut": {"partial": True, "steps": 0, "rows": [], "plan_bytes": 2**30, "wall_seconds": 70.0}}
-    assert "cut                    no step before the deadline (plan 1.0 GiB, wall 70 s)" in summary("train", {"configs": cut})
+    cut = {"cut": {"partial": True, "steps": 0, "rows": [], "plan_bytes": 2**30, "wall_seconds": 70.0},
+           "warm": {"partial": False, "steps": 0, "rows": [], "plan_bytes": 2**30, "wall_seconds": 9.0}}
+    text = summary("train", {"configs": cut})
+    assert "cut                    no timed step, the deadline came first (plan 1.0 GiB, wall 70 s)" in text
+    assert "warm                   no timed step, every batch was a warm-up one (plan 1.0 GiB, wall 9 s)" in text
 
 
 def test_encode_fields(smoke):

@@ -253,8 +253,9 @@ def summary(stage: str, rec: dict) -> str:
                              + (f"uncheckpointed {kept} " if (kept := r.get("config", {}).get("uncheckpointed")) else "")
                              + (f"peak {peak / 2**30:.1f} GiB " if peak else "")
                              + (f"alloc retries {n} " if (n := r.get("alloc_retries")) else "") + plan + wall)
-            elif r.get("partial"):  # built, then the deadline came before its first timed step
-                lines.append(f"{name:22s} no step before the deadline ({plan}{wall})")
+            elif "steps" in r:  # built, but no timed step: the deadline came first, or every batch warmed up
+                why = "the deadline came first" if r.get("partial") else "every batch was a warm-up one"
+                lines.append(f"{name:22s} no timed step, {why} ({plan}{wall})")
     else:
         for name in ("encode_text", "encode_vae", "encode_text_padded"):
             r, first = rec.get(name, {}), rec.get("first_pass", {}).get(name, {})
