@@ -92,6 +92,30 @@ def test_train_fields(smoke):
     assert partial["losses"] == full["losses"] and partial["plan_bytes"] > full["plan_bytes"]
 
 
+def test_each_configuration_reports_its_wall_time_and_offload_what_it_held(smoke):
+    """A lease holds one 600 s call: the next call's order is planned from what each configuration cost with its
+    model's build (the 2026-12-04 call had only the stage's total), and the summary - the reply's tail - says
+    whether offload held one block at a time (the JSON said it; the tail did not)."""
+    sys.path.insert(0, str(REPO))
+    from bench.gpu.proof import summary
+
+    data, _ = smoke
+    train = data["stages"]["train"]
+    for name, r in train["configs"].items():
+        assert r["wall_seconds"] >= sum(row["seconds"] for row in r["rows"]), name
+    lines = {line.split()[0]: line for line in summary("train", train).splitlines()[1:]}
+    assert set(lines) == set(train["configs"]) and all(", wall " in line for line in lines.values())
+    offload = train["configs"]["int8-offload-24g"]
+    assert offload["offload_most_live_blocks"] == 1
+    assert ", live blocks at most 1, onloads waited for " in lines["int8-offload-24g"]
+    assert "live blocks" not in lines["bf16-packed"]
+    cut = {"cut": {"partial": True, "steps": 0, "rows": [], "plan_bytes": 2**30, "wall_seconds": 70.0},
+           "warm": {"partial": False, "steps": 0, "rows": [], "plan_bytes": 2**30, "wall_seconds": 9.0}}
+    text = summary("train", {"configs": cut})
+    assert "cut                    no timed step, the deadline came first (plan 1.0 GiB, wall 70 s)" in text
+    assert "warm                   no timed step, every batch was a warm-up one (plan 1.0 GiB, wall 9 s)" in text
+
+
 def test_encode_fields(smoke):
     data, _ = smoke
     enc = data["stages"]["encode"]
@@ -185,6 +209,7 @@ def test_plan_comes_before_a_configuration_runs_and_skips_what_cannot_fit(monkey
     fullsize.run_train(torch.device("cpu"), True, float("inf"), rec, ["bf16-packed", "tiny-cap"], 1, 4)
     failed, skipped = rec["configs"]["bf16-packed"], rec["configs"]["tiny-cap"]
     assert failed["error"].startswith("RuntimeError") and failed["plan_bytes"] > 0 and failed["padding_share"] >= 1
+    assert failed["wall_seconds"] >= 0  # a failure costs the lease its build too
     assert skipped["skipped"].startswith("plan ") and "exceeds the 0.0001 GiB cap" in skipped["skipped"]
     assert "error" not in skipped and skipped["plan_bytes"] > 1.1 * 1e-4 * 2**30
     assert fullsize.over_limit(100, fullsize.CONFIGS["bf16-packed"], 95) is None  # within 10 %: run it

@@ -393,6 +393,7 @@ def run_train(device: torch.device, smoke: bool, deadline: float, record, names:
             record.setdefault("not_run_budget", []).append(name)
             record.flush()
             continue
+        began = time.monotonic()  # the build included: what the configuration costs a lease (planning the next)
         batches = batches_for(samples, CONFIGS[name]["batching"])
         c = largest_fitting(CONFIGS[name], samples, batches, counts, card)
         plan = plan_of(c, samples, batches, counts)
@@ -412,4 +413,5 @@ def run_train(device: torch.device, smoke: bool, deadline: float, record, names:
             if device.type == "cuda":
                 torch.cuda.set_per_process_memory_fraction(1.0, _index(device))
                 torch.cuda.empty_cache()
+        configs[name]["wall_seconds"] = time.monotonic() - began
         record.flush()

@@ -198,6 +198,16 @@ def _budget_cut(rec: dict) -> bool:
     return any(isinstance(v, dict) and (_budget_cut(v) or v.get("partial")) for v in rec.values())
 
 
+def _offload_note(r: dict) -> str:
+    """What says whether offload held one block at a time (2026-12-04: every recomputed block stayed)."""
+    if "offload_most_live_blocks" not in r:
+        return ""
+    waited, onloads = r.get("offload_unhidden_onloads") or (None, None)
+    setup = r.get("allocated_after_setup")
+    return (f", live blocks at most {r['offload_most_live_blocks']}, onloads waited for {waited} of {onloads}"
+            + (f", {setup / 2**30:.1f} GiB after setup" if setup is not None else ""))
+
+
 def summary(stage: str, rec: dict) -> str:
     """A short table for the end of the call's output (the reply carries the tail)."""
     lines = [f"== {stage}: {rec.get('seconds', 0):.0f} s, complete={rec.get('complete')}"]
@@ -229,10 +239,12 @@ def summary(stage: str, rec: dict) -> str:
         for name, r in rec.get("configs", {}).items():
             plan = f"plan {r['plan_bytes'] / 2**30:.1f} GiB" if "plan_bytes" in r else ""
             pad = f"pad {r['padding_share']:.3f}" if "padding_share" in r else ""
+            wall = f", wall {r['wall_seconds']:.0f} s" if "wall_seconds" in r else ""  # the build included
+            wall += _offload_note(r)
             if "skipped" in r:
                 lines.append(f"{name:22s} skipped: {r['skipped']}")
             elif "error" in r:
-                lines.append(f"{name:22s} error: {r['error'][:90]} ({plan})")
+                lines.append(f"{name:22s} error: {r['error'][:90]} ({plan}{wall})")
             elif "s_per_step" in r:
                 mfu = r.get("mfu_vs_spec") or r.get("mfu_vs_measured_matmul")
                 peak = r.get("peak_allocated")
@@ -240,7 +252,10 @@ def summary(stage: str, rec: dict) -> str:
                              f"MFU {mfu:.2f} data {r['data_share']:.1%} {pad} "
                              + (f"uncheckpointed {kept} " if (kept := r.get("config", {}).get("uncheckpointed")) else "")
                              + (f"peak {peak / 2**30:.1f} GiB " if peak else "")
-                             + (f"alloc retries {n} " if (n := r.get("alloc_retries")) else "") + plan)
+                             + (f"alloc retries {n} " if (n := r.get("alloc_retries")) else "") + plan + wall)
+            elif "steps" in r:  # built, but no timed step: the deadline came first, or every batch warmed up
+                why = "the deadline came first" if r.get("partial") else "every batch was a warm-up one"
+                lines.append(f"{name:22s} no timed step, {why} ({plan}{wall})")
     else:
         for name in ("encode_text", "encode_vae", "encode_text_padded"):
             r, first = rec.get(name, {}), rec.get("first_pass", {}).get(name, {})

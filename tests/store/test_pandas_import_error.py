@@ -40,7 +40,7 @@ def test_an_interrupted_pandas_import_is_not_a_type_error_of_a_store_read(tmp_pa
     # what the interrupted import raised (its KeyboardInterrupt lost inside pandas' Cython module init)
     (fake / "__init__.py").write_text("raise SystemError(\"<class 'pandas._libs.tslibs.fields.__pyx_defaults'> "
                                       "returned a result with an exception set\")\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake.parent), str(REPO)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake.parent), _repo_and_suite_path()])}
     out = subprocess.run([sys.executable, "-c", READ, str(manifest)], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -49,12 +49,18 @@ def test_an_interrupted_pandas_import_is_not_a_type_error_of_a_store_read(tmp_pa
     assert line == "NO ERROR False", line
 
 
+def _repo_and_suite_path() -> str:
+    """The repo, then the suite's own PYTHONPATH: a stack that installs crc32c & co with `pip --target` (the GPU
+    machine's, bench/gpu/rehearse) has them there alone; the repo alone failed there on `import crc32c`."""
+    return os.pathsep.join([str(REPO), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])
+
+
 def test_pyarrows_own_pandas_calls_still_import_it(tmp_path):
     """What the store tells pyarrow ("no pandas" at its first check) leaves a caller's `to_pandas` working."""
     script = ("import pyarrow as pa, store.format\n"
               "frame = pa.table({'a': [1, 2]}).to_pandas()\n"
               "print(type(frame).__name__, list(frame['a']))\n")
-    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(REPO)},
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": _repo_and_suite_path()},
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split("\n")[0] == "DataFrame [1, 2]", out.stdout
