@@ -834,8 +834,8 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
         # samples of a folder or JSONL source the newest version holds, their files unchanged: carried, not read;
         # of a webdataset or parquet source, whole tars / parquet files (known_tars.py)
         known = known_sources(st, rendered_before, hashes, rc.max_file_bytes) if fmt in ("folder", "jsonl") else \
-            known_tars(st, rendered_before, hashes, rc.max_file_bytes, header_checks) if fmt == "webdataset" else \
-            known_tars(st, rendered_before, hashes, rc.max_file_bytes, header_checks, parquet_kind(rc.columns))
+            known_tars(st, rendered_before, hashes, rc.max_file_bytes) if fmt == "webdataset" else \
+            known_tars(st, rendered_before, hashes, rc.max_file_bytes, parquet_kind(rc.columns))
         intake.tars, intake.max_file_bytes = (known if fmt in ("webdataset", "parquet") else None), rc.max_file_bytes
         if intake.tars is not None:
             intake.tars.pending = pending
