@@ -278,3 +278,35 @@ def test_a_carried_tar_whose_samples_became_copies_is_not_streamed_once_a_sample
     def quarantine(store):
         return sorted((r["reason"], r["source"], r["detail"]) for r in Store(store).quarantine().to_pylist())
     assert quarantine(tmp_path / "store") == quarantine(tmp_path / "fresh")
+
+
+def test_a_revision_3_rerun_of_a_parquet_source_checks_its_rows_from_their_row_groups(monkeypatch, tmp_path):
+    """A parquet row's cells have no prefix to read: each carried row is checked from its row group's mapped
+    columns (parquet_source._RowGroups), each group read once, the file carried (before: read whole, every row
+    judged from its bytes). The cut-out alone is rendered again, as a fresh run renders it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stages.resize import parquet_source
+
+    cfg = load_config(None, SMALL)
+    (tmp_path / "src").mkdir()
+    stems = list(PICTURES)
+    pq.write_table(pa.table({
+        "target": pa.array([PICTURES[s][0] for s in stems], pa.binary()),
+        "controls": pa.array([PICTURES[s][1:] for s in stems], pa.list_(pa.binary())),
+        "caption": pa.array([f"edit {s}" for s in stems]),
+    }), tmp_path / "src" / "pairs.parquet", row_group_size=2)
+    _build_at_revision_3(monkeypatch, cfg, tmp_path / "src", tmp_path / "store")
+    groups, whole = [], []
+    real_group, real_file = parquet_source._RowGroups._read_group, parquet_source._file_samples
+    monkeypatch.setattr(parquet_source._RowGroups, "_read_group", lambda self, no: groups.append(no) or
+                        real_group(self, no))
+    monkeypatch.setattr(parquet_source, "_file_samples", lambda *a, **k: whole.append(a[0]) or real_file(*a, **k))
+    rerun = resize_stage.run(cfg, tmp_path / "src", tmp_path / "store")
+    assert (rerun.written, rerun.reused) == (1, 2)
+    # rows in the version's order: each of the 2 groups read once (the cut-out read again from the kept group)
+    assert whole == [] and len(groups) == 2 and {no // 2 for no in groups} == {0, 1}
+    monkeypatch.undo()
+    resize_stage.run(cfg, tmp_path / "src", tmp_path / "fresh")
+    assert _contents(tmp_path / "store") == _contents(tmp_path / "fresh")
