@@ -5,6 +5,14 @@ allocated. Extrapolate linearly to 1M samples.
 
     PYTHONPATH=. python bench/resize_key_memory.py --samples 100000
 
+100k samples, this 2-core machine (first run 486 s), before (f82bb71f: the listing kept as (path, name, digest)
+strings) and after (content.Listing one buffer), the same store:
+  traced at _revive 178.7 MiB (1874 B a sample, 1M ~1.75 GB) -> 104.2 MiB (1092 B, 1M ~1.02 GB)
+  peak 233.1 MiB (2444 B a sample) -> 158.6 MiB (1663 B)
+  left: the listing's bytes 301 B, the folder scan's names 219 B, source names 107 B, the earlier version's keys
+  (store/reuse.py) 81 B and the carried keys' copies (known_sources.py) 81 B, known-sample digests 86 B, the
+  triage's dicts (rendered_before, first_source, carry) 38 B each
+
 A folder source of N samples (a 32x32 target and control, the same pixels; each its own caption, so its own key),
 rendered once (workers 0), then rerun with val_fraction 0.1 -> 0.3 under tracemalloc. The store is kept in --dir
 (reused when there).
