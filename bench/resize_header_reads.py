@@ -10,6 +10,12 @@ Each picture is an N x N noise PNG (700: ~1.5 MB, a real dataset's), one sample 
 its last control (rendered again); rendered small (the render is not what is measured). Bytes read are the process's
 `rchar` (every read(2) of the rerun: the source's files and tars, the store's metadata) and the source's alone.
 Files are in the page cache: a cold disk or a network file system widens the gap.
+
+`--picture webp`: each picture a lossless WebP of the same noise (none has a transparent colour: all carried).
+Pillow reads a WebP whole to open it, so its header was read whole; since, from the RIFF header's first chunk
+(header_checks.webp_canvas). Measured in one run, before (this code with webp_canvas off) and now.
+
+    python bench/resize_header_reads.py --picture webp --samples 60 --side 700 --controls 2
 """
 
 from __future__ import annotations
@@ -38,29 +44,37 @@ def _png(side: int, seed: int, keyed: bool = False) -> bytes:
     return b.getvalue()
 
 
-def _samples(n: int, side: int, controls: int):
+def _webp(side: int, seed: int) -> bytes:
+    b = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(1, 255, (side, side, 3), dtype=np.uint8)).save(
+        b, format="WEBP", lossless=True, method=0)
+    return b.getvalue()
+
+
+def _samples(n: int, side: int, controls: int, picture: str = "png"):
     for i in range(n):
-        pictures = [_png(side, i * 10 + c, keyed=(c == controls and i % 10 == 0)) for c in range(controls + 1)]
+        pictures = [_webp(side, i * 10 + c) if picture == "webp" else
+                    _png(side, i * 10 + c, keyed=(c == controls and i % 10 == 0)) for c in range(controls + 1)]
         yield f"s{i:05d}", pictures, f"edit {i}".encode()
 
 
-def make_source(root: Path, fmt: str, n: int, side: int, controls: int) -> int:
+def make_source(root: Path, fmt: str, n: int, side: int, controls: int, picture: str = "png") -> int:
     """The source; returns its bytes."""
     total = 0
     if fmt == "folder":
         for i in range(controls + 1):
             (root / ("target" if i == 0 else "control" if i == 1 else f"control_{i - 1}")).mkdir(parents=True)
-        for stem, pictures, caption in _samples(n, side, controls):
+        for stem, pictures, caption in _samples(n, side, controls, picture):
             for i, data in enumerate(pictures):
                 folder = "target" if i == 0 else "control" if i == 1 else f"control_{i - 1}"
-                (root / folder / f"{stem}.png").write_bytes(data)
+                (root / folder / f"{stem}.{picture}").write_bytes(data)
                 total += len(data)
             (root / "target" / f"{stem}.txt").write_bytes(caption)
         return total
     root.mkdir(parents=True)
     with tarfile.open(root / "shard-000.tar", "w", format=tarfile.USTAR_FORMAT) as tf:
-        for stem, pictures, caption in _samples(n, side, controls):
-            exts = ["png", *(("control.png" if i == 0 else f"control_{i}.png") for i in range(controls))]
+        for stem, pictures, caption in _samples(n, side, controls, picture):
+            exts = [picture, *((f"control.{picture}" if i == 0 else f"control_{i}.{picture}") for i in range(controls))]
             for ext, data in [*zip(exts, pictures), ("txt", caption)]:
                 info = tarfile.TarInfo(f"{stem}.{ext}")
                 info.size = len(data)
@@ -84,6 +98,7 @@ def main() -> None:
     ap.add_argument("--controls", type=int, default=2)
     ap.add_argument("--dir", default="/tmp/resize_header_reads")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--picture", default="png", choices=("png", "webp"))
     a = ap.parse_args()
 
     from features import decode
@@ -93,7 +108,7 @@ def main() -> None:
     work = Path(a.dir)
     src, store = work / "src", work / "store"
     if not src.exists():
-        size = make_source(src, a.format, a.samples, a.side, a.controls)
+        size = make_source(src, a.format, a.samples, a.side, a.controls, a.picture)
         print(f"source: {a.samples} samples x {a.controls + 1} pictures, {size / 2**20:.1f} MiB")
     cfg = load_config(None, SETTINGS)
     fixes, keyed = stage.FIXES, decode._colour_keyed
@@ -102,19 +117,30 @@ def main() -> None:
     if not store.exists():
         stage.run(cfg, src, store)
     stage.FEATURE_REVISION, stage.FIXES, decode._colour_keyed = 4, fixes, keyed
+    from stages.resize import header_checks
+
+    real_canvas = header_checks.webp_canvas
+    for label, canvas in ((("before (webp_canvas off)", lambda head: None),) if a.picture == "webp" else ()) + \
+            (("now", real_canvas),):
+        header_checks.webp_canvas = canvas
+        seconds, read, s = _reruns(cfg, src, store, work / "rerun", a.repeat, stage)
+        print(f"{label}: rerun at revision 4: written {s.written}, reused {s.reused}; read {read / 2**20:.1f} MiB "
+              f"(rchar) in {seconds:.2f} s (median of {a.repeat})")
+    header_checks.webp_canvas = real_canvas
+
+
+def _reruns(cfg, src: Path, store: Path, rerun: Path, repeat: int, stage) -> tuple[float, int, object]:
     import shutil
 
-    rerun = work / "rerun"
     times = []
-    for _ in range(a.repeat + 1):  # the first imports what the stage imports lazily (webdataset: torch): not timed
+    for _ in range(repeat + 1):  # the first imports what the stage imports lazily (webdataset: torch): not timed
         shutil.rmtree(rerun, ignore_errors=True)
         shutil.copytree(store, rerun)
         read, t = _rchar(), time.perf_counter()
         s = stage.run(cfg, src, rerun)
         times.append((time.perf_counter() - t, _rchar() - read))
     seconds, read = sorted(times[1:])[len(times[1:]) // 2]
-    print(f"rerun at revision 4: written {s.written}, reused {s.reused}; read {read / 2**20:.1f} MiB (rchar) "
-          f"in {seconds:.2f} s (median of {a.repeat})")
+    return seconds, read, s
 
 
 if __name__ == "__main__":

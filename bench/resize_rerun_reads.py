@@ -201,7 +201,7 @@ def parquet_run(src: Path, store: Path, before: bool) -> tuple[int, int, float]:
     parquet_source._open = lambda p: Counted(p)
     file_hashes.file_sha256, content.file_sha256 = sha, sha
     if before:  # no record read: every file read whole, as before
-        known_tars.known_tars = lambda st, rb, h, mb, limit=None, kind=known_tars.Kind(): \
+        known_tars.known_tars = lambda st, rb, h, mb, kind=known_tars.Kind(): \
             known_tars.KnownTars(h, {}, None, {}, kind)
     try:
         t = time.perf_counter()

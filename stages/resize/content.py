@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+from array import array
+from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm import tqdm
@@ -30,24 +32,56 @@ from stages.resize.sources import printable, source_files
 class Listing:
     """The lines a listing hash was made of, kept to settle a provisional listing (first_read.py): the pending tars'
     lines get the sha256 of the bytes streamed, every other line stays as it was hashed at the run's start (a file
-    changed during the run must not lend its new bytes' hash to rows rendered from the old ones)."""
+    changed during the run must not lend its new bytes' hash to rows rendered from the old ones).
+
+    Kept as the bytes hashed, one buffer, and where each line ends: ~140 B a file (a line's name and digest) where
+    a tuple of (path, name, digest) strings held ~430 B (a 1M-sample folder source of 3M files: ~1.2 GB, of it
+    the path's str kept alive by its Path); a line's local path is `prefix` + its name but where it is not."""
 
     def __init__(self) -> None:
-        self.lines: list[tuple[str | None, str, str]] = []  # (local path or None, name or URL line, digest)
+        self.prefix = ""  # the source's folder, as content_listing_hash names files relative to it
+        self._text = bytearray()  # each line as hashed: `name\0digest\n` (a URL line: `line\n`)
+        self._ends = array("Q")  # where each line ends in _text
+        self._paths: dict[int, str | None] = {}  # line -> its local path where not prefix + name (None: a URL line)
+
+    def add(self, path: str | None, name: str, digest: str = "") -> None:
+        """A local file's line (`path`, its `name` in the listing, `digest`), or a URL line (`path` None)."""
+        self._text += f"{name}\n".encode() if path is None else \
+            f"{name}\0{digest}\n".encode("utf-8", "surrogateescape")
+        if path is None or path != self.prefix + name:
+            self._paths[len(self._ends)] = path
+        self._ends.append(len(self._text))
+
+    def _lines(self) -> Iterator[tuple[str | None, bytes]]:
+        """(local path or None, the line's bytes) of each line."""
+        start = 0
+        for i, end in enumerate(self._ends):
+            line = bytes(self._text[start:end])
+            start = end
+            if i in self._paths:
+                yield self._paths[i], line
+            else:
+                yield self.prefix + line.partition(b"\0")[0].decode("utf-8", "surrogateescape"), line
+
+    def digests(self, paths: frozenset[str]) -> dict[str, str]:
+        """path -> the digest its line was hashed with, for each of `paths` listed."""
+        if not paths:
+            return {}
+        return {path: line[:-1].partition(b"\0")[2].decode() for path, line in self._lines()
+                if path is not None and path in paths}
 
     def hash(self, settled: dict[str, str] | None = None, unread: frozenset[str] = frozenset()) -> str:
         """`unread`: files a read error kept from being read whole; each adds a line no hash pass writes, its own
         line without its digest."""
+        if not settled and not unread:  # every line as hashed at the start
+            return hashlib.sha256(self._text).hexdigest()[:16]
         h = hashlib.sha256()
-        for path, name, digest in self.lines:
-            if path is None:
-                h.update(f"{name}\n".encode())
-                continue
+        for path, line in self._lines():
             # a file left unread: its bytes as far as read are in the rows, which a rerun compares
             # (still_unreadable.py); its digest is not (a tar streamed for its hash the first time is hashed up
             # front after: one file, two digests)
-            digest = "left unread" if path in unread else (settled or {}).get(path, digest)
-            h.update(f"{name}\0{digest}\n".encode("utf-8", "surrogateescape"))
+            digest = "left unread" if path in unread else (settled or {}).get(path) if path is not None else None
+            h.update(line if digest is None else line[:line.index(b"\0") + 1] + f"{digest}\n".encode())
         for path in sorted(unread):
             h.update(f"read error\0{path}\n".encode("utf-8", "surrogateescape"))
         return h.hexdigest()[:16]
@@ -60,8 +94,9 @@ def content_listing_hash(source: str | Path, pending: frozenset[str] = frozenset
     s = str(source)
     base = listing_base(s)
     h = hashlib.sha256()
-    lines = keep.lines if keep is not None else None
     prefix = os.path.join(os.path.abspath(base), "")
+    if keep is not None:
+        keep.prefix = prefix
     with FileHashes() as hashes:
         for f in tqdm(source_files(s), desc="source content hashes", unit="file", leave=False):
             name = _relative(str(f), prefix, base)
@@ -72,13 +107,13 @@ def content_listing_hash(source: str | Path, pending: frozenset[str] = frozenset
             except OSError as e:  # unreadable (permissions) or gone since the listing: its sample is quarantined
                 digest = f"unreadable {e.errno}"  # when read; once readable the hash changes, and it is rendered
             h.update(f"{name}\0{digest}\n".encode("utf-8", "surrogateescape"))
-            if lines is not None:
-                lines.append((str(f), name, digest))
+            if keep is not None:
+                keep.add(str(f), name, digest)
     if is_url(s):
         for line in remote_listing([u for u in remote_source_files(s) if is_url(u)]):
             h.update(f"{line}\n".encode())
-            if lines is not None:
-                lines.append((None, line, ""))
+            if keep is not None:
+                keep.add(None, line)
     return h.hexdigest()[:16]
 
 

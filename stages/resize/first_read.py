@@ -237,7 +237,7 @@ def settle_listing(writer: Any, streamed: dict[str, tuple[str, os.stat_result, i
                    if hashes.learn(tar, digest, before, started)}
     fmt.crash_point("listing_cached")
     settled = {path: learned.get(path, f"changed while read: {digest}")
-               for path, _, digest in listing.lines if path in pending}
+               for path, digest in listing.digests(pending).items()}
     schema = schema_for(listing.hash(settled, unread))
     if unread:  # a kill from here to the commit: the rerun finds the version by what it was opened as (`settling`)
         fmt.atomic_write_json(writer.dir / READ_ERRORS_JSON,

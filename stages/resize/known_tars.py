@@ -26,7 +26,8 @@ revision of the tar reader's rules (`READER`).
 
 A local parquet source's files are judged by the same rules (`parquet_kind`, note `source-parquet`): an unchanged
 file, every row of it a row, is not read beyond its footer (parquet_source.iter_parquet checks each file's columns
-from it); a changed file is read whole (a rewritten parquet file's row groups shift, and their bytes are not
+from it); a row whose headers must be checked is read from its row group's mapped columns alone (one group a
+time, kept for the rows after it: parquet_source._RowGroups), not its file whole; a changed file is read whole (a rewritten parquet file's row groups shift, and their bytes are not
 hashed apart: finding the unchanged ones would take a read of each anyway). Its note also records resize.columns
 (not in the render lineage: another mapping reads other cells, so a note of another one carries nothing). A parquet
 file at a URL is judged too (`Kind.urls`), by the sha256 of its URL, size and content tag, the identity the listing
@@ -48,8 +49,6 @@ from stages.resize.shards import is_url
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from stages.resize.header_checks import HeaderChecks
-    from stages.resize.pixel_limit import PixelLimit
     from store import Store
 
 NOTE = "source-tars"
@@ -76,9 +75,6 @@ class Kind:
     reader_revision: int | None = None  # None: the tar reader's `READER`, as it is when read
     settings: dict | None = None  # recorded; a note with other ones carries nothing
     urls: bool = False  # files at URLs judged too, by their size and content tag (`KnownTars.identity`)
-    # a sample's pictures' first bytes are read by their offsets for its header checks (a tar's members:
-    # picture_heads.TarIndex); a parquet cell's are not (its page is compressed whole): its file is read whole
-    heads: bool = True
 
     @property
     def reader(self) -> int:
@@ -86,7 +82,7 @@ class Kind:
 
 
 def parquet_kind(columns: Any) -> Kind:
-    return Kind(PARQUET_NOTE, PARQUET_READER, {"columns": columns.model_dump(mode="json")}, urls=True, heads=False)
+    return Kind(PARQUET_NOTE, PARQUET_READER, {"columns": columns.model_dump(mode="json")}, urls=True)
 
 
 class KnownTars:
@@ -143,11 +139,12 @@ class KnownTars:
 
 
 def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, max_file_bytes: int,
-               header_checks: PixelLimit | HeaderChecks | None = None, kind: Kind = Kind()) -> KnownTars:
+               kind: Kind = Kind()) -> KnownTars:
     """The tars (`kind`: or parquet files) recorded with the newest complete `images` version and unchanged now,
-    with their offered rows (none of a parquet file holding a sample `header_checks` must check from its bytes: a
-    lowered pixel limit, a transparent colour since revision 4, header_checks.py; a tar's are checked from its
-    members' first bytes, the tar carried)."""
+    with their offered rows. A sample whose headers must be checked (a lowered pixel limit, a transparent colour
+    since revision 4, header_checks.py) is offered too: checked from its tar members' first bytes
+    (picture_heads.TarIndex) or its parquet row group's image cells (parquet_source._RowGroups), the file
+    carried."""
     import pyarrow.compute as pc
 
     from schemas import UserError
@@ -182,9 +179,7 @@ def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, m
         for key, source, n, mask in zip(batch.column("key").to_pylist(), batch.column("source").to_pylist(),
                                         n_hashes, batch.column("mask_sha256").to_pylist()):
             tar = _tar_of(source, unchanged) if isinstance(source, str) else None
-            if tar is not None and not kind.heads and header_checks is not None and not header_checks.unread_ok(key):
-                read_whole.add(tar)  # read whole once, its samples judged from their bytes (not one re-read a row)
-            elif tar is not None and n and mask is not None and rendered_before.get(key) == mask:
+            if tar is not None and n and mask is not None and rendered_before.get(key) == mask:
                 by_tar.setdefault(tar, []).append(i)
             i += 1
     return KnownTars(hashes, {t: recorded[t] for t in unchanged}, rows,

@@ -403,10 +403,11 @@ def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int, known: Any
         carried = known.unchanged(str(path)) if known is not None and isinstance(lay, _Layout) else None
         if carried is not None:
             sha, rows = carried
+            groups = _RowGroups(path, lay, max_file_bytes)  # a row group read only when a row is read after all
             for source, hit in rows:
-                no = source[len(str(path)) + 1:]
+                no = int(source[len(str(path)) + 1:])
                 yield SourceSample(name=f"{_stem(path)}:{no}", source=source, known=hit,
-                                   reread=partial(_reread_row, path, int(no), lay, max_file_bytes))
+                                   reread=partial(groups.row, no), heads=partial(groups.heads, no))
             known.note(str(path), sha, len(rows))
             continue
         if known is not None and str(path) in known.pending:  # read for the first time: hashed as it is read
@@ -454,26 +455,58 @@ def _hashed_file(path: Path, layouts: dict, max_file_bytes: int, known: Any, don
 
 def _reread_row(path: Path, no: int, lay: _Layout, max_file_bytes: int) -> Any:
     """Row `no` of a file carried unread, read after all (its row group's mapped columns)."""
-    import pyarrow.parquet as pq
+    return _RowGroups(path, lay, max_file_bytes).row(no)
 
-    from stages.resize.sources import SourceSample, is_read_error
 
-    try:
-        with pq.ParquetFile(_open(path), metadata=_footer(path)) as pf:
+class _RowGroups:
+    """The rows of a file carried unread that are read after all: for their pictures' header checks (`heads`: a
+    lowered resize.max_image_pixels, a transparent colour since revision 4, header_checks.py) or to be judged from
+    their bytes (`row`). Each from its row group's mapped columns alone, the last group kept for the rows after it
+    (one row group held, the reader's own bound): the rows of a group checked one after another read it once.
+    Before, a file holding one row to check was read whole, every row of it judged from its bytes."""
+
+    def __init__(self, path: Path, lay: _Layout, max_file_bytes: int) -> None:
+        self._path, self._lay, self._max = path, lay, max_file_bytes
+        self._group: tuple[int, int, Any] | None = None  # (first row, end row, its mapped columns)
+
+    def heads(self, no: int) -> Any:
+        """The row's pictures' first bytes (header_checks.Heads); None for a row that does not read as a sample
+        (judged from its bytes instead, which names why)."""
+        from stages.resize.header_checks import heads_of
+
+        s = self.row(no)
+        return None if s.problem is not None else heads_of(s)
+
+    def row(self, no: int) -> Any:
+        from stages.resize.sources import SourceSample, is_read_error
+
+        path = self._path
+        try:
+            group = self._group if self._group is not None and self._group[0] <= no < self._group[1] else \
+                self._read_group(no)
+            if group is not None:
+                self._group = group
+                row = group[2].slice(no - group[0], 1).to_pylist()[0]
+                return _sample(row, self._lay, path, no, self._max)
+        except (OSError, ValueError) as e:  # pyarrow's errors are OSError / ValueError (ArrowInvalid)
+            if is_read_error(path, e):
+                return next(_unread_rows(path, no, no + 1, e))
+            return SourceSample(name=f"{_stem(path)}:{no}", source=f"{path}:{no}", problem=f"cannot read row {no} "
+                                f"of {path} again (it changed while this run read it?): {e}; rerun")
+        return SourceSample(name=f"{_stem(path)}:{no}", source=f"{path}:{no}", problem=f"row {no} is no longer in "
+                            f"{path} (the file changed while this run read it); rerun")
+
+    def _read_group(self, no: int) -> tuple[int, int, Any] | None:
+        import pyarrow.parquet as pq
+
+        with pq.ParquetFile(_open(self._path), metadata=_footer(self._path)) as pf:
             first = 0
             for g in range(pf.metadata.num_row_groups):
                 n = pf.metadata.row_group(g).num_rows
                 if no < first + n:
-                    row = pf.read_row_group(g, columns=lay.names).slice(no - first, 1).to_pylist()[0]
-                    return _sample(row, lay, path, no, max_file_bytes)
+                    return first, first + n, pf.read_row_group(g, columns=self._lay.names)
                 first += n
-    except (OSError, ValueError) as e:  # pyarrow's errors are OSError / ValueError (ArrowInvalid)
-        if is_read_error(path, e):
-            return next(_unread_rows(path, no, no + 1, e))
-        return SourceSample(name=f"{_stem(path)}:{no}", source=f"{path}:{no}", problem=f"cannot read row {no} of "
-                            f"{path} again (it changed while this run read it?): {e}; rerun")
-    return SourceSample(name=f"{_stem(path)}:{no}", source=f"{path}:{no}", problem=f"row {no} is no longer in "
-                        f"{path} (the file changed while this run read it); rerun")
+        return None
 
 
 def _file_samples(path: Any, layouts: dict, max_file_bytes: int, hashed: Any = None,

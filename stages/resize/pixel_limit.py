@@ -43,7 +43,8 @@ class PixelLimit:
         """Is every image of the sample (target, controls, mask: readers of their first bytes) within the limit?"""
         from stages.resize.header_checks import from_header
 
-        return key not in self.recheck or all(from_header(r, picture_pixels) <= self.limit for r in pictures)
+        return key not in self.recheck or all(from_header(r, picture_pixels, webp_pixels) <= self.limit
+                                              for r in pictures)
 
 
 def pixel_limit(st: Store, limit: int) -> PixelLimit:
@@ -106,6 +107,14 @@ def _area(size: object) -> float:
     if isinstance(size, list) and len(size) == 2 and all(isinstance(s, int) for s in size):
         return size[0] * size[1]
     return float("inf")
+
+
+def webp_pixels(canvas: tuple[int, int]) -> float:
+    """picture_pixels of a WebP of this canvas size (header_checks.webp_canvas): infinite where Pillow would not
+    open it."""
+    from stages.resize.header_checks import over_pillow_limit
+
+    return float("inf") if over_pillow_limit(canvas) else canvas[0] * canvas[1]
 
 
 def picture_pixels(fp: IO[bytes]) -> float:

@@ -247,71 +247,123 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
 def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> ResizeSummary:
     from store import Store  # here, not at the top: render workers import this module and need no torch
 
-    rc = cfg.resize
-    check_config(rc)
+    check_config(cfg.resize)
     # an existing --store path is checked first (a file is refused by Store); a missing one is created only once
     # the source is known to be there (a typo in --source left an empty store behind)
     st = store if isinstance(store, Store) else Store(store) if Path(store).exists() else None
     source = _named_source(source)
     started = time.perf_counter()
     fmt = detect_format(source)
-    # an unset parquet mask column: `mask` where the files have one, in the lineage as set so; into a store that
-    # exists, resolved once this run's listing is known (`_mask_by_a_version`: an up-to-date rerun reads no footer)
-    later = fmt == "parquet" and rc.columns.mask is None and st is not None
-    if fmt == "parquet" and not later:
-        rc = rc.model_copy(update={"columns": columns_in_force(source, rc.columns)})
-    notes = [] if later else _source_notes(source, fmt, cfg.resize.columns, rc.columns)  # refused before a store
+    rc, notes, mask_later = _settings_for_source(cfg, source, fmt, existing_store=st is not None)
     st = st if st is not None else Store(store)
     # the store's split rule unless resize.split_by sets one: its samples keep their splits (split_rule.py)
     rc = rc.model_copy(update={"split_by": rule_in_force(st, rc.split_by)})
+    lineage = _this_runs_lineage(cfg, rc, notes, st, source, fmt, mask_later)
+    found, newer = _up_to_date_version(st, lineage.schema)
+    if found is not None:
+        return _up_to_date_summary(st, found, newer, lineage.rc, source, lineage.notes, started)
+    return _write_version(cfg, st, source, fmt, lineage, started)
+
+
+def _settings_for_source(cfg: PipelineConfig, source: str | Path, fmt: str,
+                         existing_store: bool) -> tuple[ResizeConfig, list[str], bool]:
+    """(resize settings in force for the source, its summary notes, whether a parquet source's unset mask column
+    is resolved later): the notes' refusals come before a store is made."""
+    rc = cfg.resize
+    # an unset parquet mask column: `mask` where the files have one, in the lineage as set so; into a store that
+    # exists, resolved once this run's listing is known (`_mask_by_a_version`: an up-to-date rerun reads no footer)
+    later = fmt == "parquet" and rc.columns.mask is None and existing_store
+    if fmt == "parquet" and not later:
+        rc = rc.model_copy(update={"columns": columns_in_force(source, rc.columns)})
+    notes = [] if later else _source_notes(source, fmt, cfg.resize.columns, rc.columns)  # refused before a store
+    return rc, notes, later
+
+
+@dataclass
+class _Lineage:
+    """What this run's version is found or opened under: the resize settings and source notes in force, its
+    schema, the listing lines its source hash was made of (settled before the commit: first_read.py) and the local
+    tars / parquet files read for the first time (hashed while read: `pending`)."""
+
+    rc: ResizeConfig
+    notes: list[str]
+    schema: TableSchema
+    listing: Listing
+    pending: frozenset[str]
+
+
+def _provisional(rc: ResizeConfig, source: str | Path, fmt: str, tars: frozenset[str]) -> tuple[TableSchema, Listing]:
+    """The schema under a listing with `tars` standing for their stat stamps, and that listing's lines."""
+    listing = Listing()  # its lines kept: the lineage is settled from them (first_read.py)
+    return _supersede_earlier_revision(images_schema(rc, content_listing_hash(source, tars, listing),
+                                                     source=str(source), source_format=fmt)), listing
+
+
+def _this_runs_lineage(cfg: PipelineConfig, rc: ResizeConfig, notes: list[str], st: Store, source: str | Path,
+                       fmt: str, mask_later: bool) -> _Lineage:
     # local tars / parquet files read for the first time: hashed while read, the lineage settled at the commit
     pending = pending_tars(st, source, fmt)
-
-    def provisional(tars: frozenset[str]) -> tuple[TableSchema, Listing]:
-        listing = Listing()  # its lines kept: the lineage is settled from them (first_read.py)
-        return _supersede_earlier_revision(images_schema(rc, content_listing_hash(source, tars, listing),
-                                                         source=str(source), source_format=fmt)), listing
-
-    schema, listing = provisional(pending)
-    if later:
+    schema, listing = _provisional(rc, source, fmt, pending)
+    if mask_later:
         rc, notes = _mask_by_a_version(st, rc, source, pending, listing.hash()) or \
             _mask_from_footers(rc, source, cfg.resize.columns)
         schema = _supersede_earlier_revision(images_schema(rc, listing.hash(), source=str(source), source_format=fmt))
     # a run killed between caching the streamed hashes and rewriting schema.json: its tars taken as pending again
-    if (killed := settling(st, fmt, pending, schema.to_dict(), provisional)) is not None:
+    if (killed := settling(st, fmt, pending, schema.to_dict(), partial(_provisional, rc, source, fmt))) is not None:
         pending, (schema, listing) = killed
-    found, newer = _up_to_date_version(st, schema)
-    if found is not None:
-        return _up_to_date_summary(st, found, newer, rc, source, notes, started)
+    return _Lineage(rc, notes, schema, listing, pending)
+
+
+def _write_version(cfg: PipelineConfig, st: Store, source: str | Path, fmt: str, lineage: _Lineage,
+                   started: float) -> ResizeSummary:
+    """Open this run's version (or resume it), fill it and commit it; its summary. A run whose unread files fail
+    alike again keeps the version it found instead (`_kept_summary`)."""
+    rc, schema = lineage.rc, lineage.schema
     _refuse_a_switch_without_hashes(st, rc, schema)
     repairing = _damaged_current(st)
-    _say_why_new(st, schema, pending)
+    _say_why_new(st, schema, lineage.pending)
     moved = _adopted(st, schema)
     writer = st.writer(TABLE, schema, shard_size_mb=rc.shard_size_mb)
     intake = _Intake(ResizeSummary(version=writer.version, quarantine_file=str(st.root / "quarantine.parquet"),
-                                   sizes=sizes_in_force(rc.model_dump()), source=str(source), source_notes=notes,
+                                   sizes=sizes_in_force(rc.model_dump()), source=str(source),
+                                   source_notes=lineage.notes,
                                    source_before=moved.before if moved and moved.version == writer.version else ""))
     try:
-        record_pending(writer, pending)
-        carry = _render_source(source, fmt, rc, writer, *_rendered_before(st, schema), intake, st, pending,
-                               read_columns=cfg.resize.columns)
-        _carry_forward(st, writer, schema, carry, intake.summary, rc)
-        if intake.unread:
-            _refuse_unread_repair(intake)
-        if pending or intake.unread:  # before the commit: the lineage of the bytes streamed (first_read.py)
-            settle_listing(writer, intake.tars.streamed if intake.tars is not None else {}, pending, listing,
-                           lambda hashed: _supersede_earlier_revision(
-                               images_schema(rc, hashed, source=str(source), source_format=fmt)),
-                           frozenset(intake.unread))
-            if intake.unread and (kept := _same_version(st, writer)) is not None:
-                # the unread files read again fail alike, nothing else changed: no new version (still_unreadable.py)
-                st.add_quarantine(intake.rejects)  # equal rows are not repeated; another OS error is recorded
-                discard_version(writer)
-                return _kept_summary(st, kept, intake.summary, sorted(intake.unread), started)
-        _commit(st, writer, source, intake)
+        kept = _fill_and_commit(cfg, st, writer, intake, source, fmt, lineage, started)
     finally:
         writer.close()
-    summary = intake.summary
+    return kept if kept is not None else _committed_summary(st, intake.summary, rc, repairing, started)
+
+
+def _fill_and_commit(cfg: PipelineConfig, st: Store, writer: Any, intake: _Intake, source: str | Path, fmt: str,
+                     lineage: _Lineage, started: float) -> ResizeSummary | None:
+    """Render and carry every sample into `writer`, settle its lineage and commit it. None once committed; the
+    kept version's summary when the files a read error left unread fail alike again (still_unreadable.py)."""
+    rc, pending = lineage.rc, lineage.pending
+    record_pending(writer, pending)
+    carry = _render_source(source, fmt, rc, writer, *_rendered_before(st, lineage.schema), intake, st, pending,
+                           read_columns=cfg.resize.columns)
+    _carry_forward(st, writer, lineage.schema, carry, intake.summary, rc)
+    if intake.unread:
+        _refuse_unread_repair(intake)
+    if pending or intake.unread:  # before the commit: the lineage of the bytes streamed (first_read.py)
+        settle_listing(writer, intake.tars.streamed if intake.tars is not None else {}, pending, lineage.listing,
+                       lambda hashed: _supersede_earlier_revision(
+                           images_schema(rc, hashed, source=str(source), source_format=fmt)),
+                       frozenset(intake.unread))
+        if intake.unread and (kept := _same_version(st, writer)) is not None:
+            # the unread files read again fail alike, nothing else changed: no new version (still_unreadable.py)
+            st.add_quarantine(intake.rejects)  # equal rows are not repeated; another OS error is recorded
+            discard_version(writer)
+            return _kept_summary(st, kept, intake.summary, sorted(intake.unread), started)
+    _commit(st, writer, source, intake)
+    return None
+
+
+def _committed_summary(st: Store, summary: ResizeSummary, rc: ResizeConfig, repairing: int | None,
+                       started: float) -> ResizeSummary:
+    """The summary of the version just committed, its counts the whole version's where samples were carried or
+    resumed; a repaired version checked first."""
     if repairing is not None:
         _verify_repaired(st, summary, repairing)
     summary.seconds = time.perf_counter() - started
@@ -792,8 +844,8 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
         # samples of a folder or JSONL source the newest version holds, their files unchanged: carried, not read;
         # of a webdataset or parquet source, whole tars / parquet files (known_tars.py)
         known = known_sources(st, rendered_before, hashes, rc.max_file_bytes) if fmt in ("folder", "jsonl") else \
-            known_tars(st, rendered_before, hashes, rc.max_file_bytes, header_checks) if fmt == "webdataset" else \
-            known_tars(st, rendered_before, hashes, rc.max_file_bytes, header_checks, parquet_kind(rc.columns))
+            known_tars(st, rendered_before, hashes, rc.max_file_bytes) if fmt == "webdataset" else \
+            known_tars(st, rendered_before, hashes, rc.max_file_bytes, parquet_kind(rc.columns))
         intake.tars, intake.max_file_bytes = (known if fmt in ("webdataset", "parquet") else None), rc.max_file_bytes
         if intake.tars is not None:
             intake.tars.pending = pending

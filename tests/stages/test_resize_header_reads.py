@@ -62,6 +62,61 @@ def test_a_header_is_read_from_a_prefix_that_grows_only_while_the_header_goes_on
     assert asked == [FIRST_READ + 1, 4 * FIRST_READ + 1]  # its tRNS past 200 KB of text: 256 KiB
 
 
+def _webps() -> dict[str, bytes]:
+    """WebP files of each first chunk: a simple lossy one (VP8), a lossless one (VP8L), one with alpha and one
+    animated (VP8X: a canvas size), each past the first read."""
+    big = Image.fromarray(np.random.default_rng(4).integers(1, 255, (300, 420, 3), dtype=np.uint8))
+    cutout = big.convert("RGBA")
+    cutout.putalpha(Image.fromarray(np.where(np.arange(420) < 30, 0, 255).astype(np.uint8)[None].repeat(300, 0)))
+    out = {}
+    for name, im, kw in (("lossy", big, {"quality": 95}), ("lossless", big, {"lossless": True}),
+                         ("alpha", cutout, {"quality": 95}),
+                         ("animated", big, {"save_all": True, "append_images": [big.rotate(180)], "lossless": True})):
+        b = io.BytesIO()
+        im.save(b, format="WEBP", **kw)
+        out[name] = b.getvalue()
+    return out
+
+
+def test_a_webp_header_is_read_from_its_first_bytes_as_its_whole_file_says(monkeypatch):
+    """Pillow reads a WebP whole to open it: its header checks read the RIFF header's first chunk instead (a VP8X
+    canvas, a VP8 / VP8L frame header), answering as the whole file does, Pillow's bomb limit included."""
+    from PIL import WebPImagePlugin
+
+    from stages.resize.header_checks import HeaderChecks, Heads, webp_keyed
+    from stages.resize.pixel_limit import PixelLimit, webp_pixels
+
+    webps = _webps()
+    assert {name: data[12:16] for name, data in webps.items()} == {"lossy": b"VP8 ", "lossless": b"VP8L",
+                                                                    "alpha": b"VP8X", "animated": b"VP8X"}
+    for limit in (None, 50_000):  # Pillow's own hard limit (2 x MAX_IMAGE_PIXELS) under the size: not opened
+        monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", limit)
+        for name, data in webps.items():
+            assert len(data) > FIRST_READ + 1, name
+            for judge, webp in ((picture_pixels, webp_pixels), (has_transparent_colour, webp_keyed)):
+                asked: list[int] = []
+                assert from_header(_counting(data, asked), judge, webp) == judge(io.BytesIO(data)), (name, judge)
+                assert asked == [FIRST_READ + 1], (name, judge)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 50_000)
+    assert picture_pixels(io.BytesIO(webps["lossy"])) == float("inf") and has_transparent_colour(webps["lossy"])
+    monkeypatch.undo()
+    assert picture_pixels(io.BytesIO(webps["lossy"])) == 420 * 300
+    # a revision-3 row and a lowered pixel limit: each picture's first bytes alone, the answer the whole gives
+    for limit, fits in ((420 * 300, True), (420 * 300 - 1, False)):
+        asked = []
+        checks = HeaderChecks(PixelLimit(limit, {"k": (float("inf"), True)}), colour_checked={"k"})
+        heads = Heads(_counting(webps["lossy"], asked), (_counting(webps["alpha"], asked),
+                                                         _counting(webps["animated"], asked)), None)
+        assert checks.heads_fit("k", heads) is fits
+        assert set(asked) == {FIRST_READ + 1}
+    # a file whose first chunk is no frame header Pillow knows is judged from the whole file, as before
+    damaged = webps["lossy"][:23] + b"\0\0\0" + webps["lossy"][26:]
+    asked = []
+    assert from_header(_counting(damaged, asked), picture_pixels, webp_pixels) == picture_pixels(io.BytesIO(damaged))
+    assert max(asked) > len(damaged)
+    assert WebPImagePlugin.SUPPORTED
+
+
 def _folder(root, pictures: dict[str, list[bytes]]) -> None:
     for i in range(max(len(p) for p in pictures.values())):
         (root / ("target" if i == 0 else "control" if i == 1 else f"control_{i - 1}")).mkdir(parents=True)
@@ -223,3 +278,35 @@ def test_a_carried_tar_whose_samples_became_copies_is_not_streamed_once_a_sample
     def quarantine(store):
         return sorted((r["reason"], r["source"], r["detail"]) for r in Store(store).quarantine().to_pylist())
     assert quarantine(tmp_path / "store") == quarantine(tmp_path / "fresh")
+
+
+def test_a_revision_3_rerun_of_a_parquet_source_checks_its_rows_from_their_row_groups(monkeypatch, tmp_path):
+    """A parquet row's cells have no prefix to read: each carried row is checked from its row group's mapped
+    columns (parquet_source._RowGroups), each group read once, the file carried (before: read whole, every row
+    judged from its bytes). The cut-out alone is rendered again, as a fresh run renders it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stages.resize import parquet_source
+
+    cfg = load_config(None, SMALL)
+    (tmp_path / "src").mkdir()
+    stems = list(PICTURES)
+    pq.write_table(pa.table({
+        "target": pa.array([PICTURES[s][0] for s in stems], pa.binary()),
+        "controls": pa.array([PICTURES[s][1:] for s in stems], pa.list_(pa.binary())),
+        "caption": pa.array([f"edit {s}" for s in stems]),
+    }), tmp_path / "src" / "pairs.parquet", row_group_size=2)
+    _build_at_revision_3(monkeypatch, cfg, tmp_path / "src", tmp_path / "store")
+    groups, whole = [], []
+    real_group, real_file = parquet_source._RowGroups._read_group, parquet_source._file_samples
+    monkeypatch.setattr(parquet_source._RowGroups, "_read_group", lambda self, no: groups.append(no) or
+                        real_group(self, no))
+    monkeypatch.setattr(parquet_source, "_file_samples", lambda *a, **k: whole.append(a[0]) or real_file(*a, **k))
+    rerun = resize_stage.run(cfg, tmp_path / "src", tmp_path / "store")
+    assert (rerun.written, rerun.reused) == (1, 2)
+    # rows in the version's order: each of the 2 groups read once (the cut-out read again from the kept group)
+    assert whole == [] and len(groups) == 2 and {no // 2 for no in groups} == {0, 1}
+    monkeypatch.undo()
+    resize_stage.run(cfg, tmp_path / "src", tmp_path / "fresh")
+    assert _contents(tmp_path / "store") == _contents(tmp_path / "fresh")

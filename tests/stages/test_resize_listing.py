@@ -122,3 +122,70 @@ def test_the_jsonl_listing_hash_is_unchanged(tmp_path, monkeypatch):
 
 
 PINNED_JSONL_LISTING = "50b0a7cdc04bd995"  # content_listing_hash of _jsonl_source before this change
+
+
+def _old_hash(lines: list[tuple], settled: dict | None = None, unread: frozenset = frozenset()) -> str:
+    """Listing.hash as it was, over (path, name, digest) tuples: the settled hash must not move."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for path, name, digest in lines:
+        if path is None:
+            h.update(f"{name}\n".encode())
+            continue
+        digest = "left unread" if path in unread else (settled or {}).get(path, digest)
+        h.update(f"{name}\0{digest}\n".encode("utf-8", "surrogateescape"))
+    for path in sorted(unread):
+        h.update(f"read error\0{path}\n".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()[:16]
+
+
+def test_the_kept_listing_settles_to_the_hashes_its_lines_gave(tmp_path, monkeypatch):
+    """The listing kept to settle a provisional lineage (first_read.py) is one buffer now, not a tuple of strings a
+    file: every settled or unread variant hashes as the tuples did (a Latin-1 name, a symlink, a URL line too)."""
+    from stages.resize.content import Listing
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    src = _odd_folder(tmp_path)
+    seen: list[tuple] = []
+    real_add = Listing.add
+    monkeypatch.setattr(Listing, "add", lambda self, path, name, digest="": (seen.append((path, name, digest)),
+                                                                              real_add(self, path, name, digest))[1])
+    kept = Listing()
+    assert content_listing_hash(src, keep=kept) == PINNED_LISTING == kept.hash()
+    kept.add(None, "https://host/shard-0.tar 10 etag")  # a URL line: no path
+    latin1 = next(p for p, _, _ in seen if p is not None and "caf" in p)
+    link = next(p for p, _, _ in seen if p is not None and p.endswith("in.png"))
+    for settled, unread in (({}, frozenset()), ({link: "f" * 64}, frozenset()), ({}, frozenset({latin1, link})),
+                            ({latin1: "changed while read: x"}, frozenset({str(src / "target" / "a.png")}))):
+        assert kept.hash(settled, unread) == _old_hash(seen, settled, unread)
+    assert kept.digests(frozenset({latin1, link})) == {p: d for p, _, d in seen if p in (latin1, link)}
+
+
+def test_the_kept_listing_holds_little_a_file(tmp_path, monkeypatch):
+    """A 1M-sample folder source lists ~3M files: the kept listing held ~430 B a file as (path, name, digest)
+    strings (~1.2 GB); its lines' bytes are ~140 B."""
+    import gc
+    import tracemalloc
+
+    from stages.resize.content import Listing
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (tmp_path / "src" / "target").mkdir(parents=True)
+    files = 3000
+    for i in range(files // 2):
+        (tmp_path / "src" / "target" / f"pair_{i:07d}.png").write_bytes(b"p%d" % i)
+        (tmp_path / "src" / "target" / f"pair_{i:07d}.txt").write_bytes(b"c%d" % i)
+    content_listing_hash(tmp_path / "src")  # the cache rows written, modules imported: not counted
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        kept = Listing()
+        content_listing_hash(tmp_path / "src", keep=kept)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept.hash() == content_listing_hash(tmp_path / "src")
+    assert held / files < 200, held / files

@@ -185,3 +185,26 @@ def test_files_at_a_url_are_judged_by_their_size_and_etag(s3_env, tmp_path: Path
     fresh = tmp_path / "fresh"
     stage.run(load_config(None, {**SMALL, **over}), url, fresh)
     assert _rows(Store(out)) == _rows(Store(fresh)) and _quarantine(Store(out)) == _quarantine(Store(fresh))
+
+
+def test_a_row_to_check_under_a_lowered_pixel_limit_is_read_from_its_row_group(tmp_path: Path, monkeypatch) -> None:
+    """resize.max_image_pixels lowered under one row's target: that row's headers are read from its row group's
+    image cells (parquet_source._RowGroups), the file carried, not read whole with every row judged from its
+    bytes (before: the whole file once a row of it needed a check). Quarantined as a fresh run quarantines it."""
+    src, out = tmp_path / "src", tmp_path / "store"
+    src.mkdir()
+    rng = np.random.default_rng(5)
+    pq.write_table(pa.table({
+        "target": pa.array([_png(rng, 400 if i == 4 else 320) for i in range(ROWS)], pa.binary()),
+        "controls": pa.array([[] for _ in range(ROWS)], pa.list_(pa.binary())),
+        "caption": pa.array([f"edit {i}" for i in range(ROWS)]),
+    }), src / "part-0.parquet", row_group_size=3)
+    stage.run(load_config(None, SMALL), src, out)
+    lowered = {"resize.max_image_pixels": 400 * 400 - 1}
+
+    counts = _counting(monkeypatch, src)
+    again = stage.run(load_config(None, {**SMALL, **lowered}), src, out)
+    assert again.quarantined == {"image-too-large": 1} and again.written == 0 and again.reused == ROWS - 1
+    size = (src / "part-0.parquet").stat().st_size
+    assert FOOTERS < counts["part-0.parquet"] < FOOTERS + size / 2  # row group 1 (rows 3-5), once: not the file
+    _same_as_fresh(tmp_path, out, src, lowered)
