@@ -428,7 +428,6 @@ def _hashed_file(path: Path, layouts: dict, max_file_bytes: int, known: Any, don
     the cache, when it was read whole and is unchanged since its read began (first_read.py)."""
     from stages.resize.first_read import file_stamp
     from stages.resize.hashed_parquet import HashedParquet
-    from stages.resize.sources import SourceSample
 
     started = time.time_ns()  # the file-hash cache judges a whole-second stamp by it (models/file_hashes.RACY_NS)
     before = file_stamp(path)
