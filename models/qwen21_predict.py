@@ -90,6 +90,35 @@ def media_placeholders(text: str, processor) -> list[str]:
             if isinstance(t, str) and t and t in text]
 
 
+def refuse_placeholders(processor, what: str, text: str) -> None:
+    """One line where `text` (the prompt or negative prompt) holds a `media_placeholders` token: the stock
+    pipelines (2.1 and the Edit models alike) fail on it with the processor's ValueError, after every component
+    has loaded."""
+    from schemas.errors import UserError
+
+    if held := media_placeholders(text, processor):
+        raise UserError(f"the {what} holds {', '.join(held)}, a placeholder the model's processor reserves for a "
+                        f"picture or video (the stock pipeline refuses such a prompt); remove it from the {what}")
+
+
+def check_placeholders_before_loading(model: str, prompts: list[tuple[str, str | None]],
+                                      negative_prompt: str | None) -> None:
+    """`refuse_placeholders` for an Edit / Edit-Plus model with its processor alone, before the transformer, text
+    encoder and VAE load (a 2.1 model's prompts meet it in `check_prompt_fits`). `prompts`: (where it is set, the
+    prompt); `negative_prompt`: None where it is not encoded (no true CFG)."""
+    from models.loading import load_component
+    from schemas.errors import UserError
+
+    processor = load_component(model, "processor")
+    for where, prompt in prompts:
+        try:
+            for what, text in (("prompt", prompt), ("negative prompt", negative_prompt)):
+                if text is not None:
+                    refuse_placeholders(processor, what, text)
+        except UserError as e:
+            raise UserError(f"{where}{e}") from None
+
+
 def check_prompt_fits(pipe, images: list, prompt: str, negative_prompt: str | None, height: int | None,
                       width: int | None) -> int:
     """Positions left after the target's (>= 0), or a UserError when the target would sit past the transformer's
@@ -110,9 +139,7 @@ def check_prompt_fits(pipe, images: list, prompt: str, negative_prompt: str | No
     for what, text in (("prompt", prompt), ("negative prompt", negative_prompt)):
         if text is None:
             continue
-        if held := media_placeholders(text, pipe.processor):  # the processor's ValueError, after loading the model
-            raise UserError(f"the {what} holds {', '.join(held)}, a placeholder the model's processor reserves for a "
-                            f"picture or video (the stock pipeline refuses such a prompt); remove it from the {what}")
+        refuse_placeholders(pipe.processor, what, text)  # the processor's ValueError, after loading the model
         tokens = _text_tokens(pipe, text, len(images))
         at = target_frame_position(tokens, refs)
         if at >= frame_positions():

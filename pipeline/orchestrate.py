@@ -351,7 +351,8 @@ def _check_resize(cfg: PipelineConfig, model: str) -> None:
     """Resize settings the model's encoders cannot use, refused before resize-bucket renders the whole source:
     an Edit-Plus encode-text refuses a table without the VL views (after resize-bucket ran), and a 2.1
     encode-text quarantines every reference whose side is not a multiple of its 32 px VLM slot, or whose area
-    (resize.control_vae_area) its VLM processor resizes; and a 2.1 model's resize.keep_alpha left unset."""
+    (resize.control_vae_area) its VLM processor resizes; and a 2.1 model's resize.keep_alpha or max_controls left
+    unset."""
     from models.loading import model_variant, pipeline_family
     from stages.encode.qwen21 import PIXELS_PER_SIDE  # the rule encode-text quarantines by (`_side_rejection`)
 
@@ -372,6 +373,15 @@ def _check_resize(cfg: PipelineConfig, model: str) -> None:
                         f"but {model} (Qwen-Image-2.1) reads RGBA: set resize.keep_alpha: true to train them with "
                         "their alpha (configs/qwen-image-2.1.yaml), or resize.keep_alpha: false to flatten them on "
                         "purpose (a store made without it stays up to date)")
+    # unset, max_controls is Edit-Plus's 3: a 2.1 run quarantined every sample with 4..10 references as
+    # control-count, said only in resize's summary; refused alike (3 and unset hash alike)
+    if variant == "qwen-image-2.1" and "max_controls" not in cfg.resize.model_fields_set:
+        from models.qwen21_multires import MAX_REFERENCES
+
+        raise UserError(f"resize.max_controls is unset ({cfg.resize.max_controls}: Edit-Plus's limit, more "
+                        f"references are quarantined), but {model} (Qwen-Image-2.1) takes up to {MAX_REFERENCES}: "
+                        f"set resize.max_controls: {MAX_REFERENCES} to train them (configs/qwen-image-2.1.yaml), or "
+                        f"resize.max_controls: {cfg.resize.max_controls} to keep the limit on purpose")
     if variant == "qwen-image-2.1":
         from models.qwen21_predict import check_reference_area
 

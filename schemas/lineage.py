@@ -157,6 +157,19 @@ def hashed_settings(section: BaseModel, scope: Scope = "output", as_set: bool = 
     return out
 
 
+def unread_settings(section: BaseModel, prefix: tuple[str, ...] = ()) -> set[tuple[str, ...]]:
+    """The paths (nested names) of the section's settings it does not read (their Role's `read_if` false: e.g. the
+    σ parameters `sigma.sampling` does not read), which enter a hash as their defaults (`hashed_settings`)."""
+    unread: set[tuple[str, ...]] = set()
+    for name in type(section).model_fields:
+        role, value = role_of(type(section), name), getattr(section, name)
+        if role is not None and role.read_if is not None and not role.read_if(section):
+            unread.add((*prefix, name))
+        elif isinstance(value, BaseModel):
+            unread |= unread_settings(value, (*prefix, name))
+    return unread
+
+
 def serving_variants(section: BaseModel) -> list[BaseModel]:
     """The settings, besides `section` itself, whose outputs serve a run of it: each combination of its `adds_only`
     settings that are off here turned on (such an output holds everything this run's would, plus columns it does

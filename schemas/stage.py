@@ -4,7 +4,7 @@ that prints `str(summary)` - the stage's one-line summary - and notes whether th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Mapping, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -31,6 +31,14 @@ def absolute(path: str | Path | None) -> str | None:
     """A path as a `--json` record names it: resolved, whatever the cwd or the config's spelling (a relative
     --out gave a relative `report` beside an absolute `best_checkpoint`); None stays None."""
     return None if path is None else str(Path(path).resolve())
+
+
+def quarantined_line(by_reason: Mapping[str, int], rows_in: str = "") -> str:
+    """'quarantined 3: control-count 2, duplicate 1 (rows in FILE)': a stage's quarantined samples counted by
+    reason, the one way every stage's summary says them ('quarantined 0' for none)."""
+    n = sum(by_reason.values())
+    return (f"quarantined {n}" + (": " + ", ".join(f"{r} {c}" for r, c in sorted(by_reason.items())) if n else "")
+            + (f" (rows in {rows_in})" if n and rows_in else ""))
 
 
 def few(keys, most: int = 10) -> str:

@@ -184,6 +184,11 @@ def checked_controls(cfg, model: str, images: list[Path], prompt: str, out: Path
 
         check_prompt_before_loading(model, pil, prompt, cfg.negative_prompt if _cfg_21(cfg) > 1 else None, height,
                                     width)
+    else:  # the Edit models' processor refuses a media placeholder too, once every component has loaded
+        from models.qwen21_predict import check_placeholders_before_loading
+
+        check_placeholders_before_loading(model, [("", prompt)],
+                                          cfg.negative_prompt if cfg.true_cfg_scale > 1 else None)
     check_output_size(model, height, width)
     return pil
 

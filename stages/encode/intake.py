@@ -169,6 +169,8 @@ def quarantine(job: EncodeJob, key: str, reason: str, detail: str = "") -> None:
         "table_version": f"{job.summary.table}/v{job.summary.version}",
     })
     job.summary.quarantined += 1
+    by_reason = job.summary.quarantined_by_reason
+    by_reason[reason] = by_reason.get(reason, 0) + 1
 
 
 def accepted(job: EncodeJob, prepared: Iterable[T | Rejected], bar: "SampleProgress") -> Iterator[T]:

@@ -170,7 +170,8 @@ def _open_job(store_path: str | Path, stage: str, table: str, settings: dict[str
         lineages = _job_lineages(store, images, images_id, stage, table, settings_hash(settings), model, components,
                                  feature_revision, earlier_hashes, fixes, unread, serving_hashes)
         repair_context.check(lineages.lineage, table)
-        summary = Summary(stage=stage, table=table, rank=ranks.rank, world_size=ranks.world_size, store=str(path))
+        summary = Summary(stage=stage, table=table, rank=ranks.rank, world_size=ranks.world_size, store=str(path),
+                          quarantine_file=str(store.root / "quarantine.parquet"))
         job = EncodeJob(store=store, images=images, images_id=images_id, lineage=lineages.lineage, ranks=ranks,
                         summary=summary, feature_lineage=lineages.feature, earlier_lineages=lineages.earlier,
                         lease=lease, on_damaged=on_damaged, settings=settings,

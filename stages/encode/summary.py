@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from schemas.stage import few, summary_record
+from schemas.stage import few, quarantined_line, summary_record
 
 DAMAGED_INPUT = "damaged-input"  # quarantine reason of an `images` sample whose bytes fail their checksum
 COUNTS = ("encoded", "reused", "skipped", "quarantined", "bytes_written", "forwards", "forward_items")  # summed
@@ -27,6 +28,8 @@ class Summary:
     reused: int = 0  # carried forward from an earlier version with the same feature lineage (not recomputed)
     skipped: int = 0  # already in committed shards (resume) or the whole table when up to date
     quarantined: int = 0
+    quarantined_by_reason: dict[str, int] = field(default_factory=dict)  # reason -> samples (the line lists them)
+    quarantine_file: str = ""  # where their rows are
     bytes_written: int = 0
     seconds: float = 0.0  # the whole run, model loading included
     loop_seconds: float = 0.0  # the encode loop: read, preprocess, forward, write
@@ -52,7 +55,8 @@ class Summary:
                               self.seconds, self.up_to_date, resumed=0 if self.up_to_date else self.skipped,
                               **({} if self.summed else {"rank": self.rank}), world_size=self.world_size,
                               damaged_inputs=sorted(self.damaged), damaged_input_count=self.damaged_count,
-                              repaired_from=self.repaired_from, newer_current=self.newer_current)
+                              repaired_from=self.repaired_from, newer_current=self.newer_current,
+                              quarantined_by_reason=dict(self.quarantined_by_reason))
 
     def committed_line(self) -> str:
         """Rank 0's line after a commit on a store URL (`committed_to`): which version is current there now."""
@@ -81,6 +85,8 @@ class Summary:
             f"reused {self.reused}, skipped (already done) {self.skipped}, quarantined {self.quarantined}, "
             f"{self.bytes_written / 1e6:.2f} MB written in {self.seconds:.1f} s (encoding {rate:.1f} samples/s)"
         )
+        if self.quarantined_by_reason:  # by reason, as resize-bucket's summary says them
+            line += "\n" + quarantined_line(self.quarantined_by_reason, self.quarantine_file)
         if self.repaired_from is not None:
             # a damaged schema.json / checksums.json carries nothing forward: every sample is encoded again
             rest = "the rest carried forward" if self.reused or self.skipped else \
@@ -109,16 +115,24 @@ def over_ranks(summary: Summary, world: int) -> Summary:
     if world <= 1 or summary.up_to_date:
         return summary
     names = sorted(summary.damaged)[:NAMED_PER_RANK]
-    while len(data := json.dumps({k: summary.damaged[k] for k in names}).encode()) > NAMES_BYTES:
-        names = names[:-1]  # very long keys or problems: fewer names, the count stays whole
+    reasons = summary.quarantined_by_reason  # a few distinct reasons: they travel whole, beside the names
+    while len(data := json.dumps({"damaged": {k: summary.damaged[k] for k in names},
+                                  "reasons": reasons}).encode()) > NAMES_BYTES:
+        if names:
+            names = names[:-1]  # very long keys or problems: fewer names, the count stays whole
+        else:
+            reasons = {}  # reasons past the room: the line keeps the count alone
     slots = [0] * (world * NAMES_BYTES)
     slots[summary.rank * NAMES_BYTES: summary.rank * NAMES_BYTES + len(data)] = list(data)
     counts = [int(getattr(summary, name)) for name in COUNTS] + [len(summary.damaged)]
     summed = all_sum(world, counts + slots)
     damaged: dict[str, str] = {}
+    by_reason: Counter = Counter()
     for r in range(world):
         slot = bytes(summed[len(counts) + r * NAMES_BYTES: len(counts) + (r + 1) * NAMES_BYTES]).rstrip(b"\0")
-        damaged.update(json.loads(slot) if slot else {})
+        sent = json.loads(slot) if slot else {}
+        damaged.update(sent.get("damaged", {}))
+        by_reason.update(sent.get("reasons", {}))
     slowest = [t / 1e6 for t in all_max(world, [round(getattr(summary, name) * 1e6) for name in SLOWEST])]
     return replace(summary, **dict(zip(COUNTS, summed)), **dict(zip(SLOWEST, slowest)), damaged=damaged,
-                   damaged_total=summed[len(COUNTS)], summed=True)
+                   quarantined_by_reason=dict(by_reason), damaged_total=summed[len(COUNTS)], summed=True)

@@ -409,6 +409,12 @@ def check_settings(cfg: EvaluateConfig, model: str) -> None:
         from stages.evaluate.qwen21 import check_extra_prompts_21
 
         check_extra_prompts_21(cfg, model)  # the tokenizer only, before the transformer loads
+    else:  # the processor alone: its ValueError came when the images were made, after the held-out loss passes
+        from models.qwen21_predict import check_placeholders_before_loading
+
+        check_placeholders_before_loading(model, [(f"evaluate.extra_prompts[{i}]: ", extra.prompt) for i, extra in
+                                                  enumerate(cfg.extra_prompts)],
+                                          cfg.negative_prompt if cfg.true_cfg_scale > 1 else None)
 
 
 def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path,

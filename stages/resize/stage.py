@@ -30,6 +30,7 @@ from schemas.errors import Rejected
 from schemas.fixes import (KEPT_INSTEAD, UNCLEANED_CAPTION, made_since, mask_may_misfit, mask_orientation_changes,
                            revisions_before)
 from schemas.up_to_date import is_current
+from schemas.stage import quarantined_line
 from schemas.img_shapes import PIXELS_PER_PATCH, img_shapes_from_pixels
 from schemas.resize_sizes import sizes_in_force
 from stages.resize.bucketing import BucketRule, bucket_size, crop_box_for_aspect, same_aspect
@@ -205,12 +206,7 @@ class ResizeSummary:
             lines.append(f"v{self.repaired_from} was recorded as damaged: its damaged samples re-rendered from the "
                          f"source, the rest carried forward, v{self.version} verified (v{self.repaired_from} moved to "
                          f"v{self.repaired_from}.damaged/)")
-        n_q = sum(self.quarantined.values())
-        lines.append(
-            f"quarantined {n_q}"
-            + (": " + ", ".join(f"{r} {c}" for r, c in sorted(self.quarantined.items())) if n_q else "")
-            + (f" (rows in {self.quarantine_file})" if n_q and self.quarantine_file else "")
-        )
+        lines.append(quarantined_line(self.quarantined, self.quarantine_file))
         if self.quarantined["read-error"]:  # the disk's failure, not the data's: said apart from the quarantine
             lines.append(f"could not read {self.quarantined['read-error']} sample(s) (reason read-error: a disk, "
                          "network or permission error, not bad data); this version does not count their files as "

@@ -10,7 +10,7 @@ import yaml
 
 from schemas import up_to_date
 from schemas.config import LoraConfig, TrainConfig
-from schemas.lineage import role_of, while_training_names
+from schemas.lineage import role_of, unread_settings, while_training_names
 from stages.train import previous, state as train_state
 
 CONFIG_FILE = "train_config.yaml"  # the effective config of the run's latest start, written by stages.train
@@ -46,8 +46,8 @@ def changed_settings(run_dir: Path, now: dict[str, Any], ignore: set[str]) -> li
         before = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError):
         return []
-    changed = up_to_date.changed_settings(_as_hashed(before.get("train") or {}), _as_hashed(now.get("train") or {}),
-                                          "train", ignore)
+    recorded, present = _unread_dropped(_as_hashed(before.get("train") or {}), _as_hashed(now.get("train") or {}))
+    changed = up_to_date.changed_settings(recorded, present, "train", ignore)
     if len(changed) <= SHOWN_CHANGES:
         return changed
     return [*changed[:SHOWN_CHANGES - 1], f"... and {len(changed) - SHOWN_CHANGES + 1} more train.* setting(s)"]
@@ -61,6 +61,34 @@ def _as_hashed(train: dict[str, Any]) -> dict[str, Any]:
         return train
     hashed = role_of(LoraConfig, "target_modules").hashed_as(lora["target_modules"])
     return {**train, "lora": {**lora, "target_modules": hashed}}
+
+
+def _unread_dropped(before: dict[str, Any], now: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both records without the settings neither run reads (`unread_settings`: a σ parameter its sigma.sampling
+    does not read, adam_betas / adam_eps under Adafactor): they enter the fingerprint as their defaults, so an
+    edit to one is no reason the resume was refused, and listing it sent the user to set back what changes
+    nothing. One read by either run stays (setting the other back makes it read). A record that does not
+    validate (another version's file) is compared as written."""
+    from pydantic import ValidationError
+
+    try:
+        unread = unread_settings(TrainConfig.model_validate(before)) & unread_settings(TrainConfig.model_validate(now))
+    except ValidationError:
+        return before, now
+    return _without(before, unread), _without(now, unread)
+
+
+def _without(values: dict[str, Any], paths: set[tuple[str, ...]]) -> dict[str, Any]:
+    out = dict(values)
+    for path in paths:
+        inner = out
+        for name in path[:-1]:
+            if not isinstance(inner.get(name), dict):
+                break
+            inner[name] = inner = dict(inner[name])
+        else:
+            inner.pop(path[-1], None)
+    return out
 
 
 def unapplied_settings(run_dir: Path, now: dict[str, Any]) -> list[str]:

@@ -19,8 +19,8 @@ from pipeline.demo_data import make_demo_data
     ("21", ["resize.multiple=48"], "error: resize.multiple = 48: "),
     # references resized to an area the VLM processor resizes again (the tiny one keeps 1024..262144 px): encode-text
     # ran the VLM on each and quarantined every sample with a reference ("VLM grid differs from the VAE grid")
-    ("21", ["resize.keep_alpha=true", "resize.control_vae_area=331776"], "error: resize.control_vae_area = 331776: "),
-    ("21", ["resize.keep_alpha=true", "resize.control_vae_area=512"], "error: resize.control_vae_area = 512: "),
+    ("21", ["resize.keep_alpha=true", "resize.max_controls=10", "resize.control_vae_area=331776"], "error: resize.control_vae_area = 331776: "),
+    ("21", ["resize.keep_alpha=true", "resize.max_controls=10", "resize.control_vae_area=512"], "error: resize.control_vae_area = 512: "),
 ])
 def test_run_all_refuses_resize_settings_the_model_cannot_read_before_resizing(tiny_plus_model, tiny_21_model,
                                                                                   tmp_path, variant, sets, said):
@@ -70,7 +70,7 @@ def test_run_all_refuses_a_21_model_with_keep_alpha_unset_and_takes_either_setti
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"paths": {"source": str(source), "store": str(store), "model": tiny_21_model,
                                                 "run": str(tmp_path / "run"), "report": str(tmp_path / "report")},
-                                      "resize": {"multiple": 32, "control_vae_area": 96 * 96}}))
+                                      "resize": {"multiple": 32, "control_vae_area": 96 * 96, "max_controls": 10}}))
     r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
     lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
     assert r.exit_code == 1 and len(lines) == 1 and "Traceback" not in r.output, r.output
@@ -81,3 +81,28 @@ def test_run_all_refuses_a_21_model_with_keep_alpha_unset_and_takes_either_setti
     for value in (True, False):
         _check_resize(load_config(config, {"resize.keep_alpha": value}), tiny_21_model)
     assert load_config(config, {"resize.keep_alpha": False}).resize.fingerprint() == unset.resize.fingerprint()
+
+
+def test_run_all_refuses_a_21_model_with_max_controls_unset_and_takes_either_setting(tiny_21_model, tmp_path):
+    """Unset, resize.max_controls is Edit-Plus's 3: a 2.1 run (the model takes up to 10 references) quarantined
+    every sample with 4..10 of them as control-count, said only in resize's summary. Now refused first, as an
+    unset keep_alpha is, naming both settings; set either way it passes, and 3 hashes as unset."""
+    from pipeline.config import load_config
+    from pipeline.orchestrate import _check_resize
+
+    source, store = tmp_path / "src", tmp_path / "store"
+    make_demo_data(source, n=4, seed=0)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"paths": {"source": str(source), "store": str(store), "model": tiny_21_model,
+                                                "run": str(tmp_path / "run"), "report": str(tmp_path / "report")},
+                                      "resize": {"multiple": 32, "control_vae_area": 96 * 96, "keep_alpha": True}}))
+    r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 1 and len(lines) == 1 and "Traceback" not in r.output, r.output
+    assert lines[0].startswith("error: resize.max_controls is unset (3: ") and tiny_21_model in lines[0], lines[0]
+    assert "resize.max_controls: 10" in lines[0] and "resize.max_controls: 3" in lines[0], lines[0]
+    assert not store.exists() and not (tmp_path / "run").exists()
+    for value in (3, 10):
+        _check_resize(load_config(config, {"resize.max_controls": value}), tiny_21_model)
+    unset = load_config(config)
+    assert load_config(config, {"resize.max_controls": 3}).resize.fingerprint() == unset.resize.fingerprint()

@@ -161,3 +161,37 @@ def test_run_all_refuses_an_extra_prompt_evaluate_cannot_take_before_its_first_s
         lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
         assert r.exit_code == 1 and len(lines) == 1 and lines[0].startswith(said), r.output
         assert "== resize-bucket" not in r.output and not store.exists() and not run.exists(), r.output
+
+
+def test_edit_plus_predict_refuses_a_prompt_holding_the_processors_placeholder_before_loading_the_model(
+        tiny_plus_model, tmp_path):
+    """The 2.1 rule above, for the Edit models: predict loaded every component, then the stock Edit-Plus call
+    failed with the processor's ValueError traceback ("The total number of <|image_pad|> tokens ... should be the
+    same as the number of images passed"; "Found 1 <|video_pad|> tokens in the text but no videos were passed").
+    Now one line, the processor alone read; so for the negative prompt under true CFG (the Edit default 4.0)."""
+    from models.loading import LOAD_LOG
+
+    out = tmp_path / "out.png"
+    for flags in (["--prompt", "make <|image_pad|> red"], ["--prompt", "p", "--negative-prompt", "<|video_pad|>"]):
+        LOAD_LOG.clear()
+        result = CliRunner().invoke(app, ["predict", "--model", tiny_plus_model, "--image", str(_refs(tmp_path, 1)[0]),
+                                          *flags, "--steps", "2", "--height", "32", "--width", "32", "--out", str(out)])
+        assert result.exit_code == 1 and "a placeholder the model's processor reserves" in result.output, result.output
+        assert "Traceback" not in result.output and not out.exists()
+        assert [component for _, component in LOAD_LOG] == ["processor"]
+
+
+def test_edit_evaluate_refuses_an_extra_prompt_holding_the_processors_placeholder(tiny_edit_model, tmp_path):
+    """evaluate's extra prompts met the processor's ValueError when their images were made, after the held-out
+    loss passes; now `for_model` refuses it first, naming the extra prompt."""
+    from pipeline.config import load_config
+    from schemas.errors import UserError
+    from stages.evaluate.stage import for_model
+
+    image = str(_refs(tmp_path, 1)[0])
+    cfg = load_config(None, {"evaluate.extra_prompts": [{"prompt": "p", "images": [image], "height": 64, "width": 64},
+                                                        {"prompt": "a <|image_pad|>", "images": [image], "height": 64,
+                                                         "width": 64}]}).evaluate
+    with pytest.raises(UserError, match=r"^evaluate.extra_prompts\[1\]: the prompt holds <\|image_pad\|>"):
+        for_model(cfg, tiny_edit_model)
+    for_model(cfg.model_copy(update={"extra_prompts": cfg.extra_prompts[:1]}), tiny_edit_model)
