@@ -43,6 +43,17 @@ def _ckpts(root):
     return [(s, root / "run" / "checkpoints" / f"step-{s}" / "lora") for s in (10, 20, 30)]
 
 
+def _own_run(root, tmp_path):
+    """A copy of the shared run's checkpoints in a run folder of the test's own: (step, resolved LoRA folder)."""
+    import shutil
+
+    copies = []
+    for step, path in _ckpts(root):
+        shutil.copytree(path.parent, tmp_path / "run" / "checkpoints" / f"step-{step}")
+        copies.append((step, (tmp_path / "run" / "checkpoints" / f"step-{step}" / "lora").resolve()))
+    return copies
+
+
 def test_best_checkpoint_known_by_construction_and_zarr_reads_in_xarray(run_and_store, tiny_edit_model, tmp_path):
     root = run_and_store
     out = tmp_path / "report"
@@ -888,10 +899,7 @@ def test_compare_names_the_best_checkpoint_still_on_disk_as_the_report_does(run_
     import shutil
 
     root = run_and_store
-    copies = []
-    for step, path in _ckpts(root):  # a run of its own, so pruning one leaves the shared run as it is
-        shutil.copytree(path.parent, tmp_path / "run" / "checkpoints" / f"step-{step}")
-        copies.append((step, (tmp_path / "run" / "checkpoints" / f"step-{step}" / "lora").resolve()))
+    copies = _own_run(root, tmp_path)  # pruning one of them leaves the shared run as it is
     out = tmp_path / "report"
     assert ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, copies, out).best["step"] == 20
     shutil.copytree(out, tmp_path / "other")
@@ -932,10 +940,7 @@ def test_a_removed_best_checkpoint_makes_the_report_out_of_date(run_and_store, t
     import shutil
 
     root = run_and_store
-    copies = []
-    for step, path in _ckpts(root):
-        shutil.copytree(path.parent, tmp_path / "run" / "checkpoints" / f"step-{step}")
-        copies.append((step, (tmp_path / "run" / "checkpoints" / f"step-{step}" / "lora").resolve()))
+    copies = _own_run(root, tmp_path)
     out = tmp_path / "report"
     assert ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, copies, out).best["step"] == 20
     shutil.rmtree(copies[1][1].parent)  # the best, step 20, deleted
@@ -1122,10 +1127,7 @@ def test_a_checkpoint_removed_since_an_up_to_date_report_is_marked_removed(run_a
     import shutil
 
     root = run_and_store
-    copies = []
-    for step, path in _ckpts(root):
-        shutil.copytree(path.parent, tmp_path / "run" / "checkpoints" / f"step-{step}")
-        copies.append((step, (tmp_path / "run" / "checkpoints" / f"step-{step}" / "lora").resolve()))
+    copies = _own_run(root, tmp_path)
     out = tmp_path / "report"
     first = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, copies, out)
     named = ev.named_steps(first.metrics["checkpoints"])
