@@ -508,7 +508,9 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
             if tables is not None and table not in tables:
                 continue
             if fmt.is_complete(fmt.version_dir(dst, table, int(entry["current"]))):
-                store.set_current(table, int(entry["current"]))
+                # a copy of a version the URL switched away from is garbage here too (the local gc's tell)
+                left = {v for v in fmt.was_current(entry) if fmt.is_complete(fmt.version_dir(dst, table, v))}
+                store.set_current(table, int(entry["current"]), also=left)
     return summary
 
 

@@ -614,3 +614,25 @@ def test_a_pushed_version_its_store_switched_away_from_is_garbage_at_the_url_too
     assert not [p for p in (tmp_path / "remote" / "vae" / "v2").rglob("*") if p.is_file()]
     local_gc(store.root, echo=lambda line: None)
     assert store.versions("vae") == [1]
+
+
+def test_a_pulled_version_the_url_switched_away_from_is_garbage_in_the_copy_too(store: Store, tmp_path: Path) -> None:
+    """The URL switched back to v1 over v2 (`was_current` there); a pull copies both (every complete version): the
+    copy's store.json records v2 as switched away from too, so its gc removes it as the URL's does. Before, the
+    copy took it for a commit whose switch failed and kept it until a newer version was current."""
+    from store import format as fmt
+    from store.gc import collect as local_gc
+    from store.remote_parts import make_current
+
+    fill(store, 3)  # v1
+    fill(store, 4, tag="b", start=10)  # v2
+    url = (tmp_path / "remote").as_uri()
+    push(store.root, url)
+    assert make_current(open_remote(url), "vae", 1, over=2) == 1
+    copy = tmp_path / "copy"
+    pull(url, copy)
+    assert fmt.read_store_record(copy)["tables"]["vae"] == {"current": 1, "was_current": [2]}
+    lines: list[str] = []
+    local_gc(copy, echo=lines.append)
+    assert not any("never current" in line for line in lines), lines
+    assert Store(copy).versions("vae") == [1]
