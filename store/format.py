@@ -428,11 +428,13 @@ def was_current(entry: dict[str, Any] | None) -> set[int]:
     return {int(v) for v in (entry or {}).get(WAS_CURRENT) or ()}
 
 
-def table_entry(old: dict[str, Any] | None, version: int, forget: set[int] = frozenset()) -> dict[str, Any]:
+def table_entry(old: dict[str, Any] | None, version: int, forget: set[int] = frozenset(),
+                also: set[int] = frozenset()) -> dict[str, Any]:
     """A table's store.json entry with `version` current, after `old` (None: the table is new): the current one it
-    replaces joins `was_current` when it is past `version` (a switch back), and numbers not past `version` (or in
-    `forget`: gc removes those versions) leave it."""
-    was = was_current(old) | ({int(old["current"])} if old is not None else set())
+    replaces joins `was_current` when it is past `version` (a switch back), as do the numbers in `also` (a push's
+    copies of versions its store switched away from), and numbers not past `version` (or in `forget`: gc removes
+    those versions) leave it."""
+    was = was_current(old) | ({int(old["current"])} if old is not None else set()) | set(also)
     was = sorted(v for v in was if v > version and v not in forget)
     return {"current": version, **({WAS_CURRENT: was} if was else {})}
 

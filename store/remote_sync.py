@@ -210,8 +210,10 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
             current = {t: e for t, e in local_rec["tables"].items() if (t, str(e["current"])) in there}
             if replacing is not None:
                 current = {t: e for t, e in current.items() if t in replacing}
+            # a version this store switched away from is garbage at the URL too (its gc's tell, `was_current`)
+            left = {t: {v for v in fmt.was_current(e) if (t, str(v)) in there} for t, e in current.items()}
             remote.swap(fmt.STORE_JSON, lambda old: _changed(old, _merged_record(old, current, url, replacing,
-                                                                            summary.newer)))
+                                                                            summary.newer, left)))
         finally:  # held until the new versions are current: till then gc would count them unreferenced
             if lease is not None:
                 lease.release()
@@ -381,9 +383,11 @@ def pull_quarantine(remote: Remote, dst: Path, damaged_ok: bool = False) -> int:
 
 
 def _merged_record(old: bytes | None, current: dict[str, Any], url: str,
-                   replacing: dict[str, int] | None = None, newer: list[str] | None = None) -> bytes:
+                   replacing: dict[str, int] | None = None, newer: list[str] | None = None,
+                   left: dict[str, set[int]] | None = None) -> bytes:
     """The remote's store.json with `current` made current - except over a higher version number (committed there
-    by another writer since this store last saw it: a push never rolls the remote back; listed in `newer`)."""
+    by another writer since this store last saw it: a push never rolls the remote back; listed in `newer`).
+    `left`: per table, the pushed versions the pushing store switched away from (its `was_current`)."""
     rec = fmt.new_store_record() if old is None else _parse_record(old, url)
     if newer is not None:
         newer.clear()  # this is called again on every compare-and-swap attempt
@@ -400,8 +404,10 @@ def _merged_record(old: bytes | None, current: dict[str, Any], url: str,
         if now is not None and int(now) != v and (new is None or int(now) != int(new)):  # new: a rerun's again
             raise UserError(f"{url}: table '{table}' became v{now} while this command replaced v{v}; its new "
                             f"version is uploaded but not made current: rerun the command on the new state")
-    # each entry from the remote's own (`was_current`: what was current there, never the pushing store's record)
-    current = {t: fmt.table_entry(rec["tables"].get(t), int(e["current"])) for t, e in current.items()}
+    # each entry from the remote's own (`was_current`: what was current there), and of the pushing store's record
+    # only the versions it pushed and switched away from: taken for never current, the URL's gc kept them
+    current = {t: fmt.table_entry(rec["tables"].get(t), int(e["current"]), also=(left or {}).get(t, set()))
+               for t, e in current.items()}
     return seal({**rec, "tables": {**rec["tables"], **current}, "format_version": fmt.STORE_FORMAT_VERSION})
 
 
@@ -502,7 +508,9 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
             if tables is not None and table not in tables:
                 continue
             if fmt.is_complete(fmt.version_dir(dst, table, int(entry["current"]))):
-                store.set_current(table, int(entry["current"]))
+                # a copy of a version the URL switched away from is garbage here too (the local gc's tell)
+                left = {v for v in fmt.was_current(entry) if fmt.is_complete(fmt.version_dir(dst, table, v))}
+                store.set_current(table, int(entry["current"]), also=left)
     return summary
 
 

@@ -82,20 +82,23 @@ class Store:
                     _VERSION_IDS[key] = found
             return found
 
-    def set_current(self, table: str, version: int) -> None:
+    def set_current(self, table: str, version: int, also: set[int] = frozenset()) -> None:
         """Point store.json at a complete version (atomic rewrite under the store lock); nothing is written (and no
-        lock taken, so a read-only store stays usable) when it is current already."""
+        lock taken, so a read-only store stays usable) when it is current already. `also`: versions past it that
+        were switched away from elsewhere (a pull's copies of those the URL lists: `fmt.table_entry`)."""
         if not fmt.is_complete(self.version_dir(table, version)):
             raise UserError(f"table '{table}' v{version} is not complete; cannot make it current")
-        if self.tables().get(table) == version:
+        if self.tables().get(table) == version and not also:
             return
         from store.io_errors import writing
 
         with writing("store.json", self.root), fmt.flock(self.root / fmt.STORE_LOCK):
             rec = fmt.read_store_record(self.root)
             # a switch back to an older version records the one it leaves (gc's tell, `fmt.table_entry`)
-            rec["tables"][table] = fmt.table_entry(rec["tables"].get(table), version)
-            fmt.write_store_record(self.root, rec)
+            entry = fmt.table_entry(rec["tables"].get(table), version, also=also)
+            if entry != rec["tables"].get(table):
+                rec["tables"][table] = entry
+                fmt.write_store_record(self.root, rec)
 
     def find_version(self, table: str, lineage: Lineage, serving: Iterable[Lineage] = ()) -> int | None:
         """A complete version built with exactly this lineage, or with one of `serving` (lineages whose versions

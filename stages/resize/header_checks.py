@@ -9,14 +9,15 @@
   (features.decode.has_transparent_colour; a mask's is not read as alpha). A row with one is rendered again.
 
 A sample whose files are unchanged (known_sources.py, known_tars.py) is checked from the first bytes of each picture
-(`Heads`: a folder or JSONL source's files, a carried local tar's members by their offsets), FIRST_READ at first
-and 4x more while the header goes on past them (`from_header`): a PNG's chunks before its image data, a JPEG's
-markers up to its first scan; a WebP (which Pillow reads whole to open) its RIFF header's first chunk
-(`webp_canvas`). Before, each picture was read whole for its header: a revision-3 store of 1M samples of ~1.5 MB
-pictures read terabytes. Only a sample the check selects is read whole (to render it). A parquet source's cells
-have no prefix to read (its pages are compressed whole): a row to check is read from its row group's mapped
-columns (parquet_source._RowGroups, the group kept for the rows after it); before, its file was read whole. Rendering every row of a revision-3 store again cost what its first build cost
-(80-250 ms a sample); reading a header is ~10-20 µs more than its read (a 1024x1024 PNG 12 µs, JPEG 21 µs).
+(`Heads`: a folder or JSONL source's files, a carried local tar's members by their offsets), FIRST_READ at first and
+4x more while the header goes on past them (`from_header`): a PNG's chunks before its image data, a JPEG's markers
+up to its first scan; a WebP (which Pillow reads whole to open) its RIFF header's first chunk (`webp_canvas`).
+Before, each picture was read whole for its header: a revision-3 store of 1M samples of ~1.5 MB pictures read
+terabytes. Only a sample the check selects is read whole (to render it). A parquet source's cells have no prefix to
+read (its pages are compressed whole): a row to check is read from its row group's mapped columns
+(parquet_source._RowGroups, the group kept for the rows after it); before, its file was read whole. Rendering every
+row of a revision-3 store again cost what its first build cost (80-250 ms a sample); reading a header is ~10-20 µs
+more than its read (a 1024x1024 PNG 12 µs, JPEG 21 µs).
 """
 
 from __future__ import annotations

@@ -26,12 +26,13 @@ revision of the tar reader's rules (`READER`).
 
 A local parquet source's files are judged by the same rules (`parquet_kind`, note `source-parquet`): an unchanged
 file, every row of it a row, is not read beyond its footer (parquet_source.iter_parquet checks each file's columns
-from it); a row whose headers must be checked is read from its row group's mapped columns alone (one group a
-time, kept for the rows after it: parquet_source._RowGroups), not its file whole; a changed file is read whole (a rewritten parquet file's row groups shift, and their bytes are not
-hashed apart: finding the unchanged ones would take a read of each anyway). Its note also records resize.columns
-(not in the render lineage: another mapping reads other cells, so a note of another one carries nothing). A parquet
-file at a URL is judged too (`Kind.urls`), by the sha256 of its URL, size and content tag, the identity the listing
-hash already trusts for it (tars at URLs are not, yet: the same rule would do for them).
+from it); a row whose headers must be checked is read from its row group's mapped columns alone (one group a time,
+kept for the rows after it: parquet_source._RowGroups), not its file whole; a changed file is read whole (a
+rewritten parquet file's row groups shift, and their bytes are not hashed apart: finding the unchanged ones would
+take a read of each anyway). Its note also records resize.columns (not in the render lineage: another mapping reads
+other cells, so a note of another one carries nothing). A parquet file at a URL is judged too (`Kind.urls`), by the
+sha256 of its URL, size and content tag, the identity the listing hash already trusts for it (tars at URLs are not,
+yet: the same rule would do for them).
 """
 
 from __future__ import annotations

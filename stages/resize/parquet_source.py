@@ -452,11 +452,6 @@ def _hashed_file(path: Path, layouts: dict, max_file_bytes: int, known: Any, don
         known.note(str(path), digest, yielded)
 
 
-def _reread_row(path: Path, no: int, lay: _Layout, max_file_bytes: int) -> Any:
-    """Row `no` of a file carried unread, read after all (its row group's mapped columns)."""
-    return _RowGroups(path, lay, max_file_bytes).row(no)
-
-
 class _RowGroups:
     """The rows of a file carried unread that are read after all: for their pictures' header checks (`heads`: a
     lowered resize.max_image_pixels, a transparent colour since revision 4, header_checks.py) or to be judged from

@@ -115,13 +115,13 @@ _MEMORY_AS_BEFORE = tuple((gc, off) for gc in (False, True) for off in ("none", 
 
 def earlier_config_fingerprints(cfg: TrainConfig, backend: str | None = None) -> tuple[str, ...]:
     """`config_fingerprint` as written before the memory settings left it (with any of their values; the blocks
-    kept on the device as configured now, or 0), before batch_size left it under a token budget (only with
-    the batch_size they were made with, as before), and before init_lora's path left it (only with the path
-    configured now: its bytes were recorded beside it, or taken as the file there), and with lora.target_modules in
-    the order set (before they were hashed in one order), and with the σ parameters `sigma.sampling` does not read
-    and the Adam ones Adafactor does not read as set (before an unread one was hashed as its default): runs made
-    then resume and stay current. Each also as hashed before the backend was recorded resolved: the name unset, as configured, or as `backend` (the one this
-    run resolves to: a run made with `native` spelled out resumes unset on the CPU);
+    kept on the device as configured now, or 0), before batch_size left it under a token budget (only with the
+    batch_size they were made with, as before), and before init_lora's path left it (only with the path configured
+    now: its bytes were recorded beside it, or taken as the file there), and with lora.target_modules in the order set
+    (before they were hashed in one order), and with the σ parameters `sigma.sampling` does not read and the Adam ones
+    Adafactor does not read as set (before an unread one was hashed as its default): runs made then resume and stay
+    current. Each also as hashed before the backend was recorded resolved: the name unset, as configured, or as
+    `backend` (the one this run resolves to: a run made with `native` spelled out resumes unset on the CPU);
     which backend such a record's run used is `recorded_backend`'s to say, and compared there."""
     now = hashed_settings(cfg)
     names = dict.fromkeys([None, cfg.attention_backend, backend])

@@ -122,7 +122,7 @@ def test_a_carried_row_read_again_with_a_read_error_is_a_read_error(tmp_path, mo
     lay = parquet_source._layout(pq.read_schema(victim), ParquetColumns(), victim)
     at = pq.read_metadata(victim).row_group(1).column(0).data_page_offset + 100
     _bad_sector(monkeypatch, victim, at)
-    s = parquet_source._reread_row(victim, 4, lay, 1 << 30)
+    s = parquet_source._RowGroups(victim, lay, 1 << 30).row(4)
     assert (s.problem_kind, s.unread, s.source) == ("read-error", str(victim), f"{victim}:4")
     assert "Input/output error" in s.problem
 

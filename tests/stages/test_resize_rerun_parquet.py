@@ -138,7 +138,7 @@ def test_a_run_killed_before_its_commit_records_no_file(tmp_path: Path, monkeypa
 
 def test_a_carried_row_met_after_its_copy_is_read_from_its_row_group(tmp_path: Path, monkeypatch) -> None:
     """A file added before an unchanged one holds a copy of one of its rows: that row is judged from its bytes
-    (read from its row group alone, `_reread_row`), a duplicate as in a fresh run; the file's other rows carried."""
+    (read from its row group alone, `_RowGroups`), a duplicate as in a fresh run; the file's other rows carried."""
     src, out = _source(tmp_path), tmp_path / "store"
     stage.run(load_config(None, SMALL), src, out)
     copy = pq.read_table(src / "part-1.parquet").slice(4, 1)

@@ -589,3 +589,50 @@ def test_gc_of_a_url_removes_a_version_switched_away_from(s3_env, store: Store) 
     r = _cli("store", "gc", s3_env.url())
     assert r.exit_code == 0 and "never current" not in r.output, r.output
     assert _manifests(s3_env) == ["store/vae/v1/manifest.parquet"] and entry() == {"current": 1}
+
+
+def test_a_pushed_version_its_store_switched_away_from_is_garbage_at_the_url_too(store: Store, tmp_path: Path) -> None:
+    """A local store switched back to v1 over v2 (`was_current`) pushes both (every complete version): the URL's
+    store.json records v2 as switched away from too, so its gc removes it as the local gc does. Before, the URL took
+    it for a commit whose swap failed and kept it until a newer version was current ("never current")."""
+    from store import format as fmt
+    from store.gc import collect as local_gc
+    from store.remote_gc import collect
+    from store.remote_sync import _parse_record
+
+    fill(store, 3)  # v1
+    fill(store, 4, tag="b", start=10)  # v2, current
+    store.set_current("vae", 1)  # a rerun of v1's settings adopted it
+    url = (tmp_path / "remote").as_uri()
+    push(store.root, url)
+    remote = open_remote(url)
+    assert _parse_record(remote.read(fmt.STORE_JSON), url)["tables"]["vae"] == {"current": 1, "was_current": [2]}
+    lines: list[str] = []
+    collect(url, grace_s=0, echo=lines.append)
+    assert not any("never current" in line for line in lines), lines
+    assert sorted(p.parent.name for p in (tmp_path / "remote" / "vae").glob("v*/manifest.parquet")) == ["v1"]
+    assert not [p for p in (tmp_path / "remote" / "vae" / "v2").rglob("*") if p.is_file()]
+    local_gc(store.root, echo=lambda line: None)
+    assert store.versions("vae") == [1]
+
+
+def test_a_pulled_version_the_url_switched_away_from_is_garbage_in_the_copy_too(store: Store, tmp_path: Path) -> None:
+    """The URL switched back to v1 over v2 (`was_current` there); a pull copies both (every complete version): the
+    copy's store.json records v2 as switched away from too, so its gc removes it as the URL's does. Before, the
+    copy took it for a commit whose switch failed and kept it until a newer version was current."""
+    from store import format as fmt
+    from store.gc import collect as local_gc
+    from store.remote_parts import make_current
+
+    fill(store, 3)  # v1
+    fill(store, 4, tag="b", start=10)  # v2
+    url = (tmp_path / "remote").as_uri()
+    push(store.root, url)
+    assert make_current(open_remote(url), "vae", 1, over=2) == 1
+    copy = tmp_path / "copy"
+    pull(url, copy)
+    assert fmt.read_store_record(copy)["tables"]["vae"] == {"current": 1, "was_current": [2]}
+    lines: list[str] = []
+    local_gc(copy, echo=lines.append)
+    assert not any("never current" in line for line in lines), lines
+    assert Store(copy).versions("vae") == [1]
