@@ -131,10 +131,26 @@ def stopped_line(words: list[str], signum: int = signal.SIGINT) -> str:
     command = " ".join(w for w in words if not w.startswith("-"))
     line = f"stopped by {_SIGNAL_NAMES.get(signum, signal.Signals(signum).name)}"
     if command.startswith("run train"):  # `run all` resumes its training itself; `run train` needs --resume
-        return line + ": the run's checkpoints are kept; rerun with --resume to continue from the last one"
+        if "--resume" in words or _run_to_resume():
+            return line + ": the run's checkpoints are kept; rerun with --resume to continue from the last one"
+        # stopped before its run folder held a start: --resume would refuse, "nothing to resume"
+        return line + ": nothing of the run was written yet; rerun the same command to start it"
     if command.startswith(_RESUMABLE):
         return line + ": what it committed is kept; rerun the same command to continue from there"
     return line
+
+
+def _run_to_resume() -> bool:
+    """Whether the run folder `run train` resolved holds what --resume continues (a checkpoint, or a start's
+    train_config.yaml); False when the stop came before the folder was resolved."""
+    folders = _loaded("pipeline.commands.train", "RUN_FOLDER")
+    if not folders:
+        return False
+    from pathlib import Path
+
+    from stages.train.resume import nothing_to_resume
+
+    return nothing_to_resume(Path(folders[-1])) is None
 
 
 def _said_by_training() -> bool:

@@ -92,8 +92,9 @@ def _main_of(monkeypatch, app) -> int:
 
 @pytest.mark.parametrize("sig,name", [(signal.SIGINT, "SIGINT (Ctrl-C)"), (signal.SIGTERM, "SIGTERM")])
 @pytest.mark.parametrize("words,kept", [
-    (["run", "train", "--out", "RUN"], ": the run's checkpoints are kept; rerun with --resume to continue from the "
-                                       "last one"),
+    (["run", "train", "--out", "RUN"], ": nothing of the run was written yet; rerun the same command to start it"),
+    (["run", "train", "--out", "RUN", "--resume"], ": the run's checkpoints are kept; rerun with --resume to "
+                                                   "continue from the last one"),
     (["run", "encode-vae", "--store", "S"], ": what it committed is kept; rerun the same command to continue from "
                                             "there"),
     (["store", "verify", "S"], ""),
@@ -115,6 +116,36 @@ def test_a_stop_ends_in_one_line_saying_what_is_kept(monkeypatch, capsys, words,
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert _main_of(monkeypatch, fake) == 128 + sig
     assert capsys.readouterr().err == f"stopped by {name}{kept}\n"
+
+
+@pytest.mark.parametrize("written,advice", [
+    (False, ": nothing of the run was written yet; rerun the same command to start it"),
+    (True, ": the run's checkpoints are kept; rerun with --resume to continue from the last one"),
+])
+def test_a_train_stop_advises_resume_only_where_the_run_folder_has_a_start(monkeypatch, capsys, tmp_path, written,
+                                                                           advice):
+    """`run train` stopped before its run folder held a start (the model still loading) advised `--resume`, which
+    then refused: "--resume: nothing to resume, RUN does not exist" (bench/chaos_kill.py, SIGINT 6 s in). It says
+    so now and advises the same command; once the folder holds its train_config.yaml, --resume as before."""
+    import pipeline.cli as cli
+    import pipeline.commands.train as train_command
+
+    run_dir = tmp_path / "run"
+    if written:
+        run_dir.mkdir()
+        (run_dir / "train_config.yaml").write_text("train: {}\n")
+    fake = typer.Typer()
+
+    @fake.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    def stopped(ctx: typer.Context) -> None:
+        train_command.RUN_FOLDER.append(str(run_dir))  # as the command does once it resolved --out
+        cli._interrupt(signal.SIGINT, None)
+
+    monkeypatch.setattr(train_command, "RUN_FOLDER", [])
+    monkeypatch.setattr(sys, "argv", ["pipeline", "run", "train", "--out", str(run_dir)])
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert _main_of(monkeypatch, fake) == 128 + signal.SIGINT
+    assert capsys.readouterr().err == f"stopped by SIGINT (Ctrl-C){advice}\n"
 
 
 def test_a_sigterm_mid_stage_is_one_line_and_keeps_what_was_committed(tmp_path):
