@@ -153,6 +153,15 @@ def _run_to_resume() -> bool:
     return nothing_to_resume(Path(folders[-1])) is None
 
 
+def _close_progress_bars() -> None:
+    """Close the progress bars still open (a `for x in tqdm(...)` the signal left: its frame lives on in the
+    traceback until the exit), so the stop line starts a line of its own; it was appended to the bar, e.g.
+    `generate (base):   0%|          | 0/1 [00:00<?, ?image/s]stopped by SIGINT (Ctrl-C): ...`."""
+    bar_class = _loaded("tqdm.std", "tqdm")
+    for bar in list(getattr(bar_class, "_instances", ())):
+        bar.close()
+
+
 def _said_by_training() -> bool:
     """Whether the training loop ended on the signal with a line of its own (the checkpoint it wrote)."""
     return bool(_loaded("stages.train.stop", "ANNOUNCED"))
@@ -225,6 +234,7 @@ def main() -> None:  # pragma: no cover
         # env:// launch none does: a Ctrl-C on one rank's terminal ended it silently (the others print its line)
         alone = launched()[0] <= 1 or not os.environ.get("TORCHELASTIC_RUN_ID")
         if _signalled and e.code == 128 + _signalled[0] and alone and not _said_by_training():
+            _close_progress_bars()
             print(stopped_line(sys.argv[1:], _signalled[0]), file=sys.stderr)
         if e.code == 128 + signal.SIGINT and (interrupt := _interrupted(e)) is not None:
             _publish_interrupt(interrupt)

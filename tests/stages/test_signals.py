@@ -148,6 +148,26 @@ def test_a_train_stop_advises_resume_only_where_the_run_folder_has_a_start(monke
     assert capsys.readouterr().err == f"stopped by SIGINT (Ctrl-C){advice}\n"
 
 
+def test_a_stop_inside_a_progress_bar_loop_is_a_line_of_its_own(monkeypatch, capsys):
+    """A Ctrl-C inside `for x in tqdm(...)` (evaluate's `generate (base)`) left the bar open - the loop's frame
+    lives on in the traceback - and the stop line was appended to the bar (bench/chaos_kill.py, evaluate)."""
+    import pipeline.cli as cli
+    from tqdm import tqdm
+
+    fake = typer.Typer()
+
+    @fake.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    def stopped(ctx: typer.Context) -> None:
+        [cli._interrupt(signal.SIGINT, None) for _ in tqdm(range(3), desc="generate (base)", leave=False)]
+
+    monkeypatch.setattr(sys, "argv", ["pipeline", "run", "evaluate", "--out", "R"])
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert _main_of(monkeypatch, fake) == 128 + signal.SIGINT
+    shown = capsys.readouterr().err.replace("\r", "\n").splitlines()  # as a terminal shows it: \r starts over
+    assert shown[-1] == ("stopped by SIGINT (Ctrl-C): what it committed is kept; rerun the same command to "
+                         "continue from there")
+
+
 def test_a_sigterm_mid_stage_is_one_line_and_keeps_what_was_committed(tmp_path):
     """A real `run resize-bucket` sent SIGTERM right after its version's manifest (it stops itself there,
     STORE_PAUSE_AT, so the signal lands at the same point whatever the machine's load): exit 143 with the line
