@@ -131,10 +131,35 @@ def stopped_line(words: list[str], signum: int = signal.SIGINT) -> str:
     command = " ".join(w for w in words if not w.startswith("-"))
     line = f"stopped by {_SIGNAL_NAMES.get(signum, signal.Signals(signum).name)}"
     if command.startswith("run train"):  # `run all` resumes its training itself; `run train` needs --resume
-        return line + ": the run's checkpoints are kept; rerun with --resume to continue from the last one"
+        if "--resume" in words or _run_to_resume():
+            return line + ": the run's checkpoints are kept; rerun with --resume to continue from the last one"
+        # stopped before its run folder held a start: --resume would refuse, "nothing to resume"
+        return line + ": nothing of the run was written yet; rerun the same command to start it"
     if command.startswith(_RESUMABLE):
         return line + ": what it committed is kept; rerun the same command to continue from there"
     return line
+
+
+def _run_to_resume() -> bool:
+    """Whether the run folder `run train` resolved holds what --resume continues (a checkpoint, or a start's
+    train_config.yaml); False when the stop came before the folder was resolved."""
+    folders = _loaded("pipeline.commands.train", "RUN_FOLDER")
+    if not folders:
+        return False
+    from pathlib import Path
+
+    from stages.train.resume import nothing_to_resume
+
+    return nothing_to_resume(Path(folders[-1])) is None
+
+
+def _close_progress_bars() -> None:
+    """Close the progress bars still open (a `for x in tqdm(...)` the signal left: its frame lives on in the
+    traceback until the exit), so the stop line starts a line of its own; it was appended to the bar, e.g.
+    `generate (base):   0%|          | 0/1 [00:00<?, ?image/s]stopped by SIGINT (Ctrl-C): ...`."""
+    bar_class = _loaded("tqdm.std", "tqdm")
+    for bar in list(getattr(bar_class, "_instances", ())):
+        bar.close()
 
 
 def _said_by_training() -> bool:
@@ -213,6 +238,7 @@ def main() -> None:  # pragma: no cover
         # env:// launch none does: a Ctrl-C on one rank's terminal ended it silently (the others print its line)
         alone = launched()[0] <= 1 or not os.environ.get("TORCHELASTIC_RUN_ID")
         if _signalled and e.code == 128 + _signalled[0] and alone and not _said_by_training():
+            _close_progress_bars()
             print(stopped_line(sys.argv[1:], _signalled[0]), file=sys.stderr)
         if e.code == 128 + signal.SIGINT and (interrupt := _interrupted(e)) is not None:
             _publish_interrupt(interrupt)

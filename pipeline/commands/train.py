@@ -17,6 +17,10 @@ from pipeline.commands.common import (ConfigOpt, JsonOpt, SetOpt, config_from, e
 if TYPE_CHECKING:
     from schemas.config import PipelineConfig
 
+# The run folder this command trains into, once resolved: a stop's line (pipeline/cli.py) advises --resume only
+# where it has something to continue
+RUN_FOLDER: list[str] = []
+
 
 def command(
     store: Optional[str] = typer.Option(None, "--store", help="Store with `text` and `vae` tables (paths.store)."),
@@ -43,6 +47,7 @@ def command(
     store_dir = require(cfg.paths.store, "--store", "paths.store")
     model_id = require(cfg.paths.model, "--model", "paths.model")
     run_dir = require(cfg.paths.run, "--out", "paths.run")
+    RUN_FOLDER.append(run_dir)
     from stages.train.settings import validate_config
 
     with usage_errors():  # train's own check at its start, here before a store URL is pulled

@@ -34,6 +34,13 @@ EARLIER: list[int] = []
 ANNOUNCED: list[int] = []
 
 
+def _recorded_by_cli() -> list[int]:
+    """The signals the CLI's handlers recorded (pipeline/cli.py `_signalled`), those that came before this module
+    was imported too: a Ctrl-C while the model stack was imported, lost in a finalizer (`regex`'s `__del__`),
+    reached no EARLIER and the run trained every step and exited 0 (bench/chaos_kill.py, SIGINT 4.2 s in)."""
+    return list(getattr(sys.modules.get("pipeline.cli"), "_signalled", ()))
+
+
 class StopOnSignal:
     """Within the `with` block (the training loop, main thread only): SIGTERM recorded, not acted on."""
 
@@ -47,8 +54,9 @@ class StopOnSignal:
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
             self._previous = signal.signal(signal.SIGTERM, self._record)
             self._installed = True
-        if EARLIER:  # one that stopped nothing (see EARLIER): the first step's checkpoint, then the stop
-            self.signum = EARLIER[0]
+        earlier = EARLIER or _recorded_by_cli()
+        if earlier:  # one that stopped nothing (see EARLIER): the first step's checkpoint, then the stop
+            self.signum = earlier[0]
             EARLIER.clear()
         return self
 
