@@ -225,6 +225,7 @@ def main() -> None:  # pragma: no cover
     # any thread may ask whether a signal came, before this handler has run (a launched rank's watch thread: a
     # Ctrl-C on every rank is each rank's own stop, not a peer's line to end on; models/collective.py)
     record_signals()
+    _signalled.clear()  # an earlier in-process run's stop (the training loop reads it: stages/train/stop.py)
     # an earlier run's collective state in this process (never imported here: a plain command does not pay for it)
     new_run = _loaded("models.collective", "new_run")
     if new_run is not None:
