@@ -3,7 +3,7 @@ pairs have 0 or 2 controls): before its first batch each rank asks the rule of i
 writer's open (`output._model_takes`: refused keys are never carried) and again in `read_inputs` (refused keys are
 quarantined unread), whose check-ahead looked the same keys up a third time; the table's distinct counts were taken
 by the plan's check, then at each of the two asks. Now the keys are looked up once (at the writer's open, their rows
-handed to `read_inputs` through `job.todo_rows`) and the distinct counts taken once (`intake.control_census`).
+handed to `read_inputs` with the keys, `intake.Todo`) and the distinct counts taken once (`intake.control_census`).
 
 Synthetic: a KeyIndex of --samples sorted 64-hex-digit keys (content hashes, as the `images` table's), 1% of them
 with 2 controls, the rest 1; one rank's keys asked in a shuffled order. Measures, best of --repeat, after checking
@@ -99,8 +99,8 @@ def new_path(job, todo):
     intake.control_census(job)  # check_any_allowed
     at = intake.key_rows(job, todo) if intake.refuses_any(job, job.by_controls) else None  # open_writer
     carriable = _model_takes(job, todo, at)
-    job.todo_rows = (todo, at)
-    at = intake._rows_of_todo(job, todo)  # read_inputs
+    todo = intake.Todo(tuple(todo), at)  # open_writer's return
+    at = intake.rows_of(job, todo)  # read_inputs
     counts, refused = intake.refused_by_controls(job, todo, job.by_controls, at)
     ahead = at[(at >= 0) & ~np.asarray(refused, bool)].tolist()
     return carriable, counts, refused, ahead
@@ -118,7 +118,7 @@ def main() -> None:
     random.Random(0).shuffle(todo)
     best = {"old": float("inf"), "new": float("inf")}
     for _ in range(args.repeat):
-        job = SimpleNamespace(images=images, by_controls=rule, control_census=None, todo_rows=None)
+        job = SimpleNamespace(images=images, by_controls=rule, control_census=None)
         t0 = time.perf_counter()
         old = old_path(job, todo)
         best["old"] = min(best["old"], time.perf_counter() - t0)

@@ -6,6 +6,13 @@ import os
 import signal
 import sys
 
+# A SIGTERM before main() installs its handlers - while the imports below run, ~0.3 s - killed the process at once,
+# silently (-15). The `pipeline` entry point (or `python -m pipeline.cli`, a launched rank) holds it until main()
+# stops with the usual line and 143; a process that imports this module for `app` (a test) keeps its own handling.
+_early_signals: list[int] = []
+if __name__ == "__main__" or os.path.basename(sys.argv[0]).removesuffix(".exe") == "pipeline":
+    signal.signal(signal.SIGTERM, lambda signum, frame: _early_signals.append(signum))
+
 import typer
 
 import models.quiet_imports  # noqa: F401  (before any command imports torchao: drops two harmless messages)
@@ -226,11 +233,14 @@ def main() -> None:  # pragma: no cover
     # Ctrl-C on every rank is each rank's own stop, not a peer's line to end on; models/collective.py)
     record_signals()
     _signalled.clear()  # an earlier in-process run's stop (the training loop reads it: stages/train/stop.py)
+    early, _early_signals[:] = _early_signals[:], []  # came while this module was imported
     # an earlier run's collective state in this process (never imported here: a plain command does not pay for it)
     new_run = _loaded("models.collective", "new_run")
     if new_run is not None:
         new_run()
     try:
+        if early:
+            _terminate(early[0], None)  # as if it came now: the stop line below, exit 143
         app()
     except SystemExit as e:
         from pipeline.launched import launched

@@ -352,9 +352,10 @@ def _check_resize(cfg: PipelineConfig, model: str) -> None:
     an Edit-Plus encode-text refuses a table without the VL views (after resize-bucket ran), and a 2.1
     encode-text quarantines every reference whose side is not a multiple of its 32 px VLM slot, or whose area
     (resize.control_vae_area) its VLM processor resizes; and a 2.1 model's resize.keep_alpha or max_controls left
-    unset."""
+    unset, or max_controls above the references it takes."""
     from models.loading import model_variant, pipeline_family
-    from stages.encode.qwen21 import PIXELS_PER_SIDE  # the rule encode-text quarantines by (`_side_rejection`)
+    # the rules encode-text quarantines by (`_side_rejection`, `reference_rejection`)
+    from stages.encode.qwen21 import MAX_REFERENCES as _MAX_REFERENCES_21, PIXELS_PER_SIDE
 
     variant = model_variant(model)
     if pipeline_family(variant) == "edit-plus" and not cfg.resize.vl_views:
@@ -376,12 +377,16 @@ def _check_resize(cfg: PipelineConfig, model: str) -> None:
     # unset, max_controls is Edit-Plus's 3: a 2.1 run quarantined every sample with 4..10 references as
     # control-count, said only in resize's summary; refused alike (3 and unset hash alike)
     if variant == "qwen-image-2.1" and "max_controls" not in cfg.resize.model_fields_set:
-        from models.qwen21_multires import MAX_REFERENCES
-
         raise UserError(f"resize.max_controls is unset ({cfg.resize.max_controls}: Edit-Plus's limit, more "
-                        f"references are quarantined), but {model} (Qwen-Image-2.1) takes up to {MAX_REFERENCES}: "
-                        f"set resize.max_controls: {MAX_REFERENCES} to train them (configs/qwen-image-2.1.yaml), or "
+                        f"references are quarantined), but {model} (Qwen-Image-2.1) takes up to {_MAX_REFERENCES_21}: "
+                        f"set resize.max_controls: {_MAX_REFERENCES_21} to train them (configs/qwen-image-2.1.yaml), or "
                         f"resize.max_controls: {cfg.resize.max_controls} to keep the limit on purpose")
+    # above it, encode-text quarantined every sample with more references (stages/encode/qwen21.py
+    # `reference_rejection`) after resize-bucket had rendered them
+    if variant == "qwen-image-2.1" and cfg.resize.max_controls > _MAX_REFERENCES_21:
+        raise UserError(f"resize.max_controls = {cfg.resize.max_controls}: {model} (Qwen-Image-2.1) takes at most "
+                        f"{_MAX_REFERENCES_21} references, so encode-text would quarantine every sample with more; set "
+                        f"resize.max_controls: {_MAX_REFERENCES_21} or less")
     if variant == "qwen-image-2.1":
         from models.qwen21_predict import check_reference_area
 

@@ -266,6 +266,19 @@ class SigmaConfig(Section):
     base_image_seq_len: Annotated[int, _read_under("dynamic_shift")] = 256
     max_image_seq_len: Annotated[int, _read_under("dynamic_shift")] = 8192
 
+    @model_validator(mode="after")
+    def _a_sequence_range(self) -> SigmaConfig:
+        # calculate_shift's slope divides by max_image_seq_len - base_image_seq_len: equal ones stopped train's first
+        # step on a ZeroDivisionError. Left unset, one is the model's scheduler's (stages/train/settings.py
+        # `sigma_for_model` checks the numbers resolved there with this section)
+        lens = ("base_image_seq_len", "max_image_seq_len")
+        if self.sampling == "dynamic_shift" and set(lens) <= self.model_fields_set \
+                and self.base_image_seq_len == self.max_image_seq_len:
+            raise ValueError(f"base_image_seq_len and max_image_seq_len are both {self.max_image_seq_len}: "
+                             "dynamic_shift's calculate_shift divides by their difference; make them differ "
+                             "(the Edit models: 256 and 8192)")
+        return self
+
 
 class MaskWeight(Section):
     foreground: Annotated[float, FEATURES] = Field(1.0, ge=0.0)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 
@@ -19,7 +21,26 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def read_inputs(job: EncodeJob, keys: list[str], by_controls: Callable[[int, str], Rejected | None] | None = None
+@dataclass(frozen=True, eq=False)
+class Todo(Sequence):
+    """The keys `open_writer` leaves to encode, with their `images` rows where it looked them up (`rows`: a rule
+    that refuses some control count; ~2 s per 1M keys), so `read_inputs` takes them with the keys instead of looking
+    them up again. The keys are a tuple: no caller can change them in place and leave the rows misaligned (before,
+    the rows waited in `job.todo_rows` and were reused only for the very list object they were looked up for)."""
+    keys: tuple[str, ...] = ()
+    rows: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i):
+        return self.keys[i]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys)
+
+
+def read_inputs(job: EncodeJob, keys: Sequence[str], by_controls: Callable[[int, str], Rejected | None] | None = None
                 ) -> Iterator[tuple[str, dict[str, Any] | Rejected]]:
     """(key, `images` sample) in order, every sample's bytes checked before they are returned (a check-ahead
     thread verifies the next ones while the encoder works, store/check_ahead.py). With on_damaged=skip a
@@ -28,7 +49,7 @@ def read_inputs(job: EncodeJob, keys: list[str], by_controls: Callable[[int, str
     before any byte is read; a sample it rejects comes as its `Rejected`, unread (`refused_by_controls`)."""
     from store.integrity import DamagedData
 
-    at = _rows_of_todo(job, keys)
+    at = rows_of(job, keys)
     counts, refused = refused_by_controls(job, keys, by_controls, at)
     job.images.check_ahead(at[(at >= 0) & ~np.asarray(refused, bool)].tolist())
     for key, n, no in zip(keys, counts, refused):
@@ -54,13 +75,11 @@ def key_rows(job: EncodeJob, keys: list[str]) -> np.ndarray:
     return job.images.rows_of_keys(pa.array(keys, pa.string()))
 
 
-def _rows_of_todo(job: EncodeJob, keys: list[str]) -> np.ndarray:
-    """`key_rows(keys)`, taken from `open_writer` where it looked the same list up already (`job.todo_rows`: a
-    rule that refuses some control count; ~2 s per 1M keys), once."""
-    held, job.todo_rows = job.todo_rows, None
-    if held is not None and held[0] is keys:
-        return held[1]
-    return key_rows(job, keys)
+def rows_of(job: EncodeJob, keys: Sequence[str]) -> np.ndarray:
+    """`key_rows(keys)`: a `Todo`'s own rows where `open_writer` looked them up already, else looked up."""
+    if isinstance(keys, Todo):
+        return keys.rows if keys.rows is not None else key_rows(job, list(keys.keys))
+    return key_rows(job, list(keys))
 
 
 def refused_by_controls(job: EncodeJob, keys: list[str], rule: Callable[[int, str], Rejected | None] | None,

@@ -21,6 +21,8 @@ from stages.encode.ranks import Ranks
 from stages.encode.summary import Summary
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from stages.encode.progress import SampleProgress
 
 T = TypeVar("T")
@@ -54,9 +56,6 @@ class EncodeJob:
     # the model's rule on a sample's control count (intake.read_inputs): a sample it refuses is never carried either
     by_controls: Callable[[int, str], Rejected | None] | None = None
     control_census: Any = None  # the `images` distinct control counts and their samples (intake.control_census)
-    # (the keys `open_writer` returned, their `images` rows): looked up there where the rule refuses some count,
-    # read once by `read_inputs` instead of looked up again
-    todo_rows: tuple[list[str], Any] | None = None
     lease: Any = None  # the read lease on `images` (store/lease.py); released when the job is done or collected
     on_damaged: str = "stop"  # a damaged `images` sample: stop, or skip (quarantined as DAMAGED_INPUT)
     settings: dict[str, Any] = field(default_factory=dict)  # `settings.settings_record`: hashed, and recorded
@@ -73,14 +72,14 @@ class EncodeJob:
 
     # ------------------------------------------------------------ output (stages/encode/output.py)
 
-    def open_writer(self, schema: TableSchema, shard_size_mb: float) -> list[str]:
+    def open_writer(self, schema: TableSchema, shard_size_mb: float) -> intake.Todo:
         """Open (or resume) the output version, carry forward every key an earlier version with the same feature
         lineage holds (hard-linked shards, split relabelled from `images`); return this rank's keys left to do."""
         return output.open_writer(self, schema, shard_size_mb)
 
     # ------------------------------------------------------------ input (stages/encode/intake.py)
 
-    def read_inputs(self, keys: list[str], by_controls: Callable[[int, str], Rejected | None] | None = None
+    def read_inputs(self, keys: Sequence[str], by_controls: Callable[[int, str], Rejected | None] | None = None
                     ) -> Iterator[tuple[str, dict[str, Any] | Rejected]]:
         """(key, `images` sample) in order, each checked; a damaged one as a `Rejected` under on_damaged=skip; one
         `by_controls` refuses for its control count as its `Rejected`, its files unread."""

@@ -14,16 +14,17 @@ import pyarrow.compute as pc
 
 from schemas.errors import UserError
 from schemas.table import TableSchema
-from stages.encode.intake import key_rows, refused_by_controls, refuses_any
+from stages.encode.intake import Todo, key_rows, refused_by_controls, refuses_any
 from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, reusable
 
 if TYPE_CHECKING:
     from stages.encode.job import EncodeJob
 
 
-def open_writer(job: EncodeJob, schema: TableSchema, shard_size_mb: float) -> list[str]:
+def open_writer(job: EncodeJob, schema: TableSchema, shard_size_mb: float) -> Todo:
     """Open (or resume) the output version, carry forward every key an earlier version with the same feature
-    lineage holds (hard-linked shards, split relabelled from `images`); return this rank's keys left to do."""
+    lineage holds (hard-linked shards, split relabelled from `images`); return this rank's keys left to do (with
+    their `images` rows where looked up, for `read_inputs`)."""
     from models.collective import arrive_together
     from stages.encode.nodes import writer_place
 
@@ -34,7 +35,7 @@ def open_writer(job: EncodeJob, schema: TableSchema, shard_size_mb: float) -> li
     place = writer_place(job, schema)  # several nodes' caches of a store URL: agreed by all ranks
     if place.committed is not None:
         _adopt_committed(job, place.url, place.committed, place.rows, schema, place.current or None)
-        return []
+        return Todo()
     mine = job.images.iter_keys(rank=job.ranks.rank, world_size=job.ranks.world_size)
     # a resume: each rank learns which keys of its share are committed (its own indexes only, unless the shares
     # moved: every rank agrees on that)
@@ -44,16 +45,15 @@ def open_writer(job: EncodeJob, schema: TableSchema, shard_size_mb: float) -> li
         share=mine, agree=lambda alone: _all_agree(job.ranks.world_size, alone),
     )
     if _completed_meanwhile(job, several_caches=place.url is not None, refused=place.refused):
-        return []
+        return Todo()
     job.summary.version = job.writer.version
     job.shard_sizes_before = rank_shard_sizes(job)
     job.total = job.writer.given = len(mine)  # the commit refuses rows plus rejections short of the keys given
     todo = [k for k in mine if k not in job.writer.done_keys]
     job.summary.skipped = len(mine) - len(todo)
     todo, at = _carried_forward(job, todo)
-    job.todo_rows = (todo, at) if at is not None else None  # read_inputs' rows of these keys
     job.loop_started = time.perf_counter()
-    return todo
+    return Todo(tuple(todo), at)  # the rows looked up here travel with their keys to `read_inputs`
 
 
 def _carried_forward(job: EncodeJob, todo: list[str]) -> tuple[list[str], np.ndarray | None]:

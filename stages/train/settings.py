@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tqdm.auto import tqdm
 
-from schemas.config import PipelineConfig, TrainConfig
+from schemas.config import PipelineConfig, SigmaConfig, TrainConfig
 from schemas.errors import UserError
 from schemas.lineage import hashed_settings, section_fingerprint, settings_hash
 from schemas.record_formats import ATTENTION_JSON
@@ -304,5 +304,25 @@ def sigma_for_model(cfg: PipelineConfig, model: str) -> PipelineConfig:
 
     scheduler = load_component(model, "scheduler").config
     update = {name: scheduler[name] for name in unset if scheduler.get(name) is not None}
-    tc = cfg.train.model_copy(update={"sigma": sigma.model_copy(update=update)})
+    resolved = sigma.model_copy(update=update)
+    _check_resolved_sigma(resolved, update, model)
+    tc = cfg.train.model_copy(update={"sigma": resolved})
     return cfg.model_copy(update={"train": tc})
+
+
+def _check_resolved_sigma(sigma: SigmaConfig, read: dict[str, Any], model: str) -> None:
+    """The σ section's own checks (`SigmaConfig`'s validators) on the numbers `sigma_for_model` resolved, as every
+    one spelled out in the config is checked: before, a scheduler config with base_image_seq_len ==
+    max_image_seq_len stopped train's first step on a ZeroDivisionError in calculate_shift."""
+    from pydantic import ValidationError
+
+    try:
+        SigmaConfig.model_validate(sigma.model_dump())  # every number set, as they train
+    except ValidationError as e:
+        from models.loading import resolve_model
+
+        where = resolve_model(model) / "scheduler" / "scheduler_config.json"
+        why = e.errors()[0]["msg"].removeprefix("Value error, ")
+        numbers = ", ".join(f"{name} {value}" for name, value in read.items())
+        raise UserError(f"train.sigma (dynamic_shift): {numbers} read from {where} (the settings left unset): {why}; "
+                        f"set train.sigma.{' / '.join(read)} in the config") from None

@@ -278,3 +278,34 @@ def test_a_damaged_lora_is_told_before_a_hub_model_is_downloaded(tmp_path, monke
     with pytest.raises(UserError, match="checksums.json is damaged"):
         checked_lora(lora, "Qwen/Qwen-Image-Edit-2509")
     assert downloads == []
+
+
+# `pipeline ARGS` as its entry point runs it, a SIGTERM sent to itself at cli.py's first import after its own
+# (typer's): the earliest moment, ~0.3 s before main() installs its handlers.
+TERM_WHILE_IMPORTING = """
+import os, signal, sys
+from importlib.abc import MetaPathFinder
+
+
+class TermOnTyper(MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "typer":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return None
+
+
+sys.meta_path.insert(0, TermOnTyper())
+sys.argv[0] = "pipeline"
+from pipeline.cli import main
+main()
+"""
+
+
+def test_a_sigterm_while_the_cli_imports_stops_with_its_line_and_143(tmp_path):
+    """Before: the default SIGTERM action ended the process at once, silently (-15), no line."""
+    proc = subprocess.run([sys.executable, "-c", TERM_WHILE_IMPORTING, "run", "all", "--config",
+                           str(tmp_path / "c.yaml")], env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 143, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.strip().splitlines()[-1] == ("stopped by SIGTERM: what it committed is kept; rerun the same "
+                                                    "command to continue from there"), proc.stderr[-2000:]

@@ -21,6 +21,9 @@ from pipeline.demo_data import make_demo_data
     # ran the VLM on each and quarantined every sample with a reference ("VLM grid differs from the VAE grid")
     ("21", ["resize.keep_alpha=true", "resize.max_controls=10", "resize.control_vae_area=331776"], "error: resize.control_vae_area = 331776: "),
     ("21", ["resize.keep_alpha=true", "resize.max_controls=10", "resize.control_vae_area=512"], "error: resize.control_vae_area = 512: "),
+    # above the model's 10 references: encode-text quarantined every sample with more, after resizing them all
+    ("21", ["resize.keep_alpha=true", "resize.max_controls=11", "resize.control_vae_area=9216"],
+     "error: resize.max_controls = 11: "),
 ])
 def test_run_all_refuses_resize_settings_the_model_cannot_read_before_resizing(tiny_plus_model, tiny_21_model,
                                                                                   tmp_path, variant, sets, said):
