@@ -140,6 +140,20 @@ def unswitched(tables: dict[str, dict], versions: list[tuple[str, int]]) -> dict
     return found
 
 
+def switched_away(root: Path) -> set[tuple[str, int]]:
+    """The complete versions of the store at `root` that it switched away from (store.json's `was_current`) and no
+    kept version was made from (`kept_closure`, as `plan` keeps): garbage by the store's own record. Push sends
+    none of them (store/remote_sync.py): the URL's gc would remove them, and one is tens of GB at 1M samples."""
+    entries = fmt.read_store_record(root)["tables"]
+    complete = [(t, v) for t in _tables(root) for v in fmt.list_versions(root, t)
+                if fmt.is_complete(fmt.version_dir(root, t, v))]
+    left = {(t, v) for t, v in complete if v in fmt.was_current(entries.get(t))}
+    if not left:  # the usual store: no schema read
+        return set()
+    current = sorted((t, int(e["current"])) for t, e in entries.items())
+    return left - _kept(root, current + sorted(unswitched(entries, complete)), {})
+
+
 def unswitched_lines(found: dict[tuple[str, int], int]) -> list[str]:
     """The line for each complete version kept past its table's current one (local and URL gc alike)."""
     return [f"keep {table}/v{v}: complete, never current (past the current " + (f"v{now}" if now else "none")

@@ -511,9 +511,10 @@ class Remote:
         head = self.fs.call_s3("head_object", Bucket=bucket, Key=key)
         if (recorded := (head.get("Metadata") or {}).get(CRC_META)) is not None:
             return recorded
-        # by URL, ETag and size: an ETag is of the bytes (or a write's own), so another endpoint's object of that
-        # name and ETag holds the same bytes
-        obj, etag, size = f"s3://{bucket}/{key}", head.get("ETag"), int(head.get("ContentLength", -1))
+        # by endpoint, URL, ETag and size: two S3-compatible servers (MinIO, AWS) may each hold an object of that
+        # bucket and key, with ETags that agree by chance (a server's own ETag scheme, multipart ones, SSE-KMS)
+        where = remote_endpoint.endpoint_of(self.fs) or "aws"
+        obj, etag, size = f"{where} s3://{bucket}/{key}", head.get("ETag"), int(head.get("ContentLength", -1))
         if etag and (known := remote_crcs.known(obj, etag, size)) is not None:
             return known
         crc = RunningCrc()

@@ -1,8 +1,11 @@
 """The CRC32C of S3 objects that carry none of ours (`x-amz-meta-crc32c`: another tool uploaded them, `aws s3 sync`
-of a store), remembered once their bytes were read, by the object's URL, ETag and size: a later push judges them
-from one HEAD as it judges its own uploads (store/remote.py `recorded_crc`). Before, every push read each of them
-back (each present version's manifest at least; every object of a version not yet complete there). The ETag
+of a store), remembered once their bytes were read, by the object's endpoint and URL, ETag and size: a later push
+judges them from one HEAD as it judges its own uploads (store/remote.py `recorded_crc`). Before, every push read each
+of them back (each present version's manifest at least; every object of a version not yet complete there). The ETag
 changes with every write of the object (the MD5 of its bytes, or of its parts'), so one replaced since is read again.
+The endpoint (`-o endpoint_url=`, AWS_ENDPOINT_URL; "aws" for AWS's own) is part of the key: the same bucket and key
+on two S3-compatible servers (MinIO and AWS) are two objects. An entry of the earlier key (the URL alone) is never
+found: that object is read once more.
 
 One JSON line per object, appended to a file beside the stores' caches ($XDG_CACHE_HOME/qwen-edit-pipeline/):
 concurrent pushes append without losing each other's lines; a damaged line is skipped. A cache only: when it cannot
@@ -24,7 +27,7 @@ log = logging.getLogger("store")
 KEPT = 100_000
 _CRC = re.compile(r"[0-9a-f]{8}")
 _LOCK = threading.Lock()
-# per cache file (tests move $XDG_CACHE_HOME): object URL -> (ETag, size, CRC32C), read once per process
+# per cache file (tests move $XDG_CACHE_HOME): "ENDPOINT s3://bucket/key" -> (ETag, size, CRC32C), read once per process
 _KNOWN: dict[Path, dict[str, tuple[str, int, str]]] = {}
 
 
@@ -71,7 +74,7 @@ def _line(obj: str, etag: str, size: int, crc: str) -> bytes:
 
 
 def known(obj: str, etag: str, size: int) -> str | None:
-    """The CRC32C read from object `obj` (its URL) when it had this ETag and size, else None."""
+    """The CRC32C read from object `obj` ("ENDPOINT s3://bucket/key") when it had this ETag and size, else None."""
     found = _known()[1].get(obj)
     return found[2] if found is not None and found[:2] == (etag, size) else None
 

@@ -16,12 +16,18 @@ from typing import Any
 _endpoints: dict[str, tuple[str, str]] = {}  # store URL -> (endpoint URL, bucket), as open_remote opened it
 
 
-def remember(url: str, fs: Any, root: str) -> None:
-    """Where the URL's requests go: its s3fs endpoint (an option, else AWS_ENDPOINT_URL); AWS's own: none kept."""
+def endpoint_of(fs: Any) -> str | None:
+    """Where an s3fs filesystem's requests go: its endpoint (an option, else AWS_ENDPOINT_URL); None: AWS's own."""
     endpoint = getattr(fs, "endpoint_url", None) or (getattr(fs, "client_kwargs", None) or {}).get("endpoint_url") \
         or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    return str(endpoint).rstrip("/") if endpoint else None
+
+
+def remember(url: str, fs: Any, root: str) -> None:
+    """Where the URL's requests go: its s3fs endpoint (an option, else AWS_ENDPOINT_URL); AWS's own: none kept."""
+    endpoint = endpoint_of(fs)
     if type(fs).__name__ == "S3FileSystem" and endpoint:
-        _endpoints[url.rstrip("/")] = (str(endpoint).rstrip("/"), root.split("/", 1)[0])
+        _endpoints[url.rstrip("/")] = (endpoint, root.split("/", 1)[0])
     else:
         _endpoints.pop(url.rstrip("/"), None)
 

@@ -75,6 +75,8 @@ class SyncSummary:
     damaged: list[str] = field(default_factory=list)  # objects kept although they differ (pull for repair)
     newer: list[str] = field(default_factory=list)  # push: "table/vN" the remote had current, above the pushed one
     set_aside: list[str] = field(default_factory=list)  # push for repair: a damaged remote file, kept under this name
+    # push: "table/vN" not sent, switched away from in the pushing store and made nothing kept (store/gc.py)
+    garbage: list[str] = field(default_factory=list)
 
     def newer_current(self, table: str) -> int | None:
         """The remote's current version of `table` that this push kept over the pushed one (None: none)."""
@@ -90,7 +92,10 @@ class SyncSummary:
                 f"{self.objects_sent} file(s), {self.bytes_sent / 2**20:.1f} MiB "
                 f"{'sent' if self.direction == 'push' else 'fetched'}, {self.objects_skipped} "
                 "already there" + (f"; kept the remote's newer current {', '.join(self.newer)}" if self.newer else "")
-                + "".join(f"; {fmt.QUARANTINE} (damaged) set aside as {name}" for name in self.set_aside))
+                + "".join(f"; {fmt.QUARANTINE} (damaged) set aside as {name}" for name in self.set_aside)
+                + "".join(f"\nnot sent {name}: its store switched away from it (store.json's was_current) and no "
+                          "kept version was made from it: garbage, which `pipeline store gc` removes"
+                          for name in self.garbage))
 
 
 @dataclass
@@ -223,7 +228,12 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
 def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int] | None,
                versions: list[tuple[str, int]], summary: SyncSummary) -> tuple[list[_File], dict[str, list[_File]]]:
     """What to send (objects not there with the same size and CRC32C), and each copied version's files.
-    `listing` None: nothing to send (every version lazily cached), the prefix was not listed."""
+    `listing` None: nothing to send (every version lazily cached), the prefix was not listed. A version the store
+    switched away from and made nothing kept is not sent (`summary.garbage`) unless its manifest is there already:
+    such a one is checked and refilled as before, and the URL's record takes it for switched away from too."""
+    from store.gc import switched_away
+
+    garbage = switched_away(src)
     todo: list[_File] = []
     files_of: dict[str, list[_File]] = {}
     for table, version in versions:
@@ -243,6 +253,9 @@ def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int] | No
         record = (vdir / fmt.CHECKSUMS).read_bytes()
         files = _ordered(table, version, version_files(record, str(vdir / fmt.CHECKSUMS)), record)
         manifest = files[-1]
+        if manifest.rel not in listing and (table, version) in garbage:  # (one there: as before, below)
+            summary.garbage.append(f"{table}/v{version}")
+            continue
         if manifest.rel in listing:
             if not _same(remote, listing, manifest):
                 raise _conflict(table, version, url, src)

@@ -65,3 +65,29 @@ def test_a_second_push_of_a_copied_store_reads_none_of_its_objects_again(s3_env,
     with pytest.raises(UserError, match="differs|conflict|grew apart"):
         push(store.root, s3_env.url())
     assert len(reads) == 1  # replaced: read again, and refused
+
+
+def test_the_remembered_crc_of_an_object_is_not_taken_for_the_same_name_at_another_endpoint(
+        s3_env, store: Store, monkeypatch):
+    """The CRC32C read from an object is remembered by its endpoint too (store/remote_crcs.py): the same bucket and
+    key at another endpoint (MinIO beside AWS; here the test server under a second name) is another object, read
+    once there. Before, the cache was keyed by s3://bucket/key, ETag and size alone, shared across endpoints."""
+    from store import remote_crcs, remote_download
+
+    fill(store, 4)
+    _sync(s3_env, store.root)
+    reads: list[str] = []
+    real = remote_download.pieces
+    monkeypatch.setattr(remote_download, "pieces",
+                        lambda fs, path, *a, **k: reads.append(path) or real(fs, path, *a, **k))
+    assert push(store.root, s3_env.url()).present == ["vae/v1"] and len(reads) == 1
+    other = s3_env.endpoint.replace("127.0.0.1", "localhost")
+    assert other != s3_env.endpoint
+    monkeypatch.setenv("AWS_ENDPOINT_URL", other)
+    reads.clear()
+    assert push(store.root, s3_env.url()).present == ["vae/v1"]
+    assert [p.rsplit("/", 3)[-3:] for p in reads] == [["vae", "v1", "manifest.parquet"]]  # another endpoint's object
+    reads.clear()
+    assert push(store.root, s3_env.url()).present == ["vae/v1"] and reads == []  # remembered for this endpoint too
+    keys = set(remote_crcs._known()[1])
+    assert {k.split(" ", 1)[0] for k in keys} == {s3_env.endpoint, other}, keys

@@ -94,9 +94,11 @@ def test_repair_of_a_url_fetches_only_the_current_versions_shards(s3_env, store:
     number the new version above every one the remote holds (v3 here, not current)."""
     fill(store, 8, tag="a")  # v1
     fill(store, 6, tag="b", start=20)  # v2, made current below
-    fill(store, 4, tag="c", start=40)  # v3, not current
-    store.set_current("vae", 2)
-    push(store.root, s3_env.url())
+    fill(store, 4, tag="c", start=40)  # v3, not current at the URL: switched away from there
+    push(store.root, s3_env.url())  # (a store's own switched-away version is not pushed at all)
+    from store.remote_parts import make_current
+
+    assert make_current(open_remote(s3_env.url()), "vae", 2, over=3) == 2
     client = s3_env.client()
     key = sorted(k for k in objects(s3_env) if k.startswith("store/vae/v2/") and k.endswith(".tar"))[0]
     data = client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()
@@ -591,10 +593,10 @@ def test_gc_of_a_url_removes_a_version_switched_away_from(s3_env, store: Store) 
     assert _manifests(s3_env) == ["store/vae/v1/manifest.parquet"] and entry() == {"current": 1}
 
 
-def test_a_pushed_version_its_store_switched_away_from_is_garbage_at_the_url_too(store: Store, tmp_path: Path) -> None:
-    """A local store switched back to v1 over v2 (`was_current`) pushes both (every complete version): the URL's
-    store.json records v2 as switched away from too, so its gc removes it as the local gc does. Before, the URL took
-    it for a commit whose swap failed and kept it until a newer version was current ("never current")."""
+def test_a_version_its_store_switched_away_from_is_not_pushed(store: Store, tmp_path: Path) -> None:
+    """A local store switched back to v1 over v2 (`was_current`): v2 is garbage by its own record (its gc removes
+    it), so push sends none of it and says so in a line; the URL holds v1 alone, current, which its gc keeps and a
+    pull reads. Before, every complete version was sent, v2's tens of GB (1M samples) for the URL's gc to remove."""
     from store import format as fmt
     from store.gc import collect as local_gc
     from store.remote_gc import collect
@@ -604,16 +606,42 @@ def test_a_pushed_version_its_store_switched_away_from_is_garbage_at_the_url_too
     fill(store, 4, tag="b", start=10)  # v2, current
     store.set_current("vae", 1)  # a rerun of v1's settings adopted it
     url = (tmp_path / "remote").as_uri()
-    push(store.root, url)
+    summary = push(store.root, url)
+    assert summary.copied == ["vae/v1"] and summary.garbage == ["vae/v2"], summary
+    assert [line for line in str(summary).splitlines() if line.startswith("not sent vae/v2: ")], str(summary)
+    assert not (tmp_path / "remote" / "vae" / "v2").exists()
     remote = open_remote(url)
-    assert _parse_record(remote.read(fmt.STORE_JSON), url)["tables"]["vae"] == {"current": 1, "was_current": [2]}
+    assert _parse_record(remote.read(fmt.STORE_JSON), url)["tables"]["vae"] == {"current": 1}
     lines: list[str] = []
     collect(url, grace_s=0, echo=lines.append)
-    assert not any("never current" in line for line in lines), lines
+    assert not any("remove" in line and "v1" in line for line in lines), lines
     assert sorted(p.parent.name for p in (tmp_path / "remote" / "vae").glob("v*/manifest.parquet")) == ["v1"]
-    assert not [p for p in (tmp_path / "remote" / "vae" / "v2").rglob("*") if p.is_file()]
+    copy = tmp_path / "copy"
+    pull(url, copy)
+    want = {k: store.reader("vae").get(k)["tensors"] for k in store.reader("vae").keys()}
+    reader = Store(copy, create=False).reader("vae")
+    assert reader.version == 1 and sorted(reader.keys()) == sorted(want)
+    for k, tensors in want.items():
+        assert all(torch.equal(reader.get(k)["tensors"][n], t) for n, t in tensors.items())
     local_gc(store.root, echo=lambda line: None)
     assert store.versions("vae") == [1]
+
+
+def test_a_switched_away_version_already_at_the_url_is_pushed_as_before(store: Store, tmp_path: Path) -> None:
+    """v2 pushed while current (the URL's current), then the local store switched back to v1: v2 is there already,
+    so push checks it as every present version (not skipped, no line) and keeps the URL's newer current v2."""
+    from store import format as fmt
+    from store.remote_sync import _parse_record
+
+    fill(store, 3)  # v1
+    fill(store, 4, tag="b", start=10)  # v2, current
+    url = (tmp_path / "remote").as_uri()
+    push(store.root, url)
+    store.set_current("vae", 1)
+    summary = push(store.root, url)
+    assert summary.present == ["vae/v1", "vae/v2"] and not summary.garbage and summary.newer == ["vae/v2"], summary
+    assert "not sent" not in str(summary)
+    assert _parse_record(open_remote(url).read(fmt.STORE_JSON), url)["tables"]["vae"] == {"current": 2}
 
 
 def test_a_pulled_version_the_url_switched_away_from_is_garbage_in_the_copy_too(store: Store, tmp_path: Path) -> None:
