@@ -15,14 +15,15 @@ from test_failure_lines import _as_rank_1
 from test_launch_devices import TIMEOUT
 
 
-def _main_running(monkeypatch, work) -> None:
-    """`pipeline.cli.main` running `work()` as its command, the handlers and signal record it installs restored."""
+def _main_running(monkeypatch, work, signalled: tuple[int, ...] = ()) -> None:
+    """`pipeline.cli.main` running `work()` as its command, the handlers and signal record it installs restored;
+    `signalled`: the signals an earlier run in the process left in the CLI's list."""
     import pipeline.cli as cli
     from schemas import interruptible
 
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     monkeypatch.setattr(cli, "app", work)
-    monkeypatch.setattr(cli, "_signalled", [])
+    monkeypatch.setattr(cli, "_signalled", list(signalled))
     monkeypatch.setattr(interruptible, "_received", {"fd": None, "seen": set(), "write": None})
     monkeypatch.setattr(cli.exit_gc, "collect_once_at_exit", lambda: None)  # this worker's exit is not the run's
     try:
