@@ -387,10 +387,15 @@ def _close_process_group(exiting: threading.Event, closed: threading.Event, dead
         deadline.join()
 
 
+def _agent_store() -> bool:
+    """Is the launch's store a launcher agent's (torchrun), which ends when its node's workers exit?"""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
 def _hosts_store() -> bool:
     """Does this process serve the launch's store? Rank 0 of a plain env:// launch does (torch's rendezvous, or
     `_before_group_store`); under torchrun the node's agent does."""
-    return os.environ.get("RANK") == "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+    return os.environ.get("RANK") == "0" and not _agent_store()
 
 
 def _count_exit(client, world: int) -> None:
@@ -1020,7 +1025,7 @@ def _publish_unwatched(line: str) -> str:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1 or not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
         return line
-    if os.environ.get("RANK") == "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+    if os.environ.get("RANK") == "0" and not _agent_store():
         return line
     published = _write_failure(line, world, UNWATCHED_STORE_SECONDS)
     return line if published is None else published
@@ -1211,8 +1216,10 @@ def gather_before_group(world: int, what: str, text: str, timeout: float | None 
                         f"went away meanwhile ({_first_line(e)}): see rank 0's log (it serves the store when no "
                         "launcher does) or the launcher's") from None
     # every rank counts itself as having read the texts; the store's host waits for them (the store ends with its
-    # process, when the decision is a refusal: the others read first)
-    _count_and_wait(store, f"{key}/read", world, wait=_before["hosted"])
+    # process, when the decision is a refusal: the others read first), and so does every rank under an agent's store:
+    # the agent ends it once its node's worker exits, and a rank on another node one poll behind met a reset
+    # connection instead of the texts (CI: "the launch's store ... went away meanwhile" in place of the refusal)
+    _count_and_wait(store, f"{key}/read", world, wait=_before["hosted"] or _agent_store())
     return texts
 
 

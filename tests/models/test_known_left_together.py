@@ -108,3 +108,28 @@ def test_a_rank_whose_wait_ran_out_says_so_too(monkeypatch, own_collective) -> N
                                                             sleep=lambda _s: now.__setitem__(0, now[0] + 0.1)))
     collective._known_by_all(client, key, 3)
     assert now[0] >= collective.HOST_WAIT_SECONDS and store.check([f"{key}/known/left/1"])
+
+
+def test_under_an_agent_store_each_rank_waits_until_all_read_a_before_group_decision(monkeypatch,
+                                                                                       own_collective) -> None:  # noqa: F811
+    """Under torchrun the store is an agent's, which ends once its node's worker exits: a refusal decided before the
+    group (`together_before_group`) ended rank 0 as soon as it had read the texts, and node 1's rank, one poll
+    behind, met a reset connection and ended on "the launch's store ... went away meanwhile" instead of the line
+    (CI: test_settings_one_node's run all refusing node 1's report folder). Each rank now counts itself as having
+    read and waits (at most HOST_WAIT_SECONDS) until every rank has, as a store's own host does."""
+    collective = own_collective
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    for name, value in _env(0, store.port, agent_store=True).items():  # rank 0; the store is "the agent's"
+        monkeypatch.setenv(name, value)
+    key = f"{collective._launch_key('before-group')}/the paths/1"
+    store.set(f"{key}/1", "rank 1's refusal")
+    returned = threading.Event()
+    rank0 = threading.Thread(target=lambda: (collective.gather_before_group(2, "the paths", ""), returned.set()),
+                             daemon=True)
+    rank0.start()
+    store.wait([f"{key}/read/0"], timedelta(seconds=TIMEOUT))  # rank 0 read the texts
+    assert not returned.wait(1.0), "rank 0 went on (its exit ends the agent's store) before rank 1 read the texts"
+    store.set(f"{key}/read/1", "1")
+    assert returned.wait(TIMEOUT)
