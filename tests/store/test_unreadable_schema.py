@@ -105,15 +105,17 @@ def test_a_writer_opens_a_new_version_past_an_in_progress_one_whose_schema_a_cra
 def test_gc_of_a_url_keeps_what_a_kept_version_with_an_unreadable_schema_may_name(s3_env, store: Store) -> None:
     """Before: `store gc URL` read the damaged schema.json as naming nothing and removed images v1 (what vae v1
     was built from) and v3, where the local gc keeps every version of the other tables; one mechanism now."""
+    from store.remote import open_remote
+    from store.remote_parts import make_current
     from store.remote_sync import push
 
     assert _images(store, "a") == 1
     fill(store, 3)
     assert _images(store, "b") == 2
     _images(store, "c")
-    store.set_current("images", 2)
     url = s3_env.url()
-    push(store.root, url)
+    push(store.root, url)  # with v3 current: a push leaves out versions its store switched away from
+    assert make_current(open_remote(url), "images", 2, over=3) == 2  # v3 switched away from at the URL
     client = s3_env.client()
     listed = lambda: {o["Key"] for o in client.list_objects_v2(Bucket=s3_env.bucket).get("Contents", [])}
     assert {f"store/images/v{v}/{fmt.MANIFEST}" for v in (1, 2, 3)} <= listed()
