@@ -439,6 +439,16 @@ def table_entry(old: dict[str, Any] | None, version: int, forget: set[int] = fro
     return {"current": version, **({WAS_CURRENT: was} if was else {})}
 
 
+def forget_was_current(tables: dict[str, Any], drop) -> dict[str, Any] | None:
+    """store.json's `tables` with each (table, number) in `was_current` that `drop(table, number)` names taken out
+    (gc removes those versions: a later version of that number is another one); None when nothing is."""
+    out = dict(tables)
+    for table, entry in tables.items():
+        if forget := {v for v in was_current(entry) if drop(table, v)}:
+            out[table] = table_entry(entry, int(entry["current"]), forget)
+    return None if out == tables else out
+
+
 def new_store_record() -> dict[str, Any]:
     return {"format": STORE_FORMAT, "format_version": STORE_FORMAT_VERSION, "tables": {}}
 

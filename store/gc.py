@@ -140,13 +140,18 @@ def unswitched(tables: dict[str, dict], versions: list[tuple[str, int]]) -> dict
     return found
 
 
+def _complete_versions(root: Path) -> list[tuple[str, int]]:
+    """(table, version) of every complete version in the store at `root`."""
+    return [(t, v) for t in _tables(root) for v in fmt.list_versions(root, t)
+            if fmt.is_complete(fmt.version_dir(root, t, v))]
+
+
 def switched_away(root: Path) -> set[tuple[str, int]]:
     """The complete versions of the store at `root` that it switched away from (store.json's `was_current`) and no
     kept version was made from (`kept_closure`, as `plan` keeps): garbage by the store's own record. Push sends
     none of them (store/remote_sync.py): the URL's gc would remove them, and one is tens of GB at 1M samples."""
     entries = fmt.read_store_record(root)["tables"]
-    complete = [(t, v) for t in _tables(root) for v in fmt.list_versions(root, t)
-                if fmt.is_complete(fmt.version_dir(root, t, v))]
+    complete = _complete_versions(root)
     left = {(t, v) for t, v in complete if v in fmt.was_current(entries.get(t))}
     if not left:  # the usual store: no schema read
         return set()
@@ -224,8 +229,7 @@ def plan(root: Path) -> GcPlan:
     entries = fmt.read_store_record(root)["tables"]
     current = {t: int(e["current"]) for t, e in entries.items()}
     out = GcPlan()
-    out.unswitched = unswitched(entries, [(t, v) for t in _tables(root) for v in fmt.list_versions(root, t)
-                                          if fmt.is_complete(fmt.version_dir(root, t, v))])
+    out.unswitched = unswitched(entries, _complete_versions(root))
     keep = _kept(root, sorted(current.items()) + sorted(out.unswitched), out.unknown_upstream)
     named_by: dict[tuple[str, int], list[str]] = {}  # every version a live lease names, existing or not
     for found in leases.leases(root):
@@ -349,20 +353,17 @@ def _forget_removed(root: Path, p: GcPlan) -> None:
     """Before any folder goes: the numbers of the versions removed (and of none there, removed by hand) leave
     store.json's `was_current`, as a later version of that number is another one, never current. A kill after
     this leaves such a version taken for never current: kept by the next gc until a newer one is current."""
-    removed = {(vdir.parent.name, int(vdir.name.lstrip("v"))) for vdir in p.remove}
     rec = fmt.read_store_record(root)
-    changed = False
-    for table, entry in rec["tables"].items():
-        there = set(fmt.list_versions(root, table))
-        forget = {v for v in fmt.was_current(entry) if (table, v) in removed or v not in there}
-        if forget:
-            rec["tables"][table] = fmt.table_entry(entry, int(entry["current"]), forget)
-            changed = True
-    if changed:
+    if not any(fmt.was_current(e) for e in rec["tables"].values()):  # the usual store: no listing
+        return
+    removed = {(vdir.parent.name, int(vdir.name.lstrip("v"))) for vdir in p.remove}
+    there = {t: set(fmt.list_versions(root, t)) for t in rec["tables"]}
+    tables = fmt.forget_was_current(rec["tables"], lambda t, v: (t, v) in removed or v not in there[t])
+    if tables is not None:
         from store.io_errors import writing
 
         with writing("store.json", root):
-            fmt.write_store_record(root, rec)
+            fmt.write_store_record(root, {**rec, "tables": tables})
 
 
 def _remove_records(root: Path, table: str, v: int) -> None:

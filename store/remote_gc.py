@@ -99,7 +99,11 @@ class RemoteGcPlan:
 def _current(remote: Remote) -> dict[str, int] | None:
     """The current versions; None without a store.json (a first push killed before it: nothing is current yet,
     so gc keeps every complete version and removes only stale incomplete ones)."""
-    entries = _entries(remote)
+    return _currents(_entries(remote))
+
+
+def _currents(entries: dict[str, dict] | None) -> dict[str, int] | None:
+    """Each table's current version of store.json's table entries (None: no store.json)."""
     return None if entries is None else {t: int(e["current"]) for t, e in entries.items()}
 
 
@@ -178,7 +182,7 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
             # write to a file:// remote (store/remote_local.py); untouched for the grace period: not in use
             out.leftovers.append(rel)
     entries = _entries(remote)
-    current = None if entries is None else {t: int(e["current"]) for t, e in entries.items()}
+    current = _currents(entries)
     roots = sorted(current.items()) if current is not None else [tv for tv, v in versions.items() if v.complete]
     if entries is not None:  # (without a store.json every complete version is a root already)
         out.unswitched = unswitched(entries, [tv for tv, v in sorted(versions.items()) if v.complete])
@@ -404,11 +408,8 @@ def _forget_removed(remote: Remote, doomed: set[tuple[str, int]]) -> None:
         if old is None:
             return None
         rec = _parse_record(old, remote.url)
-        tables = dict(rec["tables"])
-        for table, entry in rec["tables"].items():
-            if forget := {v for v in fmt.was_current(entry) if (table, v) in doomed}:
-                tables[table] = fmt.table_entry(entry, int(entry["current"]), forget)
-        if tables == rec["tables"]:
+        tables = fmt.forget_was_current(rec["tables"], lambda t, v: (t, v) in doomed)
+        if tables is None:
             return None
         return seal({**rec, "tables": tables, "format_version": fmt.STORE_FORMAT_VERSION})
 
