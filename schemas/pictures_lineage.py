@@ -58,7 +58,9 @@ def read_lineage(resize: Any, recorded: str | None, code_version: str | None, un
         rc = ResizeConfig.model_validate(resize)
     except ValueError:  # pydantic's ValidationError: settings of another release
         return None
-    if recorded not in (pictures_lineage(rc, code_version), earlier_pictures_lineage(rc, code_version)):
+    # the lineage as hashed now, or as recorded before unread settings were hashed as their defaults
+    # (`earlier_pictures_lineage`, which would hash the first again)
+    if recorded not in (pictures_lineage(rc, code_version), pictures_lineage(rc, code_version, as_set=True)):
         return None
     return pictures_lineage(rc, code_version, unread)
 
