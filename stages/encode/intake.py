@@ -83,9 +83,9 @@ def rows_of(job: EncodeJob, keys: Sequence[str]) -> np.ndarray:
 
 
 def refused_by_controls(job: EncodeJob, keys: list[str], rule: Callable[[int, str], Rejected | None] | None,
-                        at: np.ndarray | None = None) -> tuple[list[int], list[bool]]:
+                        at: np.ndarray) -> tuple[list[int], list[bool]]:
     """Each key's control count (the `images` column `num_controls`) and whether `rule` refuses it, in the order of
-    `keys` (`at`: their `key_rows`, looked up here when not given). Decided from the column, so a refused sample's
+    `keys` (`at`: their `key_rows`, `rows_of`). Decided from the column, so a refused sample's
     files are never read: an Edit model run over an Edit-Plus dataset read and checked every byte of the table
     (hours at 1M samples) to end in "would be empty". Two plain lists, not a Rejected per key (a million of them
     held at once). A table none of whose counts the rule refuses (the usual case) is answered from its distinct
@@ -94,8 +94,6 @@ def refused_by_controls(job: EncodeJob, keys: list[str], rule: Callable[[int, st
 
     if rule is None or not keys or not refuses_any(job, rule):
         return [0] * len(keys), [False] * len(keys)
-    if at is None:
-        at = key_rows(job, keys)
     counts = _control_counts(job.images.column("num_controls").take(pa.array(np.maximum(at, 0))))
     distinct = control_census(job)[0]  # every count a row holds; the rule asked once per distinct count
     no = np.array([rule(int(n), "") is not None for n in distinct], bool)
