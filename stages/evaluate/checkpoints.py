@@ -136,15 +136,15 @@ def spelled_as(settings: dict, earlier: list[dict] = ()):
 def read_tables(tables, cap: int | None) -> dict:
     """The text / vae tables the val samples were read from (`tables`, the val split's join), named by what
     evaluate reads from them: the content ids (`JoinedTables.content_ids`: keys, sample checksums, img_shapes,
-    lengths) of the rows the loss passes read (`val_share.scored_rows` of `cap`, max_loss_samples), so an
+    lengths) of the rows the loss passes read (`features.damaged.rows_read` of `cap`, max_loss_samples), so an
     `images` rerun that changed no sample (encode carries every sample forward into new versions) keeps the
     losses, and so does a val sample added or changed after those rows (keyed by the whole split, it evaluated
     every checkpoint and the base again, and `pipeline compare` refused two reports of one held-out set); the
     version ids read where a table has none (`JoinedTables.content_names`, as train's validation curve names
     them)."""
-    from stages.evaluate.val_share import scored_rows
+    from features.damaged import rows_read
 
-    return tables.content_names(scored_rows(tables, cap))
+    return tables.content_names(rows_read(tables, cap))
 
 
 def read_fingerprint(settings: dict, tables) -> tuple[str, dict]:
@@ -223,7 +223,7 @@ def content_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str, sett
 
     with open_configured(cfg, "evaluate", store, model, model_files(model), "val") as tables:
         # the samples OUT's report left out as damaged (on_damaged=skip): its read took as many rows more
-        # (`val_share.scored_rows`), as a read now would where they are still damaged
+        # (`features.damaged.rows_read`), as a read now would where they are still damaged
         tables.damaged.update(damaged_read(out) if out is not None else {})
         fingerprint, settings = read_fingerprint(settings, tables)
         return fingerprint, settings, earlier_settings(settings, tables, cfg, out), loss_keys(cfg, tables), len(tables)

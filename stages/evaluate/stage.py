@@ -504,7 +504,7 @@ def read_table_ids(cfg: EvaluateConfig, store: str | Path, model: str, tables: J
     so an `images` rerun that changed no sample keeps the report. A table without one: its version id."""
     from models.loading import model_files
     from stages.evaluate.checkpoints import read_tables
-    from stages.evaluate.val_share import scored_rows
+    from features.damaged import rows_read
 
     if tables is None:
         with open_configured(cfg, "evaluate", store, model, model_files(model), "val") as opened:
@@ -512,14 +512,14 @@ def read_table_ids(cfg: EvaluateConfig, store: str | Path, model: str, tables: J
     ids = read_tables(tables, cfg.max_loss_samples)
     st = Store(store, create=False)
     if "images" in st.tables():
-        rows = images_rows_id(st, tables, scored_rows(tables, cfg.max_loss_samples))
+        rows = images_rows_id(st, tables, rows_read(tables, cfg.max_loss_samples))
         ids["images"] = f"content:{rows}" if rows else st.version_id("images", st.tables()["images"])
     return dict(sorted(ids.items()))
 
 
 def images_rows_id(st: Store, tables: JoinedTables, first: int | None = None) -> str | None:
     """`store.join.rows_content_id` of the `images` rows evaluate shows (`images_reader`: the version the vae table
-    was built from) for the val keys scored (the first `first`, `val_share.scored_rows`; None: every one), which
+    was built from) for the val keys scored (the first `first`, `features.damaged.rows_read`; None: every one), which
     the pictures are taken from: their bytes (pictures) and `PICTURE_COLUMNS`. None: no such id."""
     from store.join import rows_content_id
 
@@ -561,7 +561,7 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
     from models.loading import model_files
 
     with open_configured(cfg, "evaluate", store, model, model_files(model), "val") as tables:  # its size: the cap
-        tables.damaged.update(damaged_read(Path(out)))  # its read went as many rows further (`scored_rows`)
+        tables.damaged.update(damaged_read(Path(out)))  # its read went as many rows further (`rows_read`)
         present = evaluate_inputs(cfg, store, model, lora, lora_sha256, tables, table_ids)
         n = len(tables)
     resolved = resolved_config(cfg, model)

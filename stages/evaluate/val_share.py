@@ -34,14 +34,6 @@ def loss_sample_count(cfg, tables) -> int:
     return min(len(tables), cfg.max_loss_samples) if cfg.max_loss_samples else len(tables)
 
 
-def scored_rows(tables, cap: int | None) -> int | None:
-    """How many of the val split's first rows the loss passes read: the first `cap` (max_loss_samples; None: all
-    rows, returned as None) and one more for each damaged sample the read left out so far (on_damaged=skip, in
-    row order: `tables.damaged`). What the loss array, the base caches and the report are keyed by: a sample
-    after these rows is never read (`features.damaged.rows_read`, train's validation curve's too)."""
-    from features.damaged import rows_read
-
-    return rows_read(tables, cap)
 
 
 def loss_keys(cfg, tables) -> list[str]:
