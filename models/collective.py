@@ -236,7 +236,11 @@ def share_failure(world: int, error: BaseException | None, what: str = "") -> No
 
 # ---------------------------------------------------------------------------------------------- failing alone
 
-_state: dict = {"watching": False, "published": False}
+def _fresh_state() -> dict:
+    return {"watching": False, "published": False}
+
+
+_state: dict = _fresh_state()
 _report_lock = threading.Lock()
 
 
@@ -254,8 +258,8 @@ def new_run() -> None:
     forget_store_hosts()
     closing = _state.get("closing", False)
     _state.clear()
-    _state.update(watching=False, published=False, closing=closing)
-    _before.update(store=None, hosted=False, count={})
+    _state.update(_fresh_state(), closing=closing)
+    _before.update(_fresh_before())
     _report_lock = threading.Lock()
 
 
@@ -1025,7 +1029,7 @@ def _publish_unwatched(line: str) -> str:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1 or not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
         return line
-    if os.environ.get("RANK") == "0" and not _agent_store():
+    if _hosts_store():
         return line
     published = _write_failure(line, world, UNWATCHED_STORE_SECONDS)
     return line if published is None else published
@@ -1168,7 +1172,11 @@ def _lost_ranks(client, key: str, world: int, seen: dict[int, tuple[int, float]]
 # rendezvous would wait for them (its default process-group timeout), so no launch that would have formed a
 # group is refused for its ranks starting far apart (a node still pulling its image).
 BEFORE_GROUP_SECONDS = 1800.0
-_before: dict = {"store": None, "hosted": False, "count": {}}
+def _fresh_before() -> dict:
+    return {"store": None, "hosted": False, "count": {}}
+
+
+_before: dict = _fresh_before()
 
 
 def gather_before_group(world: int, what: str, text: str, timeout: float | None = None) -> list[str]:
