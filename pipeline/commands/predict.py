@@ -216,9 +216,10 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
 
     from models.precision import auto_note, check_loaded_dtype, device_for_rank, resolve_precision
 
-    devices = {name: device_for_rank(cfg.devices.get(name, "auto"), what=f"predict.devices.{name}") for name in COMPONENTS}
+    specs = {name: cfg.devices.get(name, "auto") for name in COMPONENTS}
+    devices = {name: device_for_rank(spec, what=f"predict.devices.{name}") for name, spec in specs.items()}
     precision = resolve_precision(cfg.dtype, devices["transformer"])  # auto: decided by where the big model runs
-    tqdm.write(precision.describe("predict", devices["transformer"], auto_note(*(cfg.devices.get(n, "auto") for n in COMPONENTS)))
+    tqdm.write(precision.describe("predict", devices["transformer"], auto_note(*specs.values()))
                + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
     if model_variant(model) == "qwen-image-2.1":  # the stock 2.1 pipeline; references keep their alpha
         from models.qwen21_predict import edit_21, load_pipeline_21
