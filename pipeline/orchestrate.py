@@ -324,11 +324,13 @@ def _check_node(cfg: PipelineConfig) -> None:
 def _check_settings(cfg: PipelineConfig, model: str) -> None:
     """What the config and the model decide, refused before resize-bucket and the encoders (hours at a million
     samples), not when train, or evaluate after training, reaches it: one denoising step where the model's
-    scheduler cannot take it, train.log_with's trackers (installed on rank 0's node), an attention backend a 2.1
+    scheduler cannot take it, dynamic_shift's settings read from that scheduler's config (`sigma_for_model`, as train
+    resolves them), train.log_with's trackers (installed on rank 0's node), an attention backend a 2.1
     model does not take, and evaluate's extra prompts (their image counts and files; evaluate's own check at its
     start, `for_model`)."""
     from stages.evaluate.stage import check_sampling as evaluate_steps, for_model as evaluate_settings
     from stages.train.recipe import check_sampling as train_steps
+    from stages.train.settings import sigma_for_model
 
     from models.attention import check_qwen21_name
     from models.loading import check_weight_files, model_variant
@@ -337,6 +339,7 @@ def _check_settings(cfg: PipelineConfig, model: str) -> None:
     check_weight_files(model)  # train loads the transformer only after resize-bucket and both encoders
     tracker_classes(cfg.train.log_with)  # rank 0's trackers (train checks them there too)
     train_steps(cfg.train, model)
+    sigma_for_model(cfg, model)  # dynamic_shift's unset settings read from the model's scheduler, checked as train does
     if model_variant(model) == "qwen-image-2.1":  # refused by train and evaluate once the transformer loaded
         check_qwen21_name(cfg.train.attention_backend, "train.attention_backend")
         check_qwen21_name(cfg.evaluate.attention_backend, "evaluate.attention_backend")
