@@ -228,7 +228,8 @@ def vlm_pixel_limits(model: str) -> tuple[int, int]:
 
 def check_reference_area(area: int, model: str) -> None:
     """`resize.control_vae_area` (each reference's area, which the VLM reads as it is) outside the model's VLM
-    processor limits, refused in one line by `pipeline run all` before resize-bucket: the processor would resize
+    processor limits, refused in one line by `pipeline run all` for a run with references (`pipeline.reference_area`:
+    before resize-bucket, or right after it where only the source's samples tell): the processor would resize
     every reference, and encode-text ran the VLM on each sample and then quarantined it ("VLM grid differs from
     the VAE grid"). References near a limit may still round past it at some aspects: encode-text quarantines those."""
     from schemas.errors import UserError
