@@ -150,6 +150,12 @@ def check_prompt_fits(pipe, images: list, prompt: str, negative_prompt: str | No
     return left
 
 
+def processor_pixel_bounds(image_processor) -> tuple[int, int]:
+    """(min, max) pixels of an image the VLM image processor keeps as it is (its `size`, which `smart_resize`
+    bounds it by): the one reader of them (predict's checks, encode-text's quarantine, run all's area check)."""
+    return image_processor.size["shortest_edge"], image_processor.size["longest_edge"]
+
+
 def processor_keeps(image_processor, height: int, width: int) -> bool:
     """Whether the VLM image processor reads a height x width image as it is (transformers' `smart_resize`, which
     Qwen3-VL's processor calls, returns its size): False where it would resize it (outside its min / max pixels)
@@ -158,8 +164,7 @@ def processor_keeps(image_processor, height: int, width: int) -> bool:
 
     factor = image_processor.patch_size * image_processor.merge_size
     try:
-        return smart_resize(height, width, factor, image_processor.size["shortest_edge"],
-                            image_processor.size["longest_edge"]) == (height, width)
+        return smart_resize(height, width, factor, *processor_pixel_bounds(image_processor)) == (height, width)
     except (ValueError, ZeroDivisionError):
         return False
 
@@ -170,7 +175,7 @@ def check_reference_grid(image_processor, height: int, width: int, area: int) ->
     transformer fails with a shape mismatch (encode-text quarantines such a sample: `grid_mismatch`)."""
     from schemas.errors import UserError
 
-    min_pixels, max_pixels = image_processor.size["shortest_edge"], image_processor.size["longest_edge"]
+    min_pixels, max_pixels = processor_pixel_bounds(image_processor)
 
     def kept(h: int, w: int) -> bool:
         return processor_keeps(image_processor, h, w)
@@ -218,13 +223,13 @@ def vlm_pixel_limits(model: str) -> tuple[int, int]:
 
     from models.loading import resolve_model
 
-    size = AutoImageProcessor.from_pretrained(resolve_model(model) / "processor").size
-    return size["shortest_edge"], size["longest_edge"]
+    return processor_pixel_bounds(AutoImageProcessor.from_pretrained(resolve_model(model) / "processor"))
 
 
 def check_reference_area(area: int, model: str) -> None:
     """`resize.control_vae_area` (each reference's area, which the VLM reads as it is) outside the model's VLM
-    processor limits, refused in one line by `pipeline run all` before resize-bucket: the processor would resize
+    processor limits, refused in one line by `pipeline run all` for a run with references (`pipeline.reference_area`:
+    before resize-bucket, or right after it where only the source's samples tell): the processor would resize
     every reference, and encode-text ran the VLM on each sample and then quarantined it ("VLM grid differs from
     the VAE grid"). References near a limit may still round past it at some aspects: encode-text quarantines those."""
     from schemas.errors import UserError

@@ -324,11 +324,13 @@ def _check_node(cfg: PipelineConfig) -> None:
 def _check_settings(cfg: PipelineConfig, model: str) -> None:
     """What the config and the model decide, refused before resize-bucket and the encoders (hours at a million
     samples), not when train, or evaluate after training, reaches it: one denoising step where the model's
-    scheduler cannot take it, train.log_with's trackers (installed on rank 0's node), an attention backend a 2.1
+    scheduler cannot take it, dynamic_shift's settings read from that scheduler's config (`sigma_for_model`, as train
+    resolves them), train.log_with's trackers (installed on rank 0's node), an attention backend a 2.1
     model does not take, and evaluate's extra prompts (their image counts and files; evaluate's own check at its
     start, `for_model`)."""
     from stages.evaluate.stage import check_sampling as evaluate_steps, for_model as evaluate_settings
     from stages.train.recipe import check_sampling as train_steps
+    from stages.train.settings import sigma_for_model
 
     from models.attention import check_qwen21_name
     from models.loading import check_weight_files, model_variant
@@ -337,6 +339,7 @@ def _check_settings(cfg: PipelineConfig, model: str) -> None:
     check_weight_files(model)  # train loads the transformer only after resize-bucket and both encoders
     tracker_classes(cfg.train.log_with)  # rank 0's trackers (train checks them there too)
     train_steps(cfg.train, model)
+    sigma_for_model(cfg, model)  # dynamic_shift's unset settings read from the model's scheduler, checked as train does
     if model_variant(model) == "qwen-image-2.1":  # refused by train and evaluate once the transformer loaded
         check_qwen21_name(cfg.train.attention_backend, "train.attention_backend")
         check_qwen21_name(cfg.evaluate.attention_backend, "evaluate.attention_backend")
@@ -351,7 +354,8 @@ def _check_resize(cfg: PipelineConfig, model: str) -> None:
     """Resize settings the model's encoders cannot use, refused before resize-bucket renders the whole source:
     an Edit-Plus encode-text refuses a table without the VL views (after resize-bucket ran), and a 2.1
     encode-text quarantines every reference whose side is not a multiple of its 32 px VLM slot, or whose area
-    (resize.control_vae_area) its VLM processor resizes; and a 2.1 model's resize.keep_alpha or max_controls left
+    (resize.control_vae_area) its VLM processor resizes (for a run with references: `pipeline.reference_area`);
+    and a 2.1 model's resize.keep_alpha or max_controls left
     unset, or max_controls above the references it takes."""
     from models.loading import model_variant, pipeline_family
     # the rules encode-text quarantines by (`_side_rejection`, `reference_rejection`)
@@ -387,16 +391,17 @@ def _check_resize(cfg: PipelineConfig, model: str) -> None:
         raise UserError(f"resize.max_controls = {cfg.resize.max_controls}: {model} (Qwen-Image-2.1) takes at most "
                         f"{_MAX_REFERENCES_21} references, so encode-text would quarantine every sample with more; set "
                         f"resize.max_controls: {_MAX_REFERENCES_21} or less")
-    if variant == "qwen-image-2.1":
-        from models.qwen21_predict import check_reference_area
+    if variant == "qwen-image-2.1":  # where the run has references; else after resize-bucket, or not at all
+        from pipeline.reference_area import check_before_resize
 
-        check_reference_area(cfg.resize.control_vae_area, model)
+        check_before_resize(cfg, model, str(cfg.paths.source))
 
 
 def _run_stages(cfg: PipelineConfig, paths: Paths, access, log: Callable[[str], None],
                 result: AllResult) -> None:
     from dataclasses import replace
 
+    from pipeline.reference_area import check_after_resize
     from pipeline.store_url import named_by_url
     from pipeline.val_split import check_val_split
 
@@ -415,6 +420,7 @@ def _run_stages(cfg: PipelineConfig, paths: Paths, access, log: Callable[[str], 
             outcome = StageOutcome(name, summary.up_to_date, str(summary), time.perf_counter() - t0, summary)
             result.outcomes.append(outcome)
             log(f"{outcome.summary}  [{'skipped, up to date' if outcome.skipped else f'{outcome.seconds:.1f} s'}]")
+        check_after_resize(name, cfg, paths.model, local)  # a 2.1 reference area, where the table has references
         check_val_split(name, cfg, local)  # evaluate's val sample, before train's hours (every rank, together)
 
 

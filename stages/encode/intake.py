@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
+from weakref import WeakKeyDictionary
 
 import numpy as np
 
@@ -148,24 +149,40 @@ def check_any_allowed(job: EncodeJob, rule: Callable[[int, str], Rejected | None
 NFC_SHRINK = 3
 
 
-def least_caption_tokens(caption: str, tokenizer) -> int:
+def least_caption_tokens(caption: str, tokenizer, lock: AbstractContextManager | None = None) -> int:
     """A lower bound on the tokens of any prompt holding `caption`, from its UTF-8 length alone (no tokenizing:
-    a 20 MB caption took the tokenizer minutes and gigabytes before "caption too long" rejected it)."""
-    return len(caption.encode("utf-8")) // (NFC_SHRINK * _longest_token_bytes(tokenizer))
+    a 20 MB caption took the tokenizer minutes and gigabytes before "caption too long" rejected it). `lock`: the
+    one held around the tokenizer's calls, taken only for its first vocabulary read (`_longest_token_bytes`)."""
+    return len(caption.encode("utf-8")) // (NFC_SHRINK * _longest_token_bytes(tokenizer, lock))
 
 
-@lru_cache(maxsize=4)
-def _longest_token_bytes(tokenizer) -> int:
+# tokenizer -> the most UTF-8 bytes a vocabulary entry spells; weak: a tokenizer no longer used is let go
+_LONGEST_TOKEN_BYTES: WeakKeyDictionary = WeakKeyDictionary()
+
+
+def _longest_token_bytes(tokenizer, lock: AbstractContextManager | None = None) -> int:
     """The most UTF-8 bytes a vocabulary entry (added tokens too) spells: the most text one token covers (a
-    byte-level entry's mapped characters count 1-2 bytes each: an overestimate, so a lower bound still)."""
-    return max((len(t.encode("utf-8")) for t in tokenizer.get_vocab()), default=1) or 1
+    byte-level entry's mapped characters count 1-2 bytes each: an overestimate, so a lower bound still). Read once
+    per tokenizer, under `lock` (the fast tokenizer is not safe to call from two threads at once); once known, no
+    lock is taken (before, every sample waited for it behind the other threads' tokenizing). Threads that race on
+    the first read: the first reads, the others find its value under the lock."""
+    known = _LONGEST_TOKEN_BYTES.get(tokenizer)
+    if known is not None:
+        return known
+    with lock or nullcontext():
+        known = _LONGEST_TOKEN_BYTES.get(tokenizer)
+        if known is None:
+            known = max((len(t.encode("utf-8")) for t in tokenizer.get_vocab()), default=1) or 1
+            _LONGEST_TOKEN_BYTES[tokenizer] = known
+    return known
 
 
-def caption_hopeless(key: str, caption: str, tokenizer, rejects: Callable[[int], Rejected | None]) -> Rejected | None:
+def caption_hopeless(key: str, caption: str, tokenizer, rejects: Callable[[int], Rejected | None],
+                     lock: AbstractContextManager | None = None) -> Rejected | None:
     """The encoder's "caption too long" for a caption whose `least_caption_tokens` its length rule
     (`rejects(tokens)`) already refuses: the verdict the tokenized prompt gets (it has at least as many tokens),
-    reached before any tokenizing."""
-    least = least_caption_tokens(caption, tokenizer)
+    reached before any tokenizing. `lock`: as `least_caption_tokens`'s."""
+    least = least_caption_tokens(caption, tokenizer, lock)
     if not least or (refused := rejects(least)) is None:
         return None
     return Rejected(refused.reason, f"the caption is {len(caption.encode('utf-8'))} bytes (not tokenized: at least "

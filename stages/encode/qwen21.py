@@ -137,7 +137,7 @@ def _vlm_rejection(key: str, name: str, im, processor) -> Rejected | None:
     ValueError stopped the whole stage, with resize.max_aspect above 200), or outside its min..max pixels (it would
     resize it: the slots would not be the VAE's grid, found only after the forward)."""
     from models.control_shapes import MAX_VL_ASPECT
-    from models.qwen21_predict import processor_keeps
+    from models.qwen21_predict import processor_keeps, processor_pixel_bounds
 
     ip = processor.image_processor
     if processor_keeps(ip, im.height, im.width):
@@ -146,7 +146,7 @@ def _vlm_rejection(key: str, name: str, im, processor) -> Rejected | None:
         return Rejected("reference too elongated for the VLM", f"{name} {im.width}x{im.height} px: the VLM processor "
                         f"reads at most {MAX_VL_ASPECT}:1; rerun resize-bucket with resize.max_aspect <= {MAX_VL_ASPECT}",
                         key=key)
-    low, high = ip.size["shortest_edge"], ip.size["longest_edge"]
+    low, high = processor_pixel_bounds(ip)
     return Rejected("VLM grid differs from the VAE grid", f"{name} {im.width}x{im.height} px is outside the VLM "
                     f"processor's {low}..{high} px, which would resize it; rerun resize-bucket with "
                     "resize.control_vae_area within them", key=key)

@@ -175,9 +175,9 @@ def prepare(key: str, sample: dict[str, Any], fmt: PromptFormat, processor,
         return rejected
     if (rejected := placeholder_rejection(str(meta.get("caption") or ""), processor, key)) is not None:
         return rejected
-    with lock:  # its vocabulary read once, not while another thread's call holds the fast tokenizer
-        rejected = caption_hopeless(key, str(meta.get("caption") or ""), processor.tokenizer,
-                                    lambda least: caption_length_rejection(key, least - fmt.start_idx, meta))
+    # the lock only for the tokenizer's first vocabulary read (not while another thread's call holds it)
+    rejected = caption_hopeless(key, str(meta.get("caption") or ""), processor.tokenizer,
+                                lambda least: caption_length_rejection(key, least - fmt.start_idx, meta), lock)
     if rejected is not None:
         return rejected
     try:

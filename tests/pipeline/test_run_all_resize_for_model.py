@@ -109,3 +109,58 @@ def test_run_all_refuses_a_21_model_with_max_controls_unset_and_takes_either_set
         _check_resize(load_config(config, {"resize.max_controls": value}), tiny_21_model)
     unset = load_config(config)
     assert load_config(config, {"resize.max_controls": 3}).resize.fingerprint() == unset.resize.fingerprint()
+
+
+_AREA_512 = {"resize.keep_alpha": True, "resize.max_controls": 10, "resize.multiple": 32,
+             "resize.control_vae_area": 512}
+
+
+def test_a_21_reference_area_the_processor_resizes_is_refused_only_for_a_run_with_references(tiny_21_model,
+                                                                                              tmp_path):
+    """Before: refused for every 2.1 run, a text-only dataset's too (whose samples show the VLM no reference).
+    Now where the settings (min_controls >= 1; max_controls 0: none) or a folder source's listing tell."""
+    from pipeline.config import load_config
+    from pipeline.orchestrate import _check_resize
+    from schemas.errors import UserError
+
+    text_only, edits = tmp_path / "text-only", tmp_path / "edits"
+    make_demo_data(text_only, n=4, max_controls=0, seed=0)
+    make_demo_data(edits, n=4, seed=0)
+
+    def cfg(source, **more):
+        return load_config(None, {"paths.source": str(source), **_AREA_512, **more})
+
+    _check_resize(cfg(text_only), tiny_21_model)  # runs: no sample has a reference
+    _check_resize(cfg(edits, **{"resize.max_controls": 0}), tiny_21_model)  # every reference quarantined
+    for refused in (cfg(edits), cfg(text_only, **{"resize.min_controls": 1})):
+        with pytest.raises(UserError, match="^resize.control_vae_area = 512: "):
+            _check_resize(refused, tiny_21_model)
+
+
+@pytest.mark.parametrize("max_controls", [0, 3])
+def test_a_21_manifest_with_references_at_such_an_area_is_refused_before_the_encoders(tiny_21_model, tmp_path,
+                                                                                       max_controls):
+    """A JSONL manifest tells its references only once read: its `images` table is asked right after
+    resize-bucket, before encode-text (without references the check lets it on to encode-text)."""
+    from pipeline.config import load_config
+    from pipeline.orchestrate import _check_resize
+    from pipeline.reference_area import check_after_resize
+    from store import Store
+
+    source, store = tmp_path / "src", tmp_path / "store"
+    make_demo_data(source, n=4, fmt="jsonl", max_controls=max_controls, seed=0)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"paths": {"source": str(source), "store": str(store), "model": tiny_21_model,
+                                                "run": str(tmp_path / "run"), "report": str(tmp_path / "report")}}))
+    sets = [a for k, v in _AREA_512.items() for a in ("--set", f"{k}={str(v).lower()}")]
+    if max_controls == 0:  # resize-bucket alone: a full run all of the text-only samples would take minutes
+        r = CliRunner().invoke(app, ["run", "resize-bucket", "--config", str(config), *sets])
+        assert r.exit_code == 0, r.output
+        _check_resize(load_config(config, _AREA_512), tiny_21_model)  # before: refused here, before resizing
+        check_after_resize("resize-bucket", load_config(config, _AREA_512), tiny_21_model, str(store))
+        return
+    r = CliRunner().invoke(app, ["run", "all", "--config", str(config), *sets])
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 1 and len(lines) == 1 and "Traceback" not in r.output, r.output
+    assert lines[0].startswith("error: resize.control_vae_area = 512: ") and tiny_21_model in lines[0], lines[0]
+    assert set(Store(store).tables()) == {"images"} and "== encode-text" not in r.output  # resized, not encoded

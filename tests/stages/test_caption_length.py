@@ -69,3 +69,50 @@ def test_the_token_bound_from_bytes_never_exceeds_the_tokenizers_count(tiny_edit
              "make it blue " * 5_000, "".join(chr(c) for c in range(0x20, 0x3000)) * 2]
     for text in texts:
         assert 0 < least_caption_tokens(text, tok) <= len(tok(text)["input_ids"]), text[:20]
+
+
+class _NotToBeTaken:
+    """A lock that refuses to be taken: what must run without the tokenizer's lock."""
+
+    def __enter__(self):
+        raise AssertionError("the tokenizer lock was taken")
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_the_vocabulary_is_read_once_under_the_lock_then_no_sample_waits_for_it(tiny_edit_model, monkeypatch):
+    """encode-text's threads read the tokenizer's vocabulary once (the fast tokenizer is not safe to call from two
+    threads at once: under the lock, and only one of the threads that race on the first read); afterwards a
+    hopeless caption is refused without taking the lock (before, every sample waited for it behind the other
+    threads' tokenizing)."""
+    import threading
+
+    from models.loading import load_component
+    from stages.encode.text import prepare, prompt_format
+
+    processor = load_component(tiny_edit_model, "processor")  # a tokenizer of its own: its vocabulary unread
+    fmt, lock, reads, barrier = prompt_format("edit", None, None), threading.Lock(), [], threading.Barrier(8)
+    real = processor.tokenizer.get_vocab
+
+    def read_under_the_lock():
+        reads.append(lock.locked())
+        return real()
+
+    monkeypatch.setattr(processor.tokenizer, "get_vocab", read_under_the_lock)
+    sample = {"meta": {"num_controls": 1, "caption": "make it blue " * 240_000}, "files": {}}
+    verdicts = [None] * 8
+
+    def one(i: int) -> None:
+        barrier.wait()  # all eight reach the cold cache together
+        verdicts[i] = prepare(f"k{i}", sample, fmt, processor, lock)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert reads == [True]  # one read, under the lock
+    assert [v.reason for v in verdicts] == ["caption too long"] * 8 and "not tokenized" in verdicts[0].detail
+    warm = prepare("k", sample, fmt, processor, _NotToBeTaken())
+    assert warm.reason == "caption too long" and warm.detail == verdicts[0].detail

@@ -41,3 +41,34 @@ def test_equal_sequence_lengths_in_the_config_are_refused_at_load():
     with pytest.raises(ConfigError, match="max_image_seq_len"):
         load_config(None, {**_DYNAMIC, "train.sigma.base_image_seq_len": 512, "train.sigma.max_image_seq_len": 512})
     load_config(None, {"train.sigma.base_image_seq_len": 512, "train.sigma.max_image_seq_len": 512})  # unread
+
+
+def test_run_all_refuses_a_scheduler_shift_train_would_refuse_before_any_stage(tiny_plus_model, tmp_path):
+    """`run all` resolves dynamic_shift's unset settings from the model's scheduler as train does, before
+    resize-bucket: before, the same line came only when train started, after both encoders had run."""
+    import json
+    import shutil
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+    from pipeline.demo_data import make_demo_data
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_plus_model, model)
+    conf = model / "scheduler" / "scheduler_config.json"
+    conf.write_text(json.dumps({**json.loads(conf.read_text()), "base_image_seq_len": 8192}))
+    source, store = tmp_path / "src", tmp_path / "store"
+    make_demo_data(source, n=4, seed=0)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"paths": {"source": str(source), "store": str(store), "model": str(model),
+                                                "run": str(tmp_path / "run"), "report": str(tmp_path / "report")},
+                                      "resize": {"val_fraction": 0.5},  # before: the encoders ran, train refused
+                                      "train": {"sigma": {"sampling": "dynamic_shift"}}}))
+    r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 1 and len(lines) == 1 and "Traceback" not in r.output, r.output
+    assert lines[0].startswith("error: train.sigma (dynamic_shift): ") and str(conf) in lines[0], lines[0]
+    assert "base_image_seq_len 8192" in lines[0] and "max_image_seq_len 8192" in lines[0], lines[0]
+    assert not store.exists() and not (tmp_path / "run").exists()  # nothing resized, encoded or trained
