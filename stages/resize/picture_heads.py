@@ -9,17 +9,24 @@ before, which names the error.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
 import tarfile
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
+from typing import Any, Callable
 
 from stages.resize.first_read import file_stamp
 from stages.resize.header_checks import Heads, Reader
 from stages.resize.sources import SourceSample, _printable_names, _reread_tar, _sample_from_members, _split_member, \
     dot_member, printable, tar_headers
+
+# a tar at a URL is walked by range requests of this many bytes from each header: a member smaller than the rest of
+# it costs no request of its own (a caption), a larger one one request (not its data: ~16 KiB of a ~1 MB picture)
+WALK_BLOCK = 16 * 1024
 
 
 def read_first(path: str | Path, n: int, offset: int = 0, size: int | None = None) -> bytes:
@@ -41,6 +48,69 @@ def read_first(path: str | Path, n: int, offset: int = 0, size: int | None = Non
         os.close(fd)
 
 
+def read_range(url: str, n: int, offset: int = 0, size: int | None = None) -> bytes:
+    """`read_first` of an object at a URL: one range request. The client's own errors (a lost connection, a
+    server refusing the range) as OSError: the sample is then read by streaming its tar, which names them."""
+    from stages.resize.shards import remote_fs
+
+    n = n if size is None else min(n, size)
+    if n <= 0:
+        return b""
+    fs, path = remote_fs(url)
+    try:
+        data = fs.cat_file(path, start=offset, end=offset + n)
+    except OSError:
+        raise
+    except Exception as e:  # aiohttp's, botocore's
+        raise OSError(f"{url}: bytes {offset}-{offset + n - 1} could not be read: {e}") from e
+    if len(data) > n:  # a server that ignores ranges sends the whole object
+        raise OSError(f"{url}: the server ignored a range request")
+    return data
+
+
+@contextlib.contextmanager
+def _opened_for_walk(tar: str, at_url: bool) -> Iterator[tarfile.TarFile]:
+    """The tar opened for a header walk: a local file as it is; an object at a URL as a random-access file of
+    fsspec whose reads ask WALK_BLOCK bytes from where they start (a header and the small members after it)."""
+    if not at_url:
+        with tarfile.open(tar, mode="r:") as tf:
+            yield tf
+        return
+    from stages.resize.shards import remote_fs
+
+    fs, path = remote_fs(tar)
+    try:
+        f = fs.open(path, "rb", block_size=WALK_BLOCK, cache_type="readahead")
+    except OSError:
+        raise
+    except Exception as e:
+        raise OSError(f"{tar}: cannot be opened for its headers: {e}") from e
+    with f, tarfile.open(fileobj=_Errors(f), mode="r:") as tf:
+        yield tf
+
+
+class _Errors:
+    """A file whose reads raise the client's errors (aiohttp's, botocore's, fsspec's ValueError for a server with
+    no range requests) as OSError: a walk that fails so is no run's end (its samples are streamed instead)."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+
+    def read(self, n: int = -1) -> bytes:
+        try:
+            return self._f.read(n)
+        except OSError:
+            raise
+        except Exception as e:
+            raise OSError(f"{getattr(self._f, 'path', '')}: {e}") from e
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+
 def file_heads(images: list[Path], mask: Path | None) -> Heads:
     """A folder or JSONL sample's pictures (target, then controls) and mask."""
     return Heads(partial(read_first, images[0]), tuple(partial(read_first, p) for p in images[1:]),
@@ -48,32 +118,45 @@ def file_heads(images: list[Path], mask: Path | None) -> Heads:
 
 
 class TarIndex:
-    """A carried local tar's samples by source name -> (key, where, ext -> (data offset, size)), from one walk of
-    its headers (512 bytes a member, the data seeked over) when first asked: a sample's pictures are read by their
+    """A carried tar's samples by source name -> (key, where, ext -> (data offset, size)), from one walk of its
+    headers (512 bytes a member, the data seeked over) when first asked: a sample's pictures are read by their
     offsets, not by streaming the tar up to them (one stream a sample read again). A source whose members the
     reader would refuse (a link, a name twice, one over resize.max_file_bytes) or that runs twice, and every source
     once the tar is not the one walked (its size, mtime, ctime or inode changed: its offsets would name other
     bytes): None (read as before, streamed). Held: ~850 B a sample (100k samples of 3 members: 81 MiB; 26 s to
-    walk on this 2-core machine under load), one tar at a time."""
+    walk on this 2-core machine under load), one tar at a time.
 
-    def __init__(self, tar: str, max_file_bytes: int) -> None:
-        self.tar, self._max = tar, max_file_bytes
+    A tar at a URL (`still`: is it the recorded one, asked of its server) is walked by range requests through
+    fsspec (shards.remote_fs), WALK_BLOCK bytes from each header (the members inside it not asked again), and its
+    members read by range requests; it is checked against its record before and after the walk (one metadata
+    request each), not before each read as a local tar's stat is (a request a sample): an object put again while
+    its samples are read is found by the next run (another tag: read whole), as a parquet file's row groups are."""
+
+    def __init__(self, tar: str, max_file_bytes: int, still: Callable[[], bool] | None = None) -> None:
+        self.tar, self._max, self._still = tar, max_file_bytes, still
         self._runs: dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None] | None = None
-        self._stamp: tuple[int, int, int, int] | None = None
+        self._stamp: tuple[int, int, int, int] | bool | None = None
 
     def _run(self, source: str) -> tuple[str, str, dict[str, tuple[int, int]]] | None:
         if self._runs is None:
-            self._stamp = file_stamp(self.tar)
+            self._stamp = self._now()
             try:
-                self._runs = self._walk()
+                self._runs = self._walk() if self._stamp else {}
             except (OSError, tarfile.TarError, EOFError):  # each sample streamed instead, which names the error
                 self._runs = {}
+            if self._still is not None and not self._still():  # put again during the walk
+                self._stamp = None
+        if self._still is not None:
+            return self._runs.get(source) if self._stamp else None
         return self._runs.get(source) if self._stamp is not None and file_stamp(self.tar) == self._stamp else None
+
+    def _now(self) -> tuple[int, int, int, int] | bool | None:
+        return file_stamp(self.tar) if self._still is None else self._still()
 
     def _walk(self) -> dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None]:
         runs: dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None] = {}
         last = None
-        with tarfile.open(self.tar, mode="r:") as tf:  # uncompressed: seeks header to header
+        with _opened_for_walk(self.tar, self._still is not None) as tf:  # uncompressed: seeks header to header
             for m in tar_headers(tf):
                 if m.isdir() or dot_member(m.name):
                     continue
@@ -103,14 +186,15 @@ class TarIndex:
 
     def _reader(self, at: object) -> Reader:
         offset, size = at  # type: ignore[misc]
-        return partial(read_first, self.tar, offset=offset, size=size)
+        return partial(read_range if self._still is not None else read_first, self.tar, offset=offset, size=size)
 
     def sample(self, source: str) -> SourceSample:
         """The sample read whole from its members' offsets (what streaming the tar up to it gives)."""
         try:
             run = self._run(source)
             if run is not None:
-                members = {ext: read_first(self.tar, size, offset, size) for ext, (offset, size) in run[2].items()}
+                read = read_range if self._still is not None else read_first
+                members = {ext: read(self.tar, size, offset, size) for ext, (offset, size) in run[2].items()}
                 if all(len(data) == run[2][ext][1] for ext, data in members.items()):
                     return _printable_names(_sample_from_members(run[0], run[1], members, []))
         except (OSError, tarfile.TarError):
