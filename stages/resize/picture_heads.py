@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import stat
 import tarfile
+import tempfile
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -21,6 +23,7 @@ from typing import Any, Callable
 
 from stages.resize.first_read import file_stamp
 from stages.resize.header_checks import Heads, Reader
+from stages.resize.shards import open_shard
 from stages.resize.sources import SourceSample, _printable_names, _reread_tar, _sample_from_members, _split_member, \
     dot_member, printable, tar_headers
 
@@ -130,33 +133,59 @@ class TarIndex:
     fsspec (shards.remote_fs), WALK_BLOCK bytes from each header (the members inside it not asked again), and its
     members read by range requests; it is checked against its record before and after the walk (one metadata
     request each), not before each read as a local tar's stat is (a request a sample): an object put again while
-    its samples are read is found by the next run (another tag: read whole), as a parquet file's row groups are."""
+    its samples are read is found by the next run (another tag: read whole), as a parquet file's row groups are. A
+    server that ignores range requests: the tar downloaded once to a temporary file and walked there."""
 
     def __init__(self, tar: str, max_file_bytes: int, still: Callable[[], bool] | None = None) -> None:
         self.tar, self._max, self._still = tar, max_file_bytes, still
         self._runs: dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None] | None = None
         self._stamp: tuple[int, int, int, int] | bool | None = None
+        self._copy: Any = None  # a URL's tempfile, where its walk by range requests failed (`_walk_copy`)
 
     def _run(self, source: str) -> tuple[str, str, dict[str, tuple[int, int]]] | None:
         if self._runs is None:
-            self._stamp = self._now()
-            try:
-                self._runs = self._walk() if self._stamp else {}
-            except (OSError, tarfile.TarError, EOFError):  # each sample streamed instead, which names the error
-                self._runs = {}
-            if self._still is not None and not self._still():  # put again during the walk
-                self._stamp = None
+            self._runs = self._index()
         if self._still is not None:
             return self._runs.get(source) if self._stamp else None
         return self._runs.get(source) if self._stamp is not None and file_stamp(self.tar) == self._stamp else None
 
-    def _now(self) -> tuple[int, int, int, int] | bool | None:
-        return file_stamp(self.tar) if self._still is None else self._still()
+    def _index(self) -> dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None]:
+        self._stamp = file_stamp(self.tar) if self._still is None else self._still()
+        if not self._stamp:
+            return {}
+        try:
+            runs = self._walk()
+        except (OSError, tarfile.TarError, EOFError):  # each sample streamed instead, which names the error
+            runs = self._walk_copy() if self._still is not None else {}
+        if self._still is not None and not self._still():  # put again during the walk
+            self._stamp = None
+        return runs
+
+    def _walk_copy(self) -> dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None]:
+        """A tar at a URL whose walk by range requests failed (a server that ignores them): downloaded once to a
+        temporary file (gone with the index), walked and read there; else each sample to read would stream the tar
+        up to it (a tar of n samples read ~n/2 times). A transfer that fails stops the run, as a stream's does."""
+        from stages.resize.sources import _close_shard
+
+        try:
+            copy = tempfile.NamedTemporaryFile(prefix="resize-tar-", suffix=".tar")
+            stream = open_shard(self.tar)
+            try:
+                shutil.copyfileobj(stream, copy, 1 << 20)
+            finally:
+                _close_shard(self.tar, stream)
+            copy.flush()
+            self._copy = copy
+            return self._walk()
+        except (OSError, tarfile.TarError, EOFError):  # no room for it, or not a tar: streamed, which names why
+            self._copy = None
+            return {}
 
     def _walk(self) -> dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None]:
         runs: dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None] = {}
         last = None
-        with _opened_for_walk(self.tar, self._still is not None) as tf:  # uncompressed: seeks header to header
+        at_url = self._still is not None and self._copy is None
+        with _opened_for_walk(self._copy.name if self._copy else self.tar, at_url) as tf:  # seeks header to header
             for m in tar_headers(tf):
                 if m.isdir() or dot_member(m.name):
                     continue
@@ -186,15 +215,19 @@ class TarIndex:
 
     def _reader(self, at: object) -> Reader:
         offset, size = at  # type: ignore[misc]
-        return partial(read_range if self._still is not None else read_first, self.tar, offset=offset, size=size)
+        return partial(self._read, offset=offset, size=size)
+
+    def _read(self, n: int, offset: int, size: int) -> bytes:
+        if self._copy is not None:
+            return read_first(self._copy.name, n, offset, size)
+        return (read_range if self._still is not None else read_first)(self.tar, n, offset, size)
 
     def sample(self, source: str) -> SourceSample:
         """The sample read whole from its members' offsets (what streaming the tar up to it gives)."""
         try:
             run = self._run(source)
             if run is not None:
-                read = read_range if self._still is not None else read_first
-                members = {ext: read(self.tar, size, offset, size) for ext, (offset, size) in run[2].items()}
+                members = {ext: self._read(size, offset, size) for ext, (offset, size) in run[2].items()}
                 if all(len(data) == run[2][ext][1] for ext, data in members.items()):
                     return _printable_names(_sample_from_members(run[0], run[1], members, []))
         except (OSError, tarfile.TarError):

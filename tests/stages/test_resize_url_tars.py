@@ -35,8 +35,9 @@ needs_curl = pytest.mark.skipif(shutil.which("curl") is None, reason="webdataset
 
 
 class _Ranges(SimpleHTTPRequestHandler):
-    """Files with their size, Last-Modified and an ETag (size and mtime, as nginx's), one `bytes=a-b` range each;
-    the body bytes sent, per file name, in the server's `served`."""
+    """Files with their size, Last-Modified and an ETag (size and mtime, as nginx's), one `bytes=a-b` range each
+    (unless the server's `ranges` is off); the body bytes sent, per file name, in the server's `served`, and how
+    many GETs asked for no range (a stream or a download of the whole) in its `whole`."""
 
     def log_message(self, *args) -> None:
         pass
@@ -68,6 +69,7 @@ class _Ranges(SimpleHTTPRequestHandler):
         if body:
             self.wfile.write(data[start:end])
             self.server.served[path.name] += end - start  # type: ignore[attr-defined]
+            self.server.whole += "Range" not in self.headers  # type: ignore[attr-defined]
 
 
 @pytest.fixture
@@ -79,7 +81,7 @@ def served_root(tmp_path, monkeypatch):
     root = tmp_path / "www"
     root.mkdir()
     server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Ranges, directory=str(root)))
-    server.served, server.ranges = Counter(), True  # type: ignore[attr-defined]
+    server.served, server.ranges, server.whole = Counter(), True, 0  # type: ignore[attr-defined]
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
     yield root, f"http://127.0.0.1:{server.server_address[1]}", server  # type: ignore[attr-defined]
@@ -192,24 +194,30 @@ def test_an_s3_tar_is_carried_by_its_etag_and_one_put_again_is_read_whole(s3_env
 
 
 @needs_curl
-def test_a_tar_at_a_url_put_again_or_served_without_ranges_is_streamed_for_its_samples(served_root, tmp_path):
+def test_a_tar_at_a_url_put_again_is_streamed_and_one_without_ranges_downloaded_once(served_root, tmp_path):
     """The offsets of one walk name the recorded object's bytes: an object put again before or during the walk (its
-    tag asked again: `still`) gives none, nor a server that ignores range requests (its walk fails); each sample is
-    then read by streaming the tar (picture_heads.TarIndex.sample), as for a local tar rewritten since its walk."""
+    tag asked again: `still`) gives none, and each sample is read by streaming the tar, as a local tar rewritten
+    since its walk is. A server that ignores range requests fails the walk: the tar is downloaded once and walked
+    and read there (before: each sample to read streamed the tar up to it, a tar of n samples read ~n/2 times)."""
     root, url, server = served_root
-    members = [("s0.png", _noise_png(0, (40, 60))), ("s0.txt", b"edit s0"), ("s1.png", _noise_png(1, (40, 60))),
-               ("s1.txt", b"edit s1")]
+    members = [(f"s{i}.{ext}", _noise_png(i, (40, 60)) if ext == "png" else f"edit s{i}".encode())
+               for i in range(4) for ext in ("png", "txt")]
     with tarfile.open(root / "a.tar", "w", format=tarfile.USTAR_FORMAT) as tf:
         for name, data in members:
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tf.addfile(info, io.BytesIO(data))
-    tar = f"{url}/a.tar"
+    tar, pictures = f"{url}/a.tar", dict(members)
     index = picture_heads.TarIndex(tar, 1 << 30, still=lambda: True)
-    assert index.heads(f"{tar}:s1").target(100) == members[2][1][:100]  # by a range request
-    assert index.sample(f"{tar}:s1").target == members[2][1]
-    for still, ranges in ((lambda: False, True), (lambda: True, False)):
-        server.ranges = ranges
-        index = picture_heads.TarIndex(tar, 1 << 30, still=still)
-        assert index.heads(f"{tar}:s1") is None
-        assert index.sample(f"{tar}:s1").target == members[2][1]  # streamed
+    assert index.heads(f"{tar}:s1").target(100) == pictures["s1.png"][:100]  # by a range request
+    assert index.sample(f"{tar}:s1").target == pictures["s1.png"]
+    index = picture_heads.TarIndex(tar, 1 << 30, still=lambda: False)
+    assert index.heads(f"{tar}:s1") is None
+    assert index.sample(f"{tar}:s1").target == pictures["s1.png"]  # streamed
+
+    server.ranges, server.whole = False, 0
+    index = picture_heads.TarIndex(tar, 1 << 30, still=lambda: True)
+    for i in range(4):
+        assert index.heads(f"{tar}:s{i}").target(100) == pictures[f"s{i}.png"][:100]
+        assert index.sample(f"{tar}:s{i}").target == pictures[f"s{i}.png"]
+    assert server.whole == 1  # the download (before: the 4 samples streamed, a GET each)
