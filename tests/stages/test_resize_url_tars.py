@@ -22,7 +22,7 @@ from PIL import Image
 
 from pipeline.config import load_config
 from pipeline.demo_data import make_demo_data
-from stages.resize import picture_heads, stage
+from stages.resize import picture_heads, source_count, stage
 from stages.resize.header_checks import FIRST_READ
 from stages.resize.picture_heads import WALK_BLOCK
 from store import Store
@@ -107,7 +107,7 @@ def _append_sample(tar: Path) -> None:
 
 
 @needs_curl
-def test_unchanged_tars_at_a_url_are_not_fetched_and_one_put_again_is_read_whole(served_root, tmp_path):
+def test_unchanged_tars_at_a_url_are_not_fetched_and_one_put_again_is_read_whole(served_root, tmp_path, monkeypatch):
     """A val_fraction rerun: before, every tar was streamed whole again (a download of the dataset a rerun)."""
     root, url, server = served_root
     served = server.served
@@ -118,15 +118,19 @@ def test_unchanged_tars_at_a_url_are_not_fetched_and_one_put_again_is_read_whole
     assert stage.run(load_config(None, {**SMALL, "resize.val_fraction": 0.1}), source, out).written == 32
 
     served.clear()
+    totals, real_count = [], source_count.count_samples
+    monkeypatch.setattr(source_count, "count_samples", lambda *a: totals.append(real_count(*a)) or totals[-1])
     again = stage.run(load_config(None, {**SMALL, "resize.val_fraction": 0.5}), source, out)
     assert (again.written, again.reused) == (0, 32)
     assert sum(served.values()) == 0, served  # before: the two tars whole
+    assert totals == [32]  # the bar's total, from the record (before: none, the tars at URLs not counted)
 
     _append_sample(root / "demo-000001.tar")  # put again: another size and ETag
     served.clear()
     changed = stage.run(load_config(None, {**SMALL, "resize.val_fraction": 0.3}), source, out)
     assert (changed.written, changed.reused) == (1, 32)
     assert served == {"demo-000001.tar": (root / "demo-000001.tar").stat().st_size}  # it alone, whole, once
+    assert totals[-1] is None  # not counted ahead: a pass over it
     _same_as_fresh(tmp_path, out, source, {"resize.val_fraction": 0.3})
 
 
@@ -190,6 +194,15 @@ def test_an_s3_tar_is_carried_by_its_etag_and_one_put_again_is_read_whole(s3_env
         again = stage.run(load_config(None, {**SMALL, "resize.val_fraction": 0.5}), source, out)
     assert (again.written, again.reused) == (1, 32)
     assert fetched == {"demo-000001.tar": second.stat().st_size}, fetched  # before: demo-000000.tar too
+    # a carried tar's members read by range requests through s3fs, as a header check reads them
+    first = tmp_path / "src" / "demo-000000.tar"
+    with tarfile.open(first) as tf:
+        member = next(m for m in tf if m.name.endswith(".png"))
+        data = tf.extractfile(member).read()
+    tar = f"s3://{s3_env.bucket}/shards/demo-000000.tar"
+    index = picture_heads.TarIndex(tar, 1 << 30, still=lambda: True)
+    sample = f"{tar}:{member.name.split('.')[0]}"
+    assert index.heads(sample).target(64) == data[:64] and index.sample(sample).target == data
     _same_as_fresh(tmp_path, out, source, {"resize.val_fraction": 0.5})
 
 
