@@ -155,8 +155,10 @@ class TarIndex:
             return {}
         try:
             runs = self._walk()
-        except (OSError, tarfile.TarError, EOFError):  # each sample streamed instead, which names the error
+        except OSError:  # a read error; at a URL, a server that ignores range requests (or a lost connection)
             runs = self._walk_copy() if self._still is not None else {}
+        except (tarfile.TarError, EOFError):  # each sample streamed instead, which names the error
+            runs = {}
         if self._still is not None and not self._still():  # put again during the walk
             self._stamp = None
         return runs
