@@ -20,8 +20,12 @@ which is kept. Nothing is carried under a lower resize.max_file_bytes than recor
 refused by the reader). A sample the stage must judge from its bytes after all (a copy of a key met in an earlier tar)
 is read from its tar alone, by its members' offsets (`reread`, picture_heads.TarIndex); one whose headers must be
 checked (a lowered resize.max_image_pixels, a transparent colour since revision 4: header_checks.py) from its
-members' first bytes, and read whole only when they select it. Not carried: tars at URLs (no file-hash cache row),
-a tar whose name is not UTF-8, one unreadable now or not a regular file; every tar of a note written by another
+members' first bytes, and read whole only when they select it. A tar at a URL (http(s), s3) is judged by the sha256
+of its URL, size and content tag (ETag, Content-MD5 or Last-Modified), the identity the listing hash already trusts
+for it (shards.remote_tag: one metadata request, no byte of it read); one whose server sends no tag is read whole
+each run (nothing says it is unchanged without a read), and one put again (another size or tag) is read whole. Its
+headers are walked, and its members' first bytes read, by range requests (picture_heads.TarIndex). Not carried: a
+tar whose name is not UTF-8, one unreadable now or not a regular file; every tar of a note written by another
 revision of the tar reader's rules (`READER`).
 
 A local parquet source's files are judged by the same rules (`parquet_kind`, note `source-parquet`): an unchanged
@@ -30,9 +34,8 @@ from it); a row whose headers must be checked is read from its row group's mappe
 kept for the rows after it: parquet_source._RowGroups), not its file whole; a changed file is read whole (a
 rewritten parquet file's row groups shift, and their bytes are not hashed apart: finding the unchanged ones would
 take a read of each anyway). Its note also records resize.columns (not in the render lineage: another mapping reads
-other cells, so a note of another one carries nothing). A parquet file at a URL is judged too (`Kind.urls`), by the
-sha256 of its URL, size and content tag, the identity the listing hash already trusts for it (tars at URLs are not,
-yet: the same rule would do for them).
+other cells, so a note of another one carries nothing). A parquet file at a URL is judged too, by the
+sha256 of its URL, size and content tag, as a tar at a URL.
 """
 
 from __future__ import annotations
@@ -75,7 +78,6 @@ class Kind:
     note: str = NOTE
     reader_revision: int | None = None  # None: the tar reader's `READER`, as it is when read
     settings: dict | None = None  # recorded; a note with other ones carries nothing
-    urls: bool = False  # files at URLs judged too, by their size and content tag (`KnownTars.identity`)
 
     @property
     def reader(self) -> int:
@@ -83,7 +85,7 @@ class Kind:
 
 
 def parquet_kind(columns: Any) -> Kind:
-    return Kind(PARQUET_NOTE, PARQUET_READER, {"columns": columns.model_dump(mode="json")}, urls=True)
+    return Kind(PARQUET_NOTE, PARQUET_READER, {"columns": columns.model_dump(mode="json")})
 
 
 class KnownTars:
@@ -101,12 +103,10 @@ class KnownTars:
 
     def identity(self, tar: str, fresh: bool = False) -> str | None:
         """The tar's sha256 by the cache's rule, not read; None where it is not known or would not be read. A file
-        at a URL (`kind.urls`): the sha256 of its URL, size and content tag (ETag, Content-MD5 or Last-Modified, as
-        the listing hash has them: shards.remote_tag), one metadata request; None when the server sends no tag
-        (the listing then hashes its bytes: nothing here says it is unchanged without a read)."""
+        at a URL: the sha256 of its URL, size and content tag (ETag, Content-MD5 or Last-Modified, as the listing
+        hash has them: shards.remote_tag), one metadata request; None when the server sends no tag (the listing
+        then hashes its bytes: nothing here says it is unchanged without a read)."""
         if is_url(tar):
-            if not self.kind.urls:
-                return None
             if fresh or tar not in self._urls:
                 self._urls[tar] = _remote_identity(tar)
             return self._urls[tar]
@@ -183,8 +183,10 @@ def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, m
             if tar is not None and n and mask is not None and rendered_before.get(key) == mask:
                 by_tar.setdefault(tar, []).append(i)
             i += 1
-    return KnownTars(hashes, {t: recorded[t] for t in unchanged}, rows,
-                     {t: idx for t, idx in by_tar.items() if t not in read_whole}, kind)
+    known = KnownTars(hashes, {t: recorded[t] for t in unchanged}, rows,
+                      {t: idx for t, idx in by_tar.items() if t not in read_whole}, kind)
+    known._urls = now._urls  # the URLs' identities just asked: not asked again for the bar's count
+    return known
 
 
 def _remote_identity(url: str) -> str | None:

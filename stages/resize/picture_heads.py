@@ -9,17 +9,27 @@ before, which names the error.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import shutil
 import stat
 import tarfile
+import tempfile
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
+from typing import Any, Callable
 
 from stages.resize.first_read import file_stamp
 from stages.resize.header_checks import Heads, Reader
+from stages.resize.shards import open_shard
 from stages.resize.sources import SourceSample, _printable_names, _reread_tar, _sample_from_members, _split_member, \
     dot_member, printable, tar_headers
+
+# a tar at a URL is walked by range requests of this many bytes from each header: a member smaller than the rest of
+# it costs no request of its own (a caption), a larger one one request (not its data: ~16 KiB of a ~1 MB picture)
+WALK_BLOCK = 16 * 1024
 
 
 def read_first(path: str | Path, n: int, offset: int = 0, size: int | None = None) -> bytes:
@@ -41,6 +51,69 @@ def read_first(path: str | Path, n: int, offset: int = 0, size: int | None = Non
         os.close(fd)
 
 
+def read_range(url: str, n: int, offset: int = 0, size: int | None = None) -> bytes:
+    """`read_first` of an object at a URL: one range request. The client's own errors (a lost connection, a
+    server refusing the range) as OSError: the sample is then read by streaming its tar, which names them."""
+    from stages.resize.shards import remote_fs
+
+    n = n if size is None else min(n, size)
+    if n <= 0:
+        return b""
+    fs, path = remote_fs(url)
+    try:
+        data = fs.cat_file(path, start=offset, end=offset + n)
+    except OSError:
+        raise
+    except Exception as e:  # aiohttp's, botocore's
+        raise OSError(f"{url}: bytes {offset}-{offset + n - 1} could not be read: {e}") from e
+    if len(data) > n:  # a server that ignores ranges sends the whole object
+        raise OSError(f"{url}: the server ignored a range request")
+    return data
+
+
+@contextlib.contextmanager
+def _opened_for_walk(tar: str, at_url: bool) -> Iterator[tarfile.TarFile]:
+    """The tar opened for a header walk: a local file as it is; an object at a URL as a random-access file of
+    fsspec whose reads ask WALK_BLOCK bytes from where they start (a header and the small members after it)."""
+    if not at_url:
+        with tarfile.open(tar, mode="r:") as tf:
+            yield tf
+        return
+    from stages.resize.shards import remote_fs
+
+    fs, path = remote_fs(tar)
+    try:
+        f = fs.open(path, "rb", block_size=WALK_BLOCK, cache_type="readahead")
+    except OSError:
+        raise
+    except Exception as e:
+        raise OSError(f"{tar}: cannot be opened for its headers: {e}") from e
+    with f, tarfile.open(fileobj=_Errors(f), mode="r:") as tf:
+        yield tf
+
+
+class _Errors:
+    """A file whose reads raise the client's errors (aiohttp's, botocore's, fsspec's ValueError for a server with
+    no range requests) as OSError: a walk that fails so is no run's end (its samples are streamed instead)."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+
+    def read(self, n: int = -1) -> bytes:
+        try:
+            return self._f.read(n)
+        except OSError:
+            raise
+        except Exception as e:
+            raise OSError(f"{getattr(self._f, 'path', '')}: {e}") from e
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+
 def file_heads(images: list[Path], mask: Path | None) -> Heads:
     """A folder or JSONL sample's pictures (target, then controls) and mask."""
     return Heads(partial(read_first, images[0]), tuple(partial(read_first, p) for p in images[1:]),
@@ -48,32 +121,73 @@ def file_heads(images: list[Path], mask: Path | None) -> Heads:
 
 
 class TarIndex:
-    """A carried local tar's samples by source name -> (key, where, ext -> (data offset, size)), from one walk of
-    its headers (512 bytes a member, the data seeked over) when first asked: a sample's pictures are read by their
+    """A carried tar's samples by source name -> (key, where, ext -> (data offset, size)), from one walk of its
+    headers (512 bytes a member, the data seeked over) when first asked: a sample's pictures are read by their
     offsets, not by streaming the tar up to them (one stream a sample read again). A source whose members the
     reader would refuse (a link, a name twice, one over resize.max_file_bytes) or that runs twice, and every source
     once the tar is not the one walked (its size, mtime, ctime or inode changed: its offsets would name other
     bytes): None (read as before, streamed). Held: ~850 B a sample (100k samples of 3 members: 81 MiB; 26 s to
-    walk on this 2-core machine under load), one tar at a time."""
+    walk on this 2-core machine under load), one tar at a time.
 
-    def __init__(self, tar: str, max_file_bytes: int) -> None:
-        self.tar, self._max = tar, max_file_bytes
+    A tar at a URL (`still`: is it the recorded one, asked of its server) is walked by range requests through
+    fsspec (shards.remote_fs), WALK_BLOCK bytes from each header (the members inside it not asked again), and its
+    members read by range requests; it is checked against its record before and after the walk (one metadata
+    request each), not before each read as a local tar's stat is (a request a sample): an object put again while
+    its samples are read is found by the next run (another tag: read whole), as a parquet file's row groups are. A
+    server that ignores range requests: the tar downloaded once to a temporary file and walked there."""
+
+    def __init__(self, tar: str, max_file_bytes: int, still: Callable[[], bool] | None = None) -> None:
+        self.tar, self._max, self._still = tar, max_file_bytes, still
         self._runs: dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None] | None = None
-        self._stamp: tuple[int, int, int, int] | None = None
+        self._stamp: tuple[int, int, int, int] | bool | None = None
+        self._copy: Any = None  # a URL's tempfile, where its walk by range requests failed (`_walk_copy`)
 
     def _run(self, source: str) -> tuple[str, str, dict[str, tuple[int, int]]] | None:
         if self._runs is None:
-            self._stamp = file_stamp(self.tar)
-            try:
-                self._runs = self._walk()
-            except (OSError, tarfile.TarError, EOFError):  # each sample streamed instead, which names the error
-                self._runs = {}
+            self._runs = self._index()
+        if self._still is not None:
+            return self._runs.get(source) if self._stamp else None
         return self._runs.get(source) if self._stamp is not None and file_stamp(self.tar) == self._stamp else None
+
+    def _index(self) -> dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None]:
+        self._stamp = file_stamp(self.tar) if self._still is None else self._still()
+        if not self._stamp:
+            return {}
+        try:
+            runs = self._walk()
+        except OSError:  # a read error; at a URL, a server that ignores range requests (or a lost connection)
+            runs = self._walk_copy() if self._still is not None else {}
+        except (tarfile.TarError, EOFError):  # each sample streamed instead, which names the error
+            runs = {}
+        if self._still is not None and not self._still():  # put again during the walk
+            self._stamp = None
+        return runs
+
+    def _walk_copy(self) -> dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None]:
+        """A tar at a URL whose walk by range requests failed (a server that ignores them): downloaded once to a
+        temporary file (gone with the index), walked and read there; else each sample to read would stream the tar
+        up to it (a tar of n samples read ~n/2 times). A transfer that fails stops the run, as a stream's does."""
+        from stages.resize.sources import _close_shard
+
+        try:
+            copy = tempfile.NamedTemporaryFile(prefix="resize-tar-", suffix=".tar")
+            stream = open_shard(self.tar)
+            try:
+                shutil.copyfileobj(stream, copy, 1 << 20)
+            finally:
+                _close_shard(self.tar, stream)
+            copy.flush()
+            self._copy = copy
+            return self._walk()
+        except (OSError, tarfile.TarError, EOFError):  # no room for it, or not a tar: streamed, which names why
+            self._copy = None
+            return {}
 
     def _walk(self) -> dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None]:
         runs: dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None] = {}
         last = None
-        with tarfile.open(self.tar, mode="r:") as tf:  # uncompressed: seeks header to header
+        at_url = self._still is not None and self._copy is None
+        with _opened_for_walk(self._copy.name if self._copy else self.tar, at_url) as tf:  # seeks header to header
             for m in tar_headers(tf):
                 if m.isdir() or dot_member(m.name):
                     continue
@@ -103,14 +217,19 @@ class TarIndex:
 
     def _reader(self, at: object) -> Reader:
         offset, size = at  # type: ignore[misc]
-        return partial(read_first, self.tar, offset=offset, size=size)
+        return partial(self._read, offset=offset, size=size)
+
+    def _read(self, n: int, offset: int, size: int) -> bytes:
+        if self._copy is not None:
+            return read_first(self._copy.name, n, offset, size)
+        return (read_range if self._still is not None else read_first)(self.tar, n, offset, size)
 
     def sample(self, source: str) -> SourceSample:
         """The sample read whole from its members' offsets (what streaming the tar up to it gives)."""
         try:
             run = self._run(source)
             if run is not None:
-                members = {ext: read_first(self.tar, size, offset, size) for ext, (offset, size) in run[2].items()}
+                members = {ext: self._read(size, offset, size) for ext, (offset, size) in run[2].items()}
                 if all(len(data) == run[2][ext][1] for ext, data in members.items()):
                     return _printable_names(_sample_from_members(run[0], run[1], members, []))
         except (OSError, tarfile.TarError):

@@ -1,7 +1,8 @@
 """How many samples a source holds, counted cheaply before reading it, so resize-bucket's bar has a total
 and an ETA. A count, not a read: a folder's target images, a tar's distinct member keys (headers only), a
 JSONL manifest's non-blank lines, a parquet source's rows (from the footers). Shards at URLs are not
-counted (it would take a pass over them): the bar then runs without a total. Problem entries found while reading (orphan files, unreadable tars) can
+counted (it would take a pass over them), unless every one is carried unread (counted by its record): the bar then
+runs without a total. Problem entries found while reading (orphan files, unreadable tars) can
 make the real number differ a little; the bar's total is corrected at the end."""
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def count_samples(source: str | Path, fmt: str, known: Any = None) -> int | None
             return count_rows(source if sources.is_url(source) else Path(source))
         if fmt == "webdataset":
             tars = sources.shard_urls(source)
-            if any(sources.is_url(t) for t in tars):
+            # a tar at a URL is counted by its record when carried, else not (its headers would be fetched)
+            if any(sources.is_url(t) for t in tars) and (known is None or any(known.count(t) is None for t in tars)):
                 return None
             total = 0
             # a header walk per shard: minutes over a million samples, so it has its own bar

@@ -604,7 +604,8 @@ def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYT
             from stages.resize.picture_heads import TarIndex
 
             sha, samples = carried
-            index = TarIndex(tar, max_file_bytes)  # its headers walked only when a sample is read after all
+            # its headers walked only when a sample is read after all (a URL's: while it is still the recorded one)
+            index = TarIndex(tar, max_file_bytes, partial(_still, known, tar, sha) if is_url(tar) else None)
             for source, hit in samples:
                 yield SourceSample(name=source[len(tar) + 1:], source=source, known=hit,
                                    reread=partial(index.sample, source), heads=partial(index.heads, source))
@@ -619,8 +620,13 @@ def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYT
             count, failed = count + 1, failed or s.problem_kind == "read-error"
             yield s
         # not changed while it was streamed, and read whole (a read error: not noted, so a rerun reads it again)
-        if before is not None and not failed and known.identity(tar) == before:
+        if before is not None and not failed and known.identity(tar, fresh=True) == before:
             known.note(tar, before, count)
+
+
+def _still(known: Any, tar: str, sha: str) -> bool:
+    """Is the tar at a URL still the one recorded (its size and content tag asked again)?"""
+    return known.identity(tar, fresh=True) == sha
 
 
 def _hashed_shard(tar: str, max_file_bytes: int, done: Done, known: Any) -> Iterator[SourceSample]:

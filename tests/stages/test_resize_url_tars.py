@@ -1,0 +1,236 @@
+"""Webdataset tars at URLs on a rerun (stages/resize/known_tars.py): an unchanged one (the same URL, size and content
+tag: ETag or Last-Modified) is carried by its recorded rows, no byte of it fetched; one put again is read whole; a
+header check (resize-bucket revision 4's transparent colour) reads its members' headers and first bytes by range
+requests (picture_heads.TarIndex), not the tar. Bytes are counted as the test servers send them: an http.server on
+127.0.0.1 that answers range requests (as real servers and object stores do), and moto's S3 server."""
+
+from __future__ import annotations
+
+import functools
+import io
+import re
+import shutil
+import tarfile
+import threading
+from collections import Counter
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline.config import load_config
+from pipeline.demo_data import make_demo_data
+from stages.resize import picture_heads, source_count, stage
+from stages.resize.header_checks import FIRST_READ
+from stages.resize.picture_heads import WALK_BLOCK
+from store import Store
+from tests.stages.test_fix_revisions_resize import SMALL as REVISION_SMALL
+from tests.stages.test_fix_revisions_resize import _contents
+from tests.stages.test_fix_revisions_resize4 import _build_at_revision_3
+from tests.stages.test_resize_rerun_reads import SMALL, _quarantine, _rows
+
+needs_curl = pytest.mark.skipif(shutil.which("curl") is None, reason="webdataset streams http(s) with curl")
+
+
+class _Ranges(SimpleHTTPRequestHandler):
+    """Files with their size, Last-Modified and an ETag (size and mtime, as nginx's), one `bytes=a-b` range each
+    (unless the server's `ranges` is off); the body bytes sent, per file name, in the server's `served`, and how
+    many GETs asked for no range (a stream or a download of the whole) in its `whole`."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        self._answer(body=False)
+
+    def do_GET(self) -> None:
+        self._answer(body=True)
+
+    def _answer(self, body: bool) -> None:
+        path = Path(self.translate_path(self.path))
+        if not path.is_file():
+            self.send_error(404)
+            return
+        data, st = path.read_bytes(), path.stat()
+        start, end = 0, len(data)
+        asked = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", "") if self.server.ranges else "")
+        if asked:
+            start, end = int(asked[1]), min(len(data), int(asked[2]) + 1 if asked[2] else len(data))
+        self.send_response(206 if asked else 200)
+        if asked:
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+        self.send_header("Content-Length", str(end - start))
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("Last-Modified", self.date_time_string(st.st_mtime))
+        self.send_header("ETag", f'"{st.st_size:x}-{st.st_mtime_ns:x}"')
+        self.end_headers()
+        if body:
+            self.wfile.write(data[start:end])
+            self.server.served[path.name] += end - start  # type: ignore[attr-defined]
+            self.server.whole += "Range" not in self.headers  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def served_root(tmp_path, monkeypatch):
+    """A folder served with range requests on 127.0.0.1 (a thread), its base URL and the bytes served per file."""
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    root = tmp_path / "www"
+    root.mkdir()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Ranges, directory=str(root)))
+    server.served, server.ranges, server.whole = Counter(), True, 0  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{server.server_address[1]}", server  # type: ignore[attr-defined]
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+def _same_as_fresh(tmp_path: Path, out: Path, source: str, over: dict) -> None:
+    fresh = tmp_path / f"fresh{len(list(tmp_path.glob('fresh*')))}"
+    stage.run(load_config(None, {**SMALL, **over}), source, fresh)
+    assert _rows(Store(out)) == _rows(Store(fresh)) and _quarantine(Store(out)) == _quarantine(Store(fresh))
+
+
+def _append_sample(tar: Path) -> None:
+    picture = io.BytesIO()
+    Image.new("RGB", (64, 48), (10, 200, 10)).save(picture, format="PNG")
+    with tarfile.open(tar, "a") as tf:
+        for name, data in (("extra.png", picture.getvalue()), ("extra.txt", b"make it green")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+
+
+@needs_curl
+def test_unchanged_tars_at_a_url_are_not_fetched_and_one_put_again_is_read_whole(served_root, tmp_path, monkeypatch):
+    """A val_fraction rerun: before, every tar was streamed whole again (a download of the dataset a rerun)."""
+    root, url, server = served_root
+    served = server.served
+    make_demo_data(tmp_path / "src", n=32, fmt="webdataset", max_controls=2, seed=5, with_masks=True)
+    for tar in (tmp_path / "src").glob("*.tar"):
+        shutil.copy(tar, root / tar.name)
+    source, out = f"{url}/demo-{{000000..000001}}.tar", tmp_path / "store"
+    assert stage.run(load_config(None, {**SMALL, "resize.val_fraction": 0.1}), source, out).written == 32
+
+    served.clear()
+    totals, real_count = [], source_count.count_samples
+    monkeypatch.setattr(source_count, "count_samples", lambda *a: totals.append(real_count(*a)) or totals[-1])
+    again = stage.run(load_config(None, {**SMALL, "resize.val_fraction": 0.5}), source, out)
+    assert (again.written, again.reused) == (0, 32)
+    assert sum(served.values()) == 0, served  # before: the two tars whole
+    assert totals == [32]  # the bar's total, from the record (before: none, the tars at URLs not counted)
+
+    _append_sample(root / "demo-000001.tar")  # put again: another size and ETag
+    served.clear()
+    changed = stage.run(load_config(None, {**SMALL, "resize.val_fraction": 0.3}), source, out)
+    assert (changed.written, changed.reused) == (1, 32)
+    assert served == {"demo-000001.tar": (root / "demo-000001.tar").stat().st_size}  # it alone, whole, once
+    assert totals[-1] is None  # not counted ahead: a pass over it
+    _same_as_fresh(tmp_path, out, source, {"resize.val_fraction": 0.3})
+
+
+def _noise_png(seed: int, shape: tuple[int, int], keyed: bool = False) -> bytes:
+    b = io.BytesIO()
+    arr = np.random.default_rng(seed).integers(1, 255, (*shape, 3), dtype=np.uint8)
+    Image.fromarray(arr).save(b, format="PNG", compress_level=1, **({"transparency": (0, 0, 0)} if keyed else {}))
+    return b.getvalue()
+
+
+@needs_curl
+def test_a_revision_3_rerun_of_a_tar_at_a_url_reads_its_headers_by_range_requests(served_root, monkeypatch, tmp_path):
+    """Each carried picture's first bytes and each member's header fetched by ranges; the cut-out (a transparent
+    colour: rendered again) read whole by its members' offsets. Before, the tar was streamed whole. The table is a
+    fresh run's."""
+    root, url, server = served_root
+    served = server.served
+    pictures = {f"plain{i}": [_noise_png(i, (480, 640)), _noise_png(10 + i, (480, 640))] for i in range(4)}
+    pictures["cutout"] = [_noise_png(20, (120, 160)), _noise_png(21, (120, 160), keyed=True)]
+    with tarfile.open(root / "a.tar", "w", format=tarfile.USTAR_FORMAT) as tf:
+        for stem, pics in pictures.items():
+            for ext, data in (("png", pics[0]), ("control.png", pics[1]), ("txt", f"edit {stem}".encode())):
+                info = tarfile.TarInfo(f"{stem}.{ext}")
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    cfg, source = load_config(None, REVISION_SMALL), f"{url}/a.tar"
+    _build_at_revision_3(monkeypatch, cfg, source, tmp_path / "store")
+
+    served.clear()
+    rerun = stage.run(cfg, source, tmp_path / "store")
+    assert (rerun.written, rerun.reused) == (1, 4)
+    size, cutout = (root / "a.tar").stat().st_size, sum(len(p) for p in pictures["cutout"])
+    # each carried picture's first bytes, the cut-out's pictures twice (their headers, then whole to render them),
+    # a WALK_BLOCK from each member header not in the one before; before: the tar whole (>= size)
+    assert size > 6 << 20 and served["a.tar"] <= 8 * (FIRST_READ + 1) + 2 * cutout + 15 * (WALK_BLOCK + 512) \
+        < size / 7, (served, size)
+    stage.run(cfg, source, tmp_path / "fresh")
+    assert _contents(tmp_path / "store") == _contents(tmp_path / "fresh")
+
+
+def test_an_s3_tar_is_carried_by_its_etag_and_one_put_again_is_read_whole(s3_env, tmp_path, monkeypatch):
+    import s3fs
+
+    make_demo_data(tmp_path / "src", n=32, fmt="webdataset", max_controls=2, seed=5, with_masks=True)
+    client = s3_env.client()
+    for tar in sorted((tmp_path / "src").glob("*.tar")):
+        client.put_object(Bucket=s3_env.bucket, Key=f"shards/{tar.name}", Body=tar.read_bytes())
+    source, out = f"s3://{s3_env.bucket}/shards", tmp_path / "store"
+    assert stage.run(load_config(None, {**SMALL, "resize.val_fraction": 0.1}), source, out).written == 32
+    second = tmp_path / "src" / "demo-000001.tar"
+    _append_sample(second)
+    client.put_object(Bucket=s3_env.bucket, Key="shards/demo-000001.tar", Body=second.read_bytes())
+
+    fetched, real = Counter(), s3fs.core.S3File._fetch_range
+
+    def fetch(self, start, end):  # the bytes asked of the server, per object
+        fetched[self.path.rsplit("/", 1)[-1]] += min(end, self.size) - start
+        return real(self, start, end)
+    with monkeypatch.context() as m:
+        m.setattr(s3fs.core.S3File, "_fetch_range", fetch)
+        again = stage.run(load_config(None, {**SMALL, "resize.val_fraction": 0.5}), source, out)
+    assert (again.written, again.reused) == (1, 32)
+    assert fetched == {"demo-000001.tar": second.stat().st_size}, fetched  # before: demo-000000.tar too
+    # a carried tar's members read by range requests through s3fs, as a header check reads them
+    first = tmp_path / "src" / "demo-000000.tar"
+    with tarfile.open(first) as tf:
+        member = next(m for m in tf if m.name.endswith(".png"))
+        data = tf.extractfile(member).read()
+    tar = f"s3://{s3_env.bucket}/shards/demo-000000.tar"
+    index = picture_heads.TarIndex(tar, 1 << 30, still=lambda: True)
+    sample = f"{tar}:{member.name.split('.')[0]}"
+    assert index.heads(sample).target(64) == data[:64] and index.sample(sample).target == data
+    _same_as_fresh(tmp_path, out, source, {"resize.val_fraction": 0.5})
+
+
+@needs_curl
+def test_a_tar_at_a_url_put_again_is_streamed_and_one_without_ranges_downloaded_once(served_root, tmp_path):
+    """The offsets of one walk name the recorded object's bytes: an object put again before or during the walk (its
+    tag asked again: `still`) gives none, and each sample is read by streaming the tar, as a local tar rewritten
+    since its walk is. A server that ignores range requests fails the walk: the tar is downloaded once and walked
+    and read there (before: each sample to read streamed the tar up to it, a tar of n samples read ~n/2 times)."""
+    root, url, server = served_root
+    members = [(f"s{i}.{ext}", _noise_png(i, (40, 60)) if ext == "png" else f"edit s{i}".encode())
+               for i in range(4) for ext in ("png", "txt")]
+    with tarfile.open(root / "a.tar", "w", format=tarfile.USTAR_FORMAT) as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    tar, pictures = f"{url}/a.tar", dict(members)
+    index = picture_heads.TarIndex(tar, 1 << 30, still=lambda: True)
+    assert index.heads(f"{tar}:s1").target(100) == pictures["s1.png"][:100]  # by a range request
+    assert index.sample(f"{tar}:s1").target == pictures["s1.png"]
+    index = picture_heads.TarIndex(tar, 1 << 30, still=lambda: False)
+    assert index.heads(f"{tar}:s1") is None
+    assert index.sample(f"{tar}:s1").target == pictures["s1.png"]  # streamed
+
+    server.ranges, server.whole = False, 0
+    index = picture_heads.TarIndex(tar, 1 << 30, still=lambda: True)
+    for i in range(4):
+        assert index.heads(f"{tar}:s{i}").target(100) == pictures[f"s{i}.png"][:100]
+        assert index.sample(f"{tar}:s{i}").target == pictures[f"s{i}.png"]
+    assert server.whole == 1  # the download (before: the 4 samples streamed, a GET each)
