@@ -53,9 +53,9 @@ def check_devices(spec: DeviceSpec, what: str, world: int) -> None:
     hosts, instead of that rank stopping alone while the others set up the process group and wait for it. A
     setting of CPUs only is checked by each rank alone (nothing there differs per node)."""
     from models.loading import check_device
-    from models.precision import device_for_rank, resolve_auto
+    from models.precision import device_for_rank, holds_auto, resolve_auto
 
-    if world > 1 and "auto" in ([spec] if isinstance(spec, str) else list(spec)):
+    if world > 1 and holds_auto(spec):
         # decided on each node by its own GPUs: all ranks decide together, as for train.device unset, so that
         # a node without CUDA does not join over gloo while the others wait for NCCL
         agreed_cpu(world, what, "is auto")

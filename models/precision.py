@@ -83,10 +83,16 @@ def resolve_auto(spec: DeviceSpec) -> DeviceSpec:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def holds_auto(spec: DeviceSpec | None) -> bool:
+    """Whether a device setting is `auto` or lists `auto` for some rank: the one test of it (`auto_note`,
+    `models.launch_devices.check_devices`)."""
+    return spec == "auto" or (isinstance(spec, (list, tuple)) and "auto" in spec)
+
+
 def auto_note(*specs: DeviceSpec | None) -> str:
     """', device auto (CUDA)' / ', device auto (no CUDA)' for a stage's first line when one of its device settings
     was `auto`, else '': the line then says the device was chosen, and why there."""
-    if not any(s == "auto" or (isinstance(s, (list, tuple)) and "auto" in s) for s in specs):
+    if not any(holds_auto(s) for s in specs):
         return ""
     return ", device auto (" + ("CUDA" if resolve_auto("auto") == "cuda" else "no CUDA") + ")"
 

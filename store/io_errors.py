@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import socket
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -103,7 +104,8 @@ def check_writable(folder: Path, what: str) -> None:
     there (predict's image, a merged model): a read-only or full folder is one line naming it now, not after the
     work, its result lost."""
     folder = Path(folder)
-    probe = folder / f".write-probe-{os.getpid()}"
+    # the host too: the ranks of a launch across nodes probe one shared folder, and two nodes' pids may be alike
+    probe = folder / f".write-probe-{socket.gethostname()}-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))

@@ -306,7 +306,10 @@ def existing_store(store: str) -> None:
     from store.remote import is_url
 
     if not is_url(store) and not (Path(store) / fmt.STORE_JSON).is_file():  # the test of store.Store(create=False)
-        raise UserError(f"no store at {store} (no {fmt.STORE_JSON}); check --store (paths.store), or run "
+        # a config file's `paths.store: st` is read from where the command runs, not from the file's folder
+        relative = "" if Path(store).is_absolute() else (f" (= {Path(store).absolute()}: a relative path is read "
+                                                         "from the current folder, in a config file too)")
+        raise UserError(f"no store at {store}{relative} (no {fmt.STORE_JSON}); check --store (paths.store), or run "
                         f"`pipeline run resize-bucket --store {store}` first")
 
 

@@ -11,6 +11,7 @@ too and exit status 128 + the signal, torchrun having stopped every rank (its ag
 
 from __future__ import annotations
 
+import logging
 import signal
 
 import typer
@@ -49,6 +50,7 @@ def command(ctx: typer.Context) -> None:
         parse_min_max_nnodes(args.nnodes)
     except ValueError:  # torchrun's own words name no option: "invalid literal for int() with base 10: 'x'"
         _refused(f"--nnodes {args.nnodes}: a number of nodes or MIN:MAX")
+    _drop_agent_lines_ours_says()
     try:
         run(args)
     except ChildFailedError as e:
@@ -64,6 +66,22 @@ def command(ctx: typer.Context) -> None:
         raise typer.Exit(128 + int(e.sigval)) from None
     except (ValueError, AssertionError) as e:  # torchrun's checks of its options, a traceback: `--nnodes x`,
         _refused(str(e) or type(e).__name__)  # `--nproc-per-node abc` (or gpu without CUDA), `--rdzv-conf bad`
+
+
+class _AgentLinesOursSays(logging.Filter):
+    """torchrun's agent logs the rank that failed first ("E... failed (exitcode: 1) local_rank: 0 (pid: N) of
+    binary: ...") and each rank it then stops ("W... Sending process N closing signal SIGTERM"): what the
+    launcher's one line says (`failed_line`), printed between the ranks' `error:` line and it, so that its "the
+    ranks' own error is the line above" pointed at torchrun's log line. Only these two: its others still show."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("failed (exitcode: ", "Sending process %s closing signal"))
+
+
+def _drop_agent_lines_ours_says() -> None:
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if not any(isinstance(f, _AgentLinesOursSays) for f in logger.filters):
+        logger.addFilter(_AgentLinesOursSays())
 
 
 def _rerun(args) -> str:

@@ -103,12 +103,22 @@ def open_job(store_path: str | Path, stage: str, table: str, settings: dict[str,
         job.by_controls = by_controls
         with together(ranks.world_size, f"{stage}: the samples the model takes"):  # one verdict on every rank
             check_any_allowed(job, by_controls, model)
+            _check_writable(job.store.root, table)
     except BaseException:
         if job is not None:  # another rank failed: this one's reader and lease go now
             job.close()
         raise
     _note_damaged_current(job, job.store, stage, table)
     return job
+
+
+def _check_writable(root: Path, table: str) -> None:
+    """The folder the table's new version goes to (the store's, before its first version), probed before the
+    model loads: a store on a read-only mount was told at the writer's first file, after the model had loaded
+    (minutes for a VL model). Not where the table is up to date: a read-only store whose tables are is read."""
+    from store.io_errors import check_writable
+
+    check_writable(root / table if (root / table).is_dir() else root, f"table '{table}'")
 
 
 def _agreed_plan(job: EncodeJob, found: int | None) -> int | None:

@@ -184,6 +184,18 @@ def test_python_dash_m_pipeline_is_the_command(tmp_path):
     assert helped.returncode == 0 and "Usage: python -m pipeline" in helped.stdout, helped.stderr[-2000:]
 
 
+def test_python_dash_m_from_a_folder_holding_a_store_package_uses_the_projects(tmp_path):
+    """`-m` puts the current folder first on sys.path: run from a folder holding a `store/` package (here an empty
+    one), `from store import Store` found that one, and a mistyped source ended in `ImportError: cannot import
+    name 'Store' from 'store'` (a traceback) instead of its line. The `pipeline` script never had that folder."""
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "__init__.py").write_text("")
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "resize-bucket", "--source",
+                           "nowhere", "--store", "st"], env=ENV, capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert proc.returncode == 1 and proc.stderr.startswith(f"error: source {tmp_path / 'nowhere'} does not exist"), proc.stderr[-2000:]
+
+
 def test_the_installed_script_is_the_cli_main():
     """The `pipeline` script ran `pipeline.cli:app` itself: none of `main`'s work (SIGTERM ending the command with
     its atexit work and one line, the exit's single garbage collection) reached the command users type."""

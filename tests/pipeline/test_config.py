@@ -381,3 +381,16 @@ def test_a_prompts_note_is_printed_by_rank_0_alone_under_a_launcher(tmp_path, ca
         assert cfg.predict.negative_prompt == "blurry "
         said[rank] = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("note: ")]
     assert [n.split(":")[1].strip() for n in said["0"]] == ["predict.negative_prompt"] and said["3"] == []
+
+
+def test_a_relative_store_in_a_config_file_not_found_names_the_folder_it_was_read_from(tmp_path, monkeypatch):
+    """`paths.store: st` in project/config.yaml, run from elsewhere: a relative path is read from the current
+    folder, not the file's, and the line said only "no store at st" (a store the user could see in project/)."""
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "config.yaml").write_text("paths:\n  store: st\n  model: m\n")
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["run", "encode-vae", "--config", "project/config.yaml"])
+    assert res.exit_code == 1, res.output
+    line = res.output.strip()
+    assert "\n" not in line and line.startswith(f"error: no store at st (= {tmp_path / 'st'}: a relative path is "
+                                                "read from the current folder, in a config file too)"), line

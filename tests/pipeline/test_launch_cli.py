@@ -31,6 +31,9 @@ def test_a_failed_launch_ends_in_one_line_per_rank_and_one_for_the_launcher(tmp_
     # the first rank to fail exits 1; torchrun may stop the other one before it got as far (SIGTERM)
     assert errors[-1].startswith("error: pipeline.cli stopped: rank ") and " exit 1" in errors[-1], errors
     assert 2 <= len(errors) <= 3 and all(e == errors[0] for e in errors[:-1]) and str(missing) in errors[0], errors
+    # torchrun's agent logged the same between them ("E... failed (exitcode: 1) local_rank: 0 ...", "W... Sending
+    # process N closing signal SIGTERM"): the launcher's "the ranks' own error is the line above" pointed at it
+    assert p.stderr.splitlines()[-2] == errors[0], p.stderr[-3000:]
 
 
 def test_a_launch_where_one_rank_sees_a_gpu_and_the_other_none_is_refused_by_both(tmp_path, tiny_edit_model) -> None:

@@ -144,3 +144,37 @@ def test_an_edit_models_vae_table_carries_no_sample_its_rule_refuses(tiny_edit_m
         assert vae.keys() == [one]
     rows = [r for r in Store(store).quarantine().to_pylist() if r["table_version"] == f"vae/v{edit.version}"]
     assert [r["reason"] for r in rows] == ["edit model needs exactly one control image"]
+
+
+@pytest.mark.parametrize("stage", [encode_text, encode_vae])
+def test_a_read_only_store_is_one_line_before_the_model_loads_and_read_when_up_to_date(stage, tiny_plus_model,
+                                                                                        tmp_path, images_fixture,
+                                                                                        monkeypatch):
+    """A store on a read-only mount (simulated: the tests run as root, whom file modes do not stop): the stage
+    said so at the writer's first file, after the model had loaded (minutes for a VL model). Now before it loads;
+    a table already up to date there is still found so (nothing to write)."""
+    import errno
+    import os
+
+    import models.loading
+
+    write_images_table, FixtureSample = images_fixture.write, images_fixture.Sample
+    store = tmp_path / "store"
+    write_images_table(store, [FixtureSample("a", (64, 64), [(64, 64)], [(64, 64)])], seed=0)
+    real_open = os.open
+
+    def read_only_open(path, flags, *a):  # EROFS for writes under the store, as a read-only mount gives
+        if str(path).startswith(str(store)) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *a)
+
+    loads, real = [], models.loading.load_component
+    monkeypatch.setattr(models.loading, "load_component", lambda *a, **k: loads.append(a[1]) or real(*a, **k))
+    monkeypatch.setattr(os, "open", read_only_open)
+    with pytest.raises(UserError, match=f"cannot write table '{stage.TABLE}': {store}.* is not writable") as e:
+        stage.run(PipelineConfig(), store, tiny_plus_model)
+    assert "\n" not in str(e.value) and loads == []  # the model was never loaded
+    monkeypatch.setattr(os, "open", real_open)
+    assert not stage.run(PipelineConfig(), store, tiny_plus_model).up_to_date
+    monkeypatch.setattr(os, "open", read_only_open)
+    assert stage.run(PipelineConfig(), store, tiny_plus_model).up_to_date

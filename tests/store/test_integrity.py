@@ -306,6 +306,24 @@ def test_read_only_store_is_one_line(store: Store, monkeypatch) -> None:
         store.writer("vae", vae_schema("b"))
 
 
+def test_two_nodes_ranks_of_one_pid_probe_a_shared_folder_at_once(tmp_path, monkeypatch) -> None:
+    """`check_writable` of the folder every rank of a launch across nodes writes to (an encode's table): two
+    nodes' ranks may have the same pid, and a probe named by the pid alone met the other's still there (O_EXCL):
+    FileExistsError, a traceback, where the folder was writable."""
+    import os
+    import socket
+
+    from store.io_errors import check_writable
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-b")
+    monkeypatch.setattr(os, "unlink", lambda path: None)  # node b's probe still there when node a probes
+    check_writable(tmp_path, "table 'vae'")
+    monkeypatch.undo()
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-a")
+    check_writable(tmp_path, "table 'vae'")
+    assert len(list(tmp_path.iterdir())) == 1  # node a's removed, node b's left by the patch
+
+
 def test_not_writable_errors_become_one_line() -> None:
     import errno
 
