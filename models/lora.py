@@ -72,15 +72,32 @@ def _no_torchao_merge_warning() -> Iterator[None]:
         yield
 
 
+def refuse_lycoris_on_nf4(transformer, config, what: str) -> None:
+    """A LoHa / LoKr adapter on an NF4 base (quantize_base nf4), refused in one line: peft's LoHa and LoKr shape
+    their delta weight by the base layer's `weight.shape`, and a bitsandbytes `Params4bit`'s is its packed codes
+    ([out x in / 2, 1]): LoHa built its factors at that shape and every forward failed on a shape mismatch, as
+    did LoKr's (torchao's int8 / fp8 weights report their logical shape and work; LoRA / DoRA never read it)."""
+    from models.quantize import is_nf4
+
+    if config.peft_type not in ("LOHA", "LOKR"):  # a str enum
+        return
+    if any(is_nf4(p) for p in transformer.parameters()):
+        raise UserError(f"{what} on an NF4 base (quantize_base nf4): peft's LoHa / LoKr read the base weight's "
+                        "shape, an NF4 weight's is its packed codes; use quantize_base int8, fp8 or none, or a "
+                        "lora / dora adapter")
+
+
 def add_lora(transformer, cfg: LoraSettings) -> None:
     """Freeze the base and attach one trainable adapter (peft; `cfg.kind`) to `cfg.target_modules`."""
     transformer.requires_grad_(False)
     from peft.tuners.tuners_utils import NoMatchingPeftModuleError
 
     names = _linear_names(transformer)  # before peft wraps them (base_layer, lora_A.default, ...)
+    config = adapter_config(cfg)
+    refuse_lycoris_on_nf4(transformer, config, f"train.lora.kind {getattr(cfg, 'kind', 'lora')}")
     try:
         with _no_torchao_merge_warning():
-            transformer.add_adapter(adapter_config(cfg), adapter_name=ADAPTER)
+            transformer.add_adapter(config, adapter_name=ADAPTER)
     except NoMatchingPeftModuleError:
         raise UserError(f"train.lora.target_modules {list(cfg.target_modules)} matches no layer of the model; its "
                         f"linear layers are named {names}") from None
@@ -537,9 +554,11 @@ def attach_lora(transformer, lora: str | Path, scale: float = 1.0, adapter_name:
 
     check_lora_family(transformer, lora, data)
     state, config = read_lora(lora, data)
+    peft_config = _peft_config(state, config)
+    refuse_lycoris_on_nf4(transformer, peft_config, f"LoRA {lora} (a {peft_config.peft_type.value} adapter)")
     try:
         with _no_torchao_merge_warning():
-            transformer.add_adapter(_peft_config(state, config), adapter_name=adapter_name)
+            transformer.add_adapter(peft_config, adapter_name=adapter_name)
     except NoMatchingPeftModuleError as e:  # e.g. a LoRA of another model family: one line, not peft's traceback
         raise UserError(f"LoRA {lora} adapts modules this model does not have ({e}): it was made for another "
                         "model; pass a LoRA trained on this --model") from None

@@ -248,7 +248,6 @@ def check_installed(name: str, what: str) -> None:
 def load_quantized_transformer(folder, dtype, device, name: str):
     """The stock transformer class, built on the meta device and filled shard by shard, block linears
     quantised as they are read (see the module docstring)."""
-    import gc
     from pathlib import Path
 
     from tqdm.auto import tqdm
@@ -266,7 +265,7 @@ def load_quantized_transformer(folder, dtype, device, name: str):
             weight = _read_weight(folder / file, key, key in to_quantize, name, cfg, device, dtype)
             _set_frozen_parameter(model, key, weight)
             seen.add(key)
-        gc.collect()  # torchao's quantise leaves reference cycles holding freed chunks (measured: 0.11 GiB)
+    _collect_garbage()
     if expected - seen:
         from schemas.errors import UserError
 
@@ -274,6 +273,16 @@ def load_quantized_transformer(folder, dtype, device, name: str):
                         f"(e.g. {sorted(expected - seen)[:3]}): an incomplete or different model folder")
     install_frozen_linear_backward(model)  # NF4 weights have no linear of their own; torchao's saves a dense copy
     return model.eval()
+
+
+def _collect_garbage() -> None:
+    """One full collection once the model is loaded: torchao's quantise leaves reference cycles holding freed
+    chunks (measured: 0.11 GiB). Not after every shard, as before: each full collection walks the whole process's
+    heap (9 x ~0.9 s in int8 rehearsals) and the per-shard ones lowered no peak (bench/quantized_load_gc.py: the
+    interpreter's own young-generation collections free those cycles as the load goes)."""
+    import gc
+
+    gc.collect()
 
 
 def _empty_transformer(folder):
