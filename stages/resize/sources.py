@@ -419,6 +419,10 @@ def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
             yield s
             continue
         s.source = str(found[0])
+        if len(masks.get(stem, ())) > 1:  # as several target or control files: which one is meant is unknown
+            s.problem = f"several mask files in mask/: {', '.join(sorted(masks[stem]))}"
+            yield s
+            continue
         present = [i for i in sorted(controls) if stem in controls[i]]
         if present != list(range(len(present))):
             s.problem = f"control folders for this sample are not contiguous from control/: found indices {present}"

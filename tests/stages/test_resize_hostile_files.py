@@ -490,3 +490,19 @@ def test_the_limits_a_rerun_checks_carried_rows_under_read_each_version_schema_o
     keys = {name: row["key"] for name, (row, _) in table(store).items()}
     assert over == {keys["many.gif"]}
     assert set(limit.recheck) == set(keys.values())  # both versions were checked under a higher pixel limit
+
+
+def test_several_mask_files_for_one_sample_are_refused_as_several_controls_are(tmp_path):
+    """mask/a.png beside mask/a.jpg: the first listed was used and the other dropped unsaid (several target or
+    control files, and a tar's several .mask members, are refused). Now the sample is quarantined naming both;
+    its neighbour with one mask is rendered with it."""
+    root, store = tmp_path / "src", tmp_path / "store"
+    half = Image.fromarray(np.repeat(np.array([[0, 255]], np.uint8), 48, 0).repeat(48, 1))  # 96 x 48
+    put(root, "two.png", encoded(quadrants(96, 48)), mask=encoded(half))
+    (root / "mask" / "two.jpg").write_bytes(encoded(Image.new("L", (96, 48), 255), "JPEG"))
+    put(root, "one.png", encoded(quadrants(96, 48)), caption=b"make it red", mask=encoded(half))
+    s = run(cfg(), root, store)
+    assert s.written == 1 and s.quarantined == {"bad-source": 1}
+    q = quarantined(store)["two.png"]
+    assert q["detail"] == "several mask files in mask/: two.jpg, two.png", q["detail"]
+    assert table(store)["one.png"][0]["has_mask"]
