@@ -208,6 +208,7 @@ def _layout(schema: Any, columns: Any, path: Path) -> _Layout:
     for r, t in zip(refs, ref_types):
         image(r, "references", t.value_type if is_list else t)
     t = column(columns.instruction, "instruction")
+    t = t.value_type if pa.types.is_dictionary(t) else t  # pandas' `category` captions: text, read as such
     if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
             or pa.types.is_large_binary(t)):
         raise UserError(f"parquet source {path}: column {columns.instruction!r} (resize.columns.instruction) is {t}, "
