@@ -287,6 +287,8 @@ def _control_dirs(root: Path) -> dict[int, Path]:
     out: dict[int, Path] = {}
     for d in sorted(root.iterdir()):
         m = _CONTROL_DIR.match(d.name)
+        if (m or d.name == "mask") and not d.is_dir():
+            raise _not_a_layout_folder(root, d)
         if d.is_dir() and (meant := _near_miss(d)):
             raise UserError(f"source {root}: folder {d.name}/ is not read (the layout reads target/, control/, "
                             f"control_1/, ..., mask/); rename it to {meant}/, or move it out of the source")
@@ -297,6 +299,16 @@ def _control_dirs(root: Path) -> dict[int, Path]:
                                 "(control/ is control 0, control_<i>/ is control i); merge or rename one")
             out[i] = d
     return out
+
+
+def _not_a_layout_folder(root: Path, d: Path) -> UserError:
+    """control/, control_<i>/ or mask/ that is no folder (a link to a disk not mounted, a file): listed as empty,
+    every pair trained without its controls or masks and no row saying why."""
+    kind = _not_regular(d) or "a file"
+    if kind == "a broken symlink":
+        kind += f" to {os.readlink(d)}"
+    return UserError(f"source {root}: {d.name} is {kind}, not a folder: its files are not read; make it the "
+                     f"folder of those files (mount or fix the link), or remove it")
 
 
 def _layout_dirs(root: Path) -> list[Path]:

@@ -108,6 +108,23 @@ def test_a_misnamed_control_or_mask_folder_is_refused_before_a_store_is_made(tmp
     assert not (tmp_path / "store").exists()
 
 
+@pytest.mark.parametrize("name, make, kind", [
+    ("control", lambda p: os.symlink("/mnt/unmounted/control", p), "a broken symlink to /mnt/unmounted/control"),
+    ("control_1", lambda p: os.symlink(p.name, p), "a symlink loop"),
+    ("mask", lambda p: p.write_bytes(b"not a folder"), "a file"),
+])
+def test_a_layout_folder_that_is_no_folder_is_refused_before_a_store_is_made(tmp_path, name, make, kind):
+    """control/ linked to a disk not mounted (or mask/ a file, control_1/ a link loop) was listed as empty: every
+    pair trained text-to-image, or without its masks, with no row saying why. Refused as a misnamed folder is."""
+    src = tmp_path / "src"
+    _sample(src, "a", _image())
+    make(src / name)
+    result = _resize(src, tmp_path / "store")
+    assert result.exit_code != 0 and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"source {src}: {name} is {kind}, not a folder: " in result.output, result.output
+    assert not (tmp_path / "store").exists()
+
+
 def test_jsonl_lines_json_cannot_take_cost_their_line_only(tmp_path):
     """A 5000-digit number (Python's int limit), arrays nested 100k deep (RecursionError) and a path holding
     '\\u0000' (ValueError from the OS call) each ended the run with a traceback."""
