@@ -44,6 +44,8 @@ def parquet_files(root: str | Path) -> list[Any]:
     or the `.parquet` objects under the prefix, as URL strings (read through fsspec: shards.py's file system)."""
     if is_url(root):
         return remote_parquet_files(str(root))
+    from stages.resize.sources import refuse_no_file
+
     root = Path(root)
     if root.is_file():
         return [root]
@@ -56,6 +58,8 @@ def parquet_files(root: str | Path) -> list[Any]:
             continue
         if f.is_file():
             out.append(f)
+        else:  # a folder is skipped (Spark's `x.parquet/`: its part files are listed); a link to nothing is refused
+            refuse_no_file(root, [f], links=True)
     return out
 
 

@@ -107,9 +107,11 @@ def detect_format(source: str | Path) -> str:
     if (p / "target").is_dir():
         _control_dirs(p)  # its layout refusals (a misnamed or doubled control/mask folder) before a store is made
         return "folder"
-    if any(p.glob("*.tar")):
+    if tars := sorted(p.glob("*.tar")):
+        refuse_no_file(p, tars)  # a broken link's own row says it (cannot open tar)
         return "webdataset"
     jsonls = sorted(p.glob("*.jsonl"))
+    refuse_no_file(p, jsonls, links=True)
     if len(jsonls) == 1:
         return checked_manifest(jsonls[0])
     if len(jsonls) > 1:
@@ -120,6 +122,21 @@ def detect_format(source: str | Path) -> str:
         return "parquet"
     raise UserError(f"source {p} has no target/ folder, no .tar shards, no .jsonl manifest and no .parquet files "
                     "(the layouts: docs/resize-bucket.md, 'Sources')")
+
+
+_NEVER_ENDS = ("a FIFO", "a socket", "a device")  # waits for a writer forever, or reads on forever
+
+
+def refuse_no_file(root: Path, files: list[Path], links: bool = False) -> None:
+    """UserError naming the first of a source folder's `files` (its shards, manifest or parquet files) that is no
+    file to read: a FIFO or a device (hashing or reading it hung the run), and with `links` a broken link or a
+    link loop (skipped unsaid). Folders are not looked at (Spark's `x.parquet/` holds the part files)."""
+    for f in files:
+        kind = _not_regular(f)
+        if kind in _NEVER_ENDS or links and kind in ("a broken symlink", "a symlink loop"):
+            kind += f" to {os.readlink(f)}" if kind == "a broken symlink" else ""
+            raise UserError(f"source {root}: {os.path.relpath(f, root)} is {kind}, not a regular file: not read; "
+                            "replace it with the file or remove it")
 
 
 def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
