@@ -102,6 +102,7 @@ def detect_format(source: str | Path) -> str:
             return checked_manifest(p) if p.suffix == ".jsonl" else {".tar": "webdataset", ".parquet": "parquet"}[p.suffix]
         raise UserError(f"source {p} is a file but neither a .jsonl manifest, a .tar shard nor a .parquet file")
     if not p.is_dir():
+        refuse_no_file(p.parent, [p], links=True)  # there, but no file: said what it is, not "does not exist"
         raise UserError(f"source {p} does not exist; pass a folder, a .tar shard (or folder, brace list or URL of "
                         "them), a .jsonl file or a .parquet file (or folder of them)")
     if (p / "target").is_dir():

@@ -144,6 +144,9 @@ def test_a_source_file_that_is_no_regular_file_is_refused_in_one_line(tmp_path, 
         detect_format(src)
     assert str(e.value) == f"source {src}: {name} is {kind}, not a regular file: not read; replace it with the " \
                            "file or remove it", str(e.value)
+    with pytest.raises(UserError) as named:  # passed as the source itself: "does not exist" before
+        detect_format(src / name)
+    assert str(named.value) == str(e.value)
     (src / name).unlink()
     (src / "spark.parquet").mkdir()
     os.symlink("nowhere.tar", src / "c.tar")
