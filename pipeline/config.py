@@ -94,7 +94,7 @@ def _format_errors(err: ValidationError, path: Path | None, overridden: dict[str
             lines.append(f"  unknown key '{key}'{_did_you_mean(e['loc'])}{typed}")
         elif e["type"] == "value_error" and isinstance(e.get("input"), dict):  # a section's own rule (its
             # validator's sentence says what and what to do; the input is the whole section, every key of it)
-            lines.append(f"  '{key}': {e['ctx']['error']}{typed}")
+            lines.append(f"  '{key}': {e.get('ctx', {}).get('error', e['msg'])}{typed}")
         else:
             lines.append(f"  '{key}': {e['msg']} (got {e.get('input')!r}){_yaml_number_hint(e)}{typed}")
     return "\n".join(lines)
