@@ -92,6 +92,9 @@ def _format_errors(err: ValidationError, path: Path | None, overridden: dict[str
                                           for k in overridden) else ""
         if e["type"] == "extra_forbidden":
             lines.append(f"  unknown key '{key}'{_did_you_mean(e['loc'])}{typed}")
+        elif e["type"] == "value_error" and isinstance(e.get("input"), dict):  # a section's own rule (its
+            # validator's sentence says what and what to do; the input is the whole section, every key of it)
+            lines.append(f"  '{key}': {e.get('ctx', {}).get('error', e['msg'])}{typed}")
         else:
             lines.append(f"  '{key}': {e['msg']} (got {e.get('input')!r}){_yaml_number_hint(e)}{typed}")
     return "\n".join(lines)
@@ -243,8 +246,8 @@ def _area_overridden(data: dict[str, Any], overridden: dict[str, Any]) -> None:
     into its two keys when one of them is given there (before, either clash was refused, naming a shipped file's
     keys to drop; `run all` has no --area flag). A file clashing with itself, or `resize.area` with a differing
     `resize.target_area` / `resize.control_vae_area` both on the command line (--set or flags), are still refused
-    (the model's validator); resize-bucket's own `--area` with a differing `--target-area` / `--control-vae-area`
-    is refused by the command (`pipeline.commands.resize_bucket._refuse_area_clash`)."""
+    (the model's validator), as is resize-bucket's `--area` with a differing `--target-area` / `--control-vae-area`
+    (its flags are these keys)."""
     resize = data.get("resize")
     if not isinstance(resize, dict):
         return

@@ -114,8 +114,10 @@ class ResizeConfig(Section):
         if not isinstance(area, int) or isinstance(area, bool) or area <= 0:
             raise ValueError(f"resize.area must be a positive integer (pixels), got {area!r}")
         clash = [k for k in ("target_area", "control_vae_area") if data.get(k) not in (None, area)]
-        if clash:
-            raise ValueError(f"resize.area = {area} sets {' and '.join(clash)}; drop {', '.join(clash)} or area")
+        if clash:  # (the flags --area, --target-area, --control-vae-area are these keys: one rule for both)
+            raise ValueError(f"resize.area = {area} sets target_area and control_vae_area, but "
+                             f"{' and '.join(f'{k} is {data[k]!r}' for k in clash)}: set area alone, or "
+                             f"{' and '.join(clash)} without area")
         data["target_area"] = data["control_vae_area"] = area
         return data
 

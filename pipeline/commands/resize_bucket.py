@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from pipeline.commands.common import (
-    ConfigOpt, JsonOpt, SetOpt, config_from, echo, emit, json_mode, require, usage_error, usage_errors, user_errors,
+    ConfigOpt, JsonOpt, SetOpt, config_from, echo, emit, json_mode, require, usage_errors, user_errors,
 )
 from pipeline.commands.store_remote import CacheDirOpt, CacheGbOpt
 
@@ -40,20 +40,19 @@ def command(
             "paths.source": source,
             "paths.store": store,
             "resize.val_fraction": val_fraction,
-            # --area overrides both keys (a flag wins over the file); --target-area / --control-vae-area beside it
-            # must agree with it (`_refuse_area_clash`, after the config's own checks of each value).
-            # `is None`, not `or`: `--target-area 0` fell through to the default 1024² unsaid instead of being refused
-            "resize.target_area": area if target_area is None else target_area,
+            # --area is resize.area: it sets both keys (a flag wins over the file), and --target-area /
+            # --control-vae-area beside it must agree with it, as in a file (schemas/config.py, one rule)
+            "resize.area": area,
+            "resize.target_area": target_area,
             "resize.multiple": multiple,
             "resize.control_vl_area": control_vl_area,
-            "resize.control_vae_area": area if control_vae_area is None else control_vae_area,
+            "resize.control_vae_area": control_vae_area,
             "resize.min_controls": min_controls,
             "resize.max_controls": max_controls,
             "resize.max_image_pixels": max_image_pixels,
             "resize.workers": workers,
         },
     )
-    _refuse_area_clash(area, target_area, control_vae_area)
     src = require(cfg.paths.source, "--source", "paths.source")
     dst = require(cfg.paths.store, "--store", "paths.store")
     from stages.resize.stage import check_config
@@ -93,11 +92,3 @@ def _resize(cfg, src: str, dst: str, cache_dir: Optional[Path], cache_gb: Option
     with StoreAccess(dst, cache_dir, cache_gb).for_stage("resize-bucket", log) as local:  # a URL: pushed after
         return named_by_url(run(cfg, src, local), dst)
 
-
-def _refuse_area_clash(area: int | None, target_area: int | None, control_vae_area: int | None) -> None:
-    """`--area A` with `--target-area` / `--control-vae-area` of another value: one usage line, as the config
-    refuses `resize.area` beside a differing key (before, the narrower flag silently won)."""
-    for flag, value in (("--target-area", target_area), ("--control-vae-area", control_vae_area)):
-        if area is not None and value is not None and value != area:
-            usage_error(f"--area {area} sets the target and control VAE areas, and {flag} {value} differs: give "
-                        f"--area alone, or {flag} without --area")

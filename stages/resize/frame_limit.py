@@ -12,6 +12,8 @@ A version rendered under a limit raised past the default is read at the default 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -22,19 +24,18 @@ TABLE = "images"
 _NOTE = r"^first frame of (?P<frames>\d+) used$"
 
 
-def frames_over(st: Store, limit: int) -> set[str]:
-    """The keys a complete `images` version rendered under a higher limit notes with more frames than `limit`."""
+def frames_over(st: Store, limit: int, recorded: dict[int, dict[str, Any] | None]) -> set[str]:
+    """The keys a complete `images` version rendered under a higher limit notes with more frames than `limit`.
+    `recorded`: the settings each complete version records (recorded_resize.py)."""
     from schemas import UserError
-    from store import format as fmt
     from store.manifest_files import checked_manifest
 
     over: set[str] = set()
-    for v in st.versions(TABLE):
-        vdir = st.version_dir(TABLE, v)
+    for v, resize in recorded.items():
+        if _rendered_under(resize) <= limit:
+            continue
         try:
-            if not fmt.is_complete(vdir) or _rendered_under(vdir) <= limit:
-                continue
-            rows = checked_manifest(vdir, ["key", "conversions"])
+            rows = checked_manifest(st.version_dir(TABLE, v), ["key", "conversions"])
         except UserError:  # damaged or unreadable: nothing is carried from it (store/reuse.py)
             continue
         if "conversions" in rows.column_names:
@@ -42,17 +43,12 @@ def frames_over(st: Store, limit: int) -> set[str]:
     return over
 
 
-def _rendered_under(vdir) -> float:
-    """The resize.max_image_frames a complete version's schema records (none: the default; unreadable: unknown, so
-    its rows are looked at)."""
-    from schemas import UserError
-    from store.manifest_files import checked_schema
-
-    try:
-        resize = checked_schema(vdir).attrs.get("resize")
-    except UserError:
+def _rendered_under(resize: dict[str, Any] | None) -> float:
+    """The resize.max_image_frames a complete version's schema records (none: the default; unreadable, None:
+    unknown, so its rows are looked at)."""
+    if resize is None:
         return float("inf")
-    value = resize.get("max_image_frames") if isinstance(resize, dict) else None
+    value = resize.get("max_image_frames")
     return value if isinstance(value, int) else MAX_FRAMES
 
 

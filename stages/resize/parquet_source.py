@@ -44,6 +44,8 @@ def parquet_files(root: str | Path) -> list[Any]:
     or the `.parquet` objects under the prefix, as URL strings (read through fsspec: shards.py's file system)."""
     if is_url(root):
         return remote_parquet_files(str(root))
+    from stages.resize.sources import refuse_no_file
+
     root = Path(root)
     if root.is_file():
         return [root]
@@ -56,6 +58,8 @@ def parquet_files(root: str | Path) -> list[Any]:
             continue
         if f.is_file():
             out.append(f)
+        else:  # a folder is skipped (Spark's `x.parquet/`: its part files are listed); a link to nothing is refused
+            refuse_no_file(root, [f], links=True)
     return out
 
 
@@ -208,6 +212,7 @@ def _layout(schema: Any, columns: Any, path: Path) -> _Layout:
     for r, t in zip(refs, ref_types):
         image(r, "references", t.value_type if is_list else t)
     t = column(columns.instruction, "instruction")
+    t = t.value_type if pa.types.is_dictionary(t) else t  # pandas' `category` captions: text, read as such
     if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
             or pa.types.is_large_binary(t)):
         raise UserError(f"parquet source {path}: column {columns.instruction!r} (resize.columns.instruction) is {t}, "

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Iterable
+from typing import IO, TYPE_CHECKING, Any, Iterable
 
 from PIL import Image
 
@@ -47,31 +47,23 @@ class PixelLimit:
                                               for r in pictures)
 
 
-def pixel_limit(st: Store, limit: int) -> PixelLimit:
-    """What to check of the rows the complete `images` versions hold, under `limit` (module doc)."""
+def pixel_limit(st: Store, limit: int, recorded: dict[int, dict[str, Any] | None]) -> PixelLimit:
+    """What to check of the rows the complete `images` versions hold, under `limit` (module doc). `recorded`: the
+    settings each complete version records (recorded_resize.py)."""
     from schemas import UserError
     from schemas.config import ResizeConfig
-    from store import format as fmt
-    from store.manifest_files import checked_manifest, checked_schema
+    from store.manifest_files import checked_manifest
     from store.version_notes import read_note
 
-    recorded: dict[int, int] = {}
-    unknown = False  # a complete version whose schema.json does not read: the limit it records is unknown
-    for v in st.versions(TABLE):
-        vdir = st.version_dir(TABLE, v)
-        try:
-            if fmt.is_complete(vdir):
-                # checked: a flipped digit that still parses would lower the bound and skip the recheck
-                resize = checked_schema(vdir).attrs.get("resize")
-                value = resize.get("max_image_pixels") if isinstance(resize, dict) else None
-                recorded[v] = value if isinstance(value, int) else ResizeConfig().max_image_pixels
-        except UserError:  # unreadable or damaged: nothing is carried from it (store/reuse.py), but the versions
-            unknown = True  # without a note may hold rows carried from it, checked under a limit it no longer tells
-            continue
+    # a complete version whose schema.json does not read (None) is carried from by none (store/reuse.py), but the
+    # versions without a note may hold rows carried from it, checked under a limit it no longer tells: unknown
+    unknown = any(resize is None for resize in recorded.values())
+    default = ResizeConfig().max_image_pixels
+    limits = {v: _recorded_limit(resize, default) for v, resize in recorded.items() if resize is not None}
     # an unknown limit may be the highest: those versions' rows are all checked, never taken as within one a
     # damaged schema.json names
-    highest = float("inf") if unknown else max(recorded.values(), default=0)
-    checked = {v: _note(read_note(st, TABLE, v, NOTE), highest) for v in recorded}
+    highest = float("inf") if unknown else max(limits.values(), default=0)
+    checked = {v: _note(read_note(st, TABLE, v, NOTE), highest) for v in limits}
     if all(bound <= limit for bound in checked.values()):
         return PixelLimit(limit)
     within: set[str] = set()
@@ -96,6 +88,11 @@ def pixel_limit(st: Store, limit: int) -> PixelLimit:
             if key not in within:
                 recheck[key] = (_area(size), n != 0 or mask is not False)
     return PixelLimit(limit, recheck)
+
+
+def _recorded_limit(resize: dict[str, Any], default: int) -> int:
+    value = resize.get("max_image_pixels")
+    return value if isinstance(value, int) else default
 
 
 def _note(value: object, highest: float) -> float:

@@ -102,14 +102,17 @@ def detect_format(source: str | Path) -> str:
             return checked_manifest(p) if p.suffix == ".jsonl" else {".tar": "webdataset", ".parquet": "parquet"}[p.suffix]
         raise UserError(f"source {p} is a file but neither a .jsonl manifest, a .tar shard nor a .parquet file")
     if not p.is_dir():
+        refuse_no_file(p.parent, [p], links=True)  # there, but no file: said what it is, not "does not exist"
         raise UserError(f"source {p} does not exist; pass a folder, a .tar shard (or folder, brace list or URL of "
                         "them), a .jsonl file or a .parquet file (or folder of them)")
     if (p / "target").is_dir():
         _control_dirs(p)  # its layout refusals (a misnamed or doubled control/mask folder) before a store is made
         return "folder"
-    if any(p.glob("*.tar")):
+    if tars := sorted(p.glob("*.tar")):
+        refuse_no_file(p, tars)  # a broken link's own row says it (cannot open tar)
         return "webdataset"
     jsonls = sorted(p.glob("*.jsonl"))
+    refuse_no_file(p, jsonls, links=True)
     if len(jsonls) == 1:
         return checked_manifest(jsonls[0])
     if len(jsonls) > 1:
@@ -120,6 +123,21 @@ def detect_format(source: str | Path) -> str:
         return "parquet"
     raise UserError(f"source {p} has no target/ folder, no .tar shards, no .jsonl manifest and no .parquet files "
                     "(the layouts: docs/resize-bucket.md, 'Sources')")
+
+
+_NEVER_ENDS = ("a FIFO", "a socket", "a device")  # waits for a writer forever, or reads on forever
+
+
+def refuse_no_file(root: Path, files: list[Path], links: bool = False) -> None:
+    """UserError naming the first of a source folder's `files` (its shards, manifest or parquet files) that is no
+    file to read: a FIFO or a device (hashing or reading it hung the run), and with `links` a broken link or a
+    link loop (skipped unsaid). Folders are not looked at (Spark's `x.parquet/` holds the part files)."""
+    for f in files:
+        kind = _not_regular(f)
+        if kind in _NEVER_ENDS or links and kind in ("a broken symlink", "a symlink loop"):
+            kind += f" to {os.readlink(f)}" if kind == "a broken symlink" else ""
+            raise UserError(f"source {root}: {os.path.relpath(f, root)} is {kind}, not a regular file: not read; "
+                            "replace it with the file or remove it")
 
 
 def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
@@ -287,6 +305,8 @@ def _control_dirs(root: Path) -> dict[int, Path]:
     out: dict[int, Path] = {}
     for d in sorted(root.iterdir()):
         m = _CONTROL_DIR.match(d.name)
+        if (m or d.name == "mask") and not d.is_dir():
+            raise _not_a_layout_folder(root, d)
         if d.is_dir() and (meant := _near_miss(d)):
             raise UserError(f"source {root}: folder {d.name}/ is not read (the layout reads target/, control/, "
                             f"control_1/, ..., mask/); rename it to {meant}/, or move it out of the source")
@@ -297,6 +317,16 @@ def _control_dirs(root: Path) -> dict[int, Path]:
                                 "(control/ is control 0, control_<i>/ is control i); merge or rename one")
             out[i] = d
     return out
+
+
+def _not_a_layout_folder(root: Path, d: Path) -> UserError:
+    """control/, control_<i>/ or mask/ that is no folder (a link to a disk not mounted, a file): listed as empty,
+    every pair trained without its controls or masks and no row saying why."""
+    kind = _not_regular(d) or "a file"
+    if kind == "a broken symlink":
+        kind += f" to {os.readlink(d)}"
+    return UserError(f"source {root}: {d.name} is {kind}, not a folder: its files are not read; make it the "
+                     f"folder of those files (mount or fix the link), or remove it")
 
 
 def _layout_dirs(root: Path) -> list[Path]:
@@ -419,6 +449,10 @@ def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
             yield s
             continue
         s.source = str(found[0])
+        if len(masks.get(stem, ())) > 1:  # as several target or control files: which one is meant is unknown
+            s.problem = f"several mask files in mask/: {', '.join(sorted(masks[stem]))}"
+            yield s
+            continue
         present = [i for i in sorted(controls) if stem in controls[i]]
         if present != list(range(len(present))):
             s.problem = f"control folders for this sample are not contiguous from control/: found indices {present}"

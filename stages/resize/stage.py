@@ -337,9 +337,10 @@ def _fill_and_commit(cfg: PipelineConfig, st: Store, writer: Any, intake: _Intak
     kept version's summary when the files a read error left unread fail alike again (still_unreadable.py)."""
     rc, pending = lineage.rc, lineage.pending
     record_pending(writer, pending)
-    carry = _render_source(source, fmt, rc, writer, *_rendered_before(st, lineage.schema), intake, st, pending,
+    now = _pictures_now(lineage.schema)
+    carry = _render_source(source, fmt, rc, writer, *_rendered_before(st, lineage.schema, now), intake, st, pending,
                            read_columns=cfg.resize.columns)
-    _carry_forward(st, writer, lineage.schema, carry, intake.summary, rc)
+    _carry_forward(st, writer, lineage.schema, now, carry, intake.summary, rc)
     if intake.unread:
         _refuse_unread_repair(intake)
     if pending or intake.unread:  # before the commit: the lineage of the bytes streamed (first_read.py)
@@ -784,11 +785,12 @@ def _damaged_current(st: Store) -> int | None:
     return current
 
 
-def _rendered_before(st: Store, schema: TableSchema) -> tuple[dict[str, str], set[str]]:
-    """key -> mask hash of every sample an earlier version rendered with the same pixel settings (or with the
-    revision before this one's fixes, when they leave the sample unchanged), and the keys among them to carry only
-    once their source pictures' headers say a fix leaves them unchanged (`TOLD_BY_SOURCE`)."""
-    from store.reuse import FEATURE_LINEAGE_ATTR, reusable_keys
+def _rendered_before(st: Store, schema: TableSchema, now: tuple[str, ...]) -> tuple[dict[str, str], set[str]]:
+    """key -> mask hash of every sample an earlier version rendered with the same pixel settings (`now`:
+    `_pictures_now`; or with the revision before this one's fixes, when they leave the sample unchanged), and the
+    keys among them to carry only once their source pictures' headers say a fix leaves them unchanged
+    (`TOLD_BY_SOURCE`)."""
+    from store.reuse import reusable_keys
 
     fixed: dict[str, str] = {}
     checked: set[str] = set()
@@ -799,19 +801,23 @@ def _rendered_before(st: Store, schema: TableSchema) -> tuple[dict[str, str], se
             checked.update(keys)
         else:
             checked.difference_update(keys)
-    now = reusable_keys(st, TABLE, schema.attrs[FEATURE_LINEAGE_ATTR], "mask_sha256")
-    if (earlier := _earlier_spelling(schema)) is not None:  # the same pictures, their settings hashed as set
-        now = {**reusable_keys(st, TABLE, earlier, "mask_sha256"), **now}
-    checked.difference_update(now)
-    return {**fixed, **now}, checked
+    same: dict[str, str] = {}
+    for lineage in reversed(now):  # this run's own spelling last: its row wins
+        same.update(reusable_keys(st, TABLE, lineage, "mask_sha256"))
+    checked.difference_update(same)
+    return {**fixed, **same}, checked
 
 
-def _earlier_spelling(schema: TableSchema) -> str | None:
-    """The pictures' feature lineage of this run as recorded before unread settings were hashed as their defaults
-    (`schemas.pictures_lineage.earlier_pictures_lineage`), where it differs."""
+def _pictures_now(schema: TableSchema) -> tuple[str, ...]:
+    """This run's pictures' feature lineage, then, where it differs, the same pictures' as recorded before unread
+    settings were hashed as their defaults (`schemas.pictures_lineage.earlier_pictures_lineage`): both name the
+    samples carried as rendered with the same pixel settings. Computed once a run (it hashes the settings twice)."""
     from schemas.pictures_lineage import earlier_pictures_lineage
+    from store.reuse import FEATURE_LINEAGE_ATTR
 
-    return earlier_pictures_lineage(ResizeConfig.model_validate(schema.attrs["resize"]), schema.lineage.code_version)
+    earlier = earlier_pictures_lineage(ResizeConfig.model_validate(schema.attrs["resize"]),
+                                       schema.lineage.code_version)
+    return (schema.attrs[FEATURE_LINEAGE_ATTR], *filter(None, [earlier]))
 
 
 def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
@@ -829,12 +835,17 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
     from stages.resize.frame_limit import frames_over
     from stages.resize.header_checks import HeaderChecks
     from stages.resize.pixel_limit import PixelLimit, pixel_limit
+    from stages.resize.recorded_resize import recorded_resize
 
-    # carried samples are not decoded: those last checked under a higher resize.max_image_pixels are checked here,
-    # and those rendered before revision 4 for a transparent colour, from their headers
-    limit = pixel_limit(st, rc.max_image_pixels) if rendered_before else PixelLimit(rc.max_image_pixels)
-    header_checks = HeaderChecks(limit, colour_checked,
-                                 frames_over(st, rc.max_image_frames) if rendered_before else set())
+    # carried samples are not decoded: those last checked under a higher resize.max_image_pixels or
+    # max_image_frames are checked here (each version's recorded limits read once for both), and those rendered
+    # before revision 4 for a transparent colour, from their headers
+    if rendered_before:
+        recorded = recorded_resize(st)
+        limit, over = pixel_limit(st, rc.max_image_pixels, recorded), frames_over(st, rc.max_image_frames, recorded)
+    else:
+        limit, over = PixelLimit(rc.max_image_pixels), set()
+    header_checks = HeaderChecks(limit, colour_checked, over)
     intake.max_image_pixels = rc.max_image_pixels
     with FileHashes() as hashes:
         # samples of a folder or JSONL source the newest version holds, their files unchanged: carried, not read;
@@ -1022,15 +1033,14 @@ def _render_item(item: tuple[SourceSample, str, str], rc: ResizeConfig,
     return render(rec, key, caption, rc, rules)
 
 
-def _carry_forward(st: Store, writer: Any, schema: TableSchema, carry: dict[str, str],
+def _carry_forward(st: Store, writer: Any, schema: TableSchema, now: tuple[str, ...], carry: dict[str, str],
                    summary: ResizeSummary, rc: ResizeConfig) -> None:
     """Link the shards of samples rendered before with the same settings; their source and split are this
     run's (a view of the same pixels: the split by this run's rule and val_fraction, from the recorded key and
     source_hashes)."""
-    from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, reusable
+    from store.reuse import carry_forward, reusable
 
     befores = _pictures_before_fixes(schema)
-    now = (schema.attrs[FEATURE_LINEAGE_ATTR], *filter(None, [_earlier_spelling(schema)]))
     # the rows the source's headers settled (`TOLD_BY_SOURCE`) are in `carry` only where they said unchanged
     for version, rows in reusable(st, TABLE, (*now, *(h for _, h in befores)), carry,
                                   changed={h: _fixed_since(r, by_rows=True) for r, h in befores} or None).items():

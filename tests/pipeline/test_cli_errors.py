@@ -266,7 +266,6 @@ def test_a_store_linked_to_a_folder_that_is_gone_is_named_as_such(tmp_path):
 @pytest.mark.parametrize("flags, key", [
     (["--target-area", "0"], "resize.target_area"),
     (["--control-vae-area", "0"], "resize.control_vae_area"),
-    (["--area", "4096", "--target-area", "0"], "resize.target_area"),
 ])
 def test_resize_bucket_refuses_a_zero_area_flag_rather_than_taking_the_default(flags, key, tmp_path, monkeypatch):
     """`--target-area 0` (or `--control-vae-area 0`) was read as "not given" (`target_area or area`): the stage
@@ -367,21 +366,28 @@ def test_an_evaluate_that_fails_before_writing_leaves_no_report_folder(tmp_path)
     assert [p.name for p in (tmp_path / "kept").iterdir()] == [REPORT_LOCK]
 
 
-@pytest.mark.parametrize("flags, line", [
-    (["--area", "4096", "--target-area", "8192"], "error: --area 4096 sets the target and control VAE areas, and "
-     "--target-area 8192 differs: give --area alone, or --target-area without --area"),
-    (["--area", "4096", "--control-vae-area", "1024"], "error: --area 4096 sets the target and control VAE areas, "
-     "and --control-vae-area 1024 differs: give --area alone, or --control-vae-area without --area"),
+AREA_CLASH = "  'resize': resize.area = 4096 sets target_area and control_vae_area, but {clash}: set area alone, or " \
+             "{keys} without area [--set / flag]"
+
+
+@pytest.mark.parametrize("flags, clash, keys", [
+    (["--area", "4096", "--target-area", "8192"], "target_area is 8192", "target_area"),
+    (["--area", "4096", "--control-vae-area", "1024"], "control_vae_area is 1024", "control_vae_area"),
+    (["--area", "4096", "--target-area", "0"], "target_area is 0", "target_area"),  # 0 is no "not given"
+    # a --set beside --area: the flag silently won before (its copy of the area overrode the --set key)
+    (["--area", "4096", "--set", "resize.target_area=8192"], "target_area is 8192", "target_area"),
 ])
-def test_resize_bucket_refuses_area_beside_a_differing_narrower_area_flag(flags, line, tmp_path, monkeypatch):
-    """`--area 4096 --target-area 8192` silently resized targets to 8192 (the narrower flag won): now refused in
-    one line, nothing written; the same value twice is no clash."""
+def test_resize_bucket_refuses_area_beside_a_differing_narrower_area_flag(flags, clash, keys, tmp_path, monkeypatch):
+    """`--area 4096 --target-area 8192` silently resized targets to 8192 (the narrower flag won): refused, nothing
+    written, by the config's own rule for `resize.area` beside a differing key (--area is that key), as a file's
+    clash is; the same value twice is no clash."""
     monkeypatch.chdir(tmp_path)
     r = _run(["run", "resize-bucket", "--source", "SRC", "--store", "ST", *flags])
-    assert r.exit_code == 2 and r.output.strip() == line, r.output
+    assert r.exit_code == 2 and r.output.splitlines() == ["error: invalid config (--set / flags):",
+                                                          AREA_CLASH.format(clash=clash, keys=keys)], r.output
     assert list(tmp_path.iterdir()) == []
     r = _run(["run", "resize-bucket", "--source", "SRC", "--store", "ST", "--area", "4096", "--target-area", "4096"])
-    assert "--area 4096 sets" not in r.output, r.output
+    assert "resize.area = 4096 sets" not in r.output and "SRC does not exist" in r.output, r.output
 
 
 def test_a_number_yaml_reads_as_text_names_the_spelling_it_reads(tmp_path):

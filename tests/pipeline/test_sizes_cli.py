@@ -41,7 +41,8 @@ def test_area_in_a_config_file(tmp_path):
     assert (cfg.resize.target_area, cfg.resize.control_vae_area) == (9216, 9216)
     assert cfg.resize.fingerprint() == load_config(None, {"resize.target_area": 9216,
                                                           "resize.control_vae_area": 9216}).resize.fingerprint()
-    with pytest.raises(ConfigError, match="resize.area = 9216 sets target_area; drop target_area or area"):
+    with pytest.raises(ConfigError, match="resize.area = 9216 sets target_area and control_vae_area, but target_area is 4096: set area alone, or "
+                       "target_area without area"):
         load_config(None, {"resize.area": 9216, "resize.target_area": 4096})
 
 

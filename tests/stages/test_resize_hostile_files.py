@@ -456,3 +456,53 @@ def test_a_rerun_at_the_default_max_image_frames_after_a_raised_one_quarantines_
     fresh = run(cfg(), root, tmp_path / "fresh")
     assert set(table(tmp_path / "store")) == set(table(tmp_path / "fresh")) == {"few.gif"}
     assert rerun.quarantined == fresh.quarantined == {"image-too-large": 1}
+
+
+def test_the_limits_a_rerun_checks_carried_rows_under_read_each_version_schema_once(tmp_path, monkeypatch):
+    """max_image_pixels (pixel_limit.py) and max_image_frames (frame_limit.py) both go by the limits each complete
+    version's schema records: they read them once per version (recorded_resize.py), where each read and checked
+    every schema.json itself; and what they judge is unchanged (the version under a raised limit is looked at)."""
+    import pathlib
+
+    from stages.resize.frame_limit import frames_over
+    from stages.resize.pixel_limit import pixel_limit
+    from stages.resize.recorded_resize import recorded_resize
+    from store import format as fmt
+
+    root, store = tmp_path / "src", tmp_path / "store"
+    put(root, "few.gif", frames_file(3, "GIF"))
+    put(root, "many.gif", frames_file(8, "GIF"), caption=b"make it red")
+    run(cfg(), root, store)
+    run(cfg(max_image_frames=20, max_image_pixels=2_000_000), root, store)  # v2: both limits raised
+    reads: list[str] = []
+    real = pathlib.Path.read_bytes
+
+    def counted(path: pathlib.Path) -> bytes:
+        if path.name == fmt.SCHEMA_JSON:
+            reads.append(path.parent.name)
+        return real(path)
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", counted)
+    st = Store(store)
+    recorded = recorded_resize(st)
+    limit, over = pixel_limit(st, 1_000_000, recorded), frames_over(st, 5, recorded)
+    assert sorted(reads) == ["v1", "v2"]
+    keys = {name: row["key"] for name, (row, _) in table(store).items()}
+    assert over == {keys["many.gif"]}
+    assert set(limit.recheck) == set(keys.values())  # both versions were checked under a higher pixel limit
+
+
+def test_several_mask_files_for_one_sample_are_refused_as_several_controls_are(tmp_path):
+    """mask/a.png beside mask/a.jpg: the first listed was used and the other dropped unsaid (several target or
+    control files, and a tar's several .mask members, are refused). Now the sample is quarantined naming both;
+    its neighbour with one mask is rendered with it."""
+    root, store = tmp_path / "src", tmp_path / "store"
+    half = Image.fromarray(np.repeat(np.array([[0, 255]], np.uint8), 48, 0).repeat(48, 1))  # 96 x 48
+    put(root, "two.png", encoded(quadrants(96, 48)), mask=encoded(half))
+    (root / "mask" / "two.jpg").write_bytes(encoded(Image.new("L", (96, 48), 255), "JPEG"))
+    put(root, "one.png", encoded(quadrants(96, 48)), caption=b"make it red", mask=encoded(half))
+    s = run(cfg(), root, store)
+    assert s.written == 1 and s.quarantined == {"bad-source": 1}
+    q = quarantined(store)["two.png"]
+    assert q["detail"] == "several mask files in mask/: two.jpg, two.png", q["detail"]
+    assert table(store)["one.png"][0]["has_mask"]

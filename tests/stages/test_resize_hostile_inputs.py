@@ -108,6 +108,51 @@ def test_a_misnamed_control_or_mask_folder_is_refused_before_a_store_is_made(tmp
     assert not (tmp_path / "store").exists()
 
 
+@pytest.mark.parametrize("name, make, kind", [
+    ("control", lambda p: os.symlink("/mnt/unmounted/control", p), "a broken symlink to /mnt/unmounted/control"),
+    ("control_1", lambda p: os.symlink(p.name, p), "a symlink loop"),
+    ("mask", lambda p: p.write_bytes(b"not a folder"), "a file"),
+])
+def test_a_layout_folder_that_is_no_folder_is_refused_before_a_store_is_made(tmp_path, name, make, kind):
+    """control/ linked to a disk not mounted (or mask/ a file, control_1/ a link loop) was listed as empty: every
+    pair trained text-to-image, or without its masks, with no row saying why. Refused as a misnamed folder is."""
+    src = tmp_path / "src"
+    _sample(src, "a", _image())
+    make(src / name)
+    result = _resize(src, tmp_path / "store")
+    assert result.exit_code != 0 and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"source {src}: {name} is {kind}, not a folder: " in result.output, result.output
+    assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize("name, make, kind", [
+    ("b.tar", os.mkfifo, "a FIFO"),  # hashing it (and reading it) waited forever for a writer
+    ("b.tar", lambda p: os.symlink("/dev/zero", p), "a device"),  # hashing it never ended
+    ("b.jsonl", os.mkfifo, "a FIFO"),
+    ("b.parquet", lambda p: os.symlink("/mnt/unmounted/b.parquet", p), "a broken symlink to /mnt/unmounted/b.parquet"),
+])
+def test_a_source_file_that_is_no_regular_file_is_refused_in_one_line(tmp_path, name, make, kind):
+    """A shard, manifest or parquet file of a source folder that is a FIFO or a device (the run hung), or a parquet
+    file linked to a disk not mounted (skipped unsaid: its rows lost), is refused naming what it is. A folder named
+    `x.parquet` (Spark's layout: the part files inside are read) and a broken `.tar` link (its own bad-source row)
+    are not."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.tar").write_bytes(b"") if name.endswith(".tar") else None
+    make(src / name)
+    with pytest.raises(UserError) as e:
+        detect_format(src)
+    assert str(e.value) == f"source {src}: {name} is {kind}, not a regular file: not read; replace it with the " \
+                           "file or remove it", str(e.value)
+    with pytest.raises(UserError) as named:  # passed as the source itself: "does not exist" before
+        detect_format(src / name)
+    assert str(named.value) == str(e.value)
+    (src / name).unlink()
+    (src / "spark.parquet").mkdir()
+    os.symlink("nowhere.tar", src / "c.tar")
+    assert detect_format(src) == "webdataset"
+
+
 def test_jsonl_lines_json_cannot_take_cost_their_line_only(tmp_path):
     """A 5000-digit number (Python's int limit), arrays nested 100k deep (RecursionError) and a path holding
     '\\u0000' (ValueError from the OS call) each ended the run with a traceback."""

@@ -219,3 +219,18 @@ def test_a_server_stopped_mid_file_is_one_line_not_quarantined_rows(samples, tmp
             assert s.problem is None  # nothing blamed on the data
     assert "\n" not in str(e.value)
 
+
+
+def test_a_dictionary_encoded_instruction_column_is_read_as_text(tmp_path):
+    """pandas writes a `category` column (captions repeated across rows) dictionary-encoded: it was refused as
+    'dictionary<values=string, ...>, not text; fix resize.columns.instruction', a fix no mapping gives. Its values
+    are text: read as a plain string column's, the same table."""
+    images = pa.array([_img(_png((i, 9, 9)), f"{i}.png") for i in range(3)], IMAGE)
+    text = pa.array(["make it red", "make it blue", "make it red"])
+    for name, captions in (("plain", text), ("category", text.dictionary_encode())):
+        (tmp_path / name).mkdir()
+        pq.write_table(pa.table({"t": images, "text": captions}), tmp_path / name / "d.parquet")
+    mapping = {"target": "t", "references": [], "instruction": "text"}
+    plain, category = (run(cfg(**mapping), tmp_path / name, tmp_path / f"store-{name}") for name in ("plain", "category"))
+    assert category.written == plain.written == 3 and not category.quarantined
+    assert _table(tmp_path / "store-category") == _table(tmp_path / "store-plain")

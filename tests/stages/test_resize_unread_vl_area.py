@@ -51,8 +51,13 @@ def test_a_table_made_with_it_hashed_as_set_is_carried_not_rendered(source, tmp_
                         [FEATURES if isinstance(m, Role) else m for m in metadata])
     assert _resize(source, store, control_vl_area=4096).written == 4
     monkeypatch.undo()
+    from schemas import pictures_lineage
+
+    spelled, real = [], pictures_lineage.earlier_pictures_lineage
+    monkeypatch.setattr(pictures_lineage, "earlier_pictures_lineage", lambda *a: spelled.append(1) or real(*a))
     again = _resize(source, store, control_vl_area=4096)
     assert again.written == 0 and again.reused == 4
+    assert len(spelled) == 1  # the earlier spelling hashed once a run, for the keys to carry and their rows
 
 
 def test_the_encoders_read_such_a_table_as_the_same_pictures():

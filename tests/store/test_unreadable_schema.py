@@ -169,6 +169,7 @@ def test_a_schema_that_fails_its_checksum_never_lowers_the_pixel_limit_carried_r
     from dataclasses import replace
 
     from stages.resize.pixel_limit import pixel_limit
+    from stages.resize.recorded_resize import recorded_resize
     from store_samples import key_of, sample
 
     for tag, most, idx in (("a", 2_000_000, range(3)), ("b", 3_000_000, range(3, 6))):
@@ -184,4 +185,4 @@ def test_a_schema_that_fails_its_checksum_never_lowers_the_pixel_limit_carried_r
     at = data.index(b"3000000")
     flip_bit(path, at, 0)
     assert path.read_bytes()[at:at + 7] == b"2000000"
-    assert set(pixel_limit(store, 2_500_000).recheck) == {key_of(i) for i in range(3)}
+    assert set(pixel_limit(store, 2_500_000, recorded_resize(store)).recheck) == {key_of(i) for i in range(3)}
