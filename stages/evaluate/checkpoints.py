@@ -376,14 +376,14 @@ def check_and_hash(checkpoints: list[tuple[int, Path]], ranks=None) -> tuple[lis
     meanwhile (pruned by a training running beside evaluate) is left out with a line, not taken for a damaged
     one. Returns (kept, step -> sha256), the same on every rank."""
     from models.collective import together
-    from models.file_hashes import FileHashes
     from models.lora import lora_base_fingerprint
+    from stages.evaluate.lora_bytes import checked_hashes
     from stages.evaluate.ranks import Ranks
 
     ranks = ranks or Ranks()
     hashes: list[str | None] = [None] * len(checkpoints)
     gone = [0] * len(checkpoints)
-    with together(ranks.world, "check the checkpoints"), FileHashes() as remembered:
+    with together(ranks.world, "check the checkpoints"), checked_hashes() as remembered:
         for i in tqdm(ranks.share(len(checkpoints)), desc="check and hash checkpoints", unit="ckpt",
                       disable=not ranks.main):
             step, path = checkpoints[i]
