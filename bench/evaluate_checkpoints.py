@@ -16,7 +16,7 @@ The up-to-date check's val split part at scale instead: what `checkpoints.conten
 split is open (`read_fingerprint` + `earlier_settings`), on a synthetic join of `--split-rows` manifest rows per
 table (bench/content_ids.py's manifests: 90% of them in the joined split), with max_loss_samples 256 (the default)
 and unset, OUT without a loss array, with one of today's spelling, and with one of the whole split's spelling (an
-earlier release's). Each in a fresh process: wall s, tracemalloc peak and peak RSS over the RSS before it.
+earlier release's). Each in a fresh process: CPU and wall s, tracemalloc peak and peak RSS over the RSS before it.
 """
 
 from __future__ import annotations
@@ -165,14 +165,14 @@ def _split_check_once(manifests: Path, cap: str, recorded: str) -> None:
         page = os.sysconf("SC_PAGE_SIZE")
         rss_before = int(Path("/proc/self/statm").read_text().split()[1]) * page
         tracemalloc.start()
-        w = time.perf_counter()
+        w, c = time.perf_counter(), time.process_time()
         fingerprint, now = ev.read_fingerprint(settings, j)
         earlier = ev.earlier_settings(now, j, cfg, out)
-        wall = time.perf_counter() - w
+        wall, cpu = time.perf_counter() - w, time.process_time() - c
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        print(f"max_loss_samples {cap:>4}, OUT's array {recorded:>5}: {wall:6.2f} s, tracemalloc peak "
+        print(f"max_loss_samples {cap:>4}, OUT's array {recorded:>5}: CPU {cpu:6.2f} s (wall {wall:6.2f} s), tracemalloc peak "
               f"{peak / 1e6:7.1f} MB, peak RSS over before {max(0, rss_peak - rss_before) / 1e6:7.1f} MB "
               f"({len(earlier)} earlier spellings)", flush=True)
     finally:
