@@ -9,11 +9,20 @@ noise seeds [0, 1] x 5 σ (evaluate's defaults), num_samples 0 (held-out loss on
 - single, old loss protocol: the loss part as it was before one forward per row (masked samples: 3 passes);
 - all: `stages.evaluate.checkpoints.run` on N checkpoints into a fresh report (load once, base once, N appends).
 Timed in process CPU time on one thread (the box is shared; wall time is printed too). The fastest of 3 runs.
+
+    python bench/evaluate_checkpoints.py --split-rows 1000000
+
+The up-to-date check's val split part at scale instead: what `checkpoints.content_fingerprint` computes once the
+split is open (`read_fingerprint` + `earlier_settings`), on a synthetic join of `--split-rows` manifest rows per
+table (bench/content_ids.py's manifests: 90% of them in the joined split), with max_loss_samples 256 (the default)
+and unset, OUT without a loss array, with one of today's spelling, and with one of the whole split's spelling (an
+earlier release's). Each in a fresh process: CPU and wall s, tracemalloc peak and peak RSS over the RSS before it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -119,7 +128,87 @@ def main(n: int = 4) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _split_join(manifests: Path):
+    """The synthetic join over the manifests saved at `manifests` (bench/content_ids.py), as an opened split is."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from content_ids import joined
+
+    j = joined({t: (manifests / f"{t}.parquet").read_bytes() for t in ("text", "vae")})
+    j._versions, j._prefix_contents, j.damaged = None, {}, {}
+    return j
+
+
+def _split_check_once(manifests: Path, cap: str, recorded: str) -> None:
+    """One measurement (in its own process): `read_fingerprint` + `earlier_settings` of the join, OUT holding
+    `recorded` ("none", "today", "whole": a loss array of that spelling)."""
+    import resource
+    import tracemalloc
+
+    from schemas.config import EvaluateConfig
+    from stages.evaluate import checkpoints as ev
+    from store.loss_array import Axes, LossStore
+
+    cfg = EvaluateConfig(num_samples=0, device="cpu", max_loss_samples=None if cap == "none" else int(cap))
+    settings = {"tables": {}, "model_fingerprint": "bench", "evaluate": ev._loss_settings(cfg),
+                "evaluation_revision": ev.EVALUATION_REVISION}
+    out = Path(tempfile.mkdtemp(prefix="bench-evalsplit-"))
+    try:
+        if recorded != "none":  # written from another join: this one's content ids not computed yet
+            setup = _split_join(manifests)
+            fingerprint, now = ev.read_fingerprint(settings, setup)
+            if recorded == "whole":
+                now = {**now, "tables": setup.content_names()}
+                fingerprint = ev.group_hash(now)
+            LossStore(out, fingerprint, Axes(["k"], ["b"], *cfg.loss_axes), now)
+            del setup
+        j = _split_join(manifests)
+        page = os.sysconf("SC_PAGE_SIZE")
+        rss_before = int(Path("/proc/self/statm").read_text().split()[1]) * page
+        tracemalloc.start()
+        w, c = time.perf_counter(), time.process_time()
+        fingerprint, now = ev.read_fingerprint(settings, j)
+        earlier = ev.earlier_settings(now, j, cfg, out)
+        wall, cpu = time.perf_counter() - w, time.process_time() - c
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print(f"max_loss_samples {cap:>4}, OUT's array {recorded:>5}: CPU {cpu:6.2f} s (wall {wall:6.2f} s), tracemalloc peak "
+              f"{peak / 1e6:7.1f} MB, peak RSS over before {max(0, rss_peak - rss_before) / 1e6:7.1f} MB "
+              f"({len(earlier)} earlier spellings)", flush=True)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def split_check(rows: int) -> None:
+    import subprocess
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import numpy as np
+    from content_ids import manifest
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-evalsplit-"))
+    try:
+        rng = np.random.default_rng(0)
+        for t in ("text", "vae"):
+            (tmp / f"{t}.parquet").write_bytes(manifest(rows, t, rng))
+        print(f"{rows} manifest rows per table (joined split: {len(_split_join(tmp))} rows)")
+        for cap in ("256", "none"):
+            for recorded in ("none", "today", "whole"):
+                subprocess.run([sys.executable, __file__, "--split-once", str(tmp), cap, recorded], check=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--split-once"]:
+        _split_check_once(Path(sys.argv[2]), sys.argv[3], sys.argv[4])
+        sys.exit(0)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoints", type=int, default=4, help="N checkpoints evaluated in one --all-checkpoints run")
-    main(ap.parse_args().checkpoints)
+    ap.add_argument("--split-rows", type=int, default=0,
+                    help="instead: the up-to-date check's val split part on a synthetic split of this many rows")
+    args = ap.parse_args()
+    if args.split_rows:
+        split_check(args.split_rows)
+    else:
+        main(args.checkpoints)

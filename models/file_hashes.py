@@ -43,7 +43,7 @@ import sqlite3
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from schemas import interruptible
 from schemas.host import host_id
@@ -387,16 +387,19 @@ class FileHashes:
         self._remember(real, st, digest, read_at)
         return True
 
-    def sha256(self, f: str | Path) -> str:
+    def sha256(self, f: str | Path, digest: Callable[[str], str] = file_sha256) -> str:
+        """The file's sha256: remembered for these very bytes, else `digest(real path)` (the sha256 of its bytes:
+        a caller's hasher that also checks them in the same read, `stages.evaluate.lora_bytes.checked_sha256`),
+        remembered when the file did not change while it was read."""
         real = real_path(f, self._folders)
         st = os.stat(real)
         stamp = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         if (known := self._cached_at(real, st)) is not None:  # resolved and stat'ed once, not again in `cached`
             return known
         read_at = time.time_ns()
-        digest = file_sha256(real)
+        sha = digest(real)
         self.hashed += 1
         after = os.stat(real)
         if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) == stamp and after.st_ino == st.st_ino:
-            self._remember(real, after, digest, read_at)  # not changed while read
-        return digest
+            self._remember(real, after, sha, read_at)  # not changed while read
+        return sha

@@ -168,8 +168,9 @@ def samples_read(evaluate: dict, n: int) -> dict:
 
 def earlier_settings(settings: dict, tables, cfg: EvaluateConfig, out: Path | None = None) -> list[dict]:
     """`read_fingerprint`'s settings as spelled before: the tables named by the version ids read (before they
-    were named by content) or by the whole split's content (before the rows read), the evaluate settings with max_loss_samples as set (before `samples_read`; also as OUT's
-    loss array records it, where that cap read every sample too) and all as set (`cfg`'s; before on_damaged was
+    were named by content) or by the whole split's content (before the rows read; both only where a group in OUT
+    records other tables: `_other_tables_recorded`), the evaluate settings with max_loss_samples as set (before
+    `samples_read`; also as OUT's loss array records it, where that cap read every sample too) and all as set (`cfg`'s; before on_damaged was
     hashed as its default), each with both table spellings; each also with the attention backend unset (before it
     was hashed as resolved) where OUT's loss array records it unset and its evidence says that was this backend
     (`unset_array_backend`); none that is the present spelling: an array or a report recorded so is still
@@ -182,13 +183,30 @@ def earlier_settings(settings: dict, tables, cfg: EvaluateConfig, out: Path | No
     if settings["evaluate"].get("max_loss_samples") is None and cap is not None and cap >= n:
         evaluates += [{**e, "max_loss_samples": cap} for e in evaluates]
     # the tables named by the whole split's content (before they were named by the rows read, `read_tables`): the
-    # same split, so the same rows read
-    spellings = [{**settings, "tables": t, "evaluate": e} for e in evaluates
-                 for t in (settings["tables"], tables.content_names(), tables.versions())]
+    # same split, so the same rows read; only where a group in OUT records other tables than today's
+    named = [settings["tables"]]
+    if out is None or _other_tables_recorded(out, settings["tables"]):
+        named += [tables.content_names(), tables.versions()]
+    spellings = [{**settings, "tables": t, "evaluate": e} for e in evaluates for t in named]
     used = unset_array_backend(out) if out is not None else None
     if used is not None and used == settings["evaluate"].get("attention_backend"):
         spellings += [{**s, "evaluate": {**s["evaluate"], "attention_backend": None}} for s in spellings]
     return [s for i, s in enumerate(spellings) if s != settings and s not in spellings[:i]]
+
+
+def _other_tables_recorded(out: Path, tables: dict) -> bool:
+    """Does a loss group in OUT (its array, the EMA's, one kept aside beside either) record other tables than
+    `tables`? Only such a group can be of an earlier tables spelling (`earlier_settings`), whose whole split's
+    content ids hash every row of the split (at 1M val samples seconds and hundreds of MB on every up-to-date
+    check, under the default max_loss_samples of 256) and whose version ids hash its manifests."""
+    for group in (*out.glob("losses*.zarr"), *(out / EMA_LOSSES).glob("losses*.zarr")):
+        try:
+            recorded = LossGroup(group).group.attrs.get("settings")
+        except Exception:  # noqa: BLE001 - unreadable: no settings that could match (`kept_groups` skips it too)
+            continue
+        if isinstance(recorded, dict) and recorded.get("tables") != tables:
+            return True
+    return False
 
 
 def _recorded_cap(out: Path) -> int | None:
@@ -358,14 +376,14 @@ def check_and_hash(checkpoints: list[tuple[int, Path]], ranks=None) -> tuple[lis
     meanwhile (pruned by a training running beside evaluate) is left out with a line, not taken for a damaged
     one. Returns (kept, step -> sha256), the same on every rank."""
     from models.collective import together
-    from models.file_hashes import FileHashes
     from models.lora import lora_base_fingerprint
+    from stages.evaluate.lora_bytes import checked_hashes
     from stages.evaluate.ranks import Ranks
 
     ranks = ranks or Ranks()
     hashes: list[str | None] = [None] * len(checkpoints)
     gone = [0] * len(checkpoints)
-    with together(ranks.world, "check the checkpoints"), FileHashes() as remembered:
+    with together(ranks.world, "check the checkpoints"), checked_hashes() as remembered:
         for i in tqdm(ranks.share(len(checkpoints)), desc="check and hash checkpoints", unit="ckpt",
                       disable=not ranks.main):
             step, path = checkpoints[i]

@@ -9,18 +9,17 @@ network disk, minutes per run, and on every rank of a launched `--all-checkpoint
 (`models.lora.attach_lora(..., data=)`), so the weights evaluated are the bytes hashed. A file rewritten after
 its digest (a training running beside evaluate) is seen by the hash differing, without reading it again.
 
-`known_or_checked`: the sha256 `models.file_hashes` remembers for the file (same size, mtime, ctime and inode as
-when a checked pass read it), else `checked_digest` remembered. The up-to-date check of `--all-checkpoints` read
-every checkpoint whole on every run (100 checkpoints of 0.5 GB: 50 GB read, on every rank of a launch, to say "up
-to date"); an unchanged one is now not read. A rewritten one (any write changes its ctime) is read and checked
-again, and the bytes scored or pictured are still read and compared with the sha256 (`read_for_load`).
+`known_or_checked`: the sha256 `models.file_hashes` remembers for the file in a cache of checked passes alone
+(`CHECKED_CACHE`; same size, mtime, ctime and inode as when a checked pass read it), else a `checked_sha256` pass's
+(`FileHashes.sha256(digest=)`). The up-to-date check of `--all-checkpoints` read every checkpoint whole on every
+run (100 checkpoints of 0.5 GB: 50 GB read, on every rank of a launch, to say "up to date"); an unchanged one is
+now not read. A rewritten one (any write changes its ctime) is read and checked again, and the bytes scored or
+pictured are still read and compared with the sha256 (`read_for_load`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,14 +47,14 @@ def digest(path: str | Path) -> Digest:
     return Digest(sha.hexdigest(), f"{crc:08x}", size)
 
 
-def checked_digest(path: str | Path) -> Digest:
-    """`digest`, with the file checked against the sealed record beside it (`store.checksum.check_recorded`: a
-    UserError naming the file when it differs) from the same pass."""
+def checked_sha256(path: str | Path) -> str:
+    """The sha256 of `digest`'s pass, with the file checked against the sealed record beside it
+    (`store.checksum.check_recorded`: a UserError naming the file when it differs) from the same pass."""
     from store.checksum import check_recorded
 
     d = digest(path)
     check_recorded(Path(path), measured=(d.crc32c, d.nbytes))
-    return d
+    return d.sha256
 
 
 def read_for_load(path: str | Path) -> tuple[bytes, str]:
@@ -65,23 +64,33 @@ def read_for_load(path: str | Path) -> tuple[bytes, str]:
     return data, hashlib.sha256(data).hexdigest()
 
 
+# The sha256s of checked passes alone, apart from `models.file_hashes`' shared cache: one remembered there by a
+# hasher that checks nothing (`pipeline compare` hashing the best checkpoint, train its init_lora) passed for a
+# checked pass's, and a LoRA damaged since it was sealed was evaluated, its check skipped.
+CHECKED_CACHE = "lora-checked-hashes.sqlite"
+
+
+def checked_hashes():
+    """The `models.file_hashes.FileHashes` block of `CHECKED_CACHE`, for `known_or_checked`."""
+    from models.file_hashes import FileHashes
+
+    return FileHashes(CHECKED_CACHE)
+
+
 def known_or_checked(path: str | Path, hashes) -> str:
-    """The file's sha256: the one `hashes` (a `models.file_hashes.FileHashes` block) remembers for these very
-    bytes, or one `checked_digest` pass, remembered when the file did not change while it was read."""
-    known = hashes.cached(path)
-    if known is not None:
-        return known
-    before, read_at = os.stat(path), time.time_ns()
-    sha = checked_digest(path).sha256
-    hashes.learn(path, sha, before, read_at)
-    return sha
+    """The file's sha256: the one `hashes` (a `checked_hashes` block) remembers for these very bytes, or one
+    `checked_sha256` pass, remembered when the file did not change while it was read."""
+    return hashes.sha256(path, digest=checked_sha256)
 
 
 def remembered_sha256(path: str | Path) -> str:
-    """The file's sha256 through `models.file_hashes` (read only when changed since it was last hashed): for a
-    file whose bytes are compared with a report's record alone, not evaluated (the best EMA's LoRA a report
-    names, the best checkpoint `pipeline compare` names), each read whole on every run before."""
+    """The file's sha256 through `models.file_hashes` (read only when changed since it was last hashed; a checked
+    pass's counts too): for a file whose bytes are compared with a report's record alone, not evaluated (the best
+    EMA's LoRA a report names, the best checkpoint `pipeline compare` names), each read whole on every run before."""
     from models.file_hashes import FileHashes
 
+    with checked_hashes() as checked:
+        if (known := checked.cached(path)) is not None:
+            return known
     with FileHashes() as hashes:
         return hashes.sha256(path)

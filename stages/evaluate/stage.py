@@ -29,12 +29,11 @@ from features.damaged import read_intact
 from features.decode import read_image_file
 from features.open import open_configured
 from features.pictures import open_png
-from models.file_hashes import FileHashes
 from models.flow import flow_loss
 from models.loading import load_component, parse_dtype
 from models.lora import attach_lora, lora_weight_file
 from stages.evaluate.ema_curve import unscored_final_ema
-from stages.evaluate.lora_bytes import known_or_checked, read_for_load
+from stages.evaluate.lora_bytes import checked_hashes, known_or_checked, read_for_load
 from models.attention import use_attention_backend
 from models.collective import together
 from models.multires import install_multires
@@ -762,7 +761,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     say_unused_negative(cfg, model)
     # the file train sealed, checked and hashed in one read (none when unchanged since such a read: the up-to-date
     # check read it whole on every run): a flipped bit is refused, not evaluated; the bytes loaded are compared
-    with FileHashes() as remembered:
+    with checked_hashes() as remembered:
         lora_sha256 = known_or_checked(lora_weight_file(lora), remembered)
     if (line := unscored_final_ema(lora)) is not None:  # said whether the report is current or not
         tqdm.write(line)

@@ -161,3 +161,23 @@ def test_a_damaged_pictured_sample_is_refused_or_skipped_alone(edit_store):
         assert list(damaged) == [f"images:{keys[1]}"] and "crc32c" in damaged[f"images:{keys[1]}"]
         assert got[1][1:] == ([], None) and got[1][0] == images.meta(keys[1])["caption"]
         assert all(target is not None and len(controls) == 1 for _, controls, target in (got[0], got[2]))
+
+
+def test_a_flipped_bit_is_refused_though_an_unchecked_hash_of_it_was_remembered_first(run_and_store, tmp_path):
+    """A checkpoint damaged since it was sealed is refused by evaluate even when a hasher that checks nothing
+    (`pipeline compare` hashing the best checkpoint, train hashing its init_lora) hashed the damaged bytes first:
+    evaluate took that remembered sha256 for a checked pass's and evaluated the damaged weights."""
+    import pytest
+
+    from damage import flip_bit
+    from models.lora import lora_sha256
+    from schemas.errors import UserError
+    from stages.evaluate.lora_bytes import remembered_sha256
+
+    ckpts = _ckpts(_sealed_copy(run_and_store, tmp_path))
+    for (_, path), unchecked in zip(ckpts[1:], (remembered_sha256, lora_sha256)):
+        weights = path / WEIGHTS
+        flip_bit(weights, weights.stat().st_size - 2, 6)  # a finite value still: only the checksum can tell
+        unchecked(weights)
+        with pytest.raises(UserError, match="changed after it was written"):
+            ev.check_and_hash([(20, path)])
