@@ -87,6 +87,7 @@ def test_a_part_left_in_the_cache_under_a_number_the_remote_holds_complete_is_re
     url = s3_env.url("left")
     src = Store(tmp_path / "src")
     fill(src, 4, tag="a")
+    push(src.root, url)  # while current (a superseded version is not pushed)
     fill(src, 4, tag="b")
     push(src.root, url)  # v1 and v2 complete there, v2 current
     root = local_store(url, ["vae"], tmp_path / "cache", lease=False)
