@@ -222,3 +222,21 @@ def test_a_lease_of_an_earlier_release_without_boot_id_is_judged_by_its_refresh_
     finally:
         unrelated.kill()
         unrelated.wait()
+
+
+def test_a_lease_record_whose_versions_are_damaged_counts_as_dead_not_a_traceback(store):
+    """Valid JSON whose `versions` a flipped byte made no version numbers ("1" -> "1\\x00"), of this very process
+    (so live by its pid): `store gc` stopped on int() with a traceback. Judged unreadable now - dead, as a lease that
+    does not parse - its file removed with one line, and gc goes on."""
+    from store.lease import LEASES_DIR, process_identity
+
+    two_versions(store)
+    folder = store.root / LEASES_DIR
+    folder.mkdir(exist_ok=True)
+    bad = folder / "host-1-damaged.json"
+    bad.write_text(json.dumps({**process_identity(), "what": "a reader", "versions": {"vae": ["1\x00"]}}))
+    messages: list[str] = []
+    p = gc.collect(store.root, echo=messages.append)
+    assert [f.path for f in p.dead_leases] == [bad] and not bad.exists()
+    assert any("remove the lease of a gone reader" in m and "unreadable" in m for m in messages), messages
+    assert store.versions("vae") == [2]
