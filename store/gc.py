@@ -37,6 +37,7 @@ then deleted. A kill leaves either the version intact or a dot-folder that the n
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import re
 import shutil
@@ -81,8 +82,19 @@ class GcPlan:
 
 
 def _kept(root: Path, current: dict[str, int] | list[tuple[str, int]],
-          unknown: dict[tuple[str, int], str] | None = None) -> set[tuple[str, int]]:
-    """`kept_closure` of `current` in the store at `root`."""
+          unknown: dict[tuple[str, int], str] | None = None,
+          upstream_of: Callable[[str, int], list[tuple[str, int]] | None] | None = None) -> set[tuple[str, int]]:
+    """`kept_closure` of `current` in the store at `root` (`upstream_of`: `_upstream_reader(root)`'s, shared by
+    the calls of one plan)."""
+    every = [(t, u) for t in _tables(root) for u in fmt.list_versions(root, t)]
+    return kept_closure(current, upstream_of or _upstream_reader(root), every, unknown)
+
+
+def _upstream_reader(root: Path) -> Callable[[str, int], list[tuple[str, int]] | None]:
+    """The versions a version of the store at `root` names as upstream, each version's schema.json read (and
+    checked against its checksums.json, megabytes at 1M samples) once: a plan asks again for each live lease (a
+    reader per rank, 64 on 8 nodes) naming the same versions."""
+    @functools.lru_cache(maxsize=None)
     def upstream_of(table: str, v: int) -> list[tuple[str, int]] | None:
         vdir = fmt.version_dir(root, table, v)
         if not (vdir / fmt.SCHEMA_JSON).is_file() and not fmt.is_complete(vdir):
@@ -90,8 +102,7 @@ def _kept(root: Path, current: dict[str, int] | list[tuple[str, int]],
         upstream = checked_schema(vdir, record=False).lineage.upstream
         return [(t, int(u)) for t, u in upstream.items() if fmt.version_dir(root, t, int(u)).is_dir()]
 
-    every = [(t, u) for t in _tables(root) for u in fmt.list_versions(root, t)]
-    return kept_closure(current, upstream_of, every, unknown)
+    return upstream_of
 
 
 def kept_closure(current: dict[str, int] | list[tuple[str, int]],
@@ -234,7 +245,8 @@ def keep_rule(root: Path, entries: dict[str, dict], out: GcPlan
     or not), by whom."""
     current = {t: int(e["current"]) for t, e in entries.items()}
     out.unswitched = unswitched(entries, _complete_versions(root))
-    keep = _kept(root, sorted(current.items()) + sorted(out.unswitched), out.unknown_upstream)
+    upstream_of = _upstream_reader(root)
+    keep = _kept(root, sorted(current.items()) + sorted(out.unswitched), out.unknown_upstream, upstream_of)
     named_by: dict[tuple[str, int], list[str]] = {}  # every version a live lease names, existing or not
     for found in leases.leases(root):
         if not found.live:
@@ -243,7 +255,7 @@ def keep_rule(root: Path, entries: dict[str, dict], out: GcPlan
         for tv in found.versions():
             named_by.setdefault(tv, []).append(found.describe())
         named = [(t, v) for t, v in found.versions() if fmt.version_dir(root, t, v).is_dir()]
-        for tv in sorted(_kept(root, named, out.unknown_upstream) - keep):
+        for tv in sorted(_kept(root, named, out.unknown_upstream, upstream_of) - keep):
             out.leased.setdefault(tv, []).append(found.describe())
     return keep | set(out.leased), named_by
 

@@ -240,3 +240,20 @@ def test_a_lease_record_whose_versions_are_damaged_counts_as_dead_not_a_tracebac
     assert [f.path for f in p.dead_leases] == [bad] and not bad.exists()
     assert any("remove the lease of a gone reader" in m and "unreadable" in m for m in messages), messages
     assert store.versions("vae") == [2]
+
+
+def test_gc_reads_each_versions_schema_once_however_many_leases_name_it(store, monkeypatch):
+    """A lease per reading rank (64 on 8 nodes) names the same version: gc's plan read that version's schema.json,
+    checked against its checksums.json (megabytes at 1M samples), once per lease. Once per version now."""
+    two_versions(store)
+    read: list[str] = []
+    real = gc.checked_schema
+    monkeypatch.setattr(gc, "checked_schema", lambda vdir, **kw: read.append(vdir.name) or real(vdir, **kw))
+    held = [lease.hold(store.root, {"vae": 1}, f"rank {r}") for r in range(8)]
+    try:
+        p = gc.plan(store.root)
+    finally:
+        for one in held:
+            one.release()
+    assert sorted(p.leased) == [("vae", 1)] and len(p.leased[("vae", 1)]) == 8
+    assert sorted(read) == ["v1", "v2"], read
