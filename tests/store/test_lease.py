@@ -257,3 +257,28 @@ def test_gc_reads_each_versions_schema_once_however_many_leases_name_it(store, m
             one.release()
     assert sorted(p.leased) == [("vae", 1)] and len(p.leased[("vae", 1)]) == 8
     assert sorted(read) == ["v1", "v2"], read
+
+
+def test_gc_of_a_url_reads_each_versions_schema_once_however_many_leases_name_it(store, tmp_path, monkeypatch):
+    """As the local gc: 8 ranks of other nodes reading v1 of a URL (their lease objects, live by their refresh),
+    and the plan checked v1's schema.json against its checksums.json 8 times. Once per version now."""
+    from store import remote_gc
+    from store.remote import open_remote
+    from store.remote_sync import push
+
+    url = (tmp_path / "remote").as_uri()
+    fill(store, 4)
+    push(store.root, url)  # v1 while current
+    fill(store, 4, tag="b", start=10)
+    push(store.root, url)
+    (tmp_path / "remote" / lease.LEASES_DIR).mkdir(exist_ok=True)
+    for r in range(8):
+        record = {"host": f"node-{r}", "boot_id": "another-kernel", "pid": 100 + r, "what": f"rank {r}",
+                  "versions": {"vae": [1]}, "kind": "read"}
+        (tmp_path / "remote" / lease.LEASES_DIR / f"node-{r}-100-ab.json").write_text(json.dumps(record))
+    read: list[str] = []
+    real = remote_gc.checked_schema
+    monkeypatch.setattr(remote_gc, "checked_schema", lambda vdir, **kw: read.append(vdir.name) or real(vdir, **kw))
+    p = remote_gc.plan(open_remote(url))
+    assert sorted(p.leased) == [("vae", 1)] and len(p.leased[("vae", 1)]) == 8 and not p.remove
+    assert sorted(read) == ["v1", "v2"], read
