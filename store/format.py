@@ -17,6 +17,7 @@ import signal
 import socket
 import stat
 import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
@@ -40,11 +41,15 @@ from schemas.temp_files import remove_dead_temps, siblings, temp_of, temp_stem
 # of every command that reads a store. pyarrow's own pandas calls (`to_pandas`) still import it when asked.
 class _NoPandas:
     """An import finder that answers `import pandas` with ImportError, as an install without pandas does (a None in
-    sys.modules does not: pyarrow's Cython import takes the None for the module)."""
+    sys.modules does not: pyarrow's Cython import takes the None for the module) - in the thread that installed it
+    only: another thread importing pandas meanwhile gets it (before, an ImportError). pyarrow has no knob for this
+    (its pandas-shim tries `import pandas` once, in private state)."""
 
-    @staticmethod
-    def find_spec(name, path=None, target=None):
-        if name == "pandas":
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "pandas" and threading.get_ident() == self.thread:
             raise ImportError("pandas: left to pyarrow's own pandas calls")
         return None
 
@@ -53,11 +58,14 @@ def _arrow_without_pandas() -> None:
     """Have pyarrow's first pandas check (pandas-shim's `_have_pandas_internal`, once per process) find none."""
     if "pandas" in sys.modules:  # imported already (xarray's): pyarrow's check costs nothing, nothing can land in it
         return
-    sys.meta_path.insert(0, _NoPandas)
+    finder = _NoPandas()
+    # a new list, never the one changed in place: an import in another thread iterates the list it took, and a
+    # removal under its loop shifted the next finder past it (that import then missed its finder)
+    sys.meta_path = [finder, *sys.meta_path]
     try:
         pa.array([0])
     finally:
-        sys.meta_path.remove(_NoPandas)
+        sys.meta_path = [f for f in sys.meta_path if f is not finder]
 
 
 _arrow_without_pandas()

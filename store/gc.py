@@ -10,7 +10,8 @@ older one (store.json's `was_current`, `fmt.table_entry`) - and incomplete versi
 Carried-forward samples live in hard links inside the version that uses them, so removing an older version
 never takes bytes a kept version needs. Kept as well: every version a live read lease names (a training or an
 encode stage still reading a version that is no longer current, `store/lease.py`), with its upstream; the files
-of dead leases (their process is gone) are removed.
+of dead leases (their process is gone) are removed. The rule is `keep_rule`'s, which push applies too (`not_kept`:
+what gc would remove is never uploaded).
 
 Removed as well: the shard files of a kept complete version that its checksums.json does not list - tars a
 killed writer named but never indexed, which a resumed writer leaves in place (it cannot tell them from shards
@@ -36,6 +37,7 @@ then deleted. A kill leaves either the version intact or a dot-folder that the n
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import re
 import shutil
@@ -80,8 +82,19 @@ class GcPlan:
 
 
 def _kept(root: Path, current: dict[str, int] | list[tuple[str, int]],
-          unknown: dict[tuple[str, int], str] | None = None) -> set[tuple[str, int]]:
-    """`kept_closure` of `current` in the store at `root`."""
+          unknown: dict[tuple[str, int], str] | None = None,
+          upstream_of: Callable[[str, int], list[tuple[str, int]] | None] | None = None) -> set[tuple[str, int]]:
+    """`kept_closure` of `current` in the store at `root` (`upstream_of`: `_upstream_reader(root)`'s, shared by
+    the calls of one plan)."""
+    every = [(t, u) for t in _tables(root) for u in fmt.list_versions(root, t)]
+    return kept_closure(current, upstream_of or _upstream_reader(root), every, unknown)
+
+
+def _upstream_reader(root: Path) -> Callable[[str, int], list[tuple[str, int]] | None]:
+    """The versions a version of the store at `root` names as upstream, each version's schema.json read (and
+    checked against its checksums.json, megabytes at 1M samples) once: a plan asks again for each live lease (a
+    reader per rank, 64 on 8 nodes) naming the same versions."""
+    @functools.lru_cache(maxsize=None)
     def upstream_of(table: str, v: int) -> list[tuple[str, int]] | None:
         vdir = fmt.version_dir(root, table, v)
         if not (vdir / fmt.SCHEMA_JSON).is_file() and not fmt.is_complete(vdir):
@@ -89,8 +102,7 @@ def _kept(root: Path, current: dict[str, int] | list[tuple[str, int]],
         upstream = checked_schema(vdir, record=False).lineage.upstream
         return [(t, int(u)) for t, u in upstream.items() if fmt.version_dir(root, t, int(u)).is_dir()]
 
-    every = [(t, u) for t in _tables(root) for u in fmt.list_versions(root, t)]
-    return kept_closure(current, upstream_of, every, unknown)
+    return upstream_of
 
 
 def kept_closure(current: dict[str, int] | list[tuple[str, int]],
@@ -146,17 +158,16 @@ def _complete_versions(root: Path) -> list[tuple[str, int]]:
             if fmt.is_complete(fmt.version_dir(root, t, v))]
 
 
-def switched_away(root: Path) -> set[tuple[str, int]]:
-    """The complete versions of the store at `root` that it switched away from (store.json's `was_current`) and no
-    kept version was made from (`kept_closure`, as `plan` keeps): garbage by the store's own record. Push sends
-    none of them (store/remote_sync.py): the URL's gc would remove them, and one is tens of GB at 1M samples."""
+def not_kept(root: Path) -> set[tuple[str, int]]:
+    """The complete versions of the store at `root` that gc would remove (`keep_rule`, as `plan` keeps): replaced by
+    a newer current one or switched away from (`was_current`), read under no live lease, and made nothing kept.
+    Push sends none of them (store/remote_sync.py): the URL's gc would remove them, and one is tens of GB at 1M
+    samples."""
     entries = fmt.read_store_record(root)["tables"]
     complete = _complete_versions(root)
-    left = {(t, v) for t, v in complete if v in fmt.was_current(entries.get(t))}
-    if not left:  # the usual store: no schema read
+    if all(t in entries and v == int(entries[t]["current"]) for t, v in complete):  # the usual store: no read
         return set()
-    current = sorted((t, int(e["current"])) for t, e in entries.items())
-    return left - _kept(root, current + sorted(unswitched(entries, complete)), {})
+    return set(complete) - keep_rule(root, entries, GcPlan())[0]
 
 
 def unswitched_lines(found: dict[tuple[str, int], int]) -> list[str]:
@@ -225,12 +236,17 @@ def _stale_records(root: Path, table_dir: Path) -> list[Path]:
             and not (table_dir / f"v{v}{fmt.SET_ASIDE_SUFFIX}").exists()]
 
 
-def plan(root: Path) -> GcPlan:
-    entries = fmt.read_store_record(root)["tables"]
+def keep_rule(root: Path, entries: dict[str, dict], out: GcPlan
+              ) -> tuple[set[tuple[str, int]], dict[tuple[str, int], list[str]]]:
+    """What gc keeps of the store at `root` (`entries`: its store.json's tables), once for `plan` and push
+    (`not_kept`): each table's current version, its complete versions past it never current (`unswitched`), every
+    version a live read lease names, and what these were made from (`kept_closure`). Fills `out`'s unswitched,
+    unknown_upstream, leased and dead_leases; returns the kept versions and, per version a live lease names (there
+    or not), by whom."""
     current = {t: int(e["current"]) for t, e in entries.items()}
-    out = GcPlan()
     out.unswitched = unswitched(entries, _complete_versions(root))
-    keep = _kept(root, sorted(current.items()) + sorted(out.unswitched), out.unknown_upstream)
+    upstream_of = _upstream_reader(root)
+    keep = _kept(root, sorted(current.items()) + sorted(out.unswitched), out.unknown_upstream, upstream_of)
     named_by: dict[tuple[str, int], list[str]] = {}  # every version a live lease names, existing or not
     for found in leases.leases(root):
         if not found.live:
@@ -239,9 +255,16 @@ def plan(root: Path) -> GcPlan:
         for tv in found.versions():
             named_by.setdefault(tv, []).append(found.describe())
         named = [(t, v) for t, v in found.versions() if fmt.version_dir(root, t, v).is_dir()]
-        for tv in sorted(_kept(root, named, out.unknown_upstream) - keep):
+        for tv in sorted(_kept(root, named, out.unknown_upstream, upstream_of) - keep):
             out.leased.setdefault(tv, []).append(found.describe())
-    keep |= set(out.leased)
+    return keep | set(out.leased), named_by
+
+
+def plan(root: Path) -> GcPlan:
+    entries = fmt.read_store_record(root)["tables"]
+    current = {t: int(e["current"]) for t, e in entries.items()}
+    out = GcPlan()
+    keep, named_by = keep_rule(root, entries, out)
     out.keep = sorted(keep)
     for table_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         out.leftovers += sorted(p for p in table_dir.iterdir() if p.name.endswith(DELETING_SUFFIX))

@@ -432,7 +432,19 @@ class Found:
                 yield table, int(v)
 
 
+def _names_versions(record: dict[str, Any]) -> bool:
+    """Whether a lease record's `versions` is what a lease writes: {table: [version number, ...]}."""
+    named = record.get("versions") or {}
+    return isinstance(named, dict) and all(
+        isinstance(vs, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in vs)
+        for vs in named.values())
+
+
 def judge(path: Path, record: dict[str, Any], mtime: float, now: float | None = None) -> Found:
+    """Live or dead; a record whose `versions` is not what a lease writes (valid JSON, damaged: a flipped byte)
+    counts as unreadable, dead, as one that does not parse (before, `store gc` stopped on it with a traceback)."""
+    if not _names_versions(record):
+        return Found(path, {}, False, "unreadable (its versions are not table -> version numbers)")
     now = time.time() if now is None else now
     host, pid = record.get("host"), record.get("pid")
     if record.get("boot_id") == host_id() and record.get("pid_namespace") == _pid_namespace() and isinstance(pid, int):

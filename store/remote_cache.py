@@ -27,6 +27,7 @@ on need).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -253,9 +254,13 @@ def _candidates(cache: Path, keep: set[tuple[Path, str, int]],
     committed only here: [(folder, bytes)]). A version in `keep` or under a live read lease keeps its folder and
     metadata; a lazily cached version's shards may always go (refetched on need). Only a copy of the remote's
     (lazily opened, or pushed: `is_lazy`) goes whole: a version a writer committed here and did not push (a failed
-    or killed push_back) is the only copy of that work until the rerun pushes it."""
+    or killed push_back) is the only copy of that work until the rerun pushes it - unless a newer current version
+    replaced it (`_not_kept_here`): no push sends such a one, and the cached store's gc removes it."""
     from store.remote_shards import is_lazy, is_shard
 
+    # what the cached store's gc would remove, asked once per store and only of a version committed here: push
+    # never sends it (store/remote_sync.py), so kept as "not pushed yet" it was counted against the limit for ever
+    garbage = functools.lru_cache(maxsize=None)(_not_kept_here)
     total, out, unpushed = 0, [], []
     for root in sorted(p for p in cache.iterdir() if p.is_dir()):
         if not (root / fmt.STORE_JSON).is_file():
@@ -281,7 +286,10 @@ def _candidates(cache: Path, keep: set[tuple[Path, str, int]],
                 total += n
                 pinned = (root, table_dir.name, v) in keep or (table_dir.name, v) in leased
                 if not lazy:
-                    if fmt.is_complete(vdir):  # never a writer's version in progress, never one not pushed
+                    if fmt.is_complete(vdir) and (table_dir.name, v) in garbage(root):  # owed to no one
+                        if whole_versions and not pinned:
+                            out.append((vdir.stat().st_mtime, n, vdir, True))
+                    elif fmt.is_complete(vdir):  # never a writer's version in progress, never one not pushed
                         unpushed.append((vdir, n))
                 elif whole_versions and not pinned and fmt.is_complete(vdir):
                     out.append((vdir.stat().st_mtime, n, vdir, True))  # renamed only under the lock
@@ -290,6 +298,21 @@ def _candidates(cache: Path, keep: set[tuple[Path, str, int]],
                 # the temp file of a fetch whose process was killed: first to go
                 out += [(0.0, size, vdir / name, False) for name, size, used in files if _orphan_fetch(name, used)]
     return total, out, unpushed
+
+
+def _not_kept_here(root: Path) -> set[tuple[str, int]]:
+    """The complete versions of the cached store `root` that a newer current one replaced and its gc would remove
+    (store/gc.py `not_kept`). Not one switched away from (`was_current`): an open sets the cache's store.json to
+    the URL's, which switches away from a version committed here and not pushed yet, and the rerun of its stage
+    makes it current again. None where this cannot be told (a record of a newer release, damage): every version
+    committed here is then kept, as before."""
+    from store.gc import not_kept
+
+    try:
+        entries = fmt.read_store_record(root)["tables"]
+        return {(t, v) for t, v in not_kept(root) if t in entries and v < int(entries[t]["current"])}
+    except UserError:
+        return set()
 
 
 def _live_leases(root: Path) -> set[tuple[str, int]]:

@@ -131,16 +131,25 @@ def _once(remote: Remote) -> Callable[[str], bytes]:
 
 
 def _closure(remote: Remote, roots: list[tuple[str, int]], versions: dict[tuple[str, int], Version],
-             unknown: dict[tuple[str, int], str] | None = None, read: Callable[[str], bytes] | None = None) -> set:
+             unknown: dict[tuple[str, int], str] | None = None, read: Callable[[str], bytes] | None = None,
+             named: dict[tuple[str, int], list[tuple[str, int]] | None] | None = None) -> set:
     """`roots` and, transitively, the versions their schema.json lineage names as upstream: store/gc.py's
     `kept_closure`, each schema.json checked against its version's checksums.json as on a local disk (through a
-    temporary copy of the two objects); one that does not read keeps every version of the other tables."""
+    temporary copy of the two objects); one that does not read keeps every version of the other tables. `named`:
+    what each version names, shared by a plan's calls (one per live lease, a reader per rank: each version's
+    checksums.json, megabytes at 1M samples, was parsed again for each)."""
     from store.remote_parts import SOURCE_URL
 
+    named = {} if named is None else named
     with tempfile.TemporaryDirectory(prefix="store-gc-") as tmp:
         # the copy of `remote`'s metadata, as verify's is: damage is advised as at a URL (delete, push again)
         (Path(tmp) / SOURCE_URL).write_text(remote.url)
         def upstream_of(table: str, number: int) -> list[tuple[str, int]] | None:
+            if (table, number) not in named:
+                named[(table, number)] = read_upstream(table, number)
+            return named[(table, number)]
+
+        def read_upstream(table: str, number: int) -> list[tuple[str, int]] | None:
             v = versions.get((table, number))
             if v is None or (not v.complete and f"{v.name}/{fmt.SCHEMA_JSON}" not in v.objects):
                 return None  # gone, or an incomplete version without one yet
@@ -188,14 +197,15 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
         out.unswitched = unswitched(entries, [tv for tv, v in sorted(versions.items()) if v.complete])
         out.was_current = {(t, v) for t, e in entries.items() for v in fmt.was_current(e)}
         roots += sorted(out.unswitched)
-    read = _once(remote)
-    keep = _closure(remote, roots, versions, out.unknown_upstream, read)
+    read, named = _once(remote), {}
+    keep = _closure(remote, roots, versions, out.unknown_upstream, read, named)
     found_leases = remote_lease.leases(remote, listing, now)  # one GET per lease object (a reader per rank)
     for found in found_leases:
         if not found.live:
             out.dead_leases.append(found)
             continue
-        for tv in sorted(_closure(remote, list(found.versions()), versions, out.unknown_upstream, read) - keep):
+        for tv in sorted(_closure(remote, list(found.versions()), versions, out.unknown_upstream, read, named)
+                         - keep):
             out.leased.setdefault(tv, []).append(found.describe())
     keep |= set(out.leased)
     held = {tv for found in found_leases if found.live for tv in found.versions()}

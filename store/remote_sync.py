@@ -75,7 +75,7 @@ class SyncSummary:
     damaged: list[str] = field(default_factory=list)  # objects kept although they differ (pull for repair)
     newer: list[str] = field(default_factory=list)  # push: "table/vN" the remote had current, above the pushed one
     set_aside: list[str] = field(default_factory=list)  # push for repair: a damaged remote file, kept under this name
-    # push: "table/vN" not sent, switched away from in the pushing store and made nothing kept (store/gc.py)
+    # push: "table/vN" not sent: the pushing store's gc would remove it (store/gc.py `not_kept`)
     garbage: list[str] = field(default_factory=list)
 
     def newer_current(self, table: str) -> int | None:
@@ -93,9 +93,9 @@ class SyncSummary:
                 f"{'sent' if self.direction == 'push' else 'fetched'}, {self.objects_skipped} "
                 "already there" + (f"; kept the remote's newer current {', '.join(self.newer)}" if self.newer else "")
                 + "".join(f"; {fmt.QUARANTINE} (damaged) set aside as {name}" for name in self.set_aside)
-                + "".join(f"\nnot sent {name}: its store switched away from it (store.json's was_current) and no "
-                          "kept version was made from it: garbage, which `pipeline store gc` removes"
-                          for name in self.garbage))
+                + "".join(f"\nnot sent {name}: not current in its store (replaced by a newer current version, or "
+                          "switched away from), read under no live lease, and no kept version was made from it: "
+                          "garbage, which `pipeline store gc` removes" for name in self.garbage))
 
 
 @dataclass
@@ -228,12 +228,13 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
 def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int] | None,
                versions: list[tuple[str, int]], summary: SyncSummary) -> tuple[list[_File], dict[str, list[_File]]]:
     """What to send (objects not there with the same size and CRC32C), and each copied version's files.
-    `listing` None: nothing to send (every version lazily cached), the prefix was not listed. A version the store
-    switched away from and made nothing kept is not sent (`summary.garbage`) unless its manifest is there already:
-    such a one is checked and refilled as before, and the URL's record takes it for switched away from too."""
-    from store.gc import switched_away
+    `listing` None: nothing to send (every version lazily cached), the prefix was not listed. A version the store's
+    own gc would remove (`not_kept`: replaced by a newer current one or switched away from, leased by no reader,
+    made nothing kept) is not sent (`summary.garbage`) unless its manifest is there already: such a one is checked
+    and refilled as before (a switched-away one the URL's record takes for switched away from too)."""
+    from store.gc import not_kept
 
-    garbage = switched_away(src)
+    garbage = not_kept(src)
     todo: list[_File] = []
     files_of: dict[str, list[_File]] = {}
     for table, version in versions:

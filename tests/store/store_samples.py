@@ -80,3 +80,19 @@ def rank_writer(cache, url: str, rank: int, n: int, shard_size_mb: float, tag: s
         if s["key"] not in w.done_keys:
             w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
     return w
+
+
+def push_every_version(store: Store, url: str):
+    """`push` of every version of the store, a URL with history: push sends what the store's own gc keeps
+    (store/gc.py `keep_rule`), so each version is held under a read lease meanwhile (one a newer current version
+    replaced is sent as a version a reader still reads)."""
+    from store import lease
+    from store.remote_sync import push
+
+    held = [lease.hold(store.root, {table: v}, "push_every_version") for table in store.tables()
+            for v in store.versions(table)]
+    try:
+        return push(store.root, url)
+    finally:
+        for one in held:
+            one.release()

@@ -222,3 +222,63 @@ def test_a_lease_of_an_earlier_release_without_boot_id_is_judged_by_its_refresh_
     finally:
         unrelated.kill()
         unrelated.wait()
+
+
+def test_a_lease_record_whose_versions_are_damaged_counts_as_dead_not_a_traceback(store):
+    """Valid JSON whose `versions` a flipped byte made no version numbers ("1" -> "1\\x00"), of this very process
+    (so live by its pid): `store gc` stopped on int() with a traceback. Judged unreadable now - dead, as a lease that
+    does not parse - its file removed with one line, and gc goes on."""
+    from store.lease import LEASES_DIR, process_identity
+
+    two_versions(store)
+    folder = store.root / LEASES_DIR
+    folder.mkdir(exist_ok=True)
+    bad = folder / "host-1-damaged.json"
+    bad.write_text(json.dumps({**process_identity(), "what": "a reader", "versions": {"vae": ["1\x00"]}}))
+    messages: list[str] = []
+    p = gc.collect(store.root, echo=messages.append)
+    assert [f.path for f in p.dead_leases] == [bad] and not bad.exists()
+    assert any("remove the lease of a gone reader" in m and "unreadable" in m for m in messages), messages
+    assert store.versions("vae") == [2]
+
+
+def test_gc_reads_each_versions_schema_once_however_many_leases_name_it(store, monkeypatch):
+    """A lease per reading rank (64 on 8 nodes) names the same version: gc's plan read that version's schema.json,
+    checked against its checksums.json (megabytes at 1M samples), once per lease. Once per version now."""
+    two_versions(store)
+    read: list[str] = []
+    real = gc.checked_schema
+    monkeypatch.setattr(gc, "checked_schema", lambda vdir, **kw: read.append(vdir.name) or real(vdir, **kw))
+    held = [lease.hold(store.root, {"vae": 1}, f"rank {r}") for r in range(8)]
+    try:
+        p = gc.plan(store.root)
+    finally:
+        for one in held:
+            one.release()
+    assert sorted(p.leased) == [("vae", 1)] and len(p.leased[("vae", 1)]) == 8
+    assert sorted(read) == ["v1", "v2"], read
+
+
+def test_gc_of_a_url_reads_each_versions_schema_once_however_many_leases_name_it(store, tmp_path, monkeypatch):
+    """As the local gc: 8 ranks of other nodes reading v1 of a URL (their lease objects, live by their refresh),
+    and the plan checked v1's schema.json against its checksums.json 8 times. Once per version now."""
+    from store import remote_gc
+    from store.remote import open_remote
+    from store.remote_sync import push
+
+    url = (tmp_path / "remote").as_uri()
+    fill(store, 4)
+    push(store.root, url)  # v1 while current
+    fill(store, 4, tag="b", start=10)
+    push(store.root, url)
+    (tmp_path / "remote" / lease.LEASES_DIR).mkdir(exist_ok=True)
+    for r in range(8):
+        record = {"host": f"node-{r}", "boot_id": "another-kernel", "pid": 100 + r, "what": f"rank {r}",
+                  "versions": {"vae": [1]}, "kind": "read"}
+        (tmp_path / "remote" / lease.LEASES_DIR / f"node-{r}-100-ab.json").write_text(json.dumps(record))
+    read: list[str] = []
+    real = remote_gc.checked_schema
+    monkeypatch.setattr(remote_gc, "checked_schema", lambda vdir, **kw: read.append(vdir.name) or real(vdir, **kw))
+    p = remote_gc.plan(open_remote(url))
+    assert sorted(p.leased) == [("vae", 1)] and len(p.leased[("vae", 1)]) == 8 and not p.remove
+    assert sorted(read) == ["v1", "v2"], read

@@ -489,7 +489,11 @@ def _woken_during_gc(s3_env, store: Store, monkeypatch, step: str):
     lease. (the lease, gc's messages)."""
     from store import remote_gc
 
-    push(store.root, s3_env.url())
+    here = lease.hold(store.root, {"vae": 1}, "a reader here")  # v1 pushed too: a superseded version alone is not
+    try:
+        push(store.root, s3_env.url())
+    finally:
+        here.release()
     real_identity = lease.process_identity  # as on another node: judged by its refresh age
     monkeypatch.setattr(lease, "process_identity", lambda: {**real_identity(), "boot_id": "another-node-s-kernel"})
     held = remote_lease.hold(open_remote(s3_env.url()), [("vae", 1)], "pipeline train")

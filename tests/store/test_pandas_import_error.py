@@ -64,3 +64,46 @@ def test_pyarrows_own_pandas_calls_still_import_it(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split("\n")[0] == "DataFrame [1, 2]", out.stdout
+
+
+def test_another_threads_pandas_import_meanwhile_is_unaffected(tmp_path, monkeypatch):
+    """The "no pandas" finder is on sys.meta_path while store.format makes pyarrow's first check: it answers the
+    importing thread alone. A thread importing pandas in that instant gets it (here a stand-in `pandas` on the
+    path; pyarrow's conversion is a stand-in too, which imports in another thread right then). Before: that
+    thread's import failed with ImportError."""
+    import importlib
+    import threading
+
+    from store import format as fmt
+
+    (tmp_path / "pandas.py").write_text("STAND_IN = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen: dict[str, object] = {}
+
+    def conversion(values):  # what pyarrow's first check does, while another thread imports pandas
+        try:
+            importlib.import_module("pandas")
+            seen["own"] = "imported"
+        except ImportError:
+            seen["own"] = "ImportError"
+
+        def other() -> None:
+            try:
+                seen["other"] = importlib.import_module("pandas").STAND_IN
+            except ImportError as e:
+                seen["other"] = f"ImportError: {e}"
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+
+    real = sys.modules.pop("pandas", None)
+    try:
+        monkeypatch.setattr(fmt.pa, "array", conversion)
+        fmt._arrow_without_pandas()
+    finally:
+        sys.modules.pop("pandas", None)
+        if real is not None:
+            sys.modules["pandas"] = real
+    assert seen == {"own": "ImportError", "other": True}, seen
+    assert not any(isinstance(f, fmt._NoPandas) for f in sys.meta_path)

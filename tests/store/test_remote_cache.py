@@ -75,6 +75,35 @@ def test_a_version_committed_only_in_the_cache_is_never_evicted_before_its_push(
     assert Store(root).tables()["vae"] == v and not list(vdir.glob("*.tar"))  # a copy now: its shards evictable
 
 
+def test_a_version_committed_in_the_cache_that_a_newer_one_replaced_is_evicted_not_owed(s3_env, tmp_path: Path,
+                                                                                          caplog) -> None:
+    """v2 committed in the cache, its push failed; the rerun with other settings committed v3 and pushed it. v2 is
+    garbage by the cache's own record (push leaves it out, as the store's gc removes it), so an open over the limit
+    evicts it whole. Before, it was kept as "never pushed" for ever: counted against the limit, warned of at every
+    open, and no rerun would ever push it."""
+    from store import format as fmt
+    from store.remote_cache import push_back
+
+    url = s3_env.url("replaced")
+    src = Store(tmp_path / "src")
+    fill(src, 8, tag="a")
+    push_back(url, src.root)  # the remote: vae v1
+    cache = tmp_path / "cache"
+    root = local_store(url, ["vae"], cache, lease=False)
+    v = fill(Store(root), 40, tag="b", start=100)  # committed in the cache; push_back never ran
+    vdir = fmt.version_dir(root, "vae", v)
+    size = sum(p.stat().st_size for p in vdir.iterdir())
+    newer = fill(Store(root), 4, tag="c", start=200)  # the rerun with other settings
+    summary = push_back(url, root)
+    assert summary.copied == [f"vae/v{newer}"] and summary.garbage == [f"vae/v{v}"], summary
+
+    with caplog.at_level("WARNING", logger="store"):
+        local_store(url, ["vae"], cache, limit_gb=size / 2 / 1e9, lease=False)
+    assert not vdir.exists() and "never pushed" not in caplog.text, caplog.text
+    with Store(root, create=False).reader("vae") as r:
+        assert r.version == newer and len(r.keys()) == 4
+
+
 def test_a_part_left_in_the_cache_under_a_number_the_remote_holds_complete_is_removed(s3_env, tmp_path: Path) -> None:
     """A node's part of v1 (a commit on several caches whose store.json swap was lost; the rerun, with other
     settings, committed v2): the remote holds v1 complete, so the part can never be committed, and the cache limit
@@ -87,6 +116,7 @@ def test_a_part_left_in_the_cache_under_a_number_the_remote_holds_complete_is_re
     url = s3_env.url("left")
     src = Store(tmp_path / "src")
     fill(src, 4, tag="a")
+    push(src.root, url)  # while current (a superseded version is not pushed)
     fill(src, 4, tag="b")
     push(src.root, url)  # v1 and v2 complete there, v2 current
     root = local_store(url, ["vae"], tmp_path / "cache", lease=False)

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from store import Store
 from store.remote_sync import push
-from store_samples import fill
+from store_samples import fill, push_every_version
 
 runner = CliRunner()
 
@@ -28,7 +28,7 @@ def test_inspect_of_a_url_matches_the_local_store_and_fetches_no_shard(s3_env, s
     from store import remote as remote_mod
 
     _two_versions(store)
-    push(store.root, s3_env.url())
+    push_every_version(store, s3_env.url())
     read: list[str] = []
     real_read = remote_mod.Remote.read
     monkeypatch.setattr(remote_mod.Remote, "read", lambda self, rel: read.append(rel) or real_read(self, rel))
@@ -77,7 +77,7 @@ def test_inspect_of_a_url_fetches_no_manifest_whose_counts_are_recorded(s3_env, 
     record = read_version_record(old)
     del record["counts"]
     (old / "checksums.json").write_bytes(seal(record))
-    push(store.root, s3_env.url())
+    push_every_version(store, s3_env.url())
     local = json.loads(runner.invoke(app, ["store", "inspect", str(store.root), "--json"]).stdout)
     fetched = _fetched(monkeypatch)
     res = runner.invoke(app, ["store", "inspect", s3_env.url(), "--json"])
@@ -121,7 +121,7 @@ def test_inspect_of_a_url_marks_each_damaged_version_and_describes_the_rest(s3_e
     record = read_version_record(old)
     del record["counts"]
     (old / "checksums.json").write_bytes(seal(record))
-    push(store.root, s3_env.url())
+    push_every_version(store, s3_env.url())
     _flip(s3_env, "store/vae/v1/manifest.parquet")
     _flip(s3_env, "store/vae/v2/schema.json")
     _flip(s3_env, "store/vae/v3/checksums.json")
@@ -146,7 +146,7 @@ def test_verify_of_a_url_streams_every_object_and_caches_nothing(s3_env, store: 
     from store import remote as remote_mod
 
     _two_versions(store)
-    push(store.root, s3_env.url())
+    push_every_version(store, s3_env.url())
     # verify reads where the store lies: no cache, no download to a file (1M samples would be terabytes on disk)
     monkeypatch.setattr(remote_cache, "local_store", lambda *a, **k: pytest.fail("verify opened the cache"))
     monkeypatch.setattr(remote_mod.Remote, "download", lambda *a: pytest.fail("verify downloaded a file"))
@@ -266,7 +266,7 @@ def test_inspects_bar_of_a_url_ends_at_its_total_when_a_damaged_version_is_skipp
     from store import remote_view
 
     _two_versions(store)
-    push(store.root, s3_env.url())
+    push_every_version(store, s3_env.url())
     _flip(s3_env, "store/vae/v2/checksums.json")
     bars = []
     real = remote_view._progress
@@ -287,7 +287,7 @@ def test_inspect_of_a_url_marks_a_version_whose_object_was_deleted_and_describes
     fill(store, 10, tag="a")
     fill(store, 6, tag="b", start=20)
     fill(store, 4, tag="c", start=40)
-    push(store.root, s3_env.url())
+    push_every_version(store, s3_env.url())
     client = s3_env.client()
     client.delete_object(Bucket=s3_env.bucket, Key="store/vae/v1/schema.json")
     client.delete_object(Bucket=s3_env.bucket, Key="store/vae/v2/checksums.json")

@@ -92,10 +92,9 @@ def test_repair_of_a_url_fetches_only_the_current_versions_shards(s3_env, store:
     """Repair scans each table's current version: only its shards cross the network (before, every complete
     version was pulled whole: terabytes for a large store's history). The other versions' metadata is enough to
     number the new version above every one the remote holds (v3 here, not current)."""
-    fill(store, 8, tag="a")  # v1
-    fill(store, 6, tag="b", start=20)  # v2, made current below
-    fill(store, 4, tag="c", start=40)  # v3, not current at the URL: switched away from there
-    push(store.root, s3_env.url())  # (a store's own switched-away version is not pushed at all)
+    for n, tag, start in ((8, "a", 0), (6, "b", 20), (4, "c", 40)):  # v2 made current below; v3 switched away from
+        fill(store, n, tag=tag, start=start)  # each pushed while current (a superseded one is not pushed at all)
+        push(store.root, s3_env.url())
     from store.remote_parts import make_current
 
     assert make_current(open_remote(s3_env.url()), "vae", 2, over=3) == 2
@@ -240,6 +239,7 @@ def test_gc_of_a_url_keeps_current_and_leased_versions(s3_env, store: Store, tmp
     push(store.root, s3_env.url())
     local_store(s3_env.url(), ["vae"], tmp_path / "cache")  # a reader of v1: its lease object names v1
     fill(store, 4, tag="b", start=10)  # v2
+    push(store.root, s3_env.url())  # while current (a superseded version is not pushed)
     fill(store, 4, tag="c", start=20)  # v3, current
     push(store.root, s3_env.url())
     dead = _stale_lease(s3_env, {"vae": [2]})  # a killed reader's lease on v2 must not keep it
@@ -295,7 +295,7 @@ def test_gc_of_many_old_versions_lists_the_whole_prefix_once(s3_env, store: Stor
     It listed the whole prefix (~40k objects a version at 1M samples) once per removed version."""
     for i, tag in enumerate("abcd"):  # v1..v3 old, v4 current
         fill(store, 2, tag=tag, start=10 * i)
-    push(store.root, s3_env.url())
+        push(store.root, s3_env.url())  # each while current (a superseded version is not pushed)
     listed: list[str] = []
     real = remote_mod.Remote.listing_times
     monkeypatch.setattr(remote_mod.Remote, "listing_times",
@@ -367,6 +367,7 @@ def test_a_replacing_push_never_undoes_a_newer_current_version(s3_env, store: St
     from schemas.errors import UserError
 
     fill(store, 4)
+    push(store.root, s3_env.url())
     fill(store, 4, tag="b", start=10)
     push(store.root, s3_env.url())  # remote current: v2
     copy = tmp_path / "copy"
@@ -415,6 +416,7 @@ def test_gc_judges_ages_by_the_servers_clock_not_this_machines(s3_env, store: St
     from store import lease as local_lease, remote_gc
 
     fill(store, 4, tag="a")  # v1
+    push(store.root, s3_env.url())  # while current (a superseded version is not pushed)
     fill(store, 4, tag="b", start=10)  # v2, current
     push(store.root, s3_env.url())
     client = s3_env.client()
@@ -473,6 +475,7 @@ def test_gc_dry_run_with_read_only_credentials_reports_the_plan(s3_env, store: S
     import s3fs
 
     fill(store, 4, tag="a")  # v1
+    push(store.root, s3_env.url())  # while current (a superseded version is not pushed)
     fill(store, 4, tag="b", start=10)  # v2, current
     push(store.root, s3_env.url())
     before = objects(s3_env)
@@ -634,8 +637,9 @@ def test_a_switched_away_version_already_at_the_url_is_pushed_as_before(store: S
     from store.remote_sync import _parse_record
 
     fill(store, 3)  # v1
-    fill(store, 4, tag="b", start=10)  # v2, current
     url = (tmp_path / "remote").as_uri()
+    push(store.root, url)  # while current (a superseded version is not pushed)
+    fill(store, 4, tag="b", start=10)  # v2, current
     push(store.root, url)
     store.set_current("vae", 1)
     summary = push(store.root, url)
@@ -653,8 +657,9 @@ def test_a_pulled_version_the_url_switched_away_from_is_garbage_in_the_copy_too(
     from store.remote_parts import make_current
 
     fill(store, 3)  # v1
-    fill(store, 4, tag="b", start=10)  # v2
     url = (tmp_path / "remote").as_uri()
+    push(store.root, url)  # while current (a superseded version is not pushed)
+    fill(store, 4, tag="b", start=10)  # v2
     push(store.root, url)
     assert make_current(open_remote(url), "vae", 1, over=2) == 1
     copy = tmp_path / "copy"

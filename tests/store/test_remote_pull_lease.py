@@ -8,20 +8,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from store_samples import fill
+from store_samples import fill, push_every_version
 
 from store import Store
 from store import format as fmt
 from store import remote_sync
 from store.remote_gc import collect
-from store.remote_sync import pull, push
+from store.remote_sync import pull
 
 
 def test_a_gc_during_a_pull_keeps_the_versions_it_copies(s3_env, store: Store, tmp_path: Path, monkeypatch):
     fill(store, 4)
     fill(store, 4, tag="b")  # v2 current: v1 is what a gc removes
     url = s3_env.url()
-    push(store.root, url)
+    push_every_version(store, url)
     collected = []
     real = remote_sync.fetch_checked
 

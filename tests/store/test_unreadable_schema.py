@@ -112,9 +112,10 @@ def test_gc_of_a_url_keeps_what_a_kept_version_with_an_unreadable_schema_may_nam
     assert _images(store, "a") == 1
     fill(store, 3)
     assert _images(store, "b") == 2
-    _images(store, "c")
     url = s3_env.url()
-    push(store.root, url)  # with v3 current: a push leaves out versions its store switched away from
+    push(store.root, url)  # images v2 while current: a push leaves out versions a newer current one replaced
+    _images(store, "c")
+    push(store.root, url)  # with v3 current
     assert make_current(open_remote(url), "images", 2, over=3) == 2  # v3 switched away from at the URL
     client = s3_env.client()
     listed = lambda: {o["Key"] for o in client.list_objects_v2(Bucket=s3_env.bucket).get("Contents", [])}
