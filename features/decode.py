@@ -169,6 +169,7 @@ def _open_oriented(data: bytes, max_pixels: int, max_frames: int) -> tuple[Image
             frames = _frame_count(im, max_frames)
             if im.format == "PNG":
                 _check_png_chunks(data, im)
+            named_before_load = _orientation_before_load(im)  # load() may turn the pixels and drop the tag
             im.load()
         except Exception as e:  # noqa: BLE001 - truncated/corrupt data raise OSError, ValueError, SyntaxError...
             raise ImageRejected("corrupt-image", f"truncated or corrupt image data: {e}") from None
@@ -188,16 +189,27 @@ def _open_oriented(data: bytes, max_pixels: int, max_frames: int) -> tuple[Image
         notes.append(deep)
     if frames > 1:
         notes.append(f"first frame of {frames} used")
-    im, applied = _oriented(im, notes)
+    im, applied = _oriented(im, notes, named_before_load)
     return im, notes, applied
 
 
-def _oriented(im: Image.Image, notes: list[str]) -> tuple[Image.Image, int]:
-    """The picture turned as its EXIF orientation says, and the orientation applied (1: none); said in `notes`."""
+def _orientation_before_load(im: Image.Image) -> object:
+    """The EXIF orientation a TIFF's header names, read before `load()`: Pillow's TIFF loader (13.0 here) turns
+    the pixels by it itself and removes the tag, so a turned TIFF told none after (no note, orientation 1 recorded,
+    and its mask drawn on the stored pixels not turned with it: a bad-mask). None for the other formats, whose tag
+    stays until `exif_transpose` (a PNG's eXIf after its image data is read by `load()` only)."""
+    return im.tag_v2.get(0x0112) if im.format == "TIFF" else None
+
+
+def _oriented(im: Image.Image, notes: list[str], named_before_load: object = None) -> tuple[Image.Image, int]:
+    """The picture turned as its EXIF orientation says, and the orientation applied (1: none); said in `notes`.
+    Turned once: a tag that `load()` removed (`named_before_load`, a TIFF) was applied by Pillow already."""
     try:
-        orientation = im.getexif().get(0x0112, 1)
+        orientation = im.getexif().get(0x0112)
+        turned_on_load = orientation is None and named_before_load is not None
+        orientation = named_before_load if turned_on_load else 1 if orientation is None else orientation
         if isinstance(orientation, int) and 2 <= orientation <= 8:
-            turned = ImageOps.exif_transpose(im)
+            turned = im if turned_on_load else ImageOps.exif_transpose(im)
             notes.append(f"EXIF orientation {orientation} applied")
             return turned, orientation
         if orientation not in (None, 1):

@@ -78,13 +78,12 @@ def refuse_lycoris_on_nf4(transformer, config, what: str) -> None:
     ([out x in / 2, 1]): LoHa built its factors at that shape and every forward failed on a shape mismatch, as
     did LoKr's (torchao's int8 / fp8 weights report their logical shape and work; LoRA / DoRA never read it)."""
     from models.quantize import is_nf4
+    from schemas.config import lycoris_on_nf4
 
     if config.peft_type not in ("LOHA", "LOKR"):  # a str enum
         return
     if any(is_nf4(p) for p in transformer.parameters()):
-        raise UserError(f"{what} on an NF4 base (quantize_base nf4): peft's LoHa / LoKr read the base weight's "
-                        "shape, an NF4 weight's is its packed codes; use quantize_base int8, fp8 or none, or a "
-                        "lora / dora adapter")
+        raise UserError(lycoris_on_nf4(what))
 
 
 def add_lora(transformer, cfg: LoraSettings) -> None:

@@ -308,6 +308,13 @@ def _quantize_alias(value: Any) -> Any:
 Quantize = Annotated[Literal["none", "int8", "fp8", "nf4"], BeforeValidator(_quantize_alias)]
 _QUANTIZE_HELP = ("frozen transformer base, quantised while it loads: none | int8 | fp8 (torchao weight-only) | nf4 "
                   "(bitsandbytes 4-bit); int8_weight_only is read as int8")
+
+
+def lycoris_on_nf4(what: str) -> str:
+    """The one line refusing a LoHa / LoKr adapter (`what`) on an NF4 base: said by TrainConfig's validation at
+    startup and by models/lora.py `refuse_lycoris_on_nf4` once a model has loaded (a LoRA file's own kind)."""
+    return (f"{what} on an NF4 base (quantize_base nf4): peft's LoHa / LoKr read the base weight's shape, an NF4 "
+            "weight's is its packed codes; use quantize_base int8, fp8 or none, or a lora / dora adapter")
 # The denoising steps' lower bound is the model's: checked where it is known (models.loading.check_sampling_steps).
 ONE_STEP = ("1 samples Qwen-Image-2.1; the Edit models refuse it (their scheduler's shift_terminal stretch divides "
             "0 by 0 at one step)")
@@ -446,6 +453,14 @@ class TrainConfig(Section):
     compile: Annotated[bool, THROUGHPUT] = Field(False, description="torch.compile each transformer block (regional compilation)")
     check_ahead: Annotated[int, THROUGHPUT] = Field(32, ge=0, description="samples whose checksums a background thread verifies ahead of "
                              "the reads, in the sampler's order (0 = check each sample inline on its first read)")
+
+    @model_validator(mode="after")
+    def _no_lycoris_on_nf4(self) -> TrainConfig:
+        # refused where train/run all/plan read the config: models/lora.py said it only once the model had loaded
+        # (minutes for the 20B transformer), which stays as the guard
+        if self.quantize_base == "nf4" and self.lora.kind in ("loha", "lokr"):
+            raise ValueError(lycoris_on_nf4(f"train.lora.kind {self.lora.kind}"))
+        return self
 
     @property
     def validate_axes(self) -> tuple[list[int], list[float]]:

@@ -294,6 +294,23 @@ def test_mask_weights_both_zero_are_refused_naming_the_key():
     assert load_config(None, {"train.loss.mask_weight.background": 0}).train.loss.mask_weight.foreground == 1.0
 
 
+
+@pytest.mark.parametrize("kind", ["loha", "lokr"])
+def test_a_lycoris_adapter_on_an_nf4_base_is_refused_at_startup(kind, tmp_path):
+    """peft's LoHa / LoKr cannot train on an NF4 base (models/lora.py refuses it): said before only once the model
+    had loaded (minutes for the 20B transformer); now `run train`, `run all` and `plan` stop on the config, in the
+    same words. LoRA / DoRA on NF4 and LoHa / LoKr on int8 stay accepted."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {"train.lora.kind": kind, "train.quantize_base": "nf4"})
+    assert f"'train': train.lora.kind {kind} on an NF4 base (quantize_base nf4): peft's LoHa / LoKr" in str(e.value)
+    f = tmp_path / "c.yaml"
+    f.write_text(f"train:\n  quantize_base: nf4\n  lora:\n    kind: {kind}\n")
+    for command in (["run", "train"], ["run", "all"], ["plan"]):
+        result = CliRunner().invoke(app, [*command, "--config", str(f)])
+        assert result.exit_code == 2 and f"train.lora.kind {kind} on an NF4 base" in result.output, command
+    assert load_config(None, {"train.lora.kind": "dora", "train.quantize_base": "nf4"}).train.lora.kind == "dora"
+    assert load_config(None, {"train.lora.kind": kind, "train.quantize_base": "int8"}).train.quantize_base == "int8"
+
 def test_a_flags_path_keeps_its_dollar_as_the_shell_gave_it(tmp_path, monkeypatch):
     """A flag's or --set's value was expanded by the shell already; a `$` left in it was quoted on purpose (a
     folder named `price$list`, an SMB share's `$DATA`). Expanded again, it was refused as an unset variable (no

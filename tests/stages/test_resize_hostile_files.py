@@ -209,6 +209,30 @@ def test_an_exif_orientation_outside_1_to_8_is_said_ignored_not_applied(orientat
         assert np.array_equal(np.asarray(decoded.image), np.asarray(plain.image)), fmt
 
 
+
+@pytest.mark.parametrize("orientation", [*range(1, 10)])
+def test_a_tiff_orientation_is_applied_once_noted_and_recorded_as_a_png_or_webp_eXIf_one(orientation):
+    """Pillow's TIFF loader turns the pixels by the tag itself and removes it: the TIFF was shown turned, but with
+    no note and orientation 1 recorded, so a mask drawn on its stored pixels was not turned with it. Every lossless
+    format now decodes to the same pixels, notes and orientation; the mask decoder too."""
+    from features.decode import decode_image, decode_mask
+
+    base, mask = quadrants(), Image.new("L", (96, 64), 0)
+    mask.paste(255, (0, 0, 48, 32))
+    expect = decode_image(encoded(base, exif=_exif(orientation)), 1 << 24)
+    expect_mask = decode_mask(encoded(mask, exif=_exif(orientation)), 1 << 24)
+    assert expect.orientation == expect_mask.orientation == (orientation if orientation < 9 else 1)
+    for fmt, kw in (("TIFF", {}), ("TIFF", {"compression": "tiff_lzw"}), ("WEBP", {"lossless": True})):
+        if orientation == 9 and kw:  # libtiff refuses to write the tag 9; the plain TIFF writer carries it
+            continue
+        got = decode_image(encoded(base, fmt, exif=_exif(orientation), **kw), 1 << 24)
+        assert (got.orientation, got.notes) == (expect.orientation, expect.notes), (fmt, kw)
+        assert np.array_equal(np.asarray(got.image), np.asarray(expect.image)), (fmt, kw)
+        got_mask = decode_mask(encoded(mask, fmt, exif=_exif(orientation), **kw), 1 << 24)
+        exif_notes = [n for n in got_mask.notes if "EXIF" in n]  # WebP stores the L mask as RGB: noted as well
+        assert (got_mask.orientation, exif_notes) == (expect_mask.orientation, expect_mask.notes), (fmt, kw)
+        assert np.array_equal(np.asarray(got_mask.image), np.asarray(expect_mask.image)), (fmt, kw)
+
 def _exif(o: int) -> bytes:
     ex = Image.Exif()
     ex[0x0112] = o
