@@ -50,6 +50,74 @@ def _run_cli(config: Path) -> str:
     return result.output
 
 
+def _run_all_killed_at_its_first_checkpoint(config: Path, run: Path) -> None:
+    """`run all` in a process of its own, in a session of its own, started warm (tests/warm_start.py: its
+    third-party imports done already; the project's modules it imports itself), SIGKILLed with its whole process
+    group as soon as train has committed a checkpoint."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = warm_start.WarmProcess([sys.executable, "-m", "pipeline.cli", "run", "all", "--config", str(config)],
+                                  env=env, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not _first_checkpoint(run) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    code = proc.wait(60)
+    assert code == -signal.SIGKILL, f"run all ended (exit {code}) before the kill:\n{''.join(proc.output())[-3000:]}"
+
+
+def _assert_held_out_losses_add_up(loss: dict, val_samples: int) -> None:
+    """The report's held-out loss: buckets and samples sum to the overall figure, and per sample the loss inside
+    and outside the edit mask combine to the whole: N·overall = M·inside + (N − M)·outside (per-sample
+    normalisation)."""
+    overall, per_sample = loss["overall"], loss["per_sample"]
+    assert overall["lora"] < overall["base"]  # 24 steps on the train split lower the held-out loss
+    assert sum(b["n"] for b in loss["per_bucket"].values()) == overall["n"] == val_samples
+    for m in ("base", "lora"):
+        assert math.isclose(overall[m], sum(v[m] for v in per_sample.values()) / len(per_sample), rel_tol=1e-9)
+    mask = loss["mask"]
+    assert mask["inside"]["n"] >= 1 and mask["per_sample"]
+    for key, region in mask["per_sample"].items():
+        n, m_ = region["tokens"], region["mask_tokens"]
+        for m in ("base", "lora"):
+            combined = m_ * region["inside"][m] + (n - m_) * region["outside"][m]
+            assert math.isclose(n * per_sample[key][m], combined, rel_tol=1e-4), (key, m)
+
+
+def _assert_a_base_loss_is_the_trainers_alone(store: Path, model: str, loss: dict) -> None:
+    """The base loss of one sample, recomputed alone (batch of 1) with the trainer's flow_loss and the fixed
+    noise, is the report's."""
+    import torch
+
+    from models.flow import flow_loss
+    from models.loading import load_component
+    from models.multires import install_multires
+    from models.randomness import eval_noise
+    from stages.train.data import load, open_inputs as open_train_tables
+
+    per_sample = loss["per_sample"]
+    key = sorted(per_sample)[0]
+    sample = load(open_train_tables(store, model, split="val"), key)
+    transformer = load_component(model, "transformer")
+    install_multires(transformer)
+    with torch.no_grad():
+        alone = [float(flow_loss(transformer, [sample], torch.tensor([t]), [eval_noise(sample, seed)])[0])
+                 for seed in loss["noise_seeds"] for t in loss["timesteps"]]
+    assert math.isclose(per_sample[key]["base"], sum(alone) / len(alone), rel_tol=1e-5)
+
+
+def _assert_every_stage_up_to_date(config: Path) -> None:
+    """A run with nothing left to do says so for every stage, in text and as JSON (one object per stage on
+    stdout, nothing else there)."""
+    out = _run_cli(config)
+    assert out.count("skipped, up to date") == len(STAGES), out
+    result = CliRunner().invoke(app, ["run", "all", "--config", str(config), "--json"])
+    assert result.exit_code == 0, result.output
+    records = json.loads(result.stdout)
+    assert [r["stage"] for r in records] == STAGES and all(r["up_to_date"] and r["encoded"] == 0 for r in records)
+    assert [r["table"] for r in records[:3]] == ["images", "text", "vae"]
+
+
 def test_run_all_resumes_after_kill_and_skips_when_up_to_date(tiny_plus_model, tmp_path, monkeypatch):
     import models.edit
     from pipeline.demo_data import make_demo_data
@@ -61,19 +129,8 @@ def test_run_all_resumes_after_kill_and_skips_when_up_to_date(tiny_plus_model, t
     make_demo_data(tmp_path / "data", n=12, fmt="folder", max_controls=2, seed=1, with_masks=True)
     config = _config(tmp_path, tiny_plus_model)
 
-    # 1) a run killed (SIGKILL, whole process group) as soon as train has committed a checkpoint
-    # a process of its own in a session of its own, started warm (tests/warm_start.py: its third-party imports
-    # done already; the project's modules it imports itself)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = warm_start.WarmProcess([sys.executable, "-m", "pipeline.cli", "run", "all", "--config", str(config)],
-                                  env=env, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while not _first_checkpoint(tmp_path / "run") and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    code = proc.wait(60)
-    assert code == -signal.SIGKILL, f"run all ended (exit {code}) before the kill:\n{''.join(proc.output())[-3000:]}"
+    # 1) a run killed as soon as train has committed a checkpoint: no LoRA, no report
+    _run_all_killed_at_its_first_checkpoint(config, tmp_path / "run")
     assert not (tmp_path / "run" / "lora").exists() and not (tmp_path / "report").exists()
 
     # 2) rerun: finished stages are up to date, train resumes from its checkpoint, evaluate writes the report
@@ -84,54 +141,15 @@ def test_run_all_resumes_after_kill_and_skips_when_up_to_date(tiny_plus_model, t
     assert "trained resumed at step" in out and "to step 24" in out, out
     report = tmp_path / "report"
     assert {p.name for p in report.iterdir()} >= {"index.html", "grid.png", "metrics.json"}
-
     metrics = json.loads((report / "metrics.json").read_text())
-    loss = metrics["loss"]
-    overall = loss["overall"]
-    assert overall["lora"] < overall["base"]  # 24 steps on the train split lower the held-out loss
-    assert sum(b["n"] for b in loss["per_bucket"].values()) == overall["n"] == metrics["run"]["val_samples"]
-    per_sample = loss["per_sample"]
-    for m in ("base", "lora"):
-        assert math.isclose(overall[m], sum(v[m] for v in per_sample.values()) / len(per_sample), rel_tol=1e-9)
-    # inside/outside the edit mask: per sample, N·overall = M·inside + (N − M)·outside (per-sample normalisation)
-    mask = loss["mask"]
-    assert mask["inside"]["n"] >= 1 and mask["per_sample"]
-    for key, region in mask["per_sample"].items():
-        n, m_ = region["tokens"], region["mask_tokens"]
-        for m in ("base", "lora"):
-            combined = m_ * region["inside"][m] + (n - m_) * region["outside"][m]
-            assert math.isclose(n * per_sample[key][m], combined, rel_tol=1e-4), (key, m)
-    # the base loss of one sample, recomputed alone (batch of 1) with the trainer's flow_loss and the fixed noise
-    import torch
-
-    from models.loading import load_component
-    from models.multires import install_multires
-    from models.flow import flow_loss
-    from models.randomness import eval_noise
-    from stages.train.data import load, open_inputs as open_train_tables
-
-    key = sorted(per_sample)[0]
-    sample = load(open_train_tables(tmp_path / "store", tiny_plus_model, split="val"), key)
-    transformer = load_component(tiny_plus_model, "transformer")
-    install_multires(transformer)
-    with torch.no_grad():
-        alone = [float(flow_loss(transformer, [sample], torch.tensor([t]), [eval_noise(sample, seed)])[0])
-                 for seed in loss["noise_seeds"] for t in loss["timesteps"]]
-    assert math.isclose(per_sample[key]["base"], sum(alone) / len(alone), rel_tol=1e-5)
-
+    _assert_held_out_losses_add_up(metrics["loss"], metrics["run"]["val_samples"])
+    _assert_a_base_loss_is_the_trainers_alone(tmp_path / "store", tiny_plus_model, metrics["loss"])
     titles = [s["title"] for s in metrics["generation"]["samples"]]
     assert len(titles) == 3 and titles[-1] == "extra 1", titles
     assert all(math.isfinite(s["psnr_lora"]) for s in metrics["generation"]["samples"])
 
     # 3) nothing left to do
-    out = _run_cli(config)
-    assert out.count("skipped, up to date") == len(STAGES), out
-    # ... and as JSON: one object per stage on stdout, nothing else there
-    result = CliRunner().invoke(app, ["run", "all", "--config", str(config), "--json"])
-    assert result.exit_code == 0, result.output
-    records = json.loads(result.stdout)
-    assert [r["stage"] for r in records] == STAGES and all(r["up_to_date"] and r["encoded"] == 0 for r in records)
-    assert [r["table"] for r in records[:3]] == ["images", "text", "vae"]
+    _assert_every_stage_up_to_date(config)
 
 
 def test_shipped_configs_validate():
