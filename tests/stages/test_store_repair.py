@@ -20,6 +20,7 @@ from stages.train.recipe import run as train
 from store import Store
 from store import format as fmt
 from store.verify import verify_store
+from test_damage_rerun import demo_store
 import warm_start
 
 runner = CliRunner()
@@ -98,18 +99,7 @@ def test_repair_names_what_it_cannot_repair_and_rebuilds_store_json(edit_store, 
 
 
 def test_repair_re_renders_damaged_images_from_the_source(tmp_path):
-    import yaml
-
-    from pipeline.demo_data import make_demo_data
-    from stages.resize import stage as resize_bucket
-
-    settings = {"resize": {"target_area": 64 * 64, "control_vl_area": 48 * 48, "control_vae_area": 64 * 64,
-                           "multiple": 16, "min_side": 16, "shard_size_mb": 0.01}}
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(settings))
-    make_demo_data(tmp_path / "src", n=8, fmt="folder", max_controls=1, seed=1)
-    store = tmp_path / "store"
-    resize_bucket.run(load_config(config), tmp_path / "src", store)
+    store, config = demo_store(tmp_path)
     clean = Path(shutil.copytree(store, tmp_path / "clean"))
     bad = _flip(store, "images", 3, where="header")
     res = runner.invoke(app, ["store", "repair", str(store), "--config", str(config)])  # source: from the schema
@@ -175,18 +165,7 @@ def test_repair_killed_after_carrying_a_shard_resumes(tmp_path):
     import os
     import sys
 
-    import yaml
-
-    from pipeline.demo_data import make_demo_data
-    from stages.resize import stage as resize_bucket
-
-    settings = {"resize": {"target_area": 64 * 64, "control_vl_area": 48 * 48, "control_vae_area": 64 * 64,
-                           "multiple": 16, "min_side": 16, "shard_size_mb": 0.01}}
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(settings))
-    make_demo_data(tmp_path / "src", n=8, fmt="folder", max_controls=1, seed=1)
-    store = tmp_path / "store"
-    resize_bucket.run(load_config(config), tmp_path / "src", store)
+    store, config = demo_store(tmp_path)
     clean = Path(shutil.copytree(store, tmp_path / "clean"))
     _flip(store, "images", 3, where="header")
     args = [sys.executable, "-c", "from pipeline.cli import app; app()", "store", "repair", str(store),
@@ -206,19 +185,8 @@ def test_repair_of_images_names_the_encoders_to_rerun(tiny_edit_model, tmp_path)
     """The text and vae tables were encoded from images v1, which the repair replaced by v2 (set aside): they still
     name v1, and evaluate's pictures are refused until both encoders run again. The repair's last line says so
     (before: only "ok: ... repaired and verified")."""
-    import yaml
-
-    from pipeline.demo_data import make_demo_data
-    from stages.resize import stage as resize_bucket
-
-    settings = {"resize": {"target_area": 64 * 64, "control_vl_area": 48 * 48, "control_vae_area": 64 * 64,
-                           "multiple": 16, "min_side": 16, "shard_size_mb": 0.01}}
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(settings))
-    make_demo_data(tmp_path / "src", n=4, fmt="folder", max_controls=1, seed=1)
-    store = tmp_path / "store"
+    store, config = demo_store(tmp_path, n=4)
     cfg = load_config(config)
-    resize_bucket.run(cfg, tmp_path / "src", store)
     encode_text.run(cfg, store, tiny_edit_model)
     encode_vae.run(cfg, store, tiny_edit_model)
     _flip(store, "images", 2, where="header")
