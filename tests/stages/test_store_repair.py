@@ -116,32 +116,42 @@ def test_repair_keeps_a_damaged_version_a_running_reader_holds(tiny_edit_model, 
     replaces it: v1 stays in place until the reader is gone (moving it aside made the reader's next shard open
     a FileNotFoundError traceback), the reader reads every intact sample to the end, and `store gc` removes v1
     once it has left. A reader that loses a shard anyway (deleted by hand) gets one line."""
-    import subprocess
     import sys
+    import time
 
     cfg = load_config(None, SMALL_SHARDS)
     encode_text.run(cfg, edit_store, tiny_edit_model)
     encode_vae.run(cfg, edit_store, tiny_edit_model)
     bad = _flip(edit_store, "vae", 2)
-    reader = subprocess.Popen([sys.executable, "-c", f"""
-import sys
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    # started warm (tests/warm_start.py: its reads import torch, ~9 s of CPU cold); told to read by a file
+    reader = warm_start.WarmProcess([sys.executable, "-c", f"""
+import time
+from pathlib import Path
 from store import Store
 from store.lease import hold
 lease = hold({str(edit_store)!r}, {{"vae": None}}, "a test training")
 r = Store({str(edit_store)!r}).reader("vae", lease.version("vae"), on_damaged="skip")
-print("ready", flush=True)
-sys.stdin.readline()
+Path({str(ready)!r}).touch()
+deadline = time.monotonic() + 300  # a bound, not a duration: the test touches the file once repair has run
+while not Path({str(go)!r}).exists() and time.monotonic() < deadline:
+    time.sleep(0.01)
 print("read", sum(1 for k in r.keys() if k != {bad!r} and r.tensors(k)), flush=True)
-"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+"""])
     try:
-        assert reader.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 300
+        while not ready.exists() and reader.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ready.exists(), reader.output()
         res = runner.invoke(app, ["store", "repair", str(edit_store), "--model", tiny_edit_model])
         assert res.exit_code == 0, res.output
         assert "The damaged v1 is still read by a test training (pid" in res.output, res.output
         assert Store(edit_store).tables()["vae"] == 2 and (edit_store / "vae" / "v1").is_dir()
-        out, err = reader.communicate("go\n", timeout=120)
+        go.touch()
+        out, err = reader.communicate(timeout=120)
     finally:
-        reader.kill()
+        if reader.poll() is None:
+            reader.kill()
     assert reader.returncode == 0 and out.strip() == f"read {len(Store(edit_store).reader('vae').keys()) - 1}", err
     res = runner.invoke(app, ["store", "gc", str(edit_store)])
     assert res.exit_code == 0 and not (edit_store / "vae" / "v1").exists(), res.output
