@@ -13,26 +13,19 @@ checked to give the same rows.
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import random
 import time
 
 import numpy as np
 import pyarrow as pa
 
+from _common import samples_and_repeat, synthetic_keys
 from store.key_index import KeyIndex
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--samples", type=int, default=1_000_000)
-    ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args()
-    keys = sorted(hashlib.sha256(str(i).encode()).hexdigest() for i in range(args.samples))
+    args = samples_and_repeat()
+    keys, asked = synthetic_keys(args.samples)
     index = KeyIndex(pa.array(keys, pa.string()), "table 'images' v1")
-    asked = keys[:]
-    random.Random(0).shuffle(asked)
     best = {"old": float("inf"), "new": float("inf")}
     for _ in range(args.repeat):
         t0 = time.perf_counter()

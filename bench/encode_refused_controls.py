@@ -18,9 +18,6 @@ samples 0.84 s, 0.24 s.
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import random
 import sys
 import time
 from pathlib import Path
@@ -32,6 +29,7 @@ import pyarrow.compute as pc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's stages/, not an installed one
 
+from _common import samples_and_repeat, synthetic_keys  # noqa: E402
 from stages.encode import intake  # noqa: E402
 from stages.encode.intake import control_count_rejection  # noqa: E402
 from stages.encode.output import _model_takes  # noqa: E402
@@ -107,15 +105,10 @@ def new_path(job, todo):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--samples", type=int, default=1_000_000)
-    ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args()
-    keys = sorted(hashlib.sha256(str(i).encode()).hexdigest() for i in range(args.samples))
+    args = samples_and_repeat()
+    keys, todo = synthetic_keys(args.samples)
     counts = np.where(np.random.default_rng(0).random(args.samples) < 0.01, 2, 1)
     images = Images(keys, counts)
-    todo = keys[:]
-    random.Random(0).shuffle(todo)
     best = {"old": float("inf"), "new": float("inf")}
     for _ in range(args.repeat):
         job = SimpleNamespace(images=images, by_controls=rule, control_census=None)

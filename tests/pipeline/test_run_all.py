@@ -50,6 +50,74 @@ def _run_cli(config: Path) -> str:
     return result.output
 
 
+def _run_all_killed_at_its_first_checkpoint(config: Path, run: Path) -> None:
+    """`run all` in a process of its own, in a session of its own, started warm (tests/warm_start.py: its
+    third-party imports done already; the project's modules it imports itself), SIGKILLed with its whole process
+    group as soon as train has committed a checkpoint."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = warm_start.WarmProcess([sys.executable, "-m", "pipeline.cli", "run", "all", "--config", str(config)],
+                                  env=env, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not _first_checkpoint(run) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    code = proc.wait(60)
+    assert code == -signal.SIGKILL, f"run all ended (exit {code}) before the kill:\n{''.join(proc.output())[-3000:]}"
+
+
+def _assert_held_out_losses_add_up(loss: dict, val_samples: int) -> None:
+    """The report's held-out loss: buckets and samples sum to the overall figure, and per sample the loss inside
+    and outside the edit mask combine to the whole: N·overall = M·inside + (N − M)·outside (per-sample
+    normalisation)."""
+    overall, per_sample = loss["overall"], loss["per_sample"]
+    assert overall["lora"] < overall["base"]  # 24 steps on the train split lower the held-out loss
+    assert sum(b["n"] for b in loss["per_bucket"].values()) == overall["n"] == val_samples
+    for m in ("base", "lora"):
+        assert math.isclose(overall[m], sum(v[m] for v in per_sample.values()) / len(per_sample), rel_tol=1e-9)
+    mask = loss["mask"]
+    assert mask["inside"]["n"] >= 1 and mask["per_sample"]
+    for key, region in mask["per_sample"].items():
+        n, m_ = region["tokens"], region["mask_tokens"]
+        for m in ("base", "lora"):
+            combined = m_ * region["inside"][m] + (n - m_) * region["outside"][m]
+            assert math.isclose(n * per_sample[key][m], combined, rel_tol=1e-4), (key, m)
+
+
+def _assert_a_base_loss_is_the_trainers_alone(store: Path, model: str, loss: dict) -> None:
+    """The base loss of one sample, recomputed alone (batch of 1) with the trainer's flow_loss and the fixed
+    noise, is the report's."""
+    import torch
+
+    from models.flow import flow_loss
+    from models.loading import load_component
+    from models.multires import install_multires
+    from models.randomness import eval_noise
+    from stages.train.data import load, open_inputs as open_train_tables
+
+    per_sample = loss["per_sample"]
+    key = sorted(per_sample)[0]
+    sample = load(open_train_tables(store, model, split="val"), key)
+    transformer = load_component(model, "transformer")
+    install_multires(transformer)
+    with torch.no_grad():
+        alone = [float(flow_loss(transformer, [sample], torch.tensor([t]), [eval_noise(sample, seed)])[0])
+                 for seed in loss["noise_seeds"] for t in loss["timesteps"]]
+    assert math.isclose(per_sample[key]["base"], sum(alone) / len(alone), rel_tol=1e-5)
+
+
+def _assert_every_stage_up_to_date(config: Path) -> None:
+    """A run with nothing left to do says so for every stage, in text and as JSON (one object per stage on
+    stdout, nothing else there)."""
+    out = _run_cli(config)
+    assert out.count("skipped, up to date") == len(STAGES), out
+    result = CliRunner().invoke(app, ["run", "all", "--config", str(config), "--json"])
+    assert result.exit_code == 0, result.output
+    records = json.loads(result.stdout)
+    assert [r["stage"] for r in records] == STAGES and all(r["up_to_date"] and r["encoded"] == 0 for r in records)
+    assert [r["table"] for r in records[:3]] == ["images", "text", "vae"]
+
+
 def test_run_all_resumes_after_kill_and_skips_when_up_to_date(tiny_plus_model, tmp_path, monkeypatch):
     import models.edit
     from pipeline.demo_data import make_demo_data
@@ -61,19 +129,8 @@ def test_run_all_resumes_after_kill_and_skips_when_up_to_date(tiny_plus_model, t
     make_demo_data(tmp_path / "data", n=12, fmt="folder", max_controls=2, seed=1, with_masks=True)
     config = _config(tmp_path, tiny_plus_model)
 
-    # 1) a run killed (SIGKILL, whole process group) as soon as train has committed a checkpoint
-    # a process of its own in a session of its own, started warm (tests/warm_start.py: its third-party imports
-    # done already; the project's modules it imports itself)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = warm_start.WarmProcess([sys.executable, "-m", "pipeline.cli", "run", "all", "--config", str(config)],
-                                  env=env, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while not _first_checkpoint(tmp_path / "run") and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    code = proc.wait(60)
-    assert code == -signal.SIGKILL, f"run all ended (exit {code}) before the kill:\n{''.join(proc.output())[-3000:]}"
+    # 1) a run killed as soon as train has committed a checkpoint: no LoRA, no report
+    _run_all_killed_at_its_first_checkpoint(config, tmp_path / "run")
     assert not (tmp_path / "run" / "lora").exists() and not (tmp_path / "report").exists()
 
     # 2) rerun: finished stages are up to date, train resumes from its checkpoint, evaluate writes the report
@@ -84,54 +141,15 @@ def test_run_all_resumes_after_kill_and_skips_when_up_to_date(tiny_plus_model, t
     assert "trained resumed at step" in out and "to step 24" in out, out
     report = tmp_path / "report"
     assert {p.name for p in report.iterdir()} >= {"index.html", "grid.png", "metrics.json"}
-
     metrics = json.loads((report / "metrics.json").read_text())
-    loss = metrics["loss"]
-    overall = loss["overall"]
-    assert overall["lora"] < overall["base"]  # 24 steps on the train split lower the held-out loss
-    assert sum(b["n"] for b in loss["per_bucket"].values()) == overall["n"] == metrics["run"]["val_samples"]
-    per_sample = loss["per_sample"]
-    for m in ("base", "lora"):
-        assert math.isclose(overall[m], sum(v[m] for v in per_sample.values()) / len(per_sample), rel_tol=1e-9)
-    # inside/outside the edit mask: per sample, N·overall = M·inside + (N − M)·outside (per-sample normalisation)
-    mask = loss["mask"]
-    assert mask["inside"]["n"] >= 1 and mask["per_sample"]
-    for key, region in mask["per_sample"].items():
-        n, m_ = region["tokens"], region["mask_tokens"]
-        for m in ("base", "lora"):
-            combined = m_ * region["inside"][m] + (n - m_) * region["outside"][m]
-            assert math.isclose(n * per_sample[key][m], combined, rel_tol=1e-4), (key, m)
-    # the base loss of one sample, recomputed alone (batch of 1) with the trainer's flow_loss and the fixed noise
-    import torch
-
-    from models.loading import load_component
-    from models.multires import install_multires
-    from models.flow import flow_loss
-    from models.randomness import eval_noise
-    from stages.train.data import load, open_inputs as open_train_tables
-
-    key = sorted(per_sample)[0]
-    sample = load(open_train_tables(tmp_path / "store", tiny_plus_model, split="val"), key)
-    transformer = load_component(tiny_plus_model, "transformer")
-    install_multires(transformer)
-    with torch.no_grad():
-        alone = [float(flow_loss(transformer, [sample], torch.tensor([t]), [eval_noise(sample, seed)])[0])
-                 for seed in loss["noise_seeds"] for t in loss["timesteps"]]
-    assert math.isclose(per_sample[key]["base"], sum(alone) / len(alone), rel_tol=1e-5)
-
+    _assert_held_out_losses_add_up(metrics["loss"], metrics["run"]["val_samples"])
+    _assert_a_base_loss_is_the_trainers_alone(tmp_path / "store", tiny_plus_model, metrics["loss"])
     titles = [s["title"] for s in metrics["generation"]["samples"]]
     assert len(titles) == 3 and titles[-1] == "extra 1", titles
     assert all(math.isfinite(s["psnr_lora"]) for s in metrics["generation"]["samples"])
 
     # 3) nothing left to do
-    out = _run_cli(config)
-    assert out.count("skipped, up to date") == len(STAGES), out
-    # ... and as JSON: one object per stage on stdout, nothing else there
-    result = CliRunner().invoke(app, ["run", "all", "--config", str(config), "--json"])
-    assert result.exit_code == 0, result.output
-    records = json.loads(result.stdout)
-    assert [r["stage"] for r in records] == STAGES and all(r["up_to_date"] and r["encoded"] == 0 for r in records)
-    assert [r["table"] for r in records[:3]] == ["images", "text", "vae"]
+    _assert_every_stage_up_to_date(config)
 
 
 def test_shipped_configs_validate():
@@ -149,52 +167,51 @@ def _lora_bytes(run: Path) -> bytes:
     return (run / "lora" / "pytorch_lora_weights.safetensors").read_bytes()
 
 
-def test_run_all_after_adding_a_sample_keeps_the_old_run_and_trains_afresh(tiny_plus_model, tmp_path):
-    """Adding a photo and rerunning `run all`: only it is encoded, the old run (LoRA, checkpoints, its report) is
-    kept where the one line says, a new LoRA is trained and evaluated. `run train --resume` alone refuses and
-    names --new-run; a keep killed before or after its rename loses nothing."""
+def _add_samples(tmp_path: Path, stems: list[str]) -> None:
+    """Copy the files of these demo samples from tmp_path/all into the source folder tmp_path/data."""
     import shutil
 
-    from pipeline.demo_data import make_demo_data
+    for f in (tmp_path / "all").rglob("*"):
+        if f.is_file() and f.name.split(".")[0] in stems:
+            to = tmp_path / "data" / f.relative_to(tmp_path / "all")
+            to.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, to)
 
-    make_demo_data(tmp_path / "all", n=10, fmt="folder", max_controls=1, seed=2)
-    stems = sorted(p.stem for p in (tmp_path / "all" / "target").glob("*.png"))
 
-    def add(which: list[str]) -> None:
-        for f in (tmp_path / "all").rglob("*"):
-            if f.is_file() and f.name.split(".")[0] in which:
-                to = tmp_path / "data" / f.relative_to(tmp_path / "all")
-                to.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(f, to)
-
-    add(stems[:7])
+def _small_run_config(tmp_path: Path, model: str) -> Path:
+    """The demo config over tmp_path/data: 2 training steps of batch 4 (the whole train split), a 1-sample
+    evaluate."""
     cfg = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "demo.yaml").read_text())
-    run, report, store = tmp_path / "run", tmp_path / "report", tmp_path / "store"
-    cfg["paths"] = {"source": str(tmp_path / "data"), "store": str(store), "model": tiny_plus_model,
-                    "run": str(run), "report": str(report)}
+    cfg["paths"] = {"source": str(tmp_path / "data"), "store": str(tmp_path / "store"), "model": model,
+                    "run": str(tmp_path / "run"), "report": str(tmp_path / "report")}
     cfg["resize"].update(target_area=64 * 64, control_vae_area=64 * 64, val_fraction=0.2, split_by="key")
     cfg["train"].update(max_steps=2, checkpoint_every=2, batch_size=4)  # 8 draws: the whole train split
     cfg["evaluate"].update(num_samples=1, num_inference_steps=2, noise_seeds=[0], timesteps=[0.5])
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
+    return config
 
-    def run_all_json() -> tuple[list[dict], str]:
-        result = CliRunner().invoke(app, ["run", "all", "--config", str(config), "--json"])
-        assert result.exit_code == 0, result.output
-        return json.loads(result.stdout), result.stderr
 
-    first, _ = run_all_json()
-    assert first[3]["kept_previous"] is None and first[3]["steps"] == 2
-    old_lora, old_metrics = _lora_bytes(run), (report / "metrics.json").read_text()
+def _keeps_killed_before_and_after_their_rename(train: list[str]) -> None:
+    """`run train ... --new-run` SIGKILLed before, then after, the rename that keeps the previous run."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    args = [sys.executable, "-m", "pipeline.cli", *train, "--new-run"]
+    for point in ("keep_before_rename", "keep_after_rename"):
+        killed = warm_start.run(args, env={**env, "STORE_CRASH_AT": point})
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
 
-    # two more photos (the split is drawn from each key's hash: one of them lands in train here): encoded alone;
-    # the old run is kept, a new one trained and evaluated
-    add(stems[7:9])
-    records, messages = run_all_json()
-    by = {r["stage"]: r for r in records}
-    assert [(by[s]["encoded"], by[s]["reused"]) for s in ("encode-text", "encode-vae")] == [(2, 7), (2, 7)]
-    assert by["train"]["data"]["joined"] > first[3]["data"]["joined"]  # the train split grew
-    kept = Path(by["train"]["kept_previous"])
+
+def _run_all_json(config: Path) -> tuple[list[dict], str]:
+    """`run all --json`, which must succeed: (its records, its stderr)."""
+    result = CliRunner().invoke(app, ["run", "all", "--config", str(config), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout), result.stderr
+
+
+def _assert_kept_with_its_report(tmp_path: Path, kept: Path, messages: str, old_lora: bytes, old_metrics: str) -> None:
+    """The previous run (its LoRA, checkpoints and report) kept in RUN.previous/1-*, where the one line (with its
+    reason) says; evaluate says its report went with it."""
+    run, report = tmp_path / "run", tmp_path / "report"
     assert kept.parent == tmp_path / "run.previous" and kept.name.startswith("1-")
     assert f"kept the previous run of {run}" in messages and str(kept) in messages, messages
     assert "store tables" in messages.split(str(kept))[1].splitlines()[0]  # says why, on the same line
@@ -203,17 +220,44 @@ def test_run_all_after_adding_a_sample_keeps_the_old_run_and_trains_afresh(tiny_
     # evaluate says why it evaluates afresh: the report it replaces went with the kept run
     assert f"the report in {report} was the previous run's, kept with that run in {kept / 'evaluate-report'}" in (
         " ".join(messages.split())), messages
+
+
+def test_run_all_after_adding_a_sample_keeps_the_old_run_and_trains_afresh(tiny_plus_model, tmp_path):
+    """Adding a photo and rerunning `run all`: only it is encoded, the old run (LoRA, checkpoints, its report) is
+    kept where the one line says, a new LoRA is trained and evaluated. `run train --resume` alone refuses and
+    names --new-run; a keep killed before or after its rename loses nothing."""
+    from pipeline.demo_data import make_demo_data
+
+    make_demo_data(tmp_path / "all", n=10, fmt="folder", max_controls=1, seed=2)
+    stems = sorted(p.stem for p in (tmp_path / "all" / "target").glob("*.png"))
+    _add_samples(tmp_path, stems[:7])
+    run, report, store = tmp_path / "run", tmp_path / "report", tmp_path / "store"
+    config = _small_run_config(tmp_path, tiny_plus_model)
+
+    first, _ = _run_all_json(config)
+    assert first[3]["kept_previous"] is None and first[3]["steps"] == 2
+    old_lora, old_metrics = _lora_bytes(run), (report / "metrics.json").read_text()
+
+    # two more photos (the split is drawn from each key's hash: one of them lands in train here): encoded alone;
+    # the old run is kept, a new one trained and evaluated
+    _add_samples(tmp_path, stems[7:9])
+    records, messages = _run_all_json(config)
+    by = {r["stage"]: r for r in records}
+    assert [(by[s]["encoded"], by[s]["reused"]) for s in ("encode-text", "encode-vae")] == [(2, 7), (2, 7)]
+    assert by["train"]["data"]["joined"] > first[3]["data"]["joined"]  # the train split grew
+    kept = Path(by["train"]["kept_previous"])
+    _assert_kept_with_its_report(tmp_path, kept, messages, old_lora, old_metrics)
     assert by["train"]["start_step"] == 0 and by["train"]["steps"] == 2 and not by["evaluate"]["up_to_date"]
     assert _lora_bytes(run) != old_lora
     metrics = json.loads((report / "metrics.json").read_text())
     assert metrics != json.loads(old_metrics)
     assert "ok:" in CliRunner().invoke(app, ["store", "verify", str(store)]).stdout
     # up to date now: nothing kept, nothing trained
-    again, _ = run_all_json()
+    again, _ = _run_all_json(config)
     assert all(r["up_to_date"] for r in again) and again[3]["kept_previous"] is None
 
     # another photo, encoded; `run train --resume` on its own refuses and names the flag
-    add(stems[9:10])
+    _add_samples(tmp_path, stems[9:10])
     for stage in ("resize-bucket", "encode-text", "encode-vae"):
         assert CliRunner().invoke(app, ["run", stage, "--config", str(config)]).exit_code == 0
     train = ["run", "train", "--config", str(config), "--resume"]
@@ -222,11 +266,7 @@ def test_run_all_after_adding_a_sample_keeps_the_old_run_and_trains_afresh(tiny_
     second_lora = _lora_bytes(run)
 
     # a keep killed before / after its rename: the run is in one piece, in RUN or in RUN.previous/2-*
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    args = [sys.executable, "-m", "pipeline.cli", *train, "--new-run"]
-    for point in ("keep_before_rename", "keep_after_rename"):
-        killed = warm_start.run(args, env={**env, "STORE_CRASH_AT": point})
-        assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    _keeps_killed_before_and_after_their_rename(train)
     assert not run.exists()
     kept2 = [p for p in (tmp_path / "run.previous").iterdir() if p.name.startswith("2-")]
     assert len(kept2) == 1 and _lora_bytes(kept2[0]) == second_lora and _lora_bytes(kept) == old_lora

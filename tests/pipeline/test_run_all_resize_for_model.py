@@ -5,12 +5,30 @@ encoded, encode-text quarantined every reference side not a multiple of 32, and 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 from typer.testing import CliRunner
 
 from pipeline.cli import app
 from pipeline.demo_data import make_demo_data
+
+
+def _refused_before_resizing(tmp_path: Path, model: str, resize: dict | None = None, sets=()) -> tuple[Path, str]:
+    """`run all` of `model` on 4 demo samples, with `resize` settings in its config and `sets` as --set flags:
+    refused in one error line, no traceback, nothing rendered, nothing trained. (its config, that line)"""
+    source, store = tmp_path / "src", tmp_path / "store"
+    make_demo_data(source, n=4, seed=0)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"paths": {"source": str(source), "store": str(store), "model": model,
+                                                "run": str(tmp_path / "run"), "report": str(tmp_path / "report")},
+                                      **({"resize": resize} if resize else {})}))
+    r = CliRunner().invoke(app, ["run", "all", "--config", str(config), *(a for s in sets for a in ("--set", s))])
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 1 and len(lines) == 1 and "Traceback" not in r.output, r.output
+    assert not store.exists() and not (tmp_path / "run").exists()
+    return config, lines[0]
 
 
 @pytest.mark.parametrize("variant,sets,said", [
@@ -28,16 +46,8 @@ from pipeline.demo_data import make_demo_data
 def test_run_all_refuses_resize_settings_the_model_cannot_read_before_resizing(tiny_plus_model, tiny_21_model,
                                                                                   tmp_path, variant, sets, said):
     model = tiny_plus_model if variant == "plus" else tiny_21_model
-    source, store = tmp_path / "src", tmp_path / "store"
-    make_demo_data(source, n=4, seed=0)
-    config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({"paths": {"source": str(source), "store": str(store), "model": model,
-                                                "run": str(tmp_path / "run"), "report": str(tmp_path / "report")}}))
-    r = CliRunner().invoke(app, ["run", "all", "--config", str(config), *(a for s in sets for a in ("--set", s))])
-    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
-    assert r.exit_code == 1 and len(lines) == 1 and "Traceback" not in r.output, r.output
-    assert lines[0].startswith(said) and model in lines[0], lines[0]
-    assert not store.exists() and not (tmp_path / "run").exists()  # nothing rendered, nothing trained
+    _, line = _refused_before_resizing(tmp_path, model, sets=sets)
+    assert line.startswith(said) and model in line, line
 
 
 def test_run_all_refuses_a_model_whose_transformer_weights_are_gone_before_resizing(tiny_21_model, tmp_path):
@@ -48,17 +58,9 @@ def test_run_all_refuses_a_model_whose_transformer_weights_are_gone_before_resiz
     model = tmp_path / "model"
     shutil.copytree(tiny_21_model, model)
     (model / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
-    source, store = tmp_path / "src", tmp_path / "store"
-    make_demo_data(source, n=4, seed=0)
-    config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({"paths": {"source": str(source), "store": str(store), "model": str(model),
-                                                "run": str(tmp_path / "run"), "report": str(tmp_path / "report")}}))
-    r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
-    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
-    assert r.exit_code == 1 and len(lines) == 1 and "Traceback" not in r.output, r.output
-    assert lines[0] == (f"error: model folder {model} is damaged: transformer/ has no weight file (*.safetensors) "
-                        "next to its config.json; restore it from the original download"), lines[0]
-    assert not store.exists()
+    _, line = _refused_before_resizing(tmp_path, str(model))
+    assert line == (f"error: model folder {model} is damaged: transformer/ has no weight file (*.safetensors) "
+                    "next to its config.json; restore it from the original download"), line
 
 
 def test_run_all_refuses_a_21_model_with_keep_alpha_unset_and_takes_either_setting(tiny_21_model, tmp_path):
@@ -68,18 +70,10 @@ def test_run_all_refuses_a_21_model_with_keep_alpha_unset_and_takes_either_setti
     from pipeline.config import load_config
     from pipeline.orchestrate import _check_resize
 
-    source, store = tmp_path / "src", tmp_path / "store"
-    make_demo_data(source, n=4, seed=0)
-    config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({"paths": {"source": str(source), "store": str(store), "model": tiny_21_model,
-                                                "run": str(tmp_path / "run"), "report": str(tmp_path / "report")},
-                                      "resize": {"multiple": 32, "control_vae_area": 96 * 96, "max_controls": 10}}))
-    r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
-    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
-    assert r.exit_code == 1 and len(lines) == 1 and "Traceback" not in r.output, r.output
-    assert lines[0].startswith("error: resize.keep_alpha is unset") and tiny_21_model in lines[0], lines[0]
-    assert "resize.keep_alpha: true" in lines[0] and "resize.keep_alpha: false" in lines[0], lines[0]
-    assert not store.exists() and not (tmp_path / "run").exists()
+    config, line = _refused_before_resizing(tmp_path, tiny_21_model, {"multiple": 32, "control_vae_area": 96 * 96,
+                                                                     "max_controls": 10})
+    assert line.startswith("error: resize.keep_alpha is unset") and tiny_21_model in line, line
+    assert "resize.keep_alpha: true" in line and "resize.keep_alpha: false" in line, line
     unset = load_config(config)
     for value in (True, False):
         _check_resize(load_config(config, {"resize.keep_alpha": value}), tiny_21_model)
@@ -93,18 +87,10 @@ def test_run_all_refuses_a_21_model_with_max_controls_unset_and_takes_either_set
     from pipeline.config import load_config
     from pipeline.orchestrate import _check_resize
 
-    source, store = tmp_path / "src", tmp_path / "store"
-    make_demo_data(source, n=4, seed=0)
-    config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({"paths": {"source": str(source), "store": str(store), "model": tiny_21_model,
-                                                "run": str(tmp_path / "run"), "report": str(tmp_path / "report")},
-                                      "resize": {"multiple": 32, "control_vae_area": 96 * 96, "keep_alpha": True}}))
-    r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
-    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
-    assert r.exit_code == 1 and len(lines) == 1 and "Traceback" not in r.output, r.output
-    assert lines[0].startswith("error: resize.max_controls is unset (3: ") and tiny_21_model in lines[0], lines[0]
-    assert "resize.max_controls: 10" in lines[0] and "resize.max_controls: 3" in lines[0], lines[0]
-    assert not store.exists() and not (tmp_path / "run").exists()
+    config, line = _refused_before_resizing(tmp_path, tiny_21_model, {"multiple": 32, "control_vae_area": 96 * 96,
+                                                                     "keep_alpha": True})
+    assert line.startswith("error: resize.max_controls is unset (3: ") and tiny_21_model in line, line
+    assert "resize.max_controls: 10" in line and "resize.max_controls: 3" in line, line
     for value in (3, 10):
         _check_resize(load_config(config, {"resize.max_controls": value}), tiny_21_model)
     unset = load_config(config)

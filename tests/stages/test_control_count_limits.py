@@ -106,13 +106,20 @@ def test_21_predict_refuses_a_prompt_holding_the_processors_placeholder_before_l
     component, then the stock call failed with the processor's ValueError traceback ("The total number of
     <|image_pad|> tokens ... should be the same as the number of images passed"). Now one line, the processor
     alone read; so for the negative prompt under true CFG."""
+    _assert_predict_refuses_placeholders(tiny_21_model, tmp_path, true_cfg=["--cfg", "4"])
+
+
+def _assert_predict_refuses_placeholders(model: str, tmp_path, true_cfg: list[str]) -> None:
+    """`predict` with `<|image_pad|>` in its prompt, then `<|video_pad|>` in its negative prompt (under true CFG:
+    `true_cfg`'s flags, none where it is the model's default): each refused in one line, no image written, the
+    processor alone read."""
     from models.loading import LOAD_LOG
 
     out = tmp_path / "out.png"
-    for flags in (["--prompt", "make <|image_pad|> red"], ["--prompt", "p", "--cfg", "4", "--negative-prompt",
+    for flags in (["--prompt", "make <|image_pad|> red"], ["--prompt", "p", *true_cfg, "--negative-prompt",
                                                             "<|video_pad|>"]):
         LOAD_LOG.clear()
-        result = CliRunner().invoke(app, ["predict", "--model", tiny_21_model, "--image", str(_refs(tmp_path, 1)[0]),
+        result = CliRunner().invoke(app, ["predict", "--model", model, "--image", str(_refs(tmp_path, 1)[0]),
                                           *flags, "--steps", "2", "--height", "32", "--width", "32", "--out", str(out)])
         assert result.exit_code == 1 and "a placeholder the model's processor reserves" in result.output, result.output
         assert "Traceback" not in result.output and not out.exists()
@@ -169,16 +176,7 @@ def test_edit_plus_predict_refuses_a_prompt_holding_the_processors_placeholder_b
     failed with the processor's ValueError traceback ("The total number of <|image_pad|> tokens ... should be the
     same as the number of images passed"; "Found 1 <|video_pad|> tokens in the text but no videos were passed").
     Now one line, the processor alone read; so for the negative prompt under true CFG (the Edit default 4.0)."""
-    from models.loading import LOAD_LOG
-
-    out = tmp_path / "out.png"
-    for flags in (["--prompt", "make <|image_pad|> red"], ["--prompt", "p", "--negative-prompt", "<|video_pad|>"]):
-        LOAD_LOG.clear()
-        result = CliRunner().invoke(app, ["predict", "--model", tiny_plus_model, "--image", str(_refs(tmp_path, 1)[0]),
-                                          *flags, "--steps", "2", "--height", "32", "--width", "32", "--out", str(out)])
-        assert result.exit_code == 1 and "a placeholder the model's processor reserves" in result.output, result.output
-        assert "Traceback" not in result.output and not out.exists()
-        assert [component for _, component in LOAD_LOG] == ["processor"]
+    _assert_predict_refuses_placeholders(tiny_plus_model, tmp_path, true_cfg=[])
 
 
 def test_edit_evaluate_refuses_an_extra_prompt_holding_the_processors_placeholder(tiny_edit_model, tmp_path):

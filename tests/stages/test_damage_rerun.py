@@ -129,16 +129,16 @@ def test_evaluate_skips_and_reports_damaged_val_samples(tiny_edit_model, tmp_pat
     assert no_check_ahead_threads()
 
 
-def demo_store(tmp_path: Path) -> tuple[Path, Path]:
-    """(store, config): an `images` table made by resize-bucket from demo data (its rows carry what the vae
-    stage's carry-forward compares, mask_sha256, which the fixture stores' rows lack)."""
+def demo_store(tmp_path: Path, n: int = 8) -> tuple[Path, Path]:
+    """(store, config): an `images` table made by resize-bucket from `n` demo samples, small shards (its rows carry
+    what the vae stage's carry-forward compares, mask_sha256, which the fixture stores' rows lack)."""
     from pipeline.demo_data import make_demo_data
 
     settings = {"resize": {"target_area": 64 * 64, "control_vl_area": 48 * 48, "control_vae_area": 64 * 64,
                            "multiple": 16, "min_side": 16, "shard_size_mb": 0.01}}
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(settings))
-    make_demo_data(tmp_path / "src", n=8, fmt="folder", max_controls=1, seed=1)
+    make_demo_data(tmp_path / "src", n=n, fmt="folder", max_controls=1, seed=1)
     store = tmp_path / "store"
     assert invoke("run", "resize-bucket", "--config", config, "--source", tmp_path / "src", "--store",
                   store).exit_code == 0

@@ -23,9 +23,16 @@ import warm_start
 from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
 
 REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests' / 'stages'}",
-       "OMP_NUM_THREADS": "1"}
-ENV.pop("WORLD_SIZE", None)
+
+
+def _env() -> dict[str, str]:
+    """The launcher's environment, taken when it starts: the session's TMPDIR and caches (tests/conftest.py) and
+    so the warm parent of the other tests (one taken at import had its own: ~9 s of CPU importing torch again)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests' / 'stages'}",
+           "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    return env
+
 
 # rank 1 fails at step 20: in its own loss pass (as an out-of-memory would: `fails_alone`), or loading the
 # checkpoint (a step all ranks take `together`), inside the CLI's own run
@@ -78,7 +85,7 @@ def test_two_ranks_give_the_one_process_numbers(run_and_store, tiny_edit_model, 
     one = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), tmp_path / "one")
     # the launcher started warm (tests/warm_start.py: torch imported already); its two ranks are torchrun's own
     proc = warm_start.run([sys.executable, "-m", "pipeline.cli", "launch", "--standalone", "--nproc-per-node", "2",
-                           *_args(root, tiny_edit_model, tmp_path / "two")], env=ENV, timeout=600)
+                           *_args(root, tiny_edit_model, tmp_path / "two")], env=_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("best checkpoint step 20") == 1  # rank 0 reports, once
     a, b = xr.open_zarr(tmp_path / "one" / GROUP), xr.open_zarr(tmp_path / "two" / GROUP)

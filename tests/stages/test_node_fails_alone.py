@@ -22,7 +22,7 @@ from train_store import make_train_store, mixed_specs
 # every rank to read the line (models/collective.py HOST_WAIT_SECONDS, 10 s).
 HOOK = """
 import os, sys, time
-rank, marker = os.environ.get('RANK'), os.environ['HOLDING_MARKER']
+rank, marker = os.environ.get('RANK'), HOLDING_MARKER
 if rank in ('0', '1'):
     import torch
     real = torch.Tensor.backward
@@ -48,8 +48,10 @@ def test_a_rank_failing_alone_on_the_stores_node_ends_every_node_on_its_line(tin
     make_train_store(store, tiny_edit_model, mixed_specs(8))
     hook = tmp_path / "hook"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(HOOK)
-    env = {"PYTHONPATH": os.pathsep.join([str(hook), str(REPO)]), "HOLDING_MARKER": str(tmp_path / "holding")}
+    # the marker's path in the hook's text, not a variable: an environment of per-launch variables alone starts the
+    # nodes warm (test_train_multinode.start_nodes)
+    (hook / "sitecustomize.py").write_text(HOOK.replace("HOLDING_MARKER", repr(str(tmp_path / "holding"))))
+    env = {"PYTHONPATH": os.pathsep.join([str(hook), str(REPO)])}
     ended = nodes_ended(["run", "train", "--store", str(store), "--model", tiny_edit_model, "--out",
                          str(tmp_path / "run"), "--device", "cpu", "--max-steps", "2", "--batch-size", "2",
                          "--set", "train.lora.rank=4"], (env, env))

@@ -14,12 +14,13 @@ from stages.encode.progress import SampleProgress
 import warm_start
 
 REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    # started warm (tests/warm_start.py): the CLI's own process, output to files (not a terminal) as to pipes
-    proc = warm_start.run([sys.executable, "-m", "pipeline.cli", *args], env={**ENV, "COLUMNS": "200"}, timeout=300)
+    # started warm (tests/warm_start.py): the CLI's own process, output to files (not a terminal) as to pipes. The
+    # environment is the test's (the session's TMPDIR and caches, tests/conftest.py), so the warm parent is the
+    # other tests' (one taken at import had its own: ~9 s of CPU importing torch again)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "COLUMNS": "200"}
+    proc = warm_start.run([sys.executable, "-m", "pipeline.cli", *args], env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

@@ -13,7 +13,7 @@ from models.lora import read_lora
 from models.quantize import dequantize, is_quantized
 from pipeline.config import load_config
 from stages.train.recipe import run
-from train_store import make_train_store, mixed_specs
+from train_store import assert_same_training, make_train_store, mixed_specs, offloaders_built
 
 
 @pytest.fixture(scope="module")
@@ -186,24 +186,13 @@ def test_lora_from_a_quantized_base_loads_on_the_plain_base(quantize, store_dir,
 def test_offloaded_blocks_train_the_same_lora(quantize, store_dir, tiny_edit_model, tmp_path):
     """offload=blocks (storage and compute on the CPU, every onload a real copy) = no offload, bit for bit.
     (nf4: the offloaded weights lost their NF4 statistics and the first forward failed.)"""
-    from models.offload import BlockOffloader
-
     if quantize == "nf4":
         pytest.importorskip("bitsandbytes")
 
     base = {"train.device": "cpu", "train.max_steps": 2, "train.batch_size": 2, "train.learning_rate": 2e-3,
             "train.lora.rank": 4, "train.gradient_checkpointing": True, "train.quantize_base": quantize}
     plain = run(load_config(None, base), store_dir, tiny_edit_model, tmp_path / "plain")
-    seen = []
-    original = BlockOffloader.__init__
-
-    def spy(self, *a, **k):
-        original(self, *a, **k)
-        seen.append(self)
-
-    import unittest.mock as um
-
-    with um.patch.object(BlockOffloader, "__init__", spy):
+    with offloaders_built() as seen:
         off = run(load_config(None, {**base, "train.offload": "blocks", "train.offload_blocks_on_device": 1,
                                      "train.gradient_checkpointing": False}),
                   store_dir, tiny_edit_model, tmp_path / "off")
@@ -211,11 +200,7 @@ def test_offloaded_blocks_train_the_same_lora(quantize, store_dir, tiny_edit_mod
     assert offloader.always_copy and list(offloader.blocks) == [1]  # block 0 resident, block 1 streamed
     # forward + recompute per micro-batch and step
     assert offloader.onloads >= 2 * 2
-    a, b = read_lora(plain.lora_dir)[0], read_lora(off.lora_dir)[0]
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-    assert plain.losses == off.losses
+    assert_same_training(plain, off)
 
 
 @pytest.mark.parametrize("quantize", ["int8", "fp8", "nf4"])

@@ -16,6 +16,7 @@ from schemas import FieldSpec, Lineage, TableSchema
 from stages.encode import text as encode_text
 from stages.encode import vae as encode_vae
 from store import Store
+from train_store import assert_same_training, offloaders_built
 
 F32 = {"encode_text.dtype": "float32", "encode_vae.dtype": "float32"}
 
@@ -414,21 +415,10 @@ def test_21_offloaded_blocks_train_the_same_lora(tiny_21_model, encoded21, tmp_p
     """offload=blocks on 2.1 (the stock blocks are called through their module, so the offload hooks fire;
     storage and compute on the CPU, every onload a real copy) = no offload, bit for bit; also with the resident
     block left out of checkpointing."""
-    import unittest.mock as um
-
-    from models.lora import read_lora
-    from models.offload import BlockOffloader
     from stages.train.recipe import run
 
     plain = run(_train_cfg(max_steps=2, gradient_checkpointing=True), encoded21, tiny_21_model, tmp_path / "plain")
-    seen = []
-    original = BlockOffloader.__init__
-
-    def spy(self, *a, **k):
-        original(self, *a, **k)
-        seen.append(self)
-
-    with um.patch.object(BlockOffloader, "__init__", spy):
+    with offloaders_built() as seen:
         off = run(_train_cfg(max_steps=2, offload="blocks", offload_blocks_on_device=1), encoded21, tiny_21_model,
                   tmp_path / "off")
         # block 0 resident and left out of checkpointing (train.uncheckpointed_blocks): the same LoRA too
@@ -436,11 +426,8 @@ def test_21_offloaded_blocks_train_the_same_lora(tiny_21_model, encoded21, tmp_p
                       encoded21, tiny_21_model, tmp_path / "partial")
     offloader = seen[0]
     assert offloader.onloads >= 2 * 2  # forward + recompute of block 1, per step
-    a = read_lora(plain.lora_dir)[0]
     for other in (off, partial):
-        b = read_lora(other.lora_dir)[0]
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-        assert plain.losses == other.losses
+        assert_same_training(plain, other)
 
 
 def test_21_validation_loss_while_training(tiny_21_model, tmp_path):
@@ -457,6 +444,27 @@ def test_21_validation_loss_while_training(tiny_21_model, tmp_path):
     assert grid.size == (64 + 64, 96)  # the two val samples (64x64 and 96x64 px targets) side by side
 
 
+def _rows_written_by(monkeypatch, module, name: str) -> list:
+    """The rows `module.name(out, metrics, rows)` (a report writer) is handed, collected as it writes them."""
+    rows, write = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda out, metrics, r: (rows.extend(r), write(out, metrics, r))[1])
+    return rows
+
+
+def _extra_prompt_pictures(tmp_path) -> tuple:
+    """A 96x64 RGBA reference and an RGB target, random pixels: (ref, target) paths."""
+    ref, target = tmp_path / "ref.png", tmp_path / "target.png"
+    Image.fromarray(np.random.default_rng(5).integers(0, 255, (64, 96, 4), dtype=np.uint8), "RGBA").save(ref)
+    Image.fromarray(np.random.default_rng(6).integers(0, 255, (64, 96, 3), dtype=np.uint8)).save(target)
+    return ref, target
+
+
+def _stock_21_image(pipe, ref, seed: int):
+    """The stock `QwenImage21Pipeline` call the extra prompt stands for, with whatever LoRA `pipe` holds."""
+    return pipe(image=[Image.open(ref)], prompt="make the square red", num_inference_steps=2, height=64, width=96,
+                output_resolution=78, generator=torch.Generator().manual_seed(seed), output_type="pil").images[0]
+
+
 def test_21_evaluate_extra_prompts_are_the_stock_pipeline_base_and_lora(tiny_21_model, tmp_path, monkeypatch,
                                                                           capsys):
     """`evaluate.extra_prompts` on 2.1 (refused before): the report's extra row holds the stock
@@ -466,6 +474,7 @@ def test_21_evaluate_extra_prompts_are_the_stock_pipeline_base_and_lora(tiny_21_
 
     from diffusers import QwenImage21Pipeline
 
+    from stages.evaluate import checkpoint_report, checkpoints
     from stages.evaluate import stage as evaluate
     from stages.train.recipe import run
 
@@ -474,14 +483,9 @@ def test_21_evaluate_extra_prompts_are_the_stock_pipeline_base_and_lora(tiny_21_
     encode_text.run(cfg, store, tiny_21_model)
     encode_vae.run(cfg, store, tiny_21_model)
     run(_train_cfg(max_steps=2, checkpoint_every=1), store, tiny_21_model, tmp_path / "run")
-    ref = tmp_path / "ref.png"
-    Image.fromarray(np.random.default_rng(5).integers(0, 255, (64, 96, 4), dtype=np.uint8), "RGBA").save(ref)
-    target = tmp_path / "target.png"
-    Image.fromarray(np.random.default_rng(6).integers(0, 255, (64, 96, 3), dtype=np.uint8)).save(target)
+    ref, target = _extra_prompt_pictures(tmp_path)
 
-    rows = []
-    write_report = evaluate.write_report
-    monkeypatch.setattr(evaluate, "write_report", lambda out, metrics, r: (rows.extend(r), write_report(out, metrics, r))[1])
+    rows = _rows_written_by(monkeypatch, evaluate, "write_report")
     ev = load_config(None, {"evaluate.dtype": "float32", "evaluate.num_samples": 0, "evaluate.num_inference_steps": 2,
                             "evaluate.true_cfg_scale": 1.0, "evaluate.negative_prompt": "blurry",
                             "evaluate.extra_prompts": [{"prompt": "make the square red", "images": [str(ref)],
@@ -496,34 +500,23 @@ def test_21_evaluate_extra_prompts_are_the_stock_pipeline_base_and_lora(tiny_21_
     assert [s["title"] for s in samples] == ["extra 1"]
 
     pipe = QwenImage21Pipeline.from_pretrained(tiny_21_model)
-
-    def stock():
-        return pipe(image=[Image.open(ref)], prompt="make the square red", num_inference_steps=2, height=64, width=96,
-                    output_resolution=78, generator=torch.Generator().manual_seed(ev.seed), output_type="pil").images[0]
-
-    base = stock()
+    base = _stock_21_image(pipe, ref, ev.seed)
     pipe.load_lora_weights(tmp_path / "run" / "lora")
-    lora = stock()
+    lora = _stock_21_image(pipe, ref, ev.seed)
     assert not np.array_equal(np.asarray(base), np.asarray(lora))
     np.testing.assert_array_equal(np.asarray(row.base), np.asarray(rgb_over_white(base)))
     np.testing.assert_array_equal(np.asarray(row.lora), np.asarray(rgb_over_white(lora)))
 
     # --all-checkpoints: the same extra row from the base and the best checkpoint
-    from stages.evaluate import checkpoint_report, checkpoints
-
-    ck_rows = []
-    write_ck = checkpoint_report.write_checkpoint_report
-    monkeypatch.setattr(checkpoint_report, "write_checkpoint_report",
-                        lambda out, metrics, r: (ck_rows.extend(r), write_ck(out, metrics, r))[1])
+    ck_rows = _rows_written_by(monkeypatch, checkpoint_report, "write_checkpoint_report")
     ckpts = [(n, tmp_path / "run" / "checkpoints" / f"step-{n}" / "lora") for n in (1, 2)]
-    res = checkpoints.run(ev, store, tiny_21_model, ckpts, tmp_path / "ck-report")
+    best = checkpoints.run(ev, store, tiny_21_model, ckpts, tmp_path / "ck-report").metrics["checkpoints"]["best"]
     (ck,) = ck_rows
-    best = res.metrics["checkpoints"]["best"]
     pipe.unload_lora_weights()
     pipe.load_lora_weights(best["path"])
     np.testing.assert_array_equal(np.asarray(ck.outputs["base"]), np.asarray(rgb_over_white(base)))
     np.testing.assert_array_equal(np.asarray(ck.outputs[f"best (step {best['step']})"]),
-                                  np.asarray(rgb_over_white(stock())))
+                                  np.asarray(rgb_over_white(_stock_21_image(pipe, ref, ev.seed))))
 
 
 def test_21_extra_prompt_without_images_is_the_stock_text_to_image_call(tiny_21_model, tiny_plus_model):

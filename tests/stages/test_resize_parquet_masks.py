@@ -156,12 +156,15 @@ def test_a_mask_column_no_file_has_is_one_line_and_no_store(tmp_path):
     assert not (tmp_path / "store").exists()  # refused before a store is made
     # the column one file has: its rows masked, the other file's not
     run(cfg(mask="mask_img"), tmp_path / "src", tmp_path / "store")
-    r = Store(tmp_path / "store", create=False).reader("images")
-    try:
+    assert _a_parquets_rows_alone_masked(tmp_path)
+
+
+def _a_parquets_rows_alone_masked(tmp_path) -> bool:
+    """The `images` table of tmp_path/store has masks on the rows of src/a.parquet (two) and on none of
+    src/b.parquet's (two)."""
+    with Store(tmp_path / "store", create=False).reader("images") as r:
         got = {r.meta(k)["source"]: r.meta(k)["has_mask"] for k in r.keys()}
-    finally:
-        r.close()
-    assert got == {f"{tmp_path / 'src' / f}:{i}": f == "a.parquet" for f in ("a.parquet", "b.parquet") for i in (0, 1)}
+    return got == {f"{tmp_path / 'src' / f}:{i}": f == "a.parquet" for f in ("a.parquet", "b.parquet") for i in (0, 1)}
 
 
 def test_an_unset_mask_reads_the_files_holding_mask_images_and_no_other(tmp_path):
@@ -174,12 +177,7 @@ def test_an_unset_mask_reads_the_files_holding_mask_images_and_no_other(tmp_path
         pq.write_table(_table(part, mask=mask), tmp_path / "src" / name)
     s = run(cfg(), tmp_path / "src", tmp_path / "store")
     assert s.written == 4 and not s.quarantined
-    r = Store(tmp_path / "store", create=False).reader("images")
-    try:
-        got = {r.meta(k)["source"]: r.meta(k)["has_mask"] for k in r.keys()}
-    finally:
-        r.close()
-    assert got == {f"{tmp_path / 'src' / f}:{i}": f == "a.parquet" for f in ("a.parquet", "b.parquet") for i in (0, 1)}
+    assert _a_parquets_rows_alone_masked(tmp_path)
     # an explicit setting naming a column of numbers is still refused
     with pytest.raises(UserError, match="not image bytes"):
         run(cfg(mask="mask"), tmp_path / "src", tmp_path / "store2")

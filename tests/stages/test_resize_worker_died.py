@@ -85,7 +85,7 @@ def test_a_sigkilled_stage_leaves_no_worker_process_behind(tmp_path):
     assert killed.returncode == -9, (tmp_path / "stderr").read_text()  # killed at its first committed shard
     deadline = time.monotonic() + 120  # a generous bound for a loaded machine; they end within ~1 s
     while _processes_with(marker) and time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(0.05)
     left = _processes_with(marker)
     for pid in left:  # do not leave them to the rest of the test session either
         os.kill(pid, signal.SIGKILL)

@@ -17,10 +17,12 @@ from rank_hook import REPO, launch_with_hook
 from test_evaluate_checkpoints import run_and_store  # noqa: F401 (the module fixture)
 from test_train_multinode import nodes_ended
 
-# the rank named by NO_EXTRA_RANK reads extra.png as a node that lacks it would
+# the rank named by NO_EXTRA_RANK (replaced by the rank, quoted) reads extra.png as a node that lacks it would; the
+# rank is in the hook's text, not a variable: an environment of per-launch variables alone starts the nodes warm
+# (test_train_multinode.start_nodes)
 LACKS_EXTRA = """
 import os, pathlib
-if os.environ.get('RANK') == os.environ.get('NO_EXTRA_RANK'):
+if os.environ.get('RANK') == NO_EXTRA_RANK:
     real = pathlib.Path.read_bytes
     def read_bytes(self):
         if self.name == 'extra.png':
@@ -68,8 +70,8 @@ def test_run_all_stops_every_node_when_rank_0_cannot_read_an_extra_prompt(tiny_p
     config = _run_all_config(tmp_path, tiny_plus_model)
     hook = tmp_path / "hook"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(LACKS_EXTRA)
-    env = {"PYTHONPATH": os.pathsep.join([str(hook), str(REPO)]), "NO_EXTRA_RANK": "0"}
+    (hook / "sitecustomize.py").write_text(LACKS_EXTRA.replace("NO_EXTRA_RANK", "'0'"))
+    env = {"PYTHONPATH": os.pathsep.join([str(hook), str(REPO)])}
     ended = _two_nodes(tmp_path, (env, env), (["--config", config], ["--config", config]))
     _one_line_each(ended, f"error: rank 0: cannot read evaluate.extra_prompts[0] image {tmp_path / 'extra.png'}: No "
                           "such file or directory; check the path")
@@ -114,7 +116,7 @@ def test_a_node_without_the_extra_prompt_files_does_not_stop_evaluate(run_and_st
     # rank 0's controls at a 256² view rather than the stock ~1024² (as tests/stages/test_predict.py): its text
     # and VAE encoding took seconds of CPU; which rank makes the images does not depend on their size
     small_controls = "if os.environ.get('RANK') == '0':\n    import models.edit\n    models.edit.VAE_AREA = 256 * 256\n"
-    hook = LACKS_EXTRA.replace("os.environ.get('NO_EXTRA_RANK')", "'1'") + small_controls
+    hook = LACKS_EXTRA.replace("NO_EXTRA_RANK", "'1'") + small_controls
     p = launch_with_hook(tmp_path, hook, [
         "run", "evaluate", "--all-checkpoints", "--set", f"paths.run={root / 'run'}", "--store", str(root / "store"),
         "--model", tiny_edit_model, "--out", str(tmp_path / "report"), "--num-samples", "0", "--device", "cpu",

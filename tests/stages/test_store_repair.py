@@ -20,6 +20,7 @@ from stages.train.recipe import run as train
 from store import Store
 from store import format as fmt
 from store.verify import verify_store
+from test_damage_rerun import demo_store
 import warm_start
 
 runner = CliRunner()
@@ -98,18 +99,7 @@ def test_repair_names_what_it_cannot_repair_and_rebuilds_store_json(edit_store, 
 
 
 def test_repair_re_renders_damaged_images_from_the_source(tmp_path):
-    import yaml
-
-    from pipeline.demo_data import make_demo_data
-    from stages.resize import stage as resize_bucket
-
-    settings = {"resize": {"target_area": 64 * 64, "control_vl_area": 48 * 48, "control_vae_area": 64 * 64,
-                           "multiple": 16, "min_side": 16, "shard_size_mb": 0.01}}
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(settings))
-    make_demo_data(tmp_path / "src", n=8, fmt="folder", max_controls=1, seed=1)
-    store = tmp_path / "store"
-    resize_bucket.run(load_config(config), tmp_path / "src", store)
+    store, config = demo_store(tmp_path)
     clean = Path(shutil.copytree(store, tmp_path / "clean"))
     bad = _flip(store, "images", 3, where="header")
     res = runner.invoke(app, ["store", "repair", str(store), "--config", str(config)])  # source: from the schema
@@ -126,32 +116,42 @@ def test_repair_keeps_a_damaged_version_a_running_reader_holds(tiny_edit_model, 
     replaces it: v1 stays in place until the reader is gone (moving it aside made the reader's next shard open
     a FileNotFoundError traceback), the reader reads every intact sample to the end, and `store gc` removes v1
     once it has left. A reader that loses a shard anyway (deleted by hand) gets one line."""
-    import subprocess
     import sys
+    import time
 
     cfg = load_config(None, SMALL_SHARDS)
     encode_text.run(cfg, edit_store, tiny_edit_model)
     encode_vae.run(cfg, edit_store, tiny_edit_model)
     bad = _flip(edit_store, "vae", 2)
-    reader = subprocess.Popen([sys.executable, "-c", f"""
-import sys
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    # started warm (tests/warm_start.py: its reads import torch, ~9 s of CPU cold); told to read by a file
+    reader = warm_start.WarmProcess([sys.executable, "-c", f"""
+import time
+from pathlib import Path
 from store import Store
 from store.lease import hold
 lease = hold({str(edit_store)!r}, {{"vae": None}}, "a test training")
 r = Store({str(edit_store)!r}).reader("vae", lease.version("vae"), on_damaged="skip")
-print("ready", flush=True)
-sys.stdin.readline()
+Path({str(ready)!r}).touch()
+deadline = time.monotonic() + 300  # a bound, not a duration: the test touches the file once repair has run
+while not Path({str(go)!r}).exists() and time.monotonic() < deadline:
+    time.sleep(0.01)
 print("read", sum(1 for k in r.keys() if k != {bad!r} and r.tensors(k)), flush=True)
-"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+"""])
     try:
-        assert reader.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 300
+        while not ready.exists() and reader.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ready.exists(), reader.output()
         res = runner.invoke(app, ["store", "repair", str(edit_store), "--model", tiny_edit_model])
         assert res.exit_code == 0, res.output
         assert "The damaged v1 is still read by a test training (pid" in res.output, res.output
         assert Store(edit_store).tables()["vae"] == 2 and (edit_store / "vae" / "v1").is_dir()
-        out, err = reader.communicate("go\n", timeout=120)
+        go.touch()
+        out, err = reader.communicate(timeout=120)
     finally:
-        reader.kill()
+        if reader.poll() is None:
+            reader.kill()
     assert reader.returncode == 0 and out.strip() == f"read {len(Store(edit_store).reader('vae').keys()) - 1}", err
     res = runner.invoke(app, ["store", "gc", str(edit_store)])
     assert res.exit_code == 0 and not (edit_store / "vae" / "v1").exists(), res.output
@@ -175,18 +175,7 @@ def test_repair_killed_after_carrying_a_shard_resumes(tmp_path):
     import os
     import sys
 
-    import yaml
-
-    from pipeline.demo_data import make_demo_data
-    from stages.resize import stage as resize_bucket
-
-    settings = {"resize": {"target_area": 64 * 64, "control_vl_area": 48 * 48, "control_vae_area": 64 * 64,
-                           "multiple": 16, "min_side": 16, "shard_size_mb": 0.01}}
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(settings))
-    make_demo_data(tmp_path / "src", n=8, fmt="folder", max_controls=1, seed=1)
-    store = tmp_path / "store"
-    resize_bucket.run(load_config(config), tmp_path / "src", store)
+    store, config = demo_store(tmp_path)
     clean = Path(shutil.copytree(store, tmp_path / "clean"))
     _flip(store, "images", 3, where="header")
     args = [sys.executable, "-c", "from pipeline.cli import app; app()", "store", "repair", str(store),
@@ -206,19 +195,8 @@ def test_repair_of_images_names_the_encoders_to_rerun(tiny_edit_model, tmp_path)
     """The text and vae tables were encoded from images v1, which the repair replaced by v2 (set aside): they still
     name v1, and evaluate's pictures are refused until both encoders run again. The repair's last line says so
     (before: only "ok: ... repaired and verified")."""
-    import yaml
-
-    from pipeline.demo_data import make_demo_data
-    from stages.resize import stage as resize_bucket
-
-    settings = {"resize": {"target_area": 64 * 64, "control_vl_area": 48 * 48, "control_vae_area": 64 * 64,
-                           "multiple": 16, "min_side": 16, "shard_size_mb": 0.01}}
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(settings))
-    make_demo_data(tmp_path / "src", n=4, fmt="folder", max_controls=1, seed=1)
-    store = tmp_path / "store"
+    store, config = demo_store(tmp_path, n=4)
     cfg = load_config(config)
-    resize_bucket.run(cfg, tmp_path / "src", store)
     encode_text.run(cfg, store, tiny_edit_model)
     encode_vae.run(cfg, store, tiny_edit_model)
     _flip(store, "images", 2, where="header")

@@ -62,18 +62,25 @@ def test_an_unreadable_older_images_version_does_not_stop_resize_bucket(source, 
     assert fmt.damaged_marker(store, "images", 1).is_file()
 
 
+def _rerun_refused_with(source, store, name: str) -> str:
+    """resize-bucket into `store`, its images v1's `name` emptied, resize-bucket again: refused in one error line
+    naming the file. That line."""
+    assert resize(source, store).exit_code == 0
+    (store / "images" / "v1" / name).write_bytes(b"")
+    r = resize(source, store)
+    error = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 1 and len(error) == 1 and name in error[0], r.output
+    return error[0]
+
+
 def test_an_unreadable_current_images_schema_names_a_command_that_gets_out(source, tmp_path):
     """The current version's schema.json holds the split rule a rerun keeps: refused in one line naming the file
     and `--set resize.split_by`; that command then runs (before: it stopped in `find_version`, the same file), and
     so does the plain stage after it."""
     store = tmp_path / "store"
-    assert resize(source, store).exit_code == 0
-    (store / "images" / "v1" / fmt.SCHEMA_JSON).write_bytes(b"")
-    r = resize(source, store)
-    assert r.exit_code == 1
-    error = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
-    assert len(error) == 1 and str(store / "images" / "v1" / fmt.SCHEMA_JSON) in error[0], r.output
-    assert "--set resize.split_by=pictures or =key" in error[0]
+    error = _rerun_refused_with(source, store, fmt.SCHEMA_JSON)
+    assert str(store / "images" / "v1" / fmt.SCHEMA_JSON) in error, error
+    assert "--set resize.split_by=pictures or =key" in error
     r = resize(source, store, "--set", "resize.split_by=pictures")
     assert r.exit_code == 0, r.output
     assert Store(store).tables()["images"] == 2
@@ -103,12 +110,8 @@ def test_a_damaged_current_checksums_json_names_the_split_rule_command_that_gets
     """checksums.json is what shows schema.json intact: damaged, the split rule cannot be trusted either (before:
     the rerun it named took the rule from schema.json unchecked). The command named runs, then the plain stage."""
     store = tmp_path / "store"
-    assert resize(source, store).exit_code == 0
-    (store / "images" / "v1" / fmt.CHECKSUMS).write_bytes(b"")
-    r = resize(source, store)
-    error = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
-    assert r.exit_code == 1 and len(error) == 1 and fmt.CHECKSUMS in error[0], r.output
-    assert "--set resize.split_by=pictures or =key" in error[0]
+    error = _rerun_refused_with(source, store, fmt.CHECKSUMS)
+    assert "--set resize.split_by=pictures or =key" in error
     assert resize(source, store, "--set", "resize.split_by=pictures").exit_code == 0
     r = resize(source, store)
     assert r.exit_code == 0 and "images v2 is up to date" in r.output, r.output
@@ -118,12 +121,8 @@ def test_a_damaged_images_manifest_names_store_repair_which_gets_out(source, tmp
     """A manifest (schema.json intact) is refused naming `store repair`, which rebuilds it from the shard indexes;
     the stage then runs."""
     store = tmp_path / "store"
-    assert resize(source, store).exit_code == 0
-    (store / "images" / "v1" / fmt.MANIFEST).write_bytes(b"")
-    r = resize(source, store)
-    error = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
-    assert r.exit_code == 1 and len(error) == 1 and fmt.MANIFEST in error[0], r.output
-    assert f"run `pipeline store repair {store}`" in error[0]
+    error = _rerun_refused_with(source, store, fmt.MANIFEST)
+    assert f"run `pipeline store repair {store}`" in error
     assert cli("store", "repair", store).exit_code == 0
     r = resize(source, store)
     assert r.exit_code == 0 and "images v2 is up to date" in r.output, r.output

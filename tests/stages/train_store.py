@@ -6,7 +6,9 @@ offset), so a LoRA can lower the flow-matching loss on held-out samples.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import unittest.mock
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,3 +149,31 @@ def trainer_vs_stock(model: str, store: Path, ours_model, lora_for_stock: Path):
         pipe.load_lora_weights(lora_for_stock)
         theirs = stock()
     return ours, theirs, base
+
+
+@contextlib.contextmanager
+def offloaders_built():
+    """The `BlockOffloader`s the trainings inside the block build, in a list filled as they are built (what a
+    train.offload run streamed: its blocks, its onloads)."""
+    from models.offload import BlockOffloader
+
+    seen, original = [], BlockOffloader.__init__
+
+    def spy(self, *a, **k):
+        original(self, *a, **k)
+        seen.append(self)
+
+    with unittest.mock.patch.object(BlockOffloader, "__init__", spy):
+        yield seen
+
+
+def assert_same_training(a, b) -> None:
+    """Two trainings' results (stages.train.recipe.run's) went through the same losses to the same LoRA, bit
+    for bit."""
+    from models.lora import read_lora
+
+    la, lb = read_lora(a.lora_dir)[0], read_lora(b.lora_dir)[0]
+    assert la.keys() == lb.keys()
+    for k in la:
+        assert torch.equal(la[k], lb[k]), k
+    assert a.losses == b.losses

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from store import Store, gc
 from store_samples import fill, key_of
+import warm_start
 
 HERE = Path(__file__).resolve().parent
 
@@ -30,8 +30,8 @@ def test_gc_while_a_writer_commits_keeps_the_version_it_completes(store: Store) 
     fill(store, 3)  # v1, current: the writer below makes v2
     env = {**os.environ, "STORE_PAUSE_AT": "commit_after_manifest",
            "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
-    writer = subprocess.Popen([sys.executable, "-c", WRITE, str(store.root)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+    # started warm (tests/warm_start.py: fill's samples import torch, ~9 s of CPU cold)
+    writer = warm_start.WarmProcess([sys.executable, "-c", WRITE, str(store.root)], env=env)
     try:
         deadline = time.monotonic() + 240  # a bound for a hung writer, not a timing assertion
 
@@ -40,14 +40,14 @@ def test_gc_while_a_writer_commits_keeps_the_version_it_completes(store: Store) 
 
         while writer.poll() is None and not stopped() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert writer.poll() is None and stopped(), writer.stdout.read()
+        assert writer.poll() is None and stopped(), writer.output()
         assert (store.root / "vae" / "v2" / "manifest.parquet").is_file() and store.tables()["vae"] == 1
         kept = gc.collect(store.root, echo=lambda line: None)
         assert store.root / "vae" / "v2" not in kept.remove
     finally:
         writer.send_signal(signal.SIGCONT)
-    out = writer.communicate(timeout=240)[0]
-    assert writer.returncode == 0 and "version 2" in out, out
+    out, err = writer.communicate(timeout=240)
+    assert writer.returncode == 0 and "version 2" in out, out + err
     assert store.tables()["vae"] == 2
     with store.reader("vae") as reader:
         assert sorted(reader.keys()) == sorted(key_of(i) for i in range(5))

@@ -146,6 +146,26 @@ def _flip_in_place(path: Path, at: int, bits: int) -> None:
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
+def _damaged_cached_sample(local, vdir: Path, damage: str) -> tuple[list[str], str, Path]:
+    """The middle sample of the version's second shard group, damaged in this node's cached copy of its shard:
+    a byte of its tensors flipped ("flipped", size kept) or the shard cut short inside them ("truncated"), the
+    mtime kept. `local` reads the pushed store. (the group's keys, the sample's key, the cached shard)."""
+    group = local.shard_groups()[1]
+    bad = group[len(group) // 2]
+    shard, start, n = local.view.samples.locate(local.row_of(bad))
+    cached = vdir / shard
+    st = cached.stat()
+    data = bytearray(cached.read_bytes())
+    if damage == "flipped":
+        data[start + n - 3] ^= 0xFF  # inside the sample's tensor bytes
+    else:
+        data = data[: start + n - 3]
+    os.chmod(cached, 0o644)
+    cached.write_bytes(bytes(data))
+    os.utime(cached, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return group, bad, cached
+
+
 def _damage_on_server(s3_env, shard: str, at: int) -> None:
     """Flip one byte of an object on the server (same size), through boto3, as a disk or a bad copy would."""
     client = s3_env.client()
@@ -193,19 +213,7 @@ def test_a_shard_damaged_in_the_nodes_cache_is_read_again_from_the_url(pushed: t
     root = local_store(url, ["vae"], tmp_path / "cache", whole=True)
     vdir = fmt.version_dir(root, "vae", 1)
     with store.reader("vae") as local:
-        group = local.shard_groups()[1]
-        bad = group[len(group) // 2]
-        shard, start, n = local.view.samples.locate(local.row_of(bad))
-        cached = vdir / shard
-        st = cached.stat()
-        data = bytearray(cached.read_bytes())
-        if damage == "flipped":
-            data[start + n - 3] ^= 0xFF  # inside the sample's tensor bytes
-        else:
-            data = data[: start + n - 3]
-        os.chmod(cached, 0o644)
-        cached.write_bytes(bytes(data))
-        os.utime(cached, ns=(st.st_atime_ns, st.st_mtime_ns))
+        group, bad, cached = _damaged_cached_sample(local, vdir, damage)
         root = local_store(url, ["vae"], tmp_path / "cache")
         with Store(root, create=False).reader("vae") as reader:
             for k in group if how == "scan" else [bad]:
@@ -215,7 +223,7 @@ def test_a_shard_damaged_in_the_nodes_cache_is_read_again_from_the_url(pushed: t
         for group in local.shard_groups():  # a scan: the shard is cached whole again, intact
             for k in group:
                 assert _same(reader.tensors(k), local.tensors(k))
-    assert cached.read_bytes() == (store.root / "vae" / "v1" / shard).read_bytes()
+    assert cached.read_bytes() == (store.root / "vae" / "v1" / cached.name).read_bytes()
 
 
 def test_several_samples_damaged_in_a_cached_shard_read_with_check_ahead_are_read_from_the_url(
@@ -560,18 +568,7 @@ def test_a_damaged_cached_shard_another_rank_of_the_node_dropped_first_is_read_f
 
     monkeypatch.setattr(remote_shards, "drop_damaged_copy", after_another_rank)
     with store.reader("vae") as local:
-        group = local.shard_groups()[1]
-        bad = group[len(group) // 2]
-        shard, start, n = local.view.samples.locate(local.row_of(bad))
-        cached = vdir / shard
-        st = cached.stat()
-        data = bytearray(cached.read_bytes())
-        data = data[: start + n - 3] if damage == "truncated" else data
-        if damage == "flipped":
-            data[start + n - 3] ^= 0xFF
-        os.chmod(cached, 0o644)
-        cached.write_bytes(bytes(data))
-        os.utime(cached, ns=(st.st_atime_ns, st.st_mtime_ns))
+        _, bad, _ = _damaged_cached_sample(local, vdir, damage)
         root = local_store(url, ["vae"], tmp_path / "cache")
         with Store(root, create=False).reader("vae") as reader:
             assert _same(reader.tensors(bad), local.tensors(bad))

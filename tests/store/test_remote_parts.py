@@ -5,6 +5,7 @@ before that, a rerun sends nothing twice, a part of another run is refused in on
 from __future__ import annotations
 
 import functools
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,29 @@ N = 12
 
 def _writer(cache: Path, url: str, rank: int, tag: str = "a"):
     return rank_writer(cache, url, rank, N, shard_size_mb=0.02, tag=tag)
+
+
+def _rank_1_uploaded_then_its_node_replaced(tmp_path: Path, url: str) -> None:
+    """Rank 1's part is on the remote (its rank-done file too); then its node is replaced: its cache is gone."""
+    first = _writer(tmp_path / "node1", url, 1)
+    first.finish_rank()
+    first.close()
+    shutil.rmtree(tmp_path / "node1")
+
+
+def _opened_on_the_new_node(tmp_path: Path, url: str):
+    """Rank 1's writer opened on the replacing node's empty cache (it adopts what the remote holds of its part)."""
+    return Store(tmp_path / "node1-new").writer("vae", vae_schema(), rank=1, world_size=2, shard_size_mb=0.02,
+                                                version=1, remote_url=url)
+
+
+def _committed_with_every_sample(tmp_path: Path, url: str) -> Path:
+    """Rank 0 commits version 1 on the remote; a pull of it holds every sample. The pulled copy."""
+    assert _writer(tmp_path / "node0", url, 0).commit() == 1
+    pulled = tmp_path / "pulled"
+    pull(url, pulled)
+    assert Store(pulled).reader("vae").keys() == sorted(key_of(i) for i in range(N))
+    return pulled
 
 
 def _objects(s3_env, prefix: str) -> list[str]:
@@ -67,28 +91,20 @@ def test_two_caches_commit_one_version_on_the_remote(s3_env, tmp_path, monkeypat
 
 
 def test_a_node_that_lost_its_cache_keeps_what_it_uploaded(s3_env, tmp_path, monkeypatch) -> None:
-    import shutil
-
     url = s3_env.url("lost")
-    _writer(tmp_path / "node1", url, 1).finish_rank()  # rank 1's part is on the remote; then its node is replaced
-    shutil.rmtree(tmp_path / "node1")
+    _rank_1_uploaded_then_its_node_replaced(tmp_path, url)
     sent = []
     real = remote_mod.Remote.upload
     monkeypatch.setattr(remote_mod.Remote, "upload",
                         lambda self, path, rel, *a: sent.append(rel) or real(self, path, rel, *a))
-    fresh = Store(tmp_path / "node1-new").writer("vae", vae_schema(), rank=1, world_size=2, shard_size_mb=0.02,
-                                                  version=1, remote_url=url)
+    fresh = _opened_on_the_new_node(tmp_path, url)
     assert fresh.done_keys == {key_of(i) for i in range(1, N, 2)}  # nothing to encode again
     assert not list(fresh.dir.glob("*.tar"))  # only the indexes came (the shards stay on the remote)
     fresh.given = N // 2
     fresh.finish_rank()
     assert sent == []  # its part was there already
     fresh.close()
-    assert _writer(tmp_path / "node0", url, 0).commit() == 1
-    pulled = tmp_path / "pulled"
-    pull(url, pulled)
-    assert Store(pulled).reader("vae").keys() == sorted(key_of(i) for i in range(N))
-    assert verify_store(pulled, progress=False) == []
+    assert verify_store(_committed_with_every_sample(tmp_path, url), progress=False) == []
 
 
 def test_a_part_of_another_run_is_refused_in_one_line(s3_env, tmp_path) -> None:
@@ -327,7 +343,6 @@ def test_a_rank_lists_only_its_own_objects_of_the_version(scheme, tmp_path, monk
     samples, by each of 64 ranks, twice). Now only its own shards' prefix - `shard-r01-`, never rank 10's
     `shard-r10-` - plus one lookup per other file it sends; a rerun still finds everything there and sends
     nothing, and a node that lost its cache still adopts its uploaded part. On S3 the server lists the prefix."""
-    import shutil
 
     from store import remote_parts
 
@@ -514,17 +529,11 @@ def test_a_node_whose_adopted_part_was_collected_since_encodes_it_again(s3_env, 
     shards neither the cache nor the remote had ("... remove the incomplete version on the remote (`pipeline store
     gc`) and rerun": the advice already followed, for ever). Now the open drops such indexes: their keys are
     encoded again, and the version commits whole."""
-    import shutil
-
     from store.remote_gc import collect
 
     url = s3_env.url("regc")
-    first = _writer(tmp_path / "node1", url, 1)
-    first.finish_rank()  # rank 1's part is on the remote; then its node is replaced
-    first.close()
-    shutil.rmtree(tmp_path / "node1")
-    adopted = Store(tmp_path / "node1-new").writer("vae", vae_schema(), rank=1, world_size=2, shard_size_mb=0.02,
-                                                    version=1, remote_url=url)
+    _rank_1_uploaded_then_its_node_replaced(tmp_path, url)
+    adopted = _opened_on_the_new_node(tmp_path, url)
     assert adopted.done_keys and not list(adopted.dir.glob("*.tar"))  # the indexes alone came
     adopted.close()  # killed before its upload
     collect(url, grace_s=0, echo=lambda line: None)  # no live run: the incomplete version goes
@@ -534,26 +543,16 @@ def test_a_node_whose_adopted_part_was_collected_since_encodes_it_again(s3_env, 
     assert len(again.done_keys) == 0  # what the remote lost is encoded again
     again.finish_rank()
     again.close()
-    assert _writer(tmp_path / "node0", url, 0).commit() == 1
-    pulled = tmp_path / "pulled"
-    pull(url, pulled)
-    assert Store(pulled).reader("vae").keys() == sorted(key_of(i) for i in range(N))
-    assert verify_store(pulled, progress=False) == []
+    assert verify_store(_committed_with_every_sample(tmp_path, url), progress=False) == []
 
 
 def test_a_damaged_index_a_node_adopted_is_fetched_again_not_a_traceback(s3_env, tmp_path, caplog) -> None:
     """An index a replaced node adopted from the remote (its shard stays there) is damaged in the cache (a disk
     error, a copy killed mid-write). The next open read it unguarded (`_drop_orphan_indexes`): pyarrow's traceback
     on every rerun. Now it is dropped with one line and fetched again from the remote, and its keys count as done."""
-    import shutil
-
     url = s3_env.url("dmgidx")
-    first = _writer(tmp_path / "node1", url, 1)
-    first.finish_rank()
-    first.close()
-    shutil.rmtree(tmp_path / "node1")
-    adopted = Store(tmp_path / "node1-new").writer("vae", vae_schema(), rank=1, world_size=2, shard_size_mb=0.02,
-                                                    version=1, remote_url=url)
+    _rank_1_uploaded_then_its_node_replaced(tmp_path, url)
+    adopted = _opened_on_the_new_node(tmp_path, url)
     done = set(adopted.done_keys)
     adopted.close()
     index = sorted((tmp_path / "node1-new" / "vae" / "v1").glob("*.index.parquet"))[0]
@@ -564,10 +563,7 @@ def test_a_damaged_index_a_node_adopted_is_fetched_again_not_a_traceback(s3_env,
     assert len(said) == 1 and str(index) in said[0] and "\n" not in said[0], said
     again.finish_rank()
     again.close()
-    assert _writer(tmp_path / "node0", url, 0).commit() == 1
-    pulled = tmp_path / "pulled"
-    pull(url, pulled)
-    assert Store(pulled).reader("vae").keys() == sorted(key_of(i) for i in range(N))
+    _committed_with_every_sample(tmp_path, url)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "not a count"])
@@ -595,7 +591,4 @@ def test_a_damaged_rank_done_file_on_the_remote_is_refused_in_one_line_and_its_a
 
     s3_env.client().delete_object(Bucket=s3_env.bucket, Key=key)  # the advice
     _writer(tmp_path / "node1", url, 1).finish_rank()
-    assert _writer(tmp_path / "node0", url, 0).commit() == 1
-    pulled = tmp_path / "pulled"
-    pull(url, pulled)
-    assert Store(pulled).reader("vae").keys() == sorted(key_of(i) for i in range(N))
+    _committed_with_every_sample(tmp_path, url)
