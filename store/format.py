@@ -546,9 +546,7 @@ def flock(path: Path, *, blocking: bool = True, holder: str = "", changes_store:
                 other = Path(path).read_text().strip() or "another process"
             except FileNotFoundError:  # unlinked by its holder as it lets go: open it again
                 continue
-            raise UserError(
-                f"{holder or path} is being written by {other} (lock {path}); wait for it to finish, or stop it, then rerun"
-            ) from None
+            raise UserError(_held_line(path, holder, other)) from None
         if _names(path, fd):
             break
         os.close(fd)
@@ -558,6 +556,28 @@ def flock(path: Path, *, blocking: bool = True, holder: str = "", changes_store:
         yield
     finally:
         os.close(fd)
+
+
+def _held_line(path: Path, holder: str, other: str) -> str:
+    return f"{holder or path} is being written by {other} (lock {path}); wait for it to finish, or stop it, then rerun"
+
+
+def refuse_if_held(path: Path, holder: str) -> None:
+    """flock's refusal (`blocking=False`) now, where another process holds the lock at `path`, taking nothing: for
+    a check before minutes of work (a model load) whose lock is taken later, which still refuses a process that
+    came meanwhile. A shared probe (two probes never refuse each other), of an existing file only (a read-only
+    store is not written here)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:  # never taken: nobody holds it
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        other = Path(path).read_text().strip() or "another process"
+        raise UserError(_held_line(path, holder, other)) from None
+    finally:
+        os.close(fd)  # lets go of the probe's shared lock
 
 
 def _open_lock(path: Path, changes_store: bool) -> int:
