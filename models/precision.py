@@ -1,8 +1,10 @@
 """Device-aware precision and device choice shared by every stage.
 
-`dtype: auto` means bfloat16 on a CUDA device that supports it and float32 everywhere else: on a CPU bf16
-matmuls/convs are emulated and several times slower (one 512x512 VAE encode: 3.0 s in float32, 18.4 s in
-bf16), and on a GPU bf16 halves the memory of a 20B-parameter transformer. Stages resolve `auto` once, print
+`dtype: auto` means bfloat16 on a CUDA device that supports it and float32 everywhere else: on a CPU without bf16
+instructions bf16 is emulated and slower (one 512x512 VAE encode: 3.0 s float32, 18.4 s bf16, machine not
+recorded), though on this project's avx512_bf16 CPU bf16 was faster (38.4 s vs 51.6 s float32; docs/train.md
+'Precision'): float32 is the choice that is never the slow one, and full precision. On a GPU bf16 halves the
+memory of a 20B-parameter transformer. Stages resolve `auto` once, print
 what they picked and record the concrete name (lineage config, run records), so a table or run says which
 precision produced it.
 

@@ -193,6 +193,14 @@ def _expand_paths(data: dict[str, Any], variables: bool = True) -> None:
         paths[key] = os.path.expanduser(os.path.expandvars(value))
 
 
+def config_not_found(p: Path) -> str:
+    """The line for a --config that is not there: where a relative path was looked for (the working folder), and
+    how to make one."""
+    where = "" if p.is_absolute() else f" (looked for in {Path.cwd()})"
+    return (f"config file not found: {p}{where}; pass an existing YAML file, or write the defaults to edit with "
+            f"`pipeline config show > {p}` (examples: the repository's configs/)")
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
                 sets: dict[str, Any] | None = None) -> PipelineConfig:
     """Read YAML (or nothing), apply `sets` (`--set`), then dotted-key overrides (`{"train.batch_size": 8}`),
@@ -210,7 +218,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise ConfigError(f"config file {p} is a folder: pass its YAML file"
                               + (f" (e.g. {p / inside[0]})" if inside else ""))
         if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
+            raise ConfigError(config_not_found(p))
         try:
             loaded = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
         except UnicodeDecodeError as e:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from schemas.config import PipelineConfig
+from schemas.config import PipelineConfig, lycoris_on_nf4
 from schemas.errors import UserError
 from schemas.stage import StageSummary
 
@@ -326,8 +326,8 @@ def _check_settings(cfg: PipelineConfig, model: str) -> None:
     samples), not when train, or evaluate after training, reaches it: one denoising step where the model's
     scheduler cannot take it, dynamic_shift's settings read from that scheduler's config (`sigma_for_model`, as train
     resolves them), train.log_with's trackers (installed on rank 0's node), an attention backend a 2.1
-    model does not take, and evaluate's extra prompts (their image counts and files; evaluate's own check at its
-    start, `for_model`)."""
+    model does not take, a LoHa / LoKr adapter for an NF4 evaluate, and evaluate's extra prompts (their image
+    counts and files; evaluate's own check at its start, `for_model`)."""
     from stages.evaluate.stage import check_sampling as evaluate_steps, for_model as evaluate_settings
     from stages.train.recipe import check_sampling as train_steps
     from stages.train.settings import sigma_for_model
@@ -336,6 +336,10 @@ def _check_settings(cfg: PipelineConfig, model: str) -> None:
     from models.loading import check_weight_files, model_variant
     from stages.train.trackers import tracker_classes
 
+    if cfg.evaluate.quantize_base == "nf4" and cfg.train.lora.kind in ("loha", "lokr"):
+        # evaluate would refuse the trained file on its NF4 base only after the whole training (models/lora.py);
+        # not a config rule: `pipeline evaluate --lora FILE` on nf4 takes a plain LoRA file under this config
+        raise UserError(lycoris_on_nf4(f"evaluate.quantize_base nf4 with train.lora.kind {cfg.train.lora.kind}"))
     check_weight_files(model)  # train loads the transformer only after resize-bucket and both encoders
     tracker_classes(cfg.train.log_with)  # rank 0's trackers (train checks them there too)
     train_steps(cfg.train, model)

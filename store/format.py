@@ -524,13 +524,15 @@ def _is_int(value: Any) -> bool:
 
 
 @contextmanager
-def flock(path: Path, *, blocking: bool = True, holder: str = "") -> Iterator[None]:
+def flock(path: Path, *, blocking: bool = True, holder: str = "", changes_store: bool = False) -> Iterator[None]:
     """An advisory lock the kernel drops when the process dies (SIGKILL leaves no stale lock). A holder may unlink
     its lock file as it lets go (stages/train/guard.RunDirLock): a lock taken on a file no longer at `path`
     excludes nobody, so the file is opened again. A blocking one waits in short tries (`interruptible.flock`: a
-    Ctrl-C another thread took held it until the other process let go, a shard another rank fetches whole: minutes)."""
+    Ctrl-C another thread took held it until the other process let go, a shard another rank fetches whole: minutes).
+    `changes_store`: the store's lock taken by a command that changes the store (gc, repair), said as such where
+    the store is read-only (readers that go on without a lease catch the OSError instead)."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock(Path(path), changes_store)
         try:
             if blocking:
                 interruptible.flock(fd)
@@ -544,9 +546,7 @@ def flock(path: Path, *, blocking: bool = True, holder: str = "") -> Iterator[No
                 other = Path(path).read_text().strip() or "another process"
             except FileNotFoundError:  # unlinked by its holder as it lets go: open it again
                 continue
-            raise UserError(
-                f"{holder or path} is being written by {other} (lock {path}); wait for it to finish, or stop it, then rerun"
-            ) from None
+            raise UserError(_held_line(path, holder, other)) from None
         if _names(path, fd):
             break
         os.close(fd)
@@ -556,6 +556,44 @@ def flock(path: Path, *, blocking: bool = True, holder: str = "") -> Iterator[No
         yield
     finally:
         os.close(fd)
+
+
+def _held_line(path: Path, holder: str, other: str) -> str:
+    return f"{holder or path} is being written by {other} (lock {path}); wait for it to finish, or stop it, then rerun"
+
+
+def refuse_if_held(path: Path, holder: str) -> None:
+    """flock's refusal (`blocking=False`) now, where another process holds the lock at `path`, taking nothing: for
+    a check before minutes of work (a model load) whose lock is taken later, which still refuses a process that
+    came meanwhile. A shared probe (two probes never refuse each other), of an existing file only (a read-only
+    store is not written here)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:  # never taken: nobody holds it
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        other = Path(path).read_text().strip() or "another process"
+        raise UserError(_held_line(path, holder, other)) from None
+    finally:
+        os.close(fd)  # lets go of the probe's shared lock
+
+
+def _open_lock(path: Path, changes_store: bool) -> int:
+    """The lock file, opened for writing (created if new). The store's lock (`changes_store`) on a store that is
+    read-only here (a read-only mount, another account's files) is said as that: the CLI's generic line was
+    "cannot write output: ST/.store.lock is not writable"."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        from store.io_errors import is_not_writable
+
+        if not changes_store or not is_not_writable(e):
+            raise
+        raise UserError(f"cannot take the store's lock file {path}: the store {path.parent} is read-only here "
+                        f"({e.strerror or e}), and this command changes it; run it where the store is writable (a "
+                        "read-write mount, an account that may write its files)") from None
 
 
 def _names(path: Path, fd: int) -> bool:

@@ -299,7 +299,7 @@ def plan(root: Path) -> GcPlan:
 def collect(root: Path, dry_run: bool = False, echo: Callable[[str], None] = print) -> GcPlan:
     root = Path(root)
     # a dry run changes nothing, so it needs no store lock (which a read-only store cannot create)
-    with (nullcontext() if dry_run else fmt.flock(root / fmt.STORE_LOCK)):
+    with (nullcontext() if dry_run else fmt.flock(root / fmt.STORE_LOCK, changes_store=True)):
         p = plan(root)
         _say_plan(root, p, dry_run, echo)
         if dry_run:

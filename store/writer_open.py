@@ -42,7 +42,21 @@ def lock_rank(root: Path, table: str, rank: int) -> fmt.HeldLock:
                                 f"within {VIEW_LAG_SECONDS:.0f} s (a shared file system's attribute cache: rerun)"
                                 ) from None
         # One writer per (table, rank): a second one fails here at once instead of interleaving shards.
-        return fmt.HeldLock(root / table / f".write-r{rank:02d}.lock", holder=f"table '{table}' (rank {rank})")
+        return fmt.HeldLock(_rank_lock(root, table, rank), holder=_rank_holder(table, rank))
+
+
+def _rank_lock(root: Path, table: str, rank: int) -> Path:
+    return root / table / f".write-r{rank:02d}.lock"
+
+
+def _rank_holder(table: str, rank: int) -> str:
+    return f"table '{table}' (rank {rank})"
+
+
+def refuse_a_running_writer(root: Path, table: str, rank: int) -> None:
+    """`lock_rank`'s refusal of a second writer of (table, rank), said before the model loads (an encoder: minutes)
+    instead of at the writer, after it; nothing taken (`fmt.refuse_if_held`): `lock_rank` still takes the lock."""
+    fmt.refuse_if_held(_rank_lock(root, table, rank), _rank_holder(table, rank))
 
 
 def candidate_version(root: Path, table: str, want: dict[str, Any], world: int | None = None) -> int:

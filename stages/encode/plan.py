@@ -21,6 +21,7 @@ from store import Store, repair_context
 from store import format as fmt
 from store.lease import hold
 from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR
+from store.writer_open import refuse_a_running_writer
 from stages.encode.current import serving_version
 from stages.encode.intake import check_any_allowed
 from stages.encode.job import EncodeJob
@@ -104,6 +105,7 @@ def open_job(store_path: str | Path, stage: str, table: str, settings: dict[str,
         with together(ranks.world_size, f"{stage}: the samples the model takes"):  # one verdict on every rank
             check_any_allowed(job, by_controls, model)
             _check_writable(job.store.root, table)
+            refuse_a_running_writer(job.store.root, table, ranks.rank)  # a second encode of the store: before the load
     except BaseException:
         if job is not None:  # another rank failed: this one's reader and lease go now
             job.close()

@@ -315,7 +315,8 @@ def _write_version(cfg: PipelineConfig, st: Store, source: str | Path, fmt: str,
     """Open this run's version (or resume it), fill it and commit it; its summary. A run whose unread files fail
     alike again keeps the version it found instead (`_kept_summary`)."""
     rc, schema = lineage.rc, lineage.schema
-    _refuse_a_switch_without_hashes(st, rc, schema)
+    now = _pictures_now(schema)
+    _refuse_a_switch_without_hashes(st, rc, schema, now)
     repairing = _damaged_current(st)
     _say_why_new(st, schema, lineage.pending)
     moved = _adopted(st, schema)
@@ -325,19 +326,19 @@ def _write_version(cfg: PipelineConfig, st: Store, source: str | Path, fmt: str,
                                    source_notes=lineage.notes,
                                    source_before=moved.before if moved and moved.version == writer.version else ""))
     try:
-        kept = _fill_and_commit(cfg, st, writer, intake, source, fmt, lineage, started)
+        kept = _fill_and_commit(cfg, st, writer, intake, source, fmt, lineage, now, started)
     finally:
         writer.close()
     return kept if kept is not None else _committed_summary(st, intake.summary, rc, repairing, started)
 
 
 def _fill_and_commit(cfg: PipelineConfig, st: Store, writer: Any, intake: _Intake, source: str | Path, fmt: str,
-                     lineage: _Lineage, started: float) -> ResizeSummary | None:
+                     lineage: _Lineage, now: tuple[str, ...], started: float) -> ResizeSummary | None:
     """Render and carry every sample into `writer`, settle its lineage and commit it. None once committed; the
-    kept version's summary when the files a read error left unread fail alike again (still_unreadable.py)."""
+    kept version's summary when the files a read error left unread fail alike again (still_unreadable.py). `now`:
+    `_pictures_now`."""
     rc, pending = lineage.rc, lineage.pending
     record_pending(writer, pending)
-    now = _pictures_now(lineage.schema)
     carry = _render_source(source, fmt, rc, writer, *_rendered_before(st, lineage.schema, now), intake, st, pending,
                            read_columns=cfg.resize.columns)
     _carry_forward(st, writer, lineage.schema, now, carry, intake.summary, rc)
@@ -1062,24 +1063,24 @@ def _without_hashes(st: Store, version: int, samples: int, which: str) -> UserEr
         "key split (--set resize.split_by=key) or render the source into a new store")
 
 
-def _refuse_a_switch_without_hashes(st: Store, rc: ResizeConfig, schema: TableSchema) -> None:
+def _refuse_a_switch_without_hashes(st: Store, rc: ResizeConfig, schema: TableSchema, now: tuple[str, ...]) -> None:
     """A switch to the pictures split of a store whose current version records no source_hashes (an older
-    release's) and whose samples this run would carry (the same pixels' settings): refused before any sample is
-    rendered, not after (`_carry_forward` checks every version it carries from). One column of the manifest read,
-    on a switch only. A switch that renders every sample anew (other pixels' settings) needs none."""
+    release's) and whose samples this run would carry (the same pixels' settings, under either spelling of their
+    lineage, `now`: `_pictures_now`, or before this revision's fixes): refused before any sample is rendered, not
+    after (`_carry_forward` checks every version it carries from). One column of the manifest read, on a switch
+    only. A switch that renders every sample anew (other pixels' settings) needs none."""
     from stages.resize.split_rule import recorded_rule
     from store.manifest_files import checked_manifest, checked_schema
-    from store.reuse import FEATURE_LINEAGE_ATTR, same_features
+    from store.reuse import same_features
 
     current = st.tables().get(TABLE)
     if rc.split_by != "pictures" or current is None:
         return
     vdir = st.version_dir(TABLE, current)
-    now = schema.attrs[FEATURE_LINEAGE_ATTR]
     try:  # checked: a flipped bit that still parses is no old release's version to refuse the switch for
         attrs = checked_schema(vdir).attrs
         befores = [h for _, h in _pictures_before_fixes(schema)]
-        if recorded_rule(attrs) == "pictures" or not same_features(attrs, (now, *befores)):
+        if recorded_rule(attrs) == "pictures" or not same_features(attrs, (*now, *befores)):
             return
         rows = checked_manifest(vdir, ["source_hashes"])
     except (UserError, OSError):  # damaged (recorded: nothing is carried from it) or unreadable: said where read

@@ -76,6 +76,17 @@ from store.join import JoinedTables
 # What to change when a step runs out of memory (named in the error every rank prints).
 OOM_ADVICE = ("lower train.batch_size or train.max_tokens_per_batch, or set train.gradient_checkpointing, "
               "train.offload: blocks or train.quantize_base (`pipeline plan` predicts the peak)")
+
+
+def step_oom_advice(tc: TrainConfig) -> str:
+    """OOM_ADVICE, and with train.uncheckpointed_blocks set (`pipeline plan --gpu-memory` may have advised raising
+    it) lowering it: each such block keeps its activations through the backward."""
+    if tc.uncheckpointed_blocks > 0:  # set only with checkpointing on (`check_checkpointing`)
+        return (f"lower train.uncheckpointed_blocks ({tc.uncheckpointed_blocks}: blocks that keep their activations) "
+                f"or {OOM_ADVICE}")
+    return OOM_ADVICE
+
+
 # ... and when the update does: Adam's state (two float32 copies of the adapter) is allocated at the first step
 OPTIMIZER_OOM_ADVICE = ("set train.optimizer: adamw8bit or adafactor (a smaller optimizer state), lower "
                         "train.lora.rank, or set train.offload: blocks or train.quantize_base (`pipeline plan` "
@@ -476,7 +487,7 @@ def _accumulate(r: Run, t0: float) -> tuple[list, float, int, torch.Tensor, int,
     loss_sum = torch.zeros((), device=r.device)
     damaged = 0  # train.on_damaged=skip: this rank's planned samples left out as damaged (stages/train/damaged.py)
     micro, data_seconds = [], 0.0
-    with fails_alone(r.world, f"optimizer step {r.step + 1}", OOM_ADVICE):
+    with fails_alone(r.world, f"optimizer step {r.step + 1}", step_oom_advice(tc)):
         # the step's planned samples from the plan, not from its micro-batches: each is read, run and dropped in
         # turn, so one micro-batch's inputs sit on the device at a time, not grad_accum of them (and after an
         # elastic shrink not grad_accum x W0 / W planned batches', which the run was never sized for)

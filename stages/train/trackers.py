@@ -132,6 +132,9 @@ class Trackers:
         def add(t) -> None:
             if t.name == "tensorboard":
                 t.writer.add_image(name, image, step, dataformats=dataformats)
+                # on disk now: a sample grid's PNG, written next, tells a resume the step's grid is done
+                # (`_grid_recorded`); queued, a kill before the next flush lost the image for good
+                t.writer.flush()
             elif hasattr(t, "log_images"):
                 t.log_images({name: [image]}, step=step)
 

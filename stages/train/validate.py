@@ -304,13 +304,14 @@ class Validator:
 
         grid = self.samples_grid(r.transformer)
         path = grid_path(self.run_dir, step)
+        # the image first, flushed (`Trackers.add_image`), then the PNG: a resume takes the PNG for "this step's
+        # grid is done" (`_grid_recorded`); a kill between the two makes the grid again (a second image at the step)
+        r.writer.add_image("samples/grid", np.asarray(grid), step, dataformats="HWC")
         with one_line_errors("the sample grid", path.parent):
             path.parent.mkdir(parents=True, exist_ok=True)
             png = io.BytesIO()
             grid.save(png, format="PNG")
-            # whole or absent: a resume takes the file's presence for "this step's grid is done" (`_grid_recorded`)
-            atomic_write_bytes(path, png.getvalue())
-        r.writer.add_image("samples/grid", np.asarray(grid), step, dataformats="HWC")
+            atomic_write_bytes(path, png.getvalue())  # whole or absent
 
     def record(self, step: int, grid: np.ndarray) -> None:
         """Append this validation to RUN/losses.zarr (main process; `ValidationCurve.record`)."""

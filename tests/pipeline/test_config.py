@@ -208,6 +208,19 @@ def test_a_folder_passed_as_the_config_is_named_as_a_folder_with_its_yaml(tmp_pa
     assert r.output == f"error: config file {tmp_path} is a folder: pass its YAML file (e.g. {tmp_path / 'config.yaml'})\n"
 
 
+def test_a_config_not_found_says_where_it_was_looked_for_and_how_to_make_one(tmp_path, monkeypatch):
+    """Before: "config file not found: c.yaml" and nothing on what to do. A relative path names the folder it was
+    read from; the default config that `pipeline config show` prints (the command it names) loads back as it is."""
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["config", "show", "--config", "c.yaml"])
+    assert r.exit_code == 2 and r.output == (
+        f"error: config file not found: c.yaml (looked for in {tmp_path}); pass an existing YAML file, or write the "
+        "defaults to edit with `pipeline config show > c.yaml` (examples: the repository's configs/)\n"), r.output
+    defaults = CliRunner().invoke(app, ["config", "show"]).output
+    (tmp_path / "c.yaml").write_text(defaults)
+    assert CliRunner().invoke(app, ["config", "show", "--config", "c.yaml"]).output == defaults
+
+
 def test_a_key_given_twice_in_the_file_is_refused_with_both_lines(tmp_path):
     """PyYAML keeps the last of two equal keys silently: a second `train:` section dropped the first one's
     settings (here lora.rank 64 trained as the default)."""

@@ -91,3 +91,14 @@ def test_an_init_lora_with_another_adapter_kind_is_refused_before_the_first_stag
     line = _refused(tmp_path, monkeypatch, tiny_plus_model, 2, f"train.init_lora={lora}", "train.lora.kind=dora")
     assert line == (f"error: train.init_lora {lora}: starting from a file works for train.lora.kind 'lora' only, "
                     "not 'dora'; set train.lora.kind: lora, or drop train.init_lora"), line
+
+
+@pytest.mark.parametrize("kind", ["loha", "lokr"])
+def test_a_lycoris_adapter_for_an_nf4_evaluate_is_refused_before_the_first_stage(tiny_plus_model, tmp_path,
+                                                                                 monkeypatch, kind):
+    """evaluate.quantize_base nf4 with train.lora.kind loha / lokr: before, run all trained fully and evaluate
+    then refused the trained file on its NF4 base (models/lora.py). Not a config rule: `pipeline evaluate --lora`
+    on nf4 takes a plain LoRA file under the same config."""
+    line = _refused(tmp_path, monkeypatch, tiny_plus_model, 1, "evaluate.quantize_base=nf4", f"train.lora.kind={kind}")
+    assert line.startswith(f"error: evaluate.quantize_base nf4 with train.lora.kind {kind} on an NF4 base"), line
+    assert "use quantize_base int8, fp8 or none, or a lora / dora adapter" in line, line

@@ -178,3 +178,31 @@ def test_a_read_only_store_is_one_line_before_the_model_loads_and_read_when_up_t
     assert not stage.run(PipelineConfig(), store, tiny_plus_model).up_to_date
     monkeypatch.setattr(os, "open", read_only_open)
     assert stage.run(PipelineConfig(), store, tiny_plus_model).up_to_date
+
+
+@pytest.mark.parametrize("stage", [encode_text, encode_vae])
+def test_a_second_encode_of_the_store_is_refused_before_the_model_loads(stage, tiny_plus_model, tmp_path,
+                                                                        images_fixture, monkeypatch):
+    """Another process writes the table (its writer's lock held): a second encode was refused at its own writer,
+    after its model had loaded (minutes for a VL model). Now before the load, in the writer's words; once the
+    other has let go the stage runs."""
+    import models.loading
+    from store import format as fmt
+
+    write_images_table, FixtureSample = images_fixture.write, images_fixture.Sample
+    store = tmp_path / "store"
+    write_images_table(store, [FixtureSample("a", (64, 64), [(64, 64)], [(64, 64)])], seed=0)
+    loads, real = [], models.loading.load_component
+    monkeypatch.setattr(models.loading, "load_component", lambda *a, **k: loads.append(a[1]) or real(*a, **k))
+    lock = store / stage.TABLE / ".write-r00.lock"
+    lock.parent.mkdir()
+    held = fmt.HeldLock(lock, holder="the first encode")  # as a running writer holds it (its pid written in)
+    try:
+        with pytest.raises(UserError) as e:
+            stage.run(PipelineConfig(), store, tiny_plus_model)
+    finally:
+        held.release()
+    assert str(e.value).startswith(f"table '{stage.TABLE}' (rank 0) is being written by pid "), e.value
+    assert f"(lock {lock}); wait for it to finish, or stop it, then rerun" in str(e.value), e.value
+    assert loads == []  # the model was never loaded
+    assert not stage.run(PipelineConfig(), store, tiny_plus_model).up_to_date

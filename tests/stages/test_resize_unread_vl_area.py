@@ -11,6 +11,7 @@ import pytest
 from pipeline.config import load_config
 from pipeline.demo_data import make_demo_data
 from schemas.config import ResizeConfig
+from schemas.errors import UserError
 from schemas.lineage import FEATURES, Role
 from stages.resize.stage import run
 from store import Store
@@ -73,3 +74,28 @@ def test_the_encoders_read_such_a_table_as_the_same_pictures():
     for unread in (VAE_UNREAD, TEXT_UNREAD["qwen-image-2.1"]):
         read = {k: read_lineage(settings, lineage, code, unread) for k, lineage in recorded.items()}
         assert read["now"] is not None and read["now"] == read["before"]
+
+
+def test_a_switch_to_the_pictures_split_past_such_a_table_without_hashes_is_refused_before_rendering(
+        source, tmp_path, monkeypatch):
+    """Such a table (its lineage the earlier spelling), split by key by a release that recorded no source_hashes:
+    a switch to the pictures split carries its pictures with no identity to split them by. The check before
+    rendering looked for this run's spelling only, so the refusal came after the whole source was read and
+    rendered (in `_carry_forward`); now before, naming the version's samples."""
+    from stages.resize import stage
+    from test_resize_split_rule import _as_written_without_source_hashes
+
+    store = tmp_path / "store"
+    metadata = ResizeConfig.model_fields["control_vl_area"].metadata
+    monkeypatch.setattr(ResizeConfig.model_fields["control_vl_area"], "metadata",
+                        [FEATURES if isinstance(m, Role) else m for m in metadata])
+    old = _resize(source, store, control_vl_area=4096, split_by="key")
+    monkeypatch.undo()
+    _as_written_without_source_hashes(Store(store).version_dir("images", old.version))
+    rendering, real = [], stage._render_source
+    monkeypatch.setattr(stage, "_render_source", lambda *a, **k: rendering.append(1) or real(*a, **k))
+    with pytest.raises(UserError) as e:
+        _resize(source, store, control_vl_area=4096, split_by="pictures")
+    assert f"table 'images' v{old.version}" in str(e.value), e.value
+    assert "did not record source_hashes (4 of its samples)" in str(e.value), e.value
+    assert rendering == []  # refused before the source was read

@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from pipeline.config import config_not_found
 from rank_hook import REPO
 from test_settings_one_node import _one_line_each
 from test_train_multinode import nodes_ended
@@ -69,7 +70,7 @@ def _case(name: str, tmp_path, model: str) -> tuple[list[str], tuple[list[str], 
         args = ["--store", str(tmp_path / "store"), "--model", model, *cpu]
         return (["run", "encode-text"], ([*args, "--config", str(tmp_path / "absent.yaml")],
                                          [*args, "--config", str(tmp_path / "config.yaml")]), {},
-                f"rank 0: config file not found: {tmp_path / 'absent.yaml'}")
+                f"rank 0: {config_not_found(tmp_path / 'absent.yaml')}")
     if name == "encode-text: node 0 lacks the model":
         absent = str(tmp_path / "model")
         args = ["--store", _empty_store(tmp_path), *cpu]

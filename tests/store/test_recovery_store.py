@@ -49,6 +49,21 @@ def test_gc_dry_run_on_a_read_only_store(store: Store, monkeypatch) -> None:
     assert r.exit_code == 0 and "would remove vae/v1" in r.output, r.output
 
 
+def test_gc_on_a_read_only_store_names_the_stores_lock(store: Store, monkeypatch) -> None:
+    """Before: "cannot write output: ST/.store.lock is not writable", output being the CLI's generic word; now the
+    store's lock file, the store read-only here, and what to do. Nothing removed."""
+    fill(store, 2)
+    fill(store, 2, tag="b")
+    monkeypatch.setattr(os, "open", read_only_open(os.open))
+    r = _cli("store", "gc", store.root)
+    lock = store.root / ".store.lock"
+    assert r.exit_code == 1 and r.output == (
+        f"error: cannot take the store's lock file {lock}: the store {store.root} is read-only here (Read-only file "
+        "system), and this command changes it; run it where the store is writable (a read-write mount, an account "
+        "that may write its files)\n"), r.output
+    assert (store.root / "vae" / "v1").is_dir()
+
+
 @pytest.mark.parametrize("name", [".store.json.tmp-999999999", "vae/.v1.unchanged.json.tmp-999999999",
                                   "vae/.v1.damaged.json.tmp-999999999"])
 def test_a_temp_file_left_by_a_kill_is_reported_and_removed(store: Store, name: str) -> None:

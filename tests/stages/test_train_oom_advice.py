@@ -1,0 +1,35 @@
+"""Out of memory in a training step names what to change. With train.uncheckpointed_blocks set (which
+`pipeline plan --gpu-memory` may have advised raising: each such block keeps its activations through the
+backward), lowering it is among the advice; before, the line left it out. Unset, the advice is as before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import stages.train.recipe as recipe
+from pipeline.config import load_config
+from schemas.errors import UserError
+from train_store import make_train_store, mixed_specs
+
+SETS = {"train.device": "cpu", "train.batch_size": 2, "train.lora.rank": 4, "train.max_steps": 1,
+        "train.gradient_checkpointing": True}
+
+
+@pytest.mark.parametrize("blocks", [0, 1])
+def test_a_steps_out_of_memory_advises_lowering_uncheckpointed_blocks_when_set(tiny_edit_model, tmp_path,
+                                                                             monkeypatch, blocks):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (test)")
+
+    monkeypatch.setattr(recipe, "backward_of", out_of_memory)
+    store = tmp_path / "store"
+    make_train_store(store, tiny_edit_model, mixed_specs(4))
+    cfg = load_config(None, {**SETS, "train.uncheckpointed_blocks": blocks})
+    with pytest.raises(UserError) as e:
+        recipe.run(cfg, store, tiny_edit_model, tmp_path / "run")
+    line = str(e.value)
+    assert line.startswith("ran out of memory in optimizer step 1 (CUDA out of memory."), line
+    assert "lower train.batch_size or train.max_tokens_per_batch" in line, line
+    said = "lower train.uncheckpointed_blocks (1: blocks that keep their activations)"
+    assert (said in line) == (blocks == 1), line
