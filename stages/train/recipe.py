@@ -79,12 +79,20 @@ OOM_ADVICE = ("lower train.batch_size or train.max_tokens_per_batch, or set trai
 
 
 def step_oom_advice(tc: TrainConfig) -> str:
-    """OOM_ADVICE, and with train.uncheckpointed_blocks set (`pipeline plan --gpu-memory` may have advised raising
-    it) lowering it: each such block keeps its activations through the backward."""
+    """OOM_ADVICE for this run's settings: what it names to set is left out where already set (checkpointing,
+    block offload, a quantized base), and with train.uncheckpointed_blocks set (`pipeline plan --gpu-memory` may
+    have advised raising it) lowering it comes first: each such block keeps its activations through the backward."""
+    unset = [name for name, on in (("train.gradient_checkpointing", tc.gradient_checkpointing),
+                                   ("train.offload: blocks", tc.offload == "blocks"),
+                                   ("train.quantize_base", tc.quantize_base != "none")) if not on]
+    advice = "lower train.batch_size or train.max_tokens_per_batch"
+    if unset:
+        advice += f", or set {', '.join(unset[:-1])}{' or ' if len(unset) > 1 else ''}{unset[-1]}"
+    advice += " (`pipeline plan` predicts the peak)"
     if tc.uncheckpointed_blocks > 0:  # set only with checkpointing on (`check_checkpointing`)
         return (f"lower train.uncheckpointed_blocks ({tc.uncheckpointed_blocks}: blocks that keep their activations) "
-                f"or {OOM_ADVICE}")
-    return OOM_ADVICE
+                f"or {advice}")
+    return advice
 
 
 # ... and when the update does: Adam's state (two float32 copies of the adapter) is allocated at the first step

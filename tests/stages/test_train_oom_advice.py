@@ -1,6 +1,7 @@
 """Out of memory in a training step names what to change. With train.uncheckpointed_blocks set (which
 `pipeline plan --gpu-memory` may have advised raising: each such block keeps its activations through the
-backward), lowering it is among the advice; before, the line left it out. Unset, the advice is as before."""
+backward), lowering it is among the advice; before, the line left it out. Unset, the advice is as before. What is
+set already (checkpointing here) is not advised again (before, "set train.gradient_checkpointing" was)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,5 @@ def test_a_steps_out_of_memory_advises_lowering_uncheckpointed_blocks_when_set(t
     assert "lower train.batch_size or train.max_tokens_per_batch" in line, line
     said = "lower train.uncheckpointed_blocks (1: blocks that keep their activations)"
     assert (said in line) == (blocks == 1), line
+    # checkpointing is on (SETS): the advice names what is not set yet, not it
+    assert "train.gradient_checkpointing" not in line and "set train.offload: blocks or train.quantize_base" in line, line
