@@ -93,25 +93,29 @@ def _opened_for_walk(tar: str, at_url: bool) -> Iterator[tarfile.TarFile]:
 
 
 class _Errors:
-    """A file whose reads raise the client's errors (aiohttp's, botocore's, fsspec's ValueError for a server with
-    no range requests) as OSError: a walk that fails so is no run's end (its samples are streamed instead)."""
+    """A file whose reads and seeks raise the client's errors (aiohttp's, botocore's, fsspec's ValueError for a
+    server with no range requests: a seek of the streaming file it gives one that answers `Accept-Ranges: none`)
+    as OSError: a walk that fails so is no run's end (the tar is downloaded and walked there, `_walk_copy`)."""
 
     def __init__(self, f: Any) -> None:
         self._f = f
 
-    def read(self, n: int = -1) -> bytes:
+    def _call(self, call: Callable[..., Any], *args: int) -> Any:
         try:
-            return self._f.read(n)
+            return call(*args)
         except OSError:
             raise
         except Exception as e:
             raise OSError(f"{getattr(self._f, 'path', '')}: {e}") from e
 
+    def read(self, n: int = -1) -> bytes:
+        return self._call(self._f.read, n)
+
     def seek(self, offset: int, whence: int = 0) -> int:
-        return self._f.seek(offset, whence)
+        return self._call(self._f.seek, offset, whence)
 
     def tell(self) -> int:
-        return self._f.tell()
+        return self._call(self._f.tell)
 
 
 def file_heads(images: list[Path], mask: Path | None) -> Heads:
