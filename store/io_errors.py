@@ -8,6 +8,7 @@ import errno
 import os
 import shutil
 import socket
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -104,11 +105,13 @@ def check_writable(folder: Path, what: str) -> None:
     there (predict's image, a merged model): a read-only or full folder is one line naming it now, not after the
     work, its result lost."""
     folder = Path(folder)
-    # the host too: the ranks of a launch across nodes probe one shared folder, and two nodes' pids may be alike
-    probe = folder / f".write-probe-{socket.gethostname()}-{os.getpid()}"
+    # the host too: the ranks of a launch across nodes probe one shared folder, and two nodes' pids may be alike;
+    # the thread: one process's threads probe apart. Not O_EXCL: a probe a killed process of a pid now reused
+    # left is this one's to overwrite (it failed with EEXIST, a traceback)
+    probe = folder / f".write-probe-{socket.gethostname()}-{os.getpid()}-{threading.get_ident()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
         os.unlink(probe)
     except OSError as e:
         err = describe(OSError(e.errno, e.strerror, str(folder)), what, folder)

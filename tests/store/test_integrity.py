@@ -324,6 +324,20 @@ def test_two_nodes_ranks_of_one_pid_probe_a_shared_folder_at_once(tmp_path, monk
     assert len(list(tmp_path.iterdir())) == 1  # node a's removed, node b's left by the patch
 
 
+def test_a_probe_a_killed_process_of_the_same_pid_left_is_overwritten(tmp_path, monkeypatch) -> None:
+    """A process killed between its probe's create and unlink left it; a later process of the same host, pid
+    (reused) and thread probes the folder: it is writable, so no error (before: O_EXCL, FileExistsError)."""
+    import os
+
+    from store.io_errors import check_writable
+
+    monkeypatch.setattr(os, "unlink", lambda path: None)  # the killed one's probe left behind
+    check_writable(tmp_path, "table 'vae'")
+    monkeypatch.undo()
+    check_writable(tmp_path, "table 'vae'")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_not_writable_errors_become_one_line() -> None:
     import errno
 
