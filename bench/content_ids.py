@@ -48,7 +48,7 @@ def manifest(n: int, table: str, rng: np.random.Generator) -> bytes:
     else:
         cols["length"] = pa.array(rng.integers(8, 512, n))
     sink = pa.BufferOutputStream()
-    pq.write_table(pa.table(cols), sink)
+    pq.write_table(pa.table(cols), sink, row_group_size=fmt.ROW_GROUP_ROWS)  # grouped as the store writes them
     return sink.getvalue().to_pybytes()
 
 

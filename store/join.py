@@ -325,6 +325,25 @@ def _feed_rows(h: "hashlib._Hash", column: pa.Array, rows: np.ndarray | None) ->
         _feed(h, column.slice(a, b - a) if rows is None else column.take(pa.array(rows[a:b])))
 
 
+def _feed_column(h: "hashlib._Hash", view: Any, name: str, rows: np.ndarray, whole: bool) -> None:
+    """`_feed_rows` of column `name` of the view's `rows`, the crc column as its numbers where they are numbers.
+    `whole`: rows of the whole split, the column parsed whole (and dropped again where only this parsed it); else
+    a few rows (a split's first ones) read from their row groups alone, unless the column is parsed already: the
+    same bytes hashed, as `_feed` hashes values however they are laid out."""
+    if name == "sample_crc32c":
+        crcs = view.samples.crcs() if whole else view.samples.crcs_at(rows)
+        if crcs is not None:  # the numbers a reader checks against (kept by the view for its checks)
+            h.update(b"u32" + (crcs[rows] if whole else crcs).astype("<u4").tobytes())
+            return
+    parsed = name in view.parsed
+    if not whole and not parsed:
+        _feed_rows(h, view.column_at(name, rows), None)
+        return
+    _feed_rows(h, view.column(name), rows)
+    if not parsed:  # parsed for this hash alone (sample_sha256: ~70 MB at 1M samples)
+        view.forget(name)
+
+
 def _content_ids(j: JoinedTables, first: int | None = None) -> dict[str, str] | None:
     """table -> sha256 of what a reader of the join gets from it: the joined keys (sorted: a sample's index) and
     their joint sequence lengths, the split, and per joined row the table's `CONTENT_COLUMNS` (the checksums of
@@ -359,14 +378,7 @@ def _content_ids(j: JoinedTables, first: int | None = None) -> dict[str, str] | 
                 if not r.view.has_column(name):
                     h.update(b"\0absent")
                     continue
-                crcs = r.view.samples.crcs() if name == "sample_crc32c" else None
-                if crcs is not None:  # the numbers a reader checks against (kept by the view for its checks)
-                    h.update(b"u32" + crcs[rows].astype("<u4").tobytes())
-                    continue
-                parsed = name in r.view.parsed
-                _feed_rows(h, r.view.column(name), rows)
-                if not parsed:  # parsed for this hash alone (sample_sha256: ~70 MB at 1M samples)
-                    r.view.forget(name)
+                _feed_column(h, r.view, name, rows, whole=first is None)
             out[t] = h.hexdigest()
     except _NotHashed as e:
         log.warning("join of %s: a content column of type %s is not hashed; the tables are named by their "

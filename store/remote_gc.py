@@ -29,6 +29,7 @@ grace period. docs/store-format.md, "On an object store", states the remaining r
 
 from __future__ import annotations
 
+import logging
 import re
 import tempfile
 import time
@@ -44,6 +45,8 @@ from store.lease import Found
 from store.manifest_files import checked_schema
 from store.remote import CLOCK_DIR, Remote, open_remote, remote_errors
 from store.remote_local import UPLOAD_DIR
+
+log = logging.getLogger("store")
 
 GRACE_SECONDS = 3600.0
 _OBJECT_RE = re.compile(r"([^./][^/]*)/v(\d+)/(.+)")
@@ -178,36 +181,17 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
     if not listing:
         raise UserError(remote_endpoint.not_s3(remote.url)
                         or f"no store at {remote.url} (nothing there); check the URL")
-    versions: dict[tuple[str, int], Version] = {}
+    versions = _versions(listing)
     out = RemoteGcPlan()
     for rel, info in listing.items():
-        if m := _OBJECT_RE.fullmatch(rel):
-            key = (m.group(1), int(m.group(2)))
-            versions.setdefault(key, Version(*key)).objects[rel] = info
-        elif m := _MARKER_RE.fullmatch(rel):
+        if m := _MARKER_RE.fullmatch(rel):
             out.markers[(m.group(1), int(m.group(2)))] = rel
         elif rel.startswith((CLOCK_DIR + "/", UPLOAD_DIR + "/")) and now - info[1] >= grace_s:
             # a clock probe of a command killed between its PUT and its DELETE, or the temp file of a killed
             # write to a file:// remote (store/remote_local.py); untouched for the grace period: not in use
             out.leftovers.append(rel)
-    entries = _entries(remote)
-    current = _currents(entries)
-    roots = sorted(current.items()) if current is not None else [tv for tv, v in versions.items() if v.complete]
-    if entries is not None:  # (without a store.json every complete version is a root already)
-        out.unswitched = unswitched(entries, [tv for tv, v in sorted(versions.items()) if v.complete])
-        out.was_current = {(t, v) for t, e in entries.items() for v in fmt.was_current(e)}
-        roots += sorted(out.unswitched)
-    read, named = _once(remote), {}
-    keep = _closure(remote, roots, versions, out.unknown_upstream, read, named)
-    found_leases = remote_lease.leases(remote, listing, now)  # one GET per lease object (a reader per rank)
-    for found in found_leases:
-        if not found.live:
-            out.dead_leases.append(found)
-            continue
-        for tv in sorted(_closure(remote, list(found.versions()), versions, out.unknown_upstream, read, named)
-                         - keep):
-            out.leased.setdefault(tv, []).append(found.describe())
-    keep |= set(out.leased)
+    read = _once(remote)
+    keep, found_leases = keep_rule(remote, versions, _entries(remote), listing, now, out, read)
     held = {tv for found in found_leases if found.live for tv in found.versions()}
     out.uploads = _stale_uploads(remote, now, grace_s, held)
     out.keep = sorted(tv for tv in keep if tv in versions)
@@ -220,6 +204,62 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
     out.nbytes = sum(v.nbytes for v in out.remove)
     out.now = now
     return out
+
+
+def _versions(listing: dict[str, tuple[int, float]]) -> dict[tuple[str, int], Version]:
+    """The versions of a listing (complete or not), each with its objects."""
+    versions: dict[tuple[str, int], Version] = {}
+    for rel, info in listing.items():
+        if m := _OBJECT_RE.fullmatch(rel):
+            key = (m.group(1), int(m.group(2)))
+            versions.setdefault(key, Version(*key)).objects[rel] = info
+    return versions
+
+
+def keep_rule(remote: Remote, versions: dict[tuple[str, int], Version], entries: dict[str, dict] | None,
+              listing: dict[str, tuple[int, float]], now: float, out: RemoteGcPlan,
+              read: Callable[[str], bytes]) -> tuple[set[tuple[str, int]], list[Found]]:
+    """What gc keeps at the URL (store/gc.py `keep_rule`'s, once for `plan` and pull: `not_kept`): each table's
+    current version (every complete one without a store.json), the complete ones past it never current, every
+    version a live lease names, and what these were made from. Fills `out`'s unswitched, was_current,
+    unknown_upstream, leased and dead_leases; returns the kept versions and the leases found."""
+    current = _currents(entries)
+    roots = sorted(current.items()) if current is not None else [tv for tv, v in versions.items() if v.complete]
+    if entries is not None:  # (without a store.json every complete version is a root already)
+        out.unswitched = unswitched(entries, [tv for tv, v in sorted(versions.items()) if v.complete])
+        out.was_current = {(t, v) for t, e in entries.items() for v in fmt.was_current(e)}
+        roots += sorted(out.unswitched)
+    named: dict[tuple[str, int], list[tuple[str, int]] | None] = {}
+    keep = _closure(remote, roots, versions, out.unknown_upstream, read, named)
+    found_leases = remote_lease.leases(remote, listing, now)  # one GET per lease object (a reader per rank)
+    for found in found_leases:
+        if not found.live:
+            out.dead_leases.append(found)
+            continue
+        for tv in sorted(_closure(remote, list(found.versions()), versions, out.unknown_upstream, read, named)
+                         - keep):
+            out.leased.setdefault(tv, []).append(found.describe())
+    return keep | set(out.leased), found_leases
+
+
+def not_kept(remote: Remote, listing: dict[str, tuple[int, float]]) -> set[tuple[str, int]]:
+    """The complete versions at the URL that its gc would remove (`keep_rule`, as `plan` keeps): replaced by a newer
+    current one or switched away from, read under no live lease, and made nothing kept. A pull of the whole URL
+    copies none of them (store/remote_sync.py), as push sends none of a local store's (store/gc.py `not_kept`):
+    one is tens of GB at 1M samples. Nothing is read where every complete version is current (the usual store);
+    none either where the server's clock cannot be read (credentials that may not write: leases not judged)."""
+    versions = _versions(listing)
+    complete = {tv for tv, v in versions.items() if v.complete}
+    entries = _entries(remote)
+    if entries is None or all(t in entries and v == int(entries[t]["current"]) for t, v in complete):
+        return set()
+    try:
+        now = remote.now()
+    except PermissionError as e:
+        log.warning("%s: the server's clock not read (%s); versions its gc would remove are pulled too",
+                    remote.url, e)
+        return set()
+    return complete - keep_rule(remote, versions, entries, listing, now, RemoteGcPlan(), _once(remote))[0]
 
 
 def _strays(remote: Remote, kept: list[Version], now: float, grace_s: float,

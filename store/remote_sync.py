@@ -75,7 +75,8 @@ class SyncSummary:
     damaged: list[str] = field(default_factory=list)  # objects kept although they differ (pull for repair)
     newer: list[str] = field(default_factory=list)  # push: "table/vN" the remote had current, above the pushed one
     set_aside: list[str] = field(default_factory=list)  # push for repair: a damaged remote file, kept under this name
-    # push: "table/vN" not sent: the pushing store's gc would remove it (store/gc.py `not_kept`)
+    # "table/vN" not sent (push) or not copied (a pull of a whole URL): the source's gc would remove it (store/gc.py
+    # `not_kept`, store/remote_gc.py `not_kept`)
     garbage: list[str] = field(default_factory=list)
 
     def newer_current(self, table: str) -> int | None:
@@ -93,7 +94,7 @@ class SyncSummary:
                 f"{'sent' if self.direction == 'push' else 'fetched'}, {self.objects_skipped} "
                 "already there" + (f"; kept the remote's newer current {', '.join(self.newer)}" if self.newer else "")
                 + "".join(f"; {fmt.QUARANTINE} (damaged) set aside as {name}" for name in self.set_aside)
-                + "".join(f"\nnot sent {name}: not current in its store (replaced by a newer current version, or "
+                + "".join(f"\nnot {'sent' if self.direction == 'push' else 'copied'} {name}: not current in its store (replaced by a newer current version, or "
                           "switched away from), read under no live lease, and no kept version was made from it: "
                           "garbage, which `pipeline store gc` removes" for name in self.garbage))
 
@@ -490,13 +491,17 @@ def wanted_versions(rec: dict[str, Any] | None, url: str, tables: list[str] | No
 
 
 def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
-         tables: list[str] | None = None, optional: tuple[str, ...] = (), damaged_ok: bool = False) -> SyncSummary:
-    """Every complete remote version the local store lacks; with `tables`, only those tables' current versions
-    (what a reader opening them needs: store/remote_cache.py), of which those in `optional` may be missing.
+         tables: list[str] | None = None, optional: tuple[str, ...] = (), damaged_ok: bool = False,
+         every_version: bool = False) -> SyncSummary:
+    """Every complete remote version the local store lacks that the URL's gc keeps (store/remote_gc.py
+    `not_kept`: one replaced by a newer current version or switched away from, read under no live lease and made
+    nothing kept, is not copied: `summary.garbage`); with `tables`, only those tables' current versions (what a
+    reader opening them needs: store/remote_cache.py), of which those in `optional` may be missing.
     Versions that `store repair` replaced (a `<table>/v<N>.damaged.json` marker on the remote) are not copied.
     `damaged_ok` (repair's working copy, store/remote_work.py): an object that does not match its checksums is
     kept as it is, for repair to find, and named in the summary's `damaged`, instead of refused; a version marked
-    damaged in `dst` (a killed repair replaced it there already) is not pulled again."""
+    damaged in `dst` (a killed repair replaced it there already) is not pulled again. `every_version` (repair's
+    working copy, which looks at every version there): those the URL's gc would remove are copied too."""
     from store.store import Store
 
     dst = Path(dst)
@@ -505,11 +510,15 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
     with remote_errors(url, "pull"):
         if tables is not None and _all_cached(remote, dst, tables, summary, damaged_ok):
             return summary
-        listing = remote.listing()
+        listing, garbage = _listing_and_garbage(remote, tables, every_version)
         rec, tables, wanted = wanted_versions(_remote_record(remote, listing), url, tables, optional, listing)
         _refuse_lost_current(remote, rec, tables, listing)
         store = Store(dst)
         versions = _versions_to_pull(listing, tables, wanted, dst, damaged_ok)
+        # (a copy of one here already is checked and refilled as before)
+        skipped = [(t, v) for t, v in versions if (t, v) in garbage and not fmt.version_dir(dst, t, v).exists()]
+        summary.garbage = [f"{t}/v{v}" for t, v in skipped]
+        versions = [tv for tv in versions if tv not in skipped]
         lease = _hold_pulling(remote, versions, dst)
         try:
             _pull_versions(remote, dst, versions, summary, damaged_ok)
@@ -526,6 +535,20 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
                 left = {v for v in fmt.was_current(entry) if fmt.is_complete(fmt.version_dir(dst, table, v))}
                 store.set_current(table, int(entry["current"]), also=left)
     return summary
+
+
+def _listing_and_garbage(remote: Remote, tables: list[str] | None,
+                         every_version: bool = False) -> tuple[dict[str, int], set[tuple[str, int]]]:
+    """The URL's listing ({rel: size}) and, for a pull of the whole URL (`tables` None), the complete versions there
+    that its gc would remove (store/remote_gc.py `not_kept`, one rule with gc and push) and that no copy in the
+    destination holds already: not copied (`summary.garbage`). Those a pull names (`tables`' current ones) are
+    always copied."""
+    from store.remote_gc import not_kept
+
+    if tables is not None or every_version:
+        return remote.listing(), set()
+    times = remote.listing_times()
+    return {rel: size for rel, (size, _) in times.items()}, not_kept(remote, times)
 
 
 def _versions_to_pull(listing: dict[str, int], tables: list[str] | None, wanted: set[tuple[str, int]], dst: Path,

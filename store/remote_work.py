@@ -96,7 +96,7 @@ def work_copy(url: str, cache_dir: str | Path | None, damaged_ok: bool = False,
             open_lazily(url, root, storage_options, None, skip=lambda t, v: fmt.damaged_marker(root, t, v).exists(),
                         damaged_ok=damaged_ok)
         except UserError:  # (DamagedData too) an older version's metadata damaged (or its manifest pulled damaged)
-            pull(url, root, storage_options, damaged_ok=damaged_ok)
+            pull(url, root, storage_options, damaged_ok=damaged_ok, every_version=True)
     recount(root.parent.parent)  # whole versions just landed in the cache folder: its limited readers count them
     return root
 

@@ -22,7 +22,7 @@ from schemas import up_to_date
 from schemas.errors import UserError
 from schemas.newer import WrittenByNewer
 from store import format as fmt
-from store.manifest_files import checked_manifest, checked_schema, read_schema
+from store.manifest_files import checked_manifest, read_schema
 from store.row_rule import RowRule
 
 if TYPE_CHECKING:
@@ -185,7 +185,8 @@ def reusable_keys(store: Store, table: str, lineage_hash: str, column: str,
     for v in store.versions(table):
         vdir = store.version_dir(table, v)
         try:  # checked: a flipped bit that still parses could name this lineage, and its rows' values be reused
-            if not fmt.is_complete(vdir) or not same_features(checked_schema(vdir).attrs, (lineage_hash,)):
+            if not fmt.is_complete(vdir) or not same_features(store.checked_schema(table, v).attrs,
+                                                              (lineage_hash,)):
                 continue
         except UserError:  # damaged (recorded, as a reader records it) or unreadable: recomputed, not reused
             continue

@@ -18,6 +18,18 @@ if TYPE_CHECKING:
     from store.manifest_view import ManifestView
 
 
+def crc_numbers(column: pa.Array) -> np.ndarray | None:
+    """A `sample_crc32c` column as uint32 numbers when every value is 8 lowercase hex digits, as the writer writes
+    them; else None."""
+    raw = fixed_width_view(column)
+    if raw is None or raw.dtype.itemsize != 8:
+        return None
+    digits = raw.view(np.uint8)
+    if not np.all(((digits >= 48) & (digits <= 57)) | ((digits >= 97) & (digits <= 102))):  # 0-9 a-f
+        return None
+    return np.frombuffer(bytes.fromhex(digits.tobytes().decode()), dtype=">u4").astype(np.uint32)
+
+
 class SampleLocator:
     """Sample locations and checksums over a view's columns; the shard numbers and the crc numbers are built on
     first use."""
@@ -29,6 +41,7 @@ class SampleLocator:
         self._shard_idx: np.ndarray | None = None  # row -> shard number (dictionary index), numpy
         self._shard_names: list[str] = []
         self._crc_u32: np.ndarray | None | bool = False  # sample_crc32c as numbers (False: not looked at yet)
+        self._all_hex: bool | None = None  # `crcs_at`: is every sample_crc32c 8 hex digits (None: not looked at)
 
     def shard_numbers(self) -> tuple[np.ndarray, list[str]]:
         """(each row's shard number, the shard names by number): the dictionary-encoded column's indices (numpy,
@@ -66,17 +79,28 @@ class SampleLocator:
         samples) when every value is 8 lowercase hex digits, as the writer writes them; else None (the strings
         are read as they are)."""
         if self._crc_u32 is False:
-            self._crc_u32 = None
-            raw = fixed_width_view(self._view.column("sample_crc32c"))
-            if raw is not None and raw.dtype.itemsize == 8:
-                digits = raw.view(np.uint8)
-                if np.all(((digits >= 48) & (digits <= 57)) | ((digits >= 97) & (digits <= 102))):  # 0-9 a-f
-                    self._crc_u32 = np.frombuffer(bytes.fromhex(digits.tobytes().decode()), dtype=">u4").astype(
-                        np.uint32)
-                    del raw, digits
-                    self._view.drop_replaced("sample_crc32c")  # the strings go: the numbers say the same
-                    release_memory()
+            self._crc_u32 = crc_numbers(self._view.column("sample_crc32c"))
+            if self._crc_u32 is not None:
+                self._view.drop_replaced("sample_crc32c")  # the strings go: the numbers say the same
+                release_memory()
         return self._crc_u32
+
+    def crcs_at(self, rows: np.ndarray) -> np.ndarray | None:
+        """`crcs()[rows]` without parsing or keeping the whole column where `crcs` has not run: whether every value
+        is 8 hex digits (what makes them numbers) is told a row group at a time, the rows' values read from their
+        groups alone (`ManifestView.column_at`). None where `crcs()` is None."""
+        if self._crc_u32 is not False or "sample_crc32c" in self._view.parsed:
+            crcs = self.crcs()
+            return None if crcs is None else crcs[rows]
+        if self._all_hex is None:
+            self._all_hex = len(self._view) > 0 and all(
+                len(g) == 0 or crc_numbers(g) is not None for g in self._view.column_groups("sample_crc32c"))
+            release_memory()
+        if not self._all_hex:
+            return None
+        if len(rows) == 0:
+            return np.zeros(0, np.uint32)
+        return crc_numbers(self._view.column_at("sample_crc32c", rows))
 
     def checksum_row(self, i: int) -> dict[str, Any]:
         """What sample i's bytes are checked against (store/integrity.py `sample_problem`)."""

@@ -44,6 +44,10 @@ class Store:
                 if not (self.root / fmt.STORE_JSON).is_file():
                     fmt.write_store_record(self.root, fmt.new_store_record())
         fmt.read_store_record(self.root)  # format + version checked on every open
+        # (table, version) -> (its schema.json's and checksums.json's `fmt.file_identity`, the checked schema):
+        # a rerun asks `find_version` / `reusable_keys` about several lineages, each of which read every version's
+        # schema again (8 reads for 2 versions). By identity, as `version_id`'s cache: a gc'd and rebuilt v2 is read.
+        self._schemas: dict[tuple[str, int], tuple[tuple, TableSchema]] = {}
 
     # ------------------------------------------------------------ tables and versions
 
@@ -82,6 +86,18 @@ class Store:
                     _VERSION_IDS[key] = found
             return found
 
+    def checked_schema(self, table: str, version: int) -> TableSchema:
+        """`manifest_files.checked_schema` of a version, read once per Store while its schema.json and
+        checksums.json stay the same files; one that does not read is read (and recorded) again each time."""
+        vdir = self.version_dir(table, version)
+        ident = tuple(_identity(vdir / name) for name in (fmt.SCHEMA_JSON, fmt.CHECKSUMS))
+        held = self._schemas.get((table, version))
+        if held is not None and held[0] == ident and None not in ident[:1]:
+            return held[1]
+        schema = checked_schema(vdir)
+        self._schemas[(table, version)] = (ident, schema)
+        return schema
+
     def set_current(self, table: str, version: int, also: set[int] = frozenset()) -> None:
         """Point store.json at a complete version (atomic rewrite under the store lock); nothing is written (and no
         lock taken, so a read-only store stays usable) when it is current already. `also`: versions past it that
@@ -112,7 +128,7 @@ class Store:
             it is treated as one `store verify` marked (the stage writes a new version) - raising here stopped
             every rerun of the stage at this version, whose only way out was that rerun."""
             try:
-                recorded = checked_schema(self.version_dir(table, v)).lineage.to_dict()
+                recorded = self.checked_schema(table, v).lineage.to_dict()
             except DamagedData as e:
                 log.warning("%s: not reused, recorded as damaged", e)
                 return None
@@ -135,7 +151,7 @@ class Store:
             if not fmt.is_complete(vdir):
                 continue
             try:  # checked: a flipped bit that still parses must not stand for the version in what is compared
-                return v, checked_schema(vdir)
+                return v, self.checked_schema(table, v)
             except UserError:  # unreadable or damaged (recorded, as a reader records it): the next older one
                 continue
         return None
@@ -178,3 +194,11 @@ class Store:
     def quarantine(self, columns: Iterable[str] | None = None) -> pa.Table:
         """STORE/quarantine.parquet's rows (`columns`: only those; `quarantine.read`)."""
         return quarantine.read(self.root, columns)
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """`fmt.file_identity` of the file at `path`; None where there is none."""
+    try:
+        return fmt.file_identity(os.stat(path))
+    except OSError:
+        return None

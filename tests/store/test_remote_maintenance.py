@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -371,7 +372,7 @@ def test_a_replacing_push_never_undoes_a_newer_current_version(s3_env, store: St
     fill(store, 4, tag="b", start=10)
     push(store.root, s3_env.url())  # remote current: v2
     copy = tmp_path / "copy"
-    pull(s3_env.url(), copy)
+    shutil.copytree(store.root, copy)  # the URL's versions (a pull copies v2 alone: v1 is garbage there)
     Store(copy).set_current("vae", 1)  # a working copy that still thinks v1 is current
     with pytest.raises(UserError, match="'vae' became v2 while this command replaced v1"):
         push(copy, s3_env.url(), replacing={"vae": 1})
@@ -649,9 +650,10 @@ def test_a_switched_away_version_already_at_the_url_is_pushed_as_before(store: S
 
 
 def test_a_pulled_version_the_url_switched_away_from_is_garbage_in_the_copy_too(store: Store, tmp_path: Path) -> None:
-    """The URL switched back to v1 over v2 (`was_current` there); a pull copies both (every complete version): the
-    copy's store.json records v2 as switched away from too, so its gc removes it as the URL's does. Before, the
-    copy took it for a commit whose switch failed and kept it until a newer version was current."""
+    """The URL switched back to v1 over v2 (`was_current` there); a copy that pulled v2 while it was current
+    pulls again: its store.json records v2 as switched away from too, so its gc removes it as the URL's does.
+    Before, the copy took it for a commit whose switch failed and kept it until a newer version was current. A
+    fresh copy does not copy v2 at all (garbage at the URL: `test_pull_kept_only.py`)."""
     from store import format as fmt
     from store.gc import collect as local_gc
     from store.remote_parts import make_current
@@ -661,10 +663,12 @@ def test_a_pulled_version_the_url_switched_away_from_is_garbage_in_the_copy_too(
     push(store.root, url)  # while current (a superseded version is not pushed)
     fill(store, 4, tag="b", start=10)  # v2
     push(store.root, url)
-    assert make_current(open_remote(url), "vae", 1, over=2) == 1
     copy = tmp_path / "copy"
-    pull(url, copy)
+    pull(url, copy)  # v2 current: v1 is garbage at the URL, v2 copied
+    assert make_current(open_remote(url), "vae", 1, over=2) == 1
+    assert pull(url, copy).copied == ["vae/v1"]  # current again
     assert fmt.read_store_record(copy)["tables"]["vae"] == {"current": 1, "was_current": [2]}
+    assert pull(url, tmp_path / "fresh").garbage == ["vae/v2"]
     lines: list[str] = []
     local_gc(copy, echo=lines.append)
     assert not any("never current" in line for line in lines), lines

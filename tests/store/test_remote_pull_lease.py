@@ -18,21 +18,23 @@ from store.remote_sync import pull
 
 
 def test_a_gc_during_a_pull_keeps_the_versions_it_copies(s3_env, store: Store, tmp_path: Path, monkeypatch):
-    fill(store, 4)
-    fill(store, 4, tag="b")  # v2 current: v1 is what a gc removes
+    fill(store, 4)  # v1, current at the URL when the pull lists it
     url = s3_env.url()
     push_every_version(store, url)
+    fill(store, 4, tag="b")  # v2, made current at the URL while the pull copies v1: v1 is what a gc removes then
     collected = []
     real = remote_sync.fetch_checked
 
     def fetch_checked(remote, f, path, *a, **kw):
-        if f.rel.startswith("vae/v1/") and not collected:  # the pull is copying v1: a gc runs elsewhere
-            collected.append(collect(url, grace_s=0, echo=lambda line: None))
+        if f.rel.startswith("vae/v1/") and not collected:  # the pull is copying v1: a push and a gc elsewhere
+            collected.append(None)
+            remote_sync.push(store.root, url)
+            collected[0] = collect(url, grace_s=0, echo=lambda line: None)
         return real(remote, f, path, *a, **kw)
 
     monkeypatch.setattr(remote_sync, "fetch_checked", fetch_checked)
     summary = pull(url, tmp_path / "pulled")
-    assert sorted(summary.copied) == ["vae/v1", "vae/v2"] and collected[0].remove == []
-    assert fmt.list_versions(tmp_path / "pulled", "vae") == [1, 2]
+    assert summary.copied == ["vae/v1"] and collected[0].remove == []
+    assert fmt.list_versions(tmp_path / "pulled", "vae") == [1]
     monkeypatch.setattr(remote_sync, "fetch_checked", real)
     assert [v.name for v in collect(url, grace_s=0, echo=lambda line: None).remove] == ["vae/v1"]  # released

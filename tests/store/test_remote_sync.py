@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -295,7 +296,7 @@ def test_a_push_never_rolls_the_remote_back_to_an_older_current_version(s3_env, 
         push(store.root, s3_env.url())
 
     behind = tmp_path / "behind"
-    pull(s3_env.url(), behind)  # every version
+    shutil.copytree(other, behind)  # the URL's versions (a pull copies its current one alone: v1 is garbage there)
     Store(behind, create=False).set_current("vae", 1)  # a copy whose current is the older version
     summary = push(behind, s3_env.url())
     assert summary.newer == ["vae/v2"] and "kept the remote's newer current vae/v2" in str(summary)
