@@ -387,9 +387,10 @@ class FileHashes:
         self._remember(real, st, digest, read_at)
         return True
 
-    def sha256(self, f: str | Path, digest: Callable[[str], str] = file_sha256) -> str:
+    def sha256(self, f: str | Path, digest: Callable[[str], str] | None = None) -> str:
         """The file's sha256: remembered for these very bytes, else `digest(real path)` (the sha256 of its bytes:
-        a caller's hasher that also checks them in the same read, `stages.evaluate.lora_bytes.checked_sha256`),
+        a caller's hasher that also checks them in the same read, `stages.evaluate.lora_bytes.checked_sha256`;
+        `file_sha256` looked up when called, not bound at definition: a test's spy of it sees every read),
         remembered when the file did not change while it was read."""
         real = real_path(f, self._folders)
         st = os.stat(real)
@@ -397,7 +398,7 @@ class FileHashes:
         if (known := self._cached_at(real, st)) is not None:  # resolved and stat'ed once, not again in `cached`
             return known
         read_at = time.time_ns()
-        sha = digest(real)
+        sha = (digest or file_sha256)(real)
         self.hashed += 1
         after = os.stat(real)
         if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) == stamp and after.st_ino == st.st_ino:
