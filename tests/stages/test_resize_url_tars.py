@@ -72,6 +72,10 @@ class _Ranges(SimpleHTTPRequestHandler):
             self.server.whole += "Range" not in self.headers  # type: ignore[attr-defined]
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 1024  # concurrent range requests: http.server's backlog of 5 drops their connections
+
+
 @pytest.fixture
 def served_root(tmp_path, monkeypatch):
     """A folder served with range requests on 127.0.0.1 (a thread), its base URL and the bytes served per file."""
@@ -80,7 +84,7 @@ def served_root(tmp_path, monkeypatch):
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
     root = tmp_path / "www"
     root.mkdir()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Ranges, directory=str(root)))
+    server = _Server(("127.0.0.1", 0), functools.partial(_Ranges, directory=str(root)))
     server.served, server.ranges, server.whole = Counter(), True, 0  # type: ignore[attr-defined]
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
