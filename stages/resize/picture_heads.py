@@ -160,10 +160,13 @@ class TarIndex:
     walk on this 2-core machine under load), one tar at a time.
 
     A tar at a URL (`still`: is it the recorded one, asked of its server) is walked by range requests through
-    fsspec (shards.remote_fs), WALK_BLOCK bytes from each header (the members inside it not asked again), and its
-    members read by range requests; it is checked against its record before and after the walk (one metadata
-    request each), not before each read as a local tar's stat is (a request a sample): an object put again while
-    its samples are read is found by the next run (another tag: read whole), as a parquet file's row groups are. A
+    fsspec (shards.remote_fs): with its member header offsets recorded (`headers`, known_tars.py: kept when it was
+    streamed or walked) by concurrent requests from each, a few round trips (`_recorded_members`); else one after
+    another, WALK_BLOCK bytes from each header (the members inside it not asked again). Its pictures' first bytes
+    are fetched concurrently HEADS_AHEAD samples ahead in `order` (the rows'), a sample read whole in one round; the
+    walk's header offsets (`headers` after it) are recorded for the next run. It is checked against its record
+    before and after the walk (one metadata request each), not before each read as a local tar's stat is (a request
+    a sample): an object put again while its samples are read is found by the next run (another tag: read whole), as a parquet file's row groups are. A
     server that ignores range requests: the tar downloaded once to a temporary file and walked there."""
 
     def __init__(self, tar: str, max_file_bytes: int, still: Callable[[], bool] | None = None,
@@ -175,6 +178,7 @@ class TarIndex:
         self._order = {source: i for i, source in enumerate(order or ())}
         self._ahead: list[str] = list(order or ())
         self._fetched: dict[int, bytes] = {}  # data offset -> the member's first bytes, of the window fetched
+        self._window = 0  # where the last window began, in `order`
         self._runs: dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None] | None = None
         self._stamp: tuple[int, int, int, int] | bool | None = None
         self._copy: Any = None  # a URL's tempfile, where its walk by range requests failed (`_walk_copy`)
@@ -294,9 +298,11 @@ class TarIndex:
         """The first FIRST_READ + 1 bytes of each picture of the HEADS_AHEAD samples from `at` in row order, by
         concurrent range requests; the window before dropped. A range that fails or comes back whole (a server that
         ignores ranges) is left out: its picture is read alone then (read_range), which names the error."""
-        self._fetched = {}
+        # a sample asked out of row order, before the window: it alone (else each such ask fetched a window)
+        ahead = 1 if at < self._window else HEADS_AHEAD
+        self._fetched, self._window = {}, max(self._window, at)
         wanted = []
-        for source in self._ahead[at:at + HEADS_AHEAD]:
+        for source in self._ahead[at:at + ahead]:
             run = self._runs.get(source) if self._runs else None
             wanted += [at_ for ext, at_ in (run[2].items() if run else ()) if ext != "txt" and at_[1] > 0]
         if not wanted:

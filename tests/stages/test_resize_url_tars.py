@@ -330,6 +330,17 @@ def test_recorded_headers_that_are_not_the_tars_are_walked_instead(served_root):
         for i in range(4):
             assert index.heads(f"{tar}:s{i:03d}").controls[0](100) == members[f"s{i:03d}.control.png"][:100]
             assert index.sample(f"{tar}:s{i:03d}").target == members[f"s{i:03d}.png"]
+    # samples asked against the rows' order: each before the last window alone, not a window ahead each (before the
+    # guard: 2, 4, 6, 8, 2 heads fetched)
+    sources, fetched, real_cat = [f"{tar}:s{i:03d}" for i in range(4)], [], picture_heads.cat_ranges
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(picture_heads, "cat_ranges", lambda fs, path, starts, *a, **k: fetched.append(len(starts)) or
+                  real_cat(fs, path, starts, *a, **k))
+        index = picture_heads.TarIndex(tar, 1 << 30, lambda: True, sources, None)
+        for i in (3, 2, 1, 0, 3):
+            assert index.heads(sources[i]).target(100) == members[f"s{i:03d}.png"][:100]
+    assert fetched == [2, 2, 2, 2, 2], fetched
+
     server.ranges, server.whole = False, 0
     index = picture_heads.TarIndex(tar, 1 << 30, lambda: True, [f"{tar}:s000"], [0])
     assert index.heads(f"{tar}:s000").target(100) == members["s000.png"][:100] and server.whole == 1
