@@ -139,7 +139,7 @@ class KnownTars:
 
     def note(self, tar: str, sha256: str, samples: int, headers: list[int] | None = None) -> None:
         """`headers`: a tar at a URL's member header offsets (picture_heads.TarIndex walks a carried one by them,
-        concurrently), packed: deltas as little-endian int64, zlib (~1-2 bytes a member)."""
+        concurrently), packed: deltas as little-endian int64, zlib (~2.2 bytes a member: 650 KB for 300k members)."""
         self.seen[tar] = [sha256, samples] + ([_packed(headers)] if headers and is_url(tar) else [])
 
     def headers(self, tar: str) -> list[int] | None:
