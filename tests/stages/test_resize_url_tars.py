@@ -340,6 +340,8 @@ def test_recorded_headers_that_are_not_the_tars_are_walked_instead(served_root):
         for i in (3, 2, 1, 0, 3):
             assert index.heads(sources[i]).target(100) == members[f"s{i:03d}.png"][:100]
     assert fetched == [2, 2, 2, 2, 2], fetched
+    with tarfile.open(root / "a.tar") as tf:  # the walk's header offsets, for the next run's record
+        assert index.headers == [m.offset for m in tf.getmembers()]
 
     server.ranges, server.whole = False, 0
     index = picture_heads.TarIndex(tar, 1 << 30, lambda: True, [f"{tar}:s000"], [0])
