@@ -4,7 +4,12 @@ size and ETag, is carried; a header check reads its member headers and its pictu
 requests, picture_heads.TarIndex), measured in the same run on copies of the same store. "before" is this code
 with the URL identity off (known_tars._remote_identity answering None, as it did for tars).
 
-    python bench/resize_url_tars.py --samples 60 --side 700 --controls 2
+    python bench/resize_url_tars.py --samples 60 --side 700 --controls 2 [--delay 0.02]
+
+`--delay`: seconds the server waits before answering each request (a round trip of a real network; concurrent
+requests wait side by side). Three reruns each: "before" (the tar streamed whole), "walk" (the header walk by
+sequential range requests and a request per picture head: KnownTars.headers off, picture_heads.HEADS_AHEAD 0), and
+"now" (headers from their recorded offsets, heads HEADS_AHEAD samples ahead, concurrent).
 
 Two reruns: `val_fraction` changed (no byte needed), and resize-bucket revision 3 -> 4 (each carried picture's
 header checked for a transparent colour: bench/resize_header_reads.py's case, its source served over HTTP). The
@@ -40,6 +45,7 @@ class _Ranges(SimpleHTTPRequestHandler):
         self._answer(True)
 
     def _answer(self, body: bool) -> None:
+        time.sleep(self.server.delay)  # type: ignore[attr-defined]
         path = Path(self.translate_path(self.path))
         if not path.is_file():
             self.send_error(404)
@@ -64,28 +70,34 @@ class _Ranges(SimpleHTTPRequestHandler):
             self.server.requests += 1  # type: ignore[attr-defined]
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 1024  # concurrent range requests: http.server's backlog of 5 drops their connections
+
+
 def _serve(root: Path) -> ThreadingHTTPServer:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Ranges, directory=str(root)))
-    server.served = server.requests = 0  # type: ignore[attr-defined]
+    server = _Server(("127.0.0.1", 0), functools.partial(_Ranges, directory=str(root)))
+    server.served = server.requests = server.delay = 0  # type: ignore[attr-defined]
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
 
-def _rerun(cfg, url: str, store: Path, copy: Path, server, before: bool) -> tuple[int, int, float, object]:
-    from stages.resize import known_tars, stage
+def _rerun(cfg, url: str, store: Path, copy: Path, server, how: str) -> tuple[int, int, float, object]:
+    from stages.resize import known_tars, picture_heads, stage
 
-    real = known_tars._remote_identity
+    real = known_tars._remote_identity, known_tars.KnownTars.headers, picture_heads.HEADS_AHEAD
     shutil.rmtree(copy, ignore_errors=True)
     shutil.copytree(store, copy)
-    if before:
+    if how == "before":
         known_tars._remote_identity = lambda url: None
+    if how == "walk":
+        known_tars.KnownTars.headers, picture_heads.HEADS_AHEAD = lambda self, tar: None, 0
     server.served = server.requests = 0
     try:
         t = time.perf_counter()
         s = stage.run(cfg, url, copy)
         return server.served, server.requests, time.perf_counter() - t, s
     finally:
-        known_tars._remote_identity = real
+        known_tars._remote_identity, known_tars.KnownTars.headers, picture_heads.HEADS_AHEAD = real
 
 
 def main() -> None:
@@ -94,6 +106,7 @@ def main() -> None:
     ap.add_argument("--side", type=int, default=700)
     ap.add_argument("--controls", type=int, default=2)
     ap.add_argument("--dir", default="/tmp/resize_url_tars")
+    ap.add_argument("--delay", type=float, default=0.0, help="seconds before each answer (a network's round trip)")
     a = ap.parse_args()
 
     import os
@@ -125,9 +138,11 @@ def main() -> None:
     stage.run(cfg, url, work / "store3")
     stage.FEATURE_REVISION, stage.FIXES, decode._colour_keyed = 4, fixes, keyed
     view = load_config(None, {**SETTINGS, "resize.val_fraction": 0.3})
+    server.delay = a.delay
+    print(f"each request answered after {a.delay * 1000:.0f} ms")
     for what, c, store in (("val_fraction rerun", view, work / "store"), ("revision 3 -> 4 rerun", cfg, work / "store3")):
-        for label, before in (("before", True), ("now", False)):
-            served, requests, seconds, s = _rerun(c, url, store, work / "rerun", server, before)
+        for label in ("before", "walk", "now") if c is cfg else ("before", "now"):
+            served, requests, seconds, s = _rerun(c, url, store, work / "rerun", server, label)
             print(f"{what}, {label}: written {s.written}, reused {s.reused}; served {served / 2**20:.2f} MiB in "
                   f"{requests} GETs, {seconds:.2f} s")
     server.shutdown()

@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import shutil
 import stat
 import tarfile
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
 from stages.resize.first_read import file_stamp
-from stages.resize.header_checks import Heads, Reader
+from stages.resize.header_checks import FIRST_READ, Heads, Reader
 from stages.resize.shards import open_shard
 from stages.resize.sources import SourceSample, _printable_names, _reread_tar, _sample_from_members, _split_member, \
     dot_member, printable, tar_headers
@@ -30,6 +31,14 @@ from stages.resize.sources import SourceSample, _printable_names, _reread_tar, _
 # a tar at a URL is walked by range requests of this many bytes from each header: a member smaller than the rest of
 # it costs no request of its own (a caption), a larger one one request (not its data: ~16 KiB of a ~1 MB picture)
 WALK_BLOCK = 16 * 1024
+# a carried tar at a URL: its pictures' first bytes fetched for this many samples ahead of the one asked, their
+# range requests concurrent (fsspec's cat_ranges; async for http and s3): a round trip a window, not one a picture.
+# Held: HEADS_AHEAD x pictures x FIRST_READ (64 samples of 3: 12 MiB)
+HEADS_AHEAD = 64
+# a tar at a URL whose member headers' offsets were recorded (known_tars.py) is walked by fetching HEADER_BLOCK bytes
+# from each (a header, with a pax or GNU long-name header before it), WALK_AHEAD concurrent requests a round
+HEADER_BLOCK = 4096
+WALK_AHEAD = 512
 
 
 def read_first(path: str | Path, n: int, offset: int = 0, size: int | None = None) -> bytes:
@@ -69,6 +78,24 @@ def read_range(url: str, n: int, offset: int = 0, size: int | None = None) -> by
     if len(data) > n:  # a server that ignores ranges sends the whole object
         raise OSError(f"{url}: the server ignored a range request")
     return data
+
+
+def cat_ranges(fs: Any, path: str, starts: list[int], ends: list[int], on_error: str) -> list:
+    """The byte ranges of one object, as concurrent requests (fsspec: async for http and s3): a round trip."""
+    return fs.cat_ranges([path] * len(starts), starts, ends, on_error=on_error)
+
+
+def _blocks(url: str, fs: Any, path: str, starts: list[int], n: int) -> list[bytes]:
+    """`n` bytes from each start (fewer at the end), by concurrent range requests; the client's errors as OSError."""
+    try:
+        blocks = cat_ranges(fs, path, starts, [s + n for s in starts], on_error="raise")
+    except OSError:
+        raise
+    except Exception as e:  # aiohttp's, botocore's
+        raise OSError(f"{url}: bytes could not be read: {e}") from e
+    if any(len(b) > n for b in blocks):  # a server that ignores ranges sends the whole object
+        raise OSError(f"{url}: the server ignored a range request")
+    return blocks
 
 
 @contextlib.contextmanager
@@ -124,6 +151,9 @@ def file_heads(images: list[Path], mask: Path | None) -> Heads:
                  None if mask is None else partial(read_first, mask))
 
 
+Run = tuple[str, str, dict[str, tuple[int, int]]]  # a sample's key, `<tar>:<key>`, ext -> (data offset, size)
+
+
 class TarIndex:
     """A carried tar's samples by source name -> (key, where, ext -> (data offset, size)), from one walk of its
     headers (512 bytes a member, the data seeked over) when first asked: a sample's pictures are read by their
@@ -134,14 +164,25 @@ class TarIndex:
     walk on this 2-core machine under load), one tar at a time.
 
     A tar at a URL (`still`: is it the recorded one, asked of its server) is walked by range requests through
-    fsspec (shards.remote_fs), WALK_BLOCK bytes from each header (the members inside it not asked again), and its
-    members read by range requests; it is checked against its record before and after the walk (one metadata
-    request each), not before each read as a local tar's stat is (a request a sample): an object put again while
-    its samples are read is found by the next run (another tag: read whole), as a parquet file's row groups are. A
+    fsspec (shards.remote_fs): with its member header offsets recorded (`headers`, known_tars.py: kept when it was
+    streamed or walked) by concurrent requests from each, a few round trips (`_recorded_members`); else one after
+    another, WALK_BLOCK bytes from each header (the members inside it not asked again). Its pictures' first bytes
+    are fetched concurrently HEADS_AHEAD samples ahead in `order` (the rows'), a sample read whole in one round; the
+    walk's header offsets (`headers` after it) are recorded for the next run. It is checked against its record
+    before and after the walk (one metadata request each), not before each read as a local tar's stat is (a request
+    a sample): an object put again while its samples are read is found by the next run (another tag: read whole), as a parquet file's row groups are. A
     server that ignores range requests: the tar downloaded once to a temporary file and walked there."""
 
-    def __init__(self, tar: str, max_file_bytes: int, still: Callable[[], bool] | None = None) -> None:
+    def __init__(self, tar: str, max_file_bytes: int, still: Callable[[], bool] | None = None,
+                 order: list[str] | None = None, headers: list[int] | None = None) -> None:
         self.tar, self._max, self._still = tar, max_file_bytes, still
+        # a URL's member header offsets as recorded (walked concurrently); those of the walk made (for the record)
+        self._recorded, self.headers = headers, None
+        # a URL's: the sources in the order they are asked (the rows'), whose heads are fetched a window ahead
+        self._order = {source: i for i, source in enumerate(order or ())}
+        self._ahead: list[str] = list(order or ())
+        self._fetched: dict[int, bytes] = {}  # data offset -> the member's first bytes, of the window fetched
+        self._window = 0  # where the last window began, in `order`
         self._runs: dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None] | None = None
         self._stamp: tuple[int, int, int, int] | bool | None = None
         self._copy: Any = None  # a URL's tempfile, where its walk by range requests failed (`_walk_copy`)
@@ -188,24 +229,55 @@ class TarIndex:
             return {}
 
     def _walk(self) -> dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None]:
-        runs: dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None] = {}
-        last = None
         at_url = self._still is not None and self._copy is None
+        if at_url and self._recorded:
+            try:
+                return self._runs_of(self._recorded_members())
+            except (OSError, tarfile.TarError, EOFError, ValueError):  # not the headers recorded: walked instead
+                self.headers = None
         with _opened_for_walk(self._copy.name if self._copy else self.tar, at_url) as tf:  # seeks header to header
-            for m in tar_headers(tf):
-                if m.isdir() or dot_member(m.name):
-                    continue
-                key, ext = _split_member(m.name)
-                where = f"{self.tar}:{key}"
-                name = printable(where)
-                if key != last and name in runs:  # a second run of one key: which is the row's is not known
-                    runs[name] = None
-                run = runs.setdefault(name, (key, where, {}))
-                last = key
-                if run is not None and (not m.isfile() or ext in run[2] or m.size > self._max):
-                    runs[name] = None
-                elif run is not None:
-                    run[2][ext] = (m.offset_data, m.size)
+            return self._runs_of(tar_headers(tf))
+
+    def _recorded_members(self) -> Iterator[tarfile.TarInfo]:
+        """Each member's header, read from its recorded offset (the record's: KnownTars.headers) by concurrent range
+        requests, WALK_AHEAD a round, not one after another. Each must be a header (its checksum) where the one before
+        ends, and the tar's end follow the last (zeros or nothing): else this raises, and the tar is walked."""
+        from stages.resize.shards import remote_fs
+
+        fs, path = remote_fs(self.tar)
+        expected = 0
+        for first in range(0, len(self._recorded), WALK_AHEAD):
+            starts = self._recorded[first:first + WALK_AHEAD]
+            for start, block in zip(starts, _blocks(self.tar, fs, path, starts, HEADER_BLOCK)):
+                with tarfile.open(fileobj=io.BytesIO(block), mode="r:") as tf:
+                    m, after = tf.firstmember, tf.offset
+                if start != expected or m is None or m.offset != 0 or m.offset_data > len(block):
+                    raise tarfile.ReadError(f"{self.tar}: no member header at {start}")
+                m.offset, m.offset_data, expected = start, start + m.offset_data, start + after
+                yield m
+        if _blocks(self.tar, fs, path, [expected], 512)[0].strip(b"\0"):
+            raise tarfile.ReadError(f"{self.tar}: members after the {len(self._recorded)} recorded")
+
+    def _runs_of(self, members: Iterable[tarfile.TarInfo]) -> dict[str, Run | None]:
+        """The runs of the members met, each header's offset kept (`headers`: recorded for the next run's walk)."""
+        runs: dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None] = {}
+        last, headers = None, []
+        for m in members:
+            headers.append(m.offset)
+            if m.isdir() or dot_member(m.name):
+                continue
+            key, ext = _split_member(m.name)
+            where = f"{self.tar}:{key}"
+            name = printable(where)
+            if key != last and name in runs:  # a second run of one key: which is the row's is not known
+                runs[name] = None
+            run = runs.setdefault(name, (key, where, {}))
+            last = key
+            if run is not None and (not m.isfile() or ext in run[2] or m.size > self._max):
+                runs[name] = None
+            elif run is not None:
+                run[2][ext] = (m.offset_data, m.size)
+        self.headers = headers if self._copy is None else None
         return runs
 
     def heads(self, source: str) -> Heads | None:
@@ -216,6 +288,9 @@ class TarIndex:
         s = _sample_from_members(run[0], run[1], run[2], [])  # type: ignore[arg-type]
         if s.problem is not None:
             return None
+        if self._still is not None and self._copy is None and source in self._order and \
+                any(at[0] not in self._fetched for at in (s.target, *s.controls, s.mask) if at is not None):
+            self._fetch_ahead(self._order[source])
         return Heads(self._reader(s.target), tuple(self._reader(c) for c in s.controls),
                      None if s.mask is None else self._reader(s.mask))
 
@@ -223,17 +298,61 @@ class TarIndex:
         offset, size = at  # type: ignore[misc]
         return partial(self._read, offset=offset, size=size)
 
+    def _fetch_ahead(self, at: int) -> None:
+        """The first FIRST_READ + 1 bytes of each picture of the HEADS_AHEAD samples from `at` in row order, by
+        concurrent range requests; the window before dropped. A range that fails or comes back whole (a server that
+        ignores ranges) is left out: its picture is read alone then (read_range), which names the error."""
+        # a sample asked out of row order, before the window: it alone (else each such ask fetched a window)
+        ahead = 1 if at < self._window else HEADS_AHEAD
+        self._fetched, self._window = {}, max(self._window, at)
+        wanted = []
+        for source in self._ahead[at:at + ahead]:
+            run = self._runs.get(source) if self._runs else None
+            wanted += [at_ for ext, at_ in (run[2].items() if run else ()) if ext != "txt" and at_[1] > 0]
+        if not wanted:
+            return
+        from stages.resize.shards import remote_fs
+
+        try:
+            fs, path = remote_fs(self.tar)
+            got = cat_ranges(fs, path, [o for o, _ in wanted], [o + min(size, FIRST_READ + 1) for o, size in wanted],
+                             on_error="return")
+        except Exception:  # the client's own errors: each picture read alone, which names them
+            return
+        for (offset, size), data in zip(wanted, got):
+            if isinstance(data, bytes) and len(data) == min(size, FIRST_READ + 1):
+                self._fetched[offset] = data
+
     def _read(self, n: int, offset: int, size: int) -> bytes:
+        head = self._fetched.get(offset)
+        if head is not None and (n <= len(head) or len(head) == size):
+            return head[:n]
         if self._copy is not None:
             return read_first(self._copy.name, n, offset, size)
         return (read_range if self._still is not None else read_first)(self.tar, n, offset, size)
+
+    def _whole(self, members: dict[str, tuple[int, int]]) -> dict[str, bytes]:
+        """ext -> a member's bytes; a URL's members by concurrent range requests (one round trip a sample)."""
+        if self._still is None or self._copy is not None:
+            return {ext: self._read(size, offset, size) for ext, (offset, size) in members.items()}
+        from stages.resize.shards import remote_fs
+
+        fs, path = remote_fs(self.tar)
+        try:
+            got = cat_ranges(fs, path, [o for o, _ in members.values()], [o + n for o, n in members.values()],
+                             on_error="raise")
+        except OSError:
+            raise
+        except Exception as e:  # aiohttp's, botocore's
+            raise OSError(f"{self.tar}: a sample's members could not be read: {e}") from e
+        return dict(zip(members, got))
 
     def sample(self, source: str) -> SourceSample:
         """The sample read whole from its members' offsets (what streaming the tar up to it gives)."""
         try:
             run = self._run(source)
             if run is not None:
-                members = {ext: self._read(size, offset, size) for ext, (offset, size) in run[2].items()}
+                members = self._whole(run[2])
                 if all(len(data) == run[2][ext][1] for ext, data in members.items()):
                     return _printable_names(_sample_from_members(run[0], run[1], members, []))
         except (OSError, tarfile.TarError):

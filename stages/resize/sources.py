@@ -639,23 +639,24 @@ def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYT
 
             sha, samples = carried
             # its headers walked only when a sample is read after all (a URL's: while it is still the recorded one)
-            index = TarIndex(tar, max_file_bytes, partial(_still, known, tar, sha) if is_url(tar) else None)
+            index = TarIndex(tar, max_file_bytes, partial(_still, known, tar, sha) if is_url(tar) else None,
+                             [source for source, _ in samples] if is_url(tar) else None, known.headers(tar))
             for source, hit in samples:
                 yield SourceSample(name=source[len(tar) + 1:], source=source, known=hit,
                                    reread=partial(index.sample, source), heads=partial(index.heads, source))
-            known.note(tar, sha, len(samples))
+            known.note(tar, sha, len(samples), index.headers or known.headers(tar))
             continue
         if known is not None and str(Path(tar)) in known.pending:  # read for the first time: hashed as streamed
             yield from _hashed_shard(tar, max_file_bytes, done or {}, known)
             continue
         before = known.identity(tar) if known is not None else None
-        count, failed = 0, False
-        for s in _shard_samples(tar, max_file_bytes, done or {}):
+        count, failed, headers = 0, False, [] if is_url(tar) else None  # a URL's header offsets (known_tars.py)
+        for s in _shard_samples(tar, max_file_bytes, done or {}, headers=headers):
             count, failed = count + 1, failed or s.problem_kind == "read-error"
             yield s
         # not changed while it was streamed, and read whole (a read error: not noted, so a rerun reads it again)
         if before is not None and not failed and known.identity(tar, fresh=True) == before:
-            known.note(tar, before, count)
+            known.note(tar, before, count, headers)
 
 
 def _still(known: Any, tar: str, sha: str) -> bool:
@@ -686,7 +687,8 @@ def _hashed_shard(tar: str, max_file_bytes: int, done: Done, known: Any) -> Iter
 
 
 def _shard_samples(tar: str, max_file_bytes: int, done: Done,
-                   opener: Callable[[str], Any] | None = None) -> Iterator[SourceSample]:
+                   opener: Callable[[str], Any] | None = None,
+                   headers: list[int] | None = None) -> Iterator[SourceSample]:
     stream = None
     try:
         stream = (opener or open_shard)(tar)
@@ -699,7 +701,7 @@ def _shard_samples(tar: str, max_file_bytes: int, done: Done,
             return
         yield SourceSample(name=Path(tar).stem, source=tar, problem=f"cannot open tar: {e}")
         return
-    yield from _tar_samples(tar, tf, stream, max_file_bytes, done)
+    yield from _tar_samples(tar, tf, stream, max_file_bytes, done, headers)
 
 
 def _reread_tar(tar: str, source: str, max_file_bytes: int) -> SourceSample:
@@ -719,7 +721,8 @@ def _reread_tar(tar: str, source: str, max_file_bytes: int) -> SourceSample:
 
 
 def _tar_samples(tar: str, tf: tarfile.TarFile, stream: Any, max_file_bytes: int,
-                 done: Done) -> Iterator[SourceSample]:
+                 done: Done, headers: list[int] | None = None) -> Iterator[SourceSample]:
+    """`headers`: each member header's offset appended (a tar at a URL's, recorded: known_tars.py)."""
     key: str | None = None
     members: dict[str, bytes] = {}
     bad: list[str] = []
@@ -728,6 +731,8 @@ def _tar_samples(tar: str, tf: tarfile.TarFile, stream: Any, max_file_bytes: int
         with tf:
             for m in tar_headers(tf):
                 at = m.offset
+                if headers is not None:
+                    headers.append(at)
                 if m.isdir() or dot_member(m.name):
                     continue
                 k, ext = _split_member(m.name)

@@ -75,6 +75,10 @@ class _Ranges(SimpleHTTPRequestHandler):
             self.wfile.write(data[start:end])
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 1024  # concurrent range requests: http.server's backlog of 5 drops their connections
+
+
 @pytest.fixture
 def served_root(tmp_path, monkeypatch):
     """A folder served with range requests on 127.0.0.1 (a thread), its base URL and the bytes served per file."""
@@ -83,7 +87,7 @@ def served_root(tmp_path, monkeypatch):
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
     root = tmp_path / "www"
     root.mkdir()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Ranges, directory=str(root)))
+    server = _Server(("127.0.0.1", 0), functools.partial(_Ranges, directory=str(root)))
     server.served, server.ranges, server.whole = Counter(), True, 0  # type: ignore[attr-defined]
     server.accept = "bytes"  # type: ignore[attr-defined]  # its Accept-Ranges header
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
@@ -260,3 +264,111 @@ def test_a_tar_at_a_url_whose_server_says_it_takes_no_ranges_is_downloaded_once_
         assert index.heads(f"{tar}:s{i}").target(100) == pictures[f"s{i}.png"][:100]
         assert index.sample(f"{tar}:s{i}").target == pictures[f"s{i}.png"]
     assert index._copy is not None  # read from the one download, not streamed per sample
+
+
+def _revision_3_tar(path: Path, samples: int) -> dict[str, bytes]:
+    """A tar of `samples` samples of two ~100 KiB pictures (each past WALK_BLOCK: a walk request of its own) and a
+    caption; the last one's control has a transparent colour (rendered again at revision 4)."""
+    members = {}
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
+        for i in range(samples):
+            control = _noise_png(100 + i, (160, 200), keyed=i == samples - 1)
+            target, caption = _noise_png(i, (160, 200)), f"edit {i}".encode()
+            for ext, data in (("png", target), ("control.png", control), ("txt", caption)):
+                info = tarfile.TarInfo(f"s{i:03d}.{ext}")
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+                members[info.name] = data
+    return members
+
+
+class _RoundTrips:
+    """The requests a TarIndex makes one after another (a range read, a block of the walk's file) and its rounds of
+    concurrent ones (cat_ranges: one round trip each, however many ranges)."""
+
+    def __init__(self, monkeypatch) -> None:
+        from fsspec.implementations.http import HTTPFile
+
+        self.sequential, self.rounds, self.ranges = 0, 0, 0
+        real_range, real_fetch = picture_heads.read_range, HTTPFile._fetch_range
+        real_cat = getattr(picture_heads, "cat_ranges", None)
+
+        def read_range(*a, **k):
+            self.sequential += 1
+            return real_range(*a, **k)
+
+        def fetch(f, start, end):
+            self.sequential += 1
+            return real_fetch(f, start, end)
+
+        def cat_ranges(fs, path, starts, *a, **k):
+            self.rounds, self.ranges = self.rounds + 1, self.ranges + len(starts)
+            return real_cat(fs, path, starts, *a, **k)
+        monkeypatch.setattr(picture_heads, "read_range", read_range)
+        monkeypatch.setattr(HTTPFile, "_fetch_range", fetch)
+        monkeypatch.setattr(picture_heads, "cat_ranges", cat_ranges, raising=False)
+
+
+@needs_curl
+def test_a_revision_3_rerun_of_a_url_tar_fetches_its_headers_concurrently(served_root, monkeypatch, tmp_path):
+    """The tar's member header offsets, recorded when it was streamed, let a rerun fetch its headers and its
+    pictures' first bytes by concurrent range requests (a few rounds), not one request after another. Before: a
+    walk request per picture past WALK_BLOCK and a head request per picture, in sequence (~4 a sample here; 20-50 ms
+    each on a real network: 100k samples took hours, longer than streaming the tar). The table is a fresh run's."""
+    root, url, server = served_root
+    samples = 40
+    members = _revision_3_tar(root / "a.tar", samples)
+    cfg, source = load_config(None, REVISION_SMALL), f"{url}/a.tar"
+    _build_at_revision_3(monkeypatch, cfg, source, tmp_path / "store")
+
+    trips = _RoundTrips(monkeypatch)
+    server.served.clear()
+    server.whole = 0
+    rerun = stage.run(cfg, source, tmp_path / "store")
+    assert (rerun.written, rerun.reused) == (1, samples - 1)
+    # the walk: a round of 3 x samples header blocks and one for the tar's end; the heads: a round per HEADS_AHEAD
+    # samples; the cut-out read whole: one round (before: ~4 x samples = 160 requests one after another)
+    assert trips.sequential == 0 and trips.rounds <= 3 + -(-samples // picture_heads.HEADS_AHEAD), vars(trips)
+    cutout = sum(len(m) for name, m in members.items() if name.startswith(f"s{samples - 1:03d}."))
+    assert server.whole == 0 and server.served["a.tar"] <= \
+        3 * samples * picture_heads.HEADER_BLOCK + 512 + 2 * samples * (FIRST_READ + 1) + cutout  # no stream
+    stage.run(cfg, source, tmp_path / "fresh")
+    assert _contents(tmp_path / "store") == _contents(tmp_path / "fresh")
+
+    # the next rerun (revision 4 carried, a pixel limit lowered: each header checked again) walks by the headers the
+    # last one recorded, as concurrently
+    trips.sequential = trips.rounds = 0
+    lower = load_config(None, {**REVISION_SMALL, "resize.max_image_pixels": 160 * 200})
+    assert stage.run(lower, source, tmp_path / "store").reused == samples
+    assert trips.sequential == 0 and 2 <= trips.rounds <= 2 + -(-samples // picture_heads.HEADS_AHEAD), vars(trips)
+
+
+@needs_curl
+def test_recorded_headers_that_are_not_the_tars_are_walked_instead(served_root):
+    """Offsets that name no member header (a record of another object under the same tag: never trusted) fail the
+    header checksum: the tar is walked by ranges instead, and each sample read right; a server ignoring ranges
+    still gets the tar downloaded once."""
+    root, url, server = served_root
+    members = _revision_3_tar(root / "a.tar", 4)
+    tar = f"{url}/a.tar"
+    for headers in ([0, 1536, 9000], [0]):  # wrong offsets; a record of too few members (a sample missing)
+        index = picture_heads.TarIndex(tar, 1 << 30, lambda: True, [f"{tar}:s{i:03d}" for i in range(4)], headers)
+        for i in range(4):
+            assert index.heads(f"{tar}:s{i:03d}").controls[0](100) == members[f"s{i:03d}.control.png"][:100]
+            assert index.sample(f"{tar}:s{i:03d}").target == members[f"s{i:03d}.png"]
+    # samples asked against the rows' order: each before the last window alone, not a window ahead each (before the
+    # guard: 2, 4, 6, 8, 2 heads fetched)
+    sources, fetched, real_cat = [f"{tar}:s{i:03d}" for i in range(4)], [], picture_heads.cat_ranges
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(picture_heads, "cat_ranges", lambda fs, path, starts, *a, **k: fetched.append(len(starts)) or
+                  real_cat(fs, path, starts, *a, **k))
+        index = picture_heads.TarIndex(tar, 1 << 30, lambda: True, sources, None)
+        for i in (3, 2, 1, 0, 3):
+            assert index.heads(sources[i]).target(100) == members[f"s{i:03d}.png"][:100]
+    assert fetched == [2, 2, 2, 2, 2], fetched
+    with tarfile.open(root / "a.tar") as tf:  # the walk's header offsets, for the next run's record
+        assert index.headers == [m.offset for m in tf.getmembers()]
+
+    server.ranges, server.whole = False, 0
+    index = picture_heads.TarIndex(tar, 1 << 30, lambda: True, [f"{tar}:s000"], [0])
+    assert index.heads(f"{tar}:s000").target(100) == members["s000.png"][:100] and server.whole == 1
