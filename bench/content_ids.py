@@ -5,7 +5,9 @@ Builds `--rows` synthetic manifest rows per table (32-hex keys, sha256 / CRC32C 
 control, text lengths), parses them the way a reader's view does, and measures in the same run:
   baseline  `Store.version_id` of both versions: sha256 of their manifest bytes (what `versions()` already costs)
   content   `content_ids()` of the join (its columns parsed from the manifest bytes, hashed a chunk at a time)
-Prints each time (best of --repeat) and content / baseline (1M rows, 2-core dev machine: 0.17 s, 1.26 s, 7.3x).
+Prints each time (best of --repeat) and content / baseline. 1M rows in `fmt.ROW_GROUP_ROWS` (65,536-row) groups as
+the store writes them (text 100 MB, vae 104 MB), 2-core dev machine at load ~4, three runs: 0.13-0.18 s,
+0.95-1.03 s, 5.4-7.2x (one-row-group manifests had given 0.17 s, 1.26 s, 7.3x).
 
     python bench/content_ids.py --rows 1000000
 """

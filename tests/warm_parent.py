@@ -43,10 +43,14 @@ PRELOAD = (  # what every rank script imports through the project, ~9 s of CPU o
 # Variables that differ between launches and that no preloaded library reads at import: set in the child only
 # (tests/warm_start.py keys its parents on the rest). PYTHONPATH: the child puts its own before the parent's
 # sys.path (_run_as_main). WARM_COLD_WORKERS: a launch whose torchrun workers must start cold (`_popen`). COLUMNS:
-# read when a bar or a console is drawn (tqdm, rich's Console), never at import.
+# read when a bar or a console is drawn (tqdm, rich's Console), never at import. The S3 test server's variables
+# (tests/s3_server.py's aws_env): read by botocore when a session or client is made and by the HTTP stack per
+# request, never at import (the primed loader is keyed on AWS_DATA_PATH alone): an S3 test's child shares the
+# default parent instead of starting one of its own (~9 s of CPU).
 PER_LAUNCH = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
               "TORCHELASTIC_USE_AGENT_STORE", "PYTEST_CURRENT_TEST", "STORE_PAUSE_AT", "STORE_CRASH_AT", "PYTHONPATH",
-              "WARM_COLD_WORKERS", "COLUMNS")
+              "WARM_COLD_WORKERS", "COLUMNS", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+              "AWS_ENDPOINT_URL", "AWS_MAX_ATTEMPTS", "NO_PROXY")
 # ... and what torchrun's agent adds to a worker's (torch/distributed/elastic/agent/server/local_elastic_agent.py,
 # multiprocessing/api.py), besides every TORCHELASTIC_* variable
 WORKER_PER_LAUNCH = (*PER_LAUNCH, "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",

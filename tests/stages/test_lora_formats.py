@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from pipeline.config import load_config
 from train_store import make_train_store, mixed_specs, trainer_vs_stock
+import warm_start
 
 TRAIN = ["--set", "train.learning_rate=0.02", "--set", "train.lora.rank=4", "--set", "train.lora.alpha=8",
          "--set", "train.sigma.sampling=uniform", "--set", "train.checkpoint_every=2"]
@@ -451,9 +452,10 @@ def test_a_killed_exports_temp_is_removed_by_the_next_export_and_a_live_ones_kep
     stuck = ("import sys, time, pathlib\nimport models.lora_export as e\n"
              "def stuck(path, *a, **k):\n    pathlib.Path(sys.argv[3]).write_text(str(path))\n    time.sleep(600)\n"
              "e.canonicalize = stuck\ne.export_lora(sys.argv[1], 'comfyui', sys.argv[2])\n")
-    killed = subprocess.Popen([sys.executable, "-c", stuck, str(src), str(out), str(ready)],
-                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    # started warm (tests/warm_start.py: models.lora_export imports torch cold); a process and pid of its own
+    killed = warm_start.WarmProcess([sys.executable, "-c", stuck, str(src), str(out), str(ready)],
+                                    env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # imports nothing heavy
     try:
         deadline = time.monotonic() + 120
         while not ready.exists():  # the killed one's file is written, in its temp folder

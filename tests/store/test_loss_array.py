@@ -11,6 +11,7 @@ import xarray as xr
 
 from schemas.temp_files import temp_of
 from store.loss_array import GROUP, Axes, LossStore, recorded_steps
+import warm_start
 
 AXES = Axes(["k1", "k2", "k3"], ["32x32", "32x64", "32x32"], [0, 1], [0.25, 0.75])
 
@@ -400,7 +401,6 @@ def test_a_base_written_again_and_killed_leaves_the_old_group_or_the_new_never_a
     the rerun writes the new base over it (the committed steps only: not a killed append's)."""
     import os
     import signal
-    import subprocess
     import sys
 
     from store import format as fmt
@@ -423,8 +423,8 @@ def test_a_base_written_again_and_killed_leaves_the_old_group_or_the_new_never_a
     finally:
         zarr.consolidate_metadata = real_consolidate
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), fmt.CRASH_ENV: at}
-    p = subprocess.run([sys.executable, "-c", REWRITE_BASE, str(tmp_path), at], env=env, capture_output=True,
-                       text=True, timeout=300)
+    # started warm (tests/warm_start.py): numpy and pyarrow already imported; killed by its own SIGKILL
+    p = warm_start.run([sys.executable, "-c", REWRITE_BASE, str(tmp_path), at], env=env, timeout=300)
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
 
     def intact(again: LossStore) -> None:

@@ -5,12 +5,7 @@ nothing half-written in the cache, and the read completes once the server answer
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -20,11 +15,12 @@ from store import Store
 from store import format as fmt
 from store.remote_sync import pull, push
 from store.verify import verify_store
+from stalled_push import push_killed_where_it_stalls
 from store_samples import fill
 
 
 # `pipeline store push` in a child process that stops (sleeps) after 3 objects, once it has said so in a file: the
-# test then SIGKILLs it, at a known point and without any timing assumption
+# test then SIGKILLs it, at a known point and without any timing assumption (stalled_push.py)
 STALLING_PUSH = textwrap.dedent("""
     import sys, time
     from pathlib import Path
@@ -46,20 +42,7 @@ def _keys(env) -> list[str]:
 def test_sigkilled_push_leaves_no_visible_version_and_a_rerun_completes(s3_env, store: Store,
                                                                        tmp_path: Path) -> None:
     fill(store, 12)
-    marker = tmp_path / "stalled"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    child = subprocess.Popen([sys.executable, "-c", STALLING_PUSH, str(store.root), s3_env.url(), str(marker)],
-                             env=env, start_new_session=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 300  # a generous bound for a loaded machine, not a timing assertion
-        while not marker.exists():
-            assert child.poll() is None, "the push ended before it stalled"
-            assert time.monotonic() < deadline, "the push never reached its 4th object"
-            time.sleep(0.05)
-    finally:
-        os.killpg(child.pid, signal.SIGKILL)
-        child.wait()
+    push_killed_where_it_stalls(STALLING_PUSH, store.root, s3_env.url(), tmp_path / "stalled", "its 4th object")
     keys = _keys(s3_env)
     # the killed push's lease object stays behind (no atexit after SIGKILL): gc judges it dead (its pid is gone)
     leases = [k for k in keys if "/.leases/" in k]

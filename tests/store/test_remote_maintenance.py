@@ -30,6 +30,7 @@ from store.remote_sync import pull, push
 from store.verify import verify_store
 from store_samples import fill
 from transfer_gate import AfterN
+import warm_start
 
 runner = CliRunner()
 
@@ -134,9 +135,10 @@ def test_a_killed_repair_of_a_url_shows_nothing_half_done_and_its_rerun_finishes
                                                                               tmp_path: Path, point: str) -> None:
     _pushed_with_a_grown_shard(store, s3_env)
     work = tmp_path / "work"
-    killed = subprocess.run([sys.executable, "-c", KILLED_REPAIR, s3_env.url(), str(work)],
-                            env={**os.environ, "STORE_CRASH_AT": point}, capture_output=True)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    # started warm (tests/warm_start.py: pipeline.cli imports torch, ~9 s of CPU cold); killed by its own SIGKILL
+    killed = warm_start.run([sys.executable, "-c", KILLED_REPAIR, s3_env.url(), str(work)],
+                            env={**os.environ, "STORE_CRASH_AT": point}, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     keys = objects(s3_env)
     if point == "push_before_manifest":  # the new version is not there, the old one is still current
         assert remote_current(s3_env) == {"vae": 1} and "store/vae/v2/manifest.parquet" not in keys

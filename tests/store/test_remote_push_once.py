@@ -7,11 +7,7 @@ from __future__ import annotations
 
 import builtins
 import os
-import signal
-import subprocess
-import sys
 import textwrap
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -25,6 +21,7 @@ from store import remote as remote_mod
 from store.remote_gc import collect
 from store.remote_sync import pull, push
 from store.verify import verify_store
+from stalled_push import push_killed_where_it_stalls
 from store_samples import sample, vae_schema
 
 BIG = 11 * 2**20  # with 5 MiB parts: three parts of a multipart upload
@@ -208,6 +205,7 @@ def test_other_back_ends_stream_in_blocks_under_the_budget_and_refuse_damage(tmp
 
 # `pipeline store push` in a child process that stalls once every part of the big shard is stored, right before
 # its CompleteMultipartUpload, after saying so in a file: the test SIGKILLs it there, without any timing assumption
+# (stalled_push.py)
 STALLING_PUSH = textwrap.dedent("""
     import sys, time
     from pathlib import Path
@@ -232,19 +230,8 @@ def test_a_push_killed_before_completing_a_multipart_upload_shows_nothing_and_gc
                                                                                          small_parts) -> None:
     store = _store(tmp_path / "store")
     big = _shards(store.root)[0]
-    marker = tmp_path / "stalled"
-    child = subprocess.Popen([sys.executable, "-c", STALLING_PUSH, str(store.root), s3_env.url(), str(marker)],
-                             env=dict(os.environ), start_new_session=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 300  # a generous bound for a loaded machine, not a timing assertion
-        while not marker.exists():
-            assert child.poll() is None, "the push ended before it stalled"
-            assert time.monotonic() < deadline, "the push never reached the big shard's completion"
-            time.sleep(0.05)
-    finally:
-        os.killpg(child.pid, signal.SIGKILL)
-        child.wait()
+    push_killed_where_it_stalls(STALLING_PUSH, store.root, s3_env.url(), tmp_path / "stalled",
+                                "the big shard's completion")
     key = f"store/vae/v1/{big.name}"
     assert key not in _keys(s3_env) and _unfinished(s3_env) == [key]  # all its parts stored, no object
     summary = push(store.root, s3_env.url())  # the rerun sends the big shard again, whole
