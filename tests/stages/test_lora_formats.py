@@ -380,11 +380,20 @@ def test_a_runs_own_file_is_found_by_a_relative_out_and_a_relative_lora_too(tmp_
     check_recorded(Path("../comfy.safetensors"))  # no record names it: nothing to check, no traceback
 
 
+def _writing(p: Path) -> bool:
+    """`p` (beside --out) an export's temp file, or its temp folder with a file in it (safetensors' `.tmpXXXX` or
+    the LoRA's name): the folder alone is made before its LoRA is read, nothing written yet."""
+    if not p.name.startswith(".lora.safetensors."):
+        return False
+    return not p.is_dir() or any(p.iterdir())
+
+
 def test_two_exports_to_one_out_never_link_in_the_others_lora(tmp_path, monkeypatch):
     """Every export to one --out wrote the same temp name (`.NAME.tmp`): a second export started meanwhile
     renamed its file over the first one's finished temp file, which the first then linked in as --out, saying it
     wrote its LoRA: --out held the other LoRA (the one the user's second command was refused for, or killed).
-    Here the other is a real process, killed once its export is in its temp file."""
+    Here the other is a real process, killed once its export is in its temp file (its own temp folder holds a
+    file: before, this export's own folder ended the wait at once, the other killed before it wrote anything)."""
     import signal
     import subprocess
     import sys
@@ -411,9 +420,9 @@ def test_two_exports_to_one_out_never_link_in_the_others_lora(tmp_path, monkeypa
         try:
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline and other.poll() is None:
-                if _stat(Path(path)) != mine_stat or any(
-                        p != Path(path) and p.name.startswith(f".{out.name}.") for p in out.parent.iterdir()):
-                    break  # its export is in its temp file (safetensors renames its own `.tmpXXXX` there)
+                if _stat(Path(path)) != mine_stat or any(_writing(p) for p in out.parent.iterdir()
+                                                          if p != Path(path).parent):
+                    break  # its export is in its temp file: its own folder (not this one's) holds a file
                 time.sleep(0.001)
             else:
                 pytest.fail(f"the other export did not start writing (exit {other.poll()})")
