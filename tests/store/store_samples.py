@@ -56,6 +56,18 @@ def fill(store: Store, n: int, shard_size_mb: float = 0.004, tag: str = "a", sta
     return w.commit()
 
 
+def fill_images(store: Store, tag: str) -> int:
+    """An `images` version of one sample under config hash `tag` (what a vae version names as upstream)."""
+    schema = TableSchema(name="images", lineage=Lineage("resize-bucket", config_hash=tag, upstream={}),
+                         fields=[FieldSpec("target.png", "png", kind="file"),
+                                 FieldSpec("split", "string", kind="column"),
+                                 FieldSpec("img_shapes", "json", kind="column")])
+    w = store.writer("images", schema)
+    w.add("0123456789abcdef0123456789abcdef", files={"target.png": tag.encode()},
+          meta={"split": "train", "img_shapes": [[1, 2, 2]]})
+    return w.commit()
+
+
 def read_only_open(real_open):
     """An `os.open` that refuses writes as a read-only file system does (EROFS); reads pass through."""
     import errno
