@@ -80,11 +80,8 @@ class _Server(ThreadingHTTPServer):
 
 
 @pytest.fixture
-def served_root(tmp_path, monkeypatch):
+def served_root(tmp_path, without_proxies):
     """A folder served with range requests on 127.0.0.1 (a thread), its base URL and the bytes served per file."""
-    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
     root = tmp_path / "www"
     root.mkdir()
     server = _Server(("127.0.0.1", 0), functools.partial(_Ranges, directory=str(root)))
