@@ -18,18 +18,16 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's store/, not an installed one
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "store")]  # this checkout's store/, not an installed one
 
-from schemas import Lineage, TableSchema  # noqa: E402
 from store import format as fmt  # noqa: E402
-from store.join import JoinedTables, KeyList  # noqa: E402
-from store.manifest_view import ManifestView  # noqa: E402
+from store_samples import joined_over_manifests  # noqa: E402  (the join the tests build, no store behind it)
 
 
 def manifest(n: int, table: str, rng: np.random.Generator) -> bytes:
@@ -54,26 +52,6 @@ def manifest(n: int, table: str, rng: np.random.Generator) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def joined(data: dict[str, bytes]) -> JoinedTables:
-    """A join over views of the given manifests (the usual case: the same sorted keys, the train split)."""
-    readers = {}
-    for t, raw in data.items():
-        schema = TableSchema(name=t, lineage=Lineage(f"encode-{t}", "bench", {}, "bench"), fields=[],
-                             attrs={"feature_lineage": "bench"})
-        buf = pa.py_buffer(raw)
-        view = ManifestView(Path("/nonexistent") / t / "v1", t, 1, schema,
-                            pq.ParquetFile(pa.BufferReader(buf)).schema_arrow.names, None, manifest_bytes=buf)
-        readers[t] = SimpleNamespace(view=view, schema=schema, table=t, version=1)
-    j = JoinedTables.__new__(JoinedTables)
-    j.readers, j.split, j._contents = readers, "train", False
-    first = next(iter(readers.values())).view
-    rows = np.flatnonzero(np.asarray(first.column("split").to_numpy(zero_copy_only=False)) == "train")
-    j.rows = {t: rows.astype(np.int32) for t in readers}
-    j.keys = KeyList(first.keys.array, j.rows["text"])
-    j.lengths = np.random.default_rng(0).integers(100, 5000, len(rows))
-    return j
-
-
 def best(fn, repeat: int, setup=lambda: None) -> float:
     times = []
     for _ in range(repeat):
@@ -93,7 +71,7 @@ def main() -> None:
     data = {t: manifest(args.rows, t, rng) for t in ("text", "vae")}
     print(f"{args.rows} rows: manifests of {', '.join(f'{t} {len(b) / 1e6:.0f} MB' for t, b in data.items())}")
     baseline = best(lambda _: [fmt.version_id(1, b) for b in data.values()], args.repeat)
-    content = best(lambda j: j.content_ids(), args.repeat, setup=lambda: joined(data))
+    content = best(lambda j: j.content_ids(), args.repeat, setup=lambda: joined_over_manifests(data))
     print(f"baseline (version ids)  {baseline:.3f} s")
     print(f"content ids             {content:.3f} s   (every content column parsed from the manifest bytes)")
     print(f"content / baseline      {content / baseline:.1f}x")

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,8 +20,7 @@ from unittest import mock
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "store")]
 
-SERVER = ("import sys, time; sys.path.insert(0, 'tests'); from s3_server import start_server; "
-          "s, e = start_server(); print(e, flush=True); time.sleep(3600)")
+from _common import s3_bucket  # noqa: E402  (a local S3 server)
 
 
 def build(root: Path, versions: int, samples: int, kb: float) -> None:
@@ -60,14 +57,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--kb", type=float, default=256)
     args = ap.parse_args()
-    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        endpoint = server.stdout.readline().strip()
-        os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                          AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=endpoint)
-        import boto3
-
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench-push")
+    with s3_bucket("bench-push"):
         from store import Store
         from store.remote_sync import pull
 
@@ -87,8 +77,6 @@ def main() -> None:
                 print(f"{name:7s} uploaded {summary.bytes_sent / 2**20:7.2f} MiB in {summary.objects_sent:4d} "
                       f"objects, {secs:5.2f} s; copied {', '.join(summary.copied)}; pulled copy reads v"
                       f"{reader.version}: {read}/{args.samples} samples")
-    finally:
-        server.kill()
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import tracemalloc
@@ -26,8 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-SERVER = ("import sys, time; sys.path.insert(0, 'tests'); from s3_server import start_server; "
-          "s, e = start_server(); print(e, flush=True); time.sleep(3600)")
+from _common import s3_bucket  # noqa: E402  (a local S3 server)
 
 
 class _Bar:
@@ -40,14 +38,7 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=16)
     ap.add_argument("--mb", type=float, default=20)
     args = ap.parse_args()
-    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        endpoint = server.stdout.readline().strip()
-        os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                          AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=endpoint)
-        import boto3
-
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench-memory")
+    with s3_bucket("bench-memory"):
         from store import remote as R
 
         with tempfile.TemporaryDirectory(prefix="bench-transfer-") as tmp:
@@ -74,8 +65,6 @@ def main() -> None:
                 peak = tracemalloc.get_traced_memory()[1]
                 tracemalloc.stop()
                 print(f"{name:8s} {args.files} x {args.mb:g} MiB ({total:g} MiB): peak {peak / 2**20:7.1f} MiB held")
-    finally:
-        server.kill()
 
 
 if __name__ == "__main__":

@@ -131,6 +131,14 @@ def plus_samples() -> list[FixtureSample]:
     ]
 
 
+@pytest.fixture
+def without_proxies(monkeypatch) -> None:
+    """No proxy variables: requests to a test's server on 127.0.0.1 go straight to it, not to the machine's proxy."""
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+
+
 @pytest.fixture(scope="session")
 def _store_templates(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("images-stores")

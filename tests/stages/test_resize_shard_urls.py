@@ -72,11 +72,8 @@ class _QuietHandler(SimpleHTTPRequestHandler):
 
 
 @pytest.fixture
-def http_root(tmp_path, monkeypatch):
+def http_root(tmp_path, without_proxies):
     """A folder served by http.server on 127.0.0.1 (a thread) and its base URL."""
-    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
     root = tmp_path / "www"
     root.mkdir()
     server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(root)))
@@ -150,9 +147,7 @@ class _CutHandler(_QuietHandler):
 
 
 @needs_curl
-def test_a_transfer_cut_mid_shard_stops_with_one_line_and_a_rerun_completes(shards, tmp_path, monkeypatch):
-    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
-        monkeypatch.delenv(name, raising=False)
+def test_a_transfer_cut_mid_shard_stops_with_one_line_and_a_rerun_completes(shards, tmp_path, without_proxies):
     root = tmp_path / "www"
     root.mkdir()
     for tar in shards["tars"].glob("*.tar"):
@@ -186,10 +181,9 @@ class _UntaggedHandler(_QuietHandler):
             super().send_header(keyword, value)
 
 
-def test_a_shard_from_a_server_without_tags_is_identified_by_its_bytes(tmp_path, monkeypatch):
+def test_a_shard_from_a_server_without_tags_is_identified_by_its_bytes(tmp_path, without_proxies):
     from stages.resize.shards import remote_identity
 
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
     (tmp_path / "a.tar").write_bytes(b"one" * 100)
     server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_UntaggedHandler, directory=str(tmp_path)))
     threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -80,11 +80,8 @@ class _Server(ThreadingHTTPServer):
 
 
 @pytest.fixture
-def served_root(tmp_path, monkeypatch):
+def served_root(tmp_path, without_proxies):
     """A folder served with range requests on 127.0.0.1 (a thread), its base URL and the bytes served per file."""
-    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
     root = tmp_path / "www"
     root.mkdir()
     server = _Server(("127.0.0.1", 0), functools.partial(_Ranges, directory=str(root)))
@@ -147,6 +144,19 @@ def _noise_png(seed: int, shape: tuple[int, int], keyed: bool = False) -> bytes:
     arr = np.random.default_rng(seed).integers(1, 255, (*shape, 3), dtype=np.uint8)
     Image.fromarray(arr).save(b, format="PNG", compress_level=1, **({"transparency": (0, 0, 0)} if keyed else {}))
     return b.getvalue()
+
+
+def _small_tar(path: Path, samples: int) -> dict[str, bytes]:
+    """A tar of `samples` samples s0, s1, ... of a 40x60 picture and a caption; its members' bytes by name."""
+    members = {}
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
+        for i in range(samples):
+            for ext, data in (("png", _noise_png(i, (40, 60))), ("txt", f"edit s{i}".encode())):
+                info = tarfile.TarInfo(f"s{i}.{ext}")
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+                members[info.name] = data
+    return members
 
 
 @needs_curl
@@ -221,14 +231,7 @@ def test_a_tar_at_a_url_put_again_is_streamed_and_one_without_ranges_downloaded_
     since its walk is. A server that ignores range requests fails the walk: the tar is downloaded once and walked
     and read there (before: each sample to read streamed the tar up to it, a tar of n samples read ~n/2 times)."""
     root, url, server = served_root
-    members = [(f"s{i}.{ext}", _noise_png(i, (40, 60)) if ext == "png" else f"edit s{i}".encode())
-               for i in range(4) for ext in ("png", "txt")]
-    with tarfile.open(root / "a.tar", "w", format=tarfile.USTAR_FORMAT) as tf:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
-    tar, pictures = f"{url}/a.tar", dict(members)
+    tar, pictures = f"{url}/a.tar", _small_tar(root / "a.tar", 4)
     index = picture_heads.TarIndex(tar, 1 << 30, still=lambda: True)
     assert index.heads(f"{tar}:s1").target(100) == pictures["s1.png"][:100]  # by a range request
     assert index.sample(f"{tar}:s1").target == pictures["s1.png"]
@@ -250,14 +253,7 @@ def test_a_tar_at_a_url_whose_server_says_it_takes_no_ranges_is_downloaded_once_
     one header to the next) raises ValueError: before, that ended the stage with a traceback, where a server that
     ignores ranges silently had the tar downloaded once and walked there. Now the same download."""
     root, url, server = served_root
-    members = [(f"s{i}.{ext}", _noise_png(i, (40, 60)) if ext == "png" else f"edit s{i}".encode())
-               for i in range(3) for ext in ("png", "txt")]
-    with tarfile.open(root / "a.tar", "w", format=tarfile.USTAR_FORMAT) as tf:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
-    tar, pictures = f"{url}/a.tar", dict(members)
+    tar, pictures = f"{url}/a.tar", _small_tar(root / "a.tar", 3)
     server.ranges, server.accept = False, "none"
     index = picture_heads.TarIndex(tar, 1 << 30, still=lambda: True)
     for i in range(3):

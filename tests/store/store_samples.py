@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
 from schemas import FieldSpec, Lineage, TableSchema
 from store import Store
+from store.join import JoinedTables, KeyList
+from store.manifest_view import ManifestView
 
 
 def lineage(tag: str = "a") -> Lineage:
@@ -54,6 +61,40 @@ def fill(store: Store, n: int, shard_size_mb: float = 0.004, tag: str = "a", sta
         s = sample(i)
         w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
     return w.commit()
+
+
+def fill_images(store: Store, tag: str) -> int:
+    """An `images` version of one sample under config hash `tag` (what a vae version names as upstream)."""
+    schema = TableSchema(name="images", lineage=Lineage("resize-bucket", config_hash=tag, upstream={}),
+                         fields=[FieldSpec("target.png", "png", kind="file"),
+                                 FieldSpec("split", "string", kind="column"),
+                                 FieldSpec("img_shapes", "json", kind="column")])
+    w = store.writer("images", schema)
+    w.add("0123456789abcdef0123456789abcdef", files={"target.png": tag.encode()},
+          meta={"split": "train", "img_shapes": [[1, 2, 2]]})
+    return w.commit()
+
+
+def joined_over_manifests(data: dict[str, bytes], split: str = "train") -> JoinedTables:
+    """A join of `split` over views of the given manifest bytes by table (text first; the same sorted keys), with
+    no store behind it: what `JoinedTables.content_ids` reads, for tests/store/test_prefix_content_ids.py and
+    bench/content_ids.py."""
+    readers = {}
+    for t, raw in data.items():
+        schema = TableSchema(name=t, lineage=Lineage(f"encode-{t}", "synthetic", {}, "synthetic"), fields=[],
+                             attrs={"feature_lineage": "synthetic"})
+        buf = pa.py_buffer(raw)
+        view = ManifestView(Path("/nonexistent") / t / "v1", t, 1, schema,
+                            pq.ParquetFile(pa.BufferReader(buf)).schema_arrow.names, None, manifest_bytes=buf)
+        readers[t] = SimpleNamespace(view=view, schema=schema, table=t, version=1)
+    j = JoinedTables.__new__(JoinedTables)
+    j.readers, j.split, j._contents, j._prefix_contents = readers, split, False, {}
+    first = next(iter(readers.values())).view
+    rows = np.flatnonzero(np.asarray(first.column("split").to_numpy(zero_copy_only=False)) == split)
+    j.rows = {t: rows.astype(np.int32) for t in readers}
+    j.keys = KeyList(first.keys.array, j.rows["text"])
+    j.lengths = np.random.default_rng(0).integers(100, 5000, len(rows))
+    return j
 
 
 def read_only_open(real_open):

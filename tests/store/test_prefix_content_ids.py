@@ -3,17 +3,13 @@ row groups alone, and names them as reading every column whole did (the ids reco
 
 from __future__ import annotations
 
-from pathlib import Path
-from types import SimpleNamespace
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from schemas import Lineage, TableSchema
-from store.join import JoinedTables, KeyList
-from store.manifest_view import ManifestView
+from store.join import JoinedTables
+from store_samples import joined_over_manifests
 
 ROWS, GROUP = 2000, 256
 
@@ -41,26 +37,6 @@ def _manifest(table: str, odd_crc_at: int | None) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def _joined(data: dict[str, bytes], split: str) -> JoinedTables:
-    """A join over views of the manifests (as bench/content_ids.py builds one)."""
-    readers = {}
-    for t, raw in data.items():
-        schema = TableSchema(name=t, lineage=Lineage(f"encode-{t}", "test", {}, "test"), fields=[],
-                             attrs={"feature_lineage": "test"})
-        buf = pa.py_buffer(raw)
-        view = ManifestView(Path("/nonexistent") / t / "v1", t, 1, schema,
-                            pq.ParquetFile(pa.BufferReader(buf)).schema_arrow.names, None, manifest_bytes=buf)
-        readers[t] = SimpleNamespace(view=view, schema=schema, table=t, version=1)
-    j = JoinedTables.__new__(JoinedTables)
-    j.readers, j.split, j._contents, j._prefix_contents = readers, split, False, {}
-    first = next(iter(readers.values())).view
-    rows = np.flatnonzero(np.asarray(first.column("split").to_numpy(zero_copy_only=False)) == split)
-    j.rows = {t: rows.astype(np.int32) for t in readers}
-    j.keys = KeyList(first.keys.array, j.rows["text"])
-    j.lengths = np.random.default_rng(0).integers(100, 5000, len(rows))
-    return j
-
-
 def _whole_columns_parsed(j: JoinedTables) -> JoinedTables:
     """The join with every content column parsed whole first: the ids as they were computed before."""
     for r in j.readers.values():
@@ -76,18 +52,18 @@ def _whole_columns_parsed(j: JoinedTables) -> JoinedTables:
 def test_first_rows_ids_equal_the_whole_column_reads(odd_crc_at, first):
     data = {t: _manifest(t, odd_crc_at) for t in ("text", "vae")}
     for split in ("val", "train"):
-        expected = _whole_columns_parsed(_joined(data, split)).content_ids(first)
-        assert _joined(data, split).content_ids(first) == expected
-    assert _joined(data, "val").content_ids(40) != _joined(data, "val").content_ids(41)
+        expected = _whole_columns_parsed(joined_over_manifests(data, split)).content_ids(first)
+        assert joined_over_manifests(data, split).content_ids(first) == expected
+    assert joined_over_manifests(data, "val").content_ids(40) != joined_over_manifests(data, "val").content_ids(41)
     other = {**data, "vae": _manifest("vae", 3)}  # a crc inside the first rows differs (as strings)
-    assert _joined(other, "val").content_ids(40)["vae"] != _joined(data, "val").content_ids(40)["vae"]
+    assert joined_over_manifests(other, "val").content_ids(40)["vae"] != joined_over_manifests(data, "val").content_ids(40)["vae"]
 
 
 def test_first_rows_read_their_row_groups_alone(monkeypatch):
     """256 samples of a 1M-row split parsed every content column whole (~170 MB RSS at 900k rows): only the groups
     holding the rows are decoded now (the crc column is looked over a group at a time, none kept)."""
     data = {t: _manifest(t, None) for t in ("text", "vae")}
-    j = _joined(data, "val")
+    j = joined_over_manifests(data, "val")
     groups: dict[str, set[int]] = {}
     real = pq.ParquetFile.read_row_group
 

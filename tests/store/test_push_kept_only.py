@@ -10,23 +10,11 @@ from pathlib import Path
 
 import torch
 
-from schemas import FieldSpec, Lineage, TableSchema
 from store import Store
 from store import lease as leases
 from store.gc import plan
 from store.remote_sync import pull, push
-from store_samples import fill
-
-
-def _images(store: Store, tag: str) -> int:
-    schema = TableSchema(name="images", lineage=Lineage("resize-bucket", config_hash=tag, upstream={}),
-                         fields=[FieldSpec("target.png", "png", kind="file"),
-                                 FieldSpec("split", "string", kind="column"),
-                                 FieldSpec("img_shapes", "json", kind="column")])
-    w = store.writer("images", schema)
-    w.add("0123456789abcdef0123456789abcdef", files={"target.png": tag.encode()},
-          meta={"split": "train", "img_shapes": [[1, 2, 2]]})
-    return w.commit()
+from store_samples import fill, fill_images
 
 
 def _sent(url_root: Path, table: str) -> list[int]:
@@ -65,9 +53,9 @@ def test_a_version_a_newer_current_one_replaced_is_not_uploaded(store: Store, tm
 def test_a_version_a_kept_one_was_made_from_is_uploaded(store: Store, tmp_path: Path) -> None:
     """vae v1 names images v1 as its upstream (store_samples.lineage): kept and sent although images v3 is current;
     images v2 (replaced, named by nothing) is not. The pulled copy opens vae and the images version it names."""
-    assert _images(store, "a") == 1
+    assert fill_images(store, "a") == 1
     fill(store, 3)  # vae v1, upstream images v1
-    assert _images(store, "b") == 2 and _images(store, "c") == 3  # images v3 current
+    assert fill_images(store, "b") == 2 and fill_images(store, "c") == 3  # images v3 current
     url = (tmp_path / "remote").as_uri()
     summary = push(store.root, url)
     assert summary.garbage == ["images/v2"] and set(summary.garbage) == _removed_by_gc(store), summary

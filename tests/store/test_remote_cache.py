@@ -44,6 +44,23 @@ def test_a_warm_open_lists_nothing_and_refuses_a_changed_version(s3_env, store: 
         local_store(s3_env.url(), ["vae"], cache)
 
 
+def _cache_with_an_unpushed_version(s3_env, tmp_path: Path, prefix: str):
+    """A remote holding vae v1 (8 samples) under `prefix`, a cache of it, and v2 (40 samples) committed in the cache
+    alone (its push_back never ran). Returns url, cache, the cache's store root, v2's number, folder and size."""
+    from store import format as fmt
+    from store.remote_cache import push_back
+
+    url = s3_env.url(prefix)
+    src = Store(tmp_path / "src")
+    fill(src, 8, tag="a")
+    push_back(url, src.root)  # the remote: vae v1
+    cache = tmp_path / "cache"
+    root = local_store(url, ["vae"], cache, lease=False)
+    v = fill(Store(root), 40, tag="b", start=100)  # committed in the cache; push_back never ran
+    vdir = fmt.version_dir(root, "vae", v)
+    return url, cache, root, v, vdir, sum(p.stat().st_size for p in vdir.iterdir())
+
+
 def test_a_version_committed_only_in_the_cache_is_never_evicted_before_its_push(s3_env, tmp_path: Path,
                                                                                 caplog) -> None:
     """An encoder committed v2 into the cache and its push failed (or was killed): until the rerun pushes it, that
@@ -53,15 +70,7 @@ def test_a_version_committed_only_in_the_cache_is_never_evicted_before_its_push(
     from store import format as fmt
     from store.remote_cache import push_back
 
-    url = s3_env.url("unpushed")
-    src = Store(tmp_path / "src")
-    fill(src, 8, tag="a")
-    push_back(url, src.root)  # the remote: vae v1
-    cache = tmp_path / "cache"
-    root = local_store(url, ["vae"], cache, lease=False)
-    v = fill(Store(root), 40, tag="b", start=100)  # committed in the cache; push_back never ran
-    vdir = fmt.version_dir(root, "vae", v)
-    size = sum(p.stat().st_size for p in vdir.iterdir())
+    url, cache, root, v, vdir, size = _cache_with_an_unpushed_version(s3_env, tmp_path, "unpushed")
 
     with caplog.at_level("WARNING", logger="store"):
         local_store(url, ["vae"], cache, limit_gb=size / 2 / 1e9, lease=False)  # the rerun's open
@@ -81,18 +90,9 @@ def test_a_version_committed_in_the_cache_that_a_newer_one_replaced_is_evicted_n
     garbage by the cache's own record (push leaves it out, as the store's gc removes it), so an open over the limit
     evicts it whole. Before, it was kept as "never pushed" for ever: counted against the limit, warned of at every
     open, and no rerun would ever push it."""
-    from store import format as fmt
     from store.remote_cache import push_back
 
-    url = s3_env.url("replaced")
-    src = Store(tmp_path / "src")
-    fill(src, 8, tag="a")
-    push_back(url, src.root)  # the remote: vae v1
-    cache = tmp_path / "cache"
-    root = local_store(url, ["vae"], cache, lease=False)
-    v = fill(Store(root), 40, tag="b", start=100)  # committed in the cache; push_back never ran
-    vdir = fmt.version_dir(root, "vae", v)
-    size = sum(p.stat().st_size for p in vdir.iterdir())
+    url, cache, root, v, vdir, size = _cache_with_an_unpushed_version(s3_env, tmp_path, "replaced")
     newer = fill(Store(root), 4, tag="c", start=200)  # the rerun with other settings
     summary = push_back(url, root)
     assert summary.copied == [f"vae/v{newer}"] and summary.garbage == [f"vae/v{v}"], summary

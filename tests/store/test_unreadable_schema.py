@@ -13,10 +13,9 @@ from typer.testing import CliRunner
 
 from damage import flip_bit
 from pipeline.cli import app
-from schemas import FieldSpec, Lineage, TableSchema
 from store import Store
 from store import format as fmt
-from store_samples import fill, lineage, vae_schema
+from store_samples import fill, fill_images, lineage, vae_schema
 
 runner = CliRunner()
 
@@ -46,24 +45,13 @@ def test_find_version_skips_and_records_a_version_whose_schema_does_not_read(sto
     assert store.find_version("vae", lineage("b")) == 2
 
 
-def _images(store: Store, tag: str) -> int:
-    schema = TableSchema(name="images", lineage=Lineage("resize-bucket", config_hash=tag, upstream={}),
-                         fields=[FieldSpec("target.png", "png", kind="file"),
-                                 FieldSpec("split", "string", kind="column"),
-                                 FieldSpec("img_shapes", "json", kind="column")])
-    w = store.writer("images", schema)
-    w.add("0123456789abcdef0123456789abcdef", files={"target.png": tag.encode()},
-          meta={"split": "train", "img_shapes": [[1, 2, 2]]})
-    return w.commit()
-
-
 def test_gc_keeps_what_a_kept_version_with_an_unreadable_schema_may_name(store: Store) -> None:
     """Before: `store gc` stopped with "schema.json is not valid JSON" (nothing collected until the stage was
     rerun). Now the versions it may have been made from are kept, and the line says why and what to run."""
-    assert _images(store, "a") == 1  # what vae v1 names as upstream (store_samples.lineage)
+    assert fill_images(store, "a") == 1  # what vae v1 names as upstream (store_samples.lineage)
     fill(store, 3)
-    assert _images(store, "b") == 2  # current
-    _images(store, "c")
+    assert fill_images(store, "b") == 2  # current
+    fill_images(store, "c")
     store.set_current("images", 2)
     (store.root / "vae" / "v1" / fmt.SCHEMA_JSON).write_bytes(b"")
     r = runner.invoke(app, ["store", "gc", str(store.root)])
@@ -109,12 +97,12 @@ def test_gc_of_a_url_keeps_what_a_kept_version_with_an_unreadable_schema_may_nam
     from store.remote_parts import make_current
     from store.remote_sync import push
 
-    assert _images(store, "a") == 1
+    assert fill_images(store, "a") == 1
     fill(store, 3)
-    assert _images(store, "b") == 2
+    assert fill_images(store, "b") == 2
     url = s3_env.url()
     push(store.root, url)  # images v2 while current: a push leaves out versions a newer current one replaced
-    _images(store, "c")
+    fill_images(store, "c")
     push(store.root, url)  # with v3 current
     assert make_current(open_remote(url), "images", 2, over=3) == 2  # v3 switched away from at the URL
     client = s3_env.client()
