@@ -372,3 +372,26 @@ def test_recorded_headers_that_are_not_the_tars_are_walked_instead(served_root):
     server.ranges, server.whole = False, 0
     index = picture_heads.TarIndex(tar, 1 << 30, lambda: True, [f"{tar}:s000"], [0])
     assert index.heads(f"{tar}:s000").target(100) == members["s000.png"][:100] and server.whole == 1
+
+
+@needs_curl
+def test_heads_asked_for_a_few_samples_apart_fetch_no_window_ahead(served_root, monkeypatch):
+    """Only some samples' headers are checked (a lowered pixel limit: the rows without controls over it): a window
+    of HEADS_AHEAD samples fetched for each such sample is HEADS_AHEAD times the bytes asked for (4 MiB of heads a
+    picture asked). Samples asked far apart fetch their own heads alone; samples asked in a row still a window."""
+    root, url, _ = served_root
+    members = _revision_3_tar(root / "a.tar", 12)
+    tar = f"{url}/a.tar"
+    sources, fetched, real_cat = [f"{tar}:s{i:03d}" for i in range(12)], [], picture_heads.cat_ranges
+    monkeypatch.setattr(picture_heads, "HEADS_AHEAD", 4)
+    monkeypatch.setattr(picture_heads, "cat_ranges", lambda fs, path, starts, *a, **k: fetched.append(len(starts))
+                        or real_cat(fs, path, starts, *a, **k))
+    index = picture_heads.TarIndex(tar, 1 << 30, lambda: True, sources, None)
+    for i in (0, 5, 10):
+        assert index.heads(sources[i]).controls[0](100) == members[f"s{i:03d}.control.png"][:100]
+    assert fetched[1:] == [2, 2], fetched  # the first ask a window (nothing known yet); before: 8, 4 (samples 5-8, 10-11)
+    fetched.clear()
+    index = picture_heads.TarIndex(tar, 1 << 30, lambda: True, sources, None)
+    for i in range(12):  # in a row: a window a round
+        assert index.heads(sources[i]).target(100) == members[f"s{i:03d}.png"][:100]
+    assert fetched == [8, 8, 8], fetched
