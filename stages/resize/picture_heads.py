@@ -187,6 +187,7 @@ class TarIndex:
         self._ahead: list[str] = list(order or ())
         self._fetched: dict[int, bytes] = {}  # data offset -> the member's first bytes, of the window fetched
         self._last_asked: int | None = None  # the position in `order` of the sample whose heads were asked last
+        self._covered = range(0)  # the positions in `order` of the samples the last window fetched
         self._runs: dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None] | None = None
         self._stamp: tuple[int, int, int, int] | bool | None = None
         self._copy: Any = None  # a URL's tempfile, where its walk by range requests failed (`_walk_copy`)
@@ -295,7 +296,9 @@ class TarIndex:
         if self._still is not None and self._copy is None and source in self._order:
             at, last = self._order[source], self._last_asked
             self._last_asked = at
-            if any(p[0] not in self._fetched for p in (s.target, *s.controls, s.mask) if p is not None):
+            # (one of the window's that did not come, an empty member or a failed range: read alone, read_range)
+            if at not in self._covered and \
+                    any(p[0] not in self._fetched for p in (s.target, *s.controls, s.mask) if p is not None):
                 self._fetch_ahead(at, last)
         return Heads(self._reader(s.target), tuple(self._reader(c) for c in s.controls),
                      None if s.mask is None else self._reader(s.mask))
@@ -311,7 +314,7 @@ class TarIndex:
         position of the sample asked before (None: the first): asked out of row order or more than HEADS_STRIDE
         after it, the sample's own heads alone."""
         ahead = HEADS_AHEAD if last is None or 0 < at - last <= HEADS_STRIDE else 1
-        self._fetched = {}
+        self._fetched, self._covered = {}, range(at, at + ahead)
         wanted = []
         for source in self._ahead[at:at + ahead]:
             run = self._runs.get(source) if self._runs else None
