@@ -35,6 +35,10 @@ WALK_BLOCK = 16 * 1024
 # range requests concurrent (fsspec's cat_ranges; async for http and s3): a round trip a window, not one a picture.
 # Held: HEADS_AHEAD x pictures x FIRST_READ (64 samples of 3: 12 MiB)
 HEADS_AHEAD = 64
+# ... while the samples asked are at most this far apart in `order`: a window holds the heads of every sample in it,
+# so asked further apart (only some headers checked: a lowered pixel limit, rows without controls over it) each
+# ask fetched HEADS_AHEAD samples' heads for its own (64x the bytes); those fetch their own heads alone
+HEADS_STRIDE = 4
 # a tar at a URL whose member headers' offsets were recorded (known_tars.py) is walked by fetching HEADER_BLOCK bytes
 # from each (a header, with a pax or GNU long-name header before it), WALK_AHEAD concurrent requests a round
 HEADER_BLOCK = 4096
@@ -182,7 +186,8 @@ class TarIndex:
         self._order = {source: i for i, source in enumerate(order or ())}
         self._ahead: list[str] = list(order or ())
         self._fetched: dict[int, bytes] = {}  # data offset -> the member's first bytes, of the window fetched
-        self._window = 0  # where the last window began, in `order`
+        self._last_asked: int | None = None  # the position in `order` of the sample whose heads were asked last
+        self._covered = range(0)  # the positions in `order` of the samples the last window fetched
         self._runs: dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None] | None = None
         self._stamp: tuple[int, int, int, int] | bool | None = None
         self._copy: Any = None  # a URL's tempfile, where its walk by range requests failed (`_walk_copy`)
@@ -288,9 +293,13 @@ class TarIndex:
         s = _sample_from_members(run[0], run[1], run[2], [])  # type: ignore[arg-type]
         if s.problem is not None:
             return None
-        if self._still is not None and self._copy is None and source in self._order and \
-                any(at[0] not in self._fetched for at in (s.target, *s.controls, s.mask) if at is not None):
-            self._fetch_ahead(self._order[source])
+        if self._still is not None and self._copy is None and source in self._order:
+            at, last = self._order[source], self._last_asked
+            self._last_asked = at
+            # (one of the window's that did not come, an empty member or a failed range: read alone, read_range)
+            if at not in self._covered and \
+                    any(p[0] not in self._fetched for p in (s.target, *s.controls, s.mask) if p is not None):
+                self._fetch_ahead(at, last)
         return Heads(self._reader(s.target), tuple(self._reader(c) for c in s.controls),
                      None if s.mask is None else self._reader(s.mask))
 
@@ -298,13 +307,14 @@ class TarIndex:
         offset, size = at  # type: ignore[misc]
         return partial(self._read, offset=offset, size=size)
 
-    def _fetch_ahead(self, at: int) -> None:
+    def _fetch_ahead(self, at: int, last: int | None) -> None:
         """The first FIRST_READ + 1 bytes of each picture of the HEADS_AHEAD samples from `at` in row order, by
         concurrent range requests; the window before dropped. A range that fails or comes back whole (a server that
-        ignores ranges) is left out: its picture is read alone then (read_range), which names the error."""
-        # a sample asked out of row order, before the window: it alone (else each such ask fetched a window)
-        ahead = 1 if at < self._window else HEADS_AHEAD
-        self._fetched, self._window = {}, max(self._window, at)
+        ignores ranges) is left out: its picture is read alone then (read_range), which names the error. `last`: the
+        position of the sample asked before (None: the first): asked out of row order or more than HEADS_STRIDE
+        after it, the sample's own heads alone."""
+        ahead = HEADS_AHEAD if last is None or 0 < at - last <= HEADS_STRIDE else 1
+        self._fetched, self._covered = {}, range(at, at + ahead)
         wanted = []
         for source in self._ahead[at:at + ahead]:
             run = self._runs.get(source) if self._runs else None

@@ -368,3 +368,52 @@ def test_recorded_headers_that_are_not_the_tars_are_walked_instead(served_root):
     server.ranges, server.whole = False, 0
     index = picture_heads.TarIndex(tar, 1 << 30, lambda: True, [f"{tar}:s000"], [0])
     assert index.heads(f"{tar}:s000").target(100) == members["s000.png"][:100] and server.whole == 1
+
+
+@needs_curl
+def test_heads_asked_for_a_few_samples_apart_fetch_no_window_ahead(served_root, monkeypatch):
+    """Only some samples' headers are checked (a lowered pixel limit: the rows without controls over it): a window
+    of HEADS_AHEAD samples fetched for each such sample is HEADS_AHEAD times the bytes asked for (4 MiB of heads a
+    picture asked). Samples asked far apart fetch their own heads alone; samples asked in a row still a window."""
+    root, url, _ = served_root
+    members = _revision_3_tar(root / "a.tar", 12)
+    tar = f"{url}/a.tar"
+    sources, fetched, real_cat = [f"{tar}:s{i:03d}" for i in range(12)], [], picture_heads.cat_ranges
+    monkeypatch.setattr(picture_heads, "HEADS_AHEAD", 4)
+    monkeypatch.setattr(picture_heads, "cat_ranges", lambda fs, path, starts, *a, **k: fetched.append(len(starts))
+                        or real_cat(fs, path, starts, *a, **k))
+    index = picture_heads.TarIndex(tar, 1 << 30, lambda: True, sources, None)
+    for i in (0, 5, 10):
+        assert index.heads(sources[i]).controls[0](100) == members[f"s{i:03d}.control.png"][:100]
+    assert fetched[1:] == [2, 2], fetched  # the first ask a window (nothing known yet); before: 8, 4 (samples 5-8, 10-11)
+    fetched.clear()
+    index = picture_heads.TarIndex(tar, 1 << 30, lambda: True, sources, None)
+    for i in range(12):  # in a row: a window a round
+        assert index.heads(sources[i]).target(100) == members[f"s{i:03d}.png"][:100]
+    assert fetched == [8, 8, 8], fetched
+
+
+@needs_curl
+def test_a_picture_the_window_could_not_fetch_is_read_alone_not_another_window(served_root, monkeypatch):
+    """A picture of the window fetched that did not come (an empty member, a range the server failed) is read alone
+    (read_range, which names an error): before, its sample fetched a new window from it (every sample with one: a
+    window each)."""
+    root, url, _ = served_root
+    members = {}
+    with tarfile.open(root / "a.tar", "w", format=tarfile.USTAR_FORMAT) as tf:
+        for i in range(8):
+            for ext in ("png", "txt"):
+                data = b"" if (ext, i) == ("png", 1) else _noise_png(i, (40, 60)) if ext == "png" else b"edit"
+                info = tarfile.TarInfo(f"s{i}.{ext}")
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+                members[info.name] = data
+    tar = f"{url}/a.tar"
+    sources, fetched, real_cat = [f"{tar}:s{i}" for i in range(8)], [], picture_heads.cat_ranges
+    monkeypatch.setattr(picture_heads, "HEADS_AHEAD", 4)
+    monkeypatch.setattr(picture_heads, "cat_ranges", lambda fs, path, starts, *a, **k: fetched.append(len(starts))
+                        or real_cat(fs, path, starts, *a, **k))
+    index = picture_heads.TarIndex(tar, 1 << 30, lambda: True, sources, None)
+    for i in range(8):
+        assert index.heads(sources[i]).target(100) == members[f"s{i}.png"][:100]
+    assert fetched == [3, 4], fetched  # before: 3, 3, 3 (a window from s1 again, s1-s4, then s5-s7)
