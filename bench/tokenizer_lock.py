@@ -15,7 +15,7 @@ waiting.
 
 from __future__ import annotations
 
-import sys
+import argparse
 import threading
 import time
 
@@ -56,4 +56,6 @@ def main(model: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="a model folder (`pipeline make-tiny-model DIR` builds a tiny one)")
+    main(parser.parse_args().model)

@@ -268,7 +268,7 @@ def test_two_ranks_score_the_ema_as_one_process_does(model_store, tiny_edit_mode
     import sys
 
     import warm_start
-    from test_evaluate_checkpoints_ranks import ENV
+    from test_evaluate_checkpoints_ranks import _env
 
     root, transformer = model_store
     ckpts, _ = _run(root, transformer, "run_ranks", {10: (RAW, 0.0, 2), 20: (RAW, None, 4)})
@@ -278,7 +278,7 @@ def test_two_ranks_score_the_ema_as_one_process_does(model_store, tiny_edit_mode
             "--device", "cpu", "--set", "evaluate.noise_seeds=[0, 1]", "--set", "evaluate.timesteps=[0.3, 0.7]",
             "--set", "evaluate.batch_size=4"]
     proc = warm_start.run([sys.executable, "-m", "pipeline.cli", "launch", "--standalone", "--nproc-per-node", "2",
-                           *args], env=ENV, timeout=600)
+                           *args], env=_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("best checkpoint step 10 (EMA)") == 1, proc.stdout[-2000:]
     a = xr.open_zarr(tmp_path / "one" / EMA_LOSSES / GROUP).sortby("step")
