@@ -11,8 +11,8 @@ from store import Store
 from store import remote_gc, remote_lease
 from store.remote import open_remote
 from store.remote_sync import pull, push
-from store_samples import fill
-from test_push_kept_only import _images, _same_tables
+from store_samples import fill, fill_images
+from test_push_kept_only import _same_tables
 
 
 def _pulled(copy: Path, table: str) -> list[int]:
@@ -41,11 +41,11 @@ def test_an_upstream_and_a_leased_version_are_pulled(store: Store, tmp_path: Pat
     """vae v1 names images v1 (kept, copied although images v3 is current; images v2 is not); a training reading
     vae v1 through the URL (its lease there) while vae v2 is current keeps vae v1, and the pull copies it."""
     url = (tmp_path / "remote").as_uri()
-    assert _images(store, "a") == 1
+    assert fill_images(store, "a") == 1
     fill(store, 3)  # vae v1, upstream images v1
     push(store.root, url)
     for tag in "bc":
-        _images(store, tag)
+        fill_images(store, tag)
         push(store.root, url)
     fill(store, 4, tag="b", start=10)  # vae v2, current
     push(store.root, url)
