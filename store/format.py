@@ -574,7 +574,10 @@ def refuse_if_held(path: Path, holder: str) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        other = Path(path).read_text().strip() or "another process"
+        try:  # from the file opened: its holder may unlink it as it lets go (read by path: a traceback)
+            other = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
+        except OSError:
+            other = "another process"
         raise UserError(_held_line(path, holder, other)) from None
     finally:
         os.close(fd)  # lets go of the probe's shared lock
