@@ -529,7 +529,7 @@ def flock(path: Path, *, blocking: bool = True, holder: str = "", changes_store:
     its lock file as it lets go (stages/train/guard.RunDirLock): a lock taken on a file no longer at `path`
     excludes nobody, so the file is opened again. A blocking one waits in short tries (`interruptible.flock`: a
     Ctrl-C another thread took held it until the other process let go, a shard another rank fetches whole: minutes).
-    `changes_store`: the store's lock taken by a command that changes the store (gc, repair), said as such where
+    `changes_store`: the store's lock taken by a command that changes the store (gc), said as such where
     the store is read-only (readers that go on without a lease catch the OSError instead)."""
     while True:
         fd = _open_lock(Path(path), changes_store)

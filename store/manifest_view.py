@@ -279,8 +279,11 @@ class ManifestView:
     def column_groups(self, name: str) -> Iterator[pa.Array]:
         """Column `name` a row group at a time (one group's values held at once, none kept): for a check over a
         whole column whose values are not wanted after it (`SampleLocator.crcs_at`)."""
-        if self._full is not None or name in self._arrays:
-            yield from self.column(name).chunks if self._full is None else self._full.column(name).chunks
+        if self._full is not None:
+            yield from self._full.column(name).chunks
+            return
+        if name in self._arrays:  # parsed already (one array: `column` combines its chunks)
+            yield self.column(name)
             return
         try:
             f = pq.ParquetFile(pa.BufferReader(self._bytes))

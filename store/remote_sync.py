@@ -540,9 +540,9 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
 def _listing_and_garbage(remote: Remote, tables: list[str] | None,
                          every_version: bool = False) -> tuple[dict[str, int], set[tuple[str, int]]]:
     """The URL's listing ({rel: size}) and, for a pull of the whole URL (`tables` None), the complete versions there
-    that its gc would remove (store/remote_gc.py `not_kept`, one rule with gc and push) and that no copy in the
-    destination holds already: not copied (`summary.garbage`). Those a pull names (`tables`' current ones) are
-    always copied."""
+    that its gc would remove (store/remote_gc.py `not_kept`, one rule with gc and push): not copied
+    (`summary.garbage`; `pull` leaves out those the destination holds already). Those a pull names (`tables`'
+    current ones) are always copied."""
     from store.remote_gc import not_kept
 
     if tables is not None or every_version:

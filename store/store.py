@@ -92,7 +92,7 @@ class Store:
         vdir = self.version_dir(table, version)
         ident = tuple(_identity(vdir / name) for name in (fmt.SCHEMA_JSON, fmt.CHECKSUMS))
         held = self._schemas.get((table, version))
-        if held is not None and held[0] == ident and None not in ident[:1]:
+        if held is not None and held[0] == ident:  # (one that did not read was never held)
             return held[1]
         schema = checked_schema(vdir)
         self._schemas[(table, version)] = (ident, schema)

@@ -78,3 +78,13 @@ def test_first_rows_read_their_row_groups_alone(monkeypatch):
         assert groups[name] == {0}, name
     for r in j.readers.values():
         assert "sample_sha256" not in r.view.parsed and r.view.samples._crc_u32 is False  # nothing kept
+
+
+def test_a_parsed_columns_groups_are_its_values():
+    """`ManifestView.column_groups` of a column parsed already yields its one array (before: `.chunks` of an Array,
+    an AttributeError) and, unparsed, the same values a group at a time."""
+    view = next(iter(joined_over_manifests({t: _manifest(t, None) for t in ("text", "vae")}).readers.values())).view
+    unparsed = pa.concat_arrays(list(view.column_groups("sample_crc32c")))
+    assert "sample_crc32c" not in view.parsed
+    parsed = view.column("sample_crc32c")
+    assert pa.concat_arrays(list(view.column_groups("sample_crc32c"))).equals(parsed) and unparsed.equals(parsed)
