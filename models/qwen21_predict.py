@@ -226,18 +226,18 @@ def vlm_pixel_limits(model: str) -> tuple[int, int]:
     return processor_pixel_bounds(AutoImageProcessor.from_pretrained(resolve_model(model) / "processor"))
 
 
-def check_reference_area(area: int, model: str) -> None:
-    """`resize.control_vae_area` (each reference's area, which the VLM reads as it is) outside the model's VLM
-    processor limits, refused in one line by `pipeline run all` for a run with references (`pipeline.reference_area`:
-    before resize-bucket, or right after it where only the source's samples tell): the processor would resize
-    every reference, and encode-text ran the VLM on each sample and then quarantined it ("VLM grid differs from
-    the VAE grid"). References near a limit may still round past it at some aspects: encode-text quarantines those."""
-    from schemas.errors import UserError
-
+def reference_area_refusal(area: int, model: str) -> str | None:
+    """The line refusing a `resize.control_vae_area` (each reference's area, which the VLM reads as it is) outside
+    the model's VLM processor limits, None within them: said by `pipeline run all` for a run with references
+    (`pipeline.reference_area`: before resize-bucket, or right after it where only the source's samples tell). The
+    processor would resize every reference, and encode-text ran the VLM on each sample and then quarantined it ("VLM
+    grid differs from the VAE grid"). References near a limit may still round past it at some aspects: encode-text
+    quarantines those."""
     low, high = vlm_pixel_limits(model)
     if not low <= area <= high:
-        raise UserError(f"resize.control_vae_area = {area}: {model} (Qwen-Image-2.1)'s VLM processor keeps images of "
-                        f"{low}..{high} px (its processor/ folder) and reads each reference at that area, so it would "
-                        "resize every one and encode-text would quarantine them all (VLM grid differs from the VAE "
-                        f"grid); set resize.control_vae_area within {low}..{high} (the pipeline's output_resolution², "
-                        "1048576 for the released model)")
+        return (f"resize.control_vae_area = {area}: {model} (Qwen-Image-2.1)'s VLM processor keeps images of "
+                f"{low}..{high} px (its processor/ folder) and reads each reference at that area, so it would "
+                "resize every one and encode-text would quarantine them all (VLM grid differs from the VAE "
+                f"grid); set resize.control_vae_area within {low}..{high} (the pipeline's output_resolution², "
+                "1048576 for the released model)")
+    return None

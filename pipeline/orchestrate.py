@@ -398,7 +398,7 @@ def _check_resize(cfg: PipelineConfig, model: str) -> None:
     if variant == "qwen-image-2.1":  # where the run has references; else after resize-bucket, or not at all
         from pipeline.reference_area import check_before_resize
 
-        check_before_resize(cfg, model, str(cfg.paths.source))
+        check_before_resize(cfg, model, cfg.paths.source)
 
 
 def _run_stages(cfg: PipelineConfig, paths: Paths, access, log: Callable[[str], None],

@@ -1,5 +1,5 @@
 """`run all`'s check of a Qwen-Image-2.1 model's reference area (`resize.control_vae_area`) against its VLM
-processor's limits (`models.qwen21_predict.check_reference_area`), made only for a run that has references: the
+processor's limits (`models.qwen21_predict.reference_area_refusal`), made only for a run that has references: the
 processor would resize every one and encode-text quarantine them all, but a dataset without references never
 shows the VLM one (before, a text-only 2.1 dataset was refused for an area it never uses).
 
@@ -13,24 +13,26 @@ from __future__ import annotations
 from pathlib import Path
 
 from schemas.config import PipelineConfig
+from schemas.errors import UserError
 
 
-def check_before_resize(cfg: PipelineConfig, model: str, source: str) -> None:
+def check_before_resize(cfg: PipelineConfig, model: str, source: str | None) -> None:
     """Refuse (one line) an area the processor resizes when the settings or the folder listing tell the run has
     references; when they tell it only after resize-bucket, `check_after_resize` asks the table."""
-    if _area_kept(cfg, model) or not _references_told(cfg, source):
-        return
-    from models.qwen21_predict import check_reference_area
+    from models.qwen21_predict import reference_area_refusal
 
-    check_reference_area(cfg.resize.control_vae_area, model)
+    refusal = reference_area_refusal(cfg.resize.control_vae_area, model)
+    if refusal is not None and _references_told(cfg, source):
+        raise UserError(refusal)
 
 
 def check_after_resize(stage: str, cfg: PipelineConfig, model: str, store: str) -> None:
     """After resize-bucket: refuse such an area when the `images` table holds a sample with references (rank 0
-    reads, the other ranks wait and stop with its line: `models.collective.main_alone`)."""
+    reads the processor and the table, the other ranks wait and stop with its line: `models.collective.main_alone`;
+    a rank reading the processor itself could fail alone where the others wait)."""
     from models.loading import model_variant
 
-    if stage != "resize-bucket" or model_variant(model) != "qwen-image-2.1" or _area_kept(cfg, model):
+    if stage != "resize-bucket" or model_variant(model) != "qwen-image-2.1":
         return
     from models.collective import main_alone
     from pipeline.launched import launched
@@ -39,26 +41,22 @@ def check_after_resize(stage: str, cfg: PipelineConfig, model: str, store: str) 
 
 
 def _check_table(cfg: PipelineConfig, model: str, store: str) -> None:
-    if _samples_with_references(store):
-        from models.qwen21_predict import check_reference_area
+    from models.qwen21_predict import reference_area_refusal
 
-        check_reference_area(cfg.resize.control_vae_area, model)
-
-
-def _area_kept(cfg: PipelineConfig, model: str) -> bool:
-    from models.qwen21_predict import vlm_pixel_limits
-
-    low, high = vlm_pixel_limits(model)
-    return low <= cfg.resize.control_vae_area <= high
+    refusal = reference_area_refusal(cfg.resize.control_vae_area, model)
+    if refusal is not None and _samples_with_references(store):
+        raise UserError(refusal)
 
 
-def _references_told(cfg: PipelineConfig, source: str) -> bool | None:
+def _references_told(cfg: PipelineConfig, source: str | None) -> bool | None:
     """Whether the run has references, where the settings or a folder source's listing tell before resize-bucket
     reads the source; None where only the source's samples tell."""
     if cfg.resize.max_controls == 0:  # resize-bucket quarantines every sample with one
         return False
     if cfg.resize.min_controls >= 1:  # ... and every sample without one
         return True
+    if source is None:  # (resize-bucket refuses it)
+        return None
     root = Path(source)
     if not (root / "target").is_dir():  # not a folder source (`stages.resize.sources.detect_format`'s rule)
         return None
