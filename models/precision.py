@@ -3,7 +3,7 @@
 `dtype: auto` means bfloat16 on a CUDA device that supports it and float32 everywhere else: on a CPU without bf16
 instructions bf16 is emulated and slower (one 512x512 VAE encode: 3.0 s float32, 18.4 s bf16, machine not
 recorded), though on this project's avx512_bf16 CPU bf16 was faster (38.4 s vs 51.6 s float32; docs/train.md
-'Precision'): float32 is the choice that is never the slow one, and full precision. On a GPU bf16 halves the
+'Precision'): float32 is never the emulated, several-times-slower one, and full precision. On a GPU bf16 halves the
 memory of a 20B-parameter transformer. Stages resolve `auto` once, print
 what they picked and record the concrete name (lineage config, run records), so a table or run says which
 precision produced it.

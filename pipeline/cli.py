@@ -53,7 +53,8 @@ app.command("make-demo-data", help="Write a synthetic mixed-resolution paired-ed
 config_app.command("show", help="Print the effective config (file + flag overrides).")(tools.config_show)
 app.add_typer(config_app, name="config")
 store_cmd.store_app.command("push", help="Copy a local store's committed versions to a URL (s3://bucket/prefix): "
-                             "those its gc keeps (current, leased, made from by a kept one) that the remote lacks, "
+                             "those its gc keeps (current, complete and never current past it, leased, made from by a "
+                             "kept one) that the remote lacks, "
                              "manifests last, resumable.")(store_remote.push)
 store_cmd.store_app.command("pull", help="Copy a remote store's committed versions that its gc keeps into a local "
                              "folder, every file checked against its checksum before the version becomes "

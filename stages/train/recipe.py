@@ -73,13 +73,9 @@ from stages.train.stop import StopOnSignal
 from store.format import atomic_write_json
 from store.join import JoinedTables
 
-# What to change when a step runs out of memory (named in the error every rank prints).
-OOM_ADVICE = ("lower train.batch_size or train.max_tokens_per_batch, or set train.gradient_checkpointing, "
-              "train.offload: blocks or train.quantize_base (`pipeline plan` predicts the peak)")
-
-
 def step_oom_advice(tc: TrainConfig) -> str:
-    """OOM_ADVICE for this run's settings: what it names to set is left out where already set (checkpointing,
+    """What to change when a step runs out of memory (named in the error every rank prints), for this run's
+    settings: what it names to set is left out where already set (checkpointing,
     block offload, a quantized base), and with train.uncheckpointed_blocks set (`pipeline plan --gpu-memory` may
     have advised raising it) lowering it comes first: each such block keeps its activations through the backward."""
     unset = [name for name, on in (("train.gradient_checkpointing", tc.gradient_checkpointing),

@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 
 from rank_hook import REPO
-from stages.train.recipe import OOM_ADVICE
+from schemas.config import TrainConfig
+from stages.train.recipe import step_oom_advice
 from test_settings_one_node import _one_line_each
 from test_train_multinode import nodes_ended
 from train_store import make_train_store, mixed_specs
@@ -57,5 +58,5 @@ def test_a_rank_failing_alone_on_the_stores_node_ends_every_node_on_its_line(tin
                          "--set", "train.lora.rank=4"], (env, env))
     _one_line_each(ended,
                    "error: rank 0 ran out of memory in optimizer step 1 (CUDA out of memory. Tried to allocate 2.00 "
-                   f"GiB (test)): {OOM_ADVICE}")
+                   f"GiB (test)): {step_oom_advice(TrainConfig())}")
     assert not (tmp_path / "run" / "lora").exists()
