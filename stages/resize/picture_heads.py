@@ -22,6 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
+from schemas.errors import UserError
 from stages.resize.first_read import file_stamp
 from stages.resize.header_checks import FIRST_READ, Heads, Reader
 from stages.resize.shards import open_shard
@@ -174,8 +175,9 @@ class TarIndex:
     are fetched concurrently HEADS_AHEAD samples ahead in `order` (the rows'), a sample read whole in one round; the
     walk's header offsets (`headers` after it) are recorded for the next run. It is checked against its record
     before and after the walk (one metadata request each), not before each read as a local tar's stat is (a request
-    a sample): an object put again while its samples are read is found by the next run (another tag: read whole), as a parquet file's row groups are. A
-    server that ignores range requests: the tar downloaded once to a temporary file and walked there."""
+    a sample), and once more after its last sample is read (`confirm`): an object put again while its samples were
+    read by the walk's offsets (old offsets into new bytes) stops the run, which a rerun reads right. A server that
+    ignores range requests: the tar downloaded once to a temporary file and walked there."""
 
     def __init__(self, tar: str, max_file_bytes: int, still: Callable[[], bool] | None = None,
                  order: list[str] | None = None, headers: list[int] | None = None) -> None:
@@ -191,13 +193,25 @@ class TarIndex:
         self._runs: dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None] | None = None
         self._stamp: tuple[int, int, int, int] | bool | None = None
         self._copy: Any = None  # a URL's tempfile, where its walk by range requests failed (`_walk_copy`)
+        self._by_offsets = False  # a URL's samples read by the walk's offsets (range requests): `confirm` asks
 
     def _run(self, source: str) -> tuple[str, str, dict[str, tuple[int, int]]] | None:
         if self._runs is None:
             self._runs = self._index()
         if self._still is not None:
-            return self._runs.get(source) if self._stamp else None
+            run = self._runs.get(source) if self._stamp else None
+            self._by_offsets = self._by_offsets or (run is not None and self._copy is None)
+            return run
         return self._runs.get(source) if self._stamp is not None and file_stamp(self.tar) == self._stamp else None
+
+    def confirm(self) -> None:
+        """After a URL tar's last sample was read: one metadata request, where samples were read by the walk's
+        offsets, says the object is still the one walked. Put again meanwhile, those reads took the old offsets
+        into the new bytes (a row of neither version, which the next run would not notice: its rows are recorded
+        under the tag asked before the walk), so the run stops; already yielded, they cannot be read again."""
+        if self._by_offsets and not self._still():
+            raise UserError(f"{self.tar}: the tar was put again while this run read its samples by their offsets "
+                            "(their rows could mix both versions' bytes); rerun to read the new one")
 
     def _index(self) -> dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None]:
         self._stamp = file_stamp(self.tar) if self._still is None else self._still()

@@ -644,6 +644,7 @@ def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYT
             for source, hit in samples:
                 yield SourceSample(name=source[len(tar) + 1:], source=source, known=hit,
                                    reread=partial(index.sample, source), heads=partial(index.heads, source))
+            index.confirm()  # a URL's object not put again while its samples were read by offsets
             known.note(tar, sha, len(samples), index.headers or known.headers(tar))
             continue
         if known is not None and str(Path(tar)) in known.pending:  # read for the first time: hashed as streamed

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import io
+import os
 import re
 import shutil
 import tarfile
@@ -22,6 +23,7 @@ from PIL import Image
 
 from pipeline.config import load_config
 from pipeline.demo_data import make_demo_data
+from schemas.errors import UserError
 from stages.resize import picture_heads, source_count, stage
 from stages.resize.header_checks import FIRST_READ
 from stages.resize.picture_heads import WALK_BLOCK
@@ -417,3 +419,46 @@ def test_a_picture_the_window_could_not_fetch_is_read_alone_not_another_window(s
     for i in range(8):
         assert index.heads(sources[i]).target(100) == members[f"s{i}.png"][:100]
     assert fetched == [3, 4], fetched  # before: 3, 3, 3 (a window from s1 again, s1-s4, then s5-s7)
+
+
+def _put_again_swapped(path: Path) -> None:
+    """The tar put again at its URL with each sample's target and control names swapped: the same size and data
+    offsets (USTAR headers are 512 bytes whatever the name), other content, another ETag (its mtime)."""
+    swap = {".png": ".control.png", ".control.png": ".png"}
+    out = io.BytesIO()
+    with tarfile.open(path) as src, tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as dst:
+        for m in src.getmembers():
+            stem, _, ext = m.name.partition(".")
+            data = src.extractfile(m).read()
+            m.name = stem + swap.get(f".{ext}", f".{ext}")
+            dst.addfile(m, io.BytesIO(data))
+    before = path.stat()
+    path.write_bytes(out.getvalue())
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+    assert path.stat().st_size == before.st_size
+
+
+@needs_curl
+def test_a_url_tar_put_again_while_its_samples_are_read_stops_the_run(served_root, monkeypatch, tmp_path):
+    """An object put again after the walk (its tag asked before and after it) but before its samples are read by
+    the walk's offsets: before, the rerun read the old offsets into the new bytes silently (the cut-out's pictures
+    judged and rendered as the old tar's names say, a table neither tar's fresh run gives). Now its tag is asked
+    once more after its last sample: the run stops with one line, and the rerun it asks for is a fresh run's."""
+    root, url, _ = served_root
+    _revision_3_tar(root / "a.tar", 4)
+    cfg, source = load_config(None, REVISION_SMALL), f"{url}/a.tar"
+    _build_at_revision_3(monkeypatch, cfg, source, tmp_path / "store")
+
+    real_index = picture_heads.TarIndex._index
+
+    def walked_then_put_again(self):
+        runs = real_index(self)
+        _put_again_swapped(root / "a.tar")
+        return runs
+    with monkeypatch.context() as m:
+        m.setattr(picture_heads.TarIndex, "_index", walked_then_put_again)
+        with pytest.raises(UserError, match=r"a\.tar: the tar was put again while this run read its samples.*rerun"):
+            stage.run(cfg, source, tmp_path / "store")
+    stage.run(cfg, source, tmp_path / "store")
+    stage.run(cfg, source, tmp_path / "fresh")
+    assert _contents(tmp_path / "store") == _contents(tmp_path / "fresh")
