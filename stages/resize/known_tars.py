@@ -102,6 +102,7 @@ class KnownTars:
         self.pending: frozenset[str] = frozenset()
         self.streamed: dict[str, tuple[str, os.stat_result, int]] = {}
         self._urls: dict[str, str | None] = {}  # url -> its identity, asked once a run (`fresh` asks again)
+        self._etags: dict[str, str | None] = {}  # url -> its strong ETag as last asked (`etag`)
 
     def identity(self, tar: str, fresh: bool = False) -> str | None:
         """The tar's sha256 by the cache's rule, not read; None where it is not known or would not be read. A file
@@ -110,7 +111,7 @@ class KnownTars:
         then hashes its bytes: nothing here says it is unchanged without a read)."""
         if is_url(tar):
             if fresh or tar not in self._urls:
-                self._urls[tar] = _remote_identity(tar)
+                self._urls[tar], self._etags[tar] = _remote_identity(tar)
             return self._urls[tar]
         try:
             if not os.access(tar, os.R_OK) or not stat.S_ISREG(os.stat(tar).st_mode):
@@ -119,6 +120,11 @@ class KnownTars:
             return self._hashes.cached(tar)
         except (OSError, UnicodeEncodeError):
             return None
+
+    def etag(self, tar: str) -> str | None:
+        """The strong ETag of a tar at a URL as its identity was last asked (None: a weak one, another tag, none):
+        range reads of the object walked send it as If-Match (picture_heads.TarIndex), a put again answers 412."""
+        return self._etags.get(tar)
 
     def count(self, tar: str) -> int | None:
         """Its recorded sample count when it would be carried (the progress bar's total), else None."""
@@ -194,19 +200,25 @@ def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, m
             i += 1
     known = KnownTars(hashes, {t: recorded[t] for t in unchanged}, rows,
                       {t: idx for t, idx in by_tar.items() if t not in read_whole}, kind)
-    known._urls = now._urls  # the URLs' identities just asked: not asked again for the bar's count
+    known._urls, known._etags = now._urls, now._etags  # the URLs' identities just asked: not asked again
     return known
 
 
-def _remote_identity(url: str) -> str | None:
+def _remote_identity(url: str) -> tuple[str | None, str | None]:
+    """(identity, strong ETag or None) of a tar at a URL."""
     from schemas import UserError
     from stages.resize.shards import remote_tag
 
     try:
         size, tag = remote_tag(url)
     except (UserError, OSError):  # gone, or the server unreachable: read it (the reader says what is wrong)
-        return None
-    return hashlib.sha256(f"{url}\0{size} {tag}".encode()).hexdigest() if tag is not None else None
+        return None, None
+    if tag is None:
+        return None, None
+    etag = tag.split("=", 1)[1] if tag.lower().startswith("etag=") else None
+    # a weak ETag (W/"..."): If-Match compares strongly, every range read would be refused
+    strong = etag if etag and not etag.startswith("W/") else None
+    return hashlib.sha256(f"{url}\0{size} {tag}".encode()).hexdigest(), strong
 
 
 def note_value(known: KnownTars, max_file_bytes: int) -> dict:

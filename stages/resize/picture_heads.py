@@ -22,6 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
+from schemas.errors import UserError
 from stages.resize.first_read import file_stamp
 from stages.resize.header_checks import FIRST_READ, Heads, Reader
 from stages.resize.shards import open_shard
@@ -64,9 +65,10 @@ def read_first(path: str | Path, n: int, offset: int = 0, size: int | None = Non
         os.close(fd)
 
 
-def read_range(url: str, n: int, offset: int = 0, size: int | None = None) -> bytes:
-    """`read_first` of an object at a URL: one range request. The client's own errors (a lost connection, a
-    server refusing the range) as OSError: the sample is then read by streaming its tar, which names them."""
+def read_range(url: str, n: int, offset: int = 0, size: int | None = None, **match: Any) -> bytes:
+    """`read_first` of an object at a URL: one range request (`match`: `if_match`'s). The client's own errors (a
+    lost connection, a server refusing the range, 412 for an object put again) as OSError: the sample is then read
+    by streaming its tar, which names them."""
     from stages.resize.shards import remote_fs
 
     n = n if size is None else min(n, size)
@@ -74,7 +76,7 @@ def read_range(url: str, n: int, offset: int = 0, size: int | None = None) -> by
         return b""
     fs, path = remote_fs(url)
     try:
-        data = fs.cat_file(path, start=offset, end=offset + n)
+        data = fs.cat_file(path, start=offset, end=offset + n, **match)
     except OSError:
         raise
     except Exception as e:  # aiohttp's, botocore's
@@ -84,9 +86,15 @@ def read_range(url: str, n: int, offset: int = 0, size: int | None = None) -> by
     return data
 
 
-def cat_ranges(fs: Any, path: str, starts: list[int], ends: list[int], on_error: str) -> list:
+def cat_ranges(fs: Any, path: str, starts: list[int], ends: list[int], on_error: str, **match: Any) -> list:
     """The byte ranges of one object, as concurrent requests (fsspec: async for http and s3): a round trip."""
-    return fs.cat_ranges([path] * len(starts), starts, ends, on_error=on_error)
+    return fs.cat_ranges([path] * len(starts), starts, ends, on_error=on_error, **match)
+
+
+def if_match(url: str, etag: str | None) -> dict[str, Any]:
+    """The keywords of fsspec's http reads that make a server refuse (412) a range of another object than the one
+    whose ETag is `etag`: its offsets never read into bytes put again. s3fs's reads take no If-Match (nothing)."""
+    return {"headers": {"If-Match": etag}} if etag and url.split("://", 1)[0] in ("http", "https") else {}
 
 
 def _blocks(url: str, fs: Any, path: str, starts: list[int], n: int) -> list[bytes]:
@@ -174,12 +182,18 @@ class TarIndex:
     are fetched concurrently HEADS_AHEAD samples ahead in `order` (the rows'), a sample read whole in one round; the
     walk's header offsets (`headers` after it) are recorded for the next run. It is checked against its record
     before and after the walk (one metadata request each), not before each read as a local tar's stat is (a request
-    a sample): an object put again while its samples are read is found by the next run (another tag: read whole), as a parquet file's row groups are. A
-    server that ignores range requests: the tar downloaded once to a temporary file and walked there."""
+    a sample), and once more after its last sample is read (`confirm`): an object put again while its samples were
+    read by the walk's offsets (old offsets into new bytes) stops the run, which a rerun reads right. Over http(s)
+    each range read also sends the walked object's strong ETag as If-Match (`etag`): a server answers 412 for one
+    put again, and the sample is streamed from it instead of read by the old offsets (s3fs takes no If-Match: there
+    `confirm` alone). A server that ignores range requests: the tar downloaded once to a temporary file and walked
+    there."""
 
     def __init__(self, tar: str, max_file_bytes: int, still: Callable[[], bool] | None = None,
-                 order: list[str] | None = None, headers: list[int] | None = None) -> None:
-        self.tar, self._max, self._still = tar, max_file_bytes, still
+                 order: list[str] | None = None, headers: list[int] | None = None,
+                 etag: Callable[[], str | None] | None = None) -> None:
+        self.tar, self._max, self._still, self._etag = tar, max_file_bytes, still, etag
+        self._match: dict[str, Any] = {}  # a URL's range reads' If-Match (`if_match`): the walked object's ETag
         # a URL's member header offsets as recorded (walked concurrently); those of the walk made (for the record)
         self._recorded, self.headers = headers, None
         # a URL's: the sources in the order they are asked (the rows'), whose heads are fetched a window ahead
@@ -191,13 +205,25 @@ class TarIndex:
         self._runs: dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None] | None = None
         self._stamp: tuple[int, int, int, int] | bool | None = None
         self._copy: Any = None  # a URL's tempfile, where its walk by range requests failed (`_walk_copy`)
+        self._by_offsets = False  # a URL's samples read by the walk's offsets (range requests): `confirm` asks
 
     def _run(self, source: str) -> tuple[str, str, dict[str, tuple[int, int]]] | None:
         if self._runs is None:
             self._runs = self._index()
         if self._still is not None:
-            return self._runs.get(source) if self._stamp else None
+            run = self._runs.get(source) if self._stamp else None
+            self._by_offsets = self._by_offsets or (run is not None and self._copy is None)
+            return run
         return self._runs.get(source) if self._stamp is not None and file_stamp(self.tar) == self._stamp else None
+
+    def confirm(self) -> None:
+        """After a URL tar's last sample was read: one metadata request, where samples were read by the walk's
+        offsets, says the object is still the one walked. Put again meanwhile, those reads took the old offsets
+        into the new bytes (a row of neither version, which the next run would not notice: its rows are recorded
+        under the tag asked before the walk), so the run stops; already yielded, they cannot be read again."""
+        if self._by_offsets and not self._still():
+            raise UserError(f"{self.tar}: the tar was put again while this run read its samples by their offsets "
+                            "(their rows could mix both versions' bytes); rerun to read the new one")
 
     def _index(self) -> dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None]:
         self._stamp = file_stamp(self.tar) if self._still is None else self._still()
@@ -211,6 +237,8 @@ class TarIndex:
             runs = {}
         if self._still is not None and not self._still():  # put again during the walk
             self._stamp = None
+        elif self._etag is not None:  # the tag just asked, the walk's object's: its reads refused once put again
+            self._match = if_match(self.tar, self._etag())
         return runs
 
     def _walk_copy(self) -> dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None]:
@@ -326,7 +354,7 @@ class TarIndex:
         try:
             fs, path = remote_fs(self.tar)
             got = cat_ranges(fs, path, [o for o, _ in wanted], [o + min(size, FIRST_READ + 1) for o, size in wanted],
-                             on_error="return")
+                             on_error="return", **self._match)
         except Exception:  # the client's own errors: each picture read alone, which names them
             return
         for (offset, size), data in zip(wanted, got):
@@ -339,7 +367,9 @@ class TarIndex:
             return head[:n]
         if self._copy is not None:
             return read_first(self._copy.name, n, offset, size)
-        return (read_range if self._still is not None else read_first)(self.tar, n, offset, size)
+        if self._still is not None:
+            return read_range(self.tar, n, offset, size, **self._match)
+        return read_first(self.tar, n, offset, size)
 
     def _whole(self, members: dict[str, tuple[int, int]]) -> dict[str, bytes]:
         """ext -> a member's bytes; a URL's members by concurrent range requests (one round trip a sample)."""
@@ -350,7 +380,7 @@ class TarIndex:
         fs, path = remote_fs(self.tar)
         try:
             got = cat_ranges(fs, path, [o for o, _ in members.values()], [o + n for o, n in members.values()],
-                             on_error="raise")
+                             on_error="raise", **self._match)
         except OSError:
             raise
         except Exception as e:  # aiohttp's, botocore's

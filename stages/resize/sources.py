@@ -640,10 +640,12 @@ def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYT
             sha, samples = carried
             # its headers walked only when a sample is read after all (a URL's: while it is still the recorded one)
             index = TarIndex(tar, max_file_bytes, partial(_still, known, tar, sha) if is_url(tar) else None,
-                             [source for source, _ in samples] if is_url(tar) else None, known.headers(tar))
+                             [source for source, _ in samples] if is_url(tar) else None, known.headers(tar),
+                             partial(known.etag, tar) if is_url(tar) else None)
             for source, hit in samples:
                 yield SourceSample(name=source[len(tar) + 1:], source=source, known=hit,
                                    reread=partial(index.sample, source), heads=partial(index.heads, source))
+            index.confirm()  # a URL's object not put again while its samples were read by offsets
             known.note(tar, sha, len(samples), index.headers or known.headers(tar))
             continue
         if known is not None and str(Path(tar)) in known.pending:  # read for the first time: hashed as streamed

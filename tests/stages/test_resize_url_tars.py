@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import io
+import os
 import re
 import shutil
 import tarfile
@@ -22,6 +23,7 @@ from PIL import Image
 
 from pipeline.config import load_config
 from pipeline.demo_data import make_demo_data
+from schemas.errors import UserError
 from stages.resize import picture_heads, source_count, stage
 from stages.resize.header_checks import FIRST_READ
 from stages.resize.picture_heads import WALK_BLOCK
@@ -55,6 +57,11 @@ class _Ranges(SimpleHTTPRequestHandler):
             self.send_error(404)
             return
         data, st = path.read_bytes(), path.stat()
+        etag = f'"{st.st_size:x}-{st.st_mtime_ns:x}"'
+        if self.headers.get("If-Match") not in (None, etag):  # another object's ETag: put again since
+            self.server.refused += 1  # type: ignore[attr-defined]
+            self.send_error(412)
+            return
         start, end = 0, len(data)
         asked = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", "") if self.server.ranges else "")
         if asked:
@@ -65,7 +72,7 @@ class _Ranges(SimpleHTTPRequestHandler):
         self.send_header("Content-Length", str(end - start))
         self.send_header("Accept-Ranges", self.server.accept)  # type: ignore[attr-defined]
         self.send_header("Last-Modified", self.date_time_string(st.st_mtime))
-        self.send_header("ETag", f'"{st.st_size:x}-{st.st_mtime_ns:x}"')
+        self.send_header("ETag", etag)
         self.end_headers()
         if body:
             # counted before the body goes, so a client holding it (the test's next line) sees the count; counted
@@ -85,7 +92,7 @@ def served_root(tmp_path, without_proxies):
     root = tmp_path / "www"
     root.mkdir()
     server = _Server(("127.0.0.1", 0), functools.partial(_Ranges, directory=str(root)))
-    server.served, server.ranges, server.whole = Counter(), True, 0  # type: ignore[attr-defined]
+    server.served, server.ranges, server.whole, server.refused = Counter(), True, 0, 0  # type: ignore[attr-defined]
     server.accept = "bytes"  # type: ignore[attr-defined]  # its Accept-Ranges header
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
@@ -417,3 +424,64 @@ def test_a_picture_the_window_could_not_fetch_is_read_alone_not_another_window(s
     for i in range(8):
         assert index.heads(sources[i]).target(100) == members[f"s{i}.png"][:100]
     assert fetched == [3, 4], fetched  # before: 3, 3, 3 (a window from s1 again, s1-s4, then s5-s7)
+
+
+def _put_again_swapped(path: Path) -> None:
+    """The tar put again at its URL with each sample's target and control names swapped: the same size and data
+    offsets (USTAR headers are 512 bytes whatever the name), other content, another ETag (its mtime)."""
+    swap = {".png": ".control.png", ".control.png": ".png"}
+    out = io.BytesIO()
+    with tarfile.open(path) as src, tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as dst:
+        for m in src.getmembers():
+            stem, _, ext = m.name.partition(".")
+            data = src.extractfile(m).read()
+            m.name = stem + swap.get(f".{ext}", f".{ext}")
+            dst.addfile(m, io.BytesIO(data))
+    before = path.stat()
+    path.write_bytes(out.getvalue())
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+    assert path.stat().st_size == before.st_size
+
+
+@needs_curl
+def test_a_url_tar_put_again_while_its_samples_are_read_stops_the_run(served_root, monkeypatch, tmp_path):
+    """An object put again after the walk (its tag asked before and after it) but before its samples are read by
+    the walk's offsets: before, the rerun read the old offsets into the new bytes silently (the cut-out's pictures
+    judged and rendered as the old tar's names say, a table neither tar's fresh run gives). Now its tag is asked
+    once more after its last sample: the run stops with one line, and the rerun it asks for is a fresh run's."""
+    root, url, server = served_root
+    _revision_3_tar(root / "a.tar", 4)
+    cfg, source = load_config(None, REVISION_SMALL), f"{url}/a.tar"
+    _build_at_revision_3(monkeypatch, cfg, source, tmp_path / "store")
+
+    real_index = picture_heads.TarIndex._index
+
+    def walked_then_put_again(self):
+        runs = real_index(self)
+        _put_again_swapped(root / "a.tar")
+        return runs
+    with monkeypatch.context() as m:
+        m.setattr(picture_heads.TarIndex, "_index", walked_then_put_again)
+        with pytest.raises(UserError, match=r"a\.tar: the tar was put again while this run read its samples.*rerun"):
+            stage.run(cfg, source, tmp_path / "store")
+    assert server.refused > 0  # the cut-out's members asked If-Match the walked object's ETag: 412, streamed
+    stage.run(cfg, source, tmp_path / "store")
+    stage.run(cfg, source, tmp_path / "fresh")
+    assert _contents(tmp_path / "store") == _contents(tmp_path / "fresh")
+
+
+@needs_curl
+def test_range_reads_of_a_url_tar_put_again_after_its_walk_are_refused_not_read(served_root):
+    """The walked object's ETag sent as If-Match with each range read: the server refuses (412) a read of the
+    object put again, so the sample is streamed from the new object (its own bytes), never read by the old offsets.
+    Before: the old offsets read the new object's bytes (here the old target's data under the new control name)."""
+    root, url, server = served_root
+    members = _revision_3_tar(root / "a.tar", 4)
+    tar, st = f"{url}/a.tar", (root / "a.tar").stat()
+    etag = f'"{st.st_size:x}-{st.st_mtime_ns:x}"'
+    sources = [f"{tar}:s{i:03d}" for i in range(4)]
+    index = picture_heads.TarIndex(tar, 1 << 30, lambda: True, sources, None, lambda: etag)
+    assert index.heads(sources[0]).target(100) == members["s000.png"][:100]  # walked, the first window fetched
+    _put_again_swapped(root / "a.tar")
+    assert index.sample(sources[1]).target == members["s001.control.png"]  # the new object's target, streamed
+    assert server.refused == 3  # its three members' ranges
