@@ -244,7 +244,8 @@ class TarIndex:
     def _walk_copy(self) -> dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None]:
         """A tar at a URL whose walk by range requests failed (a server that ignores them): downloaded once to a
         temporary file (gone with the index), walked and read there; else each sample to read would stream the tar
-        up to it (a tar of n samples read ~n/2 times). A transfer that fails stops the run, as a stream's does."""
+        up to it (a tar of n samples read ~n/2 times). A transfer that fails, no room for the copy, or bytes that
+        are no tar: each sample streamed instead (`_reread_tar`), whose stream names the error where it lasts."""
         from stages.resize.sources import _close_shard
 
         try:
@@ -257,7 +258,7 @@ class TarIndex:
             copy.flush()
             self._copy = copy
             return self._walk()
-        except (OSError, tarfile.TarError, EOFError):  # no room for it, or not a tar: streamed, which names why
+        except (OSError, tarfile.TarError, EOFError):  # streamed instead, which names why where it lasts
             self._copy = None
             return {}
 
@@ -378,14 +379,17 @@ class TarIndex:
         from stages.resize.shards import remote_fs
 
         fs, path = remote_fs(self.tar)
+        # an empty member (a blank caption) is asked of no server: s3fs sends `bytes=o-(o-1)` for it, a range S3
+        # may ignore, answering with the whole object
+        asked = {ext: at for ext, at in members.items() if at[1] > 0}
         try:
-            got = cat_ranges(fs, path, [o for o, _ in members.values()], [o + n for o, n in members.values()],
-                             on_error="raise", **self._match)
+            got = cat_ranges(fs, path, [o for o, _ in asked.values()], [o + n for o, n in asked.values()],
+                             on_error="raise", **self._match) if asked else []
         except OSError:
             raise
         except Exception as e:  # aiohttp's, botocore's
             raise OSError(f"{self.tar}: a sample's members could not be read: {e}") from e
-        return dict(zip(members, got))
+        return {ext: b"" for ext in members} | dict(zip(asked, got))
 
     def sample(self, source: str) -> SourceSample:
         """The sample read whole from its members' offsets (what streaming the tar up to it gives)."""

@@ -485,3 +485,26 @@ def test_range_reads_of_a_url_tar_put_again_after_its_walk_are_refused_not_read(
     _put_again_swapped(root / "a.tar")
     assert index.sample(sources[1]).target == members["s001.control.png"]  # the new object's target, streamed
     assert server.refused == 3  # its three members' ranges
+
+
+@needs_curl
+def test_an_empty_member_of_a_url_tar_is_asked_of_no_server(served_root, monkeypatch):
+    """A sample read whole by its members' offsets with an empty caption: the empty member is not asked (s3fs sends
+    `bytes=o-(o-1)` for it, a range S3 may ignore and answer with the whole object); its bytes are b""."""
+    root, url, server = served_root
+    members = _small_tar(root / "a.tar", 2)
+    with tarfile.open(root / "a.tar", "w", format=tarfile.USTAR_FORMAT) as tf:  # s1's caption emptied
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = 0 if name == "s1.txt" else len(data)
+            tf.addfile(info, io.BytesIO(b"" if name == "s1.txt" else data))
+    asked, real = [], picture_heads.cat_ranges
+
+    def cat_ranges(fs, path, starts, ends, *a, **k):
+        asked.extend(zip(starts, ends))
+        return real(fs, path, starts, ends, *a, **k)
+    monkeypatch.setattr(picture_heads, "cat_ranges", cat_ranges)
+    tar = f"{url}/a.tar"
+    sample = picture_heads.TarIndex(tar, 1 << 30, still=lambda: True).sample(f"{tar}:s1")
+    assert sample.target == members["s1.png"] and sample.caption == b""
+    assert asked and all(end > start for start, end in asked), asked
