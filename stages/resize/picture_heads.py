@@ -272,22 +272,39 @@ class TarIndex:
     def _recorded_members(self) -> Iterator[tarfile.TarInfo]:
         """Each member's header, read from its recorded offset (the record's: KnownTars.headers) by concurrent range
         requests, WALK_AHEAD a round, not one after another. Each must be a header (its checksum) where the one before
-        ends, and the tar's end follow the last (zeros or nothing): else this raises, and the tar is walked."""
+        ends (the first right after the tar's global pax headers, if it starts with any: `_global_headers`), and the
+        tar's end follow the last (zeros or nothing): else this raises, and the tar is walked."""
         from stages.resize.shards import remote_fs
 
         fs, path = remote_fs(self.tar)
-        expected = 0
+        global_ = self._global_headers(fs, path)
+        expected = len(global_)
         for first in range(0, len(self._recorded), WALK_AHEAD):
             starts = self._recorded[first:first + WALK_AHEAD]
             for start, block in zip(starts, _blocks(self.tar, fs, path, starts, HEADER_BLOCK)):
-                with tarfile.open(fileobj=io.BytesIO(block), mode="r:") as tf:
-                    m, after = tf.firstmember, tf.offset
-                if start != expected or m is None or m.offset != 0 or m.offset_data > len(block):
+                # read after the global headers, as a walk reads each member: their keys apply to its pax header's
+                with tarfile.open(fileobj=io.BytesIO(global_ + block), mode="r:") as tf:
+                    m, after = tf.firstmember, tf.offset - len(global_)
+                if start != expected or m is None or m.offset != len(global_) or \
+                        m.offset_data - len(global_) > len(block):
                     raise tarfile.ReadError(f"{self.tar}: no member header at {start}")
-                m.offset, m.offset_data, expected = start, start + m.offset_data, start + after
+                m.offset, m.offset_data, expected = start, start + m.offset_data - len(global_), start + after
                 yield m
         if _blocks(self.tar, fs, path, [expected], 512)[0].strip(b"\0"):
             raise tarfile.ReadError(f"{self.tar}: members after the {len(self._recorded)} recorded")
+
+    def _global_headers(self, fs: Any, path: str) -> bytes:
+        """The bytes before the first recorded header: none, or a tar's global pax headers (`git archive` writes one,
+        its commit: tarfile reads it with the member header after it, whose offset is recorded). They must be what
+        tarfile reads as headers only, the first member's header right after them (`_recorded_members` checks it
+        is: the member read from offset 0 is the one at the recorded offset); over HEADER_BLOCK: walked instead."""
+        first = self._recorded[0]
+        if first > HEADER_BLOCK:
+            raise tarfile.ReadError(f"{self.tar}: {first} bytes before the first member header recorded")
+        global_ = _blocks(self.tar, fs, path, [0], first)[0] if first else b""
+        if len(global_) != first:
+            raise tarfile.ReadError(f"{self.tar}: fewer than {first} bytes")
+        return global_
 
     def _runs_of(self, members: Iterable[tarfile.TarInfo]) -> dict[str, Run | None]:
         """The runs of the members met, each header's offset kept (`headers`: recorded for the next run's walk)."""
