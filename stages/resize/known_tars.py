@@ -43,8 +43,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
-import zlib
 import stat
+import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 

@@ -65,6 +65,19 @@ def read_first(path: str | Path, n: int, offset: int = 0, size: int | None = Non
         os.close(fd)
 
 
+@contextlib.contextmanager
+def client_errors(what: str) -> Iterator[None]:
+    """The client's own errors raised inside (aiohttp's, botocore's, fsspec's ValueError for a server with no range
+    requests) as OSError `<what>: <error>` (`what`: the URL and what was read): a read that fails so is no run's end,
+    the sample streamed (or the tar downloaded and walked) instead, which names it. OSError as it is."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as e:
+        raise OSError(f"{what}: {e}") from e
+
+
 def read_range(url: str, n: int, offset: int = 0, size: int | None = None, **match: Any) -> bytes:
     """`read_first` of an object at a URL: one range request (`match`: `if_match`'s). The client's own errors (a
     lost connection, a server refusing the range, 412 for an object put again) as OSError: the sample is then read
@@ -75,12 +88,8 @@ def read_range(url: str, n: int, offset: int = 0, size: int | None = None, **mat
     if n <= 0:
         return b""
     fs, path = remote_fs(url)
-    try:
+    with client_errors(f"{url}: bytes {offset}-{offset + n - 1} could not be read"):
         data = fs.cat_file(path, start=offset, end=offset + n, **match)
-    except OSError:
-        raise
-    except Exception as e:  # aiohttp's, botocore's
-        raise OSError(f"{url}: bytes {offset}-{offset + n - 1} could not be read: {e}") from e
     if len(data) > n:  # a server that ignores ranges sends the whole object
         raise OSError(f"{url}: the server ignored a range request")
     return data
@@ -99,12 +108,8 @@ def if_match(url: str, etag: str | None) -> dict[str, Any]:
 
 def _blocks(url: str, fs: Any, path: str, starts: list[int], n: int) -> list[bytes]:
     """`n` bytes from each start (fewer at the end), by concurrent range requests; the client's errors as OSError."""
-    try:
+    with client_errors(f"{url}: {n} bytes from each of {len(starts)} offsets (member headers) could not be read"):
         blocks = cat_ranges(fs, path, starts, [s + n for s in starts], on_error="raise")
-    except OSError:
-        raise
-    except Exception as e:  # aiohttp's, botocore's
-        raise OSError(f"{url}: bytes could not be read: {e}") from e
     if any(len(b) > n for b in blocks):  # a server that ignores ranges sends the whole object
         raise OSError(f"{url}: the server ignored a range request")
     return blocks
@@ -121,31 +126,23 @@ def _opened_for_walk(tar: str, at_url: bool) -> Iterator[tarfile.TarFile]:
     from stages.resize.shards import remote_fs
 
     fs, path = remote_fs(tar)
-    try:
+    with client_errors(f"{tar}: cannot be opened for its headers"):
         f = fs.open(path, "rb", block_size=WALK_BLOCK, cache_type="readahead")
-    except OSError:
-        raise
-    except Exception as e:
-        raise OSError(f"{tar}: cannot be opened for its headers: {e}") from e
-    with f, tarfile.open(fileobj=_Errors(f), mode="r:") as tf:
+    with f, tarfile.open(fileobj=_Errors(f, tar), mode="r:") as tf:
         yield tf
 
 
 class _Errors:
-    """A file whose reads and seeks raise the client's errors (aiohttp's, botocore's, fsspec's ValueError for a
-    server with no range requests: a seek of the streaming file it gives one that answers `Accept-Ranges: none`)
-    as OSError: a walk that fails so is no run's end (the tar is downloaded and walked there, `_walk_copy`)."""
+    """A file at URL `url` whose reads and seeks raise the client's errors (`client_errors`; fsspec's ValueError
+    for a server with no range requests: a seek of the streaming file it gives one that answers `Accept-Ranges:
+    none`) as OSError: a walk that fails so is no run's end (the tar is downloaded and walked there, `_walk_copy`)."""
 
-    def __init__(self, f: Any) -> None:
-        self._f = f
+    def __init__(self, f: Any, url: str) -> None:
+        self._f, self._url = f, url
 
     def _call(self, call: Callable[..., Any], *args: int) -> Any:
-        try:
+        with client_errors(f"{self._url}: its headers could not be read (a walk by range requests)"):
             return call(*args)
-        except OSError:
-            raise
-        except Exception as e:
-            raise OSError(f"{getattr(self._f, 'path', '')}: {e}") from e
 
     def read(self, n: int = -1) -> bytes:
         return self._call(self._f.read, n)
@@ -275,22 +272,39 @@ class TarIndex:
     def _recorded_members(self) -> Iterator[tarfile.TarInfo]:
         """Each member's header, read from its recorded offset (the record's: KnownTars.headers) by concurrent range
         requests, WALK_AHEAD a round, not one after another. Each must be a header (its checksum) where the one before
-        ends, and the tar's end follow the last (zeros or nothing): else this raises, and the tar is walked."""
+        ends (the first right after the tar's global pax headers, if it starts with any: `_global_headers`), and the
+        tar's end follow the last (zeros or nothing): else this raises, and the tar is walked."""
         from stages.resize.shards import remote_fs
 
         fs, path = remote_fs(self.tar)
-        expected = 0
+        global_ = self._global_headers(fs, path)
+        expected = len(global_)
         for first in range(0, len(self._recorded), WALK_AHEAD):
             starts = self._recorded[first:first + WALK_AHEAD]
             for start, block in zip(starts, _blocks(self.tar, fs, path, starts, HEADER_BLOCK)):
-                with tarfile.open(fileobj=io.BytesIO(block), mode="r:") as tf:
-                    m, after = tf.firstmember, tf.offset
-                if start != expected or m is None or m.offset != 0 or m.offset_data > len(block):
+                # read after the global headers, as a walk reads each member: their keys apply to its pax header's
+                with tarfile.open(fileobj=io.BytesIO(global_ + block), mode="r:") as tf:
+                    m, after = tf.firstmember, tf.offset - len(global_)
+                if start != expected or m is None or m.offset != len(global_) or \
+                        m.offset_data - len(global_) > len(block):
                     raise tarfile.ReadError(f"{self.tar}: no member header at {start}")
-                m.offset, m.offset_data, expected = start, start + m.offset_data, start + after
+                m.offset, m.offset_data, expected = start, start + m.offset_data - len(global_), start + after
                 yield m
         if _blocks(self.tar, fs, path, [expected], 512)[0].strip(b"\0"):
             raise tarfile.ReadError(f"{self.tar}: members after the {len(self._recorded)} recorded")
+
+    def _global_headers(self, fs: Any, path: str) -> bytes:
+        """The bytes before the first recorded header: none, or a tar's global pax headers (`git archive` writes one,
+        its commit: tarfile reads it with the member header after it, whose offset is recorded). They must be what
+        tarfile reads as headers only, the first member's header right after them (`_recorded_members` checks it
+        is: the member read from offset 0 is the one at the recorded offset); over HEADER_BLOCK: walked instead."""
+        first = self._recorded[0]
+        if first > HEADER_BLOCK:
+            raise tarfile.ReadError(f"{self.tar}: {first} bytes before the first member header recorded")
+        global_ = _blocks(self.tar, fs, path, [0], first)[0] if first else b""
+        if len(global_) != first:
+            raise tarfile.ReadError(f"{self.tar}: fewer than {first} bytes")
+        return global_
 
     def _runs_of(self, members: Iterable[tarfile.TarInfo]) -> dict[str, Run | None]:
         """The runs of the members met, each header's offset kept (`headers`: recorded for the next run's walk)."""
@@ -382,13 +396,9 @@ class TarIndex:
         # an empty member (a blank caption) is asked of no server: s3fs sends `bytes=o-(o-1)` for it, a range S3
         # may ignore, answering with the whole object
         asked = {ext: at for ext, at in members.items() if at[1] > 0}
-        try:
+        with client_errors(f"{self.tar}: a sample's members ({', '.join(asked)}) could not be read"):
             got = cat_ranges(fs, path, [o for o, _ in asked.values()], [o + n for o, n in asked.values()],
                              on_error="raise", **self._match) if asked else []
-        except OSError:
-            raise
-        except Exception as e:  # aiohttp's, botocore's
-            raise OSError(f"{self.tar}: a sample's members could not be read: {e}") from e
         return {ext: b"" for ext in members} | dict(zip(asked, got))
 
     def sample(self, source: str) -> SourceSample:

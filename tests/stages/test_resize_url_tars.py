@@ -508,3 +508,39 @@ def test_an_empty_member_of_a_url_tar_is_asked_of_no_server(served_root, monkeyp
     sample = picture_heads.TarIndex(tar, 1 << 30, still=lambda: True).sample(f"{tar}:s1")
     assert sample.target == members["s1.png"] and sample.caption == b""
     assert asked and all(end > start for start, end in asked), asked
+
+
+@needs_curl
+def test_a_pax_tar_with_a_global_header_is_read_by_its_recorded_offsets(served_root, monkeypatch):
+    """A tar with a global pax header (`git archive` writes one: its commit) records its first member header at
+    1024, past it: before, the recorded offsets were refused on every rerun (the first not 0) and the tar walked one
+    request after another each time. Now the bytes before it are read as tarfile reads them, global headers only,
+    and each recorded header after them (a member's own pax header, a long name here, under their keys): no
+    sequential request, each sample's bytes. Offsets past a member (not a global header) are still refused."""
+    root, url, server = served_root
+    names = [f"s{i}" for i in range(3)] + ["d" * 120 + "/s3"]  # the last: a name only a pax header holds
+    members = {}
+    with tarfile.open(root / "a.tar", "w", format=tarfile.PAX_FORMAT, pax_headers={"comment": "0" * 40}) as tf:
+        for i, key in enumerate(names):
+            for ext, data in (("txt", f"edit {i}".encode()), ("png", _noise_png(i, (40, 60)))):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+                members[info.name] = data
+    tar = f"{url}/a.tar"
+    sources = [f"{tar}:{key}" for key in names]
+    with tarfile.open(root / "a.tar") as tf:
+        recorded = [m.offset for m in tf.getmembers()]
+    walked = picture_heads.TarIndex(tar, 1 << 30, lambda: True, sources)
+    assert walked.heads(sources[0]) is not None and walked.headers == recorded and recorded[0] == 1024
+
+    trips = _RoundTrips(monkeypatch)
+    server.whole = 0
+    for headers, walks in ((recorded, False), (recorded[1:], True)):  # the record; one past s0.txt's header
+        trips.sequential = 0
+        index = picture_heads.TarIndex(tar, 1 << 30, lambda: True, sources, headers)
+        for key, source in zip(names, sources):
+            assert index.heads(source).target(100) == members[f"{key}.png"][:100]
+            sample = index.sample(source)
+            assert (sample.target, sample.caption) == (members[f"{key}.png"], members[f"{key}.txt"])
+        assert (trips.sequential > 0) == walks and index.headers == recorded and server.whole == 0, vars(trips)
