@@ -96,15 +96,15 @@ def remote_parquet_files(url: str) -> list[str]:
             if not any(part.startswith(".") for part in name[len(base):].split("/"))]
 
 
-def _open(path: Any) -> Any:
+def _open(path: Any, **match: Any) -> Any:
     """What pyarrow reads: a local path as it is; a URL as a random-access file of fsspec (range requests, so
-    a footer or one row group's columns are fetched, never the whole object)."""
+    a footer or one row group's columns are fetched, never the whole object; `match`: picture_heads.if_match's)."""
     if not is_url(path):
         return path
     from stages.resize.shards import remote_fs
 
     fs, p = remote_fs(path)
-    return fs.open(p, "rb", block_size=URL_BLOCK_BYTES)
+    return fs.open(p, "rb", block_size=URL_BLOCK_BYTES, **match)
 
 
 @contextmanager
@@ -408,11 +408,12 @@ def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int, known: Any
         carried = known.unchanged(str(path)) if known is not None and isinstance(lay, _Layout) else None
         if carried is not None:
             sha, rows = carried
-            groups = _RowGroups(path, lay, max_file_bytes)  # a row group read only when a row is read after all
+            groups = _RowGroups(path, lay, max_file_bytes, *_url_checks(known, str(path), sha))
             for source, hit in rows:
                 no = int(source[len(str(path)) + 1:])
                 yield SourceSample(name=f"{_stem(path)}:{no}", source=source, known=hit,
                                    reread=partial(groups.row, no), heads=partial(groups.heads, no))
+            groups.confirm()  # a URL's object not put again while its row groups were read by the footer's offsets
             known.note(str(path), sha, len(rows))
             continue
         if known is not None and str(path) in known.pending:  # read for the first time: hashed as it is read
@@ -426,6 +427,17 @@ def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int, known: Any
         # not changed while read, and read whole (a read error: not noted, so a rerun reads it again)
         if before is not None and not failed and known.identity(str(path), fresh=True) == before:
             known.note(str(path), before, yielded)
+
+
+def _url_checks(known: Any, path: str, sha: str) -> tuple[Any, dict[str, Any]]:
+    """A carried file at a URL's (still: is it the recorded one, asked of its server; its range reads' If-Match
+    keywords, the judged object's strong ETag), as a carried tar's (picture_heads.TarIndex); a local file's none."""
+    if not is_url(path):
+        return None, {}
+    from stages.resize.picture_heads import if_match
+    from stages.resize.sources import _still
+
+    return partial(_still, known, path, sha), if_match(path, known.etag(path))
 
 
 def _hashed_file(path: Path, layouts: dict, max_file_bytes: int, known: Any, done: Any = None) -> Iterator[Any]:
@@ -462,11 +474,26 @@ class _RowGroups:
     lowered resize.max_image_pixels, a transparent colour since revision 4, header_checks.py) or to be judged from
     their bytes (`row`). Each from its row group's mapped columns alone, the last group kept for the rows after it
     (one row group held, the reader's own bound): the rows of a group checked one after another read it once.
-    Before, a file holding one row to check was read whole, every row of it judged from its bytes."""
+    Before, a file holding one row to check was read whole, every row of it judged from its bytes.
 
-    def __init__(self, path: Path, lay: _Layout, max_file_bytes: int) -> None:
-        self._path, self._lay, self._max = path, lay, max_file_bytes
+    A file at a URL (`still`, `match`: `_url_checks`) is read by the offsets of the footer read when it was judged:
+    its row groups' range reads send the judged object's strong ETag as If-Match over http(s) (a server answers 412
+    for one put again), and its tag is asked once more after its last row (`confirm`), as a carried tar's is."""
+
+    def __init__(self, path: Path, lay: _Layout, max_file_bytes: int, still: Any = None,
+                 match: dict[str, Any] | None = None) -> None:
+        self._path, self._lay, self._max, self._still, self._match = path, lay, max_file_bytes, still, match or {}
         self._group: tuple[int, int, Any] | None = None  # (first row, end row, its mapped columns)
+        self._by_offsets = False  # a row group read by the footer's offsets: `confirm` asks the tag again
+
+    def confirm(self) -> None:
+        """After a URL file's last row: where a row group was read by the footer's offsets, one metadata request
+        says the object is still the one judged (put again meanwhile: old offsets into new bytes, pages carry no
+        checksum, so rows of neither version; the run stops, picture_heads.refuse_put_again)."""
+        if self._by_offsets and self._still is not None and not self._still():
+            from stages.resize.picture_heads import refuse_put_again
+
+            refuse_put_again(str(self._path), "parquet file", "row groups by its footer's offsets")
 
     def heads(self, no: int) -> Any:
         """The row's pictures' first bytes (header_checks.Heads); None for a row that does not read as a sample
@@ -496,9 +523,18 @@ class _RowGroups:
                             f"{path} (the file changed while this run read it); rerun")
 
     def _read_group(self, no: int) -> tuple[int, int, Any] | None:
+        self._by_offsets = True
+        try:
+            return self._group_of(no)
+        except Exception as e:
+            if not is_transport_error(e):  # a lost connection is no put again (named as such by the caller)
+                self.confirm()  # a URL's object put again (a 412 for its If-Match): the one line, not the client's
+            raise
+
+    def _group_of(self, no: int) -> tuple[int, int, Any] | None:
         import pyarrow.parquet as pq
 
-        with pq.ParquetFile(_open(self._path), metadata=_footer(self._path)) as pf:
+        with pq.ParquetFile(_open(self._path, **self._match), metadata=_footer(self._path)) as pf:
             first = 0
             for g in range(pf.metadata.num_row_groups):
                 n = pf.metadata.row_group(g).num_rows

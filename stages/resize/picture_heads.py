@@ -106,6 +106,12 @@ def if_match(url: str, etag: str | None) -> dict[str, Any]:
     return {"headers": {"If-Match": etag}} if etag and url.split("://", 1)[0] in ("http", "https") else {}
 
 
+def refuse_put_again(url: str, what: str, read: str) -> None:
+    """The one line that stops a run whose source at `url` was put again while it was read by recorded offsets."""
+    raise UserError(f"{url}: the {what} was put again while this run read its {read} (their rows could mix both "
+                    "versions' bytes); rerun to read the new one")
+
+
 def _blocks(url: str, fs: Any, path: str, starts: list[int], n: int) -> list[bytes]:
     """`n` bytes from each start (fewer at the end), by concurrent range requests; the client's errors as OSError."""
     with client_errors(f"{url}: {n} bytes from each of {len(starts)} offsets (member headers) could not be read"):
@@ -219,8 +225,7 @@ class TarIndex:
         into the new bytes (a row of neither version, which the next run would not notice: its rows are recorded
         under the tag asked before the walk), so the run stops; already yielded, they cannot be read again."""
         if self._by_offsets and not self._still():
-            raise UserError(f"{self.tar}: the tar was put again while this run read its samples by their offsets "
-                            "(their rows could mix both versions' bytes); rerun to read the new one")
+            refuse_put_again(self.tar, "tar", "samples by their offsets")
 
     def _index(self) -> dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None]:
         self._stamp = file_stamp(self.tar) if self._still is None else self._still()

@@ -208,3 +208,13 @@ def test_a_row_to_check_under_a_lowered_pixel_limit_is_read_from_its_row_group(t
     size = (src / "part-0.parquet").stat().st_size
     assert FOOTERS < counts["part-0.parquet"] < FOOTERS + size / 2  # row group 1 (rows 3-5), once: not the file
     _same_as_fresh(tmp_path, out, src, lowered)
+
+
+def _resized_header(png: bytes, side: int) -> bytes:
+    """The PNG with its IHDR saying `side` x `side` (its CRC made again): the same length, another header."""
+    import struct
+    import zlib
+
+    ihdr = b"IHDR" + struct.pack(">II", side, side) + png[24:29]
+    return png[:12] + ihdr + struct.pack(">I", zlib.crc32(ihdr)) + png[33:]
+

@@ -18,19 +18,22 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
 from pipeline.config import load_config
 from pipeline.demo_data import make_demo_data
 from schemas.errors import UserError
-from stages.resize import picture_heads, source_count, stage
+from stages.resize import parquet_source, picture_heads, source_count, stage
 from stages.resize.header_checks import FIRST_READ
 from stages.resize.picture_heads import WALK_BLOCK
 from store import Store
 from tests.stages.test_fix_revisions_resize import SMALL as REVISION_SMALL
 from tests.stages.test_fix_revisions_resize import _contents
 from tests.stages.test_fix_revisions_resize4 import _build_at_revision_3
+from tests.stages.test_resize_rerun_parquet import ROWS, _png, _resized_header
 from tests.stages.test_resize_rerun_reads import SMALL, _quarantine, _rows
 
 needs_curl = pytest.mark.skipif(shutil.which("curl") is None, reason="webdataset streams http(s) with curl")
@@ -544,3 +547,40 @@ def test_a_pax_tar_with_a_global_header_is_read_by_its_recorded_offsets(served_r
             sample = index.sample(source)
             assert (sample.target, sample.caption) == (members[f"{key}.png"], members[f"{key}.txt"])
         assert (trips.sequential > 0) == walks and index.headers == recorded and server.whole == 0, vars(trips)
+
+
+def test_a_url_file_put_again_while_its_row_groups_are_read_stops_the_run(served_root, tmp_path: Path,
+                                                                        monkeypatch) -> None:
+    """A carried parquet file at a URL put again after it was judged (its footer read) but before a row group is
+    read by that footer's offsets: here the same bytes but row 4's target header saying 64x64 (pages carry no
+    checksum). Before, a pixel limit lowered under 96x96 (rows 4-7's) quarantined rows 5-7 and carried row 4, its new
+    header passing, silently (a table of neither object). Now the row group's reads send the judged ETag as If-Match
+    (412) and the tag is asked again: the run stops with one line naming the URL; the rerun is a fresh run's."""
+    root, url, server = served_root
+    rng = np.random.default_rng(5)
+    pngs = [_png(rng, 64 if i < 4 else 96) for i in range(ROWS)]
+    path = root / "part-0.parquet"
+    pq.write_table(pa.table({"target": pa.array(pngs, pa.binary()), "controls": pa.array(
+        [[] for _ in range(ROWS)], pa.list_(pa.binary())), "caption": pa.array([f"edit {i}" for i in range(ROWS)])}),
+        path, row_group_size=3, compression="none", use_dictionary=False, write_statistics=False)
+    source, out, lowered = f"{url}/part-0.parquet", tmp_path / "store", {"resize.max_image_pixels": 96 * 96 - 1}
+    stage.run(load_config(None, SMALL), source, out)
+    data = path.read_bytes()
+    assert data.count(pngs[4]) == 1
+    real = parquet_source._RowGroups._read_group
+
+    def put_again_then_read(self, no):
+        if path.read_bytes() == data:
+            before = path.stat()
+            path.write_bytes(data.replace(pngs[4], _resized_header(pngs[4], 64)))
+            os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))  # another ETag (size, mtime)
+        return real(self, no)
+    with monkeypatch.context() as m:
+        m.setattr(parquet_source._RowGroups, "_read_group", put_again_then_read)
+        with pytest.raises(UserError, match=r"part-0\.parquet: the parquet file was put again while this run .*rerun"):
+            stage.run(load_config(None, {**SMALL, **lowered}), source, out)
+    assert server.refused > 0  # the row group's ranges asked If-Match the judged object's ETag: 412
+    stage.run(load_config(None, {**SMALL, **lowered}), source, out)
+    fresh = tmp_path / "fresh"
+    stage.run(load_config(None, {**SMALL, **lowered}), source, fresh)
+    assert _rows(Store(out)) == _rows(Store(fresh)) and _quarantine(Store(out)) == _quarantine(Store(fresh))
