@@ -24,11 +24,16 @@ def _writer(cache: Path, url: str, rank: int, tag: str = "a"):
     return rank_writer(cache, url, rank, N, shard_size_mb=0.02, tag=tag)
 
 
+def _finished(cache: Path, url: str, rank: int, tag: str = "a") -> None:
+    """A rank's part written and marked done, its writer closed: its rank lock let go now (left to the garbage
+    collector, a reference cycle could keep it held past the next writer of that rank: "being written by pid N")."""
+    with _writer(cache, url, rank, tag) as w:
+        w.finish_rank()
+
+
 def _rank_1_uploaded_then_its_node_replaced(tmp_path: Path, url: str) -> None:
     """Rank 1's part is on the remote (its rank-done file too); then its node is replaced: its cache is gone."""
-    first = _writer(tmp_path / "node1", url, 1)
-    first.finish_rank()
-    first.close()
+    _finished(tmp_path / "node1", url, 1)
     shutil.rmtree(tmp_path / "node1")
 
 
@@ -61,7 +66,7 @@ def test_two_caches_commit_one_version_on_the_remote(s3_env, tmp_path, monkeypat
     assert names and all(n.startswith("vae/v1/") for n in names) and "vae/v1/manifest.parquet" not in names
     assert not [n for n in names if n.startswith("vae/v1/shard-r01")]
 
-    _writer(tmp_path / "node1", url, 1).finish_rank()
+    _finished(tmp_path / "node1", url, 1)
     sent = []
     real = remote_mod.Remote.upload
     monkeypatch.setattr(remote_mod.Remote, "upload",
@@ -109,7 +114,7 @@ def test_a_node_that_lost_its_cache_keeps_what_it_uploaded(s3_env, tmp_path, mon
 
 def test_a_part_of_another_run_is_refused_in_one_line(s3_env, tmp_path) -> None:
     url = s3_env.url("clash")
-    _writer(tmp_path / "old", url, 1, tag="old").finish_rank()  # another run's rank 1 left its part of v1
+    _finished(tmp_path / "old", url, 1, tag="old")  # another run's rank 1 left its part of v1
     w = _writer(tmp_path / "new", url, 1, tag="new")
     with pytest.raises(UserError, match=r"exists with other content .*rerun") as e:
         w.finish_rank()
@@ -124,7 +129,7 @@ def test_a_complete_version_whose_swap_was_lost_is_found_for_its_own_schema_only
     from store.remote_parts import make_current, on_remote
 
     url = s3_env.url("lost-swap")
-    _writer(tmp_path / "node1", url, 1).finish_rank()
+    _finished(tmp_path / "node1", url, 1)
     real = remote_mod.Remote.swap
 
     def lost(self, rel, *a, **k):
@@ -156,7 +161,7 @@ def test_a_gc_between_a_lost_swap_and_its_rerun_keeps_the_version_for_the_rerun(
     from store_samples import rank_writer
 
     url = s3_env.url("gc-swap")
-    _writer(tmp_path / "node1", url, 1).finish_rank()
+    _finished(tmp_path / "node1", url, 1)
     assert _writer(tmp_path / "node0", url, 0).commit() == 1
     one = rank_writer(tmp_path / "node1", url, 1, N, 0.02, tag="b", version=2)
     one.finish_rank()
@@ -184,7 +189,7 @@ def test_the_version_number_skips_what_the_remote_holds_for_other_runs(s3_env, t
     from store.remote_parts import on_remote
 
     url = s3_env.url("taken")
-    _writer(tmp_path / "a", url, 1, tag="other").finish_rank()  # v1: parts of another run
+    _finished(tmp_path / "a", url, 1, tag="other")  # v1: parts of another run
     assert on_remote(url, "vae", vae_schema("a").to_dict(), 2).taken == {1}
     assert on_remote(url, "vae", vae_schema("other").to_dict(), 2).taken == set()  # its own parts: resumed
     assert on_remote(url, "vae", vae_schema("other").to_dict(), 3).taken == {1}  # written by 2 ranks, not 3
@@ -283,7 +288,7 @@ def test_a_damaged_remote_quarantine_stops_a_multi_node_encode_before_its_commit
     from store.remote_sync import check_quarantine
 
     url = s3_env.url("qdamaged")
-    _writer(tmp_path / "node1", url, 1).finish_rank()
+    _finished(tmp_path / "node1", url, 1)
     zero = _writer(tmp_path / "node0", url, 0)
     quarantine.add_rows(tmp_path / "node0", [{"key": key_of(100), "source": "s", "stage": "encode-vae",
                                                "reason": "too_small"}])
@@ -411,7 +416,7 @@ def test_a_commit_overtaken_by_another_writers_newer_version_says_which_stays_cu
     from store.remote_parts import make_current
 
     url = s3_env.url("overtaken")
-    _writer(tmp_path / "node1", url, 1).finish_rank()
+    _finished(tmp_path / "node1", url, 1)
     real = remote_mod.Remote.swap
     raced = []
 
@@ -488,7 +493,7 @@ def test_an_index_damaged_on_the_remote_is_refused_at_the_commit_with_nothing_co
     checks the bytes it fetched against the rank's record (no longer a second read of its staged copy) and refuses
     before parsing them, in one line naming the object; nothing is committed."""
     url = f"file://{tmp_path / 'remote'}"
-    _writer(tmp_path / "node1", url, 1).finish_rank()
+    _finished(tmp_path / "node1", url, 1)
     obj = sorted((tmp_path / "remote" / "vae" / "v1").glob("shard-r01-*.index.parquet"))[0]
     data = bytearray(obj.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -590,5 +595,5 @@ def test_a_damaged_rank_done_file_on_the_remote_is_refused_in_one_line_and_its_a
     zero.close()
 
     s3_env.client().delete_object(Bucket=s3_env.bucket, Key=key)  # the advice
-    _writer(tmp_path / "node1", url, 1).finish_rank()
+    _finished(tmp_path / "node1", url, 1)
     _committed_with_every_sample(tmp_path, url)

@@ -22,6 +22,13 @@ def _writer(cache, url: str, rank: int):
     return rank_writer(cache, url, rank, N, shard_size_mb=0.004)
 
 
+def _finished(cache, url: str, rank: int) -> None:
+    """A rank's part written and marked done, its writer closed: its rank lock let go now (left to the garbage
+    collector, a reference cycle could keep it held past the next writer of that rank: "being written by pid N")."""
+    with _writer(cache, url, rank) as w:
+        w.finish_rank()
+
+
 class Overlap:
     """Wraps `real`: the first `n` calls (of those `only` selects) meet at a barrier before going on; `overlapped`
     says whether they did."""
@@ -63,7 +70,7 @@ def test_a_ranks_upload_and_the_commits_index_reads_run_several_at_a_time(s3_env
     uploads = Overlap(remote_mod.Remote.upload)
     with monkeypatch.context() as m:
         m.setattr(remote_mod.Remote, "upload", lambda self, *a: uploads(self, *a))
-        _writer(tmp_path / "node1", url, 1).finish_rank()
+        _finished(tmp_path / "node1", url, 1)
     assert uploads.overlapped and uploads.calls > 4
     reads = Overlap(remote_mod.Remote.read, only=lambda self, rel: rel.endswith(".index.parquet"))
     monkeypatch.setattr(remote_mod.Remote, "read", lambda self, rel: reads(self, rel))
@@ -86,7 +93,7 @@ def test_a_node_that_lost_its_cache_adopts_its_uploaded_indexes_several_at_a_tim
     from store_samples import vae_schema
 
     url = s3_env.url("adopt")
-    _writer(tmp_path / "node1", url, 1).finish_rank()
+    _finished(tmp_path / "node1", url, 1)
     shutil.rmtree(tmp_path / "node1")
     reads = Overlap(remote_mod.Remote.read, only=lambda self, rel: rel.endswith(".index.parquet"))
     monkeypatch.setattr(remote_mod.Remote, "read", lambda self, rel: reads(self, rel))
