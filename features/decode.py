@@ -26,6 +26,7 @@ What is done (see docs/resize-bucket.md for the table):
 from __future__ import annotations
 
 import io
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,7 +149,7 @@ def _open_oriented(data: bytes, max_pixels: int, max_frames: int) -> tuple[Image
         try:
             im = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
         except Image.DecompressionBombError as e:
-            raise ImageRejected("image-too-large", f"decompression bomb: {e}") from None
+            raise ImageRejected("image-too-large", _over_pillows_limit(e, max_pixels)) from None
         except UnidentifiedImageError:
             raise ImageRejected("unreadable-image", f"not a readable image (formats accepted: {', '.join(ALLOWED_FORMATS)})") from None
         except Exception as e:  # noqa: BLE001 - any header parse failure is a property of the input
@@ -251,6 +252,15 @@ def _pillow_opens(max_pixels: int) -> None:
     cap = Image.MAX_IMAGE_PIXELS
     if cap is not None and 2 * cap < max_pixels:
         Image.MAX_IMAGE_PIXELS = max_pixels
+
+
+def _over_pillows_limit(e: Image.DecompressionBombError, max_pixels: int) -> str:
+    """Pillow's refusal of a picture over twice its MAX_IMAGE_PIXELS, said as our own limit's line: such a picture
+    is over `max_pixels` too (`_pillow_opens` keeps twice Pillow's limit at or above it). Before, Pillow's line named
+    its own limit (178956970), which no setting spells, and not resize.max_image_pixels."""
+    found = re.search(r"\((\d+) pixels\)", str(e))  # Pillow: "Image size (N pixels) exceeds limit of M pixels, ..."
+    size = f"{int(found.group(1))} pixels" if found else "over Pillow's limit"
+    return f"image is {size}, over resize.max_image_pixels = {max_pixels} (decompression bomb guard)"
 
 
 def _sixteen_bit_read_as_eight(im: Image.Image) -> str | None:

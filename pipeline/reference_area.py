@@ -34,6 +34,11 @@ def check_after_resize(stage: str, cfg: PipelineConfig, model: str, store: str) 
 
     if stage != "resize-bucket" or model_variant(model) != "qwen-image-2.1":
         return
+    # the settings told before resize-bucket (`check_before_resize` refused there): no rank asks the processor or
+    # the table, and every rank skips alike, the config being the same on each. A folder listing's answer is
+    # rank 0's alone (`_check_settings` runs on rank 0), so that case still asks the table, together
+    if _told_by_settings(cfg) is not None:
+        return
     from models.collective import main_alone
     from pipeline.launched import launched
 
@@ -51,10 +56,9 @@ def _check_table(cfg: PipelineConfig, model: str, store: str) -> None:
 def _references_told(cfg: PipelineConfig, source: str | None) -> bool | None:
     """Whether the run has references, where the settings or a folder source's listing tell before resize-bucket
     reads the source; None where only the source's samples tell."""
-    if cfg.resize.max_controls == 0:  # resize-bucket quarantines every sample with one
-        return False
-    if cfg.resize.min_controls >= 1:  # ... and every sample without one
-        return True
+    told = _told_by_settings(cfg)
+    if told is not None:
+        return told
     if source is None:  # (resize-bucket refuses it)
         return None
     root = Path(source)
@@ -64,6 +68,15 @@ def _references_told(cfg: PipelineConfig, source: str | None) -> bool | None:
 
     layout = folder_layout(root)  # a listing, no file read
     return any(stem in layout.targets for by_stem in layout.controls.values() for stem in by_stem)
+
+
+def _told_by_settings(cfg: PipelineConfig) -> bool | None:
+    """Whether the run has references, where the resize settings alone tell; None where they do not."""
+    if cfg.resize.max_controls == 0:  # resize-bucket quarantines every sample with one
+        return False
+    if cfg.resize.min_controls >= 1:  # ... and every sample without one
+        return True
+    return None
 
 
 def _samples_with_references(store: str) -> int:

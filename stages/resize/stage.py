@@ -38,7 +38,7 @@ from features.decode import Decoded, ImageRejected, decode_image, decode_keeping
 from stages.resize.render_pool import rendered_in_order
 from stages.resize.content import Listing, content_listing_hash
 from stages.resize.first_read import pending_tars, record_pending, settle_listing, settling
-from stages.resize.caption_text import CONTROLS_REMOVED, clean_caption, had_controls
+from stages.resize.caption_text import CONTROLS_REMOVED, clean_caption, had_controls, not_utf8
 from stages.resize.folder_listing import remembered
 from stages.resize.parquet_source import columns_in_force, remembered_footers
 from stages.resize.moved_source import Moved, recorded_source
@@ -1298,7 +1298,7 @@ def _judge(rec: SourceSample, rc: ResizeConfig, first_source: dict[str, str]) ->
     try:
         caption = clean_caption(rec.caption)
     except UnicodeDecodeError as e:
-        raise Rejected("caption-not-utf8", f"caption is not valid UTF-8 (byte {e.start}); re-save it as UTF-8") from None
+        raise Rejected("caption-not-utf8", not_utf8(rec.caption, e)) from None
     if not caption:
         raise Rejected("empty-caption", "caption is empty, or whitespace or control characters only")
     n = len(rec.controls)

@@ -150,3 +150,20 @@ def test_a_21_manifest_with_references_at_such_an_area_is_refused_before_the_enc
     assert r.exit_code == 1 and len(lines) == 1 and "Traceback" not in r.output, r.output
     assert lines[0].startswith("error: resize.control_vae_area = 512: ") and tiny_21_model in lines[0], lines[0]
     assert set(Store(store).tables()) == {"images"} and "== encode-text" not in r.output  # resized, not encoded
+
+
+def test_a_21_reference_area_told_by_the_settings_asks_no_table_after_resize(tiny_21_model, tmp_path, monkeypatch):
+    """max_controls 0 tells before resize-bucket that no sample keeps a reference: after it, no rank asks the
+    processor or the table (before: rank 0 read the manifest under a collective every run); unset, the table is
+    asked once (a JSONL or tar source tells only once read)."""
+    import pipeline.reference_area as reference_area
+    from pipeline.config import load_config
+
+    asked: list[str] = []
+    monkeypatch.setattr(reference_area, "_samples_with_references", lambda store: asked.append(store) or 0)
+    store = str(tmp_path / "store")
+    told = load_config(None, {**_AREA_512, "resize.max_controls": 0})
+    reference_area.check_after_resize("resize-bucket", told, tiny_21_model, store)
+    assert asked == []
+    reference_area.check_after_resize("resize-bucket", load_config(None, _AREA_512), tiny_21_model, store)
+    assert asked == [store]

@@ -367,3 +367,52 @@ def test_a_folder_sources_bar_total_counts_the_files_no_target_claims(tmp_path):
     (src / "mask" / "lost2.png").write_bytes(_image())
     records = list(iter_folder(src))
     assert len(records) == 3 + 5 and count_samples(src, "folder") == len(records)
+
+
+def _png_claiming(width: int, height: int) -> bytes:
+    """A tiny PNG whose header claims width x height (a decompression bomb needs no more)."""
+    import zlib
+
+    data = bytearray(_image())
+    data[16:24] = width.to_bytes(4, "big") + height.to_bytes(4, "big")
+    data[29:33] = zlib.crc32(bytes(data[12:29])).to_bytes(4, "big")  # the IHDR checksum kept valid
+    return bytes(data)
+
+
+def test_hostile_control_caption_and_header_files_each_end_in_one_line_or_are_read_right(tmp_path):
+    """A folder source's hostile files: a control that is a symlink loop or 0 bytes, a PNG named .jpg, a header
+    claiming 10 Gpx (over Pillow's own hard limit), a UTF-16 caption with its BOM, a control that is its target's own
+    file. Before: the bomb's line was Pillow's, naming its limit (178956970, no setting) and not
+    resize.max_image_pixels; the UTF-16 caption's said 'not valid UTF-8 (byte 0)', not what it is."""
+    src = tmp_path / "src"
+    _sample(src, "good", _image(), caption="good")
+    (src / "control").mkdir()
+    (src / "control" / "good.png").write_bytes(_image(seed=1))
+    _sample(src, "loop", _image(seed=2))
+    os.symlink("loop.png", src / "control" / "loop.png")
+    _sample(src, "zero", _image(seed=3))
+    (src / "control" / "zero.png").write_bytes(b"")
+    _sample(src, "liar", _image(seed=4), ext="jpg", caption="named jpg")  # PNG bytes: read by content
+    _sample(src, "honest", _image(seed=4), caption="named png")
+    _sample(src, "bomb", _png_claiming(100_000, 100_000))
+    _sample(src, "utf16", _image(seed=5))
+    (src / "target" / "utf16.txt").write_bytes("make it blue".encode("utf-16"))  # BOM first: FF FE
+    _sample(src, "same", _image(seed=6), caption="the same picture")
+    os.symlink("../target/same.png", src / "control" / "same.png")  # inside the source: read
+    result = _resize(src, tmp_path / "store")
+    assert result.exit_code == 0, result.output
+    q = {Path(s).name: v for s, v in _quarantine(tmp_path / "store").items()}
+    assert {n: reason for n, (reason, _) in q.items()} == {
+        "loop.png": "unsupported-file", "zero.png": "empty-image", "bomb.png": "image-too-large",
+        "utf16.png": "caption-not-utf8"}
+    assert all("\n" not in detail for _, detail in q.values())
+    assert "control/loop.png (a symlink loop): not a regular file" in q["loop.png"][1]
+    assert q["zero.png"][1] == f"control 0 ({src / 'control' / 'zero.png'}): empty file (0 bytes)"
+    assert q["bomb.png"][1] == (f"target ({src / 'target' / 'bomb.png'}): image is 10000000000 pixels, over "
+                                "resize.max_image_pixels = 67108864 (decompression bomb guard)")
+    assert q["utf16.png"][1] == "caption is UTF-16/UTF-32 (its byte order mark), not UTF-8; re-save it as UTF-8"
+    r = Store(tmp_path / "store", create=False).reader("images")
+    rows = {m["caption"]: m for m in r.manifest.to_pylist()}
+    assert set(rows) == {"good", "named jpg", "named png", "the same picture"}
+    assert r.files(rows["named jpg"]["key"])["target.png"] == r.files(rows["named png"]["key"])["target.png"]
+    assert rows["named jpg"]["conversions"] == [] and rows["the same picture"]["num_controls"] == 1
