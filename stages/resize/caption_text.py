@@ -31,11 +31,15 @@ def clean_caption(raw: bytes) -> str:
     return _without_controls(_text(raw)).strip()
 
 
+# the byte order marks of UTF-16/32 text (UTF-32 LE's starts with UTF-16 LE's): one test for a caption and a manifest
+WIDE_BOMS = (b"\xff\xfe", b"\xfe\xff", b"\0\0\xfe\xff")
+
+
 def not_utf8(raw: bytes, e: UnicodeDecodeError) -> str:
     """The quarantine line of a caption `clean_caption` cannot decode: a UTF-16/32 file (Windows Notepad's
     'Unicode', PowerShell 5's `>`) named by its byte order mark, as a JSONL manifest's is (jsonl_text.py); before,
     'not valid UTF-8 (byte 0)' left the cause unsaid."""
-    if raw.startswith((b"\xff\xfe", b"\xfe\xff", b"\0\0\xfe\xff")):
+    if raw.startswith(WIDE_BOMS):
         return "caption is UTF-16/UTF-32 (its byte order mark), not UTF-8; re-save it as UTF-8"
     return f"caption is not valid UTF-8 (byte {e.start}); re-save it as UTF-8"
 

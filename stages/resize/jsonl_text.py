@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from schemas.errors import UserError
+from stages.resize.caption_text import WIDE_BOMS
 
 _HEAD = 1 << 16  # the bytes of a manifest looked at before it is read (encoding, line endings, layout)
 
@@ -22,7 +23,7 @@ def checked_manifest(path: Path) -> str:
     a million samples), then 'no usable sample', never naming the cause."""
     with open(path, "rb") as f:
         head = f.read(_HEAD)
-    if head.startswith((b"\xff\xfe", b"\xfe\xff", b"\0\0\xfe\xff")):
+    if head.startswith(WIDE_BOMS):
         raise UserError(f"manifest {path} is UTF-16/UTF-32 (its byte order mark); save it as UTF-8 (PowerShell: "
                         "Out-File -Encoding utf8; Python: open(..., 'w', encoding='utf-8'))")
     whole = _whole_file_json(head, complete=len(head) < _HEAD)
