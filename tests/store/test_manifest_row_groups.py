@@ -242,3 +242,21 @@ def test_a_damaged_page_is_refused_by_each_row_reader_with_the_same_line_naming_
     assert line.startswith(f"{vdir / fmt.MANIFEST} is unreadable (OSError: ") and "pipeline store repair" in line
     assert line.isprintable(), line  # one line, no control characters
 
+
+def test_crcs_at_reads_each_group_of_the_crc_column_once(tmp_path: Path, monkeypatch) -> None:
+    """`crcs_at`'s first call tells whether every sample_crc32c is 8 hex digits a row group at a time and takes the
+    rows' numbers from those same groups: each group decoded once (before, the groups holding the rows were decoded
+    again: 8 + 3 here), the numbers those of the whole column."""
+    import numpy as np
+
+    store = _filled(tmp_path / "s", monkeypatch, GROUP)
+    rows = np.array([29, 1, 5, 1], np.int64)  # groups 7, 0, 1; a repeat; not in order
+    with store.reader("vae") as r:
+        decoded = _reads(monkeypatch)
+        got = r.view.samples.crcs_at(rows)
+        monkeypatch.undo()
+        assert decoded == [GROUP] * 7 + [N % GROUP]
+        assert got is not None and got.dtype == np.uint32
+        assert got.tolist() == r.view.samples.crcs()[rows].tolist()
+        assert [f"{int(c):08x}" for c in got] == [r.view.manifest.column("sample_crc32c")[int(i)].as_py()
+                                                   for i in rows]
