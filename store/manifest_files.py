@@ -4,11 +4,14 @@ file is a `DamagedData` (recorded), an unparsable one a clear error, never value
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, ContextManager, Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -73,17 +76,91 @@ def checked_schema(vdir: Path, record: bool = True, sums: dict[str, dict[str, An
 
 
 def unreadable(vdir: Path, e: Exception) -> DamagedData:
-    return DamagedData(f"{vdir / fmt.MANIFEST} is unreadable ({type(e).__name__}: {e}); "
-                       f"{integrity.repair_hint(vdir)}")
+    return DamagedData(f"{vdir / fmt.MANIFEST} is unreadable ({_one_line(e)}); {integrity.repair_hint(vdir)}")
+
+
+def _one_line(e: Exception) -> str:
+    """An error's text as one printable line: pyarrow's parquet errors carry newlines and quote the damaged byte they
+    met (a control character, which a terminal may act on), e.g. "don't know what type: \\x0f\\nDeserializing..."."""
+    text = f"{type(e).__name__}: {e}"
+    text = "".join(c if c.isprintable() or c.isspace() else c.encode("unicode_escape").decode() for c in text)
+    return " ".join(text.split())
+
+
+@contextmanager
+def _reading(vdir: Path) -> Iterator[None]:
+    """A failed parquet read of the version's manifest bytes as the store's one line (`unreadable`)."""
+    try:
+        yield
+    except DamagedData:  # turned already, by a read inside this one
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise unreadable(vdir, e) from None
+
+
+class ManifestGroups:
+    """A version's checked manifest bytes opened as parquet and read a row group at a time: the one place the
+    manifest's row reads (`ManifestView`'s, `read_column`, `checked_groups`) open them, and where a read that fails (a
+    page damaged before its bytes were checksummed, bytes that are no parquet) becomes the store's one-line error
+    naming the file. Opened for each read, never kept: one parquet reader is not read by several threads at once.
+    `dictionary`: the columns read dictionary-encoded."""
+
+    def __init__(self, data: bytes | pa.Buffer, vdir: Path, dictionary: list[str] | None = None) -> None:
+        self.dir = vdir
+        with _reading(vdir):
+            self.file = pq.ParquetFile(pa.BufferReader(data), read_dictionary=dictionary)
+            self.names: list[str] = self.file.schema_arrow.names
+            self.starts = row_group_starts(self.file)
+
+    def reading(self) -> ContextManager[None]:
+        return _reading(self.dir)
+
+    def empty(self, columns: list[str] | None = None) -> pa.Table:
+        """No rows of the named columns (or all), typed as the manifest's."""
+        empty = self.file.schema_arrow.empty_table()
+        return empty if columns is None else empty.select(columns)
+
+    def groups(self, columns: list[str] | None) -> Iterator[pa.Table]:
+        """The named columns (or all) a row group at a time; the caller's work between groups is its own (an error
+        there is not the manifest's)."""
+        for g in range(len(self.starts) - 1):
+            with self.reading():
+                group = self.file.read_row_group(g, columns=columns, use_threads=False)
+            yield group
+
+    def table_at(self, rows: np.ndarray, columns: list[str] | None = None) -> pa.Table:
+        """The given rows (ascending row numbers) of the named columns (or all), read from the row groups holding
+        them alone."""
+        starts = np.asarray(self.starts, np.int64)
+        group = np.searchsorted(starts, rows, side="right") - 1
+        with self.reading():
+            parts = [self.file.read_row_group(int(g), columns=columns, use_threads=False)
+                     .take(pa.array(rows[group == g] - starts[g])) for g in np.unique(group)]
+            return pa.concat_tables(parts) if parts else self.empty(columns)
+
+    def rows_at(self, wanted: list[int], columns: list[str], batch_rows: int) -> dict[int, dict[str, Any]]:
+        """Each of the `wanted` rows (ascending, no repeats) as {column: value}: only the row groups holding them
+        are read, each `batch_rows` rows at a time up to its last wanted row."""
+        out: dict[int, dict[str, Any]] = {}
+        with self.reading():
+            for g in sorted({bisect.bisect_right(self.starts, i) - 1 for i in wanted}):
+                start = self.starts[g]
+                mine = wanted[bisect.bisect_left(wanted, start):bisect.bisect_left(wanted, self.starts[g + 1])]
+                for batch in self.file.iter_batches(batch_rows, row_groups=[g], columns=columns):
+                    inside = mine[bisect.bisect_left(mine, start):bisect.bisect_left(mine, start + batch.num_rows)]
+                    if inside:
+                        out.update(zip(inside, batch.take(pa.array([i - start for i in inside])).to_pylist()))
+                    start += batch.num_rows
+                    if start > mine[-1]:
+                        break
+        return out
 
 
 def read_manifest(vdir: Path, data: bytes | pa.Buffer, columns: list[str] | None = None,
                   read_dictionary: list[str] | None = None) -> pa.Table:
     """Parse (some columns of) checked manifest bytes; undecodable parquet is one clear error, not a traceback."""
-    try:
+    with _reading(vdir):
         return pq.read_table(pa.BufferReader(data), columns=columns, read_dictionary=read_dictionary)
-    except Exception as e:  # noqa: BLE001
-        raise unreadable(vdir, e) from None
 
 
 def read_column(vdir: Path, data: bytes | pa.Buffer, name: str, dictionary: bool = False,
@@ -96,18 +173,12 @@ def read_column(vdir: Path, data: bytes | pa.Buffer, name: str, dictionary: bool
     (bench/train_startup.py)."""
     from store.arrow_columns import narrowed
 
-    try:
-        f = pq.ParquetFile(pa.BufferReader(data), read_dictionary=[name] if dictionary else None)
-        if f.num_row_groups == 0:
-            return f.schema_arrow.empty_table().column(name)
-        chunks = []
-        for g in range(f.num_row_groups):
-            for c in f.read_row_group(g, columns=[name], use_threads=False).column(0).chunks:
-                chunks.append(narrowed(c, narrow) if narrow else c)
-        if not chunks:  # row groups of no rows (an empty table's commit)
-            return f.schema_arrow.empty_table().column(name)
-    except Exception as e:  # noqa: BLE001
-        raise unreadable(vdir, e) from None
+    groups = ManifestGroups(data, vdir, dictionary=[name] if dictionary else None)
+    with groups.reading():
+        chunks = [narrowed(c, narrow) if narrow else c
+                  for group in groups.groups([name]) for c in group.column(0).chunks]
+        if not chunks:  # no row groups, or groups of no rows (an empty table's commit)
+            return groups.empty().column(name)
     if narrow:  # the types are tried narrowest first: a later one holds every earlier one's values
         rank = {t: i for i, t in enumerate(narrow)}
         wide = max((c.type for c in chunks), key=lambda t: rank.get(t, len(narrow)))
@@ -134,10 +205,7 @@ def checked_manifest(vdir: Path, columns: list[str] | None = None) -> pa.Table:
     samples), one copy in the page cache rather than a private one each."""
     data = mapped_checked(vdir, fmt.MANIFEST, integrity.read_version_checksums(vdir))
     if columns is not None:
-        try:
-            names = set(pq.ParquetFile(pa.BufferReader(data)).schema_arrow.names)
-        except Exception as e:  # noqa: BLE001
-            raise unreadable(vdir, e) from None
+        names = set(ManifestGroups(data, vdir).names)
         columns = [c for c in columns if c in names]
     return read_manifest(vdir, data, columns)
 
@@ -146,19 +214,8 @@ def checked_groups(vdir: Path, columns: list[str]) -> Iterator[pa.Table]:
     """`checked_manifest`'s columns (those the version has), a row group at a time: what a caller holds is one
     group's rows, not the whole columns (every rank's start reads the `images` keys and splits: ~45 MB of Arrow
     arrays at 1M samples, and their decode's scratch, for a few keys kept)."""
-    data = mapped_checked(vdir, fmt.MANIFEST, integrity.read_version_checksums(vdir))
-    try:
-        f = pq.ParquetFile(pa.BufferReader(data))
-        columns = [c for c in columns if c in set(f.schema_arrow.names)]
-        groups = range(f.num_row_groups)
-    except Exception as e:  # noqa: BLE001
-        raise unreadable(vdir, e) from None
-    for g in groups:
-        try:
-            group = f.read_row_group(g, columns=columns, use_threads=False)
-        except Exception as e:  # noqa: BLE001
-            raise unreadable(vdir, e) from None
-        yield group
+    groups = ManifestGroups(mapped_checked(vdir, fmt.MANIFEST, integrity.read_version_checksums(vdir)), vdir)
+    yield from groups.groups([c for c in columns if c in set(groups.names)])
 
 
 def mapped_checked(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None) -> pa.Buffer:

@@ -4,13 +4,13 @@ store/key_index.py, which holds the key column) and each sample's location and c
 store/sample_locator.py).
 
 Under the reader's manifest side (store/reader_manifest.py); the reader (store/reader.py) adds the shard I/O
-(store/shard_io.py) and the sample check (store/sample_check.py). It does no file I/O after opening. Reading and checking the files: store/manifest_files.py;
+(store/shard_io.py) and the sample check (store/sample_check.py). It does no file I/O after opening. Reading and
+checking the files, and the manifest's row groups read from its bytes (`ManifestGroups`): store/manifest_files.py;
 the column helpers: store/arrow_columns.py.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -18,7 +18,6 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from schemas.errors import UserError
 from schemas.img_shapes import ImgShape, img_shapes_from_v1
@@ -29,7 +28,7 @@ from store.arrow_columns import NARROWER, release_memory
 from store.integrity import DamagedData
 from store.key_index import KeyIndex
 from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS, RESERVED_COLUMNS
-from store.manifest_files import mapped_checked, read_column, read_manifest, read_schema, row_group_starts, unreadable
+from store.manifest_files import ManifestGroups, mapped_checked, read_column, read_manifest, read_schema
 from store.sample_locator import SampleLocator
 
 log = logging.getLogger("store")
@@ -86,10 +85,7 @@ class ManifestView:
                 raise
         schema = read_schema(vdir, schema_bytes, intact=sums is not None)
         path = vdir / fmt.MANIFEST
-        try:
-            names = pq.ParquetFile(pa.BufferReader(manifest_bytes)).schema_arrow.names
-        except Exception as e:  # noqa: BLE001
-            raise unreadable(vdir, e) from None
+        names = ManifestGroups(manifest_bytes, vdir).names
         missing = sorted(LOCATING_COLUMNS - set(names))
         if missing:
             raise UserError(f"{path}: missing columns {missing} (see docs/store-format.md)")
@@ -220,25 +216,9 @@ class ManifestView:
             for i in wanted:
                 out[i][c] = self.cell(c, i)
         rest = [c for c in names if c not in held]
-        if not rest or not wanted:
-            return out
-        try:
-            f = pq.ParquetFile(pa.BufferReader(self._bytes))
-            starts = row_group_starts(f)
-            # only the row groups holding wanted rows are read, each a batch at a time up to its last wanted row
-            for g in sorted({bisect.bisect_right(starts, i) - 1 for i in wanted}):
-                start = starts[g]
-                mine = wanted[bisect.bisect_left(wanted, start):bisect.bisect_left(wanted, starts[g + 1])]
-                for batch in f.iter_batches(_ROWS_PER_BATCH, row_groups=[g], columns=rest):
-                    inside = mine[bisect.bisect_left(mine, start):bisect.bisect_left(mine, start + batch.num_rows)]
-                    if inside:
-                        for i, row in zip(inside, batch.take(pa.array([i - start for i in inside])).to_pylist()):
-                            out[i].update(row)
-                    start += batch.num_rows
-                    if start > mine[-1]:
-                        break
-        except Exception as e:  # noqa: BLE001
-            raise unreadable(self.dir, e) from None
+        if rest and wanted:
+            for i, row in ManifestGroups(self._bytes, self.dir).rows_at(wanted, rest, _ROWS_PER_BATCH).items():
+                out[i].update(row)
         return out
 
     def table_at(self, rows: np.ndarray, columns: list[str] | None = None) -> pa.Table:
@@ -251,17 +231,7 @@ class ManifestView:
             full = self._full if columns is None else self._full.select(columns)
             return full.take(pa.array(rows, pa.int64()))
         try:
-            f = pq.ParquetFile(pa.BufferReader(self._bytes))
-            starts = np.asarray(row_group_starts(f), np.int64)
-            group = np.searchsorted(starts, rows, side="right") - 1
-            parts = [f.read_row_group(int(g), columns=columns, use_threads=False)
-                     .take(pa.array(rows[group == g] - starts[g])) for g in np.unique(group)]
-            if parts:
-                return pa.concat_tables(parts)
-            empty = f.schema_arrow.empty_table()
-            return empty if columns is None else empty.select(columns)
-        except Exception as e:  # noqa: BLE001
-            raise unreadable(self.dir, e) from None
+            return ManifestGroups(self._bytes, self.dir).table_at(rows, columns)
         finally:
             release_memory()  # the groups' decoded pages go back to the system
 
@@ -285,17 +255,8 @@ class ManifestView:
         if name in self._arrays:  # parsed already (one array: `column` combines its chunks)
             yield self.column(name)
             return
-        try:
-            f = pq.ParquetFile(pa.BufferReader(self._bytes))
-            groups = range(f.num_row_groups)
-        except Exception as e:  # noqa: BLE001
-            raise unreadable(self.dir, e) from None
-        for g in groups:
-            try:
-                group = f.read_row_group(g, columns=[name], use_threads=False).column(0).combine_chunks()
-            except Exception as e:  # noqa: BLE001
-                raise unreadable(self.dir, e) from None
-            yield group
+        for group in ManifestGroups(self._bytes, self.dir).groups([name]):
+            yield group.column(0).combine_chunks()
 
     def img_shapes_at(self, i: int) -> list[ImgShape]:
         if self.is_v1:

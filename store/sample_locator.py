@@ -93,14 +93,30 @@ class SampleLocator:
             crcs = self.crcs()
             return None if crcs is None else crcs[rows]
         if self._all_hex is None:
-            self._all_hex = len(self._view) > 0 and all(
-                len(g) == 0 or crc_numbers(g) is not None for g in self._view.column_groups("sample_crc32c"))
-            release_memory()
+            return self._first_crcs_at(np.asarray(rows, np.int64))
         if not self._all_hex:
             return None
         if len(rows) == 0:
             return np.zeros(0, np.uint32)
         return crc_numbers(self._view.column_at("sample_crc32c", rows))
+
+    def _first_crcs_at(self, rows: np.ndarray) -> np.ndarray | None:
+        """`crcs_at`'s first call: the rows' numbers taken from the row groups that tell whether every value is 8
+        hex digits, so each group is decoded once (`column_at` after that pass decoded the groups holding the rows
+        again, on the one call a join's content id makes)."""
+        picked, start = np.zeros(len(rows), np.uint32), 0
+        all_hex = len(self._view) > 0
+        for group in self._view.column_groups("sample_crc32c") if all_hex else ():
+            numbers = crc_numbers(group) if len(group) else np.zeros(0, np.uint32)
+            if numbers is None:
+                all_hex = False
+                break
+            inside = (rows >= start) & (rows < start + len(group))
+            picked[inside] = numbers[rows[inside] - start]
+            start += len(group)
+        self._all_hex = all_hex  # told only once every group was read (a damaged one raises: asked again)
+        release_memory()
+        return picked if all_hex else None
 
     def checksum_row(self, i: int) -> dict[str, Any]:
         """What sample i's bytes are checked against (store/integrity.py `sample_problem`)."""

@@ -74,6 +74,22 @@ def test_rows_at_meta_of_files_of_read_the_same_rows_from_the_groups_holding_the
     assert got[GROUP][0][sample(17)["key"]]["caption"] == "caption 17"
 
 
+def _damage_page(vdir: Path, column: str, group: int) -> None:
+    """The page header of `column`'s first page in row group `group` of the version's manifest overwritten, and the
+    damaged bytes' CRC recorded, as a writer that damaged them before checksumming would: only decoding that page
+    finds it. `column` is a leaf's path (a nested column has several leaves: the Arrow schema's index is not one)."""
+    md = pq.ParquetFile(vdir / fmt.MANIFEST).metadata
+    leaf = [md.schema.column(i).path for i in range(md.num_columns)].index(column)
+    chunk = md.row_group(group).column(leaf)
+    page = chunk.dictionary_page_offset or chunk.data_page_offset
+    data = bytearray((vdir / fmt.MANIFEST).read_bytes())
+    data[page:page + 8] = b"\xff" * 8
+    (vdir / fmt.MANIFEST).write_bytes(bytes(data))
+    record = unseal((vdir / fmt.CHECKSUMS).read_bytes())
+    record["files"][fmt.MANIFEST]["crc32c"] = file_crc(vdir / fmt.MANIFEST)[0]
+    (vdir / fmt.CHECKSUMS).write_bytes(seal(record))
+
+
 def _reads(monkeypatch, wider_than: int = 0) -> list[int]:
     """Rows of every table the manifest readers decode from now on (`wider_than`: of those with more columns: a
     reader parses the one column it keeps, e.g. its keys, a group at a time too)."""
@@ -108,18 +124,7 @@ def test_verify_decodes_a_group_of_a_column_at_a_time_and_refuses_damage_in_a_la
     assert sum(len(rows) for rows in walked.values()) == N
     assert verify_store(store.root, progress=False) == []
 
-    md = pq.ParquetFile(vdir / fmt.MANIFEST).metadata
-    caption = pq.ParquetFile(vdir / fmt.MANIFEST).schema_arrow.names.index("caption")
-    chunk = md.row_group(md.num_row_groups - 2).column(caption)
-    page = chunk.dictionary_page_offset or chunk.data_page_offset
-    data = bytearray((vdir / fmt.MANIFEST).read_bytes())
-    data[page:page + 8] = b"\xff" * 8  # the page header of a caption page in the 7th of 8 groups
-    (vdir / fmt.MANIFEST).write_bytes(bytes(data))
-    # the damaged bytes' CRC recorded, as a writer that damaged them before checksumming would: only decoding
-    # every group finds it
-    record = unseal((vdir / fmt.CHECKSUMS).read_bytes())
-    record["files"][fmt.MANIFEST]["crc32c"] = file_crc(vdir / fmt.MANIFEST)[0]
-    (vdir / fmt.CHECKSUMS).write_bytes(seal(record))
+    _damage_page(vdir, "caption", group=6)  # a caption page in the 7th of 8 groups
     problems = verify_store(store.root, progress=False)
     assert any("vae/v1/manifest.parquet: undecodable" in p for p in problems), problems
 
@@ -196,3 +201,62 @@ def test_a_parsed_column_read_group_by_group_is_the_whole_columns_narrowed_to_th
     pq.write_table(small, tmp_path / "small.parquet", row_group_size=1)
     got = read_column(tmp_path, (tmp_path / "small.parquet").read_bytes(), "img_shapes", narrow=NARROWER["img_shapes"])
     assert got.type == pa.list_(pa.list_(pa.int16())) and got.to_pylist() == [[[1, 8, 8]], [[1, 2, 4]]]
+
+
+def test_a_damaged_page_is_refused_by_each_row_reader_with_the_same_line_naming_the_manifest(
+        tmp_path: Path, monkeypatch) -> None:
+    """A caption page of one row group damaged (its bytes' CRC recorded: opening finds nothing): every read of the
+    view that decodes it (`rows_at` / `meta_of`, `table_at`, `column_at`, `column_groups`, a parsed column) refuses it
+    with the same line, naming the manifest and what to run; rows of the other groups still read. pyarrow's message
+    carries newlines and the damaged byte it met (a control character): before, the error held them as they were."""
+    import numpy as np
+
+    from store.integrity import DamagedData
+
+    store = _filled(tmp_path / "s", monkeypatch, GROUP)
+    vdir = store.version_dir("vae", 1)
+    _damage_page(vdir, "caption", group=6)  # rows 24-27
+    rows = np.array([24, 26], np.int64)
+    with store.reader("vae") as r:
+        view = r.view
+        caption_of = {sample(i)["key"]: sample(i)["meta"]["caption"] for i in range(N)}
+        assert view.rows_at([1, 29], ["caption"]) == {i: {"caption": caption_of[view.keys.array[i].as_py()]}
+                                                      for i in (1, 29)}
+        readers = {"rows_at": lambda: view.rows_at([25], ["caption"]),
+                   "meta_of": lambda: r.meta_of([view.keys.array[25].as_py()], ["caption"]),
+                   "table_at": lambda: view.table_at(rows, ["caption"]),
+                   "table_at every column": lambda: view.table_at(rows),
+                   "column_at": lambda: view.column_at("caption", rows[::-1].copy()),
+                   "column_groups": lambda: list(view.column_groups("caption"))}
+        said = {}
+        for name, read in readers.items():
+            with pytest.raises(DamagedData) as e:
+                read()
+            said[name] = str(e.value)
+    with Store(store.root).reader("vae") as r:  # a fresh view: nothing parsed yet
+        with pytest.raises(DamagedData) as e:
+            r.view.column("caption")
+        said["column"] = str(e.value)
+    line = said["rows_at"]
+    assert all(s == line for s in said.values()), said
+    assert line.startswith(f"{vdir / fmt.MANIFEST} is unreadable (OSError: ") and "pipeline store repair" in line
+    assert line.isprintable(), line  # one line, no control characters
+
+
+def test_crcs_at_reads_each_group_of_the_crc_column_once(tmp_path: Path, monkeypatch) -> None:
+    """`crcs_at`'s first call tells whether every sample_crc32c is 8 hex digits a row group at a time and takes the
+    rows' numbers from those same groups: each group decoded once (before, the groups holding the rows were decoded
+    again: 8 + 3 here), the numbers those of the whole column."""
+    import numpy as np
+
+    store = _filled(tmp_path / "s", monkeypatch, GROUP)
+    rows = np.array([29, 1, 5, 1], np.int64)  # groups 7, 0, 1; a repeat; not in order
+    with store.reader("vae") as r:
+        decoded = _reads(monkeypatch)
+        got = r.view.samples.crcs_at(rows)
+        monkeypatch.undo()
+        assert decoded == [GROUP] * 7 + [N % GROUP]
+        assert got is not None and got.dtype == np.uint32
+        assert got.tolist() == r.view.samples.crcs()[rows].tolist()
+        assert [f"{int(c):08x}" for c in got] == [r.view.manifest.column("sample_crc32c")[int(i)].as_py()
+                                                   for i in rows]
