@@ -114,6 +114,8 @@ class SampleLocator:
             inside = (rows >= start) & (rows < start + len(group))
             picked[inside] = numbers[rows[inside] - start]
             start += len(group)
+        if all_hex and len(rows) and (rows.min() < 0 or rows.max() >= start):  # as column_at would: never a 0
+            raise IndexError(f"rows {rows.min()}..{rows.max()} asked of a manifest of {start} rows")
         self._all_hex = all_hex  # told only once every group was read (a damaged one raises: asked again)
         release_memory()
         return picked if all_hex else None
