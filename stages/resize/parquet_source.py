@@ -408,7 +408,9 @@ def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int, known: Any
         carried = known.unchanged(str(path)) if known is not None and isinstance(lay, _Layout) else None
         if carried is not None:
             sha, rows = carried
-            groups = _RowGroups(path, lay, max_file_bytes, *_url_checks(known, str(path), sha))
+            at_url = is_url(path)  # read as the object judged: known_tars.KnownTars.still, .match
+            groups = _RowGroups(path, lay, max_file_bytes, partial(known.still, str(path), sha) if at_url else None,
+                                known.match(str(path)) if at_url else None)
             for source, hit in rows:
                 no = int(source[len(str(path)) + 1:])
                 yield SourceSample(name=f"{_stem(path)}:{no}", source=source, known=hit,
@@ -429,15 +431,27 @@ def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int, known: Any
             known.note(str(path), before, yielded)
 
 
-def _url_checks(known: Any, path: str, sha: str) -> tuple[Any, dict[str, Any]]:
-    """A carried file at a URL's (still: is it the recorded one, asked of its server; its range reads' If-Match
-    keywords, the judged object's strong ETag), as a carried tar's (picture_heads.TarIndex); a local file's none."""
-    if not is_url(path):
-        return None, {}
-    from stages.resize.picture_heads import if_match
-    from stages.resize.sources import _still
+def _refuse_if_put_again(path: Any, still: Any, read: str) -> None:
+    """A file at a URL read by a footer's offsets as the object judged (`still`: is it still that one, one metadata
+    request; None: a local file, nothing to ask): one put again meanwhile stops the run (pages carry no checksum:
+    old offsets into new bytes make rows of neither object), picture_heads.refuse_put_again."""
+    if still is not None and not still():
+        from stages.resize.picture_heads import refuse_put_again
 
-    return partial(_still, known, path, sha), if_match(path, known.etag(path))
+        refuse_put_again(str(path), "parquet file", read)
+
+
+@contextmanager
+def _judged(path: Any, still: Any, read: str) -> Iterator[None]:
+    """Reads of a file at a URL as the object judged (`still`): one that fails otherwise than by a lost connection
+    (a 412 for its If-Match, bytes that do not read as parquet) stops the run with the put-again line where the
+    object is not that one any more, not a corrupt row; else the error goes on as it is."""
+    try:
+        yield
+    except Exception as e:
+        if still is not None and not is_transport_error(e):
+            _refuse_if_put_again(path, still, read)
+        raise
 
 
 def _hashed_file(path: Path, layouts: dict, max_file_bytes: int, known: Any, done: Any = None) -> Iterator[Any]:
@@ -476,9 +490,10 @@ class _RowGroups:
     (one row group held, the reader's own bound): the rows of a group checked one after another read it once.
     Before, a file holding one row to check was read whole, every row of it judged from its bytes.
 
-    A file at a URL (`still`, `match`: `_url_checks`) is read by the offsets of the footer read when it was judged:
-    its row groups' range reads send the judged object's strong ETag as If-Match over http(s) (a server answers 412
-    for one put again), and its tag is asked once more after its last row (`confirm`), as a carried tar's is."""
+    A file at a URL (`still`, `match`: known_tars.KnownTars's) is read by the offsets of the footer read when it was
+    judged: its row groups' range reads send the judged object's strong ETag as If-Match over http(s) (a server
+    answers 412 for one put again), and its tag is asked once more after its last row (`confirm`), as a carried
+    tar's is."""
 
     def __init__(self, path: Path, lay: _Layout, max_file_bytes: int, still: Any = None,
                  match: dict[str, Any] | None = None) -> None:
@@ -490,10 +505,8 @@ class _RowGroups:
         """After a URL file's last row: where a row group was read by the footer's offsets, one metadata request
         says the object is still the one judged (put again meanwhile: old offsets into new bytes, pages carry no
         checksum, so rows of neither version; the run stops, picture_heads.refuse_put_again)."""
-        if self._by_offsets and self._still is not None and not self._still():
-            from stages.resize.picture_heads import refuse_put_again
-
-            refuse_put_again(str(self._path), "parquet file", "row groups by its footer's offsets")
+        if self._by_offsets:
+            _refuse_if_put_again(self._path, self._still, "row groups by its footer's offsets")
 
     def heads(self, no: int) -> Any:
         """The row's pictures' first bytes (header_checks.Heads); None for a row that does not read as a sample
@@ -524,12 +537,8 @@ class _RowGroups:
 
     def _read_group(self, no: int) -> tuple[int, int, Any] | None:
         self._by_offsets = True
-        try:
+        with _judged(self._path, self._still, "row groups by its footer's offsets"):  # a 412: the one line
             return self._group_of(no)
-        except Exception as e:
-            if not is_transport_error(e):  # a lost connection is no put again (named as such by the caller)
-                self.confirm()  # a URL's object put again (a 412 for its If-Match): the one line, not the client's
-            raise
 
     def _group_of(self, no: int) -> tuple[int, int, Any] | None:
         import pyarrow.parquet as pq
