@@ -14,7 +14,11 @@ file marked unread (`_unread_rows`: a rerun reads it again), as a tar's samples 
 
 Within `remembered_footers()` (one resize-bucket run) each file's footer is read once, shared by the bar's row
 count, the column check and the reader (three reads before). A local file read for the first time is hashed from
-the bytes its reader reads (hashed_parquet.py, first_read.py).
+the bytes its reader reads (hashed_parquet.py, first_read.py). A file at a URL is read a block at a time, by range
+requests, as the object whose identity was asked (known_tars.KnownTars.still: the same sizes put again between two
+blocks read on into the new bytes, rows of neither object): its footer read again through them, each sending the
+ETag asked as If-Match over http(s) (412 for one put again; s3fs's file sends its own), its tag asked again after
+its last row; put again, the run stops with one line (rerun).
 """
 
 from __future__ import annotations
@@ -422,12 +426,17 @@ def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int, known: Any
             yield from _hashed_file(path, layouts, max_file_bytes, known, done)
             continue
         before = known.identity(str(path)) if known is not None else None
+        # at a URL read as the object its identity names (If-Match, its tag asked after its last row): its blocks
+        # are fetched one range after another, and one put again between them was read on into the new bytes
+        still = partial(known.still, str(path), before) if before is not None and is_url(path) else None
         yielded, failed = 0, False
-        for s in _file_samples(path, layouts, max_file_bytes, done=done):
+        for s in _file_samples(path, layouts, max_file_bytes, done=done, still=still,
+                               match=known.match(str(path)) if still is not None else None):
             yielded, failed = yielded + 1, failed or s.problem_kind == "read-error"
             yield s
+        _refuse_if_put_again(path, still, "row groups")
         # not changed while read, and read whole (a read error: not noted, so a rerun reads it again)
-        if before is not None and not failed and known.identity(str(path), fresh=True) == before:
+        if before is not None and not failed and (still is not None or known.identity(str(path), fresh=True) == before):
             known.note(str(path), before, yielded)
 
 
@@ -493,7 +502,7 @@ class _RowGroups:
     A file at a URL (`still`, `match`: known_tars.KnownTars's) is read by the offsets of the footer read when it was
     judged: its row groups' range reads send the judged object's strong ETag as If-Match over http(s) (a server
     answers 412 for one put again), and its tag is asked once more after its last row (`confirm`), as a carried
-    tar's is."""
+    tar's is (and a file read the first time: `iter_parquet`)."""
 
     def __init__(self, path: Path, lay: _Layout, max_file_bytes: int, still: Any = None,
                  match: dict[str, Any] | None = None) -> None:
@@ -553,10 +562,12 @@ class _RowGroups:
         return None
 
 
-def _file_samples(path: Any, layouts: dict, max_file_bytes: int, hashed: Any = None,
-                  done: Any = None) -> Iterator[Any]:
+def _file_samples(path: Any, layouts: dict, max_file_bytes: int, hashed: Any = None, done: Any = None,
+                  still: Any = None, match: dict[str, Any] | None = None) -> Iterator[Any]:
     """Every row of one file, read in batches of its mapped columns; through `hashed` (hashed_parquet.HashedParquet)
-    when given, told after each batch which bytes no later batch reads."""
+    when given, told after each batch which bytes no later batch reads. A file at a URL read as the object judged
+    (`still`, `match`: `iter_parquet`'s): its footer read again through those reads (the one remembered may be of
+    an object put again before it was judged), a read failing on one put again the put-again line (`_judged`)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -568,10 +579,10 @@ def _file_samples(path: Any, layouts: dict, max_file_bytes: int, hashed: Any = N
         return
     try:
         # buffered column-chunk reads: a row group's chunk is streamed, not read whole before decoding
-        with _server_errors(path):
-            md = _footer(path)
-            pf = pq.ParquetFile(hashed if hashed is not None else _open(path), metadata=md, buffer_size=8 << 20,
-                                pre_buffer=False)
+        with _server_errors(path), _judged(path, still, "footer"):
+            pf = pq.ParquetFile(hashed if hashed is not None else _open(path, **(match or {})), buffer_size=8 << 20,
+                                metadata=_footer(path) if still is None else None, pre_buffer=False)
+            md = pf.metadata
         starts = _group_starts(md) if hashed is not None and md.num_row_groups else None
     except (pa.ArrowException, OSError) as e:
         yield from _unopened(path, e, done)
@@ -579,12 +590,13 @@ def _file_samples(path: Any, layouts: dict, max_file_bytes: int, hashed: Any = N
     with pf, _server_errors(path):
         no = 0
         try:
-            for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=lay.names):
-                for row in batch.to_pylist():
-                    yield _sample(row, lay, path, no, max_file_bytes)
-                    no += 1
-                if starts:  # the next batch starts in the last row group beginning at or before row `no`
-                    hashed.release(starts[1][bisect.bisect_right(starts[0], no) - 1])
+            with _judged(path, still, "row groups"):
+                for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=lay.names):
+                    for row in batch.to_pylist():
+                        yield _sample(row, lay, path, no, max_file_bytes)
+                        no += 1
+                    if starts:  # the next batch starts in the last row group beginning at or before row `no`
+                        hashed.release(starts[1][bisect.bisect_right(starts[0], no) - 1])
         except (pa.ArrowException, OSError) as e:
             if is_url(path) and is_transport_error(e):
                 raise

@@ -598,6 +598,38 @@ def _captioned_parquet(path: Path) -> bytes:
     return path.read_bytes()
 
 
+def test_a_url_file_put_again_while_it_is_read_the_first_time_stops_the_run(served_root, tmp_path: Path,
+                                                                            monkeypatch) -> None:
+    """A parquet file at a URL read for the first time is fetched a block at a time (8 MiB; 4 KiB here, the file
+    larger than one), its row groups by the footer's offsets: one put again between two blocks (here the same
+    sizes, its captions upper-cased) was read on into the new bytes and committed silently, rows 0-2 of the old
+    object and 3-7 of the new (a table neither object's fresh run gives; only the note was left out). Now its reads
+    send the ETag asked when it was judged as If-Match (412) and the tag is asked again after its last row: the run
+    stops with one line naming the URL; the rerun is a fresh run's."""
+    root, url, server = served_root
+    path = root / "part-0.parquet"
+    data = _captioned_parquet(path)
+    monkeypatch.setattr(parquet_source, "URL_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(parquet_source, "BATCH_ROWS", 3)  # a row group a batch: row 0 is met before group 1 is read
+    real, source, out = parquet_source._sample, f"{url}/part-0.parquet", tmp_path / "store"
+
+    def put_again_at_row_0(row, lay, at, no, *a):
+        if no == 0 and path.read_bytes() == data:
+            before = path.stat()
+            path.write_bytes(data.replace(b"edit ", b"EDIT "))
+            os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))  # another ETag (size, mtime)
+        return real(row, lay, at, no, *a)
+    with monkeypatch.context() as m:
+        m.setattr(parquet_source, "_sample", put_again_at_row_0)
+        with pytest.raises(UserError, match=r"part-0\.parquet: the parquet file was put again while this run .*rerun"):
+            stage.run(load_config(None, SMALL), source, out)
+    assert server.refused > 0  # the next row group's ranges asked If-Match the judged object's ETag: 412
+    stage.run(load_config(None, SMALL), source, out)
+    fresh = tmp_path / "fresh"
+    stage.run(load_config(None, SMALL), source, fresh)
+    assert _rows(Store(out)) == _rows(Store(fresh)) and _quarantine(Store(out)) == _quarantine(Store(fresh))
+
+
 def test_a_server_gone_before_a_url_files_tag_is_asked_again_is_named_not_taken_for_a_put_again(
         served_root, tmp_path: Path, monkeypatch) -> None:
     """A carried parquet file's row groups read by offsets, then its server stopped before its tag is asked again
