@@ -88,7 +88,7 @@ def _rerun(cfg, url: str, store: Path, copy: Path, server, how: str) -> tuple[in
     shutil.rmtree(copy, ignore_errors=True)
     shutil.copytree(store, copy)
     if how == "before":
-        known_tars._remote_identity = lambda url: None
+        known_tars._remote_identity = lambda url: (None, None)  # (identity, strong ETag): none known
     if how == "walk":
         known_tars.KnownTars.headers, picture_heads.HEADS_AHEAD = lambda self, tar: None, 0
     server.served = server.requests = 0

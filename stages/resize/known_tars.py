@@ -49,8 +49,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from models.file_hashes import FileHashes
+from schemas.errors import UserError
 from stages.resize.known_sources import TABLE, Known
-from stages.resize.shards import is_url
+from stages.resize.shards import RemoteTag, is_url
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -102,7 +103,7 @@ class KnownTars:
         self.pending: frozenset[str] = frozenset()
         self.streamed: dict[str, tuple[str, os.stat_result, int]] = {}
         self._urls: dict[str, str | None] = {}  # url -> its identity, asked once a run (`fresh` asks again)
-        self._etags: dict[str, str | None] = {}  # url -> its strong ETag as last asked (`etag`)
+        self._etags: dict[str, str | None] = {}  # url -> its strong ETag as last asked (`match`)
 
     def identity(self, tar: str, fresh: bool = False) -> str | None:
         """The tar's sha256 by the cache's rule, not read; None where it is not known or would not be read. A file
@@ -121,10 +122,35 @@ class KnownTars:
         except (OSError, UnicodeEncodeError):
             return None
 
-    def etag(self, tar: str) -> str | None:
-        """The strong ETag of a tar at a URL as its identity was last asked (None: a weak one, another tag, none):
-        range reads of the object walked send it as If-Match (picture_heads.TarIndex), a put again answers 412."""
-        return self._etags.get(tar)
+    def still(self, url: str, sha: str) -> bool:
+        """Is the file at a URL still the one judged as `sha` (its size and tag asked again: one request)? Asked
+        after a tar's samples or a parquet file's rows were read by offsets (picture_heads.TarIndex.confirm,
+        parquet_source._RowGroups.confirm; a parquet file read the first time, parquet_source.iter_parquet): False,
+        the run stops (picture_heads.refuse_put_again). Its ETag asked is `match`'s from then on. A server that
+        cannot be reached says nothing of a put again: the run stops with a line saying so (before: "put again,
+        rerun", where the network or the server is what to check)."""
+        from stages.resize.shards import remote_tag
+
+        try:
+            asked = remote_tag(url, client_errors=True)
+        except UserError:  # no client for the scheme: its own line
+            raise
+        except Exception as e:  # noqa: BLE001  the client's own types: aiohttp's, botocore's, fsspec's
+            if (lost := _unreachable(e)) is not None:
+                raise UserError(f"{url}: its server could not be reached to ask whether the file changed while this "
+                                f"run read it ({type(lost).__name__}: {str(lost).partition(chr(10))[0]}); check the "
+                                "network and that the server runs, then rerun") from None
+            asked = None  # gone, refused: not the file judged
+        self._urls[url], self._etags[url] = _identity_of(url, asked)
+        return self._urls[url] == sha
+
+    def match(self, url: str) -> dict[str, Any]:
+        """The keywords of range reads of the file at a URL that a server refuses (412) once it is put again: its
+        strong ETag as its identity was last asked, as If-Match over http(s) (shards.if_match; none: a weak ETag,
+        another tag, s3)"""
+        from stages.resize.shards import if_match
+
+        return if_match(url, self._etags.get(url))
 
     def count(self, tar: str) -> int | None:
         """Its recorded sample count when it would be carried (the progress bar's total), else None."""
@@ -163,7 +189,6 @@ def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, m
     carried."""
     import pyarrow.compute as pc
 
-    from schemas import UserError
     from store.integrity import DamagedData
     from store.manifest_files import checked_manifest
     from store.version_notes import read_note
@@ -206,19 +231,30 @@ def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, m
 
 def _remote_identity(url: str) -> tuple[str | None, str | None]:
     """(identity, strong ETag or None) of a tar at a URL."""
-    from schemas import UserError
     from stages.resize.shards import remote_tag
 
     try:
-        size, tag = remote_tag(url)
+        asked = remote_tag(url)
     except (UserError, OSError):  # gone, or the server unreachable: read it (the reader says what is wrong)
         return None, None
-    if tag is None:
+    return _identity_of(url, asked)
+
+
+def _identity_of(url: str, asked: RemoteTag | None) -> tuple[str | None, str | None]:
+    """(identity, strong ETag or None) of a file at a URL by its size and tag as asked (None: not known)."""
+    if asked is None or asked.text is None:
         return None, None
-    etag = tag.split("=", 1)[1] if tag.lower().startswith("etag=") else None
-    # a weak ETag (W/"..."): If-Match compares strongly, every range read would be refused
-    strong = etag if etag and not etag.startswith("W/") else None
-    return hashlib.sha256(f"{url}\0{size} {tag}".encode()).hexdigest(), strong
+    return hashlib.sha256(f"{url}\0{asked.size} {asked.text}".encode()).hexdigest(), asked.strong_etag
+
+
+def _unreachable(e: BaseException | None) -> BaseException | None:
+    """The connection refused or timed out, `e` itself or its cause (fsspec's http answers FileNotFoundError for
+    a server it could not reach at all, the connection's error its cause); None for any other error."""
+    from store.remote import is_transport_error
+
+    while e is not None and not is_transport_error(e):
+        e = e.__cause__
+    return e
 
 
 def note_value(known: KnownTars, max_file_bytes: int) -> dict:

@@ -14,7 +14,11 @@ file marked unread (`_unread_rows`: a rerun reads it again), as a tar's samples 
 
 Within `remembered_footers()` (one resize-bucket run) each file's footer is read once, shared by the bar's row
 count, the column check and the reader (three reads before). A local file read for the first time is hashed from
-the bytes its reader reads (hashed_parquet.py, first_read.py).
+the bytes its reader reads (hashed_parquet.py, first_read.py). A file at a URL is read a block at a time, by range
+requests, as the object whose identity was asked (known_tars.KnownTars.still: the same sizes put again between two
+blocks read on into the new bytes, rows of neither object): its footer read again through them, each sending the
+ETag asked as If-Match over http(s) (412 for one put again; s3fs's file sends its own), its tag asked again after
+its last row; put again, the run stops with one line (rerun).
 """
 
 from __future__ import annotations
@@ -408,7 +412,9 @@ def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int, known: Any
         carried = known.unchanged(str(path)) if known is not None and isinstance(lay, _Layout) else None
         if carried is not None:
             sha, rows = carried
-            groups = _RowGroups(path, lay, max_file_bytes, *_url_checks(known, str(path), sha))
+            at_url = is_url(path)  # read as the object judged: known_tars.KnownTars.still, .match
+            groups = _RowGroups(path, lay, max_file_bytes, partial(known.still, str(path), sha) if at_url else None,
+                                known.match(str(path)) if at_url else None)
             for source, hit in rows:
                 no = int(source[len(str(path)) + 1:])
                 yield SourceSample(name=f"{_stem(path)}:{no}", source=source, known=hit,
@@ -420,24 +426,41 @@ def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int, known: Any
             yield from _hashed_file(path, layouts, max_file_bytes, known, done)
             continue
         before = known.identity(str(path)) if known is not None else None
+        # at a URL read as the object its identity names (If-Match, its tag asked after its last row): its blocks
+        # are fetched one range after another, and one put again between them was read on into the new bytes
+        still = partial(known.still, str(path), before) if before is not None and is_url(path) else None
         yielded, failed = 0, False
-        for s in _file_samples(path, layouts, max_file_bytes, done=done):
+        for s in _file_samples(path, layouts, max_file_bytes, done=done, still=still,
+                               match=known.match(str(path)) if still is not None else None):
             yielded, failed = yielded + 1, failed or s.problem_kind == "read-error"
             yield s
+        _refuse_if_put_again(path, still, "row groups")
         # not changed while read, and read whole (a read error: not noted, so a rerun reads it again)
-        if before is not None and not failed and known.identity(str(path), fresh=True) == before:
+        if before is not None and not failed and (still is not None or known.identity(str(path), fresh=True) == before):
             known.note(str(path), before, yielded)
 
 
-def _url_checks(known: Any, path: str, sha: str) -> tuple[Any, dict[str, Any]]:
-    """A carried file at a URL's (still: is it the recorded one, asked of its server; its range reads' If-Match
-    keywords, the judged object's strong ETag), as a carried tar's (picture_heads.TarIndex); a local file's none."""
-    if not is_url(path):
-        return None, {}
-    from stages.resize.picture_heads import if_match
-    from stages.resize.sources import _still
+def _refuse_if_put_again(path: Any, still: Any, read: str) -> None:
+    """A file at a URL read by a footer's offsets as the object judged (`still`: is it still that one, one metadata
+    request; None: a local file, nothing to ask): one put again meanwhile stops the run (pages carry no checksum:
+    old offsets into new bytes make rows of neither object), picture_heads.refuse_put_again."""
+    if still is not None and not still():
+        from stages.resize.picture_heads import refuse_put_again
 
-    return partial(_still, known, path, sha), if_match(path, known.etag(path))
+        refuse_put_again(str(path), "parquet file", read)
+
+
+@contextmanager
+def _judged(path: Any, still: Any, read: str) -> Iterator[None]:
+    """Reads of a file at a URL as the object judged (`still`): one that fails otherwise than by a lost connection
+    (a 412 for its If-Match, bytes that do not read as parquet) stops the run with the put-again line where the
+    object is not that one any more, not a corrupt row; else the error goes on as it is."""
+    try:
+        yield
+    except Exception as e:
+        if still is not None and not is_transport_error(e):
+            _refuse_if_put_again(path, still, read)
+        raise
 
 
 def _hashed_file(path: Path, layouts: dict, max_file_bytes: int, known: Any, done: Any = None) -> Iterator[Any]:
@@ -476,9 +499,10 @@ class _RowGroups:
     (one row group held, the reader's own bound): the rows of a group checked one after another read it once.
     Before, a file holding one row to check was read whole, every row of it judged from its bytes.
 
-    A file at a URL (`still`, `match`: `_url_checks`) is read by the offsets of the footer read when it was judged:
-    its row groups' range reads send the judged object's strong ETag as If-Match over http(s) (a server answers 412
-    for one put again), and its tag is asked once more after its last row (`confirm`), as a carried tar's is."""
+    A file at a URL (`still`, `match`: known_tars.KnownTars's) is read by the offsets of the footer read when it was
+    judged: its row groups' range reads send the judged object's strong ETag as If-Match over http(s) (a server
+    answers 412 for one put again), and its tag is asked once more after its last row (`confirm`), as a carried
+    tar's is (and a file read the first time: `iter_parquet`)."""
 
     def __init__(self, path: Path, lay: _Layout, max_file_bytes: int, still: Any = None,
                  match: dict[str, Any] | None = None) -> None:
@@ -490,10 +514,8 @@ class _RowGroups:
         """After a URL file's last row: where a row group was read by the footer's offsets, one metadata request
         says the object is still the one judged (put again meanwhile: old offsets into new bytes, pages carry no
         checksum, so rows of neither version; the run stops, picture_heads.refuse_put_again)."""
-        if self._by_offsets and self._still is not None and not self._still():
-            from stages.resize.picture_heads import refuse_put_again
-
-            refuse_put_again(str(self._path), "parquet file", "row groups by its footer's offsets")
+        if self._by_offsets:
+            _refuse_if_put_again(self._path, self._still, "row groups by its footer's offsets")
 
     def heads(self, no: int) -> Any:
         """The row's pictures' first bytes (header_checks.Heads); None for a row that does not read as a sample
@@ -524,12 +546,8 @@ class _RowGroups:
 
     def _read_group(self, no: int) -> tuple[int, int, Any] | None:
         self._by_offsets = True
-        try:
+        with _judged(self._path, self._still, "row groups by its footer's offsets"):  # a 412: the one line
             return self._group_of(no)
-        except Exception as e:
-            if not is_transport_error(e):  # a lost connection is no put again (named as such by the caller)
-                self.confirm()  # a URL's object put again (a 412 for its If-Match): the one line, not the client's
-            raise
 
     def _group_of(self, no: int) -> tuple[int, int, Any] | None:
         import pyarrow.parquet as pq
@@ -544,10 +562,12 @@ class _RowGroups:
         return None
 
 
-def _file_samples(path: Any, layouts: dict, max_file_bytes: int, hashed: Any = None,
-                  done: Any = None) -> Iterator[Any]:
+def _file_samples(path: Any, layouts: dict, max_file_bytes: int, hashed: Any = None, done: Any = None,
+                  still: Any = None, match: dict[str, Any] | None = None) -> Iterator[Any]:
     """Every row of one file, read in batches of its mapped columns; through `hashed` (hashed_parquet.HashedParquet)
-    when given, told after each batch which bytes no later batch reads."""
+    when given, told after each batch which bytes no later batch reads. A file at a URL read as the object judged
+    (`still`, `match`: `iter_parquet`'s): its footer read again through those reads (the one remembered may be of
+    an object put again before it was judged), a read failing on one put again the put-again line (`_judged`)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -559,10 +579,10 @@ def _file_samples(path: Any, layouts: dict, max_file_bytes: int, hashed: Any = N
         return
     try:
         # buffered column-chunk reads: a row group's chunk is streamed, not read whole before decoding
-        with _server_errors(path):
-            md = _footer(path)
-            pf = pq.ParquetFile(hashed if hashed is not None else _open(path), metadata=md, buffer_size=8 << 20,
-                                pre_buffer=False)
+        with _server_errors(path), _judged(path, still, "footer"):
+            pf = pq.ParquetFile(hashed if hashed is not None else _open(path, **(match or {})), buffer_size=8 << 20,
+                                metadata=_footer(path) if still is None else None, pre_buffer=False)
+            md = pf.metadata
         starts = _group_starts(md) if hashed is not None and md.num_row_groups else None
     except (pa.ArrowException, OSError) as e:
         yield from _unopened(path, e, done)
@@ -570,12 +590,13 @@ def _file_samples(path: Any, layouts: dict, max_file_bytes: int, hashed: Any = N
     with pf, _server_errors(path):
         no = 0
         try:
-            for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=lay.names):
-                for row in batch.to_pylist():
-                    yield _sample(row, lay, path, no, max_file_bytes)
-                    no += 1
-                if starts:  # the next batch starts in the last row group beginning at or before row `no`
-                    hashed.release(starts[1][bisect.bisect_right(starts[0], no) - 1])
+            with _judged(path, still, "row groups"):
+                for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=lay.names):
+                    for row in batch.to_pylist():
+                        yield _sample(row, lay, path, no, max_file_bytes)
+                        no += 1
+                    if starts:  # the next batch starts in the last row group beginning at or before row `no`
+                        hashed.release(starts[1][bisect.bisect_right(starts[0], no) - 1])
         except (pa.ArrowException, OSError) as e:
             if is_url(path) and is_transport_error(e):
                 raise

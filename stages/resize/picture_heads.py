@@ -79,7 +79,7 @@ def client_errors(what: str) -> Iterator[None]:
 
 
 def read_range(url: str, n: int, offset: int = 0, size: int | None = None, **match: Any) -> bytes:
-    """`read_first` of an object at a URL: one range request (`match`: `if_match`'s). The client's own errors (a
+    """`read_first` of an object at a URL: one range request (`match`: shards.if_match's). The client's own errors (a
     lost connection, a server refusing the range, 412 for an object put again) as OSError: the sample is then read
     by streaming its tar, which names them."""
     from stages.resize.shards import remote_fs
@@ -98,12 +98,6 @@ def read_range(url: str, n: int, offset: int = 0, size: int | None = None, **mat
 def cat_ranges(fs: Any, path: str, starts: list[int], ends: list[int], on_error: str, **match: Any) -> list:
     """The byte ranges of one object, as concurrent requests (fsspec: async for http and s3): a round trip."""
     return fs.cat_ranges([path] * len(starts), starts, ends, on_error=on_error, **match)
-
-
-def if_match(url: str, etag: str | None) -> dict[str, Any]:
-    """The keywords of fsspec's http reads that make a server refuse (412) a range of another object than the one
-    whose ETag is `etag`: its offsets never read into bytes put again. s3fs's reads take no If-Match (nothing)."""
-    return {"headers": {"If-Match": etag}} if etag and url.split("://", 1)[0] in ("http", "https") else {}
 
 
 def refuse_put_again(url: str, what: str, read: str) -> None:
@@ -187,16 +181,17 @@ class TarIndex:
     before and after the walk (one metadata request each), not before each read as a local tar's stat is (a request
     a sample), and once more after its last sample is read (`confirm`): an object put again while its samples were
     read by the walk's offsets (old offsets into new bytes) stops the run, which a rerun reads right. Over http(s)
-    each range read also sends the walked object's strong ETag as If-Match (`etag`): a server answers 412 for one
+    each range read also sends the walked object's strong ETag as If-Match (`match`: its keywords, shards.if_match,
+    as they are once the tag was asked after the walk; known_tars.KnownTars.match): a server answers 412 for one
     put again, and the sample is streamed from it instead of read by the old offsets (s3fs takes no If-Match: there
     `confirm` alone). A server that ignores range requests: the tar downloaded once to a temporary file and walked
     there."""
 
     def __init__(self, tar: str, max_file_bytes: int, still: Callable[[], bool] | None = None,
                  order: list[str] | None = None, headers: list[int] | None = None,
-                 etag: Callable[[], str | None] | None = None) -> None:
-        self.tar, self._max, self._still, self._etag = tar, max_file_bytes, still, etag
-        self._match: dict[str, Any] = {}  # a URL's range reads' If-Match (`if_match`): the walked object's ETag
+                 match: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.tar, self._max, self._still, self._match_now = tar, max_file_bytes, still, match
+        self._match: dict[str, Any] = {}  # a URL's range reads' If-Match (`match`): the walked object's ETag
         # a URL's member header offsets as recorded (walked concurrently); those of the walk made (for the record)
         self._recorded, self.headers = headers, None
         # a URL's: the sources in the order they are asked (the rows'), whose heads are fetched a window ahead
@@ -239,8 +234,8 @@ class TarIndex:
             runs = {}
         if self._still is not None and not self._still():  # put again during the walk
             self._stamp = None
-        elif self._etag is not None:  # the tag just asked, the walk's object's: its reads refused once put again
-            self._match = if_match(self.tar, self._etag())
+        elif self._match_now is not None:  # the tag just asked, the walk's object's: its reads refused once put again
+            self._match = self._match_now()
         return runs
 
     def _walk_copy(self) -> dict[str, tuple[str, str, dict[str, tuple[int, int]]] | None]:

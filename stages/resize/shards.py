@@ -17,12 +17,13 @@ brace lists (`shard-{000..099}.tar`, `a.tar::b.tar`), all through the `webdatase
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import shutil
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 from tqdm import tqdm
 
@@ -92,18 +93,41 @@ def open_shard(url: str) -> IO[bytes]:
     return gopen(url, "rb")
 
 
-def remote_tag(url: str) -> tuple[Any, str | None]:
-    """(size, content tag or None) of a shard at a URL, from the server's metadata: one request."""
+class RemoteTag(NamedTuple):
+    """A shard's size and content tag as its server's metadata says (one request)."""
+
+    size: Any
+    name: str | None  # the first of ETag, Content-MD5, Last-Modified the server sends, as its client spells it; None
+    value: str | None
+
+    @property
+    def text(self) -> str | None:
+        """`name=value`, as the listing hash (`remote_identity`) and a URL's identity (known_tars.py) record it."""
+        return None if self.name is None else f"{self.name}={self.value}"
+
+    @property
+    def strong_etag(self) -> str | None:
+        """The ETag when it is a strong one (not W/"..."; If-Match compares strongly: a weak one refuses every
+        range read), else None (no ETag: another tag, or none)."""
+        etag = self.value if self.name is not None and self.name.lower() == "etag" else None
+        return etag if etag and not etag.startswith("W/") else None
+
+
+def remote_tag(url: str, client_errors: bool = False) -> RemoteTag:
+    """The size and content tag of a shard at a URL, from the server's metadata: one request. The client's errors
+    as one UserError line naming the URL; `client_errors`: as raised (the caller tells an unreachable server from
+    a missing object: fsspec's http answers FileNotFoundError for both, the connection error its cause)."""
     fs, path = remote_fs(url)
-    with remote_source_errors(url):
+    with contextlib.nullcontext() if client_errors else remote_source_errors(url):
         info = fs.info(path)
-    tag = next((f"{k}={info[k]}" for k in (*_REMOTE_TAGS, *(k.lower() for k in _REMOTE_TAGS)) if info.get(k)), None)
-    return info.get("size"), tag
+    name = next((k for k in (*_REMOTE_TAGS, *(k.lower() for k in _REMOTE_TAGS)) if info.get(k)), None)
+    return RemoteTag(info.get("size"), name, None if name is None else str(info[name]))
 
 
 def remote_identity(url: str) -> str:
     """`size tag` of a shard at a URL, from the server's metadata; the sha256 of its bytes when it has no tag."""
-    size, tag = remote_tag(url)
+    asked = remote_tag(url)
+    size, tag = asked.size, asked.text
     if tag is None:  # nothing says whether it changed: its bytes do
         h = hashlib.sha256()
         with open_shard(url) as f:
@@ -111,6 +135,13 @@ def remote_identity(url: str) -> str:
                 h.update(chunk)
         tag = f"sha256={h.hexdigest()}"
     return f"{size} {tag}"
+
+
+def if_match(url: str, etag: str | None) -> dict[str, Any]:
+    """The keywords of fsspec's http reads that make a server refuse (412) a range of another object than the one
+    whose ETag is `etag`: its offsets never read into bytes put again. s3fs's cat_file and cat_ranges take none
+    (nothing; its S3File, through which pyarrow reads a parquet file, sends the ETag it was opened with)."""
+    return {"headers": {"If-Match": etag}} if etag and url.split("://", 1)[0] in ("http", "https") else {}
 
 
 def remote_listing(urls: list[str]) -> list[str]:

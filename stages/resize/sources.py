@@ -639,9 +639,9 @@ def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYT
 
             sha, samples = carried
             # its headers walked only when a sample is read after all (a URL's: while it is still the recorded one)
-            index = TarIndex(tar, max_file_bytes, partial(_still, known, tar, sha) if is_url(tar) else None,
+            index = TarIndex(tar, max_file_bytes, partial(known.still, tar, sha) if is_url(tar) else None,
                              [source for source, _ in samples] if is_url(tar) else None, known.headers(tar),
-                             partial(known.etag, tar) if is_url(tar) else None)
+                             partial(known.match, tar) if is_url(tar) else None)
             for source, hit in samples:
                 yield SourceSample(name=source[len(tar) + 1:], source=source, known=hit,
                                    reread=partial(index.sample, source), heads=partial(index.heads, source))
@@ -659,11 +659,6 @@ def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYT
         # not changed while it was streamed, and read whole (a read error: not noted, so a rerun reads it again)
         if before is not None and not failed and known.identity(tar, fresh=True) == before:
             known.note(tar, before, count, headers)
-
-
-def _still(known: Any, tar: str, sha: str) -> bool:
-    """Is the tar at a URL still the one recorded (its size and content tag asked again)?"""
-    return known.identity(tar, fresh=True) == sha
 
 
 def _hashed_shard(tar: str, max_file_bytes: int, done: Done, known: Any) -> Iterator[SourceSample]:

@@ -29,6 +29,7 @@ from schemas.errors import UserError
 from stages.resize import parquet_source, picture_heads, source_count, stage
 from stages.resize.header_checks import FIRST_READ
 from stages.resize.picture_heads import WALK_BLOCK
+from stages.resize.shards import if_match
 from store import Store
 from tests.stages.test_fix_revisions_resize import SMALL as REVISION_SMALL
 from tests.stages.test_fix_revisions_resize import _contents
@@ -483,7 +484,7 @@ def test_range_reads_of_a_url_tar_put_again_after_its_walk_are_refused_not_read(
     tar, st = f"{url}/a.tar", (root / "a.tar").stat()
     etag = f'"{st.st_size:x}-{st.st_mtime_ns:x}"'
     sources = [f"{tar}:s{i:03d}" for i in range(4)]
-    index = picture_heads.TarIndex(tar, 1 << 30, lambda: True, sources, None, lambda: etag)
+    index = picture_heads.TarIndex(tar, 1 << 30, lambda: True, sources, None, lambda: if_match(tar, etag))
     assert index.heads(sources[0]).target(100) == members["s000.png"][:100]  # walked, the first window fetched
     _put_again_swapped(root / "a.tar")
     assert index.sample(sources[1]).target == members["s001.control.png"]  # the new object's target, streamed
@@ -584,3 +585,70 @@ def test_a_url_file_put_again_while_its_row_groups_are_read_stops_the_run(served
     fresh = tmp_path / "fresh"
     stage.run(load_config(None, {**SMALL, **lowered}), source, fresh)
     assert _rows(Store(out)) == _rows(Store(fresh)) and _quarantine(Store(out)) == _quarantine(Store(fresh))
+
+
+def _captioned_parquet(path: Path) -> bytes:
+    """ROWS rows of noise targets captioned `edit <i>`, three a row group, plain pages: each caption's bytes in the
+    file as they are (another object of the same size and offsets: `.replace(b"edit ", b"EDIT ")`)."""
+    rng = np.random.default_rng(5)
+    pq.write_table(pa.table({"target": pa.array([_png(rng, 64) for _ in range(ROWS)], pa.binary()),
+                             "controls": pa.array([[] for _ in range(ROWS)], pa.list_(pa.binary())),
+                             "caption": pa.array([f"edit {i}" for i in range(ROWS)])}),
+        path, row_group_size=3, compression="none", use_dictionary=False, write_statistics=False)
+    return path.read_bytes()
+
+
+def test_a_url_file_put_again_while_it_is_read_the_first_time_stops_the_run(served_root, tmp_path: Path,
+                                                                            monkeypatch) -> None:
+    """A parquet file at a URL read for the first time is fetched a block at a time (8 MiB; 4 KiB here, the file
+    larger than one), its row groups by the footer's offsets: one put again between two blocks (here the same
+    sizes, its captions upper-cased) was read on into the new bytes and committed silently, rows 0-2 of the old
+    object and 3-7 of the new (a table neither object's fresh run gives; only the note was left out). Now its reads
+    send the ETag asked when it was judged as If-Match (412) and the tag is asked again after its last row: the run
+    stops with one line naming the URL; the rerun is a fresh run's."""
+    root, url, server = served_root
+    path = root / "part-0.parquet"
+    data = _captioned_parquet(path)
+    monkeypatch.setattr(parquet_source, "URL_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(parquet_source, "BATCH_ROWS", 3)  # a row group a batch: row 0 is met before group 1 is read
+    real, source, out = parquet_source._sample, f"{url}/part-0.parquet", tmp_path / "store"
+
+    def put_again_at_row_0(row, lay, at, no, *a):
+        if no == 0 and path.read_bytes() == data:
+            before = path.stat()
+            path.write_bytes(data.replace(b"edit ", b"EDIT "))
+            os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))  # another ETag (size, mtime)
+        return real(row, lay, at, no, *a)
+    with monkeypatch.context() as m:
+        m.setattr(parquet_source, "_sample", put_again_at_row_0)
+        with pytest.raises(UserError, match=r"part-0\.parquet: the parquet file was put again while this run .*rerun"):
+            stage.run(load_config(None, SMALL), source, out)
+    assert server.refused > 0  # the next row group's ranges asked If-Match the judged object's ETag: 412
+    stage.run(load_config(None, SMALL), source, out)
+    fresh = tmp_path / "fresh"
+    stage.run(load_config(None, SMALL), source, fresh)
+    assert _rows(Store(out)) == _rows(Store(fresh)) and _quarantine(Store(out)) == _quarantine(Store(fresh))
+
+
+def test_a_server_gone_before_a_url_files_tag_is_asked_again_is_named_not_taken_for_a_put_again(
+        served_root, tmp_path: Path, monkeypatch) -> None:
+    """A carried parquet file's row groups read by offsets, then its server stopped before its tag is asked again
+    after its last row: before, the refused connection read as another identity, "put again ... rerun to read the
+    new one" (the user reruns against a server that is down). Now the line says the server could not be reached,
+    names the URL, and says to check the network and the server."""
+    root, url, server = served_root
+    path = root / "part-0.parquet"
+    _captioned_parquet(path)
+    source, out = f"{url}/part-0.parquet", tmp_path / "store"
+    stage.run(load_config(None, SMALL), source, out)
+    real = parquet_source._RowGroups.confirm
+
+    def server_stopped_then_confirm(self):
+        server.shutdown()
+        server.server_close()
+        return real(self)
+    monkeypatch.setattr(parquet_source._RowGroups, "confirm", server_stopped_then_confirm)
+    with pytest.raises(UserError) as stopped:  # a lowered pixel limit: each row's header read from its row group
+        stage.run(load_config(None, {**SMALL, "resize.max_image_pixels": 64 * 64 - 1}), source, out)
+    assert re.search(r"part-0\.parquet: its server could not be reached .*check the network and that the server "
+                     r"runs", str(stopped.value)) and "was put again" not in str(stopped.value), stopped.value
