@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from models.tiny import SCHEDULER_CONFIG, QWEN_SPECIAL_TOKENS, Variant, build_processor, build_tokenizer
+from models.tiny import SCHEDULER_CONFIG, Variant, build_processor, build_tokenizer, special_token_ids
 
 REAL_LAYERS = {"transformer": 60, "text": 28, "vision": 32}
 
@@ -83,20 +83,16 @@ def build_text_encoder(tokenizer, layers: int, seed: int, minimal: bool = False,
     """`layers` text decoder layers and (unless `vision_layers` is given) as many vision blocks."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    text_ids, vl_ids = special_token_ids(tokenizer)
     text, vision = (MINIMAL_TEXT, MINIMAL_VISION) if minimal else (QWEN25_VL_7B_TEXT, QWEN25_VL_7B_VISION)
     layers = 1 if minimal else layers
     depth = 1 if minimal else vision_layers or layers
     config = Qwen2_5_VLConfig(
         text_config=dict(
-            vocab_size=len(tokenizer), num_hidden_layers=layers, **text,
-            bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+            vocab_size=len(tokenizer), num_hidden_layers=layers, **text, **text_ids,
         ),
         vision_config=dict(depth=depth, fullatt_block_indexes=_fullatt(depth), **vision),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **vl_ids,
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
     )

@@ -275,8 +275,19 @@ def load_quantized_transformer(folder, dtype, device, name: str):
 
         raise UserError(f"{folder}: the checkpoint lacks {len(expected - seen)} transformer weights "
                         f"(e.g. {sorted(expected - seen)[:3]}): an incomplete or different model folder")
+    _buffers_to(model, device)
     install_frozen_linear_backward(model)  # NF4 weights have no linear of their own; torchao's saves a dense copy
     return model.eval()
+
+
+def _buffers_to(model, device) -> None:
+    """Every buffer onto `device` in its own dtype, as the unquantised load's device_map places them: the empty
+    model made its buffers on the CPU (no weight file fills a non-persistent one, e.g. Qwen-Image-2.1's
+    time_proj.freqs, float32), and a CPU buffer of a GPU model is copied to the device at every forward."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
 
 
 def _collect_garbage() -> None:

@@ -135,10 +135,20 @@ def build_tokenizer(vocab_size: int = 600):
     return tokenizer
 
 
+def special_token_ids(tokenizer) -> tuple[dict[str, int], dict[str, int]]:
+    """The tokenizer's special tokens where a Qwen VL config takes them (Qwen2.5-VL's and Qwen3-VL's alike): (the
+    text config's bos / eos / pad ids, the VL config's image, video and vision start / end ids)."""
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    text = dict(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    vl = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+              vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    return text, vl
+
+
 def build_text_encoder(tokenizer, seed: int):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    text_ids, vl_ids = special_token_ids(tokenizer)
     vocab_size = len(tokenizer)
     config = Qwen2_5_VLConfig(
         text_config=dict(
@@ -150,9 +160,7 @@ def build_text_encoder(tokenizer, seed: int):
             num_key_value_heads=1,
             max_position_embeddings=4096,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
-            bos_token_id=ids["<|endoftext|>"],
-            eos_token_id=ids["<|im_end|>"],
-            pad_token_id=ids["<|endoftext|>"],
+            **text_ids,
         ),
         vision_config=dict(
             depth=2,
@@ -167,10 +175,7 @@ def build_text_encoder(tokenizer, seed: int):
             out_hidden_size=32,
             fullatt_block_indexes=[1],
         ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **vl_ids,
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from models.tiny import CHAT_TEMPLATE, QWEN_SPECIAL_TOKENS, build_tokenizer
+from models.tiny import CHAT_TEMPLATE, build_tokenizer, special_token_ids
 
 TINY_TRANSFORMER_21 = dict(
     patch_size=1,
@@ -55,7 +55,7 @@ VLM_PATCH, VLM_MERGE = 16, 2
 def build_text_encoder_21(tokenizer, seed: int, text: dict | None = None, vision: dict | None = None):
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    text_ids, vl_ids = special_token_ids(tokenizer)
     text = text or dict(
         hidden_size=32,
         intermediate_size=64,
@@ -79,17 +79,12 @@ def build_text_encoder_21(tokenizer, seed: int, text: dict | None = None, vision
     config = Qwen3VLConfig(
         text_config=dict(
             vocab_size=len(tokenizer),
-            bos_token_id=ids["<|endoftext|>"],
-            eos_token_id=ids["<|im_end|>"],
-            pad_token_id=ids["<|endoftext|>"],
+            **text_ids,
             **text,
         ),
         vision_config=dict(in_channels=3, patch_size=VLM_PATCH, spatial_merge_size=VLM_MERGE, temporal_patch_size=2,
                            **vision),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **vl_ids,
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)

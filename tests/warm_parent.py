@@ -271,16 +271,16 @@ def _s3_models():
     return module
 
 
-def main() -> None:
+def _preload() -> None:
+    """The libraries imported once (their import noise this process's: a child keeps the default warnings), the
+    paths and environment a child or a warm worker is judged against, and torchrun's _popen patched."""
     import importlib
-    import tempfile
     import warnings
 
-    global SOCKET
     own = {q for p in _python_path(os.environ) for q in (p, os.path.abspath(p))}
     BASE_PATH[:] = [p for p in sys.path[1:] if p not in own]
     BASE_ENV.update({k: v for k, v in os.environ.items() if not worker_per_launch(k)})
-    with warnings.catch_warnings():  # the libraries' import noise is this process's; a child keeps the defaults
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name in PRELOAD:
             importlib.import_module(name)
@@ -292,47 +292,78 @@ def main() -> None:
 
     _cold[0] = SubprocessHandler._popen
     SubprocessHandler._popen = _popen  # in this parent's children, which is where an agent runs
-    folder = tempfile.mkdtemp(prefix="warm-", dir="/tmp")  # 0700; short: a socket path has at most 107 bytes
+
+
+def _listen(folder: str) -> socket.socket:
+    """The socket agents ask for workers on (SOCKET, in `folder`)."""
+    global SOCKET
     SOCKET = os.path.join(folder, "s")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(SOCKET)
     listener.listen(64)
     _SOCKETS.append(listener)
+    return listener
+
+
+def _fork_requests(pending: bytes, children: dict) -> bytes:
+    """A child forked for each whole request line of `pending` (recorded in `children`: pid -> request id);
+    returns the unfinished rest."""
+    while b"\n" in pending:
+        line, pending = pending.split(b"\n", 1)
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(request)
+        children[pid] = request["id"]
+        _say({"id": request["id"], "pid": pid})
+    return pending
+
+
+def _reap_children(children: dict) -> None:
+    """Each child that ended told by its request id. By pid: waitpid(-1) would reap an agent's worker before it is
+    told."""
+    for pid in list(children):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            _say({"exited": children.pop(pid), "returncode": _returncode(status)})
+
+
+def _serve_until_done(listener: socket.socket) -> None:
+    """Requests on stdin and agents' connections polled in one loop, until stdin closed and every child, worker
+    and connection is done."""
+    # children: pid -> request id (stdin's); workers: pid -> the agent's connection, False once told its exit,
+    # None once the agent closed it; conns: connection -> its worker's pid (None before the request)
+    pending, children, workers, conns, open_in = b"", {}, {}, {}, True
+    while open_in or children or workers or conns:
+        readable, _, _ = select.select(([0] if open_in else []) + [listener, *conns], [], [], 0.05)
+        readable = set(readable)
+        if 0 in readable:
+            chunk = os.read(0, 65536)
+            open_in = bool(chunk)
+            pending = _fork_requests(pending + chunk, children)
+        if listener in readable:
+            _accept(listener, conns)
+        for conn in [c for c in readable if isinstance(c, socket.socket) and c is not listener]:
+            _serve(conn, conns, workers)
+        _reap_children(children)
+        _watch_workers(workers)
+
+
+def main() -> None:
+    import tempfile
+
+    _preload()
+    folder = tempfile.mkdtemp(prefix="warm-", dir="/tmp")  # 0700; short: a socket path has at most 107 bytes
+    listener = _listen(folder)
     # The preloaded heap (~550k objects) out of every collection: a child's exit collects once
     # (pipeline/exit_gc.py) over its own objects only, ~0.35 s of CPU less each, and no GC header of the parent's
     # pages is written (copied) by a child's collections. What gc.freeze() is documented for, before a fork.
     gc.freeze()
     _say({"ready": os.getpid()})
-    # children: pid -> request id (stdin's); workers: pid -> the agent's connection, False once told its exit,
-    # None once the agent closed it; conns: connection -> its worker's pid (None before the request)
-    pending, children, workers, conns, open_in = b"", {}, {}, {}, True
     try:
-        while open_in or children or workers or conns:
-            readable, _, _ = select.select(([0] if open_in else []) + [listener, *conns], [], [], 0.05)
-            readable = set(readable)
-            if 0 in readable:
-                chunk = os.read(0, 65536)
-                open_in = bool(chunk)
-                pending += chunk
-                while b"\n" in pending:
-                    line, pending = pending.split(b"\n", 1)
-                    request = json.loads(line)
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    pid = os.fork()
-                    if pid == 0:
-                        _child(request)
-                    children[pid] = request["id"]
-                    _say({"id": request["id"], "pid": pid})
-            if listener in readable:
-                _accept(listener, conns)
-            for conn in [c for c in readable if isinstance(c, socket.socket) and c is not listener]:
-                _serve(conn, conns, workers)
-            for pid in list(children):  # by pid: waitpid(-1) would reap an agent's worker before it is told
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    _say({"exited": children.pop(pid), "returncode": _returncode(status)})
-            _watch_workers(workers)
+        _serve_until_done(listener)
     finally:
         listener.close()
         os.unlink(SOCKET)

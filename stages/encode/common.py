@@ -18,14 +18,14 @@ from stages.encode.intake import caption_hopeless, control_count_rejection, plac
 from stages.encode.job import EncodeJob
 from stages.encode.plan import IMAGES_TABLE, open_job
 from stages.encode.ranks import Ranks, current_ranks, rank_device
-from stages.encode.settings import (config_hash, earlier_config_hashes, resolve_precision, serving_config_hashes,
-                                    settings_record, with_overrides)
+from stages.encode.settings import (config_hash, earlier_config_hashes, placed, resolve_precision,
+                                    serving_config_hashes, settings_record, with_overrides)
 from stages.encode.summary import DAMAGED_INPUT, Summary
 
 __all__ = [
     "DAMAGED_INPUT", "IMAGES_TABLE", "EncodeJob", "Ranks", "Summary", "batches_by_shape", "caption_hopeless",
     "config_hash",
-    "control_count_rejection", "current_ranks", "earlier_config_hashes", "open_job", "open_png", "prefetched",
-    "placeholder_rejection", "rank_device", "resolve_precision", "serving_config_hashes", "settings_record",
-    "with_overrides",
+    "control_count_rejection", "current_ranks", "earlier_config_hashes", "open_job", "open_png", "placed",
+    "prefetched", "placeholder_rejection", "rank_device", "resolve_precision", "serving_config_hashes",
+    "settings_record", "with_overrides",
 ]

@@ -129,3 +129,16 @@ class EncodeJob:
     def failed(self, error: BaseException) -> None:
         """This rank failed in its loop: the other ranks learn it at their next agreement (`finish`)."""
         commit.failed(self, error)
+
+    @contextmanager
+    def working(self) -> Iterator[None]:
+        """A stage's work from the model load on: a failure there is told to the other ranks (`failed`: they stop
+        with its line, not at the commit), and the job is closed however it ends (a load that fails closes its
+        images reader and its lease too)."""
+        try:
+            yield
+        except BaseException as e:
+            self.failed(e)
+            raise
+        finally:
+            self.close()

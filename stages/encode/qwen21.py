@@ -34,14 +34,12 @@ from stages.encode.common import (
     Ranks,
     Summary,
     settings_record,
-    current_ranks,
     open_job,
     open_png,
+    placed,
     placeholder_rejection,
     caption_hopeless,
     prefetched,
-    rank_device,
-    resolve_precision,
     serving_config_hashes,
     with_overrides,
 )
@@ -265,9 +263,7 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
     from models.qwen21_text import prompt_encoder
 
     section = with_overrides(cfg.encode_text, device=device, batch_size=batch_size)
-    ranks = ranks or current_ranks(section.device, "encode_text.device")
-    target = rank_device(section.device, ranks, "encode_text.device")
-    section = resolve_precision(section, target, "encode-text", ranks.world_size)
+    section, ranks, target = placed(section, "encode-text", ranks)
     if section.prompt_template is not None or section.prompt_template_start_idx is not None:
         raise UserError("encode_text.prompt_template / prompt_template_start_idx are not used by a Qwen-Image-2.1 "
                         f"model ({model}: the stock QwenImage21Pipeline template, with its image slots, is); unset them")
@@ -284,7 +280,7 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
     say_alpha_flattened(job, cfg, model)
     if job.up_to_date:
         return job.summary
-    try:  # from the model load on: a load that fails closes the job too (its images reader, its lease)
+    with job.working():  # from the model load on, as encode-text/-vae (a load that fails closes the job too)
         processor = load_component(model, "processor")
         text_encoder = load_component(model, "text_encoder", dtype=parse_dtype(section.dtype), device=target)
         encoder = prompt_encoder(text_encoder, processor)
@@ -299,11 +295,6 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
             for item in job.accepted(samples, bar):
                 _encode_text(job, item, processor, encodings, nocontrol, bar)
         return job.finish()
-    except BaseException as e:  # as encode-text/-vae: the other ranks stop with this line, not at the commit
-        job.failed(e)
-        raise
-    finally:
-        job.close()
 
 
 # ---------------------------------------------------------------- encode-vae

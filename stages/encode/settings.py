@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 
 from schemas.config import Section
 from schemas.lineage import hashed_settings, serving_variants, settings_hash
+from stages.encode.ranks import Ranks, current_ranks, rank_device
 
 S = TypeVar("S", bound=Section)
 
@@ -29,6 +30,15 @@ def resolve_precision(section: S, device: str, stage: str, world: int = 1) -> S:
     tqdm.write(precision.describe(stage, device, auto_note(section.device)))
     return with_overrides(section, dtype=precision.weights)
 
+
+def placed(section: S, stage: str, ranks: Ranks | None) -> tuple[S, Ranks, str]:
+    """What an encode stage settles before it opens its job, as (section, ranks, device): this process's ranks
+    (`ranks`, else the launch's), its device, and the section with `dtype: auto` resolved on that device (a
+    collective with several ranks). A bad device is told as `stage`'s setting (encode-text: encode_text.device)."""
+    what = f"{stage.replace('-', '_')}.device"
+    ranks = ranks or current_ranks(section.device, what)
+    target = rank_device(section.device, ranks, what)
+    return resolve_precision(section, target, stage, ranks.world_size), ranks, target
 
 
 # schema attr: the settings a version was encoded with (`settings_record`), so that a later run with others can

@@ -38,14 +38,12 @@ from stages.encode.common import (
     settings_record,
     earlier_config_hashes,
     control_count_rejection,
-    current_ranks,
     open_job,
     open_png,
+    placed,
     placeholder_rejection,
     caption_hopeless,
     prefetched,
-    rank_device,
-    resolve_precision,
     serving_config_hashes,
     with_overrides,
 )
@@ -333,9 +331,7 @@ def run(
         return run_text(cfg, store, model, device, batch_size, ranks)
     section = with_overrides(cfg.encode_text, device=device, batch_size=batch_size)
     fmt = prompt_format(pipeline_family(model_variant(model)), section.prompt_template, section.prompt_template_start_idx)
-    ranks = ranks or current_ranks(section.device, "encode_text.device")
-    target = rank_device(section.device, ranks, "encode_text.device")
-    section = resolve_precision(section, target, STAGE, ranks.world_size)
+    section, ranks, target = placed(section, STAGE, ranks)
 
     def by_controls(n: int, key: str) -> Rejected | None:  # asked of the manifest's column: refused ones unread
         return control_count_rejection(fmt.variant, n, key)
@@ -355,13 +351,8 @@ def run(
                         f"so it has no control_{{i}}_vl.png, which {model}'s text encoder reads; rerun resize-bucket "
                         "with resize.vl_views: true")
 
-    try:  # from the model load on: a load that fails closes the job too (its images reader, its lease)
+    with job.working():  # from the model load on (a load that fails closes the job too)
         return _encode(job, section, fmt, model, target, by_controls)
-    except BaseException as e:
-        job.failed(e)
-        raise
-    finally:
-        job.close()
 
 
 def _encode(job, section, fmt, model: str, target, by_controls) -> Summary:

@@ -31,12 +31,10 @@ from stages.encode.common import (
     settings_record,
     earlier_config_hashes,
     control_count_rejection,
-    current_ranks,
     open_job,
     open_png,
+    placed,
     prefetched,
-    rank_device,
-    resolve_precision,
     with_overrides,
 )
 
@@ -160,9 +158,7 @@ def run(
     from models.precision import check_loaded_dtype
 
     section = with_overrides(cfg.encode_vae, device=device, batch_size=batch_size)
-    ranks = ranks or current_ranks(section.device, "encode_vae.device")
-    target = rank_device(section.device, ranks, "encode_vae.device")
-    section = resolve_precision(section, target, STAGE, ranks.world_size)
+    section, ranks, target = placed(section, STAGE, ranks)
     variant = model_variant(model)
     revision, fixes = _revision_and_fixes(variant)
     image_processor, prep, rule = _preparation(variant)
@@ -178,7 +174,7 @@ def run(
     if job.up_to_date:
         return job.summary
 
-    try:  # from the model load on: a load that fails closes the job too (its images reader, its lease)
+    with job.working():  # from the model load on (a load that fails closes the job too)
         # Only the VAE (never the VL model or the transformer).
         vae = load_component(model, "vae", dtype=parse_dtype(section.dtype), device=target)
         check_loaded_dtype(vae, section.dtype, "encode_vae.dtype")
@@ -201,11 +197,6 @@ def run(
                     if len(parts) == len(req.sample.names):
                         _write(job, req.sample, done.pop(req.key))
         return job.finish()
-    except BaseException as e:
-        job.failed(e)
-        raise
-    finally:
-        job.close()
 
 
 def _revision_and_fixes(variant: str) -> tuple[str, Fixes]:

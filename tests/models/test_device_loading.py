@@ -105,3 +105,16 @@ def test_predict_resolves_auto_by_the_transformer_device(fake_gpus, monkeypatch,
     with pytest.raises(RuntimeError, match="stop"):  # the default devices, auto: the (mocked) GPU there is
         predict(PredictConfig(), tiny_edit_model, [img], "x", tmp_path / "o.png", None, 1.0, None, None)
     assert (got["dtype"], got["devices"]) == (torch.bfloat16, {"transformer": "cuda", "text_encoder": "cuda", "vae": "cuda"})
+
+
+@pytest.mark.parametrize("quantize", ["int8", "nf4"])
+def test_a_quantized_21_transformer_places_its_buffers_as_the_plain_load_does(quantize, tiny_21_model):
+    """Every buffer on the load's device in the plain load's dtype: the quantised loader's empty model made
+    time_proj.freqs (non-persistent, in no weight file) on the CPU and left it there (on a GPU, a host copy each
+    forward). The meta device stands in for a GPU: neither load can leave a buffer on the CPU by accident."""
+    plain = loading.load_component(tiny_21_model, "transformer", dtype=torch.bfloat16, device="meta")
+    quantized = loading.load_component(tiny_21_model, "transformer", dtype=torch.bfloat16, device="meta",
+                                       quantize=quantize)
+    placed = {name: (b.device.type, b.dtype) for name, b in plain.named_buffers()}
+    assert placed == {"time_text_embed.time_proj.freqs": ("meta", torch.float32)}
+    assert {name: (b.device.type, b.dtype) for name, b in quantized.named_buffers()} == placed

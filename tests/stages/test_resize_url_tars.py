@@ -316,6 +316,17 @@ class _RoundTrips:
         monkeypatch.setattr(picture_heads, "cat_ranges", cat_ranges, raising=False)
 
 
+
+def _ranges_per_round(monkeypatch) -> list[int]:
+    """The number of ranges each cat_ranges round asks for, in order (the spy of the window tests)."""
+    fetched, real_cat = [], picture_heads.cat_ranges
+
+    def cat_ranges(fs, path, starts, *a, **k):
+        fetched.append(len(starts))
+        return real_cat(fs, path, starts, *a, **k)
+    monkeypatch.setattr(picture_heads, "cat_ranges", cat_ranges)
+    return fetched
+
 @needs_curl
 def test_a_revision_3_rerun_of_a_url_tar_fetches_its_headers_concurrently(served_root, monkeypatch, tmp_path):
     """The tar's member header offsets, recorded when it was streamed, let a rerun fetch its headers and its
@@ -365,10 +376,9 @@ def test_recorded_headers_that_are_not_the_tars_are_walked_instead(served_root):
             assert index.sample(f"{tar}:s{i:03d}").target == members[f"s{i:03d}.png"]
     # samples asked against the rows' order: each before the last window alone, not a window ahead each (before the
     # guard: 2, 4, 6, 8, 2 heads fetched)
-    sources, fetched, real_cat = [f"{tar}:s{i:03d}" for i in range(4)], [], picture_heads.cat_ranges
+    sources = [f"{tar}:s{i:03d}" for i in range(4)]
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(picture_heads, "cat_ranges", lambda fs, path, starts, *a, **k: fetched.append(len(starts)) or
-                  real_cat(fs, path, starts, *a, **k))
+        fetched = _ranges_per_round(m)
         index = picture_heads.TarIndex(tar, 1 << 30, lambda: True, sources, None)
         for i in (3, 2, 1, 0, 3):
             assert index.heads(sources[i]).target(100) == members[f"s{i:03d}.png"][:100]
@@ -389,10 +399,8 @@ def test_heads_asked_for_a_few_samples_apart_fetch_no_window_ahead(served_root, 
     root, url, _ = served_root
     members = _revision_3_tar(root / "a.tar", 12)
     tar = f"{url}/a.tar"
-    sources, fetched, real_cat = [f"{tar}:s{i:03d}" for i in range(12)], [], picture_heads.cat_ranges
+    sources, fetched = [f"{tar}:s{i:03d}" for i in range(12)], _ranges_per_round(monkeypatch)
     monkeypatch.setattr(picture_heads, "HEADS_AHEAD", 4)
-    monkeypatch.setattr(picture_heads, "cat_ranges", lambda fs, path, starts, *a, **k: fetched.append(len(starts))
-                        or real_cat(fs, path, starts, *a, **k))
     index = picture_heads.TarIndex(tar, 1 << 30, lambda: True, sources, None)
     for i in (0, 5, 10):
         assert index.heads(sources[i]).controls[0](100) == members[f"s{i:03d}.control.png"][:100]
@@ -420,10 +428,8 @@ def test_a_picture_the_window_could_not_fetch_is_read_alone_not_another_window(s
                 tf.addfile(info, io.BytesIO(data))
                 members[info.name] = data
     tar = f"{url}/a.tar"
-    sources, fetched, real_cat = [f"{tar}:s{i}" for i in range(8)], [], picture_heads.cat_ranges
+    sources, fetched = [f"{tar}:s{i}" for i in range(8)], _ranges_per_round(monkeypatch)
     monkeypatch.setattr(picture_heads, "HEADS_AHEAD", 4)
-    monkeypatch.setattr(picture_heads, "cat_ranges", lambda fs, path, starts, *a, **k: fetched.append(len(starts))
-                        or real_cat(fs, path, starts, *a, **k))
     index = picture_heads.TarIndex(tar, 1 << 30, lambda: True, sources, None)
     for i in range(8):
         assert index.heads(sources[i]).target(100) == members[f"s{i}.png"][:100]
