@@ -45,6 +45,7 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
 
@@ -154,6 +155,11 @@ class Run:
     @property
     def checkpoints(self) -> Path:
         return self.run_dir / "checkpoints"
+
+    @cached_property
+    def step_oom_advice(self) -> str:
+        """`step_oom_advice` of the run's config, built once (every step names it to `fails_alone`)."""
+        return step_oom_advice(self.cfg)
 
     def logged_losses(self, n: int) -> list[float]:
         """The last `n` step losses of the run, those of the start before this one (the checkpoint's) included:
@@ -491,7 +497,7 @@ def _accumulate(r: Run, t0: float) -> tuple[list, float, int, torch.Tensor, int,
     loss_sum = torch.zeros((), device=r.device)
     damaged = 0  # train.on_damaged=skip: this rank's planned samples left out as damaged (stages/train/damaged.py)
     micro, data_seconds = [], 0.0
-    with fails_alone(r.world, f"optimizer step {r.step + 1}", step_oom_advice(tc)):
+    with fails_alone(r.world, f"optimizer step {r.step + 1}", r.step_oom_advice):
         # the step's planned samples from the plan, not from its micro-batches: each is read, run and dropped in
         # turn, so one micro-batch's inputs sit on the device at a time, not grad_accum of them (and after an
         # elastic shrink not grad_accum x W0 / W planned batches', which the run was never sized for)
