@@ -87,6 +87,10 @@ def test_a_resume_off_the_log_cadence_logs_the_straight_runs_loss_curve(store_di
     assert [s for s, _ in b["train/loss"]] == [3, 4, 8]
     assert b["train/loss"][0][1] == pytest.approx(sum(losses[:3]) / 3, rel=1e-6)
     assert without_step(b, 3) == a
+    # train/padding_efficiency is of train/loss's window (steps 1-4, 5-8), here each an epoch of 4 steps: the
+    # epoch's figure at the same step, not the log point's step alone (1.0 beside the epoch's 0.888 before)
+    assert [s for s, _ in a["epoch/padding_efficiency"]] == [4, 8]
+    assert a["train/padding_efficiency"] == a["epoch/padding_efficiency"]
 
 
 def test_a_resume_with_another_log_every_logs_the_straight_runs_first_window(store_dir, tiny_edit_model, tmp_path):
