@@ -66,7 +66,7 @@ from stages.train.prefetch import MicroBatches
 from stages.train.result import TrainResult
 from stages.train.saving import checkpoint, cleanup, finish
 from stages.train.settings import (make_accelerator, resolved_config, run_backend, sigma_for_model, train_device,
-                                   validate_config)
+                                   validate_config, zero_token_weights)
 from stages.train.start import check_same_start, open_tables, prepare_run_dir, resume_point, start_record
 from stages.train.state import ResumeRecord
 from stages.train.stop import StopOnSignal
@@ -446,28 +446,23 @@ def step(r: Run) -> StepStats:
     update, run in `fails_alone`: the others may be in DDP's all-reduce, so a failure here (a damaged sample, out of memory)
     is published to every rank instead of agreed on (models/collective.py)."""
     tc, t0, c0 = r.cfg, time.perf_counter(), time.process_time()
-    micro, data_seconds, n_step, loss_sum, damaged, step_losses = _accumulate(r, t0)
-    # the damaged count and a stop request (SIGTERM on any rank) ride on the loss all-reduce; filled on the
-    # device (`new_full`: a kernel, where a host tensor's copy from pageable memory would wait for the backward)
-    stop_requested = r.stop.requested() if r.stop is not None else 0.0
-    summed = parallel.sum_over_ranks(torch.stack([loss_sum, loss_sum.new_full((), float(damaged)),
-                                                  loss_sum.new_full((), stop_requested)]), r.world)
-    loss_sum, left_out, stop = summed[0], summed[1], summed[2]
-    if r.damage is not None:  # DDP averaged with the planned count: rescaled
-        _rescale(r.params, n_step / (n_step - left_out).clamp(min=1))  # exactly 1.0 when none was left out
+    micro, data_seconds, n_step, loss_sum, damaged, weightless, step_losses = _accumulate(r, t0)
+    loss_sum, damaged, weightless, stop = _summed_over_ranks(r, loss_sum, damaged, weightless)
+    if r.damage is not None or zero_token_weights(tc):  # DDP averaged with the planned count: rescaled to the
+        # samples trained on (exactly 1.0 when none was left out)
+        _rescale(r.params, n_step / (n_step - damaged - weightless).clamp(min=1))
     # gradients all-reduced by DDP, the loss here: every rank decides alike. Clipping a non-finite step's
     # gradients does no harm: they are dropped below.
     finite = guard.finite(loss_sum, r.params)
     norm = _clip(r.params, tc.max_grad_norm)
-    figures = [t.float().to(loss_sum.device) for t in (loss_sum, finite, norm, left_out, stop)]
-    total, ok, grad_norm, left_out, stop = torch.stack(figures).tolist()  # the step's one host sync
-    intact = n_step - int(left_out)
+    figures = [t.float().to(loss_sum.device) for t in (loss_sum, finite, norm, damaged, weightless, stop)]
+    total, ok, grad_norm, damaged, weightless, stop = torch.stack(figures).tolist()  # the step's one host sync
+    intact = n_step - int(damaged)
+    trained = intact - int(weightless)
     if r.damage is not None:
-        r.damage.add(r.tables, int(left_out), n_step)  # over the limit: the same error on every rank, now
-    if intact == 0:  # every sample of the step damaged: no update (the step counts; not a non-finite one)
-        if r.main:  # every rank is here (the count is all-reduced): said once
-            r.bar.write(f"optimizer step {r.step + 1}: every sample damaged (train.on_damaged=skip), no update")
-        r.result.damaged_steps.append(r.step + 1)
+        r.damage.add(r.tables, int(damaged), n_step)  # over the limit: the same error on every rank, now
+    if trained == 0:  # no update (the step counts; not a non-finite one)
+        _trained_on_none(r, intact)
         ok, grad_norm = False, float("nan")
     elif ok:
         # this rank's own work too: the others go on to the next step's all-reduce (Adam's first step allocates
@@ -483,20 +478,43 @@ def step(r: Run) -> StepStats:
         r.ema.update(r.step + 1)  # the optimizer step just taken (restored on a resume: the same warm-up)
     r.optimizer.zero_grad(set_to_none=True)
     r.step += 1
-    loss = total / intact if intact else float("nan")
+    loss = total / trained if trained else float("nan")
     batches = [b for m in micro for b in r.batches.as_run(m.global_batch)]
     return StepStats(loss, micro[0].epoch, intact, grad_norm, batches, time.perf_counter() - t0, data_seconds, t0, c0,
                      lr=lr, stop=stop > 0)
 
 
-def _accumulate(r: Run, t0: float) -> tuple[list, float, int, torch.Tensor, int, list[tuple[list[int], torch.Tensor]]]:
+def _summed_over_ranks(r: Run, loss_sum: torch.Tensor, damaged: int,
+                       weightless: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss sum, damaged samples, samples of zero weight, a stop request: SIGTERM on any rank) of the step, summed
+    over the ranks in the loss all-reduce; filled on the device (`new_full`: a kernel, where a host tensor's copy
+    from pageable memory would wait for the backward)."""
+    stop_requested = r.stop.requested() if r.stop is not None else 0.0
+    summed = parallel.sum_over_ranks(torch.stack([loss_sum, loss_sum.new_full((), float(damaged)), weightless,
+                                                  loss_sum.new_full((), stop_requested)]), r.world)
+    return summed[0], summed[1], summed[2], summed[3]
+
+
+def _trained_on_none(r: Run, intact: int) -> None:
+    """A step with no sample to train on, said once (every rank is here: the counts are all-reduced)."""
+    if intact == 0:
+        r.result.damaged_steps.append(r.step + 1)
+    if r.main:
+        why = ("every sample damaged (train.on_damaged=skip)" if intact == 0 else
+               "every intact sample weighs 0 in every token (train.loss.mask_weight)")
+        r.bar.write(f"optimizer step {r.step + 1}: {why}, no update")
+
+
+def _accumulate(r: Run, t0: float) -> tuple[list, float, int, torch.Tensor, int, torch.Tensor,
+                                            list[tuple[list[int], torch.Tensor]]]:
     """`step`'s forward and backward passes over grad_accum micro-batches, in `fails_alone`: (the micro-batches,
     the seconds waited for them, the step's planned samples, this rank's loss sum, its samples left out as damaged,
-    its rows and losses per micro-batch)."""
+    its samples of zero weight (device scalar), its rows and losses per micro-batch)."""
     tc = r.cfg
     step_losses: list[tuple[list[int], torch.Tensor]] = []  # this rank's rows and losses, for a non-finite step
     loss_sum = torch.zeros((), device=r.device)
     damaged = 0  # train.on_damaged=skip: this rank's planned samples left out as damaged (stages/train/damaged.py)
+    weightless = torch.zeros((), device=r.device)  # this rank's samples whose every token weighs 0
     micro, data_seconds = [], 0.0
     with fails_alone(r.world, f"optimizer step {r.step + 1}", r.step_oom_advice):
         # the step's planned samples from the plan, not from its micro-batches: each is read, run and dropped in
@@ -515,6 +533,8 @@ def _accumulate(r: Run, t0: float) -> tuple[list, float, int, torch.Tensor, int,
             losses = torch.cat(parts) if len(parts) > 1 else parts[0]
             loss_sum += losses.sum()
             share = [i for i in m.global_batch[r.rank] if i not in m.damaged]
+            if share and zero_token_weights(tc):  # (no share: the flows are a stand-in's, of no planned sample)
+                weightless += sum(_weightless(fb) for fb in m.flows)
             step_losses.append((share, losses))
             _count_epoch_tokens(r, m)
             r.position = m.position
@@ -522,7 +542,13 @@ def _accumulate(r: Run, t0: float) -> tuple[list, float, int, torch.Tensor, int,
             if m.damaged:
                 damaged += len(m.damaged)
                 r.damage.record(r.tables, m.damaged, r.step + 1)
-    return micro, data_seconds, n_step, loss_sum, damaged, step_losses
+    return micro, data_seconds, n_step, loss_sum, damaged, weightless, step_losses
+
+
+def _weightless(fb: FlowBatch) -> torch.Tensor | int:
+    """How many samples of `fb` weigh 0 in every token (`per_sample_loss`: loss and gradient 0): trained on for
+    nothing, so left out of the step's count as a damaged one is, not averaged in as a loss of 0."""
+    return sum((w.sum() <= 0).float() for w in (fb.weights or []) if w is not None)
 
 
 def _nonfinite(r: Run, micro: list, step_losses: list[tuple[list[int], torch.Tensor]]) -> None:
