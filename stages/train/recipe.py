@@ -45,6 +45,7 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
 
@@ -63,10 +64,9 @@ from stages.train.data import DataStream
 from stages.train.launch import launched_world_size
 from stages.train.prefetch import MicroBatches
 from stages.train.result import TrainResult
-from stages.train.sampler import padding_efficiency
 from stages.train.saving import checkpoint, cleanup, finish
 from stages.train.settings import (make_accelerator, resolved_config, run_backend, sigma_for_model, train_device,
-                                   validate_config)
+                                   validate_config, zero_token_weights)
 from stages.train.start import check_same_start, open_tables, prepare_run_dir, resume_point, start_record
 from stages.train.state import ResumeRecord
 from stages.train.stop import StopOnSignal
@@ -119,7 +119,10 @@ class Run:
     bar: Any = None
     result: TrainResult | None = None
     epoch_tokens: list[int] = field(default_factory=lambda: [0, 0])  # valid, computed of the current epoch
+    ended_tokens: list[int] = field(default_factory=lambda: [0, 0])  # of the epochs ended in this step (main process)
     carried_losses: list[float] = field(default_factory=list)  # the last step losses before this start (its checkpoint's)
+    # [valid, computed] tokens of each of the last steps, the checkpoint's before this start's: a log point's window
+    step_tokens: list[tuple[int, int]] = field(default_factory=list)
     logged_step: int = 0  # the last step whose scalars the trackers got (`log_point`)
     ema: Any = None  # stages.train.ema.AdapterEMA with train.ema_decay
     validator: Any = None  # stages.train.validate.Validator with train.validate_every / sample_every
@@ -154,6 +157,11 @@ class Run:
     @property
     def checkpoints(self) -> Path:
         return self.run_dir / "checkpoints"
+
+    @cached_property
+    def step_oom_advice(self) -> str:
+        """`step_oom_advice` of the run's config, built once (every step names it to `fails_alone`)."""
+        return step_oom_advice(self.cfg)
 
     def logged_losses(self, n: int) -> list[float]:
         """The last `n` step losses of the run, those of the start before this one (the checkpoint's) included:
@@ -439,28 +447,23 @@ def step(r: Run) -> StepStats:
     update, run in `fails_alone`: the others may be in DDP's all-reduce, so a failure here (a damaged sample, out of memory)
     is published to every rank instead of agreed on (models/collective.py)."""
     tc, t0, c0 = r.cfg, time.perf_counter(), time.process_time()
-    micro, data_seconds, n_step, loss_sum, damaged, step_losses = _accumulate(r, t0)
-    # the damaged count and a stop request (SIGTERM on any rank) ride on the loss all-reduce; filled on the
-    # device (`new_full`: a kernel, where a host tensor's copy from pageable memory would wait for the backward)
-    stop_requested = r.stop.requested() if r.stop is not None else 0.0
-    summed = parallel.sum_over_ranks(torch.stack([loss_sum, loss_sum.new_full((), float(damaged)),
-                                                  loss_sum.new_full((), stop_requested)]), r.world)
-    loss_sum, left_out, stop = summed[0], summed[1], summed[2]
-    if r.damage is not None:  # DDP averaged with the planned count: rescaled
-        _rescale(r.params, n_step / (n_step - left_out).clamp(min=1))  # exactly 1.0 when none was left out
+    micro, data_seconds, n_step, loss_sum, damaged, weightless, step_losses = _accumulate(r, t0)
+    loss_sum, damaged, weightless, stop = _summed_over_ranks(r, loss_sum, damaged, weightless)
+    if r.damage is not None or zero_token_weights(tc):  # DDP averaged with the planned count: rescaled to the
+        # samples trained on (exactly 1.0 when none was left out)
+        _rescale(r.params, n_step / (n_step - damaged - weightless).clamp(min=1))
     # gradients all-reduced by DDP, the loss here: every rank decides alike. Clipping a non-finite step's
     # gradients does no harm: they are dropped below.
     finite = guard.finite(loss_sum, r.params)
     norm = _clip(r.params, tc.max_grad_norm)
-    figures = [t.float().to(loss_sum.device) for t in (loss_sum, finite, norm, left_out, stop)]
-    total, ok, grad_norm, left_out, stop = torch.stack(figures).tolist()  # the step's one host sync
-    intact = n_step - int(left_out)
+    figures = [t.float().to(loss_sum.device) for t in (loss_sum, finite, norm, damaged, weightless, stop)]
+    total, ok, grad_norm, damaged, weightless, stop = torch.stack(figures).tolist()  # the step's one host sync
+    intact = n_step - int(damaged)
+    trained = intact - int(weightless)
     if r.damage is not None:
-        r.damage.add(r.tables, int(left_out), n_step)  # over the limit: the same error on every rank, now
-    if intact == 0:  # every sample of the step damaged: no update (the step counts; not a non-finite one)
-        if r.main:  # every rank is here (the count is all-reduced): said once
-            r.bar.write(f"optimizer step {r.step + 1}: every sample damaged (train.on_damaged=skip), no update")
-        r.result.damaged_steps.append(r.step + 1)
+        r.damage.add(r.tables, int(damaged), n_step)  # over the limit: the same error on every rank, now
+    if trained == 0:  # no update (the step counts; not a non-finite one)
+        _trained_on_none(r, intact)
         ok, grad_norm = False, float("nan")
     elif ok:
         # this rank's own work too: the others go on to the next step's all-reduce (Adam's first step allocates
@@ -476,22 +479,45 @@ def step(r: Run) -> StepStats:
         r.ema.update(r.step + 1)  # the optimizer step just taken (restored on a resume: the same warm-up)
     r.optimizer.zero_grad(set_to_none=True)
     r.step += 1
-    loss = total / intact if intact else float("nan")
+    loss = total / trained if trained else float("nan")
     batches = [b for m in micro for b in r.batches.as_run(m.global_batch)]
     return StepStats(loss, micro[0].epoch, intact, grad_norm, batches, time.perf_counter() - t0, data_seconds, t0, c0,
                      lr=lr, stop=stop > 0)
 
 
-def _accumulate(r: Run, t0: float) -> tuple[list, float, int, torch.Tensor, int, list[tuple[list[int], torch.Tensor]]]:
+def _summed_over_ranks(r: Run, loss_sum: torch.Tensor, damaged: int,
+                       weightless: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss sum, damaged samples, samples of zero weight, a stop request: SIGTERM on any rank) of the step, summed
+    over the ranks in the loss all-reduce; filled on the device (`new_full`: a kernel, where a host tensor's copy
+    from pageable memory would wait for the backward)."""
+    stop_requested = r.stop.requested() if r.stop is not None else 0.0
+    summed = parallel.sum_over_ranks(torch.stack([loss_sum, loss_sum.new_full((), float(damaged)), weightless,
+                                                  loss_sum.new_full((), stop_requested)]), r.world)
+    return summed[0], summed[1], summed[2], summed[3]
+
+
+def _trained_on_none(r: Run, intact: int) -> None:
+    """A step with no sample to train on, said once (every rank is here: the counts are all-reduced)."""
+    if intact == 0:
+        r.result.damaged_steps.append(r.step + 1)
+    if r.main:
+        why = ("every sample damaged (train.on_damaged=skip)" if intact == 0 else
+               "every intact sample weighs 0 in every token (train.loss.mask_weight)")
+        r.bar.write(f"optimizer step {r.step + 1}: {why}, no update")
+
+
+def _accumulate(r: Run, t0: float) -> tuple[list, float, int, torch.Tensor, int, torch.Tensor,
+                                            list[tuple[list[int], torch.Tensor]]]:
     """`step`'s forward and backward passes over grad_accum micro-batches, in `fails_alone`: (the micro-batches,
     the seconds waited for them, the step's planned samples, this rank's loss sum, its samples left out as damaged,
-    its rows and losses per micro-batch)."""
+    its samples of zero weight (device scalar), its rows and losses per micro-batch)."""
     tc = r.cfg
     step_losses: list[tuple[list[int], torch.Tensor]] = []  # this rank's rows and losses, for a non-finite step
     loss_sum = torch.zeros((), device=r.device)
     damaged = 0  # train.on_damaged=skip: this rank's planned samples left out as damaged (stages/train/damaged.py)
+    weightless = torch.zeros((), device=r.device)  # this rank's samples whose every token weighs 0
     micro, data_seconds = [], 0.0
-    with fails_alone(r.world, f"optimizer step {r.step + 1}", step_oom_advice(tc)):
+    with fails_alone(r.world, f"optimizer step {r.step + 1}", r.step_oom_advice):
         # the step's planned samples from the plan, not from its micro-batches: each is read, run and dropped in
         # turn, so one micro-batch's inputs sit on the device at a time, not grad_accum of them (and after an
         # elastic shrink not grad_accum x W0 / W planned batches', which the run was never sized for)
@@ -508,6 +534,8 @@ def _accumulate(r: Run, t0: float) -> tuple[list, float, int, torch.Tensor, int,
             losses = torch.cat(parts) if len(parts) > 1 else parts[0]
             loss_sum += losses.sum()
             share = [i for i in m.global_batch[r.rank] if i not in m.damaged]
+            if share and zero_token_weights(tc):  # (no share: the flows are a stand-in's, of no planned sample)
+                weightless += sum(_weightless(fb) for fb in m.flows)
             step_losses.append((share, losses))
             _count_epoch_tokens(r, m)
             r.position = m.position
@@ -515,7 +543,13 @@ def _accumulate(r: Run, t0: float) -> tuple[list, float, int, torch.Tensor, int,
             if m.damaged:
                 damaged += len(m.damaged)
                 r.damage.record(r.tables, m.damaged, r.step + 1)
-    return micro, data_seconds, n_step, loss_sum, damaged, step_losses
+    return micro, data_seconds, n_step, loss_sum, damaged, weightless, step_losses
+
+
+def _weightless(fb: FlowBatch) -> torch.Tensor | int:
+    """How many samples of `fb` weigh 0 in every token (`per_sample_loss`: loss and gradient 0): trained on for
+    nothing, so left out of the step's count as a damaged one is, not averaged in as a loss of 0."""
+    return sum((w.sum() <= 0).float() for w in (fb.weights or []) if w is not None)
 
 
 def _nonfinite(r: Run, micro: list, step_losses: list[tuple[list[int], torch.Tensor]]) -> None:
@@ -539,6 +573,9 @@ def log(r: Run, s: StepStats) -> None:
     curve. The trackers get them every N steps and at the run's last step (`log_point`)."""
     r.result.losses.append(s.loss)
     r.result.step_epochs.append(s.epoch)
+    r.step_tokens.append(tokens_of(s.batches, r.tables.lengths))
+    del r.step_tokens[:-max(r.cfg.log_every, train_state.KEPT_LOSSES)]  # what a checkpoint keeps, at most
+    _log_ended_epochs(r)
     if r.profiler is not None:
         r.profiler.step()
     if r.step % r.cfg.log_every == 0 or r.step == r.cfg.max_steps:  # max_steps off the cadence: its curve's end
@@ -554,8 +591,21 @@ def since_log_point(r: Run) -> float:
     """train/loss at this step: the mean of the step losses since the last multiple of `log_every` (a checkpoint
     keeps them: the window may begin before a resume). Only the multiples begin a window: a point off the cadence
     (the last step, a stop's) leaves the ones after a resume the straight run's."""
-    every = r.cfg.log_every
-    return recent_mean_loss(r.logged_losses(r.step - (r.step - 1) // every * every))
+    return recent_mean_loss(r.logged_losses(_since_log_steps(r)))
+
+
+def _since_log_steps(r: Run) -> int:
+    """How many steps train/loss's window at this step holds: those since the last multiple of `log_every`."""
+    return r.step - (r.step - 1) // r.cfg.log_every * r.cfg.log_every
+
+
+def window_padding(r: Run) -> float:
+    """train/padding_efficiency at this step: valid / computed tokens of the steps of train/loss's window (a
+    checkpoint keeps them). It was the log point's step alone, a sparse sample: with log_every 3 on a 3-step
+    epoch it said 0.955 where epoch/padding_efficiency, at the same step and of the same steps, said 0.884."""
+    window = r.step_tokens[-_since_log_steps(r):]
+    computed = sum(c for _, c in window)
+    return sum(v for v, _ in window) / computed if computed else 1.0
 
 
 def log_point(r: Run, s: StepStats) -> None:
@@ -565,9 +615,8 @@ def log_point(r: Run, s: StepStats) -> None:
     from stages.train.trackers import peak_memory_gb
 
     r.logged_step = r.step
-    lin, _ = padding_efficiency(s.batches, r.tables.lengths)
     r.writer.log({"train/loss": since_log_point(r), "train/lr": s.lr, "train/grad_norm": s.grad_norm,
-                  "train/padding_efficiency": lin, "train/samples_per_s": s.samples / s.seconds,
+                  "train/padding_efficiency": window_padding(r), "train/samples_per_s": s.samples / s.seconds,
                   "train/data_wait_share": s.data_seconds / s.seconds,
                   "train/peak_memory_gb": peak_memory_gb(r.device)}, r.step)
 
@@ -609,17 +658,33 @@ def backward_of(model, fb: FlowBatch, tc: TrainConfig, device: torch.device, sca
 def _count_epoch_tokens(r: Run, m) -> None:
     """Valid / computed tokens of micro-batch `m`'s epoch (all ranks' micro-batches as they run,
     `MicroBatches.as_run`, from the sampler's lengths), reported when it ends."""
-    lengths, epoch, run_batches = r.tables.lengths, m.epoch, r.batches.as_run(m.global_batch)
-    r.epoch_tokens[0] += sum(lengths[i] for b in run_batches for i in b)
-    r.epoch_tokens[1] += sum(max(lengths[i] for i in b) * len(b) for b in run_batches if b)
+    valid, computed = tokens_of(r.batches.as_run(m.global_batch), r.tables.lengths)
+    r.epoch_tokens[0] += valid
+    r.epoch_tokens[1] += computed
     if not m.ends_epoch:
         return
     eff = r.epoch_tokens[0] / r.epoch_tokens[1]
-    r.result.epoch_padding[epoch] = eff
-    if r.writer is not None:
-        r.writer.add_scalar("epoch/padding_efficiency", eff, r.step + 1)
-        r.bar.write(f"epoch {epoch}: padding efficiency {eff:.3f} (valid / computed tokens)")
+    r.result.epoch_padding[m.epoch] = eff
+    if r.writer is not None:  # logged at the step's end (`_log_ended_epochs`)
+        r.ended_tokens = [a + b for a, b in zip(r.ended_tokens, r.epoch_tokens)]
+        r.bar.write(f"epoch {m.epoch}: padding efficiency {eff:.3f} (valid / computed tokens)")
     r.epoch_tokens = [0, 0]
+
+
+def _log_ended_epochs(r: Run) -> None:
+    """epoch/padding_efficiency at the step an epoch ended in, once a step: with epochs shorter than a step (a tiny
+    split, grad_accum) several end in one, and each was a point of its own at the same step (0.962 and 0.785 at
+    step 2: which epoch's, a reader cannot tell); now one, of their tokens together."""
+    if r.writer is None or not r.ended_tokens[1]:
+        return
+    r.writer.add_scalar("epoch/padding_efficiency", r.ended_tokens[0] / r.ended_tokens[1], r.step)
+    r.ended_tokens = [0, 0]
+
+
+def tokens_of(batches: list[list[int]], lengths) -> tuple[int, int]:
+    """(valid, computed) tokens of `batches`, each padded to its longest (an empty one, a stand-in's: none)."""
+    return (sum(int(lengths[i]) for b in batches for i in b),
+            sum(max(int(lengths[i]) for i in b) * len(b) for b in batches if b))
 
 
 def step_sample_losses(r: Run, micro: list, mine: list[tuple[list[int], torch.Tensor]]) -> dict[str, float]:

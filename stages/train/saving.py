@@ -29,8 +29,9 @@ def checkpoint(r: Run) -> None:
     epoch, batch = r.position
     # the trackers' state too: a resume off the log cadence or mid-epoch logs the straight run's curve, under another
     # log_every as well (its first window may begin before this one's last log point: the last KEPT_LOSSES kept)
-    since_log = r.logged_losses(min(r.step, max(r.cfg.log_every, train_state.KEPT_LOSSES)))
-    extra = {**r.record.extra, **train_state.curve_state(since_log, r.epoch_tokens)}
+    kept = min(r.step, max(r.cfg.log_every, train_state.KEPT_LOSSES))
+    since_log = r.logged_losses(kept)
+    extra = {**r.record.extra, **train_state.curve_state(since_log, r.epoch_tokens, r.step_tokens[-kept:])}
     if r.damage is not None:  # the damaged-sample limit goes on counting across a resume
         extra[train_state.DAMAGED_READS] = [r.damage.damaged, r.damage.read]
     record = replace(r.record, step=r.step, epoch=epoch, batch_in_epoch=batch, extra=extra)

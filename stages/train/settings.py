@@ -30,7 +30,13 @@ if TYPE_CHECKING:
 # resume of one is refused like a changed config (`--new-run` keeps it and trains afresh). Records from before
 # it was recorded: `schemas.up_to_date.UNRECORDED_REVISION`. A run records `training_revision(its config)`: a
 # revision changes the weights of some configs only, and a finished run of another config stays current.
-TRAINING_REVISION = 3
+TRAINING_REVISION = 4
+
+
+def zero_token_weights(tc: TrainConfig) -> bool:
+    """Whether a masked sample may weigh 0 in every token under `tc` (train.loss.mask_weight with a 0)."""
+    return tc.loss.mask_weight.foreground == 0 or tc.loss.mask_weight.background == 0
+
 
 # Each revision after the first: which configs' trained weights it changes (a predicate of the train section).
 REVISION_CHANGES: dict[int, Callable[[TrainConfig], bool]] = {
@@ -41,6 +47,9 @@ REVISION_CHANGES: dict[int, Callable[[TrainConfig], bool]] = {
     # 3: the EMA warms up (diffusers' EMAModel decay cap, stages/train/ema.py): RUN/lora_ema and the checkpoints'
     # EMA change, the trained adapter does not - but a run is current or not as a whole
     3: lambda tc: tc.ema_decay is not None,
+    # 4: a sample whose every token weighs 0 (an empty edit mask with background 0, a full one with foreground 0)
+    # is left out of its step's mean, as a damaged one is; it was averaged in as a loss of 0
+    4: zero_token_weights,
 }
 
 

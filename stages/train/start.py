@@ -393,7 +393,7 @@ def restore(r: Run, latest: Path, record: ResumeRecord) -> None:
     kept.clear()  # other ranks' RNG states
     r.step = record.step
     r.stream = DataStream(r.stream.sampler, record.epoch, record.batch_in_epoch)
-    r.carried_losses, r.epoch_tokens = train_state.resumed_curve(record)  # the curve goes on as the straight run's
+    r.carried_losses, r.epoch_tokens, r.step_tokens = train_state.resumed_curve(record)  # the curve goes on as the straight run's
     if r.main:
         tqdm.write(f"resumed from {latest} (step {r.step}, epoch {record.epoch}, batch {record.batch_in_epoch})")
         if record.world_size != r.world:

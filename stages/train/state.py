@@ -37,12 +37,14 @@ if TYPE_CHECKING:
 NONFINITE_SKIPPED = "nonfinite_skipped_steps"
 # ResumeRecord.extra keys of what the trackers log across a resume (absent in older records: counted from the resume):
 # the step losses since the last train.log_every point (train/loss there is their mean; null: a non-finite one), and
-# the current epoch's [valid, computed] tokens so far (epoch/padding_efficiency when it ends)
+# the current epoch's [valid, computed] tokens so far (epoch/padding_efficiency when it ends), and each of the last
+# steps' [valid, computed] tokens, as many as the losses (train/padding_efficiency: the log point's window)
 LOSSES_SINCE_LOG = "losses_since_log"  # the last step losses (the name of when only those since the log point were)
 # How many step losses a checkpoint keeps at least: a resume with another train.log_every up to this logs the
 # straight run's first train/loss (its window may begin before the old cadence's last point: 2 -> 4 at step 6)
 KEPT_LOSSES = 1000
 EPOCH_TOKENS = "epoch_tokens"
+STEP_TOKENS = "step_tokens"
 # ... and train.on_damaged=skip's [damaged, read] sample counts so far: max_damaged_fraction is a limit of the run,
 # not of one start (absent: counted from the resume, as before)
 DAMAGED_READS = "damaged_reads"
@@ -264,18 +266,21 @@ class ResumeRecord:
                              reason="; ".join(problems))
 
 
-def curve_state(losses_since_log: list[float], epoch_tokens: list[int]) -> dict[str, Any]:
+def curve_state(losses_since_log: list[float], epoch_tokens: list[int],
+                step_tokens: list[tuple[int, int]]) -> dict[str, Any]:
     """The `extra` entries a checkpoint records so a resumed start logs the straight run's curve."""
     return {LOSSES_SINCE_LOG: [v if v == v and abs(v) != float("inf") else None for v in losses_since_log],
-            EPOCH_TOKENS: [int(t) for t in epoch_tokens]}
+            EPOCH_TOKENS: [int(t) for t in epoch_tokens],
+            STEP_TOKENS: [[int(v), int(c)] for v, c in step_tokens]}
 
 
-def resumed_curve(record: ResumeRecord) -> tuple[list[float], list[int]]:
+def resumed_curve(record: ResumeRecord) -> tuple[list[float], list[int], list[tuple[int, int]]]:
     """(the last step losses up to `record`: those since its log point at least, the epoch's [valid, computed]
-    tokens so far); nothing for a record written before they were kept."""
+    tokens so far, the last steps' [valid, computed] tokens); nothing for a record written before they were kept."""
     losses = [float("nan") if v is None else float(v) for v in record.extra.get(LOSSES_SINCE_LOG, ())]
     tokens = [int(t) for t in record.extra.get(EPOCH_TOKENS, (0, 0))]
-    return losses, tokens if len(tokens) == 2 else [0, 0]
+    steps = [(int(v), int(c)) for v, c in record.extra.get(STEP_TOKENS, ())]
+    return losses, tokens if len(tokens) == 2 else [0, 0], steps
 
 
 def damaged_reads(record: ResumeRecord) -> tuple[int, int]:

@@ -87,6 +87,10 @@ def test_a_resume_off_the_log_cadence_logs_the_straight_runs_loss_curve(store_di
     assert [s for s, _ in b["train/loss"]] == [3, 4, 8]
     assert b["train/loss"][0][1] == pytest.approx(sum(losses[:3]) / 3, rel=1e-6)
     assert without_step(b, 3) == a
+    # train/padding_efficiency is of train/loss's window (steps 1-4, 5-8), here each an epoch of 4 steps: the
+    # epoch's figure at the same step, not the log point's step alone (1.0 beside the epoch's 0.888 before)
+    assert [s for s, _ in a["epoch/padding_efficiency"]] == [4, 8]
+    assert a["train/padding_efficiency"] == a["epoch/padding_efficiency"]
 
 
 def test_a_resume_with_another_log_every_logs_the_straight_runs_first_window(store_dir, tiny_edit_model, tmp_path):
@@ -267,3 +271,29 @@ def test_a_resumes_event_file_sorts_after_the_killed_starts_in_the_same_second(t
     trackers.close()
     files = sorted(f.name for f in logs.glob("events.out.tfevents.*"))
     assert files[0] == earlier.name and len(files) == 2
+
+
+def test_epochs_ending_in_one_step_are_one_epoch_point(tiny_edit_model, tmp_path):
+    """3 samples at batch 2 (epochs of 2 micro-batches) with grad_accum 3: epoch 0 ends in step 1, epochs 1 and 2
+    both in step 2. epoch/padding_efficiency is a point per step an epoch ended in, of the tokens of the epochs
+    ended there; before, step 2 held two points (0.962 and 0.785), and a reader could not tell which epoch's."""
+    from stages.train.budget import make_sampler
+    from stages.train.data import open_inputs
+    from stages.train.sampler import padding_efficiency
+
+    store = tmp_path / "store"
+    make_train_store(store, tiny_edit_model, mixed_specs(3))
+    cfg = cfg_of(max_steps=2, grad_accum=3)
+    result = run(cfg, store, tiny_edit_model, tmp_path / "run")
+    assert logged_steps(tmp_path / "run", "epoch/padding_efficiency") == [1, 2]
+    tables = open_inputs(store, tiny_edit_model)
+    try:
+        tc = cfg.train
+        sampler = make_sampler(tables.lengths, tc.batch_size, None, tc.seed, tc.sampler_window, 1)
+        plans = [[b for step in sampler.global_steps(e) for b in step] for e in range(3)]
+        lengths = tables.lengths
+    finally:
+        tables.close()
+    assert sorted(result.epoch_padding) == [0, 1, 2]
+    want = [padding_efficiency(plans[0], lengths)[0], padding_efficiency(plans[1] + plans[2], lengths)[0]]
+    assert [v for _, v in scalars(tmp_path / "run")["epoch/padding_efficiency"]] == pytest.approx(want, rel=1e-6)

@@ -36,3 +36,15 @@ def test_a_steps_out_of_memory_advises_lowering_uncheckpointed_blocks_when_set(t
     assert (said in line) == (blocks == 1), line
     # checkpointing is on (SETS): the advice names what is not set yet, not it
     assert "train.gradient_checkpointing" not in line and "set train.offload: blocks or train.quantize_base" in line, line
+
+
+def test_the_step_advice_is_built_once_per_run(tiny_edit_model, tmp_path, monkeypatch):
+    """Every step hands its out-of-memory advice to `fails_alone`: built from the run's config once, not at every
+    optimizer step (before: 3 builds for 3 steps)."""
+    built = []
+    real = recipe.step_oom_advice
+    monkeypatch.setattr(recipe, "step_oom_advice", lambda tc: built.append(tc) or real(tc))
+    store = tmp_path / "store"
+    make_train_store(store, tiny_edit_model, mixed_specs(4))
+    result = recipe.run(load_config(None, {**SETS, "train.max_steps": 3}), store, tiny_edit_model, tmp_path / "run")
+    assert result.steps == 3 and len(built) == 1, len(built)

@@ -368,11 +368,15 @@ def test_a_revision_retrains_only_the_configs_whose_weights_it_changes() -> None
     """Revision 2 changed the draws of a sample held twice in one step (grad_accum > 1) and the ranks' LoRA dropout
     masks (lora.dropout > 0): runs of those configs are trained again, every other finished run stays current
     (a global bump retrained every run under `run all`). Revision 3 warmed the EMA up (RUN/lora_ema of runs with
-    ema_decay set)."""
+    ema_decay set). Revision 4 left a sample of zero weight in every token out of its step's mean (runs whose
+    train.loss.mask_weight has a 0)."""
     from schemas.config import TrainConfig
     from stages.train.settings import TRAINING_REVISION, training_revision
 
-    assert TRAINING_REVISION == 3
+    assert TRAINING_REVISION == 4
+    assert training_revision(TrainConfig(loss={"mask_weight": {"background": 0.0}})) == 4
+    assert training_revision(TrainConfig(loss={"mask_weight": {"foreground": 0.0}}, ema_decay=0.999)) == 4
+    assert training_revision(TrainConfig(loss={"mask_weight": {"background": 0.5}})) == 1
     assert training_revision(TrainConfig()) == up_to_date.UNRECORDED_REVISION == 1
     assert training_revision(TrainConfig(grad_accum=2)) == 2
     assert training_revision(TrainConfig(lora={"dropout": 0.1})) == 2

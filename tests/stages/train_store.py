@@ -28,6 +28,7 @@ class Spec:
     text_len: int = 8
     split: str = "train"
     mask: bool = False
+    empty_mask: bool = False  # with `mask`: no token in the edited region (every weight the background's)
 
 
 def key_of(i: int, tag: str = "") -> str:
@@ -102,7 +103,7 @@ def make_train_store(
             tensors = {"target": target, **{f"control_{j}": c.bfloat16() for j, c in enumerate(controls)}}
             if s.mask:
                 m = torch.zeros(th // 2, tw_ // 2)
-                m[: th // 4] = 1.0
+                m[: th // 4] = 0.0 if s.empty_mask else 1.0
                 tensors["mask_weight"] = m.flatten()
             vw.add(key, tensors=tensors, meta={**meta_common, "num_controls": len(controls)})
     tw.commit()
