@@ -183,7 +183,9 @@ def _credentials_hint(url: str) -> str:
 
 
 def _hint(url: str, source: bool = False) -> str:
-    return ("check AWS_ENDPOINT_URL (an S3-compatible server), the network, and that the server runs; "
+    # AWS_ENDPOINT_URL points s3:// only: for an http(s) URL the URL itself names the server
+    return (("check AWS_ENDPOINT_URL (an S3-compatible server), the network, and that the server runs; "
+             if url.startswith("s3://") else "check the network and that the server runs; ")
             + ("then rerun (samples already written are kept)" if source else
                "rerun to continue (what was transferred already is not transferred again)"))
 
@@ -199,6 +201,8 @@ def remote_errors(url: str, action: str, missing: str | None = None) -> Iterator
     except OSError as e:
         if e.filename or e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):  # local: the CLI's handler says
             raise
+        if (line := _cause_line(e, url, action, source=missing is not None)) is not None:
+            raise UserError(line) from None
         # an answer that is no S3 server's (not a denial, not a lost connection): its HTML read as S3 says nothing true
         if not isinstance(e, PermissionError) and not _is_transport_error(e) and \
                 (line := remote_endpoint.not_s3(url)) is not None:
@@ -207,6 +211,8 @@ def remote_errors(url: str, action: str, missing: str | None = None) -> Iterator
             raise UserError(f"{action}: {url} does not exist ({_first_line(e)}); {missing}") from None
         _remote_os_error(e, url, action, source=missing is not None)
     except Exception as e:  # noqa: BLE001  connection refused/reset, timeouts: botocore's and aiohttp's own types
+        if (line := _cause_line(e, url, action, source=missing is not None)) is not None:
+            raise UserError(line) from None
         if _is_credentials_error(e):
             given = _credentials_from.get(url.rstrip("/"))
             raise UserError(f"{action}: no credentials for {url} ({type(e).__name__}: {_first_line(e)}); "
@@ -243,6 +249,44 @@ def _remote_os_error(e: OSError, url: str, action: str, source: bool = False) ->
         raise UserError(f"{action}: lost the connection to {url} ({type(e).__name__}: {_first_line(e)}); "
                         + _hint(url, source)) from None
     raise UserError(f"{action}: {url} answered: {_first_line(e)}; rerun, or check the server") from None
+
+
+def unreachable(e: BaseException | None) -> BaseException | None:
+    """The connection refused, lost or timed out: `e` itself or an error of its cause chain; None for any other
+    error. fsspec's http answers FileNotFoundError(url) for a server it could not reach at all (its info's HEAD and
+    GET both failed), aiohttp's connection error its cause: the one test of `remote_errors` and of the resize
+    stage's KnownTars.still, which must not take a server that is down for an object gone or put again."""
+    while e is not None and not _is_transport_error(e):
+        e = e.__cause__
+    return e
+
+
+def http_answer(e: BaseException | None) -> Any:
+    """The HTTP server's answer other than not found (401, 403, 5xx: aiohttp's ClientResponseError) that `e` is or
+    has in its cause chain, else None: fsspec's http info raises FileNotFoundError(url) from its GET's answer, whatever
+    its status, and its reads raise that answer itself."""
+    while e is not None:
+        status = getattr(e, "status", None)
+        if isinstance(status, int) and any(c.__name__ == "ClientResponseError" for c in type(e).__mro__):
+            return None if status in (404, 410) else e
+        e = e.__cause__
+    return None
+
+
+def _cause_line(e: BaseException, url: str, action: str, source: bool) -> str | None:
+    """The line for an error whose cause says what it is (`unreachable`, `http_answer`), where `e`'s own type would
+    say "does not exist; fix the URL" (a server that is down, a 403 from an expired signed URL, a 503); None for the
+    rest, `e` itself a lost connection included (the caller's line says so)."""
+    if (lost := unreachable(e)) is not None and lost is not e:
+        return (f"{action}: the server of {url} could not be reached ({type(lost).__name__}: {_first_line(lost)}); "
+                + _hint(url, source))
+    if (answer := http_answer(e)) is None:
+        return None
+    said = f"{answer.status} {answer.message}".strip()
+    if answer.status in (401, 403):
+        return (f"{action}: access to {url} denied (HTTP {said}); check that the URL may be read (a signed URL that "
+                "expired, the server's access rules), then rerun")
+    return f"{action}: {url} answered HTTP {said}; rerun, or check the server"
 
 
 def no_bucket(e: BaseException) -> bool:

@@ -127,20 +127,24 @@ class KnownTars:
         after a tar's samples or a parquet file's rows were read by offsets (picture_heads.TarIndex.confirm,
         parquet_source._RowGroups.confirm; a parquet file read the first time, parquet_source.iter_parquet): False,
         the run stops (picture_heads.refuse_put_again). Its ETag asked is `match`'s from then on. A server that
-        cannot be reached says nothing of a put again: the run stops with a line saying so (before: "put again,
-        rerun", where the network or the server is what to check)."""
+        cannot be reached, or that answers with an error (403 from a signed URL that expired, S3's refusal of
+        expired credentials, a 5xx), says nothing of a put again: the run stops with a line saying what it is
+        (before: "put again, rerun", where the network, the server or the access is what to check)."""
         from stages.resize.shards import remote_tag
+        from store.remote import unreachable
 
         try:
             asked = remote_tag(url, client_errors=True)
         except UserError:  # no client for the scheme: its own line
             raise
         except Exception as e:  # noqa: BLE001  the client's own types: aiohttp's, botocore's, fsspec's
-            if (lost := _unreachable(e)) is not None:
+            if (lost := unreachable(e)) is not None:
                 raise UserError(f"{url}: its server could not be reached to ask whether the file changed while this "
                                 f"run read it ({type(lost).__name__}: {str(lost).partition(chr(10))[0]}); check the "
                                 "network and that the server runs, then rerun") from None
-            asked = None  # gone, refused: not the file judged
+            if (line := _answered(url, e)) is not None:
+                raise line from None
+            asked = None  # gone, or an error no line names: not the file judged
         self._urls[url], self._etags[url] = _identity_of(url, asked)
         return self._urls[url] == sha
 
@@ -240,21 +244,29 @@ def _remote_identity(url: str) -> tuple[str | None, str | None]:
     return _identity_of(url, asked)
 
 
+def _answered(url: str, e: Exception) -> UserError | None:
+    """The store's one line for a source URL's error (store/remote.remote_errors: a denial, expired credentials, an
+    HTTP error answer, the server's own error) asking a file's tag again; None for a file not found (gone: not the
+    file judged, as before) and for an error that line does not know (as before: never a traceback)."""
+    from stages.resize.shards import remote_source_errors
+    from store.remote import http_answer
+
+    if isinstance(e, FileNotFoundError) and http_answer(e) is None:
+        return None
+    try:
+        with remote_source_errors(url):
+            raise e
+    except UserError as line:
+        return line
+    except Exception:  # noqa: BLE001  re-raised as it came: no line for it
+        return None
+
+
 def _identity_of(url: str, asked: RemoteTag | None) -> tuple[str | None, str | None]:
     """(identity, strong ETag or None) of a file at a URL by its size and tag as asked (None: not known)."""
     if asked is None or asked.text is None:
         return None, None
     return hashlib.sha256(f"{url}\0{asked.size} {asked.text}".encode()).hexdigest(), asked.strong_etag
-
-
-def _unreachable(e: BaseException | None) -> BaseException | None:
-    """The connection refused or timed out, `e` itself or its cause (fsspec's http answers FileNotFoundError for
-    a server it could not reach at all, the connection's error its cause); None for any other error."""
-    from store.remote import is_transport_error
-
-    while e is not None and not is_transport_error(e):
-        e = e.__cause__
-    return e
 
 
 def note_value(known: KnownTars, max_file_bytes: int) -> dict:

@@ -56,6 +56,9 @@ class _Ranges(SimpleHTTPRequestHandler):
         self._answer(body=True)
 
     def _answer(self, body: bool) -> None:
+        if self.server.status is not None:  # type: ignore[attr-defined]  # every request refused so (403, 503)
+            self.send_error(self.server.status)  # type: ignore[attr-defined]
+            return
         path = Path(self.translate_path(self.path))
         if not path.is_file():
             self.send_error(404)
@@ -98,6 +101,7 @@ def served_root(tmp_path, without_proxies):
     server = _Server(("127.0.0.1", 0), functools.partial(_Ranges, directory=str(root)))
     server.served, server.ranges, server.whole, server.refused = Counter(), True, 0, 0  # type: ignore[attr-defined]
     server.accept = "bytes"  # type: ignore[attr-defined]  # its Accept-Ranges header
+    server.status = None  # type: ignore[attr-defined]  # an error status answering every request instead
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
     yield root, f"http://127.0.0.1:{server.server_address[1]}", server  # type: ignore[attr-defined]
@@ -658,3 +662,75 @@ def test_a_server_gone_before_a_url_files_tag_is_asked_again_is_named_not_taken_
         stage.run(load_config(None, {**SMALL, "resize.max_image_pixels": 64 * 64 - 1}), source, out)
     assert re.search(r"part-0\.parquet: its server could not be reached .*check the network and that the server "
                      r"runs", str(stopped.value)) and "was put again" not in str(stopped.value), stopped.value
+
+
+@pytest.mark.parametrize("fault, said", [
+    ("stopped", r"the server of {url} could not be reached \(ClientConnectorError: .*check the network and that the "
+                r"server runs"),
+    (403, r"access to {url} denied \(HTTP 403 Forbidden\); check that the URL may be read"),
+    (503, r"{url} answered HTTP 503 Service Unavailable; rerun, or check the server")])
+def test_a_source_urls_server_down_or_refusing_at_listing_time_is_named_not_called_missing(
+        served_root, tmp_path: Path, fault, said) -> None:
+    """fsspec's http reports a refused connection, and any error answer (a 403 from a signed URL that expired, a
+    503), as FileNotFoundError(url), the connection's error or the answer its cause: the listing's line said "does
+    not exist ...; fix the URL" for each, sending the user after a URL that is right. Now it says what it was."""
+    root, url, server = served_root
+    _captioned_parquet(root / "part-0.parquet")
+    source = f"{url}/part-0.parquet"
+    if fault == "stopped":
+        server.shutdown()
+        server.server_close()
+    else:
+        server.status = fault
+    with pytest.raises(UserError) as refused:
+        stage.run(load_config(None, SMALL), source, tmp_path / "store")
+    assert re.search(said.format(url=re.escape(source)), str(refused.value)) and "does not exist" not in \
+        str(refused.value), refused.value
+
+
+@pytest.mark.parametrize("status, said", [
+    (403, r"access to {url} denied \(HTTP 403 Forbidden\); check that the URL may be read"),
+    (503, r"{url} answered HTTP 503 Service Unavailable; rerun, or check the server")])
+def test_a_url_files_server_refusing_when_its_tag_is_asked_again_is_named_not_taken_for_a_put_again(
+        served_root, tmp_path: Path, monkeypatch, status, said) -> None:
+    """A carried parquet file's row groups read by offsets, then its server answering every request with an error
+    (a signed URL expired meanwhile: 403; a 503) when its tag is asked again after its last row: before, the error
+    read as another identity, "put again ... rerun to read the new one" (a rerun meets the same refusal). Now the
+    store's line for the answer, naming the URL."""
+    root, url, server = served_root
+    _captioned_parquet(root / "part-0.parquet")
+    source, out = f"{url}/part-0.parquet", tmp_path / "store"
+    stage.run(load_config(None, SMALL), source, out)
+    real = parquet_source._RowGroups.confirm
+
+    def refusing_then_confirm(self):
+        server.status = status
+        return real(self)
+    monkeypatch.setattr(parquet_source._RowGroups, "confirm", refusing_then_confirm)
+    with pytest.raises(UserError) as stopped:  # a lowered pixel limit: each row's header read from its row group
+        stage.run(load_config(None, {**SMALL, "resize.max_image_pixels": 64 * 64 - 1}), source, out)
+    assert re.search(said.format(url=re.escape(source)), str(stopped.value)) and "was put again" not in \
+        str(stopped.value), stopped.value
+
+
+@pytest.mark.parametrize("raised, said", [
+    # s3fs's translation of S3's ExpiredToken (s3fs.errors: PermissionError): before, "put again ... rerun"
+    (PermissionError("The provided token has expired."), r"source shard: access to s3://b/a\.tar denied \(The "
+                                                          r"provided token has expired\.\); check AWS_ACCESS_KEY_ID"),
+    (FileNotFoundError("b/a.tar"), None),  # gone: not the file judged, as before
+    (RuntimeError("a client error no line knows"), None)])  # as before: no traceback, not the file judged
+def test_still_says_what_a_client_error_is_and_keeps_an_unknown_one_a_put_again(monkeypatch, raised, said) -> None:
+    from stages.resize import shards
+    from stages.resize.known_tars import KnownTars
+
+    def refused(url, client_errors=False):
+        raise raised
+    monkeypatch.setattr(shards, "remote_tag", refused)
+    for name in ("AWS_PROFILE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    known = KnownTars(None, {}, None, {})  # type: ignore[arg-type]  # no local file asked
+    if said is None:
+        assert known.still("s3://b/a.tar", "0" * 64) is False
+    else:
+        with pytest.raises(UserError, match=said):
+            known.still("s3://b/a.tar", "0" * 64)
