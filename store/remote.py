@@ -691,6 +691,10 @@ def _precondition_failed(e: OSError) -> bool:
     return "precondition" in text.replace("-", "") or "412" in text
 
 
+def _protocols(fs: Any) -> tuple[str, ...]:
+    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+
+
 def open_remote(url: str, storage_options: dict[str, Any] | None = None) -> Remote:
     """The store folder at `url`; UserError when the scheme's library is missing."""
     try:
@@ -708,6 +712,10 @@ def open_remote(url: str, storage_options: dict[str, Any] | None = None) -> Remo
                         "s3:// install the s3 extra: pip install 'qwen-edit-lora-pipeline[s3]'") from None
     except ValueError as e:
         raise UserError(f"{url}: not a store URL this program can open ({_first_line(e)})") from None
+    if set(_protocols(fs)) & {"http", "https"}:  # read-only to fsspec (no put, no listing a store needs); its
+        # root is the whole URL, so the empty-folder check below misread the scheme's own "//"
+        raise UserError(f"{url}: a store cannot live at an http(s) URL (it cannot be written or listed there); pass "
+                        "s3://bucket/prefix (AWS_ENDPOINT_URL=http://... for an S3-compatible server) or a folder")
     root = root.rstrip("/")
     if not root:
         raise UserError(f"{url}: no bucket or folder in the URL; pass s3://bucket/prefix")

@@ -198,6 +198,16 @@ def test_a_url_with_an_empty_folder_name_is_refused_before_anything_is_written(s
     assert "Contents" not in s3_env.client().list_objects_v2(Bucket=s3_env.bucket)
 
 
+@pytest.mark.parametrize("url", ["http://127.0.0.1:9/store", "https://example.invalid/store"])
+def test_a_store_at_an_http_url_is_refused_in_its_own_words(store: Store, url: str) -> None:
+    """Before: 'an empty folder name (//) in the URL; write it without: http://http:/127.0.0.1:9/store' (fsspec's
+    http root is the whole URL): advice that made a worse URL."""
+    fill(store, 1)
+    with pytest.raises(UserError, match="cannot live at an http") as e:
+        push(store.root, url)
+    assert "empty folder" not in str(e.value) and "s3://bucket/prefix" in str(e.value)
+
+
 def test_an_object_deleted_behind_the_tools_back_is_named_and_repairs_pull_leaves_it_missing(s3_env, store: Store,
                                                                                             tmp_path: Path) -> None:
     """Before: pull said "The specified key does not exist. (an object disappeared meanwhile?); rerun" - no object
