@@ -88,14 +88,21 @@ def _one_line(e: Exception) -> str:
 
 
 @contextmanager
-def _reading(vdir: Path) -> Iterator[None]:
-    """A failed parquet read of the version's manifest bytes as the store's one line (`unreadable`)."""
+def _reading(vdir: Path, record: bool = False) -> Iterator[None]:
+    """A failed parquet read of the version's manifest bytes as the store's one line (`unreadable`). `record`: that
+    line recorded as the version's damage (`integrity.record_damage`), as a reader's open records a checksum
+    mismatch: the bytes passed their check, so a page that does not decode was damaged before they were
+    checksummed, and the stage that wrote the version must not call it up to date on its rerun. Running out of
+    memory is no damage (pyarrow's `ArrowMemoryError` is a MemoryError): raised as it is, nothing recorded."""
     try:
         yield
-    except DamagedData:  # turned already, by a read inside this one
+    except (DamagedData, MemoryError):  # DamagedData: turned (and recorded) already, by a read inside this one
         raise
     except Exception as e:  # noqa: BLE001
-        raise unreadable(vdir, e) from None
+        found = unreadable(vdir, e)
+        if record:
+            integrity.record_damage(vdir, problems=[str(found)])
+        raise found from None
 
 
 class ManifestGroups:
@@ -103,17 +110,19 @@ class ManifestGroups:
     manifest's row reads (`ManifestView`'s, `read_column`, `checked_groups`) open them, and where a read that fails (a
     page damaged before its bytes were checksummed, bytes that are no parquet) becomes the store's one-line error
     naming the file. Opened for each read, never kept: one parquet reader is not read by several threads at once.
-    `dictionary`: the columns read dictionary-encoded."""
+    `dictionary`: the columns read dictionary-encoded. `record`: a failed read is recorded as the version's damage
+    (a reader's view: `_reading`); the one-off readers that write nothing (inspect, repair's scan) leave it off."""
 
-    def __init__(self, data: bytes | pa.Buffer, vdir: Path, dictionary: list[str] | None = None) -> None:
-        self.dir = vdir
-        with _reading(vdir):
+    def __init__(self, data: bytes | pa.Buffer, vdir: Path, dictionary: list[str] | None = None,
+                 record: bool = False) -> None:
+        self.dir, self.record = vdir, record
+        with _reading(vdir, record):
             self.file = pq.ParquetFile(pa.BufferReader(data), read_dictionary=dictionary)
             self.names: list[str] = self.file.schema_arrow.names
             self.starts = row_group_starts(self.file)
 
     def reading(self) -> ContextManager[None]:
-        return _reading(self.dir)
+        return _reading(self.dir, self.record)
 
     def empty(self, columns: list[str] | None = None) -> pa.Table:
         """No rows of the named columns (or all), typed as the manifest's."""
@@ -157,23 +166,24 @@ class ManifestGroups:
 
 
 def read_manifest(vdir: Path, data: bytes | pa.Buffer, columns: list[str] | None = None,
-                  read_dictionary: list[str] | None = None) -> pa.Table:
-    """Parse (some columns of) checked manifest bytes; undecodable parquet is one clear error, not a traceback."""
-    with _reading(vdir):
+                  read_dictionary: list[str] | None = None, record: bool = False) -> pa.Table:
+    """Parse (some columns of) checked manifest bytes; undecodable parquet is one clear error, not a traceback
+    (`record`: recorded as the version's damage, `_reading`)."""
+    with _reading(vdir, record):
         return pq.read_table(pa.BufferReader(data), columns=columns, read_dictionary=read_dictionary)
 
 
 def read_column(vdir: Path, data: bytes | pa.Buffer, name: str, dictionary: bool = False,
-                narrow: tuple[pa.DataType, ...] = ()) -> pa.ChunkedArray:
+                narrow: tuple[pa.DataType, ...] = (), record: bool = False) -> pa.ChunkedArray:
     """One column of checked manifest bytes, decoded a row group at a time (`dictionary`: as dictionary-encoded;
     `narrow`: each group cast as `arrow_columns.narrowed` casts a column, all then in the widest type a group
-    needed, as the whole column's cast would give). A whole-column read decodes every group's pages at once, and
+    needed, as the whole column's cast would give; `record`: a failed read recorded, `_reading`). A whole-column read decodes every group's pages at once, and
     what it frees stays scattered among the kept values in the memory pool: at 1M keys (34 MB) a rank kept ~85 MB
     after it, ~40 MB read group by group; img_shapes was decoded whole as int64 before its cast to int16
     (bench/train_startup.py)."""
     from store.arrow_columns import narrowed
 
-    groups = ManifestGroups(data, vdir, dictionary=[name] if dictionary else None)
+    groups = ManifestGroups(data, vdir, dictionary=[name] if dictionary else None, record=record)
     with groups.reading():
         chunks = [narrowed(c, narrow) if narrow else c
                   for group in groups.groups([name]) for c in group.column(0).chunks]

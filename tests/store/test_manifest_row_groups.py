@@ -5,8 +5,11 @@ reads the same rows; damage in a later group is still refused."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -180,8 +183,6 @@ def test_a_parsed_column_read_group_by_group_is_the_whole_columns_narrowed_to_th
     """A reader parses a column a row group at a time (`read_column`: less of the pool kept after a 1M-row parse),
     each group narrowed on its own: a group whose values need a wider type than another's makes the whole column that
     type, as the cast of the whole column did (a chunk of int16 beside one of int32 is no column)."""
-    import pyarrow as pa
-
     from store.arrow_columns import NARROWER, narrowed
     from store.manifest_files import read_column
 
@@ -209,8 +210,6 @@ def test_a_damaged_page_is_refused_by_each_row_reader_with_the_same_line_naming_
     view that decodes it (`rows_at` / `meta_of`, `table_at`, `column_at`, `column_groups`, a parsed column) refuses it
     with the same line, naming the manifest and what to run; rows of the other groups still read. pyarrow's message
     carries newlines and the damaged byte it met (a control character): before, the error held them as they were."""
-    import numpy as np
-
     from store.integrity import DamagedData
 
     store = _filled(tmp_path / "s", monkeypatch, GROUP)
@@ -247,8 +246,6 @@ def test_crcs_at_reads_each_group_of_the_crc_column_once(tmp_path: Path, monkeyp
     """`crcs_at`'s first call tells whether every sample_crc32c is 8 hex digits a row group at a time and takes the
     rows' numbers from those same groups: each group decoded once (before, the groups holding the rows were decoded
     again: 8 + 3 here), the numbers those of the whole column."""
-    import numpy as np
-
     store = _filled(tmp_path / "s", monkeypatch, GROUP)
     rows = np.array([29, 1, 5, 1], np.int64)  # groups 7, 0, 1; a repeat; not in order
     with store.reader("vae") as r:
@@ -260,3 +257,48 @@ def test_crcs_at_reads_each_group_of_the_crc_column_once(tmp_path: Path, monkeyp
         assert got.tolist() == r.view.samples.crcs()[rows].tolist()
         assert [f"{int(c):08x}" for c in got] == [r.view.manifest.column("sample_crc32c")[int(i)].as_py()
                                                    for i in rows]
+
+
+_VIEW_READS = {"rows_at": lambda r: r.view.rows_at([25], ["caption"]),
+               "meta_of": lambda r: r.meta_of([r.view.keys.array[25].as_py()], ["caption"]),
+               "table_at": lambda r: r.view.table_at(np.array([24, 26], np.int64), ["caption"]),
+               "column_groups": lambda r: list(r.view.column_groups("caption")),
+               "column": lambda r: r.view.column("caption"),
+               "manifest": lambda r: r.view.manifest}
+
+
+@pytest.mark.parametrize("read", sorted(_VIEW_READS))
+def test_a_damaged_page_met_through_the_view_is_recorded_so_a_rerun_does_not_call_the_version_up_to_date(
+        tmp_path: Path, monkeypatch, read: str) -> None:
+    """A page damaged before its bytes were checksummed passes the open's check; the read through the view that
+    decodes it records the damage (`v<N>.damaged.json`), as the open records a checksum mismatch: the stage's rerun
+    then finds no version up to date (`find_version`) and writes a new one. Before, nothing was recorded: the rerun
+    called the version up to date and every reader met the page again."""
+    from store.integrity import DamagedData
+    from store_samples import lineage
+
+    store = _filled(tmp_path / "s", monkeypatch, GROUP)
+    vdir = store.version_dir("vae", 1)
+    _damage_page(vdir, "caption", group=6)  # rows 24-27
+    assert store.find_version("vae", lineage()) == 1  # the open's checks find nothing
+    with store.reader("vae") as r:
+        with pytest.raises(DamagedData) as e:
+            _VIEW_READS[read](r)
+    marker = fmt.damaged_marker(store.root, "vae", 1)
+    assert marker.is_file(), "not recorded"
+    assert json.loads(marker.read_text())["problems"] == [str(e.value)]
+    assert Store(store.root).find_version("vae", lineage()) is None
+
+
+def test_running_out_of_memory_while_decoding_the_manifest_is_not_called_damage(tmp_path: Path, monkeypatch) -> None:
+    """A decode that runs out of memory says so (MemoryError: pyarrow's ArrowMemoryError is one), never "unreadable;
+    run store repair", and records nothing: the bytes are intact, and a recorded version would be recomputed."""
+    store = _filled(tmp_path / "s", monkeypatch, GROUP)
+    with store.reader("vae") as r:
+        def out_of_memory(self, *a, **kw):
+            raise pa.ArrowMemoryError("malloc of size 1073741824 failed")
+
+        monkeypatch.setattr(pq.ParquetFile, "read_row_group", out_of_memory)
+        with pytest.raises(MemoryError):
+            r.view.table_at(np.array([1, 2], np.int64), ["caption"])
+    assert not fmt.damaged_marker(store.root, "vae", 1).exists()
