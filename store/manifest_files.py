@@ -80,9 +80,12 @@ def unreadable(vdir: Path, e: Exception) -> DamagedData:
 
 
 def _one_line(e: Exception) -> str:
-    """An error's text as one printable line: pyarrow's parquet errors carry newlines and quote the damaged byte they
-    met (a control character, which a terminal may act on), e.g. "don't know what type: \\x0f\\nDeserializing..."."""
-    text = f"{type(e).__name__}: {e}"
+    return printable_line(f"{type(e).__name__}: {e}")
+
+
+def printable_line(text: str) -> str:
+    """A message as one printable line: pyarrow's parquet errors carry newlines and quote the damaged byte they met
+    (a control character, which a terminal may act on), e.g. "don't know what type: \\x0f\\nDeserializing..."."""
     text = "".join(c if c.isprintable() or c.isspace() else c.encode("unicode_escape").decode() for c in text)
     return " ".join(text.split())
 
@@ -107,17 +110,20 @@ def _reading(vdir: Path, record: bool = False) -> Iterator[None]:
 
 class ManifestGroups:
     """A version's checked manifest bytes opened as parquet and read a row group at a time: the one place the
-    manifest's row reads (`ManifestView`'s, `read_column`, `checked_groups`) open them, and where a read that fails (a
-    page damaged before its bytes were checksummed, bytes that are no parquet) becomes the store's one-line error
-    naming the file. Opened for each read, never kept: one parquet reader is not read by several threads at once.
+    manifest's row reads (`ManifestView`'s, `read_column`, `checked_groups`, verify's open) open them, and where a read
+    that fails (a page damaged before its bytes were checksummed, bytes that are no parquet) becomes the store's
+    one-line error naming the file. `data` may be the file's path: read as it is, in file reads (verify, which checks
+    its bytes against checksums.json apart and decodes it either way, every page once: mapped, the whole manifest
+    would stay in its RSS). Opened for each read, never kept: one parquet reader is not read by several threads at once.
     `dictionary`: the columns read dictionary-encoded. `record`: a failed read is recorded as the version's damage
     (a reader's view: `_reading`); the one-off readers that write nothing (inspect, repair's scan) leave it off."""
 
-    def __init__(self, data: bytes | pa.Buffer, vdir: Path, dictionary: list[str] | None = None,
+    def __init__(self, data: bytes | pa.Buffer | Path, vdir: Path, dictionary: list[str] | None = None,
                  record: bool = False) -> None:
         self.dir, self.record = vdir, record
         with _reading(vdir, record):
-            self.file = pq.ParquetFile(pa.BufferReader(data), read_dictionary=dictionary)
+            source = data if isinstance(data, Path) else pa.BufferReader(data)
+            self.file = pq.ParquetFile(source, read_dictionary=dictionary)
             self.names: list[str] = self.file.schema_arrow.names
             self.starts = row_group_starts(self.file)
 

@@ -113,7 +113,9 @@ def _reads(monkeypatch, wider_than: int = 0) -> list[int]:
 def test_verify_decodes_a_group_of_a_column_at_a_time_and_refuses_damage_in_a_later_group(
         tmp_path: Path, monkeypatch) -> None:
     """verify's passes decode one row group of one column at a time (a column decoded whole before: ~100 MB at 1M
-    samples); every group of every column is still decoded, so a damaged page in a later group is refused."""
+    samples); every group of every column is still decoded, so a damaged page in a later group is refused, in one
+    printable line, as recorded (pyarrow's message quotes the damaged byte it met, \\x0f here: before, the line and
+    the damage record held it as a control character)."""
     from store import integrity
     from store.verify_manifest import read_manifest_pass
 
@@ -129,7 +131,26 @@ def test_verify_decodes_a_group_of_a_column_at_a_time_and_refuses_damage_in_a_la
 
     _damage_page(vdir, "caption", group=6)  # a caption page in the 7th of 8 groups
     problems = verify_store(store.root, progress=False)
-    assert any("vae/v1/manifest.parquet: undecodable" in p for p in problems), problems
+    assert any("vae/v1/manifest.parquet: undecodable (OSError: " in p for p in problems), problems
+    assert all(p.isprintable() for p in problems), problems
+    assert json.loads(fmt.damaged_marker(store.root, "vae", 1).read_text())["problems"] == problems
+
+
+def test_verify_names_a_manifest_that_is_no_parquet_with_the_readers_line(tmp_path: Path, monkeypatch) -> None:
+    """A manifest whose bytes are no parquet (their CRC recorded: only opening it finds it) is one problem line, the
+    store's line for it nested, as a reader's open says it (`ManifestGroups`, which verify's open goes through)."""
+    from store.integrity import DamagedData
+
+    store = _filled(tmp_path / "s", monkeypatch, GROUP)
+    vdir = store.version_dir("vae", 1)
+    (vdir / fmt.MANIFEST).write_bytes(b"PAR1 no footer\x0f\n here PAR1")
+    record = unseal((vdir / fmt.CHECKSUMS).read_bytes())
+    record["files"][fmt.MANIFEST] = dict(zip(("crc32c", "nbytes"), file_crc(vdir / fmt.MANIFEST)))
+    (vdir / fmt.CHECKSUMS).write_bytes(seal(record))
+    with pytest.raises(DamagedData) as e:
+        store.reader("vae")
+    assert verify_store(store.root, progress=False) == [f"vae/v1/manifest.parquet: unreadable ({e.value})"]
+    assert str(e.value).startswith(f"{vdir / fmt.MANIFEST} is unreadable (") and str(e.value).isprintable()
 
 
 @pytest.mark.parametrize("group_rows", [1 << 20, GROUP])
