@@ -183,10 +183,10 @@ def read_column(vdir: Path, data: bytes | pa.Buffer, name: str, dictionary: bool
                 narrow: tuple[pa.DataType, ...] = (), record: bool = False) -> pa.ChunkedArray:
     """One column of checked manifest bytes, decoded a row group at a time (`dictionary`: as dictionary-encoded;
     `narrow`: each group cast as `arrow_columns.narrowed` casts a column, all then in the widest type a group
-    needed, as the whole column's cast would give; `record`: a failed read recorded, `_reading`). A whole-column read decodes every group's pages at once, and
-    what it frees stays scattered among the kept values in the memory pool: at 1M keys (34 MB) a rank kept ~85 MB
-    after it, ~40 MB read group by group; img_shapes was decoded whole as int64 before its cast to int16
-    (bench/train_startup.py)."""
+    needed, as the whole column's cast would give; `record`: a failed read recorded, `_reading`). A whole-column
+    read decodes every group's pages at once, and what it frees stays scattered among the kept values in the memory
+    pool: at 1M keys (34 MB) a rank kept ~85 MB after it, ~40 MB read group by group; img_shapes was decoded whole
+    as int64 before its cast to int16 (bench/train_startup.py)."""
     from store.arrow_columns import narrowed
 
     groups = ManifestGroups(data, vdir, dictionary=[name] if dictionary else None, record=record)
