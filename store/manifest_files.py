@@ -213,25 +213,38 @@ def row_group_starts(f: pq.ParquetFile) -> list[int]:
     return starts
 
 
-def checked_manifest(vdir: Path, columns: list[str] | None = None) -> pa.Table:
+def checked_manifest(vdir: Path, columns: list[str] | None = None, record: bool = False) -> pa.Table:
     """A complete version's manifest (the named columns it has, or all), its bytes checked against
     checksums.json first: a damaged manifest is a `DamagedData`, never rows read from damaged bytes. For the
     one-off readers (reuse, migrate, inspect, train's dropped report) that need the rows but no `TableReader`.
     Memory-mapped, as a reader's: every rank opening training reads the `images` manifest (hundreds of MB at 1M
-    samples), one copy in the page cache rather than a private one each."""
-    data = mapped_checked(vdir, fmt.MANIFEST, integrity.read_version_checksums(vdir))
+    samples), one copy in the page cache rather than a private one each. `record`: damage found (a checksum
+    mismatch, a page that does not decode) recorded as a reader records it (`_checked_map`, `_reading`)."""
+    data = _checked_map(vdir, record)
     if columns is not None:
-        names = set(ManifestGroups(data, vdir).names)
+        names = set(ManifestGroups(data, vdir, record=record).names)
         columns = [c for c in columns if c in names]
-    return read_manifest(vdir, data, columns)
+    return read_manifest(vdir, data, columns, record=record)
 
 
-def checked_groups(vdir: Path, columns: list[str]) -> Iterator[pa.Table]:
+def checked_groups(vdir: Path, columns: list[str], record: bool = False) -> Iterator[pa.Table]:
     """`checked_manifest`'s columns (those the version has), a row group at a time: what a caller holds is one
     group's rows, not the whole columns (every rank's start reads the `images` keys and splits: ~45 MB of Arrow
-    arrays at 1M samples, and their decode's scratch, for a few keys kept)."""
-    groups = ManifestGroups(mapped_checked(vdir, fmt.MANIFEST, integrity.read_version_checksums(vdir)), vdir)
+    arrays at 1M samples, and their decode's scratch, for a few keys kept). `record`: as `checked_manifest`'s."""
+    groups = ManifestGroups(_checked_map(vdir, record), vdir, record=record)
     yield from groups.groups([c for c in columns if c in set(groups.names)])
+
+
+def _checked_map(vdir: Path, record: bool) -> pa.Buffer:
+    """The version's manifest memory-mapped and checked (`mapped_checked`); `record`: damage found (its checksums.json
+    or the manifest damaged, missing) recorded, as a reader's open records it, so that the rerun of the stage that
+    wrote the version does not call it up to date."""
+    try:
+        return mapped_checked(vdir, fmt.MANIFEST, integrity.read_version_checksums(vdir))
+    except DamagedData as e:
+        if record:
+            integrity.record_damage(vdir, problems=[str(e)])
+        raise
 
 
 def mapped_checked(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None) -> pa.Buffer:

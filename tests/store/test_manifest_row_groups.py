@@ -323,3 +323,38 @@ def test_running_out_of_memory_while_decoding_the_manifest_is_not_called_damage(
         with pytest.raises(MemoryError):
             r.view.table_at(np.array([1, 2], np.int64), ["caption"])
     assert not fmt.damaged_marker(store.root, "vae", 1).exists()
+
+
+@pytest.mark.parametrize("how", ["checksum", "page"])
+def test_the_images_split_read_records_damage_as_a_reader_does_and_a_one_off_read_writes_nothing(
+        tmp_path: Path, how: str) -> None:
+    """The `images` keys and splits read for a split (features/open.py: `images_in_split`, the dropped report) record
+    a damaged manifest, a checksum mismatch or a page that does not decode, through `checked_manifest` /
+    `checked_groups` (record=True), as a reader's open does: resize-bucket's rerun must not call it up to date. The
+    same read without it (inspect, migrate) writes nothing."""
+    from features.open import images_in_split
+    from store.integrity import DamagedData
+    from store.manifest_files import checked_groups, checked_manifest
+    from store_samples import fill_images
+
+    store = Store(tmp_path / "s")
+    fill_images(store, "t")
+    vdir = store.version_dir("images", 1)
+    if how == "page":
+        _damage_page(vdir, "key", group=0)
+    else:
+        data = bytearray((vdir / fmt.MANIFEST).read_bytes())
+        data[len(data) // 2] ^= 1
+        (vdir / fmt.MANIFEST).write_bytes(bytes(data))
+    marker = fmt.damaged_marker(store.root, "images", 1)
+    for read in (lambda: list(checked_groups(vdir, ["key", "split"])), lambda: checked_manifest(vdir, ["key"])):
+        with pytest.raises(DamagedData):
+            read()
+    assert not marker.exists()
+    with pytest.raises(DamagedData) as e:
+        images_in_split(store.root, "train")
+    assert json.loads(marker.read_text())["problems"] == [str(e.value)]
+    marker.unlink()
+    with pytest.raises(DamagedData) as e:
+        list(checked_groups(vdir, ["key", "split"], record=True))
+    assert json.loads(marker.read_text())["problems"] == [str(e.value)]
