@@ -20,8 +20,6 @@ from features.tables import PRODUCER
 from schemas.errors import UserError
 from schemas.model_files import MODEL_FILES_ATTR, ModelFile, differing_files, fingerprint_of
 from store import format as fmt
-from store import integrity
-from store.integrity import DamagedData
 from store.join import JoinedTables, sequence_lengths_of
 from store.manifest_files import checked_groups, checked_manifest
 from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader
@@ -228,28 +226,22 @@ def _keys_not_joined(vdir: Path, version: int, split: str | None, joined: Joined
     joined_row = np.zeros(len(reader), bool)
     joined_row[np.asarray(joined.rows[table])] = True
     out: set[str] = set()
-    try:
-        for group in checked_groups(vdir, ["key", "split"]):
-            keys = group.column("key").combine_chunks()
-            if split is not None:
-                column = group.column("split") if "split" in group.column_names else None
-                keys = keys.take(split_rows(column, split, f"table 'images' v{version} ({vdir})"))
-            rows = reader.rows_of_keys(keys)
-            held = rows >= 0
-            held[held] = joined_row[rows[held]]
-            out.update(keys.filter(pa.array(~held)).to_pylist())
-    except DamagedData as e:  # recorded, as a reader's open does: resize-bucket's rerun must not call it up to date
-        integrity.record_damage(vdir, problems=[str(e)])
-        raise
+    # damage recorded, as a reader's open records it: resize-bucket's rerun must not call the version up to date
+    for group in checked_groups(vdir, ["key", "split"], record=True):
+        keys = group.column("key").combine_chunks()
+        if split is not None:
+            column = group.column("split") if "split" in group.column_names else None
+            keys = keys.take(split_rows(column, split, f"table 'images' v{version} ({vdir})"))
+        rows = reader.rows_of_keys(keys)
+        held = rows >= 0
+        held[held] = joined_row[rows[held]]
+        out.update(keys.filter(pa.array(~held)).to_pylist())
     return out
 
 
 def _keys_and_splits(vdir: Path) -> tuple[pa.Array, pa.ChunkedArray | None]:
-    try:
-        m = checked_manifest(vdir, ["key", "split"])
-    except DamagedData as e:  # recorded, as a reader's open does: resize-bucket's rerun must not call it up to date
-        integrity.record_damage(vdir, problems=[str(e)])
-        raise
+    # damage recorded, as a reader's open records it: resize-bucket's rerun must not call the version up to date
+    m = checked_manifest(vdir, ["key", "split"], record=True)
     return m.column("key").combine_chunks(), (m.column("split") if "split" in m.column_names else None)
 
 

@@ -80,40 +80,55 @@ def unreadable(vdir: Path, e: Exception) -> DamagedData:
 
 
 def _one_line(e: Exception) -> str:
-    """An error's text as one printable line: pyarrow's parquet errors carry newlines and quote the damaged byte they
-    met (a control character, which a terminal may act on), e.g. "don't know what type: \\x0f\\nDeserializing..."."""
-    text = f"{type(e).__name__}: {e}"
+    return printable_line(f"{type(e).__name__}: {e}")
+
+
+def printable_line(text: str) -> str:
+    """A message as one printable line: pyarrow's parquet errors carry newlines and quote the damaged byte they met
+    (a control character, which a terminal may act on), e.g. "don't know what type: \\x0f\\nDeserializing..."."""
     text = "".join(c if c.isprintable() or c.isspace() else c.encode("unicode_escape").decode() for c in text)
     return " ".join(text.split())
 
 
 @contextmanager
-def _reading(vdir: Path) -> Iterator[None]:
-    """A failed parquet read of the version's manifest bytes as the store's one line (`unreadable`)."""
+def _reading(vdir: Path, record: bool = False) -> Iterator[None]:
+    """A failed parquet read of the version's manifest bytes as the store's one line (`unreadable`). `record`: that
+    line recorded as the version's damage (`integrity.record_damage`), as a reader's open records a checksum
+    mismatch: the bytes passed their check, so a page that does not decode was damaged before they were
+    checksummed, and the stage that wrote the version must not call it up to date on its rerun. Running out of
+    memory is no damage (pyarrow's `ArrowMemoryError` is a MemoryError): raised as it is, nothing recorded."""
     try:
         yield
-    except DamagedData:  # turned already, by a read inside this one
+    except (DamagedData, MemoryError):  # DamagedData: turned (and recorded) already, by a read inside this one
         raise
     except Exception as e:  # noqa: BLE001
-        raise unreadable(vdir, e) from None
+        found = unreadable(vdir, e)
+        if record:
+            integrity.record_damage(vdir, problems=[str(found)])
+        raise found from None
 
 
 class ManifestGroups:
     """A version's checked manifest bytes opened as parquet and read a row group at a time: the one place the
-    manifest's row reads (`ManifestView`'s, `read_column`, `checked_groups`) open them, and where a read that fails (a
-    page damaged before its bytes were checksummed, bytes that are no parquet) becomes the store's one-line error
-    naming the file. Opened for each read, never kept: one parquet reader is not read by several threads at once.
-    `dictionary`: the columns read dictionary-encoded."""
+    manifest's row reads (`ManifestView`'s, `read_column`, `checked_groups`, verify's open) open them, and where a read
+    that fails (a page damaged before its bytes were checksummed, bytes that are no parquet) becomes the store's
+    one-line error naming the file. `data` may be the file's path: read as it is, in file reads (verify, which checks
+    its bytes against checksums.json apart and decodes it either way, every page once: mapped, the whole manifest
+    would stay in its RSS). Opened for each read, never kept: one parquet reader is not read by several threads at once.
+    `dictionary`: the columns read dictionary-encoded. `record`: a failed read is recorded as the version's damage
+    (a reader's view: `_reading`); the one-off readers that write nothing (inspect, repair's scan) leave it off."""
 
-    def __init__(self, data: bytes | pa.Buffer, vdir: Path, dictionary: list[str] | None = None) -> None:
-        self.dir = vdir
-        with _reading(vdir):
-            self.file = pq.ParquetFile(pa.BufferReader(data), read_dictionary=dictionary)
+    def __init__(self, data: bytes | pa.Buffer | Path, vdir: Path, dictionary: list[str] | None = None,
+                 record: bool = False) -> None:
+        self.dir, self.record = vdir, record
+        with _reading(vdir, record):
+            source = data if isinstance(data, Path) else pa.BufferReader(data)
+            self.file = pq.ParquetFile(source, read_dictionary=dictionary)
             self.names: list[str] = self.file.schema_arrow.names
             self.starts = row_group_starts(self.file)
 
     def reading(self) -> ContextManager[None]:
-        return _reading(self.dir)
+        return _reading(self.dir, self.record)
 
     def empty(self, columns: list[str] | None = None) -> pa.Table:
         """No rows of the named columns (or all), typed as the manifest's."""
@@ -157,23 +172,24 @@ class ManifestGroups:
 
 
 def read_manifest(vdir: Path, data: bytes | pa.Buffer, columns: list[str] | None = None,
-                  read_dictionary: list[str] | None = None) -> pa.Table:
-    """Parse (some columns of) checked manifest bytes; undecodable parquet is one clear error, not a traceback."""
-    with _reading(vdir):
+                  read_dictionary: list[str] | None = None, record: bool = False) -> pa.Table:
+    """Parse (some columns of) checked manifest bytes; undecodable parquet is one clear error, not a traceback
+    (`record`: recorded as the version's damage, `_reading`)."""
+    with _reading(vdir, record):
         return pq.read_table(pa.BufferReader(data), columns=columns, read_dictionary=read_dictionary)
 
 
 def read_column(vdir: Path, data: bytes | pa.Buffer, name: str, dictionary: bool = False,
-                narrow: tuple[pa.DataType, ...] = ()) -> pa.ChunkedArray:
+                narrow: tuple[pa.DataType, ...] = (), record: bool = False) -> pa.ChunkedArray:
     """One column of checked manifest bytes, decoded a row group at a time (`dictionary`: as dictionary-encoded;
     `narrow`: each group cast as `arrow_columns.narrowed` casts a column, all then in the widest type a group
-    needed, as the whole column's cast would give). A whole-column read decodes every group's pages at once, and
-    what it frees stays scattered among the kept values in the memory pool: at 1M keys (34 MB) a rank kept ~85 MB
-    after it, ~40 MB read group by group; img_shapes was decoded whole as int64 before its cast to int16
-    (bench/train_startup.py)."""
+    needed, as the whole column's cast would give; `record`: a failed read recorded, `_reading`). A whole-column
+    read decodes every group's pages at once, and what it frees stays scattered among the kept values in the memory
+    pool: at 1M keys (34 MB) a rank kept ~85 MB after it, ~40 MB read group by group; img_shapes was decoded whole
+    as int64 before its cast to int16 (bench/train_startup.py)."""
     from store.arrow_columns import narrowed
 
-    groups = ManifestGroups(data, vdir, dictionary=[name] if dictionary else None)
+    groups = ManifestGroups(data, vdir, dictionary=[name] if dictionary else None, record=record)
     with groups.reading():
         chunks = [narrowed(c, narrow) if narrow else c
                   for group in groups.groups([name]) for c in group.column(0).chunks]
@@ -197,25 +213,38 @@ def row_group_starts(f: pq.ParquetFile) -> list[int]:
     return starts
 
 
-def checked_manifest(vdir: Path, columns: list[str] | None = None) -> pa.Table:
+def checked_manifest(vdir: Path, columns: list[str] | None = None, record: bool = False) -> pa.Table:
     """A complete version's manifest (the named columns it has, or all), its bytes checked against
     checksums.json first: a damaged manifest is a `DamagedData`, never rows read from damaged bytes. For the
     one-off readers (reuse, migrate, inspect, train's dropped report) that need the rows but no `TableReader`.
     Memory-mapped, as a reader's: every rank opening training reads the `images` manifest (hundreds of MB at 1M
-    samples), one copy in the page cache rather than a private one each."""
-    data = mapped_checked(vdir, fmt.MANIFEST, integrity.read_version_checksums(vdir))
+    samples), one copy in the page cache rather than a private one each. `record`: damage found (a checksum
+    mismatch, a page that does not decode) recorded as a reader records it (`_checked_map`, `_reading`)."""
+    data = _checked_map(vdir, record)
     if columns is not None:
-        names = set(ManifestGroups(data, vdir).names)
+        names = set(ManifestGroups(data, vdir, record=record).names)
         columns = [c for c in columns if c in names]
-    return read_manifest(vdir, data, columns)
+    return read_manifest(vdir, data, columns, record=record)
 
 
-def checked_groups(vdir: Path, columns: list[str]) -> Iterator[pa.Table]:
+def checked_groups(vdir: Path, columns: list[str], record: bool = False) -> Iterator[pa.Table]:
     """`checked_manifest`'s columns (those the version has), a row group at a time: what a caller holds is one
     group's rows, not the whole columns (every rank's start reads the `images` keys and splits: ~45 MB of Arrow
-    arrays at 1M samples, and their decode's scratch, for a few keys kept)."""
-    groups = ManifestGroups(mapped_checked(vdir, fmt.MANIFEST, integrity.read_version_checksums(vdir)), vdir)
+    arrays at 1M samples, and their decode's scratch, for a few keys kept). `record`: as `checked_manifest`'s."""
+    groups = ManifestGroups(_checked_map(vdir, record), vdir, record=record)
     yield from groups.groups([c for c in columns if c in set(groups.names)])
+
+
+def _checked_map(vdir: Path, record: bool) -> pa.Buffer:
+    """The version's manifest memory-mapped and checked (`mapped_checked`); `record`: damage found (its checksums.json
+    or the manifest damaged, missing) recorded, as a reader's open records it, so that the rerun of the stage that
+    wrote the version does not call it up to date."""
+    try:
+        return mapped_checked(vdir, fmt.MANIFEST, integrity.read_version_checksums(vdir))
+    except DamagedData as e:
+        if record:
+            integrity.record_damage(vdir, problems=[str(e)])
+        raise
 
 
 def mapped_checked(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None) -> pa.Buffer:

@@ -85,7 +85,7 @@ class ManifestView:
                 raise
         schema = read_schema(vdir, schema_bytes, intact=sums is not None)
         path = vdir / fmt.MANIFEST
-        names = ManifestGroups(manifest_bytes, vdir).names
+        names = ManifestGroups(manifest_bytes, vdir, record=True).names
         missing = sorted(LOCATING_COLUMNS - set(names))
         if missing:
             raise UserError(f"{path}: missing columns {missing} (see docs/store-format.md)")
@@ -123,7 +123,7 @@ class ManifestView:
     def manifest(self) -> pa.Table:
         """The whole manifest (every column, e.g. the checksum columns for verify), parsed on first use."""
         if self._full is None:
-            self._full = read_manifest(self.dir, self._bytes)
+            self._full = read_manifest(self.dir, self._bytes, record=True)
         return self._full
 
     def column(self, name: str) -> pa.Array:
@@ -140,7 +140,8 @@ class ManifestView:
         else:
             if name not in self.names:
                 raise KeyError(name)
-            col = read_column(self.dir, self._bytes, name, dictionary=name == "shard", narrow=NARROWER.get(name, ()))
+            col = read_column(self.dir, self._bytes, name, dictionary=name == "shard", narrow=NARROWER.get(name, ()),
+                              record=True)
         col = col.combine_chunks()
         # the parse's scratch memory goes back to the system (the allocator keeps it otherwise: ~180 MB at 1M
         # samples, in every rank)
@@ -217,7 +218,7 @@ class ManifestView:
                 out[i][c] = self.cell(c, i)
         rest = [c for c in names if c not in held]
         if rest and wanted:
-            for i, row in ManifestGroups(self._bytes, self.dir).rows_at(wanted, rest, _ROWS_PER_BATCH).items():
+            for i, row in self._groups().rows_at(wanted, rest, _ROWS_PER_BATCH).items():
                 out[i].update(row)
         return out
 
@@ -231,7 +232,7 @@ class ManifestView:
             full = self._full if columns is None else self._full.select(columns)
             return full.take(pa.array(rows, pa.int64()))
         try:
-            return ManifestGroups(self._bytes, self.dir).table_at(rows, columns)
+            return self._groups().table_at(rows, columns)
         finally:
             release_memory()  # the groups' decoded pages go back to the system
 
@@ -255,8 +256,13 @@ class ManifestView:
         if name in self._arrays:  # parsed already (one array: `column` combines its chunks)
             yield self.column(name)
             return
-        for group in ManifestGroups(self._bytes, self.dir).groups([name]):
+        for group in self._groups().groups([name]):
             yield group.column(0).combine_chunks()
+
+    def _groups(self) -> ManifestGroups:
+        """The checked manifest bytes opened for one read; a page found damaged is recorded, as `open` records a
+        checksum mismatch (`manifest_files._reading`)."""
+        return ManifestGroups(self._bytes, self.dir, record=True)
 
     def img_shapes_at(self, i: int) -> list[ImgShape]:
         if self.is_v1:

@@ -181,17 +181,26 @@ class TableReader(ReaderManifest):
         nowhere (`ManifestView.rows_at`): `files(key)` parses and keeps the whole column (~95 MB at 1M samples).
         A damaged sample raises `DamagedData`, or, given `damaged`, is recorded there (key -> what is wrong) with
         no files. A key the table lacks is a UserError, as in `files`."""
+        return self.meta_and_files_of(keys, (), damaged)[1]
+
+    def meta_and_files_of(self, keys: Iterable[str], columns: Iterable[str], damaged: dict[str, str] | None = None
+                          ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, bytes]]]:
+        """(`meta_of(keys, columns)`, `files_of(keys, damaged)`) from one read of those rows (evaluate's captions and
+        pictures): the two apart decode the row groups holding the rows twice."""
         rows = {k: self.view.keys.index(k) for k in keys}
-        cells = self.view.rows_at(rows.values(), ["files"])
+        cells = self.view.rows_at(rows.values(), [*columns, "files"])
+        meta: dict[str, dict[str, Any]] = {}
         out: dict[str, dict[str, bytes]] = {}
         for k, i in rows.items():
+            layout = cells[i].pop("files")
+            meta[k] = cells[i]
             try:
-                out[k] = self._files_at(i, cells[i]["files"])
+                out[k] = self._files_at(i, layout)
             except DamagedData as e:
                 if damaged is None:
                     raise
                 damaged[k], out[k] = str(e), {}
-        return out
+        return meta, out
 
     def _files_at(self, i: int, layout: list[dict[str, Any]]) -> dict[str, bytes]:
         """Row i's files, `layout` its `files` cell (name, offset in the shard, size)."""

@@ -42,6 +42,7 @@ from schemas.temp_files import writer_alive
 from store import format as fmt
 from store import integrity, quarantine
 from store.checksum import file_crc
+from store.manifest_files import printable_line
 from store.shard import SAFETENSORS_ITEMSIZES, SAFETENSORS_NAMES
 from store.remote_shards import fetch_problem, is_cache_file
 from store.verify_manifest import ShardPart, read_manifest_pass
@@ -116,8 +117,9 @@ def verify_store(root: Path, progress: bool = True, objects: ObjectCheck | None 
 
 
 def _one_line(problem: str) -> str:
-    """Library messages (pyarrow's parquet errors) carry newlines; verify's contract is one line per problem."""
-    return " ".join(problem.split())
+    """Library messages (pyarrow's parquet errors) carry newlines and the damaged byte they met (a control character,
+    which a terminal may act on); verify's contract is one printable line per problem."""
+    return printable_line(problem)
 
 
 def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]], shards: set[str],

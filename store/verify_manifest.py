@@ -37,7 +37,8 @@ from store import integrity, version_counts
 from store.arrow_columns import release_memory
 from store.checksum import file_crc
 from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS
-from store.manifest_files import read_schema, row_group_starts, unreadable
+from store.integrity import DamagedData
+from store.manifest_files import ManifestGroups, read_schema
 
 #: the most rows of one group of shards held at once (a shard larger than this is a group alone); two groups may
 #: be held (`ShardParts`): ~2 x 80 MB of checked columns of an `images` table
@@ -119,8 +120,9 @@ class ShardParts(Mapping[str, ShardPart]):
         order = pa.array(np.argsort(codes, kind="stable"))  # by shard name, manifest order within one
         codes = codes[order.to_numpy()]
         taken: list[pa.Array] = []
-        with pq.ParquetFile(self.path) as f:
-            starts = row_group_starts(f)
+        groups = ManifestGroups(self.path, self.path.parent)
+        with groups.file as f:
+            starts = groups.starts
             holding = [g for g in range(len(starts) - 1) if mine[starts[g]:starts[g + 1]].any()]
             for c in self.columns:
                 pieces = []
@@ -161,14 +163,11 @@ def read_manifest_pass(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | 
         return problems + [f"{name}: {e}"], {}
     path = vdir / fmt.MANIFEST
     try:
-        f = pq.ParquetFile(path)
-    except Exception as e:  # noqa: BLE001
-        return problems + [f"{name}/{fmt.MANIFEST}: unreadable ({unreadable(vdir, e)})"], {}
-    with f:
-        try:
-            names = f.schema_arrow.names
-        except Exception as e:  # noqa: BLE001
-            return problems + [f"{name}/{fmt.MANIFEST}: unreadable ({unreadable(vdir, e)})"], {}
+        groups = ManifestGroups(path, vdir)  # the store's one line for a footer or schema that does not read
+    except DamagedData as e:
+        return problems + [f"{name}/{fmt.MANIFEST}: unreadable ({e})"], {}
+    with groups.file as f:
+        names = groups.names
         missing = sorted(LOCATING_COLUMNS - set(names))
         if missing:
             return problems + [f"{name}/{fmt.MANIFEST}: missing columns {missing}"], {}

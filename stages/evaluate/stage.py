@@ -218,13 +218,12 @@ PICTURE_COLUMNS = ("caption",)
 def stored_pictures(images, picked: list[TrainSample], on_damaged: str, damaged: dict | None) -> list[tuple]:
     """Each picked val sample's (caption, control pictures, target) from the `images` table (empty when the table
     or the sample is absent; a damaged sample under on_damaged=skip loses only its pictures, recorded in
-    `damaged`). The captions and the pictures' places are read for those rows only (`meta_of`, `files_of`): `meta`
-    and `files` would keep every meta column of the table parsed, and its `files` column (~735 + 95 MB at 1M
-    samples)."""
+    `damaged`). The captions and the pictures' places are read for those rows only, in one pass over the row groups
+    holding them (`meta_and_files_of`): `meta` and `files` would keep every meta column of the table parsed, and its
+    `files` column (~735 + 95 MB at 1M samples)."""
     held = [s.key for s in picked if images is not None and s.key in images]
-    metas = images.meta_of(held, PICTURE_COLUMNS) if held else {}
     lost: dict[str, str] | None = {} if on_damaged == "skip" and damaged is not None else None
-    pictures = images.files_of(held, lost) if held else {}
+    metas, pictures = images.meta_and_files_of(held, PICTURE_COLUMNS, lost) if held else ({}, {})
     for key, why in (lost or {}).items():
         damaged[f"images:{key}"] = why  # type: ignore[index]
     out = []

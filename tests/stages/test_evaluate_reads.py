@@ -112,20 +112,33 @@ def test_a_lora_parsed_from_its_bytes_is_the_file_and_cut_bytes_are_one_line(run
 
 
 
-def test_the_pictured_samples_captions_are_read_for_their_rows_only(edit_store):
+def test_the_pictured_samples_captions_are_read_for_their_rows_only(edit_store, monkeypatch):
     """The report's captions and pictures (`stored_pictures`) are the `images` table's: a sample the table lacks
-    has none. The captions and the pictures' places are read for the pictured rows only (`meta_of`, `files_of`);
-    before, `meta(key)` parsed every meta column of `images` and kept it while the images were made (~735 MB at 1M
-    samples, on every rank), and `files(key)` the `files` column (~95 MB)."""
+    has none. The captions and the pictures' places are read for the pictured rows only, in one pass over the row
+    groups holding them (`meta_and_files_of`; `meta_of` then `files_of` decoded them twice); before, `meta(key)`
+    parsed every meta column of `images` and kept it while the images were made (~735 MB at 1M samples, on every
+    rank), and `files(key)` the `files` column (~95 MB)."""
     from types import SimpleNamespace
 
+    import pyarrow.parquet as pq
+
     from store import Store
+
+    passes: list[list[str]] = []
+    real = pq.ParquetFile.iter_batches
+
+    def iter_batches(self, *a, **kw):
+        passes.append(kw.get("columns"))
+        return real(self, *a, **kw)
 
     with Store(edit_store, create=False).reader("images") as images:
         keys = images.keys()
         picked = [SimpleNamespace(key=k, controls=[None]) for k in (keys[3], keys[0])]
         picked.append(SimpleNamespace(key="0" * 32, controls=[None]))  # not in the table
+        monkeypatch.setattr(pq.ParquetFile, "iter_batches", iter_batches)
         got = stage.stored_pictures(images, picked, "stop", None)
+        monkeypatch.undo()
+        assert passes == [["caption", "files"]]
         assert not set(images.meta_columns()) & images.view.parsed
         assert "files" not in images.view.parsed  # their places too (`files_of`): `files(key)` kept the column
         assert [caption for caption, _, _ in got] == [images.meta(keys[3])["caption"], images.meta(keys[0])["caption"],

@@ -5,8 +5,11 @@ reads the same rows; damage in a later group is still refused."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -110,7 +113,9 @@ def _reads(monkeypatch, wider_than: int = 0) -> list[int]:
 def test_verify_decodes_a_group_of_a_column_at_a_time_and_refuses_damage_in_a_later_group(
         tmp_path: Path, monkeypatch) -> None:
     """verify's passes decode one row group of one column at a time (a column decoded whole before: ~100 MB at 1M
-    samples); every group of every column is still decoded, so a damaged page in a later group is refused."""
+    samples); every group of every column is still decoded, so a damaged page in a later group is refused, in one
+    printable line, as recorded (pyarrow's message quotes the damaged byte it met, \\x0f here: before, the line and
+    the damage record held it as a control character)."""
     from store import integrity
     from store.verify_manifest import read_manifest_pass
 
@@ -126,7 +131,26 @@ def test_verify_decodes_a_group_of_a_column_at_a_time_and_refuses_damage_in_a_la
 
     _damage_page(vdir, "caption", group=6)  # a caption page in the 7th of 8 groups
     problems = verify_store(store.root, progress=False)
-    assert any("vae/v1/manifest.parquet: undecodable" in p for p in problems), problems
+    assert any("vae/v1/manifest.parquet: undecodable (OSError: " in p for p in problems), problems
+    assert all(p.isprintable() for p in problems), problems
+    assert json.loads(fmt.damaged_marker(store.root, "vae", 1).read_text())["problems"] == problems
+
+
+def test_verify_names_a_manifest_that_is_no_parquet_with_the_readers_line(tmp_path: Path, monkeypatch) -> None:
+    """A manifest whose bytes are no parquet (their CRC recorded: only opening it finds it) is one problem line, the
+    store's line for it nested, as a reader's open says it (`ManifestGroups`, which verify's open goes through)."""
+    from store.integrity import DamagedData
+
+    store = _filled(tmp_path / "s", monkeypatch, GROUP)
+    vdir = store.version_dir("vae", 1)
+    (vdir / fmt.MANIFEST).write_bytes(b"PAR1 no footer\x0f\n here PAR1")
+    record = unseal((vdir / fmt.CHECKSUMS).read_bytes())
+    record["files"][fmt.MANIFEST] = dict(zip(("crc32c", "nbytes"), file_crc(vdir / fmt.MANIFEST)))
+    (vdir / fmt.CHECKSUMS).write_bytes(seal(record))
+    with pytest.raises(DamagedData) as e:
+        store.reader("vae")
+    assert verify_store(store.root, progress=False) == [f"vae/v1/manifest.parquet: unreadable ({e.value})"]
+    assert str(e.value).startswith(f"{vdir / fmt.MANIFEST} is unreadable (") and str(e.value).isprintable()
 
 
 @pytest.mark.parametrize("group_rows", [1 << 20, GROUP])
@@ -180,8 +204,6 @@ def test_a_parsed_column_read_group_by_group_is_the_whole_columns_narrowed_to_th
     """A reader parses a column a row group at a time (`read_column`: less of the pool kept after a 1M-row parse),
     each group narrowed on its own: a group whose values need a wider type than another's makes the whole column that
     type, as the cast of the whole column did (a chunk of int16 beside one of int32 is no column)."""
-    import pyarrow as pa
-
     from store.arrow_columns import NARROWER, narrowed
     from store.manifest_files import read_column
 
@@ -209,8 +231,6 @@ def test_a_damaged_page_is_refused_by_each_row_reader_with_the_same_line_naming_
     view that decodes it (`rows_at` / `meta_of`, `table_at`, `column_at`, `column_groups`, a parsed column) refuses it
     with the same line, naming the manifest and what to run; rows of the other groups still read. pyarrow's message
     carries newlines and the damaged byte it met (a control character): before, the error held them as they were."""
-    import numpy as np
-
     from store.integrity import DamagedData
 
     store = _filled(tmp_path / "s", monkeypatch, GROUP)
@@ -247,8 +267,6 @@ def test_crcs_at_reads_each_group_of_the_crc_column_once(tmp_path: Path, monkeyp
     """`crcs_at`'s first call tells whether every sample_crc32c is 8 hex digits a row group at a time and takes the
     rows' numbers from those same groups: each group decoded once (before, the groups holding the rows were decoded
     again: 8 + 3 here), the numbers those of the whole column."""
-    import numpy as np
-
     store = _filled(tmp_path / "s", monkeypatch, GROUP)
     rows = np.array([29, 1, 5, 1], np.int64)  # groups 7, 0, 1; a repeat; not in order
     with store.reader("vae") as r:
@@ -260,3 +278,83 @@ def test_crcs_at_reads_each_group_of_the_crc_column_once(tmp_path: Path, monkeyp
         assert got.tolist() == r.view.samples.crcs()[rows].tolist()
         assert [f"{int(c):08x}" for c in got] == [r.view.manifest.column("sample_crc32c")[int(i)].as_py()
                                                    for i in rows]
+
+
+_VIEW_READS = {"rows_at": lambda r: r.view.rows_at([25], ["caption"]),
+               "meta_of": lambda r: r.meta_of([r.view.keys.array[25].as_py()], ["caption"]),
+               "table_at": lambda r: r.view.table_at(np.array([24, 26], np.int64), ["caption"]),
+               "column_groups": lambda r: list(r.view.column_groups("caption")),
+               "column": lambda r: r.view.column("caption"),
+               "manifest": lambda r: r.view.manifest}
+
+
+@pytest.mark.parametrize("read", sorted(_VIEW_READS))
+def test_a_damaged_page_met_through_the_view_is_recorded_so_a_rerun_does_not_call_the_version_up_to_date(
+        tmp_path: Path, monkeypatch, read: str) -> None:
+    """A page damaged before its bytes were checksummed passes the open's check; the read through the view that
+    decodes it records the damage (`v<N>.damaged.json`), as the open records a checksum mismatch: the stage's rerun
+    then finds no version up to date (`find_version`) and writes a new one. Before, nothing was recorded: the rerun
+    called the version up to date and every reader met the page again."""
+    from store.integrity import DamagedData
+    from store_samples import lineage
+
+    store = _filled(tmp_path / "s", monkeypatch, GROUP)
+    vdir = store.version_dir("vae", 1)
+    _damage_page(vdir, "caption", group=6)  # rows 24-27
+    assert store.find_version("vae", lineage()) == 1  # the open's checks find nothing
+    with store.reader("vae") as r:
+        with pytest.raises(DamagedData) as e:
+            _VIEW_READS[read](r)
+    marker = fmt.damaged_marker(store.root, "vae", 1)
+    assert marker.is_file(), "not recorded"
+    assert json.loads(marker.read_text())["problems"] == [str(e.value)]
+    assert Store(store.root).find_version("vae", lineage()) is None
+
+
+def test_running_out_of_memory_while_decoding_the_manifest_is_not_called_damage(tmp_path: Path, monkeypatch) -> None:
+    """A decode that runs out of memory says so (MemoryError: pyarrow's ArrowMemoryError is one), never "unreadable;
+    run store repair", and records nothing: the bytes are intact, and a recorded version would be recomputed."""
+    store = _filled(tmp_path / "s", monkeypatch, GROUP)
+    with store.reader("vae") as r:
+        def out_of_memory(self, *a, **kw):
+            raise pa.ArrowMemoryError("malloc of size 1073741824 failed")
+
+        monkeypatch.setattr(pq.ParquetFile, "read_row_group", out_of_memory)
+        with pytest.raises(MemoryError):
+            r.view.table_at(np.array([1, 2], np.int64), ["caption"])
+    assert not fmt.damaged_marker(store.root, "vae", 1).exists()
+
+
+@pytest.mark.parametrize("how", ["checksum", "page"])
+def test_the_images_split_read_records_damage_as_a_reader_does_and_a_one_off_read_writes_nothing(
+        tmp_path: Path, how: str) -> None:
+    """The `images` keys and splits read for a split (features/open.py: `images_in_split`, the dropped report) record
+    a damaged manifest, a checksum mismatch or a page that does not decode, through `checked_manifest` /
+    `checked_groups` (record=True), as a reader's open does: resize-bucket's rerun must not call it up to date. The
+    same read without it (inspect, migrate) writes nothing."""
+    from features.open import images_in_split
+    from store.integrity import DamagedData
+    from store.manifest_files import checked_groups, checked_manifest
+    from store_samples import fill_images
+
+    store = Store(tmp_path / "s")
+    fill_images(store, "t")
+    vdir = store.version_dir("images", 1)
+    if how == "page":
+        _damage_page(vdir, "key", group=0)
+    else:
+        data = bytearray((vdir / fmt.MANIFEST).read_bytes())
+        data[len(data) // 2] ^= 1
+        (vdir / fmt.MANIFEST).write_bytes(bytes(data))
+    marker = fmt.damaged_marker(store.root, "images", 1)
+    for read in (lambda: list(checked_groups(vdir, ["key", "split"])), lambda: checked_manifest(vdir, ["key"])):
+        with pytest.raises(DamagedData):
+            read()
+    assert not marker.exists()
+    with pytest.raises(DamagedData) as e:
+        images_in_split(store.root, "train")
+    assert json.loads(marker.read_text())["problems"] == [str(e.value)]
+    marker.unlink()
+    with pytest.raises(DamagedData) as e:
+        list(checked_groups(vdir, ["key", "split"], record=True))
+    assert json.loads(marker.read_text())["problems"] == [str(e.value)]
