@@ -473,14 +473,14 @@ class Found:
         return f"{self.record.get('what', '?')} ({self.why}, lease {self.path.name})"
 
     def versions(self) -> Iterable[tuple[str, int]]:
-        """The versions it names. A live damaged lease names versions no one can tell: UserError (gc and the
-        cache's eviction stop, removing nothing, rather than remove what its reader may be reading)."""
+        """The versions it names. A live damaged lease names versions no one can tell: UserError (gc, the cache's
+        eviction, repair's retiring of a version stop before removing one its reader may be reading)."""
         if self.damaged and self.live:
             raise UserError(f"read lease {self.path} is damaged ({self.why}): its reader may still run, and which "
-                            f"versions it reads cannot be told, so nothing was removed; rerun later (a running "
-                            f"reader writes its lease again within {REFRESH_SECONDS:.0f} s; one of a gone reader "
-                            f"counts as dead {STALE_SECONDS / 60:.0f} min after its last refresh), or remove the file "
-                            f"if its reader is known to be gone")
+                            f"versions it reads cannot be told, so this stopped before removing any; rerun later (a "
+                            f"running reader writes its lease again within {REFRESH_SECONDS:.0f} s; one of a gone "
+                            f"reader counts as dead {STALE_SECONDS / 60:.0f} min after its last refresh), or remove "
+                            f"the file if its reader is known to be gone")
         for table, vs in (self.record.get("versions") or {}).items():
             for v in vs:
                 yield table, int(v)
