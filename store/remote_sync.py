@@ -543,14 +543,15 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
 def _writing_into(dst: Path, url: str) -> Iterator[None]:
     """A pull's write refused in `dst` (a read-only mount: EROFS; another account's folder: EACCES) as one line
     naming the folder and what to do (before: a PermissionError traceback from the version's temp folder). Errors
-    of other paths (a file:// URL's own) and a full disk (its callers' lines: the CLI's, the cache's) pass."""
+    naming no path in `dst` pass: the URL's (S3's access denied names none; a file:// URL's own path), and a full
+    disk (its callers' lines: the CLI's, the cache's)."""
     try:
         yield
     except OSError as e:
         name = e.filename
-        if not is_not_writable(e) or (name is not None and not _is_under(Path(os.fsdecode(name)), dst)):
+        if not is_not_writable(e) or name is None or not _is_under(Path(os.fsdecode(name)), dst):
             raise
-        raise UserError(f"cannot pull {url} into {dst}: {name or dst} is not writable ({e.strerror or e}); make "
+        raise UserError(f"cannot pull {url} into {dst}: {name} is not writable ({e.strerror or e}); make "
                         f"{dst} writable (its permissions, a read-write mount) or pull into another folder") from None
 
 
