@@ -3,7 +3,8 @@ version a live lease names (docs/store-format.md, "Read leases").
 
 `STORE/.leases/<host>-<pid>-<random>.json` (a dot folder: no table, so verify / inspect / repair ignore it) holds
 host, pid, the process's start time, its pid namespace, what it is (train, evaluate, encode-text, ...) and
-`versions` ({table: [N, ...]}). It is written with `store.format.atomic_write_json` under the store lock, the lock
+`versions` ({table: [N, ...]}), sealed with its own CRC32C (`record_bytes`: store/checksum.py, as store.json). It is
+written with `store.format.atomic_write_bytes` under the store lock, the lock
 `store gc` (store/gc.py) holds from its plan to its last delete: so a lease either exists before gc plans (its
 versions are kept) or is written after gc is done (and then names versions that exist, which `hold` checks). It is
 removed when the reader is done or garbage collected, and at interpreter exit, on error too.
@@ -28,6 +29,10 @@ A kill -9 leaves the file behind; it must not block gc for ever. Liveness:
   and of clock skew between hosts; a reader may record a longer one, `stale_s`, from `LEASE_MINUTES_ENV`: read
   once, when the lease is held, and kept for its life - an environment changed later moves no live lease's margin).
 gc removes the files of dead leases.
+- a damaged lease (its seal fails: a flipped byte could name another pid or version) says nobody's pid: judged by its
+  refresh age alone, at the default margin. While live, which versions it keeps cannot be told, so gc (and the URL
+  cache's eviction) stops with one line, removing nothing; its reader's heartbeat, reading its file back each beat,
+  writes it again within `REFRESH_SECONDS` (as one removed, below); a dead reader's is removed once stale.
 
 A reader paused longer than that (SIGSTOP, a suspended VM, a hung mount) may have had its lease judged dead by a
 gc on another host, its file removed, and its versions removed with it. On waking, its heartbeat (and `add`) looks
@@ -62,6 +67,7 @@ from typing import Any, Iterable
 from schemas.errors import UserError, without_secrets
 from schemas.host import host_id, pid_namespace_id
 from store import format as fmt
+from store.checksum import SealError, is_sealed, seal, unseal
 
 log = logging.getLogger("store")
 
@@ -91,6 +97,31 @@ def _stale_after(record: dict[str, Any]) -> float:
     """The margin a lease record asks for (`stale_s`), never below the default."""
     asked = record.get("stale_s")
     return max(STALE_SECONDS, float(asked)) if isinstance(asked, (int, float)) else STALE_SECONDS
+
+
+def record_bytes(record: dict[str, Any]) -> bytes:
+    """A lease record as written (a local file, a URL's object): sealed JSON (store/checksum.py), so a flipped
+    byte is seen as damage, never read as another pid (a live reader judged gone) or another version (the one it
+    reads left unkept)."""
+    return seal(record)
+
+
+def parse_record(data: bytes) -> tuple[dict[str, Any], str | None]:
+    """(the record, None), or ({}, why it is damaged): a seal that fails, a record that is no JSON object, or
+    `versions` that are not table -> version numbers. A record without a seal (an earlier release's) is read as
+    plain JSON."""
+    try:
+        if is_sealed(data):
+            record = unseal(data)
+        else:
+            record = json.loads(data)
+    except (SealError, ValueError) as e:  # (a JSONDecodeError, a UnicodeDecodeError)
+        return {}, str(e)
+    if not isinstance(record, dict):
+        return {}, "not a JSON object"
+    if not _names_versions(record):
+        return {}, "its versions are not table -> version numbers"
+    return record, None
 
 
 class LeaseLost(UserError):
@@ -250,6 +281,7 @@ class Lease:
     stale_s: float = field(default_factory=stale_seconds)
     _stop: threading.Event = field(default_factory=threading.Event)
     _pid: int = field(default_factory=os.getpid)
+    _written: bytes = b""  # the file's bytes as last written (`_put`): other bytes there are damage
 
     def version(self, table: str) -> int | None:
         """The version of `table` this lease resolved (the first one named)."""
@@ -288,9 +320,19 @@ class Lease:
         """Write the lease file (under the store lock); removed again when the lease was released meanwhile (by
         another thread: `release` sets `_stop` before its unlink, so one of the two removes what this wrote)."""
         path.parent.mkdir(exist_ok=True)  # `.leases/` removed by hand: the lease must still be written
-        fmt.atomic_write_json(path, self.record())
+        self._put(path)
         if self._stop.is_set():
             path.unlink(missing_ok=True)
+
+    def _put(self, path: Path) -> None:
+        data = record_bytes(self.record())
+        fmt.atomic_write_bytes(path, data)
+        self._written = data
+
+    def _intact(self, path: Path) -> bool:
+        """Whether the file holds what this lease last wrote (one read of a few hundred bytes a beat): a damaged
+        one is judged by its age by every gc (`judge`), and kept live while refreshed, stopping every gc."""
+        return path.read_bytes() == self._written
 
     def release(self) -> None:
         self._stop.set()
@@ -313,10 +355,10 @@ class Lease:
         now = time.time() if now is None else now
         try:
             try:
-                if now - path.stat().st_mtime <= self.stale_s:
+                if now - path.stat().st_mtime <= self.stale_s and self._intact(path):
                     os.utime(path)
                     return True
-            except FileNotFoundError:  # a gc judged it dead: looked at under the lock, as an old one
+            except FileNotFoundError:  # a gc judged it dead: looked at under the lock, as an old one (or damaged)
                 pass
             with fmt.flock(self.root / fmt.STORE_LOCK):
                 if self._stop.is_set():  # released meanwhile (its file removed by `release`)
@@ -345,21 +387,24 @@ class Lease:
         object stays lost."""
         try:
             age: float | None = (time.time() if now is None else now) - path.stat().st_mtime
+            intact = self._intact(path)
         except FileNotFoundError:
-            age = None
-        if age is not None and age <= self.stale_s:
+            age, intact = None, False
+        if age is not None and age <= self.stale_s and intact:
             return None
         gone = [f"{t} v{v}" + ("" if ident is None else " (a new version of that number since)")
                 for t, vs in sorted(self.versions.items()) for v in vs
                 if (ident := _identity(self.root, t, v)) is None or self.ids.get((t, v), ident) != ident]
-        found = f"was removed ({path.name})" if age is None else f"was not refreshed for {age / 60:.0f} min"
+        found = (f"was removed ({path.name})" if age is None else f"was damaged ({path.name})" if not intact
+                 else f"was not refreshed for {age / 60:.0f} min")
         if gone:
             return f"{found} and {', '.join(gone)} is gone"
         named = ", ".join(f"{t} v{v}" for t, vs in sorted(self.versions.items()) for v in vs) or "nothing yet"
-        if age is None:
-            log.warning("read lease %s was removed by a `store gc` that judged it dead (this process was paused, e.g. "
-                        "SIGSTOP or a suspended VM, for longer than its margin of %.0f min), but gc kept every version "
-                        "it names (%s): written again, reading on", path, self.stale_s / 60, named)
+        if not intact:  # removed (a gc judged it dead) or damaged (read by no gc): written again
+            log.warning("read lease %s %s, but every version it names is still there (%s): written again, reading "
+                        "on", path, "was damaged (its bytes are not what this reader wrote)" if age is not None else
+                        f"was removed by a `store gc` that judged it dead (this process was paused, e.g. SIGSTOP or "
+                        f"a suspended VM, for longer than its margin of {self.stale_s / 60:.0f} min)", named)
             self._write(path)
         else:
             log.warning("read lease %s was not refreshed for %.0f min (the process was paused); what it names is still "
@@ -400,7 +445,7 @@ def hold(root: str | Path, tables: dict[str, int | None], what: str, owner: obje
                     lease.versions[table] = [v]
                     lease.ids[(table, v)] = ident
             lease.path = root / LEASES_DIR / f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}.json"
-            fmt.atomic_write_json(lease.path, lease.record())
+            lease._put(lease.path)
     except OSError as e:  # a read-only store: reading goes on without a lease
         log.warning("store %s: no read lease (%s); a `store gc` meanwhile could remove versions this %s reads",
                     root, e.strerror or e, what)
@@ -422,11 +467,20 @@ class Found:
     record: dict[str, Any]
     live: bool
     why: str  # "pid 123 on host, running" / "pid 123 on host is gone" / "refreshed 20 s ago on other-host"
+    damaged: bool = False  # its record did not read (`parse_record`): judged by its refresh age alone
 
     def describe(self) -> str:
         return f"{self.record.get('what', '?')} ({self.why}, lease {self.path.name})"
 
     def versions(self) -> Iterable[tuple[str, int]]:
+        """The versions it names. A live damaged lease names versions no one can tell: UserError (gc, the cache's
+        eviction, repair's retiring of a version stop before removing one its reader may be reading)."""
+        if self.damaged and self.live:
+            raise UserError(f"read lease {self.path} is damaged ({self.why}): its reader may still run, and which "
+                            f"versions it reads cannot be told, so this stopped before removing any; rerun later (a "
+                            f"running reader writes its lease again within {REFRESH_SECONDS:.0f} s; one of a gone "
+                            f"reader counts as dead {STALE_SECONDS / 60:.0f} min after its last refresh), or remove "
+                            f"the file if its reader is known to be gone")
         for table, vs in (self.record.get("versions") or {}).items():
             for v in vs:
                 yield table, int(v)
@@ -440,12 +494,17 @@ def _names_versions(record: dict[str, Any]) -> bool:
         for vs in named.values())
 
 
-def judge(path: Path, record: dict[str, Any], mtime: float, now: float | None = None) -> Found:
-    """Live or dead; a record whose `versions` is not what a lease writes (valid JSON, damaged: a flipped byte)
-    counts as unreadable, dead, as one that does not parse (before, `store gc` stopped on it with a traceback)."""
-    if not _names_versions(record):
-        return Found(path, {}, False, "unreadable (its versions are not table -> version numbers)")
+def judge(path: Path, record: dict[str, Any], mtime: float, now: float | None = None,
+          damaged: str | None = None) -> Found:
+    """Live or dead. A `damaged` record (`parse_record`: a seal that fails, a record that does not parse, versions
+    that are no version numbers) cannot say whose it is: judged by its refresh age alone, as another host's (its
+    reader, if it runs, refreshes it, and writes it again: `Lease._lost_how`), at the default margin."""
     now = time.time() if now is None else now
+    if damaged is not None:
+        age = now - mtime
+        if age <= STALE_SECONDS:
+            return Found(path, {}, True, f"{damaged}; refreshed {age:.0f} s ago", damaged=True)
+        return Found(path, {}, False, f"unreadable ({damaged}); not refreshed for {age / 60:.0f} min", damaged=True)
     host, pid = record.get("host"), record.get("pid")
     if record.get("boot_id") == host_id() and record.get("pid_namespace") == _pid_namespace() and isinstance(pid, int):
         gone = pid_gone(pid, record.get("pid_start"))
@@ -459,20 +518,20 @@ def judge(path: Path, record: dict[str, Any], mtime: float, now: float | None = 
 
 
 def leases(root: Path) -> list[Found]:
-    """Every lease file of the store, judged live or dead (an unreadable one - a torn write is impossible with
-    atomic writes, so it is damage - counts as dead)."""
+    """Every lease file of the store, judged live or dead (a damaged one - a torn write is impossible with atomic
+    writes - by its refresh age: `judge`)."""
     out = []
     folder = Path(root) / LEASES_DIR
     if not folder.is_dir():
         return out
     for p in sorted(folder.glob("*.json")):
+        mtime = 0.0  # not even stat'ed: as old as can be
         try:
             mtime = p.stat().st_mtime
-            record = json.loads(p.read_text())
+            record, damaged = parse_record(p.read_bytes())
         except FileNotFoundError:  # released meanwhile
             continue
-        except (OSError, ValueError) as e:
-            out.append(Found(p, {}, False, f"unreadable ({e})"))
-            continue
-        out.append(judge(p, record if isinstance(record, dict) else {}, mtime))
+        except OSError as e:  # unreadable here (permissions, I/O): whose it is cannot be told, as a damaged one
+            record, damaged = {}, f"cannot be read: {e.strerror or e}"
+        out.append(judge(p, record, mtime, damaged=damaged))
     return out

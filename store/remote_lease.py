@@ -28,7 +28,6 @@ checksums.json anyway.
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import secrets
@@ -76,7 +75,7 @@ class RemoteLease:
                 "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
     def _write(self) -> None:
-        self.remote.write(self.rel, json.dumps(self.record(), sort_keys=True).encode())
+        self.remote.write(self.rel, local_lease.record_bytes(self.record()))
 
     def add(self, versions: Iterable[tuple[str, int]]) -> None:
         """Name more versions: a read lease is rewritten only where it still is (`_rewrite`, the heartbeat's look: a
@@ -182,7 +181,7 @@ class RemoteLease:
         the look and the PUT goes unwatched then."""
         if etag:
             try:
-                self.remote.fs.pipe_file(path, json.dumps(self.record(), sort_keys=True).encode(), IfMatch=etag)
+                self.remote.fs.pipe_file(path, local_lease.record_bytes(self.record()), IfMatch=etag)
                 return
             except Exception as e:  # noqa: BLE001
                 if isinstance(e, FileNotFoundError) or (isinstance(e, OSError) and _precondition_failed(e)):
@@ -266,21 +265,18 @@ def hold_reading(url: str, versions: Iterable[tuple[str, int]], storage_options:
 
 def leases(remote: Remote, listing: dict[str, tuple[int, float]], now: float | None = None) -> list[local_lease.Found]:
     """Every lease object, judged live or dead (`listing`: {rel: (size, LastModified epoch)}) by the server's
-    clock (`now`, default `remote.now()`: LastModified is the server's); an unreadable one counts as dead (objects
-    are written whole, so it is damage)."""
+    clock (`now`, default `remote.now()`: LastModified is the server's); a damaged one (objects are written whole)
+    by its age alone (`local_lease.judge`: its heartbeat rewrites it whole every beat)."""
     now = remote.now() if now is None else now
     out = []
     for rel, (_, mtime) in sorted(listing.items()):
         if not (rel.startswith(LEASES_DIR + "/") and rel.endswith(".json")):
             continue
         try:
-            record = json.loads(remote.read(rel))
+            record, damaged = local_lease.parse_record(remote.read(rel))
         except FileNotFoundError:  # released meanwhile
             continue
-        except ValueError as e:
-            out.append(local_lease.Found(PurePosixPath(rel), {}, False, f"unreadable ({e})"))  # type: ignore[arg-type]
-            continue
-        out.append(local_lease.judge(PurePosixPath(rel), record if isinstance(record, dict) else {}, mtime, now))  # type: ignore[arg-type]
+        out.append(local_lease.judge(PurePosixPath(rel), record, mtime, now, damaged))  # type: ignore[arg-type]
     return out
 
 

@@ -28,9 +28,10 @@ import logging
 import os
 import re
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from schemas.errors import UserError
 from schemas.newer import refuse_newer
@@ -38,6 +39,7 @@ from schemas.temp_files import temp_of
 from store import format as fmt
 from store import integrity, remote_checked, remote_endpoint, remote_lease
 from store.checksum import SealError, crc_hex, seal, unseal
+from store.io_errors import is_not_writable
 from store.remote import Remote, SharedBar, each_at_once, lost_object, lost_version, open_remote, remote_errors
 from store.lease import process_tag
 from store.remote_shards import is_lazy
@@ -507,7 +509,7 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
     dst = Path(dst)
     remote = open_remote(url, storage_options)
     summary = SyncSummary("pull", url)
-    with remote_errors(url, "pull"):
+    with remote_errors(url, "pull"), _writing_into(dst, url):
         if tables is not None and _all_cached(remote, dst, tables, summary, damaged_ok):
             return summary
         listing, garbage = _listing_and_garbage(remote, tables, every_version)
@@ -535,6 +537,28 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
                 left = {v for v in fmt.was_current(entry) if fmt.is_complete(fmt.version_dir(dst, table, v))}
                 store.set_current(table, int(entry["current"]), also=left)
     return summary
+
+
+@contextmanager
+def _writing_into(dst: Path, url: str) -> Iterator[None]:
+    """A pull's write refused in `dst` (a read-only mount: EROFS; another account's folder: EACCES) as one line
+    naming the folder and what to do (before: a PermissionError traceback from the version's temp folder). Errors
+    naming no path in `dst` pass: the URL's (S3's access denied names none; a file:// URL's own path), and a full
+    disk (its callers' lines: the CLI's, the cache's)."""
+    try:
+        yield
+    except OSError as e:
+        name = e.filename
+        if not is_not_writable(e) or name is None or not _is_under(Path(os.fsdecode(name)), dst):
+            raise
+        raise UserError(f"cannot pull {url} into {dst}: {name} is not writable ({e.strerror or e}); make "
+                        f"{dst} writable (its permissions, a read-write mount) or pull into another folder") from None
+
+
+def _is_under(path: Path, folder: Path) -> bool:
+    """`path` is `folder` or below it."""
+    path_s, folder_s = os.path.abspath(path), os.path.abspath(folder)
+    return path_s == folder_s or path_s.startswith(os.path.join(folder_s, ""))
 
 
 def _listing_and_garbage(remote: Remote, tables: list[str] | None,

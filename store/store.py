@@ -44,9 +44,11 @@ class Store:
                 if not (self.root / fmt.STORE_JSON).is_file():
                     fmt.write_store_record(self.root, fmt.new_store_record())
         fmt.read_store_record(self.root)  # format + version checked on every open
-        # (table, version) -> (its schema.json's and checksums.json's `fmt.file_identity`, the checked schema):
-        # a rerun asks `find_version` / `reusable_keys` about several lineages, each of which read every version's
-        # schema again (8 reads for 2 versions). By identity, as `version_id`'s cache: a gc'd and rebuilt v2 is read.
+        # (table, version) -> (its schema.json's bytes and checksums.json's `_identity`, the checked schema): a
+        # rerun asks `find_version` / `reusable_keys` about several lineages, each of which read every version's
+        # schema again (8 reads for 2 versions). By the schema's own bytes (a few kB, read again at every ask; its
+        # stat could hold over a rewrite in place - the same size, its mtime set back or within the clock's tick),
+        # so a gc'd and rebuilt v2, or a schema.json damaged since, is read and checked again.
         self._schemas: dict[tuple[str, int], tuple[tuple, TableSchema]] = {}
 
     # ------------------------------------------------------------ tables and versions
@@ -87,10 +89,11 @@ class Store:
             return found
 
     def checked_schema(self, table: str, version: int) -> TableSchema:
-        """`manifest_files.checked_schema` of a version, read once per Store while its schema.json and
-        checksums.json stay the same files; one that does not read is read (and recorded) again each time."""
+        """`manifest_files.checked_schema` of a version, checked once per Store while its schema.json holds the
+        same bytes and checksums.json stays the same file; one that does not read is read (and recorded) again
+        each time."""
         vdir = self.version_dir(table, version)
-        ident = tuple(_identity(vdir / name) for name in (fmt.SCHEMA_JSON, fmt.CHECKSUMS))
+        ident = (_bytes(vdir / fmt.SCHEMA_JSON), _identity(vdir / fmt.CHECKSUMS))
         held = self._schemas.get((table, version))
         if held is not None and held[0] == ident:  # (one that did not read was never held)
             return held[1]
@@ -196,9 +199,19 @@ class Store:
         return quarantine.read(self.root, columns)
 
 
-def _identity(path: Path) -> tuple[int, int, int] | None:
-    """`fmt.file_identity` of the file at `path`; None where there is none."""
+def _identity(path: Path) -> tuple[int, ...] | None:
+    """`fmt.file_identity` of the file at `path` and its ctime (which no one sets back, as `os.utime` sets mtime);
+    None where there is none."""
     try:
-        return fmt.file_identity(os.stat(path))
+        st = os.stat(path)
+    except OSError:
+        return None
+    ident = fmt.file_identity(st)
+    return None if ident is None else (*ident, st.st_ctime_ns)
+
+
+def _bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
     except OSError:
         return None

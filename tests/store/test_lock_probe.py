@@ -49,3 +49,19 @@ def test_a_holder_unlinking_its_lock_as_the_probe_reads_it_is_still_one_line(tmp
             fmt.refuse_if_held(path, "table 'vae'")
     finally:
         os.close(fd)
+
+
+def test_a_writer_that_takes_the_lock_right_after_the_probe_is_still_refused_by_the_writers_lock(tmp_path):
+    """The probe takes nothing: a second writer that takes the lock between the probe and the writer's open (the
+    minutes of a model load) is refused by `lock_rank`'s own non-blocking lock, which the writer takes before it
+    writes anything (store/writer.py). The probe is only the early line, not the guard."""
+    from store.writer_open import lock_rank, refuse_a_running_writer
+
+    (tmp_path / "vae").mkdir()
+    refuse_a_running_writer(tmp_path, "vae", 0)  # nobody holds it
+    fd = _held(tmp_path / "vae" / ".write-r00.lock")  # another writer came meanwhile
+    try:
+        with pytest.raises(UserError, match=r"table 'vae' \(rank 0\) is being written by pid 4242 on node-a"):
+            lock_rank(tmp_path, "vae", 0)
+    finally:
+        os.close(fd)

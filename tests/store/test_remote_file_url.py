@@ -153,3 +153,35 @@ def test_a_resumed_push_to_a_file_url_reads_no_object_back(store: Store, tmp_pat
     target.write_bytes(bytes([data[0] ^ 1]) + data[1:])
     with pytest.raises(UserError, match="incomplete version with other contents|differs"):
         push(str(store.root), f"file://{tmp_path / 'remote2'}")
+
+
+@pytest.mark.parametrize("code", ["EROFS", "EACCES"])
+def test_a_pull_into_a_read_only_folder_is_one_line_naming_it(store: Store, tmp_path: Path, monkeypatch, code) -> None:
+    """The destination store on a read-only mount (EROFS) or another account's folder (EACCES): one line naming
+    the folder and what to do, nothing written there (before: the PermissionError / OSError of the version's temp
+    folder, a traceback through the API). Simulated at the first write there, a folder made (the tests run as root,
+    whom file modes do not stop); the URL's own folder stays writable."""
+    import errno
+
+    from schemas.errors import UserError
+
+    fill(store, 6, tag="a")
+    url = f"file://{tmp_path / 'remote'}"
+    push(str(store.root), url)
+    dst = tmp_path / "pulled"
+    pull(url, dst)
+    fill(store, 4, tag="b", start=20)
+    push(str(store.root), url)
+    real_mkdir = os.mkdir
+
+    def refused_in_dst(path, *a, **k):
+        if str(path).startswith(str(dst)):
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)), str(path))
+        return real_mkdir(path, *a, **k)
+
+    monkeypatch.setattr(os, "mkdir", refused_in_dst)
+    with pytest.raises(UserError, match=rf"cannot pull {url} into {dst}: {dst}/vae/\S+ is not writable .*; make "
+                                        rf"{dst} writable .* or pull into another folder") as e:
+        pull(url, dst)
+    assert "\n" not in str(e.value)
+    assert Store(dst, create=False).versions("vae") == [1]

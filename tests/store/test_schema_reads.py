@@ -57,3 +57,28 @@ def test_a_version_rewritten_since_is_read_again(store: Store, monkeypatch) -> N
     (other / "vae" / "v1").rename(vdir)
     assert store.find_version("vae", lineage("a")) is None
     assert store.find_version("vae", lineage("b")) == 1
+
+
+def test_a_schema_rewritten_in_place_with_its_size_and_mtime_kept_is_checked_again(store: Store) -> None:
+    """A schema.json whose bytes change in place, keeping its inode, size and mtime (set back: `os.utime`, as
+    `cp -p` / `rsync -t` / `tar` do; or a rewrite within the clock's tick): the held schema was trusted (its stat
+    matched) and the damage never seen; now its bytes are compared and it is checked again: DamagedData."""
+    import os
+
+    import pytest
+
+    from store.integrity import DamagedData
+
+    _write(store, "a", "feat-a")
+    assert store.find_version("vae", lineage("a")) == 1
+    path = store.version_dir("vae", 1) / fmt.SCHEMA_JSON
+    before, data = os.stat(path), path.read_bytes()
+    flipped = data.replace(b"feat-a", b"feat-b")
+    assert flipped != data and len(flipped) == len(data)
+    with open(path, "r+b") as f:  # in place: the same inode
+        f.write(flipped)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    with pytest.raises(DamagedData, match="schema.json"):
+        store.checked_schema("vae", 1)

@@ -1,0 +1,108 @@
+"""A damaged lease file (store/lease.py): sealed with its own CRC32C, so a flipped byte is damage, never read as
+another pid (a live reader judged gone: its version removed under it) or another version (the one it reads left
+unkept). A damaged lease is judged by its refresh age alone: while fresh, gc stops in one line, removing nothing;
+its reader's heartbeat writes it again; once stale (its reader gone), gc removes it and goes on. A URL's lease
+objects are sealed and read the same way."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from schemas.errors import UserError
+from store import Store
+from store import gc, lease
+from store import remote_lease
+from store.remote import open_remote
+from test_lease import two_versions
+
+
+def _flip_pid(data: bytes, pid: int) -> bytes:
+    """The lease's pid with its last digit changed: still valid JSON, another process's pid."""
+    digit = str(pid)[-1]
+    other = str((int(digit) + 1) % 10)
+    return data.replace(f'"pid": {pid},'.encode(), f'"pid": {str(pid)[:-1] + other},'.encode())
+
+
+def _damages(data: bytes, pid: int) -> dict[str, bytes]:
+    return {"pid": _flip_pid(data, pid),
+            "version": data.replace(b'"vae": [\n      1\n    ]', b'"vae": [\n      2\n    ]'),
+            "truncated": data[: len(data) // 2]}
+
+
+@pytest.mark.parametrize("how", ["pid", "version", "truncated"])
+def test_a_damaged_lease_of_a_live_reader_stops_gc_in_one_line_and_keeps_its_version(store: Store, how) -> None:
+    """Before: a flipped pid digit judged the live reader gone and a flipped version number kept v2 instead (valid
+    JSON: both read as written), a truncated file counted as dead: gc removed v1 under the reader each time."""
+    two_versions(store)
+    held = lease.hold(store.root, {"vae": 1}, "a test reader")
+    try:
+        damaged = _damages(held.path.read_bytes(), os.getpid())[how]
+        assert damaged != held.path.read_bytes()
+        held.path.write_bytes(damaged)
+        with pytest.raises(UserError, match=r"read lease .* is damaged .*stopped before removing any; rerun") as e:
+            gc.collect(store.root, echo=lambda m: None)
+        assert "\n" not in str(e.value)
+        assert store.versions("vae") == [1, 2] and held.path.read_bytes() == damaged
+        assert held._beat() is True  # its heartbeat reads it back and writes it again
+        assert lease.parse_record(held.path.read_bytes())[0]["versions"] == {"vae": [1]}
+        p = gc.collect(store.root, echo=lambda m: None)
+        assert ("vae", 1) in p.keep and store.versions("vae") == [1, 2]
+    finally:
+        held.release()
+
+
+def test_a_damaged_lease_of_a_gone_reader_is_removed_once_stale(store: Store) -> None:
+    """Its reader gone (no heartbeat): stale after the default margin, then removed with one line, and gc goes on."""
+    two_versions(store)
+    held = lease.hold(store.root, {"vae": 1}, "a test reader")
+    path, data = held.path, held.path.read_bytes()
+    held.release()
+    path.write_bytes(_flip_pid(data, os.getpid()))
+    long_ago = time.time() - lease.STALE_SECONDS - 60
+    os.utime(path, (long_ago, long_ago))
+    messages: list[str] = []
+    p = gc.collect(store.root, echo=messages.append)
+    assert [f.path for f in p.dead_leases] == [path] and not path.exists()
+    assert any("remove the lease of a gone reader" in m and "checksum mismatch" in m for m in messages), messages
+    assert store.versions("vae") == [2]
+
+
+def test_an_earlier_releases_unsealed_lease_is_still_read(store: Store) -> None:
+    two_versions(store)
+    held = lease.hold(store.root, {"vae": 1}, "a test reader")
+    try:
+        record, damaged = lease.parse_record(held.path.read_bytes())
+        assert damaged is None
+        record.pop("checksum", None)
+        held.path.write_text(json.dumps(record))  # what an earlier release wrote: plain JSON
+        assert [f.live for f in lease.leases(store.root)] == [True]
+        assert ("vae", 1) in gc.collect(store.root, dry_run=True, echo=lambda m: None).keep
+    finally:
+        held.release()
+
+
+def test_a_damaged_lease_object_of_a_url_stops_its_gc_and_is_written_again(store: Store, tmp_path) -> None:
+    """A URL's lease object: before, a flipped pid digit judged its live reader gone (its object removed, its
+    version with it); now damage, and its next beat writes it whole again."""
+    from store import remote_gc
+    from store.remote_sync import push
+
+    url = (tmp_path / "remote").as_uri()
+    two_versions(store)
+    push(store.root, url)
+    remote = open_remote(url)
+    held = remote_lease.hold(remote, [("vae", 1)], "a test reader")
+    try:
+        obj = tmp_path / "remote" / held.rel
+        obj.write_bytes(_flip_pid(obj.read_bytes(), os.getpid()))
+        with pytest.raises(UserError, match=r"read lease .* is damaged"):
+            remote_gc.plan(open_remote(url))
+        assert held._beat() is True
+        p = remote_gc.plan(open_remote(url))
+        assert ("vae", 1) in p.leased and not p.remove
+    finally:
+        held.release()
