@@ -310,7 +310,7 @@ def _not_kept_here(root: Path) -> set[tuple[str, int]]:
 
     try:
         entries = fmt.read_store_record(root)["tables"]
-        return {(t, v) for t, v in not_kept(root) if t in entries and v < int(entries[t]["current"])}
+        return {(t, v) for t, v in not_kept(root, entries) if t in entries and v < int(entries[t]["current"])}
     except UserError:
         return set()
 
