@@ -40,7 +40,7 @@ from store import integrity, remote_checked, remote_endpoint, remote_lease
 from store.checksum import SealError, crc_hex, seal, unseal
 from store.remote import Remote, SharedBar, each_at_once, lost_object, lost_version, open_remote, remote_errors
 from store.lease import process_tag
-from store.remote_shards import is_lazy
+from store.remote_shards import is_cache_file, is_lazy
 from store.remote_upload import Mismatch
 
 PULL_SUFFIX = ".pull"
@@ -104,6 +104,7 @@ class _File:
     rel: str  # path relative to the store root ("vae/v1/shard-r00-000000.tar")
     nbytes: int
     crc: str
+    cached: bool = False  # a cache's copy sent again (`_lost_held_here`): evicted meanwhile, it is not sent
 
 
 def _ordered(table: str, version: int, files: dict[str, dict[str, Any]], record: bytes) -> list[_File]:
@@ -249,6 +250,8 @@ def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int] | No
                                 f"it: a deleted prefix, a restarted in-memory server); the cache holds only its "
                                 f"metadata: remove {src} (a cache) and rerun, to rebuild it on the remote")
             summary.present.append(f"{table}/v{version}")
+            if listing is not None:
+                todo += _lost_held_here(remote, src, table, version, listing)
             continue
         if not (vdir / fmt.CHECKSUMS).is_file():
             raise UserError(f"{vdir} has no {fmt.CHECKSUMS} (store format 1): push copies only versions it "
@@ -280,6 +283,38 @@ def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int] | No
     return todo, files_of
 
 
+def _lost_held_here(remote: Remote, src: Path, table: str, version: int, listing: dict[str, int]) -> list[_File]:
+    """The objects of a lazily cached version of the URL (fetched from it, or pushed from here and marked) that the
+    push's listing lacks and the cache holds intact (its metadata always, a shard once fetched whole): deleted
+    there behind the tool's back, where readers are told to push that version again. Sent again, as a local
+    store's are (`_plan_push`), from the listing push makes anyway: a local listing of the folder; only when
+    something is missing, its checksums.json read and one request for the manifest's CRC32C (nothing is sent into
+    another store's version of that number). One the cache lacks, or holds damaged (this node's disk), stays lost:
+    `pipeline store verify URL` names it."""
+    from store.checksum import file_crc
+
+    vdir = fmt.version_dir(src, table, version)
+    base = f"{table}/v{version}/"
+    try:
+        gone = {name for name in os.listdir(vdir) if base + name not in listing and not is_cache_file(name)}
+        record = (vdir / fmt.CHECKSUMS).read_bytes() if gone else b""
+    except FileNotFoundError:  # evicted whole since it was listed (another process's open): nothing held to send
+        return []
+    if not gone:
+        return []
+    files = _ordered(table, version, version_files(record, str(vdir / fmt.CHECKSUMS)), record)
+    if not _same(remote, listing, files[-1]):  # the URL's version of that number is not this one
+        return []
+    held = []
+    for f in files[:-1]:  # (the manifest is there)
+        try:
+            if f.rel[len(base):] in gone and file_crc(src / f.rel) == (f.crc, f.nbytes):
+                held.append(_File(f.rel, f.nbytes, f.crc, cached=True))
+        except FileNotFoundError:  # evicted since the folder's listing (another process's fetch made room)
+            continue
+    return held
+
+
 def _upload(remote: Remote, src: Path, url: str, todo: list[_File], files_of: dict[str, list[_File]],
             summary: SyncSummary) -> None:
     with _progress(sum(f.nbytes for f in todo), f"push {url}") as progress:
@@ -287,7 +322,8 @@ def _upload(remote: Remote, src: Path, url: str, todo: list[_File], files_of: di
 
         def send_batch() -> None:  # several at a time: only a manifest's order matters
             for f in each_at_once(lambda f: _send(remote, src, url, f, bar), batch):
-                summary.sent(f)
+                if f is not None:
+                    summary.sent(f)
             batch.clear()
 
         for f in todo:
@@ -301,8 +337,11 @@ def _upload(remote: Remote, src: Path, url: str, todo: list[_File], files_of: di
         send_batch()
 
 
-def _send(remote: Remote, src: Path, url: str, f: _File, bar) -> _File:
+def _send(remote: Remote, src: Path, url: str, f: _File, bar) -> _File | None:
+    """`f` uploaded (checked against its record as it is read); None for a cache's copy evicted meanwhile."""
     path = src / f.rel
+    if f.cached and not path.is_file():
+        return None
     if not path.is_file():
         raise UserError(f"{path} is missing (listed in its version's {fmt.CHECKSUMS}); run "
                         f"`pipeline store verify` / `pipeline store repair` on the store, then push again")
@@ -311,6 +350,10 @@ def _send(remote: Remote, src: Path, url: str, f: _File, bar) -> _File:
     except Mismatch as e:
         raise UserError(f"{path} is damaged ({e}; recorded {f.nbytes} bytes, crc32c {f.crc}): not sent; run "
                         "`pipeline store repair` on the store, then push again") from None
+    except FileNotFoundError:
+        if f.cached and not path.exists():  # evicted while it was read
+            return None
+        raise
     # objects are write-once: one that appeared since the listing must be this very file
     if not created and not remote.has(f.rel, f.nbytes, f.crc):
         table, version = f.rel.split("/")[:2]
