@@ -158,16 +158,23 @@ def _complete_versions(root: Path) -> list[tuple[str, int]]:
             if fmt.is_complete(fmt.version_dir(root, t, v))]
 
 
-def not_kept(root: Path) -> set[tuple[str, int]]:
+def all_current(entries: dict[str, dict], complete: list[tuple[str, int]] | set[tuple[str, int]]) -> bool:
+    """Is each of the `complete` versions (local or at a URL) its table's current one in store.json's `entries`?
+    The usual store: then gc removes none of them, and `not_kept` (here and store/remote_gc.py) reads nothing
+    more - one test for both, as their answers must agree."""
+    return all(t in entries and v == int(entries[t]["current"]) for t, v in complete)
+
+
+def not_kept(root: Path, entries: dict[str, dict] | None = None) -> set[tuple[str, int]]:
     """The complete versions of the store at `root` that gc would remove (`keep_rule`, as `plan` keeps): replaced by
     a newer current one or switched away from (`was_current`), read under no live lease, and made nothing kept.
     Push sends none of them (store/remote_sync.py): the URL's gc would remove them, and one is tens of GB at 1M
-    samples."""
-    entries = fmt.read_store_record(root)["tables"]
+    samples. `entries`: its store.json's tables, when the caller read them already."""
+    entries = fmt.read_store_record(root)["tables"] if entries is None else entries
     complete = _complete_versions(root)
-    if all(t in entries and v == int(entries[t]["current"]) for t, v in complete):  # the usual store: no read
+    if all_current(entries, complete):  # the usual store: no read
         return set()
-    return set(complete) - keep_rule(root, entries, GcPlan())[0]
+    return set(complete) - keep_rule(root, entries, GcPlan(), complete)[0]
 
 
 def unswitched_lines(found: dict[tuple[str, int], int]) -> list[str]:
@@ -236,15 +243,15 @@ def _stale_records(root: Path, table_dir: Path) -> list[Path]:
             and not (table_dir / f"v{v}{fmt.SET_ASIDE_SUFFIX}").exists()]
 
 
-def keep_rule(root: Path, entries: dict[str, dict], out: GcPlan
+def keep_rule(root: Path, entries: dict[str, dict], out: GcPlan, complete: list[tuple[str, int]] | None = None
               ) -> tuple[set[tuple[str, int]], dict[tuple[str, int], list[str]]]:
     """What gc keeps of the store at `root` (`entries`: its store.json's tables), once for `plan` and push
     (`not_kept`): each table's current version, its complete versions past it never current (`unswitched`), every
     version a live read lease names, and what these were made from (`kept_closure`). Fills `out`'s unswitched,
     unknown_upstream, leased and dead_leases; returns the kept versions and, per version a live lease names (there
-    or not), by whom."""
+    or not), by whom. `complete`: `_complete_versions(root)`, when the caller listed them already."""
     current = {t: int(e["current"]) for t, e in entries.items()}
-    out.unswitched = unswitched(entries, _complete_versions(root))
+    out.unswitched = unswitched(entries, _complete_versions(root) if complete is None else complete)
     upstream_of = _upstream_reader(root)
     keep = _kept(root, sorted(current.items()) + sorted(out.unswitched), out.unknown_upstream, upstream_of)
     named_by: dict[tuple[str, int], list[str]] = {}  # every version a live lease names, existing or not

@@ -254,8 +254,9 @@ def _candidates(cache: Path, keep: set[tuple[Path, str, int]],
     committed only here: [(folder, bytes)]). A version in `keep` or under a live read lease keeps its folder and
     metadata; a lazily cached version's shards may always go (refetched on need). Only a copy of the remote's
     (lazily opened, or pushed: `is_lazy`) goes whole: a version a writer committed here and did not push (a failed
-    or killed push_back) is the only copy of that work until the rerun pushes it - unless a newer current version
-    replaced it (`_not_kept_here`): no push sends such a one, and the cached store's gc removes it."""
+    or killed push_back) is the only copy of that work until the rerun pushes it - unless a newer version this
+    cache committed and pushed replaced it (`_not_kept_here`): no push sends such a one, and the cached store's gc
+    removes it."""
     from store.remote_shards import is_lazy, is_shard
 
     # what the cached store's gc would remove, asked once per store and only of a version committed here: push
@@ -301,18 +302,34 @@ def _candidates(cache: Path, keep: set[tuple[Path, str, int]],
 
 
 def _not_kept_here(root: Path) -> set[tuple[str, int]]:
-    """The complete versions of the cached store `root` that a newer current one replaced and its gc would remove
-    (store/gc.py `not_kept`). Not one switched away from (`was_current`): an open sets the cache's store.json to
-    the URL's, which switches away from a version committed here and not pushed yet, and the rerun of its stage
-    makes it current again. None where this cannot be told (a record of a newer release, damage): every version
-    committed here is then kept, as before."""
+    """The complete versions of the cached store `root` that its gc would remove (store/gc.py `not_kept`) because a
+    newer version of the same table that this cache committed and pushed itself replaced it (`_pushed_here`): the
+    writer here moved on, and no push sends it. Not one a newer version of another writer replaced (an open made
+    the URL's current here): never sent, it is the only copy of its work, which the rerun of its settings adopts
+    (store.find_version) and pushes. Not one switched away from (`was_current`) either: an open sets the cache's
+    store.json to the URL's, which switches away from a version committed here and not pushed yet. None where this
+    cannot be told (a record of a newer release, damage): every version committed here is then kept, as before."""
     from store.gc import not_kept
 
     try:
         entries = fmt.read_store_record(root)["tables"]
-        return {(t, v) for t, v in not_kept(root) if t in entries and v < int(entries[t]["current"])}
+        replaced = {(t, v) for t, v in not_kept(root, entries) if t in entries and v < int(entries[t]["current"])}
     except UserError:
         return set()
+    pushed = {t: [u for u in fmt.list_versions(root, t) if _pushed_here(fmt.version_dir(root, t, u))]
+              for t in {t for t, _ in replaced}}
+    return {(t, v) for t, v in replaced if any(u > v for u in pushed[t])}
+
+
+def _pushed_here(vdir: Path) -> bool:
+    """Did this cache's own push send the version (`push_back`: its marker says so)? A copy of the URL's that an
+    open fetched, or one marked by an earlier release, was not: False."""
+    from store.remote_shards import MARKER
+
+    try:
+        return json.loads((vdir / MARKER).read_text()).get("pushed_here") is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _live_leases(root: Path) -> set[tuple[str, int]]:
@@ -461,9 +478,11 @@ def push_back(store: str | Path, local: Path, storage_options: dict[str, Any] | 
     summary = push(local, url, storage_options)
     # on the remote now: the cached shards are copies, evictable and refetched (`present`: a version an earlier
     # push sent and was killed before marking, or sent by a version of this code that did not mark it)
+    # `copied`: sent by this very push, so committed here: the proof that this cache's writer moved past an older
+    # version it never pushed (`_not_kept_here`)
     for name in summary.copied + summary.present:
         table, version = name.rsplit("/v", 1)
         vdir = fmt.version_dir(local, table, int(version))
         if not remote_shards.is_lazy(vdir):
-            remote_shards.mark(vdir, url, table, int(version))
+            remote_shards.mark(vdir, url, table, int(version), pushed_here=name in summary.copied)
     return summary

@@ -40,7 +40,7 @@ from typing import Any, Callable
 from schemas.errors import UserError
 from store import format as fmt
 from store import remote_endpoint, remote_lease
-from store.gc import kept_closure, unknown_lines, unswitched, unswitched_lines
+from store.gc import all_current, kept_closure, unknown_lines, unswitched, unswitched_lines
 from store.lease import Found
 from store.manifest_files import checked_schema
 from store.remote import CLOCK_DIR, Remote, open_remote, remote_errors
@@ -242,16 +242,18 @@ def keep_rule(remote: Remote, versions: dict[tuple[str, int], Version], entries:
     return keep | set(out.leased), found_leases
 
 
-def not_kept(remote: Remote, listing: dict[str, tuple[int, float]]) -> set[tuple[str, int]]:
+def not_kept(remote: Remote, listing: dict[str, tuple[int, float]], entries: dict[str, dict] | None
+             ) -> set[tuple[str, int]]:
     """The complete versions at the URL that its gc would remove (`keep_rule`, as `plan` keeps): replaced by a newer
     current one or switched away from, read under no live lease, and made nothing kept. A pull of the whole URL
     copies none of them (store/remote_sync.py), as push sends none of a local store's (store/gc.py `not_kept`):
-    one is tens of GB at 1M samples. Nothing is read where every complete version is current (the usual store);
-    none either where the server's clock cannot be read (credentials that may not write: leases not judged)."""
+    one is tens of GB at 1M samples. `entries`: the URL's store.json's tables, as the caller read them after
+    `listing` (None: no store.json, then none). Nothing is read where every complete version is current (the usual
+    store); none either where the server's clock cannot be read (credentials that may not write: leases not
+    judged)."""
     versions = _versions(listing)
     complete = {tv for tv, v in versions.items() if v.complete}
-    entries = _entries(remote)
-    if entries is None or all(t in entries and v == int(entries[t]["current"]) for t, v in complete):
+    if entries is None or all_current(entries, complete):
         return set()
     try:
         now = remote.now()

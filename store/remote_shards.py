@@ -622,7 +622,8 @@ def mark_copies(url: str, root: Path, storage_options: dict[str, Any] | None = N
                 mark(vdir, url, t, v)
 
 
-def mark(vdir: Path, url: str, table: str, version: int) -> None:
-    """Mark a version folder as a cached copy of `url`'s: its missing shards are fetched, its shards evictable."""
+def mark(vdir: Path, url: str, table: str, version: int, pushed_here: bool = False) -> None:
+    """Mark a version folder as a cached copy of `url`'s: its missing shards are fetched, its shards evictable.
+    `pushed_here`: committed in this cache and sent by its push (store/remote_cache.py `push_back`)."""
     fmt.atomic_write_json(vdir / MARKER, {"url": url, "table": table, "version": version,
-                                          "cached_at": time.time()})
+                                          "cached_at": time.time(), **({"pushed_here": True} if pushed_here else {})})

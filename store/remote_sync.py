@@ -42,7 +42,7 @@ from store.checksum import SealError, crc_hex, seal, unseal
 from store.io_errors import is_not_writable
 from store.remote import Remote, SharedBar, each_at_once, lost_object, lost_version, open_remote, remote_errors
 from store.lease import process_tag
-from store.remote_shards import is_lazy
+from store.remote_shards import is_cache_file, is_lazy
 from store.remote_upload import Mismatch
 
 PULL_SUFFIX = ".pull"
@@ -106,6 +106,7 @@ class _File:
     rel: str  # path relative to the store root ("vae/v1/shard-r00-000000.tar")
     nbytes: int
     crc: str
+    cached: bool = False  # a cache's copy sent again (`_lost_held_here`): evicted meanwhile, it is not sent
 
 
 def _ordered(table: str, version: int, files: dict[str, dict[str, Any]], record: bytes) -> list[_File]:
@@ -139,9 +140,8 @@ def version_record(record: bytes, where: str) -> dict[str, Any]:
     return {**obj, "files": files}
 
 
-def _local_versions(root: Path) -> list[tuple[str, int]]:
-    """Complete, undamaged versions of every table the local store names."""
-    tables = fmt.read_store_record(root)["tables"]
+def _local_versions(root: Path, tables: dict[str, dict]) -> list[tuple[str, int]]:
+    """Complete, undamaged versions of every table the local store names (`tables`: its store.json's)."""
     return [(t, v) for t in sorted(tables) for v in fmt.list_versions(root, t)
             if fmt.is_complete(fmt.version_dir(root, t, v)) and not fmt.damaged_marker(root, t, v).exists()]
 
@@ -197,7 +197,7 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
     remote = open_remote(url, storage_options)
     summary = SyncSummary("push", url)
     with remote_errors(url, "push"):
-        versions = _local_versions(src)
+        versions = _local_versions(src, local_rec["tables"])
         # lazily cached versions came from this remote (their manifests are there): nothing of them is sent
         pushing = [(t, v) for t, v in versions if not is_lazy(fmt.version_dir(src, t, v))]
         # The push lease first, naming every version this push may write, before it lists what is there: a gc
@@ -208,7 +208,7 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
             # cached copy back, and a whole prefix (~200k objects at 1M samples) was listed for nothing
             listing = remote.listing() if pushing else None
             _remote_record(remote, listing)  # a newer format (or a damaged record): refused
-            todo, files_of = _plan_push(remote, src, url, listing, versions, summary)
+            todo, files_of = _plan_push(remote, src, url, listing, versions, summary, local_rec["tables"])
             if not set_aside_quarantine:  # refused before any upload, not after the versions are there
                 check_quarantine(remote, src)
             _upload(remote, src, url, todo, files_of, summary)
@@ -229,15 +229,17 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
 
 
 def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int] | None,
-               versions: list[tuple[str, int]], summary: SyncSummary) -> tuple[list[_File], dict[str, list[_File]]]:
+               versions: list[tuple[str, int]], summary: SyncSummary, entries: dict[str, dict]
+               ) -> tuple[list[_File], dict[str, list[_File]]]:
     """What to send (objects not there with the same size and CRC32C), and each copied version's files.
     `listing` None: nothing to send (every version lazily cached), the prefix was not listed. A version the store's
     own gc would remove (`not_kept`: replaced by a newer current one or switched away from, leased by no reader,
     made nothing kept) is not sent (`summary.garbage`) unless its manifest is there already: such a one is checked
-    and refilled as before (a switched-away one the URL's record takes for switched away from too)."""
+    and refilled as before (a switched-away one the URL's record takes for switched away from too). `entries`: the
+    local store.json's tables, as push read them."""
     from store.gc import not_kept
 
-    garbage = not_kept(src)
+    garbage = not_kept(src, entries)
     todo: list[_File] = []
     files_of: dict[str, list[_File]] = {}
     for table, version in versions:
@@ -250,6 +252,8 @@ def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int] | No
                                 f"it: a deleted prefix, a restarted in-memory server); the cache holds only its "
                                 f"metadata: remove {src} (a cache) and rerun, to rebuild it on the remote")
             summary.present.append(f"{table}/v{version}")
+            if listing is not None:
+                todo += _lost_held_here(remote, src, table, version, listing)
             continue
         if not (vdir / fmt.CHECKSUMS).is_file():
             raise UserError(f"{vdir} has no {fmt.CHECKSUMS} (store format 1): push copies only versions it "
@@ -281,6 +285,38 @@ def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int] | No
     return todo, files_of
 
 
+def _lost_held_here(remote: Remote, src: Path, table: str, version: int, listing: dict[str, int]) -> list[_File]:
+    """The objects of a lazily cached version of the URL (fetched from it, or pushed from here and marked) that the
+    push's listing lacks and the cache holds intact (its metadata always, a shard once fetched whole): deleted
+    there behind the tool's back, where readers are told to push that version again. Sent again, as a local
+    store's are (`_plan_push`), from the listing push makes anyway: a local listing of the folder; only when
+    something is missing, its checksums.json read and one request for the manifest's CRC32C (nothing is sent into
+    another store's version of that number). One the cache lacks, or holds damaged (this node's disk), stays lost:
+    `pipeline store verify URL` names it."""
+    from store.checksum import file_crc
+
+    vdir = fmt.version_dir(src, table, version)
+    base = f"{table}/v{version}/"
+    try:
+        gone = {name for name in os.listdir(vdir) if base + name not in listing and not is_cache_file(name)}
+        record = (vdir / fmt.CHECKSUMS).read_bytes() if gone else b""
+    except FileNotFoundError:  # evicted whole since it was listed (another process's open): nothing held to send
+        return []
+    if not gone:
+        return []
+    files = _ordered(table, version, version_files(record, str(vdir / fmt.CHECKSUMS)), record)
+    if not _same(remote, listing, files[-1]):  # the URL's version of that number is not this one
+        return []
+    held = []
+    for f in files[:-1]:  # (the manifest is there)
+        try:
+            if f.rel[len(base):] in gone and file_crc(src / f.rel) == (f.crc, f.nbytes):
+                held.append(_File(f.rel, f.nbytes, f.crc, cached=True))
+        except FileNotFoundError:  # evicted since the folder's listing (another process's fetch made room)
+            continue
+    return held
+
+
 def _upload(remote: Remote, src: Path, url: str, todo: list[_File], files_of: dict[str, list[_File]],
             summary: SyncSummary) -> None:
     with _progress(sum(f.nbytes for f in todo), f"push {url}") as progress:
@@ -288,7 +324,8 @@ def _upload(remote: Remote, src: Path, url: str, todo: list[_File], files_of: di
 
         def send_batch() -> None:  # several at a time: only a manifest's order matters
             for f in each_at_once(lambda f: _send(remote, src, url, f, bar), batch):
-                summary.sent(f)
+                if f is not None:
+                    summary.sent(f)
             batch.clear()
 
         for f in todo:
@@ -302,8 +339,11 @@ def _upload(remote: Remote, src: Path, url: str, todo: list[_File], files_of: di
         send_batch()
 
 
-def _send(remote: Remote, src: Path, url: str, f: _File, bar) -> _File:
+def _send(remote: Remote, src: Path, url: str, f: _File, bar) -> _File | None:
+    """`f` uploaded (checked against its record as it is read); None for a cache's copy evicted meanwhile."""
     path = src / f.rel
+    if f.cached and not path.is_file():
+        return None
     if not path.is_file():
         raise UserError(f"{path} is missing (listed in its version's {fmt.CHECKSUMS}); run "
                         f"`pipeline store verify` / `pipeline store repair` on the store, then push again")
@@ -312,6 +352,10 @@ def _send(remote: Remote, src: Path, url: str, f: _File, bar) -> _File:
     except Mismatch as e:
         raise UserError(f"{path} is damaged ({e}; recorded {f.nbytes} bytes, crc32c {f.crc}): not sent; run "
                         "`pipeline store repair` on the store, then push again") from None
+    except FileNotFoundError:
+        if f.cached and not path.exists():  # evicted while it was read
+            return None
+        raise
     # objects are write-once: one that appeared since the listing must be this very file
     if not created and not remote.has(f.rel, f.nbytes, f.crc):
         table, version = f.rel.split("/")[:2]
@@ -494,7 +538,7 @@ def wanted_versions(rec: dict[str, Any] | None, url: str, tables: list[str] | No
 
 def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
          tables: list[str] | None = None, optional: tuple[str, ...] = (), damaged_ok: bool = False,
-         every_version: bool = False) -> SyncSummary:
+         every_version: bool = False, record: dict[str, Any] | None = None) -> SyncSummary:
     """Every complete remote version the local store lacks that the URL's gc keeps (store/remote_gc.py
     `not_kept`: one replaced by a newer current version or switched away from, read under no live lease and made
     nothing kept, is not copied: `summary.garbage`); with `tables`, only those tables' current versions (what a
@@ -503,17 +547,25 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
     `damaged_ok` (repair's working copy, store/remote_work.py): an object that does not match its checksums is
     kept as it is, for repair to find, and named in the summary's `damaged`, instead of refused; a version marked
     damaged in `dst` (a killed repair replaced it there already) is not pulled again. `every_version` (repair's
-    working copy, which looks at every version there): those the URL's gc would remove are copied too."""
+    working copy, which looks at every version there): those the URL's gc would remove are copied too. `record`:
+    the URL's store.json as the caller read it already (store/remote_work.py), not fetched again (nor by the
+    URL's `not_kept`)."""
+    from store.remote_gc import not_kept
     from store.store import Store
 
     dst = Path(dst)
     remote = open_remote(url, storage_options)
     summary = SyncSummary("pull", url)
     with remote_errors(url, "pull"), _writing_into(dst, url):
-        if tables is not None and _all_cached(remote, dst, tables, summary, damaged_ok):
+        if tables is not None and _all_cached(remote, dst, tables, summary, damaged_ok, record):
             return summary
-        listing, garbage = _listing_and_garbage(remote, tables, every_version)
-        rec, tables, wanted = wanted_versions(_remote_record(remote, listing), url, tables, optional, listing)
+        whole = tables is None and not every_version  # then what the URL's gc would remove is not copied
+        listing, times = _listing(remote, whole)
+        rec = record if record is not None else _remote_record(remote, listing)
+        rec, tables, wanted = wanted_versions(rec, url, tables, optional, listing)
+        # (complete versions the URL's gc would remove, one rule with gc and push: not copied, `summary.garbage`;
+        # those a pull names, `tables`' current ones, always are)
+        garbage = not_kept(remote, times, rec["tables"]) if whole else set()
         _refuse_lost_current(remote, rec, tables, listing)
         store = Store(dst)
         versions = _versions_to_pull(listing, tables, wanted, dst, damaged_ok)
@@ -549,30 +601,20 @@ def _writing_into(dst: Path, url: str) -> Iterator[None]:
         yield
     except OSError as e:
         name = e.filename
-        if not is_not_writable(e) or name is None or not _is_under(Path(os.fsdecode(name)), dst):
+        if not is_not_writable(e) or name is None or not Path(os.path.abspath(os.fsdecode(name))).is_relative_to(
+                os.path.abspath(dst)):
             raise
         raise UserError(f"cannot pull {url} into {dst}: {name} is not writable ({e.strerror or e}); make "
                         f"{dst} writable (its permissions, a read-write mount) or pull into another folder") from None
 
 
-def _is_under(path: Path, folder: Path) -> bool:
-    """`path` is `folder` or below it."""
-    path_s, folder_s = os.path.abspath(path), os.path.abspath(folder)
-    return path_s == folder_s or path_s.startswith(os.path.join(folder_s, ""))
-
-
-def _listing_and_garbage(remote: Remote, tables: list[str] | None,
-                         every_version: bool = False) -> tuple[dict[str, int], set[tuple[str, int]]]:
-    """The URL's listing ({rel: size}) and, for a pull of the whole URL (`tables` None), the complete versions there
-    that its gc would remove (store/remote_gc.py `not_kept`, one rule with gc and push): not copied
-    (`summary.garbage`; `pull` leaves out those the destination holds already). Those a pull names (`tables`'
-    current ones) are always copied."""
-    from store.remote_gc import not_kept
-
-    if tables is not None or every_version:
-        return remote.listing(), set()
+def _listing(remote: Remote, whole: bool) -> tuple[dict[str, int], dict[str, tuple[int, float]] | None]:
+    """The URL's listing ({rel: size}) and, for a pull of the whole URL (`whole`), its times too (the URL's gc
+    judges versions by them: store/remote_gc.py `not_kept`)."""
+    if not whole:
+        return remote.listing(), None
     times = remote.listing_times()
-    return {rel: size for rel, (size, _) in times.items()}, not_kept(remote, times)
+    return {rel: size for rel, (size, _) in times.items()}, times
 
 
 def _versions_to_pull(listing: dict[str, int], tables: list[str] | None, wanted: set[tuple[str, int]], dst: Path,
@@ -657,17 +699,17 @@ def _refuse_lost_current(remote: Remote, rec: dict[str, Any], tables: list[str] 
                                                       "push or gc meanwhile); rerun")
 
 
-def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSummary, damaged_ok: bool) -> bool:
+def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSummary, damaged_ok: bool,
+                rec: dict[str, Any] | None = None) -> bool:
     """A reader's warm open: are the current versions of `tables` all in `dst` already? Then one GET of store.json
-    and one of each version's checksums.json (a version that differs is refused) replace the listing of the whole
-    prefix (thousands of objects for a large store); False sends the caller the full way."""
+    (none when the caller read it: `rec`) and one of each version's checksums.json (a version that differs is
+    refused) replace the listing of the whole prefix (thousands of objects for a large store); False sends the
+    caller the full way."""
     from store.store import Store
 
     if not (dst / fmt.STORE_JSON).is_file():
         return False
-    try:
-        rec = _parse_record(remote.read(fmt.STORE_JSON), remote.url)
-    except FileNotFoundError:
+    if rec is None and (rec := _remote_record(remote, None)) is None:
         return False
     if not set(tables) <= set(rec["tables"]):
         return False

@@ -89,7 +89,7 @@ def work_copy(url: str, cache_dir: str | Path | None, damaged_ok: bool = False,
     tables = None if record is None else sorted(record["tables"])
     if record is not None and not (root / BASE).is_file():  # a rerun resuming keeps the first run's
         fmt.atomic_write_json(root / BASE, {t: int(e["current"]) for t, e in record["tables"].items()})
-    pull(url, root, storage_options, tables=tables, damaged_ok=damaged_ok)
+    pull(url, root, storage_options, tables=tables, damaged_ok=damaged_ok, record=record)
     if tables is not None:
         try:
             # not a version a killed repair replaced here already (it awaits its retirement on the remote)
@@ -103,14 +103,10 @@ def work_copy(url: str, cache_dir: str | Path | None, damaged_ok: bool = False,
 
 def _remote_record(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any] | None:
     """The remote's store.json; None without one (pull then says so)."""
-    from store.remote_sync import _parse_record
+    from store.remote_sync import _remote_record as record_of
 
-    remote = open_remote(url, storage_options)
     with remote_errors(url, "open"):
-        try:
-            return _parse_record(remote.read(fmt.STORE_JSON), url)
-        except FileNotFoundError:
-            return None
+        return record_of(open_remote(url, storage_options), None)
 
 
 def replaced_here(root: Path) -> list[tuple[str, int]]:

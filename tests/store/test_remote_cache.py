@@ -104,6 +104,38 @@ def test_a_version_committed_in_the_cache_that_a_newer_one_replaced_is_evicted_n
         assert r.version == newer and len(r.keys()) == 4
 
 
+def test_a_version_committed_in_the_cache_that_another_writers_push_replaced_is_kept(s3_env, tmp_path: Path,
+                                                                                    caplog) -> None:
+    """v2 committed in the cache, its push failed; ANOTHER writer then pushed v3 (its own v2 replaced before it
+    pushed: never sent), and an open made v3 current in the cache. The cache's v2 was never sent: the only copy of
+    its work, which the rerun of its settings adopts (`find_version`) and pushes. Kept over the limit (warned of as
+    never pushed); before, it was evicted as garbage, as if the cache's own writer had moved past it."""
+    from store import format as fmt
+    from store_samples import vae_schema
+
+    url = s3_env.url("another")
+    other = Store(tmp_path / "other")
+    fill(other, 8, tag="a")
+    push(other.root, url)  # the remote: vae v1
+    cache = tmp_path / "cache"
+    root = local_store(url, ["vae"], cache, lease=False)
+    v = fill(Store(root), 40, tag="b", start=100)  # committed in the cache; push_back never ran
+    vdir = fmt.version_dir(root, "vae", v)
+    size = sum(p.stat().st_size for p in vdir.iterdir())
+    fill(other, 4, tag="x", start=300)  # the other writer: its v2, replaced by its v3 before its push
+    newer = fill(other, 4, tag="y", start=400)
+    summary = push(other.root, url)
+    assert summary.copied == [f"vae/v{newer}"] and summary.garbage == [f"vae/v{v}"], summary
+
+    with caplog.at_level("WARNING", logger="store"):
+        local_store(url, ["vae"], cache, limit_gb=size / 2 / 1e9, lease=False)
+    assert fmt.is_complete(vdir) and "never pushed" in caplog.text, caplog.text
+    cached = Store(root, create=False)
+    assert cached.tables()["vae"] == newer and cached.find_version("vae", vae_schema("b").lineage) == v
+    with cached.reader("vae", v) as r:
+        assert len(r.keys()) == 40
+
+
 def test_a_part_left_in_the_cache_under_a_number_the_remote_holds_complete_is_removed(s3_env, tmp_path: Path) -> None:
     """A node's part of v1 (a commit on several caches whose store.json swap was lost; the rerun, with other
     settings, committed v2): the remote holds v1 complete, so the part can never be committed, and the cache limit
