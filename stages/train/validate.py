@@ -79,17 +79,6 @@ def check_val_budget(cfg: TrainConfig, samples: list[TrainSample]) -> None:
                        "train.sample_every)")
 
 
-def check_some_intact(samples: list[TrainSample], tables, store) -> None:
-    """Refused at the start: every val sample damaged (train.on_damaged=skip with max_damaged_fraction 1.0 lets
-    them all be left out) leaves no held-out loss to measure nor sample to draw, and the first validation, after
-    the steps before it, stopped the run on a division by zero (a mean over 0 samples)."""
-    if not samples:
-        raise UserError(f"train.validate_every / sample_every is set but every val sample of store {store} read "
-                        f"is damaged ({len(tables.damaged)} left out, train.on_damaged=skip): nothing to validate "
-                        "on; repair them (`pipeline store verify` names them, `store repair` recomputes them) or "
-                        "turn validation off")
-
-
 @contextmanager
 def untouched(transformer):
     """Eval mode, no grad, the global RNG states restored afterwards: training continues as if nothing ran."""
@@ -156,12 +145,12 @@ class Validator:
                 raise UserError(f"train.validate_every / sample_every is set but store {store} has no val "
                                 "samples; set resize.val_fraction > 0 or turn validation off")
             # the first validate_max_samples (sorted keys); on_damaged=skip: damaged ones (on any rank) left out,
-            # the next read; a limit reached stops every rank alike (the same counts on all)
+            # the next read; a limit reached, or none intact, stops every rank alike (the same counts on all)
             with together(world, "read the val samples"):
                 self.samples: list[TrainSample] = read_intact(tables, cfg.validate_max_samples,
                                                               lambda i: load_at(tables, i), "read val samples",
-                                                              _Agreement(world) if world > 1 else None)
-            check_some_intact(self.samples, tables, store)  # the same list on every rank: all refuse alike
+                                                              _Agreement(world) if world > 1 else None,
+                                                              ", or turn validation off")
             check_val_budget(cfg, self.samples)  # the same samples on every rank: all refuse alike
         except BaseException:
             tables.close()
