@@ -33,6 +33,16 @@ def limit_message(damaged: int, read: int, total: int, fraction: float, section:
             f"{section}.max_damaged_fraction to use the rest")
 
 
+def check_some_intact(kept: int, tables: JoinedTables, otherwise: str = "") -> None:
+    """Every sample read damaged and left out (on_damaged=skip; max_damaged_fraction 1.0 lets it pass the limit):
+    refused, one line, where a figure over 0 samples was a mean of nothing (the validator divided by 0 after the
+    steps before it; evaluate wrote a NaN loss, `--all-checkpoints` blamed the run's training loss)."""
+    if kept == 0 and tables.damaged:
+        raise UserError(f"every '{tables.split}' sample read in {tables.store_root} is damaged ({len(tables.damaged)}"
+                        f" left out, {tables.section}.on_damaged=skip): no held-out loss to measure over 0 samples; "
+                        f"run `pipeline store repair {tables.store_root}`{otherwise}")
+
+
 class Agreement(Protocol):
     """How the ranks that each read the same samples agree on the damaged ones (stages pass their collectives)."""
 
@@ -51,7 +61,7 @@ def rows_read(tables: JoinedTables, n: int | None) -> int | None:
 
 
 def read_intact(tables: JoinedTables, n: int, load: Callable[[int], T], desc: str = "read samples",
-                agreement: Agreement | None = None) -> list[T]:
+                agreement: Agreement | None = None, otherwise: str = "") -> list[T]:
     """The first `n` intact samples of the join in row order (`load(row)` each). With the tables opened
     on_damaged=skip, a damaged one is left out, recorded in `tables.damaged` (key -> problem), and the next row
     read instead (so the n are those a split without the damaged samples would give); then `over_limit`
@@ -60,7 +70,7 @@ def read_intact(tables: JoinedTables, n: int, load: Callable[[int], T], desc: st
     `agreement`: ranks that each read all n and combine what they compute (the train validator's grid). A sample
     one rank finds damaged (its node's copy of a shard) is left out on every rank, round by round, so every rank
     holds the same list; before, that rank read the next row instead and the summed grid mixed two samples'
-    losses under one key."""
+    losses under one key. Every one read damaged: `check_some_intact` (`otherwise`: the caller's other remedy)."""
     from contextlib import nullcontext
 
     from tqdm.auto import tqdm
@@ -97,4 +107,5 @@ def read_intact(tables: JoinedTables, n: int, load: Callable[[int], T], desc: st
         listed = ", ".join(keys[:5]) + (f" ... ({damaged} in all)" if damaged > 5 else "")
         raise UserError(limit_message(damaged, tried, len(tables), tables.max_damaged_fraction, tables.section,
                                       tables.split, tables.store_root, listed))
+    check_some_intact(len(kept), tables, otherwise)
     return [loaded[i] for i in kept]

@@ -65,7 +65,7 @@ def read_share(cfg, store: str | Path, model: str, ranks):
 
 
 def _read(tables, cfg, ranks) -> Share:
-    from features.damaged import limit_message, over_limit
+    from features.damaged import check_some_intact, limit_message, over_limit
     from models.collective import together
     from schemas.errors import UserError
     from store.integrity import DamagedData
@@ -113,6 +113,7 @@ def _read(tables, cfg, ranks) -> Share:
         listed = ", ".join(keys[:5]) + (f" ... ({count} in all)" if count > 5 else "")
         raise UserError(limit_message(count, tried, len(tables), tables.max_damaged_fraction, tables.section,
                                       tables.split, tables.store_root, listed))
+    check_some_intact(len(rows), tables)  # the same rows on every rank: all refuse alike
     mine = [i for i, r in enumerate(rows) if ours(r)]
     samples = [loaded.pop(r) if ours(r) else _outline(tables, r) for r in rows]
     _share_masks(samples, mine, ranks)

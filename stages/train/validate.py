@@ -145,11 +145,12 @@ class Validator:
                 raise UserError(f"train.validate_every / sample_every is set but store {store} has no val "
                                 "samples; set resize.val_fraction > 0 or turn validation off")
             # the first validate_max_samples (sorted keys); on_damaged=skip: damaged ones (on any rank) left out,
-            # the next read; a limit reached stops every rank alike (the same counts on all)
+            # the next read; a limit reached, or none intact, stops every rank alike (the same counts on all)
             with together(world, "read the val samples"):
                 self.samples: list[TrainSample] = read_intact(tables, cfg.validate_max_samples,
                                                               lambda i: load_at(tables, i), "read val samples",
-                                                              _Agreement(world) if world > 1 else None)
+                                                              _Agreement(world) if world > 1 else None,
+                                                              ", or turn validation off")
             check_val_budget(cfg, self.samples)  # the same samples on every rank: all refuse alike
         except BaseException:
             tables.close()
