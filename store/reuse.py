@@ -77,10 +77,23 @@ def damage_scan(store: Store, table: str, version: int):
             plan = scan_table(store.root, table, version)
         except WrittenByNewer as e:  # not this code's to read: nothing carried from it, and no damage recorded
             plan = TablePlan(table, version, unrepairable=str(e))
+        else:
+            if plan.manifest_rebuilt or (plan.unrepairable and fmt.is_complete(vdir)):
+                _record_unread_manifest(vdir)
         if plan.damaged:
             integrity.record_damage(vdir, plan.damaged)
         _SCANS[stamp()] = plan
     return _SCANS[stamp()]
+
+
+def _record_unread_manifest(vdir: Path) -> None:
+    """Repair's scan records nothing: a manifest it could not read (rebuilt from the shard indexes, or not) is read
+    again as a reader's view reads it, which records the line it meets (nothing where the manifest reads: the scan
+    stopped at something else, e.g. schema.json, recorded where it is read)."""
+    try:
+        checked_manifest(vdir, record=True)
+    except UserError:
+        pass
 
 
 def same_features(attrs: dict[str, Any], accepted: Iterable[str]) -> bool:
@@ -151,6 +164,8 @@ def _wanted_rows(store: Store, table: str, version: int, accepted: set[str],
         at = reader.view.keys.rows_of_keys(wanted)
         return (reader.view.table_at(np.unique(at[at >= 0])), reader.schema.attrs.get(FEATURE_LINEAGE_ATTR),
                 reader.bad_shards)
+    except DamagedData:  # a manifest page that does not decode (recorded by the view): recomputed, as above
+        return None
     finally:
         reader.close()
 
@@ -197,8 +212,9 @@ def reusable_keys(store: Store, table: str, lineage_hash: str, column: str,
                 continue
             damaged = plan.damaged
         try:
-            m = checked_manifest(vdir, list(dict.fromkeys(["key", column, *(changed.columns if changed else ())])))
-        except UserError:  # damaged (DamagedData) or unreadable: recompute instead of carrying, as `reusable`
+            m = checked_manifest(vdir, list(dict.fromkeys(["key", column, *(changed.columns if changed else ())])),
+                                 record=True)
+        except UserError:  # damaged (DamagedData, recorded) or unreadable: recomputed, not carried, as `reusable`
             continue
         if changed is not None:
             m = _unchanged(m, changed)

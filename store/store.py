@@ -24,11 +24,14 @@ from store.writer import TableWriter
 
 log = logging.getLogger("store")
 
-# (manifest path, its `fmt.file_identity`) -> `Store.version_id`: what reads a version's id again (a resize rerun
+# (manifest path, its `_stat_identity`) -> `Store.version_id`: what reads a version's id again (a resize rerun
 # reads a note of every complete version, each tied to its id; evaluate names its tables) hashes its manifest once
 # per process, not once per read (~0.3 s at 1M rows). Keyed by the manifest file's identity, never the version
-# number: a gc'd v2 and a later v2 are two files (the read leases' rule, store/lease.py). Oldest out past the bound.
-_VERSION_IDS: dict[tuple[str, tuple[int, int, int]], str] = {}
+# number: a gc'd v2 and a later v2 are two files (the read leases' rule, store/lease.py); with its ctime, as the
+# schema cache's checksums.json: an id decides which notes and "unchanged by fixes" records (reuse) and which
+# upstream lineage a version stands for, and a rewrite in place of the same size with its mtime set back kept
+# inode, mtime and size. Oldest out past the bound.
+_VERSION_IDS: dict[tuple[str, tuple[int, ...]], str] = {}
 _VERSION_IDS_KEPT = 4096
 _VERSION_IDS_LOCK = threading.Lock()
 
@@ -74,7 +77,7 @@ class Store:
             raise UserError(f"table '{table}' v{version} is not complete (no {manifest})")
         with manifest.open("rb") as f:
             # the identity of the very file hashed (fstat of the open file, not a second look at the path)
-            ident = fmt.file_identity(os.fstat(f.fileno()))
+            ident = _stat_identity(os.fstat(f.fileno()))
             if ident is None:  # replaced since is_file (by hand): as no manifest
                 raise UserError(f"table '{table}' v{version} is not complete ({manifest} is not a file)")
             key = (os.path.abspath(manifest), ident)
@@ -203,9 +206,13 @@ def _identity(path: Path) -> tuple[int, ...] | None:
     """`fmt.file_identity` of the file at `path` and its ctime (which no one sets back, as `os.utime` sets mtime);
     None where there is none."""
     try:
-        st = os.stat(path)
+        return _stat_identity(os.stat(path))
     except OSError:
         return None
+
+
+def _stat_identity(st: os.stat_result) -> tuple[int, ...] | None:
+    """`_identity` of a stat already taken (`version_id`'s: of the very file it hashes)."""
     ident = fmt.file_identity(st)
     return None if ident is None else (*ident, st.st_ctime_ns)
 

@@ -1,12 +1,16 @@
 """Damage for the integrity tests: one flipped bit in a file, or in a given byte of a stored sample, locally or on
-the S3 test server."""
+the S3 test server; a manifest page damaged with its CRC recorded."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+import pyarrow.parquet as pq
+
 from store import Store
+from store import format as fmt
+from store.checksum import file_crc, seal, unseal
 
 HEADER = "<header>"  # `member` naming the sample's tar header (its first bytes) rather than a tensor or file
 
@@ -33,6 +37,22 @@ def sample_byte(root: Path, table: str, key: str, member: str | None = None, off
     entries = row["tensors"] + row["files"]
     entry = entries[0] if member is None else next(x for x in entries if x["name"] == member)
     return shard, entry["offset"] + (entry["nbytes"] // 2 if offset is None else offset)
+
+
+def damage_manifest_page(vdir: Path, column: str, group: int) -> None:
+    """The page header of `column`'s first page in row group `group` of the version's manifest overwritten, and the
+    damaged bytes' CRC recorded, as a writer that damaged them before checksumming would: only decoding that page
+    finds it. `column` is a leaf's path (a nested column has several leaves: the Arrow schema's index is not one)."""
+    md = pq.ParquetFile(vdir / fmt.MANIFEST).metadata
+    leaf = [md.schema.column(i).path for i in range(md.num_columns)].index(column)
+    chunk = md.row_group(group).column(leaf)
+    page = chunk.dictionary_page_offset or chunk.data_page_offset
+    data = bytearray((vdir / fmt.MANIFEST).read_bytes())
+    data[page:page + 8] = b"\xff" * 8
+    (vdir / fmt.MANIFEST).write_bytes(bytes(data))
+    record = unseal((vdir / fmt.CHECKSUMS).read_bytes())
+    record["files"][fmt.MANIFEST]["crc32c"] = file_crc(vdir / fmt.MANIFEST)[0]
+    (vdir / fmt.CHECKSUMS).write_bytes(seal(record))
 
 
 def key_at(root: Path, table: str, index: int) -> str:
@@ -71,8 +91,6 @@ def damaged_on_server(s3_env, root: Path, prefix: str) -> ServerDamage:
 
 def lose_current(s3_env, prefix: str, table: str) -> None:
     """The remote's store.json without `table`: its version complete there, not current (a swap lost)."""
-    from store.checksum import seal, unseal
-
     client, key = s3_env.client(), f"{prefix}/store.json"
     record = unseal(client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read())
     del record["tables"][table]

@@ -16,6 +16,7 @@ import pytest
 from store import Store
 from store import format as fmt
 from store.checksum import file_crc, seal, unseal
+from damage import damage_manifest_page
 from store.verify import verify_store
 from store_samples import fill, sample
 
@@ -77,22 +78,6 @@ def test_rows_at_meta_of_files_of_read_the_same_rows_from_the_groups_holding_the
     assert got[GROUP][0][sample(17)["key"]]["caption"] == "caption 17"
 
 
-def _damage_page(vdir: Path, column: str, group: int) -> None:
-    """The page header of `column`'s first page in row group `group` of the version's manifest overwritten, and the
-    damaged bytes' CRC recorded, as a writer that damaged them before checksumming would: only decoding that page
-    finds it. `column` is a leaf's path (a nested column has several leaves: the Arrow schema's index is not one)."""
-    md = pq.ParquetFile(vdir / fmt.MANIFEST).metadata
-    leaf = [md.schema.column(i).path for i in range(md.num_columns)].index(column)
-    chunk = md.row_group(group).column(leaf)
-    page = chunk.dictionary_page_offset or chunk.data_page_offset
-    data = bytearray((vdir / fmt.MANIFEST).read_bytes())
-    data[page:page + 8] = b"\xff" * 8
-    (vdir / fmt.MANIFEST).write_bytes(bytes(data))
-    record = unseal((vdir / fmt.CHECKSUMS).read_bytes())
-    record["files"][fmt.MANIFEST]["crc32c"] = file_crc(vdir / fmt.MANIFEST)[0]
-    (vdir / fmt.CHECKSUMS).write_bytes(seal(record))
-
-
 def _reads(monkeypatch, wider_than: int = 0) -> list[int]:
     """Rows of every table the manifest readers decode from now on (`wider_than`: of those with more columns: a
     reader parses the one column it keeps, e.g. its keys, a group at a time too)."""
@@ -129,7 +114,7 @@ def test_verify_decodes_a_group_of_a_column_at_a_time_and_refuses_damage_in_a_la
     assert sum(len(rows) for rows in walked.values()) == N
     assert verify_store(store.root, progress=False) == []
 
-    _damage_page(vdir, "caption", group=6)  # a caption page in the 7th of 8 groups
+    damage_manifest_page(vdir, "caption", group=6)  # a caption page in the 7th of 8 groups
     problems = verify_store(store.root, progress=False)
     assert any("vae/v1/manifest.parquet: undecodable (OSError: " in p for p in problems), problems
     assert all(p.isprintable() for p in problems), problems
@@ -235,7 +220,7 @@ def test_a_damaged_page_is_refused_by_each_row_reader_with_the_same_line_naming_
 
     store = _filled(tmp_path / "s", monkeypatch, GROUP)
     vdir = store.version_dir("vae", 1)
-    _damage_page(vdir, "caption", group=6)  # rows 24-27
+    damage_manifest_page(vdir, "caption", group=6)  # rows 24-27
     rows = np.array([24, 26], np.int64)
     with store.reader("vae") as r:
         view = r.view
@@ -300,7 +285,7 @@ def test_a_damaged_page_met_through_the_view_is_recorded_so_a_rerun_does_not_cal
 
     store = _filled(tmp_path / "s", monkeypatch, GROUP)
     vdir = store.version_dir("vae", 1)
-    _damage_page(vdir, "caption", group=6)  # rows 24-27
+    damage_manifest_page(vdir, "caption", group=6)  # rows 24-27
     assert store.find_version("vae", lineage()) == 1  # the open's checks find nothing
     with store.reader("vae") as r:
         with pytest.raises(DamagedData) as e:
@@ -341,7 +326,7 @@ def test_the_images_split_read_records_damage_as_a_reader_does_and_a_one_off_rea
     fill_images(store, "t")
     vdir = store.version_dir("images", 1)
     if how == "page":
-        _damage_page(vdir, "key", group=0)
+        damage_manifest_page(vdir, "key", group=0)
     else:
         data = bytearray((vdir / fmt.MANIFEST).read_bytes())
         data[len(data) // 2] ^= 1

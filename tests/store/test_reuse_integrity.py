@@ -4,10 +4,12 @@ versions marked damaged are never reused, and gc leaves a verifiable store."""
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 
 import pytest
+import torch
 
 from schemas.lineage import Lineage
 from store import Store
@@ -17,7 +19,7 @@ from store.gc import collect
 from store.integrity import DamagedData, read_version_checksums
 from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, reusable, unchanged_by_fixes
 from store.verify import verify_store
-from damage import flip_bit, sample_byte
+from damage import damage_manifest_page, flip_bit, sample_byte
 from store_samples import key_of, sample, vae_schema
 
 LINEAGE = "feat-0123456789"
@@ -105,6 +107,63 @@ def test_versions_recorded_damaged_or_with_missing_shards_give_only_their_intact
     found = reusable(store, "vae", LINEAGE, keys)
     assert {k for rows in found.values() for k in rows.column("key").to_pylist()} == set(keys) - lost_keys
     assert store.find_version("vae", store.reader("vae", on_damaged="skip").schema.lineage) is None  # never up to date
+
+
+def test_an_older_version_whose_manifest_page_does_not_decode_is_skipped_and_its_samples_recomputed(
+        store: Store, tmp_path) -> None:
+    """An older version of the wanted lineage whose manifest holds a page that does not decode (its CRC recorded: the
+    open finds nothing, reading its rows does) is skipped, as an unreadable version is: its samples are recomputed,
+    the damage recorded (the view records it), the run goes on. Before, `reusable` raised DamagedData from the rows'
+    read and the encode stopped, at every rerun."""
+    _write(store, "a", range(6))
+    damage_manifest_page(store.version_dir("vae", 1), "caption", group=0)
+    _write(store, "b", range(3, 9))
+    keys = [key_of(i) for i in range(9)]
+    for _ in ("first", "rerun"):  # the rerun with v1 recorded damaged: every version scanned in full first
+        found = reusable(store, "vae", LINEAGE, keys)
+        assert list(found) == [2] and sorted(found[2].column("key").to_pylist()) == sorted(keys[3:])
+        assert fmt.damaged_marker(store.root, "vae", 1).exists()
+    w = store.writer("vae", _schema("c"), shard_size_mb=0.002)  # the stage: carried, and the rest recomputed
+    assert carry_forward(w, 2, found[2]) == 6
+    for i in range(3):
+        s = sample(i)
+        w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+    clean = Store(tmp_path / "clean")
+    got, want = store.reader("vae", w.commit()), clean.reader("vae", _write(clean, "c", range(9)))
+    assert sorted(got.keys()) == sorted(want.keys()) == sorted(keys)
+    for k in keys:
+        assert got.meta(k) == want.meta(k) and got.files(k) == want.files(k)
+        mine, theirs = got.tensors(k), want.tensors(k)
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[n], theirs[n]) for n in mine)
+
+
+def test_a_manifest_page_the_full_scan_cannot_decode_is_recorded_and_its_version_not_carried(
+        store: Store, monkeypatch) -> None:
+    """While every version is scanned in full (`checking_needed`: here another version recorded damaged), a damaged
+    page in a row group holding none of the wanted keys passes the rows' read; the scan (repair's, which records
+    nothing) fails to read the manifest and rebuilds it: nothing of the version is carried. Before, that damage
+    was not recorded: a stage's rerun could call the version up to date, every reader met the page again."""
+    monkeypatch.setattr(fmt, "ROW_GROUP_ROWS", 4)
+    _write(store, "a", range(12))
+    with store.reader("vae", 1) as r:
+        first_group = r.view.keys.array.to_pylist()[:4]
+    damage_manifest_page(store.version_dir("vae", 1), "caption", group=2)
+    _write(store, "b", range(20, 22))
+    fmt.damaged_marker(store.root, "vae", 2).write_text("{}")
+    assert reusable(store, "vae", LINEAGE, first_group) == {}
+    problems = json.loads(fmt.damaged_marker(store.root, "vae", 1).read_text())["problems"]
+    assert len(problems) == 1 and problems[0].startswith(f"{store.version_dir('vae', 1) / fmt.MANIFEST} is unreadable")
+
+
+def test_a_manifest_page_reusable_keys_cannot_decode_is_recorded_and_nothing_reused(store: Store) -> None:
+    """`reusable_keys` (which of a version's values a resize carries) skipped a manifest whose page does not decode
+    without recording it, as a reader's view records it: the version stayed up to date for the stage's rerun."""
+    from store.reuse import reusable_keys
+
+    _write(store, "a", range(6))
+    damage_manifest_page(store.version_dir("vae", 1), "split", group=0)
+    assert reusable_keys(store, "vae", LINEAGE, "split") == {}
+    assert fmt.damaged_marker(store.root, "vae", 1).exists()
 
 
 def test_per_sample_reuse_goes_through_the_one_rule(store: Store, monkeypatch) -> None:

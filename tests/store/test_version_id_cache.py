@@ -1,9 +1,11 @@
 """`Store.version_id` hashes a version's manifest once per process (store/store.py `_VERSION_IDS`), keyed by the
-manifest file's identity (inode, mtime, size: the read leases' rule), so a version gc took and a writer numbered
-again is never named by the old one's id."""
+manifest file's identity (inode, mtime, size: the read leases' rule; and ctime), so a version gc took and a writer
+numbered again, or a manifest rewritten in place with its mtime set back, is never named by the old bytes' id."""
 
 from __future__ import annotations
 
+import os
+import time
 from collections import Counter
 
 from store import Store
@@ -57,3 +59,27 @@ def test_a_version_gc_took_and_a_writer_numbered_again_gets_its_own_id_and_not_t
     assert store.version_id("vae", 2) == new_id
     note_path(store.root, "vae", 2, "pixel-limit").write_bytes(kept)
     assert read_note(store, "vae", 2, "pixel-limit") is None
+
+
+def test_a_manifest_rewritten_in_place_with_its_size_and_mtime_kept_gets_the_id_of_its_new_bytes(store: Store) -> None:
+    """The same inode, size and mtime (set back by `os.utime`, as a copy that keeps times does) over other bytes: the
+    id names the bytes it is read from (it decides which notes and "unchanged by fixes" records a version gets, and
+    the upstream a downstream lineage names). Before, the cache keyed by (inode, mtime, size) gave the old id."""
+    assert fill(store, 3) == 1
+    manifest = fmt.version_dir(store.root, "vae", 1) / fmt.MANIFEST
+    old_id = store.version_id("vae", 1)
+    before = os.stat(manifest)
+    with manifest.open("r+b") as f:  # in place: the same inode
+        f.seek(before.st_size // 2)
+        byte = f.read(1)
+        f.seek(before.st_size // 2)
+        f.write(bytes([byte[0] ^ 1]))
+    while os.stat(manifest).st_ctime_ns == before.st_ctime_ns:  # the write in the commit's clock tick: wait one out
+        time.sleep(0.001)
+        os.utime(manifest, ns=(before.st_atime_ns, before.st_mtime_ns))
+    os.utime(manifest, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(manifest)
+    assert fmt.file_identity(after) == fmt.file_identity(before) and after.st_ctime_ns != before.st_ctime_ns
+    new_id = fmt.version_id(1, manifest)
+    assert new_id != old_id
+    assert store.version_id("vae", 1) == Store(store.root).version_id("vae", 1) == new_id
