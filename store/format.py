@@ -134,7 +134,8 @@ def file_identity(st: os.stat_result) -> tuple[int, int, int] | None:
     """Which manifest file a complete version's is: (inode, mtime ns, size); None for no regular file. A stat, not
     a hash (a manifest is ~140 MB at 1M samples): a version is immutable, and a new one of the same number (after
     gc) is written as a new file (`atomic_write_bytes`), so a reused inode would need the same mtime and size. The
-    read leases (store/lease.py) and `Store.version_id`'s cache tell versions apart by it."""
+    read leases (store/lease.py) tell versions apart by it, without the ctime (a `chmod -R` of the store would make
+    live leases look lost); `Store.version_id`'s cache adds the ctime."""
     return (st.st_ino, st.st_mtime_ns, st.st_size) if stat.S_ISREG(st.st_mode) else None
 
 

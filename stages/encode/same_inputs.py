@@ -143,8 +143,8 @@ def _earlier_keys(store, now: set[str], raw_hashes: list[Any], by_hashes: set[st
         try:
             if not fmt.is_complete(vdir):
                 continue
-            m = checked_manifest(vdir, ["key", "source_hashes"])
-        except UserError:  # damaged or unreadable: its keys are not looked up, nothing else
+            m = checked_manifest(vdir, ["key", "source_hashes"], record=True)
+        except UserError:  # damaged (recorded, as a reader's view does) or unreadable: its keys are not looked up
             continue
         if "source_hashes" not in m.column_names:
             continue

@@ -99,3 +99,22 @@ def test_the_vectorised_prefilter_keeps_exactly_the_rows_holding_the_cells_wante
     text = pa.table({"key": ["k0", "k1"], "source_hashes": ['["a0", "b0"]', '["a1"]']})
     assert _rows_holding(text, ['["a1"]']).column("key").to_pylist() == ["k1"]
     assert _rows_holding(text, [["a1"]]).num_rows == 2  # cells of another type: all kept, compared row by row
+
+
+def test_an_earlier_images_version_whose_manifest_page_does_not_decode_is_recorded_as_damaged(tmp_path):
+    """encode-vae's look for a recaptioned sample's earlier pictures skips an older images version it cannot read;
+    before, without recording it (reuse's and the reader's view record theirs), so it was never marked damaged."""
+    from damage import damage_manifest_page
+    from stages.encode.same_inputs import _earlier_keys
+    from store import format as fmt
+
+    src, store = tmp_path / "src", tmp_path / "store"
+    _source(src, CAPTIONS)
+    cfg = load_config(None, SMALL)
+    resize_stage.run(cfg, src, store)
+    (src / "target" / "s1.txt").write_text("make the sky a deep red")
+    resize_stage.run(cfg, src, store)
+    assert Store(store).tables()["images"] == 2
+    damage_manifest_page(Store(store).version_dir("images", 1), "key", group=0)
+    assert _earlier_keys(Store(store), set(), [], {"x"}) == {}
+    assert "unreadable" in fmt.damaged_marker(store, "images", 1).read_text()
