@@ -149,6 +149,34 @@ class OneLineUsageErrors(TyperGroup):
         with _one_line():
             return super().invoke(ctx)
 
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        """typer suggests the nearest of a group's own commands (`pipeline stor`: 'store'); a stage's name typed at
+        the root (`pipeline trian`, `pipeline train`) matched none of them and was told only "No such command":
+        the nearest command one level down is suggested too ('run train')."""
+        try:
+            return super().resolve_command(ctx, args)
+        except _CLICK_EXCEPTIONS.UsageError as e:
+            typo = args[0] if args else ""
+            if self.get_command(ctx, typo) is None and not typo.startswith("-"):
+                e.message = _with_nested_guess(e.message, typo, self.commands)
+            raise
+
+
+def _with_nested_guess(message: str, typo: str, commands: dict[str, Any]) -> str:
+    """MESSAGE with "Did you mean 'run train'?" when TYPO is close to no command of the root (typer's own guess
+    is among those) but to a command of one of its groups."""
+    from difflib import get_close_matches
+
+    if get_close_matches(typo, list(commands)):
+        return message  # typer named the root's nearest already
+    nested = {f"{group} {name}": name for group, command in commands.items()
+              for name in getattr(command, "commands", {})}
+    guesses = [path for name in get_close_matches(typo, list(set(nested.values())))
+               for path, sub in nested.items() if sub == name]
+    if not guesses:
+        return message
+    return f"{message.rstrip('.')}. Did you mean {', '.join(repr(g) for g in guesses)}?"
+
 
 # click's exceptions as typer raises them: typer >= 0.22 carries its own copy of click, so they are found from
 # `typer.BadParameter`'s module rather than imported from click (whose classes those are not)
@@ -163,7 +191,9 @@ def _one_line() -> Iterator[None]:
     except _HELP_FOR_NO_ARGS:  # the command's help, as before
         raise
     except _CLICK_EXCEPTIONS.UsageError as e:  # BadParameter, NoSuchOption, MissingParameter included
-        where = f" (`{e.ctx.command_path} --help` lists its options)" if e.ctx is not None else ""
+        # a group's help lists its commands (`pipeline trian`), a command's its options
+        what = "commands" if hasattr(getattr(e.ctx, "command", None), "commands") else "options"
+        where = f" (`{e.ctx.command_path} --help` lists its {what})" if e.ctx is not None else ""
         usage_error(f"{e.format_message()}{where}")
 
 

@@ -156,6 +156,21 @@ def test_a_command_group_without_its_command_still_shows_its_help():
     assert r.exit_code == 2 and "Usage:" in r.output and "inspect" in r.output, r.output
 
 
+@pytest.mark.parametrize("args, said", [
+    (["trian"], "error: No such command 'trian'. Did you mean 'run train'? (`root --help` lists its commands)\n"),
+    (["train"], "error: No such command 'train'. Did you mean 'run train'?"),
+    (["inspct", "ST"], "error: No such command 'inspct'. Did you mean 'store inspect'?"),
+    (["stor", "inspect"], "error: No such command 'stor'. Did you mean 'store'?"),  # typer's own, unchanged
+    (["run", "trian"], "error: No such command 'trian'. Did you mean 'train'? (`root run --help` lists its commands)"),
+    (["xyz"], "error: No such command 'xyz'. (`root --help` lists its commands)\n"),
+], ids=lambda a: " ".join(a) if isinstance(a, list) else None)
+def test_a_mistyped_command_suggests_the_nearest_one_level_down_too(args, said):
+    """`pipeline trian` said only "No such command 'trian'" (and that the root's help lists its options): typer
+    suggests the nearest command of the group typed into, and a stage is one level down (`run train`)."""
+    r = _run(args)
+    assert r.exit_code == 2 and r.output.startswith(said) and r.output.count("\n") == 1, r.output
+
+
 def test_a_usage_mistake_found_after_parsing_is_exit_2(tmp_path):
     """`compare` with one run and `make-tiny-model --full-width --variant edit-2511` were refused with exit 1, the
     status of a failure while running: a mistake on the command line is 2 (README), whoever finds it."""
