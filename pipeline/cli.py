@@ -7,11 +7,15 @@ import signal
 import sys
 
 # A SIGTERM before main() installs its handlers - while the imports below run, ~0.3 s - killed the process at once,
-# silently (-15). The `pipeline` entry point (or `python -m pipeline.cli`, a launched rank) holds it until main()
-# stops with the usual line and 143; a process that imports this module for `app` (a test) keeps its own handling.
+# silently (-15), and a Ctrl-C ended in a KeyboardInterrupt traceback from whatever was being imported. The
+# `pipeline` entry point (or `python -m pipeline` / `-m pipeline.cli`, a launched rank) holds them until main()
+# stops with the usual line, 143 or 130; a process that imports this module for `app` (a test) keeps its own
+# handling. (Before this line runs, Python's own start - ~50 ms - is beyond any handler of ours.)
 _early_signals: list[int] = []
-if __name__ == "__main__" or os.path.basename(sys.argv[0]).removesuffix(".exe") == "pipeline":
-    signal.signal(signal.SIGTERM, lambda signum, frame: _early_signals.append(signum))
+if (__name__ == "__main__" or os.path.basename(sys.argv[0]).removesuffix(".exe") == "pipeline"
+        or getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None) == "pipeline.__main__"):
+    for _held in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(_held, lambda signum, frame: _early_signals.append(signum))
 
 import typer
 
@@ -129,6 +133,18 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt  # Python's own SIGINT behaviour; only recorded first
 
 
+def _stop_now(signum: int) -> None:
+    """Stop as the handler of SIGNUM does, for one that came while this module was imported: a SIGTERM's
+    SystemExit(143); a Ctrl-C's KeyboardInterrupt as typer ends it, SystemExit(130) caused by it (a launched rank
+    publishes it: `_publish_interrupt`)."""
+    if signum != signal.SIGINT:
+        _terminate(signum, None)
+    try:
+        _interrupt(signum, None)
+    except KeyboardInterrupt as stop:
+        raise SystemExit(128 + signum) from stop
+
+
 # commands a rerun continues (committed shards, checkpoints, pushed versions kept): what a stop's line advises
 _RESUMABLE = ("run", "demo", "store repair", "store push", "store pull", "migrate")
 _SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
@@ -243,7 +259,7 @@ def main() -> None:  # pragma: no cover
         new_run()
     try:
         if early:
-            _terminate(early[0], None)  # as if it came now: the stop line below, exit 143
+            _stop_now(early[0])  # as if it came now: the stop line below, exit 143 or 130
         app()
     except SystemExit as e:
         from pipeline.launched import launched
