@@ -142,6 +142,7 @@ class OneLineUsageErrors(TyperGroup):
     Subcommands are parsed inside the root's `invoke`, so one class on the root covers every command."""
 
     def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        _flags_show_no_type(self, self.context_class)  # before parsing: `pipeline --help` prints as it parses
         with _one_line():
             return super().make_context(*args, **kwargs)
 
@@ -160,6 +161,18 @@ class OneLineUsageErrors(TyperGroup):
             if self.get_command(ctx, typo) is None and not typo.startswith("-"):
                 e.message = _with_nested_guess(e.message, typo, self.commands)
             raise
+
+
+def _flags_show_no_type(command: Any, context_class: type) -> None:
+    """typer's help shows a flag's type as if it took a value (`--resume <bool>`, `--help <bool>`; `--resume true`
+    is refused): a flag of COMMAND or of any command below it shows none. Its help option is made as its own
+    context makes it (the names in its context_settings), and kept by the command for its help."""
+    params = command.get_params(context_class(command, **(command.context_settings or {})))
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    for sub in getattr(command, "commands", {}).values():
+        _flags_show_no_type(sub, context_class)
 
 
 def _with_nested_guess(message: str, typo: str, commands: dict[str, Any]) -> str:

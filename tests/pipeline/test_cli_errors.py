@@ -156,6 +156,23 @@ def test_a_command_group_without_its_command_still_shows_its_help():
     assert r.exit_code == 2 and "Usage:" in r.output and "inspect" in r.output, r.output
 
 
+@pytest.mark.parametrize("args, flags", [
+    (["--help"], ["--help"]),
+    (["run", "--help"], ["--help"]),
+    (["run", "train", "--help"], ["--resume", "--new-run", "--json", "--help"]),
+    (["make-demo-data", "--help"], ["--with-masks", "--help"]),
+], ids=lambda a: " ".join(a) if isinstance(a, list) and a[-1] == "--help" else None)
+def test_help_shows_no_type_for_a_flag(args, flags):
+    """typer's help showed `--resume <bool>` and `--help <bool>`, as if the flag took a value (`--resume true` is
+    refused: an extra argument); a flag now shows no type, an option taking a value still does."""
+    r = CliRunner().invoke(app, args, terminal_width=160)
+    assert r.exit_code == 0 and "<bool>" not in r.output, r.output
+    rows = {line.split()[1]: line for line in r.output.splitlines() if line.startswith("│ --")}
+    assert all(flag in rows for flag in flags), r.output
+    if "--max-steps" in rows:
+        assert "<int>" in rows["--max-steps"], r.output
+
+
 @pytest.mark.parametrize("args, said", [
     (["trian"], "error: No such command 'trian'. Did you mean 'run train'? (`root --help` lists its commands)\n"),
     (["train"], "error: No such command 'train'. Did you mean 'run train'?"),
