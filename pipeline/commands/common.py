@@ -19,7 +19,7 @@ from pipeline.config import ConfigError, load_config
 ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config file (sections per stage); unset flags take its "
                          "values, else the defaults: `pipeline config show` prints them all.", exists=False)
 SetOpt = typer.Option(
-    [], "--set", "-s", help="Set any config key: --set train.lora.rank=32 (value parsed as YAML, null included; "
+    [], "--set", "-s", metavar="<key=value>", help="Set any config key: --set train.lora.rank=32 (value parsed as YAML, null included; "
     "repeatable).",
 )
 

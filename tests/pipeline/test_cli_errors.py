@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from typer.testing import CliRunner
 
@@ -161,16 +163,22 @@ def test_a_command_group_without_its_command_still_shows_its_help():
     (["run", "--help"], ["--help"]),
     (["run", "train", "--help"], ["--resume", "--new-run", "--json", "--help"]),
     (["make-demo-data", "--help"], ["--with-masks", "--help"]),
+    (["predict", "--help"], ["--strict-base", "--help"]),
+    (["store", "push", "--help"], ["--help"]),
 ], ids=lambda a: " ".join(a) if isinstance(a, list) and a[-1] == "--help" else None)
 def test_help_shows_no_type_for_a_flag(args, flags):
     """typer's help showed `--resume <bool>` and `--help <bool>`, as if the flag took a value (`--resume true` is
-    refused: an extra argument); a flag now shows no type, an option taking a value still does."""
-    r = CliRunner().invoke(app, args, terminal_width=160)
-    assert r.exit_code == 0 and "<bool>" not in r.output, r.output
-    rows = {line.split()[1]: line for line in r.output.splitlines() if line.startswith("│ --")}
+    refused: an extra argument); a flag now shows no type, an option taking a value still does. A repeatable
+    option showed a Python type, `--set <list[str]>`: now what one value is, `<key=value>`, `--image <path>`."""
+    r = CliRunner().invoke(app, args, env={"COLUMNS": "200"})  # each row on one line
+    assert r.exit_code == 0 and "<bool>" not in r.output and "<list[" not in r.output, r.output
+    rows = {m.group(1): line for line in r.output.splitlines() if (m := re.match(r"│[\s*]*(--[\w-]+)", line))}
     assert all(flag in rows for flag in flags), r.output
     if "--max-steps" in rows:
         assert "<int>" in rows["--max-steps"], r.output
+    for repeatable in ("--set", "--option"):
+        if repeatable in rows:
+            assert "<key=value>" in rows[repeatable], r.output
 
 
 @pytest.mark.parametrize("args, said", [
