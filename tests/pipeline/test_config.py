@@ -109,6 +109,8 @@ def test_set_values_are_yaml_and_flags_win_over_them(tmp_path):
 @pytest.mark.parametrize("key, value, meant", [
     ("train.lora.rnak", 8, "train.lora.rank"),  # a typo: the close spelling in the same section
     ("train.batchsize", 8, "train.batch_size"),
+    ("train.lr", 0.1, "train.learning_rate"),  # its words' initials (spelling closeness said train.lora)
+    ("train.bs", 8, "train.batch_size"),
     ("trian", {}, "train"),
     ("resize.aera", 8, "resize.area"),  # consumed on load, not a field, still a valid key
     ("train.rank", 8, "train.lora.rank"),  # the right name in the wrong place
