@@ -40,12 +40,24 @@ from pipeline.commands import (
     train,
 )
 
+# `pipeline --help` lists the root's commands in the order a new user meets them: typer lists single commands
+# before groups, each in the order registered, and showed make-tiny-model first and `run` near the end
+_HELP_ORDER = ("demo", "run", "predict", "compare", "plan", "lora", "launch", "store", "migrate", "config",
+               "make-tiny-model", "make-demo-data")
+
+
+class _Root(OneLineUsageErrors):
+    def list_commands(self, ctx) -> list[str]:
+        names = super().list_commands(ctx)
+        return sorted(names, key=lambda name: _HELP_ORDER.index(name) if name in _HELP_ORDER else len(_HELP_ORDER))
+
+
 app = typer.Typer(
     help="Fine-tune Qwen-Image-Edit LoRAs through a staged, versioned feature store.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
-    cls=OneLineUsageErrors,  # click's usage errors as one line, exit 2 (not typer's boxed panel)
+    cls=_Root,  # click's usage errors as one line, exit 2 (not typer's boxed panel); the help's order
 )
 run_app = typer.Typer(help="Run one pipeline stage (or all of them).", no_args_is_help=True)
 config_app = typer.Typer(help="Inspect the effective configuration.", no_args_is_help=True)

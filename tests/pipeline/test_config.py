@@ -73,6 +73,14 @@ def test_help_lists_every_command_with_one_line_help():
         assert cmd in r.output
 
 
+def test_help_lists_the_demo_and_the_stages_first_and_the_builders_last():
+    """typer listed single commands before groups in registration order: make-tiny-model first, `run` 11th."""
+    r = CliRunner().invoke(app, ["--help"])
+    commands = r.output[r.output.index("Commands"):]
+    listed = [line.split()[1] for line in commands.splitlines() if line.startswith("│ ") and line[2] != " "]
+    assert listed[:3] == ["demo", "run", "predict"] and listed[-2:] == ["make-tiny-model", "make-demo-data"], listed
+
+
 COMMANDS_READING_CONFIG = [
     ["run", "resize-bucket", "--source", "S", "--store", "ST"],
     ["run", "encode-text", "--store", "ST", "--model", "M"],
