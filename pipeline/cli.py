@@ -7,11 +7,15 @@ import signal
 import sys
 
 # A SIGTERM before main() installs its handlers - while the imports below run, ~0.3 s - killed the process at once,
-# silently (-15). The `pipeline` entry point (or `python -m pipeline.cli`, a launched rank) holds it until main()
-# stops with the usual line and 143; a process that imports this module for `app` (a test) keeps its own handling.
+# silently (-15), and a Ctrl-C ended in a KeyboardInterrupt traceback from whatever was being imported. The
+# `pipeline` entry point (or `python -m pipeline` / `-m pipeline.cli`, a launched rank) holds them until main()
+# stops with the usual line, 143 or 130; a process that imports this module for `app` (a test) keeps its own
+# handling. (Before this line runs, Python's own start - ~50 ms - is beyond any handler of ours.)
 _early_signals: list[int] = []
-if __name__ == "__main__" or os.path.basename(sys.argv[0]).removesuffix(".exe") == "pipeline":
-    signal.signal(signal.SIGTERM, lambda signum, frame: _early_signals.append(signum))
+if (__name__ == "__main__" or os.path.basename(sys.argv[0]).removesuffix(".exe") == "pipeline"
+        or getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None) == "pipeline.__main__"):
+    for _held in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(_held, lambda signum, frame: _early_signals.append(signum))
 
 import typer
 
@@ -36,12 +40,24 @@ from pipeline.commands import (
     train,
 )
 
+# `pipeline --help` lists the root's commands in the order a new user meets them: typer lists single commands
+# before groups, each in the order registered, and showed make-tiny-model first and `run` near the end
+_HELP_ORDER = ("demo", "run", "predict", "compare", "plan", "lora", "launch", "store", "migrate", "config",
+               "make-tiny-model", "make-demo-data")
+
+
+class _Root(OneLineUsageErrors):
+    def list_commands(self, ctx) -> list[str]:
+        names = super().list_commands(ctx)
+        return sorted(names, key=lambda name: _HELP_ORDER.index(name) if name in _HELP_ORDER else len(_HELP_ORDER))
+
+
 app = typer.Typer(
     help="Fine-tune Qwen-Image-Edit LoRAs through a staged, versioned feature store.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
-    cls=OneLineUsageErrors,  # click's usage errors as one line, exit 2 (not typer's boxed panel)
+    cls=_Root,  # click's usage errors as one line, exit 2 (not typer's boxed panel); the help's order
 )
 run_app = typer.Typer(help="Run one pipeline stage (or all of them).", no_args_is_help=True)
 config_app = typer.Typer(help="Inspect the effective configuration.", no_args_is_help=True)
@@ -127,6 +143,18 @@ def _interrupt(signum, frame) -> None:
     if earlier is not None:
         earlier.append(signum)
     raise KeyboardInterrupt  # Python's own SIGINT behaviour; only recorded first
+
+
+def _stop_now(signum: int) -> None:
+    """Stop as the handler of SIGNUM does, for one that came while this module was imported: a SIGTERM's
+    SystemExit(143); a Ctrl-C's KeyboardInterrupt as typer ends it, SystemExit(130) caused by it (a launched rank
+    publishes it: `_publish_interrupt`)."""
+    if signum != signal.SIGINT:
+        _terminate(signum, None)
+    try:
+        _interrupt(signum, None)
+    except KeyboardInterrupt as stop:
+        raise SystemExit(128 + signum) from stop
 
 
 # commands a rerun continues (committed shards, checkpoints, pushed versions kept): what a stop's line advises
@@ -243,7 +271,7 @@ def main() -> None:  # pragma: no cover
         new_run()
     try:
         if early:
-            _terminate(early[0], None)  # as if it came now: the stop line below, exit 143
+            _stop_now(early[0])  # as if it came now: the stop line below, exit 143 or 130
         app()
     except SystemExit as e:
         from pipeline.launched import launched

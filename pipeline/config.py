@@ -57,6 +57,12 @@ _FLAG_NAMES = {
 }
 
 
+def _initials_of(name: str, keys: list[str]) -> list[str]:
+    """The keys NAME abbreviates by their words' initials (`lr`: learning_rate, `bs`: batch_size): spelling
+    closeness pointed `train.lr` at train.lora."""
+    return [k for k in keys if "_" in k and name == "".join(word[:1] for word in k.split("_"))]
+
+
 def _did_you_mean(loc: tuple) -> str:
     """A typo'd key's likely meaning: a flag's own name (`_FLAG_NAMES`), a close spelling in its own section,
     else the same name in another place (`train.rank` -> `train.lora.rank`); otherwise where the keys are listed."""
@@ -68,7 +74,8 @@ def _did_you_mean(loc: tuple) -> str:
             field = model.model_fields.get(part)
             model = _section_model(field.annotation) if field is not None else None
     name, parent = str(loc[-1]), "".join(f"{p}." for p in loc[:-1])
-    if model is not None and (close := difflib.get_close_matches(name, _key_names(model), n=1, cutoff=0.6)):
+    if model is not None and (close := _initials_of(name, _key_names(model))
+                              or difflib.get_close_matches(name, _key_names(model), n=1, cutoff=0.6)):
         return f" (did you mean '{parent}{close[0]}'?)"
     every = config_keys()
     elsewhere = [k for k in every if k.rsplit(".", 1)[-1] == name]

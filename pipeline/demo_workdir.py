@@ -29,6 +29,13 @@ def _is_previous_demo(workdir: Path) -> bool:
 
 def claim_workdir(workdir: Path) -> None:
     """Refuse a non-empty folder that is not a previous demo workdir; otherwise create it and mark it."""
+    refuse_other_folder(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / MARKER).write_text("written by `pipeline demo`; a rerun with this --workdir reuses what is here\n")
+
+
+def refuse_other_folder(workdir: Path) -> None:
+    """A UserError when WORKDIR is a file, or a non-empty folder that is not a previous demo workdir."""
     if workdir.exists() and not workdir.is_dir():
         raise UserError(f"--workdir {workdir} is a file: pass a new or empty folder (e.g. demo-workdir)")
     if workdir.is_dir() and any(workdir.iterdir()) and not _is_previous_demo(workdir):
@@ -37,8 +44,6 @@ def claim_workdir(workdir: Path) -> None:
             "data/, store/, run/, report/ and tiny-model/ there. Pass a new or empty folder (e.g. "
             f"--workdir {workdir / 'demo-workdir'})"
         )
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / MARKER).write_text("written by `pipeline demo`; a rerun with this --workdir reuses what is here\n")
 
 
 def write_config(effective: Path, text: str) -> Path | None:

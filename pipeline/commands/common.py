@@ -19,7 +19,7 @@ from pipeline.config import ConfigError, load_config
 ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config file (sections per stage); unset flags take its "
                          "values, else the defaults: `pipeline config show` prints them all.", exists=False)
 SetOpt = typer.Option(
-    [], "--set", "-s", help="Set any config key: --set train.lora.rank=32 (value parsed as YAML, null included; "
+    [], "--set", "-s", metavar="<key=value>", help="Set any config key: --set train.lora.rank=32 (value parsed as YAML, null included; "
     "repeatable).",
 )
 
@@ -142,12 +142,53 @@ class OneLineUsageErrors(TyperGroup):
     Subcommands are parsed inside the root's `invoke`, so one class on the root covers every command."""
 
     def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        _flags_show_no_type(self, self.context_class)  # before parsing: `pipeline --help` prints as it parses
         with _one_line():
             return super().make_context(*args, **kwargs)
 
     def invoke(self, ctx: Any) -> Any:
         with _one_line():
             return super().invoke(ctx)
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        """typer suggests the nearest of a group's own commands (`pipeline stor`: 'store'); a stage's name typed at
+        the root (`pipeline trian`, `pipeline train`) matched none of them and was told only "No such command":
+        the nearest command one level down is suggested too ('run train')."""
+        try:
+            return super().resolve_command(ctx, args)
+        except _CLICK_EXCEPTIONS.UsageError as e:
+            typo = args[0] if args else ""
+            if self.get_command(ctx, typo) is None and not typo.startswith("-"):
+                e.message = _with_nested_guess(e.message, typo, self.commands)
+            raise
+
+
+def _flags_show_no_type(command: Any, context_class: type) -> None:
+    """typer's help shows a flag's type as if it took a value (`--resume <bool>`, `--help <bool>`; `--resume true`
+    is refused): a flag of COMMAND or of any command below it shows none. Its help option is made as its own
+    context makes it (the names in its context_settings), and kept by the command for its help."""
+    params = command.get_params(context_class(command, **(command.context_settings or {})))
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    for sub in getattr(command, "commands", {}).values():
+        _flags_show_no_type(sub, context_class)
+
+
+def _with_nested_guess(message: str, typo: str, commands: dict[str, Any]) -> str:
+    """MESSAGE with "Did you mean 'run train'?" when TYPO is close to no command of the root (typer's own guess
+    is among those) but to a command of one of its groups."""
+    from difflib import get_close_matches
+
+    if get_close_matches(typo, list(commands)):
+        return message  # typer named the root's nearest already
+    nested = {f"{group} {name}": name for group, command in commands.items()
+              for name in getattr(command, "commands", {})}
+    guesses = [path for name in get_close_matches(typo, list(set(nested.values())))
+               for path, sub in nested.items() if sub == name]
+    if not guesses:
+        return message
+    return f"{message.rstrip('.')}. Did you mean {', '.join(repr(g) for g in guesses)}?"
 
 
 # click's exceptions as typer raises them: typer >= 0.22 carries its own copy of click, so they are found from
@@ -163,7 +204,9 @@ def _one_line() -> Iterator[None]:
     except _HELP_FOR_NO_ARGS:  # the command's help, as before
         raise
     except _CLICK_EXCEPTIONS.UsageError as e:  # BadParameter, NoSuchOption, MissingParameter included
-        where = f" (`{e.ctx.command_path} --help` lists its options)" if e.ctx is not None else ""
+        # a group's help lists its commands (`pipeline trian`), a command's its options
+        what = "commands" if hasattr(getattr(e.ctx, "command", None), "commands") else "options"
+        where = f" (`{e.ctx.command_path} --help` lists its {what})" if e.ctx is not None else ""
         usage_error(f"{e.format_message()}{where}")
 
 

@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import SetOpt, echo, user_errors
+from pipeline.commands.common import SetOpt, echo, usage_errors, user_errors
 from pipeline.commands.store_remote import CacheGbOpt
 from pipeline.launched import one_process
 
@@ -108,8 +108,10 @@ def command(
     paths = {"source": workdir / "data", "store": store or workdir / "store", "model": workdir / "tiny-model",
              "run": workdir / "run", "report": workdir / "report"}
     cfg = config_from(config, {f"paths.{k}": str(v) for k, v in paths.items()}, set_)
-    from pipeline.demo_workdir import claim_workdir, write_config
+    from pipeline.demo_workdir import claim_workdir, refuse_other_folder, write_config
 
+    with usage_errors():  # someone's folder named by --workdir: a mistake on the command line (exit 2), before any work
+        refuse_other_folder(workdir)
     with user_errors():
         claim_workdir(workdir)
         kept = write_config(effective, dump_config(cfg))

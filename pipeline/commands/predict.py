@@ -42,7 +42,7 @@ def _image_file(out: Path) -> Path:
 
 def command(
     model: str = typer.Option(..., "--model", help="Model folder or hub id."),
-    image: Optional[list[Path]] = typer.Option(None, "--image", help="Control image; repeat for Edit-Plus (any number, as its stock pipeline; trained with up to 3) or Qwen-Image-2.1 (0 to 10 references: none is text-to-image)."),
+    image: Optional[list[Path]] = typer.Option(None, "--image", metavar="<path>", help="Control image; repeat for Edit-Plus (any number, as its stock pipeline; trained with up to 3) or Qwen-Image-2.1 (0 to 10 references: none is text-to-image)."),
     prompt: str = typer.Option(..., "--prompt", help="Edit instruction."),
     out: Path = typer.Option(..., "--out", callback=_image_file, help="Output PNG."),
     lora: Optional[Path] = typer.Option(None, "--lora", help="LoRA folder (RUN/lora) or .safetensors file."),

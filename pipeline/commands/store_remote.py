@@ -12,7 +12,7 @@ from pipeline.launched import one_process
 
 UrlArg = typer.Argument(..., help="Remote store folder: s3://bucket/prefix (or another fsspec URL).")
 OptionsOpt = typer.Option(
-    [], "--option", "-o", help="fsspec storage option KEY=VALUE (value parsed as YAML; repeatable), e.g. "
+    [], "--option", "-o", metavar="<key=value>", help="fsspec storage option KEY=VALUE (value parsed as YAML; repeatable), e.g. "
     "-o endpoint_url=http://127.0.0.1:9000 -o anon=true. Default: the standard AWS environment.",
 )
 CacheDirOpt = typer.Option(None, "--cache-dir", help="With a store URL (s3://...): the local cache its versions' "

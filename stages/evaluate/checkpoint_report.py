@@ -278,7 +278,8 @@ def render_html(metrics: dict, rows: list[OutputsRow], grid: Image.Image) -> str
     for s, p, here, per in zip(c["steps"], c["paths"], on_disk, c["per_step"]):
         mark = (" ★ best (EMA)" if on_ema else " ★ best") if s == best["step"] else ""
         # a pruned checkpoint keeps its point on the curves; its path names no file any more
-        path = p if here else f"{p} (removed: pruned by the training, or moved away)"
+        path = p if here else (f"{p} (removed: the training keeps only its newest checkpoints, "
+                               "train.keep_checkpoints; or the folder was moved)")
         extra = [] if ema_at is None else [ema_at.get(s, "–")]
         table_rows.append([f"step {s}{mark}", path, per["overall"], *extra, per["inside"], per["outside"]])
     whose = (f"the EMA of <code>{html.escape(best.get('ema_checkpoint', ''))}</code>, written as a LoRA to "

@@ -404,8 +404,7 @@ def check_and_hash(checkpoints: list[tuple[int, Path]], ranks=None) -> tuple[lis
     for (step, path), g, sha in zip(checkpoints, gone, hashes):
         if g:
             if ranks.main:
-                tqdm.write(f"checkpoint step {step} was pruned by the training before it was evaluated ({path}): "
-                           "skipped")
+                tqdm.write(_deleted_line(step, path))
             continue
         kept.append((step, path))
         shas[step] = sha
@@ -482,7 +481,8 @@ class CheckpointsResult:
         else:
             head = (f"evaluated {self.evaluated} of {len(c['steps'])} checkpoints "
                     f"({len(c['steps']) - self.evaluated} already in {c['losses']}"
-                    + (f"; {len(self.pruned)} pruned by the training meanwhile, skipped" if self.pruned else "")
+                    + (f"; {len(self.pruned)} deleted by the training meanwhile (train.keep_checkpoints), skipped"
+                       if self.pruned else "")
                     + ")")
         sure = ""
         if b.get("vs_base"):  # paired over val samples (reports written before these numbers have none)
@@ -1005,13 +1005,14 @@ def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[
                 summary, held = _summary_held(losses, samples, cfg, fingerprint, on_disk, shas,
                                               pictured=cfg.num_samples > 0 or bool(cfg.extra_prompts), ema=ema)
                 if summary is None and not newer:  # `newer`: the same on every rank (`agreed_checkpoints`)
-                    raise UserError(f"no checkpoint recorded in {losses.path} is still on disk (pruned by the "
-                                    "training while evaluating, and none newer written): rerun evaluate")
+                    raise UserError(f"no checkpoint recorded in {losses.path} is still on disk (deleted by the "
+                                    "training while evaluating: it keeps only its newest, train.keep_checkpoints; "
+                                    "and none newer written): rerun evaluate")
         if not ranks.from_main([int(summary is None)])[0]:  # none left: the newer ones are evaluated
             break
         if ranks.main:
-            tqdm.write(f"every checkpoint evaluated was pruned by the training meanwhile: evaluating the "
-                       f"{len(newer)} it wrote since, newest first")
+            tqdm.write(f"every checkpoint evaluated was deleted by the training meanwhile (it keeps only its newest, "
+                       f"train.keep_checkpoints): evaluating the {len(newer)} it wrote since, newest first")
         listed |= {step for step, _ in newer}
         checkpoints, new_shas = check_and_hash(newer, ranks)
         pruned += [step for step, _ in newer if step not in new_shas]
@@ -1459,11 +1460,16 @@ def _load_checkpoint(ranks, transformer, step: int, path: Path, sha: str, lora_s
             changed = PRUNED
     changed = ranks.any([changed])[0]  # left out on every rank when any rank saw it change
     if changed and ranks.main:
-        tqdm.write(f"checkpoint step {step} was pruned by the training before it was evaluated ({path}): skipped"
-                   if changed == PRUNED else
+        tqdm.write(_deleted_line(step, path) if changed == PRUNED else
                    f"checkpoint step {step} was rewritten while evaluating ({path}; by a running training?): "
                    "left out; rerun evaluate to evaluate what is there now")
     return changed, attached
+
+
+def _deleted_line(step: int, path) -> str:
+    """What a checkpoint gone before its turn is told as, in the user's terms (it said "pruned")."""
+    return (f"checkpoint step {step} was deleted before it was evaluated ({path}): the training still running keeps "
+            "only its newest checkpoints (train.keep_checkpoints); skipped")
 
 
 def _cells(ranks, transformer, samples, mine: list[int], seeds: list[int], sigmas: list[float], batch_size: int,

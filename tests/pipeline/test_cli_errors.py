@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from typer.testing import CliRunner
 
@@ -154,6 +156,44 @@ def test_a_mistake_click_finds_while_parsing_is_one_error_line_not_a_usage_box(a
 def test_a_command_group_without_its_command_still_shows_its_help():
     r = _run(["store"])
     assert r.exit_code == 2 and "Usage:" in r.output and "inspect" in r.output, r.output
+
+
+@pytest.mark.parametrize("args, flags", [
+    (["--help"], ["--help"]),
+    (["run", "--help"], ["--help"]),
+    (["run", "train", "--help"], ["--resume", "--new-run", "--json", "--help"]),
+    (["make-demo-data", "--help"], ["--with-masks", "--help"]),
+    (["predict", "--help"], ["--strict-base", "--help"]),
+    (["store", "push", "--help"], ["--help"]),
+], ids=lambda a: " ".join(a) if isinstance(a, list) and a[-1] == "--help" else None)
+def test_help_shows_no_type_for_a_flag(args, flags):
+    """typer's help showed `--resume <bool>` and `--help <bool>`, as if the flag took a value (`--resume true` is
+    refused: an extra argument); a flag now shows no type, an option taking a value still does. A repeatable
+    option showed a Python type, `--set <list[str]>`: now what one value is, `<key=value>`, `--image <path>`."""
+    r = CliRunner().invoke(app, args, env={"COLUMNS": "200"})  # each row on one line
+    assert r.exit_code == 0 and "<bool>" not in r.output and "<list[" not in r.output, r.output
+    rows = {m.group(1): line for line in r.output.splitlines() if (m := re.match(r"│[\s*]*(--[\w-]+)", line))}
+    assert all(flag in rows for flag in flags), r.output
+    if "--max-steps" in rows:
+        assert "<int>" in rows["--max-steps"], r.output
+    for repeatable in ("--set", "--option"):
+        if repeatable in rows:
+            assert "<key=value>" in rows[repeatable], r.output
+
+
+@pytest.mark.parametrize("args, said", [
+    (["trian"], "error: No such command 'trian'. Did you mean 'run train'? (`root --help` lists its commands)\n"),
+    (["train"], "error: No such command 'train'. Did you mean 'run train'?"),
+    (["inspct", "ST"], "error: No such command 'inspct'. Did you mean 'store inspect'?"),
+    (["stor", "inspect"], "error: No such command 'stor'. Did you mean 'store'?"),  # typer's own, unchanged
+    (["run", "trian"], "error: No such command 'trian'. Did you mean 'train'? (`root run --help` lists its commands)"),
+    (["xyz"], "error: No such command 'xyz'. (`root --help` lists its commands)\n"),
+], ids=lambda a: " ".join(a) if isinstance(a, list) else None)
+def test_a_mistyped_command_suggests_the_nearest_one_level_down_too(args, said):
+    """`pipeline trian` said only "No such command 'trian'" (and that the root's help lists its options): typer
+    suggests the nearest command of the group typed into, and a stage is one level down (`run train`)."""
+    r = _run(args)
+    assert r.exit_code == 2 and r.output.startswith(said) and r.output.count("\n") == 1, r.output
 
 
 def test_a_usage_mistake_found_after_parsing_is_exit_2(tmp_path):

@@ -10,6 +10,7 @@ import sys
 from enum import Enum
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[2]
@@ -293,32 +294,43 @@ def test_a_damaged_lora_is_told_before_a_hub_model_is_downloaded(tmp_path, monke
     assert downloads == []
 
 
-# `pipeline ARGS` as its entry point runs it, a SIGTERM sent to itself at cli.py's first import after its own
-# (typer's): the earliest moment, ~0.3 s before main() installs its handlers.
-TERM_WHILE_IMPORTING = """
-import os, signal, sys
+# `pipeline ARGS` as its entry point runs it (or `python -m pipeline`: runpy, as -m runs it), a signal sent to itself
+# at cli.py's first import after its own (typer's): the earliest moment, ~0.3 s before main() installs its handlers.
+SIGNAL_WHILE_IMPORTING = """
+import os, runpy, signal, sys
 from importlib.abc import MetaPathFinder
 
 
-class TermOnTyper(MetaPathFinder):
+class SignalOnTyper(MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name == "typer":
             sys.meta_path.remove(self)
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.{signal})
         return None
 
 
-sys.meta_path.insert(0, TermOnTyper())
-sys.argv[0] = "pipeline"
-from pipeline.cli import main
-main()
+sys.meta_path.insert(0, SignalOnTyper())
+if {dash_m}:
+    runpy.run_module("pipeline", run_name="__main__", alter_sys=True)
+else:
+    sys.argv[0] = "pipeline"
+    from pipeline.cli import main
+    main()
 """
 
 
-def test_a_sigterm_while_the_cli_imports_stops_with_its_line_and_143(tmp_path):
-    """Before: the default SIGTERM action ended the process at once, silently (-15), no line."""
-    proc = subprocess.run([sys.executable, "-c", TERM_WHILE_IMPORTING, "run", "all", "--config",
-                           str(tmp_path / "c.yaml")], env=ENV, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 143, (proc.returncode, proc.stderr[-2000:])
-    assert proc.stderr.strip().splitlines()[-1] == ("stopped by SIGTERM: what it committed is kept; rerun the same "
+@pytest.mark.parametrize("signal_name, dash_m, status", [
+    ("SIGTERM", False, 143),
+    ("SIGTERM", True, 143),  # before: silent, -15 (the early handler was the `pipeline` script's alone)
+    ("SIGINT", False, 130),  # before: a KeyboardInterrupt traceback from the import under way
+])
+def test_a_signal_while_the_cli_imports_stops_with_its_line_and_status(signal_name, dash_m, status, tmp_path):
+    """Before: the default SIGTERM action ended the process at once, silently (-15), no line (still so under
+    `python -m pipeline` until now); a Ctrl-C printed a traceback ending in the import it interrupted."""
+    script = SIGNAL_WHILE_IMPORTING.format(signal=signal_name, dash_m=dash_m)
+    proc = subprocess.run([sys.executable, "-c", script, "run", "all", "--config", str(tmp_path / "c.yaml")],
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == status, (proc.returncode, proc.stderr[-2000:])
+    said = "SIGINT (Ctrl-C)" if signal_name == "SIGINT" else signal_name
+    assert proc.stderr.strip().splitlines()[-1] == (f"stopped by {said}: what it committed is kept; rerun the same "
                                                     "command to continue from there"), proc.stderr[-2000:]

@@ -73,6 +73,14 @@ def test_help_lists_every_command_with_one_line_help():
         assert cmd in r.output
 
 
+def test_help_lists_the_demo_and_the_stages_first_and_the_builders_last():
+    """typer listed single commands before groups in registration order: make-tiny-model first, `run` 11th."""
+    r = CliRunner().invoke(app, ["--help"])
+    commands = r.output[r.output.index("Commands"):]
+    listed = [line.split()[1] for line in commands.splitlines() if line.startswith("│ ") and line[2] != " "]
+    assert listed[:3] == ["demo", "run", "predict"] and listed[-2:] == ["make-tiny-model", "make-demo-data"], listed
+
+
 COMMANDS_READING_CONFIG = [
     ["run", "resize-bucket", "--source", "S", "--store", "ST"],
     ["run", "encode-text", "--store", "ST", "--model", "M"],
@@ -109,6 +117,8 @@ def test_set_values_are_yaml_and_flags_win_over_them(tmp_path):
 @pytest.mark.parametrize("key, value, meant", [
     ("train.lora.rnak", 8, "train.lora.rank"),  # a typo: the close spelling in the same section
     ("train.batchsize", 8, "train.batch_size"),
+    ("train.lr", 0.1, "train.learning_rate"),  # its words' initials (spelling closeness said train.lora)
+    ("train.bs", 8, "train.batch_size"),
     ("trian", {}, "train"),
     ("resize.aera", 8, "resize.area"),  # consumed on load, not a field, still a valid key
     ("train.rank", 8, "train.lora.rank"),  # the right name in the wrong place

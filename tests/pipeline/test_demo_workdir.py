@@ -15,12 +15,15 @@ def test_demo_refuses_a_folder_with_other_files(tmp_path):
     (data / "target").mkdir(parents=True)
     (data / "target" / "a.png").write_bytes(b"not ours")
     res = CliRunner().invoke(app, ["demo", "--workdir", str(data)])
-    assert res.exit_code == 1
+    assert res.exit_code == 2  # a mistake on the command line (README), found before any work; it was 1
+    assert res.output.count("\n") == 1
     assert f"--workdir {data} is not empty and is not a previous demo workdir" in res.output
     assert f"--workdir {data / 'demo-workdir'}" in res.output  # says what to do
     assert sorted(p.name for p in data.iterdir()) == ["target"]  # nothing written (no config.yaml, no marker)
     file = tmp_path / "notes.txt"
     file.write_text("x")
+    res = CliRunner().invoke(app, ["demo", "--workdir", str(file)])
+    assert res.exit_code == 2 and f"--workdir {file} is a file: pass a new or empty folder" in res.output
     with pytest.raises(UserError, match="is a file"):
         claim_workdir(file)
 

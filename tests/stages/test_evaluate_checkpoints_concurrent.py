@@ -51,8 +51,8 @@ def test_a_checkpoint_pruned_while_evaluating_is_left_out_and_the_others_are_eva
     assert res.metrics["checkpoints"]["steps"] == [10, 30]
     assert res.best["step"] == 30  # the zero LoRA (= the base) beats the far one; step 20 is gone
     err = "".join(capsys.readouterr())
-    assert "checkpoint step 20 was pruned by the training before it was evaluated" in err
-    assert res.pruned == [20] and "1 pruned by the training meanwhile, skipped" in str(res)
+    assert "checkpoint step 20 was deleted before it was evaluated" in err and "train.keep_checkpoints" in err
+    assert res.pruned == [20] and "1 deleted by the training meanwhile (train.keep_checkpoints), skipped" in str(res)
     # appended newest first (the ones a training prunes last); sorted, the steps evaluated
     assert list(xr.open_zarr(tmp_path / "r" / GROUP).sortby("step").step.values) == [10, 30]
 
@@ -70,7 +70,7 @@ def test_a_checkpoint_pruned_while_hashing_is_left_out(run_and_store, tiny_edit_
     monkeypatch.setattr(ev, "lora_digest", lora_digest)
     res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), tmp_path / "r")
     assert res.metrics["checkpoints"]["steps"] == [10, 30]
-    assert "checkpoint step 20 was pruned by the training before it was evaluated" in "".join(capsys.readouterr())
+    assert "checkpoint step 20 was deleted before it was evaluated" in "".join(capsys.readouterr())
 
 
 def test_a_checkpoint_rewritten_while_evaluating_is_not_recorded_under_its_old_hash(
@@ -290,7 +290,8 @@ def test_every_checkpoint_evaluated_pruned_meanwhile_evaluates_the_newer_ones(ru
     assert record["checkpoints"] == [10, 20, 30, 40, 50] and record["checkpoints_evaluated"] == 5
     assert record["best_step"] in (40, 50) and Path(record["best_checkpoint"]).is_dir()
     assert record["checkpoints_pruned"] == [] and record["checkpoints_newer"] == []
-    assert "every checkpoint evaluated was pruned by the training meanwhile: evaluating the 2" in res.output
+    assert "every checkpoint evaluated was deleted by the training meanwhile (it keeps only its newest, " \
+           "train.keep_checkpoints): evaluating the 2" in res.output
 
 
 @pytest.mark.parametrize("as_json", [True, False])
@@ -305,13 +306,14 @@ def test_a_checkpoint_pruned_before_its_turn_is_skipped_and_newer_ones_are_named
     _training_meanwhile(monkeypatch, 2, [40], 3, ck)
     res, record = _cli(root, run_and_store / "store", tiny_edit_model, tmp_path / "r", as_json)
     assert res.exit_code == 0, res.output
-    assert "checkpoint step 10 was pruned by the training before it was evaluated" in res.output
+    assert "checkpoint step 10 was deleted before it was evaluated" in res.output
     metrics = json.loads((tmp_path / "r" / "metrics.json").read_text())["checkpoints"]
     assert metrics["steps"] == [20, 30] and metrics["best"]["step"] == 20
     if as_json:
         assert record["checkpoints_pruned"] == [10] and record["checkpoints_newer"] == [40]
     else:
-        assert "(0 already in" in res.output and "; 1 pruned by the training meanwhile, skipped)" in res.output
+        assert "(0 already in" in res.output
+        assert "; 1 deleted by the training meanwhile (train.keep_checkpoints), skipped)" in res.output
         assert "; 1 newer checkpoint was written meanwhile (step 40): rerun to include it" in res.output
 
 
