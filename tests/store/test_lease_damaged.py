@@ -138,6 +138,7 @@ def test_a_damaged_fresh_lease_in_a_url_cache_keeps_its_store_and_the_open_goes_
         return (sum(p.stat().st_size for p in cache.rglob("*") if p.is_file() and not p.name.endswith(".lock"))
                 - 1000) / 1e9
 
+    assert local_store(url, ["vae"], cache, lease=False) == root  # without a limit (it raised as well)
     with caplog.at_level("WARNING", logger="store"):
         for _ in range(2):
             assert local_store(url, ["vae"], cache, limit_gb=a_kb_less(), lease=False) == root
