@@ -117,3 +117,17 @@ def test_the_keep_rule_lists_the_versions_once_whatever_the_live_leases(store: S
     finally:
         for held in readers:
             held.release()
+
+
+def test_a_whole_url_pull_reads_each_versions_checksums_once(store: Store, tmp_path: Path, monkeypatch) -> None:
+    """The URL's keep rule reads the checksums.json of each version it keeps (its schema.json checked against it),
+    and the pull read it again to copy the version: megabytes each at 1M samples, two GETs. Once now."""
+    url = (tmp_path / "remote").as_uri()
+    _replaced_twice(store, url)
+    gets = _store_json_gets(monkeypatch)
+    summary = pull(url, tmp_path / "copy")
+    assert summary.copied == ["vae/v3"] and summary.garbage == ["vae/v1", "vae/v2"], summary
+    sums = {rel: n for rel, n in gets.items() if rel.endswith(fmt.CHECKSUMS)}
+    assert sums == {f"vae/v3/{fmt.CHECKSUMS}": 1}, gets
+    with Store(tmp_path / "copy", create=False).reader("vae") as r:
+        assert r.version == 3 and len(r.keys()) == 3
