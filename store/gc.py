@@ -83,11 +83,17 @@ class GcPlan:
 
 def _kept(root: Path, current: dict[str, int] | list[tuple[str, int]],
           unknown: dict[tuple[str, int], str] | None = None,
-          upstream_of: Callable[[str, int], list[tuple[str, int]] | None] | None = None) -> set[tuple[str, int]]:
-    """`kept_closure` of `current` in the store at `root` (`upstream_of`: `_upstream_reader(root)`'s, shared by
-    the calls of one plan)."""
-    every = [(t, u) for t in _tables(root) for u in fmt.list_versions(root, t)]
+          upstream_of: Callable[[str, int], list[tuple[str, int]] | None] | None = None,
+          every: list[tuple[str, int]] | None = None) -> set[tuple[str, int]]:
+    """`kept_closure` of `current` in the store at `root` (`upstream_of`: `_upstream_reader(root)`'s; `every`:
+    `_every_version(root)`, both shared by the calls of one plan: one per live lease, a reader per rank)."""
+    every = _every_version(root) if every is None else every
     return kept_closure(current, upstream_of or _upstream_reader(root), every, unknown)
+
+
+def _every_version(root: Path) -> list[tuple[str, int]]:
+    """(table, version) of every version folder in the store at `root`, complete or not."""
+    return [(t, u) for t in _tables(root) for u in fmt.list_versions(root, t)]
 
 
 def _upstream_reader(root: Path) -> Callable[[str, int], list[tuple[str, int]] | None]:
@@ -251,9 +257,12 @@ def keep_rule(root: Path, entries: dict[str, dict], out: GcPlan, complete: list[
     unknown_upstream, leased and dead_leases; returns the kept versions and, per version a live lease names (there
     or not), by whom. `complete`: `_complete_versions(root)`, when the caller listed them already."""
     current = {t: int(e["current"]) for t, e in entries.items()}
-    out.unswitched = unswitched(entries, _complete_versions(root) if complete is None else complete)
+    every = _every_version(root)  # listed once, not again for each live lease
+    if complete is None:
+        complete = [(t, v) for t, v in every if fmt.is_complete(fmt.version_dir(root, t, v))]
+    out.unswitched = unswitched(entries, complete)
     upstream_of = _upstream_reader(root)
-    keep = _kept(root, sorted(current.items()) + sorted(out.unswitched), out.unknown_upstream, upstream_of)
+    keep = _kept(root, sorted(current.items()) + sorted(out.unswitched), out.unknown_upstream, upstream_of, every)
     named_by: dict[tuple[str, int], list[str]] = {}  # every version a live lease names, existing or not
     for found in leases.leases(root):
         if not found.live:
@@ -262,7 +271,7 @@ def keep_rule(root: Path, entries: dict[str, dict], out: GcPlan, complete: list[
         for tv in found.versions():
             named_by.setdefault(tv, []).append(found.describe())
         named = [(t, v) for t, v in found.versions() if fmt.version_dir(root, t, v).is_dir()]
-        for tv in sorted(_kept(root, named, out.unknown_upstream, upstream_of) - keep):
+        for tv in sorted(_kept(root, named, out.unknown_upstream, upstream_of, every) - keep):
             out.leased.setdefault(tv, []).append(found.describe())
     return keep | set(out.leased), named_by
 

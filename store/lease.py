@@ -30,9 +30,10 @@ A kill -9 leaves the file behind; it must not block gc for ever. Liveness:
   once, when the lease is held, and kept for its life - an environment changed later moves no live lease's margin).
 gc removes the files of dead leases.
 - a damaged lease (its seal fails: a flipped byte could name another pid or version) says nobody's pid: judged by its
-  refresh age alone, at the default margin. While live, which versions it keeps cannot be told, so gc (and the URL
-  cache's eviction) stops with one line, removing nothing; its reader's heartbeat, reading its file back each beat,
-  writes it again within `REFRESH_SECONDS` (as one removed, below); a dead reader's is removed once stale.
+  refresh age alone, at the default margin. While live, which versions it keeps cannot be told, so gc stops with one
+  line, removing nothing (the URL cache's eviction, housekeeping, keeps every version of its cached store whole
+  instead); its reader's heartbeat, reading its file back each beat, writes it again within `REFRESH_SECONDS` (as
+  one removed, below); a dead reader's is removed once stale.
 
 A reader paused longer than that (SIGSTOP, a suspended VM, a hung mount) may have had its lease judged dead by a
 gc on another host, its file removed, and its versions removed with it. On waking, its heartbeat (and `add`) looks
@@ -473,8 +474,9 @@ class Found:
         return f"{self.record.get('what', '?')} ({self.why}, lease {self.path.name})"
 
     def versions(self) -> Iterable[tuple[str, int]]:
-        """The versions it names. A live damaged lease names versions no one can tell: UserError (gc, the cache's
-        eviction, repair's retiring of a version stop before removing one its reader may be reading)."""
+        """The versions it names. A live damaged lease names versions no one can tell: UserError (gc and repair's
+        retiring of a version stop before removing one its reader may be reading; the URL cache's eviction asks only
+        undamaged ones, store/remote_cache.py `_live_leases`)."""
         if self.damaged and self.live:
             raise UserError(f"read lease {self.path} is damaged ({self.why}): its reader may still run, and which "
                             f"versions it reads cannot be told, so this stopped before removing any; rerun later (a "

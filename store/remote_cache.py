@@ -8,15 +8,17 @@ a cached version never goes stale; a newer current version on the remote is open
 The cache stays under its size limit by evicting least recently used shard files (`make_room`, before every whole
 fetch, so also during a long read; it walks the cache only when the node's running total `USAGE` nears the limit)
 and, on open, whole versions nobody uses (`evict`): only copies of the remote's, never a version a writer committed
-here and has not pushed (the only copy of that work until its rerun pushes it). Processes of one node share
-the cache: opens, evictions and space reservations run under one lock on the cache folder; a shard unlinked while
+here and has not pushed (the only copy of that work until its rerun pushes it). Processes of one node share the
+cache: opens, evictions and space reservations run under one lock on the cache folder; a shard unlinked while
 another process has it open stays readable there (POSIX), and its next miss fetches it again; a version a live
 reader holds a read lease on (store/lease.py, written by train's reader inside the cached store) is never evicted
-whole, and the metadata of the versions in use never at all. Eviction removes the lease files of dead readers it
-meets (judged as `store gc` judges them; an open without a limit, which evicts nothing, those of the store it
-opens) and, first, the temp files of killed fetches (named by pid, start time and pid namespace: containers
-sharing the cache folder have their own pids, so another namespace's is judged by its age, store/lease.tag_gone);
-every open, with a limit or without, removes those of the store it opens by the same rule, over the limit or not.
+whole, and the metadata of the versions in use never at all; while a live lease is damaged (which versions it names
+cannot be told), no version of its store is, said once in one line (an open or a read goes on: `store gc`, asked
+for, stops there). Eviction removes the lease files of dead readers it meets (judged as `store gc` judges them; an
+open without a limit, which evicts nothing, those of the store it opens) and, first, the temp files of killed
+fetches (named by pid, start time and pid namespace: containers sharing the cache folder have their own pids, so
+another namespace's is judged by its age, store/lease.tag_gone); every open, with a limit or without, removes those
+of the store it opens by the same rule, over the limit or not.
 
 A writer (the encoders) works on the cached copy and then pushes it back (`push_back`): the remote commit keeps
 push's guarantees (write-once objects, manifest last, store.json by compare-and-swap), so a killed encoder leaves
@@ -251,12 +253,12 @@ def _size(folder: Path) -> int:
 def _candidates(cache: Path, keep: set[tuple[Path, str, int]],
                 whole_versions: bool) -> tuple[int, list, list[tuple[Path, int]]]:
     """(bytes the cache holds, what may go: [(last use, bytes, path, is a whole version)], the complete versions
-    committed only here: [(folder, bytes)]). A version in `keep` or under a live read lease keeps its folder and
-    metadata; a lazily cached version's shards may always go (refetched on need). Only a copy of the remote's
-    (lazily opened, or pushed: `is_lazy`) goes whole: a version a writer committed here and did not push (a failed
-    or killed push_back) is the only copy of that work until the rerun pushes it - unless a newer version this
-    cache committed and pushed replaced it (`_not_kept_here`): no push sends such a one, and the cached store's gc
-    removes it."""
+    committed only here: [(folder, bytes)]). A version in `keep` or under a live read lease (every version of a store
+    with a live damaged one) keeps its folder and metadata; a lazily cached version's shards may always go
+    (refetched on need). Only a copy of the remote's (lazily opened, or pushed: `is_lazy`) goes whole: a version a
+    writer committed here and did not push (a failed or killed push_back) is the only copy of that work until the
+    rerun pushes it - unless a newer version this cache committed and pushed replaced it (`_not_kept_here`): no push
+    sends such a one, and the cached store's gc removes it."""
     from store.remote_shards import is_lazy, is_shard
 
     # what the cached store's gc would remove, asked once per store and only of a version committed here: push
@@ -267,7 +269,8 @@ def _candidates(cache: Path, keep: set[tuple[Path, str, int]],
         if not (root / fmt.STORE_JSON).is_file():
             total += _size(root)
             continue
-        leased = _live_leases(root)
+        leased, damaged = _live_leases(root)
+        _say_kept_for_damaged(root, damaged)
         total += sum(n for _, n, _ in _files(root)[0])
         for table_dir in sorted(p for p in root.iterdir() if p.is_dir()):
             if table_dir.name.startswith("."):
@@ -285,7 +288,7 @@ def _candidates(cache: Path, keep: set[tuple[Path, str, int]],
                 files, metadata = _files(vdir, _metadata_sizes(vdir) if lazy else None)
                 n = metadata + sum(size for _, size, _ in files)
                 total += n
-                pinned = (root, table_dir.name, v) in keep or (table_dir.name, v) in leased
+                pinned = bool(damaged) or (root, table_dir.name, v) in keep or (table_dir.name, v) in leased
                 if not lazy:
                     if fmt.is_complete(vdir) and (table_dir.name, v) in garbage(root):  # owed to no one
                         if whole_versions and not pinned:
@@ -332,16 +335,34 @@ def _pushed_here(vdir: Path) -> bool:
         return False
 
 
-def _live_leases(root: Path) -> set[tuple[str, int]]:
-    """The versions live read leases of the cached store `root` name; the files of dead ones are removed here
-    (judged as `store gc` judges them: one per killed reader piled up until a gc of the cache's store)."""
-    leased = set()
+def _live_leases(root: Path) -> tuple[set[tuple[str, int]], list[leases.Found]]:
+    """(the versions live read leases of the cached store `root` name, its live damaged leases); the files of dead
+    ones are removed here (judged as `store gc` judges them: one per killed reader piled up until a gc of the cache's
+    store). A damaged one names versions no one can tell (store/lease.py): the caller keeps every version of `root`
+    while it is fresh, never stops (eviction is housekeeping; `store gc`, asked for, stops)."""
+    leased, damaged = set(), []
     for found in leases.leases(root):
-        if found.live:
-            leased |= set(found.versions())
-        else:
+        if not found.live:
             found.path.unlink(missing_ok=True)
-    return leased
+        elif found.damaged:
+            damaged.append(found)
+        else:
+            leased |= set(found.versions())
+    return leased, damaged
+
+
+_said_damaged: set[Path] = set()  # lease files named already by this process: a walk runs before many fetches
+
+
+def _say_kept_for_damaged(root: Path, damaged: list[leases.Found]) -> None:
+    """One line, once per lease file and process: why no version of `root` is evicted whole meanwhile."""
+    for found in damaged:
+        if found.path not in _said_damaged:
+            _said_damaged.add(found.path)
+            log.warning("the store cache keeps every version of %s whole: its read lease %s is damaged (%s), so which "
+                        "versions its reader reads cannot be told; evicted again once it is written again (within "
+                        "%.0f s while its reader runs) or stale (%.0f min after its last refresh)", root, found.path,
+                        found.why, leases.REFRESH_SECONDS, leases.STALE_SECONDS / 60)
 
 
 def _remove_dead_fetches(root: Path) -> None:

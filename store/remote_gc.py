@@ -242,15 +242,15 @@ def keep_rule(remote: Remote, versions: dict[tuple[str, int], Version], entries:
     return keep | set(out.leased), found_leases
 
 
-def not_kept(remote: Remote, listing: dict[str, tuple[int, float]], entries: dict[str, dict] | None
-             ) -> set[tuple[str, int]]:
+def not_kept(remote: Remote, listing: dict[str, tuple[int, float]], entries: dict[str, dict] | None,
+             read: Callable[[str], bytes] | None = None) -> set[tuple[str, int]]:
     """The complete versions at the URL that its gc would remove (`keep_rule`, as `plan` keeps): replaced by a newer
     current one or switched away from, read under no live lease, and made nothing kept. A pull of the whole URL
     copies none of them (store/remote_sync.py), as push sends none of a local store's (store/gc.py `not_kept`):
     one is tens of GB at 1M samples. `entries`: the URL's store.json's tables, as the caller read them after
     `listing` (None: no store.json, then none). Nothing is read where every complete version is current (the usual
     store); none either where the server's clock cannot be read (credentials that may not write: leases not
-    judged)."""
+    judged). `read`: `_once(remote)` shared with the caller (a pull copies the versions whose records it read)."""
     versions = _versions(listing)
     complete = {tv for tv, v in versions.items() if v.complete}
     if entries is None or all_current(entries, complete):
@@ -261,7 +261,7 @@ def not_kept(remote: Remote, listing: dict[str, tuple[int, float]], entries: dic
         log.warning("%s: the server's clock not read (%s); versions its gc would remove are pulled too",
                     remote.url, e)
         return set()
-    return complete - keep_rule(remote, versions, entries, listing, now, RemoteGcPlan(), _once(remote))[0]
+    return complete - keep_rule(remote, versions, entries, listing, now, RemoteGcPlan(), read or _once(remote))[0]
 
 
 def _strays(remote: Remote, kept: list[Version], now: float, grace_s: float,

@@ -31,7 +31,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from schemas.errors import UserError
 from schemas.newer import refuse_newer
@@ -550,7 +550,7 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
     working copy, which looks at every version there): those the URL's gc would remove are copied too. `record`:
     the URL's store.json as the caller read it already (store/remote_work.py), not fetched again (nor by the
     URL's `not_kept`)."""
-    from store.remote_gc import not_kept
+    from store.remote_gc import _once, not_kept
     from store.store import Store
 
     dst = Path(dst)
@@ -565,7 +565,10 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
         rec, tables, wanted = wanted_versions(rec, url, tables, optional, listing)
         # (complete versions the URL's gc would remove, one rule with gc and push: not copied, `summary.garbage`;
         # those a pull names, `tables`' current ones, always are)
-        garbage = not_kept(remote, times, rec["tables"]) if whole else set()
+        # (`read`: each version's checksums.json the keep rule read - megabytes at 1M samples - not read again to
+        # copy it; versions never change under their number, and each object copied is checked against it)
+        read = _once(remote)
+        garbage = not_kept(remote, times, rec["tables"], read) if whole else set()
         _refuse_lost_current(remote, rec, tables, listing)
         store = Store(dst)
         versions = _versions_to_pull(listing, tables, wanted, dst, damaged_ok)
@@ -575,7 +578,7 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
         versions = [tv for tv in versions if tv not in skipped]
         lease = _hold_pulling(remote, versions, dst)
         try:
-            _pull_versions(remote, dst, versions, summary, damaged_ok)
+            _pull_versions(remote, dst, versions, summary, damaged_ok, read)
         finally:  # held till every version is copied: a gc meanwhile keeps them
             if lease is not None:
                 lease.release()
@@ -660,12 +663,13 @@ def _hold_pulling(remote: Remote, versions: list[tuple[str, int]], dst: Path) ->
 
 
 def _pull_versions(remote: Remote, dst: Path, versions: list[tuple[str, int]], summary: SyncSummary,
-                   damaged_ok: bool) -> None:
-    """Each version into `dst`: a copy there already is checked to be the same and refilled, the others fetched."""
+                   damaged_ok: bool, read: Callable[[str], bytes] | None = None) -> None:
+    """Each version into `dst`: a copy there already is checked to be the same and refilled, the others fetched.
+    `read`: the URL's objects as the caller's keep rule read them already (store/remote_gc.py `_once`)."""
     url = remote.url
     plan: list[tuple[str, int, bytes, list[_File]]] = []
     for table, version in versions:
-        record = _read_checksums(remote, table, version)
+        record = _read_checksums(remote, table, version, read)
         files = _ordered(table, version, version_files(record, f"{url}/{table}/v{version}/{fmt.CHECKSUMS}"),
                          record)
         vdir = fmt.version_dir(dst, table, version)
@@ -839,13 +843,14 @@ def fetch_checked(remote: Remote, f: _File, path: Path, bar, damaged_ok: bool = 
     return "sent" if (size, crc) == (f.nbytes, f.crc) else "damaged"
 
 
-def _read_checksums(remote: Remote, table: str, version: int) -> bytes:
-    """A version's checksums.json; one gone while its manifest is still there (or with its whole version, which
-    store.json names current) is lost, not removed by a gc meanwhile (gc deletes the manifest first, of versions no
-    longer current): named in one line (`lost_object`), where "rerun" would fail the same way for ever."""
+def _read_checksums(remote: Remote, table: str, version: int, read: Callable[[str], bytes] | None = None) -> bytes:
+    """A version's checksums.json (through `read`, `remote.read` by default); one gone while its manifest is still
+    there (or with its whole version, which store.json names current) is lost, not removed by a gc meanwhile (gc
+    deletes the manifest first, of versions no longer current): named in one line (`lost_object`), where "rerun"
+    would fail the same way for ever."""
     rel = f"{table}/v{version}/{fmt.CHECKSUMS}"
     try:
-        return remote.read(rel)
+        return (read or remote.read)(rel)
     except FileNotFoundError as e:
         lost = lost_object(remote, rel, e)
         if lost is None:  # the bucket gone, or the version with a gc: remote_errors says rerun

@@ -95,3 +95,39 @@ def test_a_push_reads_the_local_store_json_once(store: Store, tmp_path: Path, mo
     summary = push(store.root, (tmp_path / "remote").as_uri())
     assert summary.copied == ["vae/v2"] and summary.garbage == ["vae/v1"], summary
     assert len(records) == 1, records
+
+
+def test_the_keep_rule_lists_the_versions_once_whatever_the_live_leases(store: Store, monkeypatch) -> None:
+    """gc's keep rule listed every version of every table again for each live lease (a reader per rank: 64 leases
+    on 8 nodes, 65 listings of each table's folder per plan, per push, per cache eviction); once now."""
+    from store import lease
+
+    for i, tag in enumerate("ab"):  # v1 replaced by v2: the keep rule is asked
+        fill(store, 3, tag=tag, start=10 * i)
+    listings = []
+    real_list = fmt.list_versions
+    monkeypatch.setattr(fmt, "list_versions", lambda root, table: listings.append(table) or real_list(root, table))
+    assert gc.not_kept(store.root) == {("vae", 1)}
+    without_leases = len(listings)
+    readers = [lease.hold(store.root, {"vae": 1}, f"reader {rank}") for rank in range(3)]
+    try:
+        listings.clear()
+        assert gc.not_kept(store.root) == set()  # v1 read: kept
+        assert len(listings) == without_leases, listings
+    finally:
+        for held in readers:
+            held.release()
+
+
+def test_a_whole_url_pull_reads_each_versions_checksums_once(store: Store, tmp_path: Path, monkeypatch) -> None:
+    """The URL's keep rule reads the checksums.json of each version it keeps (its schema.json checked against it),
+    and the pull read it again to copy the version: megabytes each at 1M samples, two GETs. Once now."""
+    url = (tmp_path / "remote").as_uri()
+    _replaced_twice(store, url)
+    gets = _store_json_gets(monkeypatch)
+    summary = pull(url, tmp_path / "copy")
+    assert summary.copied == ["vae/v3"] and summary.garbage == ["vae/v1", "vae/v2"], summary
+    sums = {rel: n for rel, n in gets.items() if rel.endswith(fmt.CHECKSUMS)}
+    assert sums == {f"vae/v3/{fmt.CHECKSUMS}": 1}, gets
+    with Store(tmp_path / "copy", create=False).reader("vae") as r:
+        assert r.version == 3 and len(r.keys()) == 3

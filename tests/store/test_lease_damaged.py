@@ -106,3 +106,48 @@ def test_a_damaged_lease_object_of_a_url_stops_its_gc_and_is_written_again(store
         assert ("vae", 1) in p.leased and not p.remove
     finally:
         held.release()
+
+
+def test_a_damaged_fresh_lease_in_a_url_cache_keeps_its_store_and_the_open_goes_on(store: Store, tmp_path,
+                                                                                    caplog) -> None:
+    """The URL cache's eviction is housekeeping: while a damaged lease in a cached store is fresh, an open with a
+    size limit (a training reading the URL) stopped with the lease's line (up to 15 min for a gone reader's). It
+    opens now, keeps every version of that store whole (the lease may name any; their shards may go, refetched on
+    need, as a live lease's), and says so in one line, once; once the lease is stale, the unused version goes."""
+    from store import format as fmt
+    from store.remote_cache import USAGE, local_store
+    from store.remote_sync import push
+    from store_samples import fill
+
+    url, cache = (tmp_path / "remote").as_uri(), tmp_path / "cache"
+    fill(store, 8, tag="a")
+    push(store.root, url)
+    root = local_store(url, ["vae"], cache, whole=True, lease=False)  # v1 with its shards
+    fill(store, 4, tag="b", start=50)
+    push(store.root, url)
+    local_store(url, ["vae"], cache, lease=False)  # v2 current, lazily: v1 read by nobody
+    v1 = fmt.version_dir(root, "vae", 1)
+    os.utime(v1, (1.0, 1.0))  # least recently used: the first to go whole
+    held = lease.hold(root, {"vae": 1}, "a reader of the URL")
+    path, data = held.path, held.path.read_bytes()
+    held.release()
+    path.write_bytes(_flip_pid(data, os.getpid()))  # its reader gone, its lease damaged, refreshed just now
+
+    def a_kb_less() -> float:  # (more than the lease file: removed once dead, before the cache is counted)
+        (cache / USAGE).unlink(missing_ok=True)
+        return (sum(p.stat().st_size for p in cache.rglob("*") if p.is_file() and not p.name.endswith(".lock"))
+                - 1000) / 1e9
+
+    assert local_store(url, ["vae"], cache, lease=False) == root  # without a limit (it raised as well)
+    with caplog.at_level("WARNING", logger="store"):
+        for _ in range(2):
+            assert local_store(url, ["vae"], cache, limit_gb=a_kb_less(), lease=False) == root
+    said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(said) == 1 and str(path) in said[0] and "\n" not in said[0], said
+    assert fmt.is_complete(v1) and path.exists()
+
+    long_ago = time.time() - lease.STALE_SECONDS - 60  # its reader never wrote it again: stale, judged dead
+    os.utime(path, (long_ago, long_ago))
+    os.utime(v1, (1.0, 1.0))  # (its shards' eviction above touched it)
+    local_store(url, ["vae"], cache, limit_gb=a_kb_less(), lease=False)
+    assert not v1.exists() and not path.exists()
