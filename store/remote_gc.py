@@ -277,9 +277,9 @@ def not_kept(remote: Remote, listing: dict[str, tuple[int, float]], entries: dic
 
 def _say_pulled_for_damaged(url: str, damaged: list[Found]) -> None:
     """One line: why a whole-URL pull copies the versions the URL's gc would remove too (`store gc URL` stops)."""
-    named = ", ".join(f"{f.path} ({f.why})" for f in damaged)
-    log.warning("%s: its read lease %s is damaged, so which versions its reader reads cannot be told; every complete "
-                "version is pulled, those its gc would remove too (left out again once it is written again, within "
+    named = "; ".join(f"read lease {f.path} is damaged ({f.why})" for f in damaged)
+    log.warning("%s: %s, so which versions its reader reads cannot be told; every complete version is pulled, "
+                "those its gc would remove too (left out again once it is written again, within "
                 "%.0f s while its reader runs, or stale, %.0f min after its last refresh)", url, named,
                 REFRESH_SECONDS, STALE_SECONDS / 60)
 
