@@ -32,8 +32,9 @@ gc removes the files of dead leases.
 - a damaged lease (its seal fails: a flipped byte could name another pid or version) says nobody's pid: judged by its
   refresh age alone, at the default margin. While live, which versions it keeps cannot be told, so gc stops with one
   line, removing nothing (the URL cache's eviction, housekeeping, keeps every version of its cached store whole
-  instead); its reader's heartbeat, reading its file back each beat, writes it again within `REFRESH_SECONDS` (as
-  one removed, below); a dead reader's is removed once stale.
+  instead, and a whole-URL pull copies every version: `live_versions`); its reader's heartbeat, reading its file
+  back each beat, writes it again within `REFRESH_SECONDS` (as one removed, below); a dead reader's is removed once
+  stale.
 
 A reader paused longer than that (SIGSTOP, a suspended VM, a hung mount) may have had its lease judged dead by a
 gc on another host, its file removed, and its versions removed with it. On waking, its heartbeat (and `add`) looks
@@ -475,8 +476,8 @@ class Found:
 
     def versions(self) -> Iterable[tuple[str, int]]:
         """The versions it names. A live damaged lease names versions no one can tell: UserError (gc and repair's
-        retiring of a version stop before removing one its reader may be reading; the URL cache's eviction asks only
-        undamaged ones, store/remote_cache.py `_live_leases`)."""
+        retiring of a version stop before removing one its reader may be reading; the URL cache's eviction and a
+        whole-URL pull ask only undamaged ones: `live_versions`)."""
         if self.damaged and self.live:
             raise UserError(f"read lease {self.path} is damaged ({self.why}): its reader may still run, and which "
                             f"versions it reads cannot be told, so this stopped before removing any; rerun later (a "
@@ -486,6 +487,21 @@ class Found:
         for table, vs in (self.record.get("versions") or {}).items():
             for v in vs:
                 yield table, int(v)
+
+
+def live_versions(found: Iterable[Found]) -> tuple[set[tuple[str, int]], list[Found]]:
+    """(the versions the live leases among `found` name, the live damaged ones). A damaged one names versions no one
+    can tell: a caller whose removing is optional housekeeping (the URL cache's eviction, store/remote_cache.py; a
+    whole-URL pull leaving out the URL's garbage, store/remote_gc.py `not_kept`) keeps every version of that store
+    while it is fresh, and says so, instead of stopping; `store gc`, asked for, stops (`Found.versions`)."""
+    leased: set[tuple[str, int]] = set()
+    damaged: list[Found] = []
+    for lease in found:
+        if lease.live and lease.damaged:
+            damaged.append(lease)
+        elif lease.live:
+            leased |= set(lease.versions())
+    return leased, damaged
 
 
 def _names_versions(record: dict[str, Any]) -> bool:

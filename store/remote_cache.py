@@ -338,17 +338,12 @@ def _pushed_here(vdir: Path) -> bool:
 def _live_leases(root: Path) -> tuple[set[tuple[str, int]], list[leases.Found]]:
     """(the versions live read leases of the cached store `root` name, its live damaged leases); the files of dead
     ones are removed here (judged as `store gc` judges them: one per killed reader piled up until a gc of the cache's
-    store). A damaged one names versions no one can tell (store/lease.py): the caller keeps every version of `root`
-    while it is fresh, never stops (eviction is housekeeping; `store gc`, asked for, stops)."""
-    leased, damaged = set(), []
-    for found in leases.leases(root):
-        if not found.live:
-            found.path.unlink(missing_ok=True)
-        elif found.damaged:
-            damaged.append(found)
-        else:
-            leased |= set(found.versions())
-    return leased, damaged
+    store). A damaged one names versions no one can tell (store/lease.py `live_versions`): the caller keeps every
+    version of `root` while it is fresh, never stops (eviction is housekeeping; `store gc`, asked for, stops)."""
+    found = leases.leases(root)
+    for dead in (f for f in found if not f.live):
+        dead.path.unlink(missing_ok=True)
+    return leases.live_versions(found)
 
 
 _said_damaged: set[Path] = set()  # lease files named already by this process: a walk runs before many fetches

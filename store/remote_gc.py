@@ -41,7 +41,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store import remote_endpoint, remote_lease
 from store.gc import all_current, kept_closure, unknown_lines, unswitched, unswitched_lines
-from store.lease import Found
+from store.lease import REFRESH_SECONDS, STALE_SECONDS, Found, live_versions
 from store.manifest_files import checked_schema
 from store.remote import CLOCK_DIR, Remote, open_remote, remote_errors
 from store.remote_local import UPLOAD_DIR
@@ -218,11 +218,13 @@ def _versions(listing: dict[str, tuple[int, float]]) -> dict[tuple[str, int], Ve
 
 def keep_rule(remote: Remote, versions: dict[tuple[str, int], Version], entries: dict[str, dict] | None,
               listing: dict[str, tuple[int, float]], now: float, out: RemoteGcPlan,
-              read: Callable[[str], bytes]) -> tuple[set[tuple[str, int]], list[Found]]:
+              read: Callable[[str], bytes], found_leases: list[Found] | None = None
+              ) -> tuple[set[tuple[str, int]], list[Found]]:
     """What gc keeps at the URL (store/gc.py `keep_rule`'s, once for `plan` and pull: `not_kept`): each table's
     current version (every complete one without a store.json), the complete ones past it never current, every
     version a live lease names, and what these were made from. Fills `out`'s unswitched, was_current,
-    unknown_upstream, leased and dead_leases; returns the kept versions and the leases found."""
+    unknown_upstream, leased and dead_leases; returns the kept versions and the leases found (`found_leases`: as
+    the caller read them, else read here). A live damaged lease stops it (`Found.versions`)."""
     current = _currents(entries)
     roots = sorted(current.items()) if current is not None else [tv for tv, v in versions.items() if v.complete]
     if entries is not None:  # (without a store.json every complete version is a root already)
@@ -231,7 +233,8 @@ def keep_rule(remote: Remote, versions: dict[tuple[str, int], Version], entries:
         roots += sorted(out.unswitched)
     named: dict[tuple[str, int], list[tuple[str, int]] | None] = {}
     keep = _closure(remote, roots, versions, out.unknown_upstream, read, named)
-    found_leases = remote_lease.leases(remote, listing, now)  # one GET per lease object (a reader per rank)
+    if found_leases is None:
+        found_leases = remote_lease.leases(remote, listing, now)  # one GET per lease object (a reader per rank)
     for found in found_leases:
         if not found.live:
             out.dead_leases.append(found)
@@ -250,7 +253,9 @@ def not_kept(remote: Remote, listing: dict[str, tuple[int, float]], entries: dic
     one is tens of GB at 1M samples. `entries`: the URL's store.json's tables, as the caller read them after
     `listing` (None: no store.json, then none). Nothing is read where every complete version is current (the usual
     store); none either where the server's clock cannot be read (credentials that may not write: leases not
-    judged). `read`: `_once(remote)` shared with the caller (a pull copies the versions whose records it read)."""
+    judged), nor while a live lease is damaged (it may name any version: store/lease.py `live_versions`; said in
+    one line). `read`: `_once(remote)` shared with the caller (a pull copies the versions whose records it
+    read)."""
     versions = _versions(listing)
     complete = {tv for tv, v in versions.items() if v.complete}
     if entries is None or all_current(entries, complete):
@@ -261,7 +266,22 @@ def not_kept(remote: Remote, listing: dict[str, tuple[int, float]], entries: dic
         log.warning("%s: the server's clock not read (%s); versions its gc would remove are pulled too",
                     remote.url, e)
         return set()
-    return complete - keep_rule(remote, versions, entries, listing, now, RemoteGcPlan(), read or _once(remote))[0]
+    found = remote_lease.leases(remote, listing, now)
+    damaged = live_versions(found)[1]
+    if damaged:  # which versions it keeps cannot be told; leaving garbage out is optional: keep every one
+        _say_pulled_for_damaged(remote.url, damaged)
+        return set()
+    return complete - keep_rule(remote, versions, entries, listing, now, RemoteGcPlan(), read or _once(remote),
+                                found)[0]
+
+
+def _say_pulled_for_damaged(url: str, damaged: list[Found]) -> None:
+    """One line: why a whole-URL pull copies the versions the URL's gc would remove too (`store gc URL` stops)."""
+    named = "; ".join(f"read lease {f.path} is damaged ({f.why})" for f in damaged)
+    log.warning("%s: %s, so which versions its reader reads cannot be told; every complete version is pulled, "
+                "those its gc would remove too (left out again once it is written again, within "
+                "%.0f s while its reader runs, or stale, %.0f min after its last refresh)", url, named,
+                REFRESH_SECONDS, STALE_SECONDS / 60)
 
 
 def _strays(remote: Remote, kept: list[Version], now: float, grace_s: float,

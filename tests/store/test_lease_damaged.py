@@ -151,3 +151,51 @@ def test_a_damaged_fresh_lease_in_a_url_cache_keeps_its_store_and_the_open_goes_
     os.utime(v1, (1.0, 1.0))  # (its shards' eviction above touched it)
     local_store(url, ["vae"], cache, limit_gb=a_kb_less(), lease=False)
     assert not v1.exists() and not path.exists()
+
+
+def _url_objects(scheme: str, request, tmp_path):
+    """(a URL of that scheme, read(rel) -> bytes, write(rel, bytes)): its objects as a test damages them."""
+    if scheme == "s3":
+        s3 = request.getfixturevalue("s3_env")  # (a moto S3 server)
+        client = s3.client()
+
+        def read(rel: str) -> bytes:
+            return client.get_object(Bucket=s3.bucket, Key=f"store/{rel}")["Body"].read()
+
+        def write(rel: str, data: bytes) -> None:
+            client.put_object(Bucket=s3.bucket, Key=f"store/{rel}", Body=data)
+
+        return s3.url(), read, write
+    folder = tmp_path / "remote"
+    return folder.as_uri(), lambda rel: (folder / rel).read_bytes(), lambda rel, data: (folder / rel).write_bytes(data)
+
+
+@pytest.mark.parametrize("scheme", ["file", "s3"])
+def test_a_damaged_fresh_lease_object_at_a_url_pulls_every_version_and_its_gc_still_stops(store: Store, tmp_path,
+                                                                                       caplog, request,
+                                                                                       scheme) -> None:
+    """Leaving out the URL's garbage is optional for a whole-URL pull: while a lease object there is damaged and
+    fresh, the pull stopped with the gc's line (up to 15 min for a gone reader's). It copies every complete version
+    now (the lease may name any: the safe side) and says so in one line; `store gc URL` still stops."""
+    from store import remote_gc
+    from store.remote_sync import pull, push
+    from store_samples import fill
+
+    url, read, write = _url_objects(scheme, request, tmp_path)
+    for i, tag in enumerate("ab"):  # the URL holds v1 (replaced: its gc's garbage) and v2 (current)
+        fill(store, 3, tag=tag, start=10 * i)
+        push(store.root, url)
+    held = remote_lease.hold(open_remote(url), [("vae", 1)], "a test reader")
+    rel = held.rel
+    data = read(rel)
+    held.release()  # its reader gone, its object left behind damaged, written just now
+    write(rel, _flip_pid(data, os.getpid()))
+    with caplog.at_level("WARNING", logger="store"):
+        summary = pull(url, tmp_path / "copy")
+    assert summary.copied == ["vae/v1", "vae/v2"] and summary.garbage == [], summary
+    said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(said) == 1 and rel in said[0] and "\n" not in said[0], said
+    assert Store(tmp_path / "copy", create=False).versions("vae") == [1, 2]
+    with pytest.raises(UserError, match=r"read lease .* is damaged .*stopped before removing any"):
+        remote_gc.collect(url, echo=lambda m: None)
+    assert "vae/v1/manifest.parquet" in open_remote(url).listing_times()  # gc removed nothing
