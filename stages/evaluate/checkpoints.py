@@ -1464,9 +1464,9 @@ def _load_checkpoint(ranks, transformer, step: int, path: Path, sha: str, lora_s
                 attached = True
             else:
                 changed = REWRITTEN
-        except (UserError, OSError):
+        except (UserError, OSError) as e:
             if not _gone(path):
-                raise
+                raise _unloadable(step, path, e) from None
             changed = PRUNED
     changed = ranks.any([changed])[0]  # left out on every rank when any rank saw it change
     if changed and ranks.main:
@@ -1475,6 +1475,14 @@ def _load_checkpoint(ranks, transformer, step: int, path: Path, sha: str, lora_s
                    f"checkpoint step {step} was rewritten while evaluating ({path}; by a running training?): "
                    "left out; rerun evaluate to evaluate what is there now")
     return changed, attached
+
+
+def _unloadable(step: int, path: Path, e: Exception) -> UserError:
+    """A checkpoint that passed its check but does not load (tensors of other sizes: a LoRA trained on another base
+    model, copied into the run) as the check's refusals say it: its step and how to evaluate the others. Before,
+    the loader's line alone, without the step or what to do, after the newer checkpoints were evaluated."""
+    return UserError(f"checkpoint step {step}: {e}; or move {Path(path).parent} out of the run's checkpoints/ to "
+                     "evaluate the others")
 
 
 def _cells(ranks, transformer, samples, mine: list[int], seeds: list[int], sigmas: list[float], batch_size: int,
