@@ -448,7 +448,11 @@ def load_lora(transformer, lora: str | Path, adapter_name: str = ADAPTER, state:
         )
     wrong_shape = [k for k in state if state[k].shape != expected[k].shape]
     if wrong_shape:
-        raise UserError(f"LoRA at {lora}: shapes differ from the adapter for {wrong_shape[:5]} (different rank?)")
+        first = wrong_shape[0]  # its sizes say which: the rank (r), or the module's own (another base model)
+        raise UserError(f"LoRA at {lora}: shapes differ from the adapter for {wrong_shape[:5]} ({first}: saved "
+                        f"{list(state[first].shape)}, the model's {list(expected[first].shape)}): trained on a base "
+                        "model of other sizes, or with another rank; use the base model and train.lora settings "
+                        "that wrote it")
     differs = _scaling_differs(config, transformer.peft_config.get(adapter_name))
     if differs:
         # e.g. a final LoRA (alpha folded in, alpha = r) loaded into a training adapter of alpha != r, or a LoHa /

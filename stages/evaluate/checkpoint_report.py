@@ -273,7 +273,10 @@ def render_html(metrics: dict, rows: list[OutputsRow], grid: Image.Image) -> str
     # with an EMA: its loss beside the raw LoRA's, step by step (the same val samples, noise and σ)
     ema_at = dict(zip(ema["steps"], (p["overall"] for p in ema["per_step"]))) if ema is not None else None
     extra = [] if ema_at is None else ["–"]
-    table_rows = [["base (no LoRA)", "–", c["base"]["overall"], *extra, c["base"]["inside"], c["base"]["outside"]]]
+    # each step's loss minus the best's, paired ± s.e. (reports written before it have none: no column)
+    paired_col = any("vs_best" in per for per in c["per_step"])
+    table_rows = [["base (no LoRA)", "–", c["base"]["overall"], *extra, *(["–"] * paired_col),
+                   c["base"]["inside"], c["base"]["outside"]]]
     on_disk = c.get("on_disk") or [True] * len(c["steps"])  # reports written before it was recorded
     for s, p, here, per in zip(c["steps"], c["paths"], on_disk, c["per_step"]):
         mark = (" ★ best (EMA)" if on_ema else " ★ best") if s == best["step"] else ""
@@ -281,7 +284,8 @@ def render_html(metrics: dict, rows: list[OutputsRow], grid: Image.Image) -> str
         path = p if here else (f"{p} (removed: the training keeps only its newest checkpoints, "
                                "train.keep_checkpoints; or the folder was moved)")
         extra = [] if ema_at is None else [ema_at.get(s, "–")]
-        table_rows.append([f"step {s}{mark}", path, per["overall"], *extra, per["inside"], per["outside"]])
+        table_rows.append([f"step {s}{mark}", path, per["overall"], *extra, *([_vs_best(per)] * paired_col),
+                           per["inside"], per["outside"]])
     whose = (f"the EMA of <code>{html.escape(best.get('ema_checkpoint', ''))}</code>, written as a LoRA to "
              if on_ema else "")
     sections = [
@@ -296,7 +300,7 @@ def render_html(metrics: dict, rows: list[OutputsRow], grid: Image.Image) -> str
         "first).</p>",
         "<div class='curves'>" + "".join(svg(ch) for ch in charts(metrics)) + "</div>",
         _table(["checkpoint", "path", "held-out loss", *([] if ema_at is None else ["EMA held-out loss"]),
-                "inside mask", "outside mask"], table_rows),
+                *(["vs best (paired ± s.e.)"] * paired_col), "inside mask", "outside mask"], table_rows),
     ]
     if rows:
         labels = list(rows[0].outputs)
@@ -326,6 +330,15 @@ def render_html(metrics: dict, rows: list[OutputsRow], grid: Image.Image) -> str
 .best { background: #eef7ee; padding: 6px 10px; border-left: 3px solid #2ca02c; }""")
 
 
+def _vs_best(per: dict) -> str:
+    """A table cell: '+0.0123 ± 0.0040', marked '≈ best' within NOISE_SE standard errors; '–' for the best itself
+    (and a non-finite loss)."""
+    from stages.evaluate.paired import within_noise, signed
+
+    p = per.get("vs_best")
+    return "–" if p is None else signed(p) + (" ≈ best" if within_noise(p) else "")
+
+
 def _sureness(best: dict, scored_ema: bool = False) -> str:
     """The best's paired differences (vs the base, the next best checkpoint ± standard error) as one line."""
     from stages.evaluate.ema_curve import label
@@ -338,6 +351,9 @@ def _sureness(best: dict, scored_ema: bool = False) -> str:
     if "runner_up" in best:
         r = best["runner_up"]
         text += f"; next best, step {r['step']}{label(r, scored_ema)}: {signed(r)}"
+    near = [f"step {p['step']}{label(p, scored_ema)}" for p in best.get("within_noise") or []]
+    if near:  # every checkpoint still on disk within noise of the best, not only the next best
+        text += f"; not told apart from it: {', '.join(near)}"
     return (f"{html.escape(text)} (paired over {v['n']} val samples, ± standard error; within about two standard "
             "errors the held-out set does not tell them apart)<br>")
 

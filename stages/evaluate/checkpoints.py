@@ -35,7 +35,7 @@ from stages.evaluate.curves import pick_best
 from stages.evaluate.ema_curve import (FOLDER as EMA_LOSSES, best_lora_input, ema_checkpoints, ema_settings,
                                        label as ema_label, todo_line, write_best_lora)
 from stages.evaluate.loss_groups import cells_line, group_hash, note_computed_on, recorded_on
-from stages.evaluate.paired import paired, per_sample, signed
+from stages.evaluate.paired import NOISE_SE, paired, per_sample, signed, vs_best, within_noise
 from store import Store
 from store.io_errors import writing
 from store.loss_array import (GROUP, Axes, CellDonor, LossGroup, LossStore, cell_donor, kept_groups, recorded_setting,
@@ -471,6 +471,7 @@ class CheckpointsResult:
                               ema_losses=absolute(Path(c["ema"]["losses"])) if c.get("ema") else None,
                               loss_best=self.best["loss"], loss_base=c["base"]["overall"],
                               best_vs_base=self.best.get("vs_base"), runner_up=self.best.get("runner_up"),
+                              within_noise_of_best=self.best.get("within_noise"),
                               last_step=c["last"]["step"], damaged_samples=sorted(self.metrics["run"]["damaged_samples"]),
                               checkpoints_pruned=self.pruned, checkpoints_newer=self.newer)
 
@@ -490,7 +491,7 @@ class CheckpointsResult:
             if b.get("runner_up"):
                 sure += (f", next best step {b['runner_up']['step']}{ema_label(b['runner_up'], 'ema' in c)} "
                          f"{signed(b['runner_up'])}")
-            sure += f" (paired over {b['vs_base']['n']} val samples, ± s.e.)"
+            sure += _near_best(b, "ema" in c) + f" (paired over {b['vs_base']['n']} val samples, ± s.e.)"
         newer = ""
         if self.newer:
             n = len(self.newer)
@@ -499,6 +500,16 @@ class CheckpointsResult:
         return (f"{head}; best checkpoint step {b['step']}{ema_label(b, 'ema' in c)}: held-out loss "
                 f"{b['loss']:.4f} (base {c['base']['overall']:.4f}{sure}{_beside(b, c)}) {b['path']}; report: "
                 f"{self.report}{newer}")
+
+
+def _near_best(best: dict, scored_ema: bool, most: int = 10) -> str:
+    """', not told apart from it (within 2 s.e.): step 30, step 40' (the first `most`), or '' (none, or a report
+    written before `within_noise`)."""
+    near = [f"step {p['step']}{ema_label(p, scored_ema)}" for p in best.get("within_noise") or []]
+    if not near:
+        return ""
+    return (f", not told apart from it (within {NOISE_SE:g} s.e.): " + ", ".join(near[:most])
+            + (f" … ({len(near)} in all)" if len(near) > most else ""))
 
 
 def _beside(best: dict, c: dict) -> str:
@@ -1454,9 +1465,9 @@ def _load_checkpoint(ranks, transformer, step: int, path: Path, sha: str, lora_s
                 attached = True
             else:
                 changed = REWRITTEN
-        except (UserError, OSError):
+        except (UserError, OSError) as e:
             if not _gone(path):
-                raise
+                raise _unloadable(step, path, e) from None
             changed = PRUNED
     changed = ranks.any([changed])[0]  # left out on every rank when any rank saw it change
     if changed and ranks.main:
@@ -1470,6 +1481,14 @@ def _deleted_line(step: int, path) -> str:
     """What a checkpoint gone before its turn is told as, in the user's terms (it said "pruned")."""
     return (f"checkpoint step {step} was deleted before it was evaluated ({path}): the training still running keeps "
             "only its newest checkpoints (train.keep_checkpoints); skipped")
+
+
+def _unloadable(step: int, path: Path, e: Exception) -> UserError:
+    """A checkpoint that passed its check but does not load (tensors of other sizes: a LoRA trained on another base
+    model, copied into the run) as the check's refusals say it: its step and how to evaluate the others. Before,
+    the loader's line alone, without the step or what to do, after the newer checkpoints were evaluated."""
+    return UserError(f"checkpoint step {step}: {e}; or move {Path(path).parent} out of the run's checkpoints/ to "
+                     "evaluate the others")
 
 
 def _cells(ranks, transformer, samples, mine: list[int], seeds: list[int], sigmas: list[float], batch_size: int,
@@ -1552,6 +1571,8 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
     loss["nonfinite_samples"] = nonfinite  # left out of every number (evaluate.on_nonfinite=skip)
 
     best = {**_best(points, all_grids, base, candidates, best_i), "weights": points[best_i].get("weights", "lora")}
+    best["within_noise"] = _note_vs_best(points, all_grids, candidates, best_i,
+                                         per_step["steps"] + (curve["section"]["per_step"] if curve else []))
     loss["lora_minus_base"] = best["vs_base"]
     metrics = {
         "loss": loss,
@@ -1609,6 +1630,19 @@ def _ema_curve(ema: LossStore, kept, base: np.ndarray, samples, present: dict[in
     section = {"losses": str(ema.path), "steps": steps, "paths": paths, "sha256": [shas[step] for step in steps],
                "on_disk": [i in alive for i in range(len(steps))], "per_step": per_step}
     return {"points": points, "grids": grids, "alive": alive, "section": section}
+
+
+def _note_vs_best(points: list[dict], grids: np.ndarray, alive: list[int], best_i: int,
+                  per_step: list[dict]) -> list[dict]:
+    """Each step's `vs_best` (its loss minus the best's, paired over the val samples ± s.e.; `per_step[i]` is
+    `points[i]`'s numbers, the raw curve's then the EMA's) and the checkpoints still on disk within noise of the
+    best, [{step, weights}]. The runner-up alone did not say it: the next best by mean may be told apart
+    (+0.010 ± 0.001) while a later one (+0.020 ± 0.030) is not, and "best" was read as settled."""
+    diffs = vs_best(grids, [p["loss"] for p in points], best_i)
+    for numbers, diff in zip(per_step, diffs):
+        numbers["vs_best"] = diff
+    return [{"step": points[i]["step"], "weights": points[i].get("weights", "lora")}
+            for i in sorted(alive, key=lambda i: (points[i]["step"], i)) if within_noise(diffs[i])]
 
 
 def _best(points: list[dict], grids: np.ndarray, base: np.ndarray, alive: list[int], best_i: int) -> dict:

@@ -33,3 +33,21 @@ def signed(p: dict) -> str:
     if p["difference"] is None:
         return "n/a"
     return f"{p['difference']:+.4f}" + (f" ± {p['standard_error']:.4f}" if p["standard_error"] is not None else "")
+
+
+#: "about two standard errors": a difference to the best within it is one this held-out set does not tell from noise
+NOISE_SE = 2.0
+
+
+def vs_best(grids: np.ndarray, losses: list[float], best_i: int) -> list[dict | None]:
+    """Per curve point (`grids[i]`, its overall loss `losses[i]`): its loss minus the best's, paired over the val
+    samples (`paired`); None for the best itself and for a point whose loss is not finite (no difference to state)."""
+    best = per_sample(grids[best_i])
+    return [None if i == best_i or not math.isfinite(loss) else paired(per_sample(grids[i]), best)
+            for i, loss in enumerate(losses)]
+
+
+def within_noise(p: dict | None) -> bool:
+    """Is a point's `vs_best` difference within NOISE_SE standard errors (not told apart from the best)? With one val
+    sample (no standard error) nothing can be said: False."""
+    return p is not None and p["standard_error"] is not None and p["difference"] <= NOISE_SE * p["standard_error"]

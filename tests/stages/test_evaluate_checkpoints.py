@@ -1142,3 +1142,32 @@ def test_a_checkpoint_removed_since_an_up_to_date_report_is_marked_removed(run_a
         in (out / "index.html").read_text()
     assert ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, copies[1:], out,
                   skip_if_done=True).up_to_date
+
+
+def test_a_checkpoint_of_other_module_sizes_is_refused_naming_its_step_and_what_to_do(run_and_store,
+                                                                                     tiny_edit_model, tmp_path):
+    """A checkpoint whose tensors fit no module of this model (a LoRA of another base model copied into the run;
+    unsealed, so it passes the check and fails to load): one line naming its step, file, the sizes and how to
+    evaluate the others; the newer checkpoints evaluated before it stay, and the rerun without it evaluates none.
+    Before: the loader's line alone ('shapes differ ... (different rank?)'), no step, nothing to do."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from schemas.errors import UserError
+
+    ckpts = _own_run(run_and_store, tmp_path)
+    weights = ckpts[0][1] / "pytorch_lora_weights.safetensors"  # step 10, evaluated last (newest first)
+    tensors = load_file(weights)
+    key = next(k for k in sorted(tensors) if "lora_A" in k)
+    tensors[key] = tensors[key][:, :-1].contiguous()  # one input feature fewer: another model's module
+    save_file(tensors, weights)
+    out = tmp_path / "report"
+    with pytest.raises(UserError) as err:
+        ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, ckpts, out)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("checkpoint step 10: LoRA at ") and str(ckpts[0][1]) in line
+    assert "saved [4, " in line and f"or move {ckpts[0][1].parent} out of the run's checkpoints/" in line
+    shutil.move(ckpts[0][1].parent, tmp_path / "aside")
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, ckpts[1:], out)
+    assert res.evaluated == 0 and res.best["step"] == 20

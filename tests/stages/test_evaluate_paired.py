@@ -13,6 +13,7 @@ from scipy import stats
 
 from schemas.config import EvaluateConfig
 from stages.evaluate import checkpoints as ev
+from stages.evaluate.paired import signed
 from store.loss_array import GROUP
 from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
 
@@ -101,3 +102,55 @@ def test_one_val_sample_has_no_standard_error_and_the_json_stays_strict():
     assert p == {"difference": 0.25, "standard_error": None, "n": 1} and signed(p) == "+0.2500"
     strict.dumps(p, allow_nan=False)  # no NaN token in --json
     assert signed(paired(np.array([1.0, 2.0]), np.array([0.0, 0.0]))) == "+1.5000 ± 0.5000"
+
+
+def test_every_checkpoint_within_noise_of_the_best_is_named_not_only_the_next_best(run_and_store, tiny_edit_model,
+                                                                                  tmp_path):
+    """The next best by mean can be told apart from the best (+0.010 ± 0.0003) while a later-ranked one cannot
+    (+0.020 ± 0.035): each step's difference to the best, paired ± s.e. (numpy by hand), and the steps within two
+    standard errors named in the line, --json, metrics.json and the page. Before, only the runner-up was stated,
+    and "best" read as settled."""
+    root, out = run_and_store, tmp_path / "report"
+    ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
+    group = zarr.open_group(out / GROUP, mode="r+", use_consolidated=True)
+    base = np.asarray(group["base_loss"][:], dtype=np.float64)
+    row = {int(s): i for i, s in enumerate(group["step"][:])}
+    # per-sample offsets from the base (every seed x σ row of a sample moved alike): 20 is the base (the best)
+    offsets = {10: 0.02 + np.array([-0.1, 0.1, -0.05, 0.05, 0.0]),  # worse on average, within noise
+               20: np.zeros(5),
+               30: 0.01 + np.array([0.001, -0.001, 0.0005, -0.0005, 0.0])}  # the next best, told apart
+    for step, off in offsets.items():
+        group["loss"][row[step]] = (base + off[:, None, None, None]).astype("float32")
+
+    res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
+    assert res.best["step"] == 20 and res.best["runner_up"]["step"] == 30
+    best = _per_sample(np.asarray(group["loss"][row[20]], dtype=np.float64))
+    per_step = res.metrics["checkpoints"]["per_step"]  # in step order: 10, 20, 30
+    assert per_step[1]["vs_best"] is None
+    for i, step in ((0, 10), (2, 30)):
+        d = _per_sample(np.asarray(group["loss"][row[step]], dtype=np.float64)) - best
+        got = per_step[i]["vs_best"]
+        assert got["n"] == 5 and got["difference"] == pytest.approx(d.mean(), rel=1e-9)
+        assert got["standard_error"] == pytest.approx(d.std(ddof=1) / np.sqrt(5), rel=1e-9)
+    assert per_step[0]["vs_best"]["difference"] < 2 * per_step[0]["vs_best"]["standard_error"]  # 10: noise
+    assert per_step[2]["vs_best"]["difference"] > 2 * per_step[2]["vs_best"]["standard_error"]  # 30: told apart
+
+    assert res.best["within_noise"] == [{"step": 10, "weights": "lora"}]
+    assert "not told apart from it (within 2 s.e.): step 10 (paired over 5 val samples" in str(res)
+    assert res.to_json()["within_noise_of_best"] == [{"step": 10, "weights": "lora"}]
+    assert json.loads((out / "metrics.json").read_text())["checkpoints"]["best"]["within_noise"] == [
+        {"step": 10, "weights": "lora"}]
+    page = (out / "index.html").read_text()
+    assert "vs best (paired ± s.e.)" in page and "not told apart from it: step 10" in page
+    assert page.count("≈ best") == 1 and f"{signed(per_step[0]['vs_best'])} ≈ best" in page
+
+
+def test_vs_best_leaves_out_the_best_and_a_non_finite_step():
+    from stages.evaluate.paired import vs_best, within_noise
+
+    grids = np.zeros((3, 2, 1, 1, 3))
+    grids[0, :, 0, 0, 0], grids[1, :, 0, 0, 0], grids[2, 0, 0, 0, 0] = [1.0, 3.0], [1.5, 1.5], np.inf
+    diffs = vs_best(grids, [2.0, 1.5, np.inf], 1)
+    assert diffs[1] is None and diffs[2] is None
+    assert diffs[0] == {"difference": 0.5, "standard_error": pytest.approx(1.0), "n": 2} and within_noise(diffs[0])
+    assert not within_noise(None) and not within_noise({"difference": 0.0, "standard_error": None, "n": 1})
