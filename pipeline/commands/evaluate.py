@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import (ConfigOpt, JsonOpt, SetOpt, config_from, emit, existing_store, json_mode, require,
-                                     usage_error, user_errors)
+from pipeline.commands.common import (ConfigOpt, JsonOpt, SetOpt, config_from, emit, existing_store, json_mode,
+                                     refuse_a_file_on_the_path, require, usage_error, usage_errors, user_errors)
 from pipeline.commands.store_remote import CacheDirOpt, CacheGbOpt
 
 
@@ -59,6 +59,7 @@ def command(
     store_dir = require(cfg.paths.store, "--store", "paths.store")
     model_id = require(cfg.paths.model, "--model", "paths.model")
     report = require(cfg.paths.report, "--out", "paths.report")
+    _refuse_someones_folder(report, "--out" if out else "paths.report")
     if all_checkpoints:
         _all_checkpoints(cfg, store_dir, model_id, report, run_dir, as_json, cache_dir, cache_gb)
         return
@@ -66,6 +67,21 @@ def command(
     lora_dir = require(lora or (str(Path(run_given) / "lora") if run_given else None), "--lora (or --run)",
                        "paths.run")
     _one_lora(cfg, store_dir, model_id, report, lora_dir, as_json, cache_dir, cache_gb)
+
+
+def _refuse_someones_folder(report: str, what: str) -> None:
+    """REPORT a file, or a folder holding other files than an earlier report's (the stage's own check, at its
+    start): a mistake on the command line, exit 2 (it was 1), before a store URL is pulled or the model read. Rank
+    0 judges, as the stage does (the report is its to write); every rank stops with its line."""
+    from models.collective import together_before_group
+    from pipeline.launched import launched
+    from stages.evaluate.report_folder import check_report_folder
+
+    world, main = launched()
+    with usage_errors(), together_before_group(world, "evaluate: the report folder"):
+        if main:
+            refuse_a_file_on_the_path(Path(report), f"{what} ")
+            check_report_folder(Path(report), what)
 
 
 def _one_lora(cfg, store_dir: str, model_id: str, report: str, lora_dir: str, as_json: bool,

@@ -7,7 +7,8 @@ from typing import Optional, get_args
 
 import typer
 
-from pipeline.commands.common import StrictBaseOpt, checked_lora, echo, finite, one_of, usage_error, user_errors
+from pipeline.commands.common import (StrictBaseOpt, checked_lora, echo, finite, one_of, refuse_a_file_on_the_path,
+                                     usage_error, usage_errors, user_errors)
 from schemas.config import DType
 from pipeline.launched import one_process
 
@@ -51,10 +52,14 @@ def merge(
     one_process("lora merge")  # every rank would fuse the same model into the same --out
     from store.io_errors import check_writable
 
-    with user_errors(out):
-        refuse_a_non_empty(out)  # before the LoRA's base check hashes the model (minutes for a 40 GB one)
-        if Path(model).expanduser().is_dir():  # a hub id: checked once resolved (merge_lora)
+    # --out named on the command line: a mistake there (exit 2), before the LoRA's base check hashes the model
+    # (minutes for a 40 GB one) and before anything is written
+    with usage_errors():
+        refuse_a_file_on_the_path(out, "--out ")
+        refuse_a_non_empty(out)
+        if Path(model).expanduser().is_dir():  # a hub id: checked once resolved (merge_lora, exit 1)
             refuse_inside_model(out, Path(model).expanduser())
+    with user_errors(out):
         check_writable(out.parent, f"--out {out}")  # and the folder the fused model goes to
         checked_lora(lora, model, strict_base)  # the paths before torch's import: a mistyped one is told at once
         path = merge_lora(model, lora, out, scale=scale, dtype=dtype, device=device)

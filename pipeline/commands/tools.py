@@ -7,7 +7,8 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, one_of, usage_error, user_errors
+from pipeline.commands.common import (ConfigOpt, SetOpt, config_from, echo, one_of, refuse_a_used_folder, usage_error,
+                                     usage_errors, user_errors)
 from pipeline.launched import one_process
 
 
@@ -25,6 +26,8 @@ def make_tiny_model(
         usage_error("--layers needs --full-width")
     if full_width and variant == "edit-2511":  # models/full_width.py builds no other (exit 1 there, after parsing)
         usage_error(f"--variant {variant!r}: --full-width builds 'edit', 'edit-plus' or 'qwen-image-2.1'")
+    with usage_errors():  # OUT named on the command line: a mistake there (exit 2), before anything is written
+        refuse_a_used_folder(out, "", "build the model into a new or empty folder")
     with user_errors():
         write_tiny_model(out, variant, seed, full_width=full_width, layers=layers)
     echo(f"wrote {'full-width' if full_width else 'tiny'} {variant} model to {out}")
@@ -68,6 +71,8 @@ def make_demo_data(
     one_process("make-demo-data")  # every rank would write the same dataset into OUT
     from pipeline.demo_data import make_demo_data as build
 
+    with usage_errors():  # OUT named on the command line: a mistake there (exit 2), before anything is written
+        refuse_a_used_folder(out, "", "write demo data into a new or empty folder")
     with user_errors():
         summary = build(out, n=n, fmt=format, max_controls=max_controls, seed=seed, with_masks=with_masks)
     echo(summary)

@@ -34,6 +34,7 @@ from models.loading import load_component, parse_dtype
 from models.lora import attach_lora, lora_weight_file
 from stages.evaluate.ema_curve import unscored_final_ema
 from stages.evaluate.lora_bytes import checked_hashes, known_or_checked, read_for_load
+from stages.evaluate.report_folder import REPORT_LOCK, check_report_folder  # torch-free: the CLI asks it first
 from models.attention import use_attention_backend
 from models.collective import together
 from models.multires import install_multires
@@ -665,9 +666,6 @@ def warn_other_base(loras: list, model: str, steps: list[int] | None = None) -> 
                    f"but {model} has {now}{which}: its held-out loss and images do not show what training did")
 
 
-REPORT_LOCK = ".evaluate.lock"  # in a report folder: held by the evaluate writing it
-
-
 def single_process() -> None:
     """evaluate runs in one process. Under torchrun / accelerate launch every rank would evaluate everything into
     one report folder: the first took its lock, the others stopped naming it, and the launcher then ended the
@@ -716,37 +714,6 @@ def _remove_if_only_the_lock(out: Path) -> None:
             out.rmdir()
     except OSError:  # another evaluate's, or something written meanwhile: left as it is
         pass
-
-
-def _only_report_files(out: Path) -> bool:
-    """Does `out` hold nothing but what the report writers write (an interrupted report: a full disk or a kill
-    before metrics.json, written last; --all-checkpoints' loss arrays, kept or new)? Then the rerun may write over
-    it; anything else is someone's folder."""
-    from store.format import is_litter
-
-    from stages.evaluate.base_images import (FOLDER as BASE_IMAGES, LAST_FOLDER as LAST_IMAGES,
-                                             LORA_FOLDER as LORA_IMAGES)
-
-    from stages.evaluate.base_losses import FILE as BASE_LOSSES
-    from stages.evaluate.ema_curve import BEST_LORA, FOLDER as EMA_LOSSES
-    from stages.evaluate.lora_losses import FOLDER as LORA_LOSSES
-
-    return all(p.name in ("grid.png", "index.html", REPORT_LOCK, BASE_IMAGES, LORA_IMAGES, LAST_IMAGES, BASE_LOSSES,
-                         LORA_LOSSES, EMA_LOSSES, BEST_LORA)
-               or (p.name.startswith(("losses", ".losses")) and ".zarr" in p.name)
-               or p.name.startswith(f".{BEST_LORA}")  # its atomic_dir's temp / swapped folder
-               or (p.is_file() and is_litter(p.name))
-               for p in out.iterdir())
-
-
-def check_report_folder(out: Path, what: str = "--out") -> None:
-    """A report goes into a new or empty folder, over an earlier report (metrics.json, written last) or over what
-    an interrupted one left (`_only_report_files`); anything else is someone's folder. Evaluate's check at its
-    start (of one LoRA or of every checkpoint), and `pipeline run all`'s of paths.report before its first stage
-    (not after resize-bucket, the encoders and the training)."""
-    if out.is_dir() and not (out / "metrics.json").is_file() and not _only_report_files(out):
-        raise UserError(f"{what} {out} is not empty and holds no earlier report (no metrics.json): pass a new or "
-                        "empty folder, or the folder of an earlier report")
 
 
 @one_evaluate_per_report

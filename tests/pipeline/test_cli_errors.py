@@ -20,10 +20,46 @@ def test_demo_data_and_tiny_model_refuse_a_non_empty_folder(tmp_path):
     assert _run(["make-demo-data", str(out), "--n", "3"]).exit_code == 0
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
     r = _run(["make-demo-data", str(out), "--n", "2", "--seed", "5"])
-    assert r.exit_code == 1 and "not empty" in r.output and "Traceback" not in r.output
+    assert r.exit_code == 2 and "not empty" in r.output and "Traceback" not in r.output  # a usage mistake
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before  # nothing mixed in
     r = _run(["make-tiny-model", str(out)])
-    assert r.exit_code == 1 and "not empty" in r.output
+    assert r.exit_code == 2 and "not empty" in r.output
+
+
+# each command's OUT given on the command line; the model a folder here (lora merge refuses an OUT inside it)
+OUT_ARGS = {
+    "make-tiny-model": lambda out, model: ["make-tiny-model", str(out)],
+    "make-demo-data": lambda out, model: ["make-demo-data", str(out), "--n", "2"],
+    "lora merge": lambda out, model: ["lora", "merge", "--model", str(model), "--lora", "L", "--out", str(out)],
+    "run evaluate": lambda out, model: ["run", "evaluate", "--store", "S", "--model", str(model), "--lora", "L",
+                                        "--out", str(out)],
+}
+
+
+def _tree(root) -> list:
+    return sorted((str(p.relative_to(root)), p.read_text() if p.is_file() else None) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("command, case", [(c, case) for c in OUT_ARGS for case in ("not empty", "a file", "under a file")]
+                         + [("lora merge", "inside the model")])
+def test_an_output_path_refused_before_any_work_is_a_usage_mistake_exit_2(command, case, tmp_path):
+    """An output folder named on the command line that the command refuses before writing anything (someone's
+    folder, a file, a path under a file, a folder inside the input) is a mistake on the command line: exit 2 and
+    one line naming it, as `pipeline demo --workdir`'s (README). It was 1, a failure found while working."""
+    model, busy, file = tmp_path / "model", tmp_path / "busy", tmp_path / "notes.txt"
+    model.mkdir()
+    busy.mkdir()
+    (busy / "mine.txt").write_text("mine")
+    file.write_text("mine")
+    out, said = {"not empty": (busy, f"{busy} "), "a file": (file, f"{file} is a file: pass a new or empty folder"),
+                 "under a file": (file / "sub", f"{file / 'sub'} lies under {file}, which is a file"),
+                 "inside the model": (model / "merged", f"{model / 'merged'} is inside the model folder {model}")}[case]
+    before = _tree(tmp_path)
+    r = _run(OUT_ARGS[command](out, model))
+    assert r.exit_code == 2, r.output
+    assert r.output.startswith("error: ") and r.output.count("\n") == 1 and said in r.output, r.output
+    assert case != "not empty" or "not empty" in r.output, r.output
+    assert _tree(tmp_path) == before  # nothing written
 
 
 def test_predict_rejects_a_non_lora_file_a_missing_gpu_and_a_tiny_size(tiny_edit_model, tmp_path):
@@ -257,7 +293,7 @@ def test_lora_merge_refuses_a_non_empty_out_before_reading_the_model(tmp_path, m
     busy.mkdir()
     (busy / "x").write_text("x")
     r = _run(["lora", "merge", "--model", "M", "--lora", "L", "--out", str(busy)])
-    assert r.exit_code == 1 and r.output == f"error: output folder {busy} exists and is not empty; pass a new folder\n"
+    assert r.exit_code == 2 and r.output == f"error: output folder {busy} exists and is not empty; pass a new folder\n"
 
 
 def test_a_run_or_checkpoint_folder_passed_as_the_lora_names_its_lora_folder(tmp_path):

@@ -74,7 +74,7 @@ def test_a_report_interrupted_before_metrics_json_is_written_over(poisoned, tiny
     other.mkdir()
     (other / "notes.txt").write_text("mine")
     r = _evaluate(poisoned, tiny_edit_model, other, "evaluate.on_nonfinite=skip")
-    assert r.exit_code == 1 and "not empty" in r.output and (other / "notes.txt").read_text() == "mine"
+    assert r.exit_code == 2 and "not empty" in r.output and (other / "notes.txt").read_text() == "mine"
 
 
 def test_a_full_disk_without_a_file_name_names_the_commands_output(tmp_path, capsys):

@@ -343,7 +343,7 @@ def test_lora_merge_refuses_non_empty_out(tiny_edit_model, tmp_path):
     (tmp_path / "busy" / "x").write_text("x")
     result = CliRunner().invoke(app, ["lora", "merge", "--model", tiny_edit_model, "--lora", str(lora),
                                       "--out", str(tmp_path / "busy")])
-    assert result.exit_code == 1 and "not empty" in result.output
+    assert result.exit_code == 2 and "not empty" in result.output
 
 
 def test_evaluate_extra_prompts_scale_a_16_bit_control_as_training_does(tiny_edit_model, tmp_path, small_vae_view):
@@ -522,7 +522,7 @@ def test_lora_merge_refuses_an_out_inside_the_model_folder(tiny_edit_model, tmp_
     for out in (model / "merged", model / "transformer" / ".." / "merged"):
         result = CliRunner().invoke(app, ["lora", "merge", "--model", str(model), "--lora", str(lora),
                                           "--out", str(out)])
-        assert result.exit_code == 1 and "is inside the model folder" in result.output, result.output
+        assert result.exit_code == 2 and "is inside the model folder" in result.output, result.output
         assert "Traceback" not in result.output
     assert sorted(p.relative_to(model) for p in model.rglob("*")) == before
 
