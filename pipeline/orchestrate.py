@@ -271,7 +271,7 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
 
     from models.collective import together_before_group
     from models.loading import model_variant
-    from stages.evaluate.stage import check_report_folder
+    from stages.evaluate.report_folder import check_report_folder
 
     paths = check_config(cfg)
     world, main = launched()

@@ -738,7 +738,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
 
     from models.collective import together
     from stages.evaluate.ranks import launched
-    from stages.evaluate.stage import REPORT_LOCK
+    from stages.evaluate.report_folder import REPORT_LOCK
     from store.format import flock
 
     out, ranks = Path(out), launched(cfg)

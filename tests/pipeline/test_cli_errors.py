@@ -427,7 +427,8 @@ def test_an_evaluate_that_fails_before_writing_leaves_no_report_folder(tmp_path)
     line and left REPORT behind holding only `.evaluate.lock`; `run train` leaves no --out then. A folder that was
     there before is kept, lock and all."""
     from schemas.errors import UserError
-    from stages.evaluate.stage import REPORT_LOCK, one_evaluate_per_report
+    from stages.evaluate.report_folder import REPORT_LOCK
+    from stages.evaluate.stage import one_evaluate_per_report
 
     @one_evaluate_per_report
     def refused(cfg, store, model, lora, out):

@@ -13,7 +13,7 @@ from PIL import Image
 
 from pipeline.orchestrate import REPORT_IN_KEPT_RUN, _report_back
 from stages.evaluate import base_images, base_losses
-from stages.evaluate.stage import check_report_folder
+from stages.evaluate.report_folder import check_report_folder
 
 
 def test_a_fresh_training_takes_the_kept_reports_base_caches(tmp_path):

@@ -83,7 +83,7 @@ def test_run_all_refuses_a_paths_report_of_other_files_before_its_first_stage(tm
 def test_a_report_folder_left_by_an_interrupted_report_passes(tmp_path):
     """What either evaluate leaves when stopped before metrics.json (written last) is written over by the rerun:
     the one check of both (evaluate --all-checkpoints refused its own grid.png / index.html / temp files)."""
-    from stages.evaluate.stage import check_report_folder
+    from stages.evaluate.report_folder import check_report_folder
 
     out = tmp_path / "report"
     (out / "losses.zarr").mkdir(parents=True)
