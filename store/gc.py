@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import logging
 import os
 import re
 import shutil
@@ -55,6 +56,7 @@ from store.manifest_files import checked_schema
 from store.version_notes import notes_of
 
 DELETING_SUFFIX = ".gc-deleting"
+log = logging.getLogger("store")
 
 
 @dataclass
@@ -171,16 +173,34 @@ def all_current(entries: dict[str, dict], complete: list[tuple[str, int]] | set[
     return all(t in entries and v == int(entries[t]["current"]) for t, v in complete)
 
 
-def not_kept(root: Path, entries: dict[str, dict] | None = None) -> set[tuple[str, int]]:
+def not_kept(root: Path, entries: dict[str, dict] | None = None, pushing_to: str | None = None
+             ) -> set[tuple[str, int]]:
     """The complete versions of the store at `root` that gc would remove (`keep_rule`, as `plan` keeps): replaced by
     a newer current one or switched away from (`was_current`), read under no live lease, and made nothing kept.
     Push sends none of them (store/remote_sync.py): the URL's gc would remove them, and one is tens of GB at 1M
-    samples. `entries`: its store.json's tables, when the caller read them already."""
+    samples. `entries`: its store.json's tables, when the caller read them already. None while a live lease is
+    damaged (it may name any version: store/lease.py `live_versions`), said in one line when `pushing_to` (the
+    push's URL) is given; `store gc` stops instead (`Found.versions`)."""
     entries = fmt.read_store_record(root)["tables"] if entries is None else entries
     complete = _complete_versions(root)
     if all_current(entries, complete):  # the usual store: no read
         return set()
-    return set(complete) - keep_rule(root, entries, GcPlan(), complete)[0]
+    found = leases.leases(root)
+    damaged = leases.live_versions(found)[1]
+    if damaged:  # which versions it keeps cannot be told; leaving garbage out is optional: keep every one
+        if pushing_to is not None:
+            _say_pushed_for_damaged(root, pushing_to, damaged)
+        return set()
+    return set(complete) - keep_rule(root, entries, GcPlan(), complete, found)[0]
+
+
+def _say_pushed_for_damaged(root: Path, url: str, damaged: list[leases.Found]) -> None:
+    """One line: why a push sends the versions the local store's gc would remove too (`store gc STORE` stops)."""
+    named = "; ".join(f"read lease {f.path} is damaged ({f.why})" for f in damaged)
+    log.warning("%s: %s, so which versions its reader reads cannot be told; every complete version is pushed to %s, "
+                "those its gc would remove too (left out again once it is written again, within %.0f s while its "
+                "reader runs, or stale, %.0f min after its last refresh)", root, named, url, leases.REFRESH_SECONDS,
+                leases.STALE_SECONDS / 60)
 
 
 def unswitched_lines(found: dict[tuple[str, int], int]) -> list[str]:
@@ -249,13 +269,15 @@ def _stale_records(root: Path, table_dir: Path) -> list[Path]:
             and not (table_dir / f"v{v}{fmt.SET_ASIDE_SUFFIX}").exists()]
 
 
-def keep_rule(root: Path, entries: dict[str, dict], out: GcPlan, complete: list[tuple[str, int]] | None = None
+def keep_rule(root: Path, entries: dict[str, dict], out: GcPlan, complete: list[tuple[str, int]] | None = None,
+              found_leases: list[leases.Found] | None = None
               ) -> tuple[set[tuple[str, int]], dict[tuple[str, int], list[str]]]:
     """What gc keeps of the store at `root` (`entries`: its store.json's tables), once for `plan` and push
     (`not_kept`): each table's current version, its complete versions past it never current (`unswitched`), every
     version a live read lease names, and what these were made from (`kept_closure`). Fills `out`'s unswitched,
     unknown_upstream, leased and dead_leases; returns the kept versions and, per version a live lease names (there
-    or not), by whom. `complete`: `_complete_versions(root)`, when the caller listed them already."""
+    or not), by whom. `complete`: `_complete_versions(root)`, when the caller listed them already; `found_leases`:
+    `leases.leases(root)`, as the caller read them. A live damaged lease stops it (`Found.versions`)."""
     current = {t: int(e["current"]) for t, e in entries.items()}
     every = _every_version(root)  # listed once, not again for each live lease
     if complete is None:
@@ -264,7 +286,7 @@ def keep_rule(root: Path, entries: dict[str, dict], out: GcPlan, complete: list[
     upstream_of = _upstream_reader(root)
     keep = _kept(root, sorted(current.items()) + sorted(out.unswitched), out.unknown_upstream, upstream_of, every)
     named_by: dict[tuple[str, int], list[str]] = {}  # every version a live lease names, existing or not
-    for found in leases.leases(root):
+    for found in leases.leases(root) if found_leases is None else found_leases:
         if not found.live:
             out.dead_leases.append(found)
             continue

@@ -239,7 +239,7 @@ def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int] | No
     local store.json's tables, as push read them."""
     from store.gc import not_kept
 
-    garbage = not_kept(src, entries)
+    garbage = not_kept(src, entries, pushing_to=url)  # (none while a local lease is damaged: said in one line)
     todo: list[_File] = []
     files_of: dict[str, list[_File]] = {}
     for table, version in versions:
