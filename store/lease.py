@@ -32,7 +32,7 @@ gc removes the files of dead leases.
 - a damaged lease (its seal fails: a flipped byte could name another pid or version) says nobody's pid: judged by its
   refresh age alone, at the default margin. While live, which versions it keeps cannot be told, so gc stops with one
   line, removing nothing (the URL cache's eviction, housekeeping, keeps every version of its cached store whole
-  instead, and a whole-URL pull copies every version: `live_versions`); its reader's heartbeat, reading its file
+  instead, a whole-URL pull copies and a push sends every version: `live_versions`); its reader's heartbeat, reading its file
   back each beat, writes it again within `REFRESH_SECONDS` (as one removed, below); a dead reader's is removed once
   stale.
 
@@ -476,8 +476,8 @@ class Found:
 
     def versions(self) -> Iterable[tuple[str, int]]:
         """The versions it names. A live damaged lease names versions no one can tell: UserError (gc and repair's
-        retiring of a version stop before removing one its reader may be reading; the URL cache's eviction and a
-        whole-URL pull ask only undamaged ones: `live_versions`)."""
+        retiring of a version stop before removing one its reader may be reading; the URL cache's eviction, a
+        whole-URL pull and a push ask only undamaged ones: `live_versions`)."""
         if self.damaged and self.live:
             raise UserError(f"read lease {self.path} is damaged ({self.why}): its reader may still run, and which "
                             f"versions it reads cannot be told, so this stopped before removing any; rerun later (a "
@@ -492,7 +492,8 @@ class Found:
 def live_versions(found: Iterable[Found]) -> tuple[set[tuple[str, int]], list[Found]]:
     """(the versions the live leases among `found` name, the live damaged ones). A damaged one names versions no one
     can tell: a caller whose removing is optional housekeeping (the URL cache's eviction, store/remote_cache.py; a
-    whole-URL pull leaving out the URL's garbage, store/remote_gc.py `not_kept`) keeps every version of that store
+    whole-URL pull leaving out the URL's garbage, store/remote_gc.py `not_kept`; a push leaving out the store's,
+    store/gc.py `not_kept`) keeps every version of that store
     while it is fresh, and says so, instead of stopping; `store gc`, asked for, stops (`Found.versions`)."""
     leased: set[tuple[str, int]] = set()
     damaged: list[Found] = []
