@@ -1,26 +1,24 @@
 """Elastic resume mid-epoch with gradient accumulation running on into the next epoch, token-budget batches and
-EMA (gloo, `accelerate launch`): 1 process to step 2, 2 processes to step 5, 1 process to step 6 train the LoRA,
-the EMA and the loss curve a straight one-process run trains, within float reassociation. (test_train_ddp.py
-resumes at epoch boundaries with fixed batches and no accumulation.) 9 samples at a budget of 80 tokens: 6
-micro-steps per epoch, 4 per optimizer step, so step 5 (on two processes) runs on into epoch 3 (and may hold a
-sample twice). Slow: one launch of two fresh interpreters."""
+EMA (gloo: two ranks through the CLI's entry point, started warm, tests/stages/two_ranks.py): 1 process to step 2,
+2 processes to step 5, 1 process to step 6 train the LoRA, the EMA and the loss curve a straight one-process run
+trains, within float reassociation. (test_train_ddp.py resumes at epoch boundaries with fixed batches and no
+accumulation, and keeps one launch of `accelerate launch` itself: its agent and two cold ranks cost ~25 s of
+imports a launch.) 9 samples at a budget of 80 tokens: 6 micro-steps per epoch, 4 per optimizer step, so step 5
+(on two processes) runs on into epoch 3 (and may hold a sample twice)."""
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from launch_ports import run_retrying_port
 from models.lora import read_lora
 from pipeline.config import load_config
 from stages.train.recipe import run
 from train_store import assert_close_lora, make_train_store, mixed_specs
+from two_ranks import launch_two
 
-REPO = Path(__file__).resolve().parents[2]
 LR = 2e-3
 TRAIN = {"learning_rate": LR, "lora": {"rank": 4}, "caption_dropout": 0.3, "grad_accum": 4,
          "max_tokens_per_batch": 80, "ema_decay": 0.5, "checkpoint_every": 1, "keep_checkpoints": 10,
@@ -47,17 +45,11 @@ def test_one_two_one_processes_mid_epoch_with_accumulation_and_token_budget(tiny
     straight = run(config(6), store, tiny_edit_model, tmp_path / "straight")
     out = tmp_path / "elastic"
     run(config(2), store, tiny_edit_model, out)
-    cmd = lambda port: [  # noqa: E731
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(port),
-        "-m", "pipeline.cli", "run", "train", "--store", str(store), "--model", tiny_edit_model,
-        "--out", str(out), "--config", str(cfg_file), "--max-steps", "5", "--resume",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = run_retrying_port(cmd, env=env, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("world size changed 1 -> 2 processes") == 1, proc.stdout
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two(
+        "rank_cli.py", "run", "train", "--store", str(store), "--model", tiny_edit_model, "--out", str(out),
+        "--config", str(cfg_file), "--max-steps", "5", "--resume", timeout=400)
+    assert rc0 == rc1 == 0, (rc0, rc1, err0[-3000:], err1[-3000:])
+    assert (out0 + out1).count("world size changed 1 -> 2 processes") == 1, out0 + out1
     from stages.train import state as train_state
 
     for step, world in ((2, 1), (5, 2)):  # both stops inside an epoch
@@ -90,16 +82,10 @@ def test_two_processes_resumed_on_one_mid_epoch_train_the_two_process_runs_lora(
     cfg_file = tmp_path / "train.yaml"
     cfg_file.write_text(yaml.safe_dump({"train": {**TRAIN, "grad_accum": 2}}))
     straight = tmp_path / "straight"
-    cmd = lambda port: [  # noqa: E731
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(port),
-        "-m", "pipeline.cli", "run", "train", "--store", str(store), "--model", tiny_edit_model,
-        "--out", str(straight), "--config", str(cfg_file), "--max-steps", "6",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = run_retrying_port(cmd, env=env, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    (rc0, _, err0), (rc1, _, err1) = launch_two(
+        "rank_cli.py", "run", "train", "--store", str(store), "--model", tiny_edit_model, "--out", str(straight),
+        "--config", str(cfg_file), "--max-steps", "6", timeout=400)
+    assert rc0 == rc1 == 0, (rc0, rc1, err0[-3000:], err1[-3000:])
     from stages.train import state as train_state
 
     # a run killed after its step-2 checkpoint: that checkpoint, the run's config and its logs so far

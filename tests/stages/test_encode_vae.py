@@ -17,8 +17,8 @@ from PIL import Image
 from pipeline.config import load_config
 from stages.encode import vae as encode_vae
 from store import Store
-from launch_ports import run_retrying_port
 import warm_start
+from two_ranks import launch_two
 
 F32 = {"encode_vae.dtype": "float32"}
 
@@ -243,7 +243,7 @@ def _demo_images_store(store: Path, work: Path) -> None:
     resize_bucket.run(cfg, work / "demo-src", store)
 
 
-def test_two_processes_under_accelerate_match_one_process(tiny_plus_model, tmp_path):
+def test_two_gloo_processes_match_one_process(tiny_plus_model, tmp_path):
     from stages.encode import text as encode_text
     from store.verify import verify_store
 
@@ -258,24 +258,21 @@ def test_two_processes_under_accelerate_match_one_process(tiny_plus_model, tmp_p
     encode_text.run(cfg, one, tiny_plus_model, batch_size=2)
     encode_vae.run(cfg, one, tiny_plus_model)
 
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    # the two ranks start warm (tests/stages/two_ranks.py: the launcher's environment, torch imported already)
+    # rather than under a cold `accelerate launch` (~9 s of CPU per process, three of them); one launch of
+    # `accelerate launch` itself stays tested (tests/stages/test_train_ddp.py)
     script = tmp_path / "two_stages.py"
     script.write_text(TWO_STAGES)
-    launcher = Path(sys.executable).with_name("accelerate")
-    proc = run_retrying_port(
-        lambda port: [str(launcher), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                      "--main_process_port", str(port),  # tests run two at a time (scripts/test.sh)
-                      str(script), str(two), tiny_plus_model, str(config)],
-        env=env, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two(str(script), str(two), tiny_plus_model, str(config), timeout=300)
+    assert rc0 == rc1 == 0, (rc0, rc1, err0[-3000:], err1[-3000:])
+    stdout = out0 + out1
     # rank 0's lines only, each counting both ranks' shares (stages/encode/summary.py `over_ranks`); the shards
     # below show that both ranks encoded
     with Store(one).reader("images") as images:
         n = len(images)
     for stage, table in (("encode-text", "text"), ("encode-vae", "vae")):
-        assert proc.stdout.count(f"{stage} [2 ranks]: table '{table}' v1: encoded {n}, ") == 1, proc.stdout
-    assert "[rank " not in proc.stdout, proc.stdout
+        assert stdout.count(f"{stage} [2 ranks]: table '{table}' v1: encoded {n}, ") == 1, stdout
+    assert "[rank " not in stdout, stdout
     for table in ("text", "vae"):
         shards = {p.name for p in (two / table / "v1").glob("shard-*.tar")}
         assert any(s.startswith("shard-r00-") for s in shards) and any(s.startswith("shard-r01-") for s in shards)
