@@ -273,30 +273,69 @@ def _failure_key() -> str:
     return _launch_key("rank-failed")
 
 
+class StoreSilent(TimeoutError):
+    """The launch's store accepted a connection but did not answer within our bound: its host stopped (SIGSTOP, a
+    debugger) or hung. torch's client waits for such a store's answer without an end, whatever its timeout."""
+
+
+def _in_thread(call: Callable[[], T]) -> tuple[threading.Thread, dict]:
+    """`call()` (a connect or a call of torch's store client) started in a daemon thread; its outcome lands in the
+    dict ("value" or "error"), read by `_outcome`. torch's client ignores its timeout against a store whose host
+    accepts connections but never answers (its kernel completes the handshake for a stopped process, SIGSTOP, or
+    a hung one): run in the main thread, one C++ call blocked it for ever, where no Ctrl-C or SIGTERM ran its
+    handler (only SIGKILL ended the rank). A thread left blocked there is a daemon (it never holds the exit)."""
+    done: dict = {}
+
+    def attempt() -> None:
+        try:
+            done["value"] = call()
+        except BaseException as e:  # noqa: BLE001 - raised in the waiting thread (`_outcome`)
+            done["error"] = e
+
+    worker = threading.Thread(target=attempt, name="store-call", daemon=True)
+    worker.start()
+    return worker, done
+
+
+def _outcome(started: tuple[threading.Thread, dict], seconds: float, where: str):
+    """The outcome of `_in_thread`'s call, waited for at most `seconds` (a wait of Python's, which a signal
+    interrupts); `StoreSilent` past that."""
+    worker, done = started
+    worker.join(seconds)
+    if worker.is_alive():
+        raise StoreSilent(f"the launch's store at {where} accepts connections but did not answer within "
+                          f"{seconds:.0f} s (its host is stopped or hung)")
+    if "error" in done:
+        raise done["error"]
+    return done["value"]
+
+
 def _store_client(timeout: float = 10.0):
     """A connection of our own to the launcher's store (a blocked or busy process-group connection is never
     shared with the watch thread); None when the launch named none (MASTER_ADDR / MASTER_PORT). A store not up
     yet (rank 0 still starting) is waited for at most `timeout` seconds, which also bounds every later call.
     The wait is a loop of short tries: torch's client retries inside one C++ call that no signal ends (a Ctrl-C
     or a launcher's SIGTERM held a rank waiting for rank 0 up to BEFORE_GROUP_SECONDS, 30 minutes); each try
-    first opens a plain socket to the port, since torch's client prints a C++ warning and stack per failed try."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
+    first opens a plain socket to the port, since torch's client prints a C++ warning and stack per failed try.
+    The connect itself runs in a thread of its own (`_connect`): against a store whose host accepts but never
+    answers (stopped, hung) torch's client waited for ever; a try that got no answer is waited for again (one thread per call, not one per try),
+    and at the end `StoreSilent` says so."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not host or not port:
         return None
     deadline = time.monotonic() + timeout
+    pending: list = []  # a connect still waiting for the store's answer, waited for again by the next try
     while True:
         left = deadline - time.monotonic()
         try:
             socket.create_connection((host, int(port)), timeout=max(min(PROBE_SECONDS, left), 0.01)).close()
             # the port answers: the store's own client, given CONNECT_SECONDS (milliseconds on an idle host)
-            client = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                                   timeout=timedelta(seconds=max(min(CONNECT_SECONDS, left), 0.01)))
+            client = _connect(host, int(port), max(min(CONNECT_SECONDS, left), 0.01), pending)
         except (OSError, RuntimeError) as e:  # refused (not up yet), no answer, a name not resolved yet; DistError
             if time.monotonic() + POLL_SECONDS > deadline:
+                if isinstance(e, StoreSilent):
+                    raise StoreSilent(f"the launch's store at {host}:{port} accepts connections but did not answer "
+                                      f"within {timeout:.0f} s (its host is stopped or hung)") from None
                 last = (str(e).splitlines() or [type(e).__name__])[0][:200]
                 raise TimeoutError(f"no store answered at {host}:{port} within {timeout:.0f} s, the last try: "
                                    f"{last}") from None
@@ -306,6 +345,22 @@ def _store_client(timeout: float = 10.0):
         # must not hold an exit for long); theirs, for the before-group exchange's
         client.set_timeout(timedelta(seconds=timeout))
         return client
+
+
+def _connect(host: str, port: int, seconds: float, pending: list):
+    """One try of torch's client to the store at host:port, waited for `seconds` (and a second more: torch's own
+    timeout, where it applies, says its error first). A try left waiting (`pending` holds it) is waited for again
+    instead of a new one: a store that stays silent leaves one blocked thread behind, not one per try."""
+    import torch.distributed as dist
+
+    started = pending[0] if pending else _in_thread(
+        lambda: dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=seconds)))
+    pending[:] = [started]
+    try:
+        return _outcome(started, seconds + 1.0, f"{host}:{port}")
+    finally:
+        if not started[0].is_alive():
+            pending.clear()
 
 
 def watch_failures(world: int) -> None:
@@ -714,8 +769,21 @@ def _write_failure(message: str, world: int, timeout: float = 10.0, watching_onl
         _known_by_all(clients[0], key, world, _read(clients, lambda c: _watching_ranks(c, world)) if watching_only
                       else None)
         return line
+    except StoreSilent:  # said: a rank's exit held for ever there before, then nothing said why it took its time
+        _untold_warning(timeout)
+        return None
     except Exception:  # noqa: BLE001 - no store: the others learn it at their next agreement, if ever
         return None
+
+
+def _untold_warning(waited: float) -> None:
+    """The line of a rank whose failure or stop could not be published: the store's host accepts connections but
+    does not answer (stopped, hung), so the ranks waiting for this one learn nothing from it."""
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    sys.stderr.write(("\n" if _bar_mid_line() else "") + f"rank {os.environ.get('RANK', '?')} could not tell the other "
+                     f"ranks at {where} within {waited:.0f} s (the store's host accepts connections but does not "
+                     "answer: stopped or hung); they stop at their own timeout\n")
+    sys.stderr.flush()
 
 
 def _watching_ranks(client, world: int) -> list[int]:
