@@ -273,30 +273,83 @@ def _failure_key() -> str:
     return _launch_key("rank-failed")
 
 
+class StoreSilent(UserError, TimeoutError):
+    """The launch's store accepted a connection (or a call) but did not answer within our bound: its host stopped
+    (SIGSTOP, a Ctrl-Z on its terminal, a debugger) or hung. torch's client waits for such a store's answer without
+    an end, whatever its timeout. A one-line refusal where it ends a command (a rank waiting through the store)."""
+
+
+def _in_thread(call: Callable[[], T]) -> tuple[threading.Thread, dict]:
+    """`call()` (a connect or a call of torch's store client) started in a daemon thread; its outcome lands in the
+    dict ("value" or "error"), read by `_outcome`. torch's client ignores its timeout against a store whose host
+    accepts connections but never answers (its kernel completes the handshake for a stopped process, SIGSTOP, or
+    a hung one): run in the main thread, one C++ call blocked it for ever, where no Ctrl-C or SIGTERM ran its
+    handler (only SIGKILL ended the rank). A thread left blocked there is a daemon (it never holds the exit)."""
+    done: dict = {}
+
+    def attempt() -> None:
+        try:
+            done["value"] = call()
+        except BaseException as e:  # noqa: BLE001 - raised in the waiting thread (`_outcome`)
+            done["error"] = e
+
+    worker = threading.Thread(target=attempt, name="store-call", daemon=True)
+    worker.start()
+    return worker, done
+
+
+def _outcome(started: tuple[threading.Thread, dict], seconds: float, where: str):
+    """The outcome of `_in_thread`'s call, waited for at most `seconds` (a wait of Python's, which a signal
+    interrupts); `StoreSilent` past that."""
+    worker, done = started
+    worker.join(seconds)
+    if worker.is_alive():
+        # remembered: a Ctrl-C of a rank waiting for it does not wait for it again to publish its stop
+        _state["store_silent"] = (f"the launch's store at {where} accepts connections but did not answer within "
+                                  f"{seconds:.0f} s (its host is stopped or hung)")
+        raise StoreSilent(_state["store_silent"])
+    _state.pop("store_silent", None)  # it answered (again)
+    if "error" in done:
+        raise done["error"]
+    return done["value"]
+
+
+def _call(client, call: Callable[[object], T]) -> T:
+    """`call(client)`, one call through torch's store client, waited for at most the client's own timeout (10 s
+    when it has none; STORE_RETRY_SECONDS at most: the before-group store's is 30 minutes, its calls answer at
+    once): `StoreSilent` past that, where the call blocked for ever (`_in_thread`)."""
+    held = getattr(client, "timeout", None)
+    seconds = min(held.total_seconds() if isinstance(held, timedelta) else 10.0, STORE_RETRY_SECONDS)
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    return _outcome(_in_thread(lambda: call(client)), seconds, where)
+
+
 def _store_client(timeout: float = 10.0):
     """A connection of our own to the launcher's store (a blocked or busy process-group connection is never
     shared with the watch thread); None when the launch named none (MASTER_ADDR / MASTER_PORT). A store not up
     yet (rank 0 still starting) is waited for at most `timeout` seconds, which also bounds every later call.
     The wait is a loop of short tries: torch's client retries inside one C++ call that no signal ends (a Ctrl-C
     or a launcher's SIGTERM held a rank waiting for rank 0 up to BEFORE_GROUP_SECONDS, 30 minutes); each try
-    first opens a plain socket to the port, since torch's client prints a C++ warning and stack per failed try."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
+    first opens a plain socket to the port, since torch's client prints a C++ warning and stack per failed try.
+    The connect itself runs in a thread of its own (`_connect`): against a store whose host accepts but never
+    answers (stopped, hung) torch's client waited for ever; a try that got no answer is waited for again (one
+    thread per call, not one per try), and at the end `StoreSilent` says so."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not host or not port:
         return None
     deadline = time.monotonic() + timeout
+    pending: list = []  # a connect still waiting for the store's answer, waited for again by the next try
     while True:
         left = deadline - time.monotonic()
         try:
             socket.create_connection((host, int(port)), timeout=max(min(PROBE_SECONDS, left), 0.01)).close()
             # the port answers: the store's own client, given CONNECT_SECONDS (milliseconds on an idle host)
-            client = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                                   timeout=timedelta(seconds=max(min(CONNECT_SECONDS, left), 0.01)))
+            client = _connect(host, int(port), max(min(CONNECT_SECONDS, left), 0.01), pending)
         except (OSError, RuntimeError) as e:  # refused (not up yet), no answer, a name not resolved yet; DistError
             if time.monotonic() + POLL_SECONDS > deadline:
+                if isinstance(e, StoreSilent):
+                    raise StoreSilent(f"the launch's store at {host}:{port} accepts connections but did not answer "
+                                      f"within {timeout:.0f} s (its host is stopped or hung)") from None
                 last = (str(e).splitlines() or [type(e).__name__])[0][:200]
                 raise TimeoutError(f"no store answered at {host}:{port} within {timeout:.0f} s, the last try: "
                                    f"{last}") from None
@@ -306,6 +359,22 @@ def _store_client(timeout: float = 10.0):
         # must not hold an exit for long); theirs, for the before-group exchange's
         client.set_timeout(timedelta(seconds=timeout))
         return client
+
+
+def _connect(host: str, port: int, seconds: float, pending: list):
+    """One try of torch's client to the store at host:port, waited for `seconds` (and a second more: torch's own
+    timeout, where it applies, says its error first). A try left waiting (`pending` holds it) is waited for again
+    instead of a new one: a store that stays silent leaves one blocked thread behind, not one per try."""
+    import torch.distributed as dist
+
+    started = pending[0] if pending else _in_thread(
+        lambda: dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=seconds)))
+    pending[:] = [started]
+    try:
+        return _outcome(started, seconds + 1.0, f"{host}:{port}")
+    finally:
+        if not started[0].is_alive():
+            pending.clear()
 
 
 def watch_failures(world: int) -> None:
@@ -436,12 +505,14 @@ def _watch(clients: list, key: str, stop: threading.Event, alive: str | None = N
             _state["store_lost"] = True
             return
         try:
+            # bounded (`_call`): a store whose host stopped answering held this thread for ever, and this rank's exit
+            # waited for it (`_stop_watching`), then counted itself in that store (`_count_exit`)
             if alive is not None and time.monotonic() >= beat:  # this rank's sign of life (`arrive_together`)
-                client.add(alive, 1)
+                _call(client, lambda c: c.add(alive, 1))
                 beat = time.monotonic() + HEARTBEAT_SECONDS
-            if client.check([key]):
+            if _call(client, lambda c: c.check([key])):
                 break
-        except Exception:  # noqa: BLE001 - a hiccup, or the store gone (its host ended: the launch is over)
+        except Exception:  # noqa: BLE001 - a hiccup, the store gone (its host ended: the launch is over) or silent
             if not _reconnect(clients, stop):
                 return
             beat = 0.0  # a sign of life at once: the outage took some of the waiting ranks' LOST_SECONDS
@@ -452,7 +523,7 @@ def _watch(clients: list, key: str, stop: threading.Event, alive: str | None = N
     if _state["published"]:  # this rank failed: its main thread reports (and cleans up)
         return
     try:
-        message = client.get(key).decode("utf-8", "replace")
+        message = _call(client, lambda c: c.get(key)).decode("utf-8", "replace")
     except Exception:  # noqa: BLE001 - the store went away meanwhile: the main thread meets the others' exit
         return
     _known_by_all(client, key, _state["world"])  # before the exit: it may end this node's store
@@ -548,7 +619,9 @@ def _read(clients: list, read: Callable[[object], T]) -> T:
     """`read(client)` through `clients[0]` for a main thread's long wait (`arrive_together`, `main_alone`: hours),
     tried again on a new connection after a failed call (`_reconnect`): one hiccup of the store ended the rank in a
     traceback, and the launch with it. Reads only, or writes that are the same when applied twice (a `set`, a
-    compare-and-set): a call that failed may have been applied. A store gone: its failure, as before."""
+    compare-and-set): a call that failed may have been applied. A store gone: its failure, as before. Each call is
+    bounded (`_call`): against a store whose host stopped answering (SIGSTOP, hung) it blocked for ever, a Ctrl-C
+    ignored; a store still silent after `_reconnect`'s tries ends the wait in one line (`StoreSilent`)."""
     while True:
         if store_host_gone():
             import torch.distributed as dist
@@ -556,7 +629,7 @@ def _read(clients: list, read: Callable[[object], T]) -> T:
             # what the failed call would have raised (its one line: `lost_peer_line`), without torch's C++ warning
             raise dist.DistNetworkError("Connection closed by peer: the launch's store's process ended")
         try:
-            return read(clients[0])
+            return _call(clients[0], read)
         except Exception:  # noqa: BLE001 - re-raised below when the store does not answer again
             if not _reconnect(clients, threading.Event()):
                 raise
@@ -704,6 +777,8 @@ def _write_failure(message: str, world: int, timeout: float = 10.0, watching_onl
     know whether any rank waits for it (one stopped before its own first exchange)."""
     _state["published"] = True
     try:
+        if _state.get("store_silent"):  # found silent already: not waited for again
+            raise StoreSilent(_state["store_silent"])
         client = _store_client(timeout)
         if client is None:
             return None
@@ -714,8 +789,20 @@ def _write_failure(message: str, world: int, timeout: float = 10.0, watching_onl
         _known_by_all(clients[0], key, world, _read(clients, lambda c: _watching_ranks(c, world)) if watching_only
                       else None)
         return line
+    except StoreSilent as e:  # said: a rank's exit held for ever there before, then nothing said why it took its time
+        _untold_warning(str(e))
+        return None
     except Exception:  # noqa: BLE001 - no store: the others learn it at their next agreement, if ever
         return None
+
+
+def _untold_warning(silent: str) -> None:
+    """The line of a rank whose failure or stop could not be published: the store's host accepts connections but
+    does not answer (stopped, hung; `silent`: `StoreSilent`'s text), so the ranks waiting for this one learn nothing
+    from it."""
+    sys.stderr.write(("\n" if _bar_mid_line() else "") + f"rank {os.environ.get('RANK', '?')} could not tell the other "
+                     f"ranks: {silent}; they stop at their own timeout\n")
+    sys.stderr.flush()
 
 
 def _watching_ranks(client, world: int) -> list[int]:
@@ -820,8 +907,8 @@ def peer_failure() -> str | None:
         return None
     try:
         client = _store_client()
-        if client is not None and client.check([_failure_key()]):
-            line = client.get(_failure_key()).decode("utf-8", "replace")
+        if client is not None and _call(client, lambda c: c.check([_failure_key()])):
+            line = _call(client, lambda c: c.get(_failure_key())).decode("utf-8", "replace")
             _known_by_all(client, _failure_key(), _state["world"])  # this rank ends on it
             return line
     except Exception:  # noqa: BLE001
@@ -1109,8 +1196,8 @@ def arrive_together(world: int, what: str) -> None:
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     _state["arrivals"] = _state.get("arrivals", 0) + 1
     key = f"{_launch_key('arrived')}/{_state['arrivals']}"
-    client.set(f"{key}/{rank}", "1")
-    client.add(key, 1)
+    _call(client, lambda c: c.set(f"{key}/{rank}", "1"))
+    _call(client, lambda c: c.add(key, 1))  # bounded, not tried again (`_read`): an add applied twice counts two
     seen: dict[int, tuple[int, float]] = {}  # rank -> (its signs of life, when they last changed here)
     look, began = 0.0, time.monotonic()
     notice = began + WAIT_NOTICE_SECONDS
@@ -1207,12 +1294,16 @@ def gather_before_group(world: int, what: str, text: str, timeout: float | None 
     key = f"{_launch_key('before-group')}/{what}/{count}"
     keys = [f"{key}/{r}" for r in range(world)]
     try:
-        store.set(keys[rank], text)
+        # each call bounded (`_call`): a store whose host stopped answering held this wait for ever, a Ctrl-C ignored
+        _call(store, lambda c: c.set(keys[rank], text))
         _wait_keys(store, keys, timeout)
-        texts = [store.get(k).decode("utf-8", "replace") for k in keys]
+        texts = [_call(store, lambda c: c.get(k)).decode("utf-8", "replace") for k in keys]
     except Exception as e:  # noqa: BLE001 - timed out (DistStoreError), or the store went away: named below
+        if isinstance(e, StoreSilent):
+            raise UserError(f"{what}: the ranks decide it together through the launch's store, but {e}: see that "
+                            "host (rank 0's when no launcher serves the store) or the launcher's log") from None
         try:
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            missing = [r for r, k in enumerate(keys) if not _call(store, lambda c: c.check([k]))]
         except Exception:  # noqa: BLE001 - the store is gone (its host ended): not the ranks' silence
             missing = []
         if missing:
@@ -1235,7 +1326,7 @@ def _wait_keys(store, keys: list[str], timeout: float) -> None:
     """`store.wait(keys, timeout)`, polled: the store's own wait is one C++ call that no signal ends (a Ctrl-C while
     a rank waited for a rank still starting held it for the whole bound, 30 minutes); between polls the main thread
     runs Python, where a signal's handler runs."""
-    if not _all_set(lambda k: store.check([k]), keys, time.monotonic() + timeout):
+    if not _all_set(lambda k: _call(store, lambda c: c.check([k])), keys, time.monotonic() + timeout):
         raise TimeoutError(f"the keys were not all set within {timeout:.0f} s")
 
 

@@ -1,0 +1,171 @@
+"""A launched rank stopped by a Ctrl-C before its first exchange publishes its stop through the launch's store
+(models/collective.py `publish_interrupt`). Where the store's host accepts connections but never answers (stopped
+by SIGSTOP, hung), torch's client ignores its timeout: the rank printed its stop line and then never exited, a
+second Ctrl-C and a SIGTERM both ignored (the main thread blocked in one C++ call), only SIGKILL ended it. Now the
+connect runs in a thread of its own, waited for within our bound: the rank says in one line that it could not tell
+the others and exits 130; a SIGTERM during that wait ends it at once (143). So does a Ctrl-C of a rank waiting at
+its first exchange for such a store (its connect: 30 minutes, torch's timeout ignored). One process of its own per
+case, started warm (tests/warm_start.py), against a plain listening socket that never answers."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from own_collective import own_collective  # noqa: F401  (the fixture)
+from schemas.errors import UserError
+from warm_start import WarmProcess
+
+RANK_SCRIPT = Path(__file__).with_name("rank_frozen_store.py")
+BOUND = 30.0  # generous, for a loaded machine; before the fix neither case ended within any bound
+
+
+def _silent_store() -> socket.socket:
+    """A port that accepts connections (the kernel's handshake, as for a stopped process) and never answers."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    return listener
+
+
+def _rank_1(port: int, connect_seconds: float, *mode: str) -> WarmProcess:
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "LOCAL_WORLD_SIZE"):
+        env.pop(name, None)
+    return WarmProcess([sys.executable, str(RANK_SCRIPT), str(connect_seconds), *mode], env=env)
+
+
+def _wait_ready(proc: WarmProcess) -> None:
+    deadline = time.monotonic() + BOUND
+    while "ready" not in proc.output()[0]:
+        assert proc.poll() is None, proc.output()
+        assert time.monotonic() < deadline, "the rank never started its command"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("then", ["nothing", "sigterm", "exchange"])
+def test_a_ctrl_c_against_a_store_that_never_answers_still_ends_the_rank(then) -> None:
+    listener = _silent_store()
+    port = listener.getsockname()[1]
+    # "nothing": a short bound, the exit comes once it ran out; "sigterm": a long one, which the SIGTERM cuts short;
+    # "exchange": the Ctrl-C comes while the rank waits for the store's answer at its first exchange
+    proc = _rank_1(port, 3600.0 if then == "sigterm" else 1.0, *(["exchange"] if then == "exchange" else []))
+    try:
+        _wait_ready(proc)
+        if then == "exchange":
+            time.sleep(0.5)  # connecting by now (any moment of the wait works: no race)
+        proc.send_signal(signal.SIGINT)
+        if then == "sigterm":
+            deadline = time.monotonic() + BOUND
+            while "stopped by SIGINT" not in proc.output()[1]:  # its stop line: it is publishing now
+                assert proc.poll() is None and time.monotonic() < deadline, proc.output()
+                time.sleep(0.05)
+            time.sleep(0.5)  # inside the publish's connect (a wait of its own, not a race: any moment of it works)
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(BOUND)
+        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: the defect
+            pytest.fail(f"the rank did not end within {BOUND:.0f} s of its Ctrl-C ({then}): {proc.output()}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        listener.close()
+    out, err = proc.output()
+    assert "Traceback" not in err, err
+    assert "stopped by SIGINT (Ctrl-C)" in err, err
+    if then != "sigterm":
+        assert proc.returncode == 130, (proc.returncode, err)
+        last = err.rstrip().splitlines()[-1]
+        assert re.fullmatch(rf"rank 1 could not tell the other ranks: the launch's store at 127\.0\.0\.1:{port} "
+                            r"accepts connections but did not answer within \d+ s \(its host is stopped or hung\); "
+                            "they stop at their own timeout", last), err
+    else:
+        assert proc.returncode == 143, (proc.returncode, err)
+
+
+_STORE_HOST = """
+import time
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+print(store.port, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_wait_through_a_store_whose_host_stopped_ends_in_one_line(monkeypatch, own_collective) -> None:
+    """A rank waiting through the store (`arrive_together`, `main_alone`: models/collective.py `_read`) when the
+    store's host stops answering mid-run (a Ctrl-Z on rank 0's terminal, a hung node): torch's call blocked for
+    ever, ignoring its timeout (a Ctrl-C too). Now each call is bounded, the store tried again (`_reconnect`), then
+    the wait ends in one line (`StoreSilent`, a `UserError`). The host is a real store in a process of its own,
+    stopped by SIGSTOP; this process plays rank 1 of 2."""
+    collective = own_collective
+    host = WarmProcess([sys.executable, "-c", _STORE_HOST], env={**os.environ})
+    try:
+        deadline = time.monotonic() + BOUND
+        while not _port(host):
+            assert host.poll() is None and time.monotonic() < deadline, host.output()
+            time.sleep(0.05)
+        port = _port(host)
+        for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": str(port)}.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setattr(collective, "CONNECT_SECONDS", 1.0)  # the bounds, short: an end in seconds
+        monkeypatch.setattr(collective, "STORE_RETRY_SECONDS", 2.0)
+        clients = [collective._store_client(2.0)]
+        assert not _call_read(collective, clients, BOUND), "the store answered no call while it ran"
+        host.send_signal(signal.SIGSTOP)
+        outcome = _call_read(collective, clients, BOUND)
+    finally:
+        host.send_signal(signal.SIGCONT)
+        _answered(BOUND)
+        host.kill()
+    assert outcome != "blocked", f"the wait's call did not end within {BOUND:.0f} s of the store's host stopping"
+    assert isinstance(outcome, collective.StoreSilent), outcome
+    assert isinstance(outcome, UserError) and "\n" not in str(outcome)
+    assert str(outcome).startswith(f"the launch's store at 127.0.0.1:{port} accepts connections but did not answer "
+                                   "within 2 s (its host is stopped or hung)"), outcome
+
+
+def _port(proc: WarmProcess) -> int:
+    out = proc.output()[0].strip()
+    return int(out) if out.isdigit() else 0
+
+
+def _call_read(collective, clients: list, bound: float):
+    """`_read(clients, check a key)` in a thread of its own, waited for `bound` seconds: its result or error, or
+    "blocked"."""
+    import threading
+
+    outcome: list = ["blocked"]
+
+    def wait() -> None:
+        try:
+            outcome[0] = collective._read(clients, lambda c: c.check(["never-set"]))
+        except Exception as e:  # noqa: BLE001 - the test's outcome
+            outcome[0] = e
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(bound)
+    return outcome[0]
+
+
+def _answered(bound: float) -> None:
+    """Wait (at most `bound` seconds) until the calls left blocked on the stopped store (`_in_thread`'s threads) have
+    their answer from the store resumed: ended after its host, each printed c10d's warning and stack here."""
+    import threading
+
+    deadline = time.monotonic() + bound
+    while any(t.name == "store-call" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
