@@ -26,7 +26,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from schemas.config import PipelineConfig
+from schemas.config import EncodeTextConfig, PipelineConfig
 from schemas.errors import UserError
 from schemas.table import FieldSpec, TableSchema
 from schemas.errors import Rejected
@@ -36,6 +36,7 @@ from stages.encode.common import (
     Summary,
     batches_by_shape,
     settings_record,
+    config_hash,
     earlier_config_hashes,
     control_count_rejection,
     open_job,
@@ -126,6 +127,34 @@ def prompt_format(variant: str, template: str | None, start_idx: int | None) -> 
     ref = cls(scheduler=None, vae=None, text_encoder=None, tokenizer=None, processor=None, transformer=None)
     return PromptFormat(variant, ref.prompt_template_encode,
                         ref.prompt_template_encode_start_idx if start_idx is None else start_idx)
+
+
+def template_spellings(section: EncodeTextConfig, fmt: PromptFormat
+                       ) -> tuple[EncodeTextConfig, tuple[EncodeTextConfig, ...]]:
+    """(the section as hashed, the other spellings of it that earlier runs hashed). The model's own template
+    spelled out (`prompt_template_start_idx: 64`, or the template too) gives its features bit for bit, so it is
+    hashed as unset: before, it made a new version, every sample through the VL encoder again (hours at 1M
+    samples) and a new `text` version for train to train on afresh."""
+    unset = {"prompt_template": None, "prompt_template_start_idx": None}
+    if fmt != prompt_format(fmt.variant, None, None):
+        return section, ()
+    spelled = ({"prompt_template_start_idx": fmt.start_idx},
+               {"prompt_template": fmt.template, "prompt_template_start_idx": fmt.start_idx})
+    return section.model_copy(update=unset), tuple(section.model_copy(update={**unset, **s}) for s in spelled)
+
+
+def feature_hashes(section: EncodeTextConfig, fmt: PromptFormat) -> tuple[dict[str, Any], tuple[str, ...],
+                                                                           tuple[str, ...]]:
+    """`open_job`'s settings record, earlier hashes and serving hashes: the template as `template_spellings`
+    hashes it, each other spelling among the earlier hashes (a table hashed with one stays current, its samples
+    carried), with the hashes from before the declared scheme of each."""
+    hashed, spellings = template_spellings(section, fmt)
+    record = fmt.lineage_record()
+    earlier = [config_hash(s, prompt_format=record) for s in spellings]
+    earlier += [h for s in (hashed, *spellings) for h in earlier_config_hashes(s, prompt_format=record)]
+    serving = [h for s in (hashed, *spellings) for h in serving_config_hashes(s, earlier=True, prompt_format=record)]
+    return (settings_record(hashed, prompt_format=record), tuple(dict.fromkeys(earlier)),
+            tuple(dict.fromkeys(serving)))
 
 
 # ---------------------------------------------------------------- per-sample preparation (runs in a thread)
@@ -336,11 +365,10 @@ def run(
     def by_controls(n: int, key: str) -> Rejected | None:  # asked of the manifest's column: refused ones unread
         return control_count_rejection(fmt.variant, n, key)
 
-    job = open_job(store, STAGE, TABLE, settings_record(section, prompt_format=fmt.lineage_record()), model,
-                   FEATURE_REVISION, ranks, components=COMPONENTS,
+    settings, earlier, serving = feature_hashes(section, fmt)
+    job = open_job(store, STAGE, TABLE, settings, model, FEATURE_REVISION, ranks, components=COMPONENTS,
                    on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction,
-                   earlier_hashes=earlier_config_hashes(section, prompt_format=fmt.lineage_record()), fixes=FIXES,
-                   serving_hashes=serving_config_hashes(section, earlier=True, prompt_format=fmt.lineage_record()),
+                   earlier_hashes=earlier, fixes=FIXES, serving_hashes=serving,
                    unread=TEXT_UNREAD[fmt.variant], by_controls=by_controls)
     job.prompt_fits = prompt_fits
     if job.up_to_date:
