@@ -120,8 +120,7 @@ def prompt_format(variant: str, template: str | None, start_idx: int | None) -> 
         if start_idx is None:
             raise UserError("encode_text.prompt_template is set but encode_text.prompt_template_start_idx is not: "
                             "set how many leading template tokens to drop (diffusers uses 64)")
-        if template.count("{}") != 1:
-            raise UserError("encode_text.prompt_template must hold exactly one '{}' where the instruction goes")
+        _check_instruction_slot(template)
         return PromptFormat(variant, template, start_idx)
     cls = QwenImageEditPlusPipeline if variant == "edit-plus" else QwenImageEditPipeline
     ref = cls(scheduler=None, vae=None, text_encoder=None, tokenizer=None, processor=None, transformer=None)
@@ -155,6 +154,23 @@ def feature_hashes(section: EncodeTextConfig, fmt: PromptFormat) -> tuple[dict[s
     serving = [h for s in (hashed, *spellings) for h in serving_config_hashes(s, earlier=True, prompt_format=record)]
     return (settings_record(hashed, prompt_format=record), tuple(dict.fromkeys(earlier)),
             tuple(dict.fromkeys(serving)))
+
+
+def _check_instruction_slot(template: str) -> None:
+    """The template's one replacement field is a bare '{}' (the instruction goes there) and any other brace is
+    doubled, as `str.format` reads it. Checked before the model loads: a '{style}' or a lone '}' failed in the first
+    sample's preparation, a KeyError / ValueError with a traceback after the VL model had loaded (minutes)."""
+    from string import Formatter
+
+    try:
+        fields = [(name, spec, conv) for _, name, spec, conv in Formatter().parse(template) if name is not None]
+    except ValueError as e:
+        fields = [str(e)]
+    if fields != [("", "", None)]:
+        found = ", ".join("{" + f[0] + (f"!{f[2]}" if f[2] else "") + (f":{f[1]}" if f[1] else "") + "}"
+                          if isinstance(f, tuple) else f for f in fields) or "none"
+        raise UserError(f"encode_text.prompt_template must hold exactly one '{{}}' where the instruction goes and "
+                        f"every other brace doubled ('{{{{', '}}}}'); found: {found}")
 
 
 # ---------------------------------------------------------------- per-sample preparation (runs in a thread)
