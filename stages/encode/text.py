@@ -173,6 +173,18 @@ def _check_instruction_slot(template: str) -> None:
                         f"every other brace doubled ('{{{{', '}}}}'); found: {found}")
 
 
+def check_start_idx(fmt: PromptFormat, tokenizer) -> None:
+    """`start_idx` drops at most the template's own tokens before the first sample's own ones (its images or its
+    instruction): past them it cuts every sample's prompt, and from its length on stores an empty [0, D] embedding.
+    Before, `prompt_template_start_idx: 200` stored every sample's prompt_embeds empty, nothing said."""
+    first = min(i for i in (fmt.template.find("{}"), fmt.template.find("<|vision_start|>")) if i >= 0)
+    fixed = len(tokenizer(fmt.template[:first])["input_ids"])
+    if fmt.start_idx > fixed:
+        raise UserError(f"encode_text.prompt_template_start_idx is {fmt.start_idx}, past the {fixed} tokens of the "
+                        "template before each sample's images and instruction: it would cut every sample's own "
+                        f"tokens (all of a short prompt); set it to at most {fixed} (diffusers drops 64)")
+
+
 # ---------------------------------------------------------------- per-sample preparation (runs in a thread)
 
 
@@ -406,6 +418,7 @@ def _encode(job, section, fmt, model: str, target, by_controls) -> Summary:
     from models.precision import check_loaded_dtype
 
     processor = load_component(model, "processor")
+    check_start_idx(fmt, processor.tokenizer)  # before the VL model loads
     text_encoder = load_component(model, "text_encoder", dtype=parse_dtype(section.dtype),
                                   device=target)
     check_loaded_dtype(text_encoder, section.dtype, "encode_text.dtype")

@@ -42,3 +42,18 @@ def test_the_cli_says_it_before_the_model_loads(tiny_plus_model, plus_store, tmp
                                    "--device", "cpu", "--config", str(config)])
     assert res.exit_code == 1 and "Traceback" not in res.output and "the model was loaded" not in res.output
     assert [ln for ln in res.output.splitlines() if "error:" in ln][0].count("prompt_template must hold exactly one")
+
+
+def test_a_start_idx_past_the_templates_own_tokens_is_refused_before_the_encoder_loads(tiny_edit_model, edit_store,
+                                                                                        monkeypatch):
+    """Before: `prompt_template_start_idx: 200` stored every sample's prompt_embeds as [0, D], nothing said."""
+    from models import loading
+    from pipeline.config import load_config
+    from store import Store
+
+    load = loading.load_component
+    monkeypatch.setattr(loading, "load_component", lambda model, name, *a, **k: (
+        pytest.fail("the text encoder was loaded") if name == "text_encoder" else load(model, name, *a, **k)))
+    with pytest.raises(UserError, match="prompt_template_start_idx is 65, past the 64 tokens of the template"):
+        encode_text.run(load_config(None, {"encode_text.prompt_template_start_idx": 65}), edit_store, tiny_edit_model)
+    assert "text" not in Store(edit_store).tables()

@@ -20,7 +20,7 @@ def test_the_default_template_spelled_out_reuses_the_table(tiny_edit_model, edit
     for template in (False, True):
         again = encode_text.run(load_config(None, _spelled(fmt, template)), edit_store, tiny_edit_model)
         assert again.up_to_date and again.version == first.version and again.encoded == 0, template
-    other = load_config(None, {"encode_text.prompt_template_start_idx": fmt.start_idx + 1})
+    other = load_config(None, {"encode_text.prompt_template_start_idx": fmt.start_idx - 1})
     assert encode_text.run(other, edit_store, tiny_edit_model).version == first.version + 1  # a real change
 
     # a table hashed with the spelling written out (before this rule) stays current under either spelling
