@@ -26,7 +26,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from schemas.config import PipelineConfig
+from schemas.config import EncodeTextConfig, PipelineConfig
 from schemas.errors import UserError
 from schemas.table import FieldSpec, TableSchema
 from schemas.errors import Rejected
@@ -36,6 +36,7 @@ from stages.encode.common import (
     Summary,
     batches_by_shape,
     settings_record,
+    config_hash,
     earlier_config_hashes,
     control_count_rejection,
     open_job,
@@ -119,13 +120,69 @@ def prompt_format(variant: str, template: str | None, start_idx: int | None) -> 
         if start_idx is None:
             raise UserError("encode_text.prompt_template is set but encode_text.prompt_template_start_idx is not: "
                             "set how many leading template tokens to drop (diffusers uses 64)")
-        if template.count("{}") != 1:
-            raise UserError("encode_text.prompt_template must hold exactly one '{}' where the instruction goes")
+        _check_instruction_slot(template)
         return PromptFormat(variant, template, start_idx)
     cls = QwenImageEditPlusPipeline if variant == "edit-plus" else QwenImageEditPipeline
     ref = cls(scheduler=None, vae=None, text_encoder=None, tokenizer=None, processor=None, transformer=None)
     return PromptFormat(variant, ref.prompt_template_encode,
                         ref.prompt_template_encode_start_idx if start_idx is None else start_idx)
+
+
+def template_spellings(section: EncodeTextConfig, fmt: PromptFormat
+                       ) -> tuple[EncodeTextConfig, tuple[EncodeTextConfig, ...]]:
+    """(the section as hashed, the other spellings of it that earlier runs hashed). The model's own template
+    spelled out (`prompt_template_start_idx: 64`, or the template too) gives its features bit for bit, so it is
+    hashed as unset: before, it made a new version, every sample through the VL encoder again (hours at 1M
+    samples) and a new `text` version for train to train on afresh."""
+    unset = {"prompt_template": None, "prompt_template_start_idx": None}
+    if fmt != prompt_format(fmt.variant, None, None):
+        return section, ()
+    spelled = ({"prompt_template_start_idx": fmt.start_idx},
+               {"prompt_template": fmt.template, "prompt_template_start_idx": fmt.start_idx})
+    return section.model_copy(update=unset), tuple(section.model_copy(update={**unset, **s}) for s in spelled)
+
+
+def feature_hashes(section: EncodeTextConfig, fmt: PromptFormat) -> tuple[dict[str, Any], tuple[str, ...],
+                                                                           tuple[str, ...]]:
+    """`open_job`'s settings record, earlier hashes and serving hashes: the template as `template_spellings`
+    hashes it, each other spelling among the earlier hashes (a table hashed with one stays current, its samples
+    carried), with the hashes from before the declared scheme of each."""
+    hashed, spellings = template_spellings(section, fmt)
+    record = fmt.lineage_record()
+    earlier = [config_hash(s, prompt_format=record) for s in spellings]
+    earlier += [h for s in (hashed, *spellings) for h in earlier_config_hashes(s, prompt_format=record)]
+    serving = [h for s in (hashed, *spellings) for h in serving_config_hashes(s, earlier=True, prompt_format=record)]
+    return (settings_record(hashed, prompt_format=record), tuple(dict.fromkeys(earlier)),
+            tuple(dict.fromkeys(serving)))
+
+
+def _check_instruction_slot(template: str) -> None:
+    """The template's one replacement field is a bare '{}' (the instruction goes there) and any other brace is
+    doubled, as `str.format` reads it. Checked before the model loads: a '{style}' or a lone '}' failed in the first
+    sample's preparation, a KeyError / ValueError with a traceback after the VL model had loaded (minutes)."""
+    from string import Formatter
+
+    try:
+        fields = [(name, spec, conv) for _, name, spec, conv in Formatter().parse(template) if name is not None]
+    except ValueError as e:
+        fields = [str(e)]
+    if fields != [("", "", None)]:
+        found = ", ".join("{" + f[0] + (f"!{f[2]}" if f[2] else "") + (f":{f[1]}" if f[1] else "") + "}"
+                          if isinstance(f, tuple) else f for f in fields) or "none"
+        raise UserError(f"encode_text.prompt_template must hold exactly one '{{}}' where the instruction goes and "
+                        f"every other brace doubled ('{{{{', '}}}}'); found: {found}")
+
+
+def check_start_idx(fmt: PromptFormat, tokenizer) -> None:
+    """`start_idx` drops at most the template's own tokens before the first sample's own ones (its images or its
+    instruction): past them it cuts every sample's prompt, and from its length on stores an empty [0, D] embedding.
+    Before, `prompt_template_start_idx: 200` stored every sample's prompt_embeds empty, nothing said."""
+    first = min(i for i in (fmt.template.find("{}"), fmt.template.find("<|vision_start|>")) if i >= 0)
+    fixed = len(tokenizer(fmt.template[:first])["input_ids"])
+    if fmt.start_idx > fixed:
+        raise UserError(f"encode_text.prompt_template_start_idx is {fmt.start_idx}, past the {fixed} tokens of the "
+                        "template before each sample's images and instruction: it would cut every sample's own "
+                        f"tokens (all of a short prompt); set it to at most {fixed} (diffusers drops 64)")
 
 
 # ---------------------------------------------------------------- per-sample preparation (runs in a thread)
@@ -336,11 +393,10 @@ def run(
     def by_controls(n: int, key: str) -> Rejected | None:  # asked of the manifest's column: refused ones unread
         return control_count_rejection(fmt.variant, n, key)
 
-    job = open_job(store, STAGE, TABLE, settings_record(section, prompt_format=fmt.lineage_record()), model,
-                   FEATURE_REVISION, ranks, components=COMPONENTS,
+    settings, earlier, serving = feature_hashes(section, fmt)
+    job = open_job(store, STAGE, TABLE, settings, model, FEATURE_REVISION, ranks, components=COMPONENTS,
                    on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction,
-                   earlier_hashes=earlier_config_hashes(section, prompt_format=fmt.lineage_record()), fixes=FIXES,
-                   serving_hashes=serving_config_hashes(section, earlier=True, prompt_format=fmt.lineage_record()),
+                   earlier_hashes=earlier, fixes=FIXES, serving_hashes=serving,
                    unread=TEXT_UNREAD[fmt.variant], by_controls=by_controls)
     job.prompt_fits = prompt_fits
     if job.up_to_date:
@@ -362,6 +418,7 @@ def _encode(job, section, fmt, model: str, target, by_controls) -> Summary:
     from models.precision import check_loaded_dtype
 
     processor = load_component(model, "processor")
+    check_start_idx(fmt, processor.tokenizer)  # before the VL model loads
     text_encoder = load_component(model, "text_encoder", dtype=parse_dtype(section.dtype),
                                   device=target)
     check_loaded_dtype(text_encoder, section.dtype, "encode_text.dtype")
