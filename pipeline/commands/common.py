@@ -326,23 +326,11 @@ def refuse_a_used_folder(out: Path, what: str, advice: str) -> None:
     anything is written; what the work finds is 1). `what`: how the line names OUT (`--out `, or '' for an
     argument); `advice`: what to do instead."""
     from schemas.errors import UserError
+    from schemas.out_folder import refuse_a_file_on_the_path
 
     refuse_a_file_on_the_path(out, what)
     if out.is_dir() and any(out.iterdir()):
         raise UserError(f"{what}{out} is not empty: {advice}")
-
-
-def refuse_a_file_on_the_path(out: Path, what: str) -> None:
-    """A UserError when OUT (a folder to create) is a file or lies under one. A symbolic link to nothing (a disk
-    not mounted) is left to the writer's handler: no mistake on the command line (`user_errors`, exit 1)."""
-    from schemas.errors import UserError
-
-    for path in (Path(out), *Path(out).parents):
-        if path.exists():
-            if path.is_dir():
-                return
-            where = "is a file" if path == Path(out) else f"lies under {path}, which is a file"
-            raise UserError(f"{what}{out} {where}: pass a new or empty folder")
 
 
 def checked_lora(lora: Path | str, model: str | None = None, strict_base: bool = False) -> None:

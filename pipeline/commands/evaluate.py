@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from pipeline.commands.common import (ConfigOpt, JsonOpt, SetOpt, config_from, emit, existing_store, json_mode,
-                                     refuse_a_file_on_the_path, require, usage_error, usage_errors, user_errors)
+                                     require, usage_error, usage_errors, user_errors)
 from pipeline.commands.store_remote import CacheDirOpt, CacheGbOpt
 
 
@@ -80,7 +80,6 @@ def _refuse_someones_folder(report: str, what: str) -> None:
     world, main = launched()
     with usage_errors(), together_before_group(world, "evaluate: the report folder"):
         if main:
-            refuse_a_file_on_the_path(Path(report), f"{what} ")
             check_report_folder(Path(report), what)
 
 

@@ -7,7 +7,7 @@ from typing import Optional, get_args
 
 import typer
 
-from pipeline.commands.common import (StrictBaseOpt, checked_lora, echo, finite, one_of, refuse_a_file_on_the_path,
+from pipeline.commands.common import (StrictBaseOpt, checked_lora, echo, finite, one_of, refuse_a_used_folder,
                                      usage_error, usage_errors, user_errors)
 from schemas.config import DType
 from pipeline.launched import one_process
@@ -50,13 +50,14 @@ def merge(
     strict_base: bool = StrictBaseOpt,
 ) -> None:
     one_process("lora merge")  # every rank would fuse the same model into the same --out
+    from schemas.temp_files import check_name_fits
     from store.io_errors import check_writable
 
     # --out named on the command line: a mistake there (exit 2), before the LoRA's base check hashes the model
     # (minutes for a 40 GB one) and before anything is written
     with usage_errors():
-        refuse_a_file_on_the_path(out, "--out ")
-        refuse_a_non_empty(out)
+        refuse_a_used_folder(out, "--out ", "pass a new folder")
+        check_name_fits(out, "--out")  # the fused model's folder is renamed to it last, after the fuse
         if Path(model).expanduser().is_dir():  # a hub id: checked once resolved (merge_lora, exit 1)
             refuse_inside_model(out, Path(model).expanduser())
     with user_errors(out):

@@ -284,7 +284,7 @@ def render_html(metrics: dict, rows: list[OutputsRow], grid: Image.Image) -> str
         path = p if here else (f"{p} (removed: the training keeps only its newest checkpoints, "
                                "train.keep_checkpoints; or the folder was moved)")
         extra = [] if ema_at is None else [ema_at.get(s, "–")]
-        table_rows.append([f"step {s}{mark}", path, per["overall"], *extra, *([_vs_best(per)] * paired_col),
+        table_rows.append([f"step {s}{mark}", path, per["overall"], *extra, *([_vs_best(per, here)] * paired_col),
                            per["inside"], per["outside"]])
     whose = (f"the EMA of <code>{html.escape(best.get('ema_checkpoint', ''))}</code>, written as a LoRA to "
              if on_ema else "")
@@ -330,13 +330,14 @@ def render_html(metrics: dict, rows: list[OutputsRow], grid: Image.Image) -> str
 .best { background: #eef7ee; padding: 6px 10px; border-left: 3px solid #2ca02c; }""")
 
 
-def _vs_best(per: dict) -> str:
-    """A table cell: '+0.0123 ± 0.0040', marked '≈ best' within NOISE_SE standard errors; '–' for the best itself
-    (and a non-finite loss)."""
+def _vs_best(per: dict, on_disk: bool) -> str:
+    """A table cell: '+0.0123 ± 0.0040', marked '≈ best' within NOISE_SE standard errors when still on disk (as
+    the summary's "not told apart" list: a deleted one is no alternative); '–' for the best itself (and a
+    non-finite loss)."""
     from stages.evaluate.paired import within_noise, signed
 
     p = per.get("vs_best")
-    return "–" if p is None else signed(p) + (" ≈ best" if within_noise(p) else "")
+    return "–" if p is None else signed(p) + (" ≈ best" if on_disk and within_noise(p) else "")
 
 
 def _sureness(best: dict, scored_ema: bool = False) -> str:

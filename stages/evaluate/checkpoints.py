@@ -394,10 +394,7 @@ def check_and_hash(checkpoints: list[tuple[int, Path]], ranks=None) -> tuple[lis
                 if _gone(path):
                     gone[i] = 1
                     continue
-                if isinstance(e, OSError):
-                    raise UserError(f"checkpoint step {step}: cannot read {path} ({e})") from None
-                raise UserError(f"checkpoint step {step}: {e}; or move {Path(path).parent} out of the run's "
-                                "checkpoints/ to evaluate the others") from None
+                raise _unloadable(step, path, e) from None
     gone = ranks.any(gone)  # left out on every rank when the rank that read it found it gone
     hashes = ranks.from_owners(hashes)
     kept, shas = [], {}
@@ -878,11 +875,12 @@ def _check_report_folder(run: _Evaluation, checkpoints: list[tuple[int, Path]]) 
     another base model; the others wait (its refusal stops them with its line)."""
     from models.collective import together
     from stages.evaluate import stage as single
+    from stages.evaluate.report_folder import check_report_folder
 
     ranks, cfg = run.ranks, run.cfg
     with together(ranks.world, "the report folder"):
         if ranks.main:
-            single.check_report_folder(run.out)
+            check_report_folder(run.out)
             ranked = f", {ranks.world} ranks" if ranks.world > 1 else ""
             tqdm.write(run.precision.describe("evaluate", cfg.device, run.device_note + ranked))
             single.warn_other_base([path for _, path in checkpoints], run.model, [step for step, _ in checkpoints])
@@ -1483,10 +1481,12 @@ def _deleted_line(step: int, path) -> str:
             "only its newest checkpoints (train.keep_checkpoints); skipped")
 
 
-def _unloadable(step: int, path: Path, e: Exception) -> UserError:
-    """A checkpoint that passed its check but does not load (tensors of other sizes: a LoRA trained on another base
-    model, copied into the run) as the check's refusals say it: its step and how to evaluate the others. Before,
-    the loader's line alone, without the step or what to do, after the newer checkpoints were evaluated."""
+def _unloadable(step: int, path: Path, e: UserError | OSError) -> UserError:
+    """One line for a checkpoint still there that cannot be used, at its check (`check_and_hash`) or its load (one
+    that passed its check, but of tensors of other sizes: a LoRA of another base model copied into the run): its
+    step, and for a refusal how to evaluate the others; a read error is the disk's, not the file's to move."""
+    if isinstance(e, OSError):
+        return UserError(f"checkpoint step {step}: cannot read {path} ({e})")
     return UserError(f"checkpoint step {step}: {e}; or move {Path(path).parent} out of the run's checkpoints/ to "
                      "evaluate the others")
 

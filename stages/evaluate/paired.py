@@ -48,6 +48,8 @@ def vs_best(grids: np.ndarray, losses: list[float], best_i: int) -> list[dict | 
 
 
 def within_noise(p: dict | None) -> bool:
-    """Is a point's `vs_best` difference within NOISE_SE standard errors (not told apart from the best)? With one val
+    """Is a point's `vs_best` difference, either sign, within NOISE_SE standard errors (not told apart from the
+    best)? A deleted checkpoint may be better than the best on disk: -0.050 ± 0.001 is told apart. With one val
     sample (no standard error) nothing can be said: False."""
-    return p is not None and p["standard_error"] is not None and p["difference"] <= NOISE_SE * p["standard_error"]
+    return (p is not None and p["standard_error"] is not None
+            and abs(p["difference"]) <= NOISE_SE * p["standard_error"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from schemas.errors import UserError
+from schemas.out_folder import refuse_a_file_on_the_path
 
 REPORT_LOCK = ".evaluate.lock"  # in a report folder: held by the evaluate writing it
 
@@ -34,9 +35,10 @@ def _only_report_files(out: Path) -> bool:
 
 def check_report_folder(out: Path, what: str = "--out") -> None:
     """A report goes into a new or empty folder, over an earlier report (metrics.json, written last) or over what
-    an interrupted one left (`_only_report_files`); anything else is someone's folder. Evaluate's check at its
-    start (of one LoRA or of every checkpoint), and `pipeline run all`'s of paths.report before its first stage
-    (not after resize-bucket, the encoders and the training)."""
+    an interrupted one left (`_only_report_files`); anything else is someone's folder, and a file there or on its
+    path no folder. Evaluate's check at its start (of one LoRA or of every checkpoint), and `pipeline run all`'s
+    of paths.report before its first stage (not after resize-bucket, the encoders and the training)."""
+    refuse_a_file_on_the_path(out, f"{what} ")
     if out.is_dir() and not (out / "metrics.json").is_file() and not _only_report_files(out):
         raise UserError(f"{what} {out} is not empty and holds no earlier report (no metrics.json): pass a new or "
                         "empty folder, or the folder of an earlier report")

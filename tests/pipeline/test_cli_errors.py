@@ -293,7 +293,7 @@ def test_lora_merge_refuses_a_non_empty_out_before_reading_the_model(tmp_path, m
     busy.mkdir()
     (busy / "x").write_text("x")
     r = _run(["lora", "merge", "--model", "M", "--lora", "L", "--out", str(busy)])
-    assert r.exit_code == 2 and r.output == f"error: output folder {busy} exists and is not empty; pass a new folder\n"
+    assert r.exit_code == 2 and r.output == f"error: --out {busy} is not empty: pass a new folder\n"
 
 
 def test_a_run_or_checkpoint_folder_passed_as_the_lora_names_its_lora_folder(tmp_path):

@@ -80,6 +80,24 @@ def test_run_all_refuses_a_paths_report_of_other_files_before_its_first_stage(tm
     assert sorted(p.name for p in report.iterdir()) == ["notes.txt"]
 
 
+@pytest.mark.parametrize("where", ["is a file", "lies under"])
+def test_run_all_refuses_a_file_at_paths_report_before_its_first_stage(tmp_path, where):
+    """A file at paths.report (or on its path) passed `run all`'s check of it: only `pipeline run evaluate` looked
+    for one, so evaluate failed after resize-bucket, both encoders and the whole training."""
+    import yaml
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    report = notes if where == "is a file" else notes / "report"
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"paths": {"source": str(tmp_path / "src"), "store": str(tmp_path / "store"),
+                                                "model": "m", "run": str(tmp_path / "run"), "report": str(report)}}))
+    r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
+    assert r.exit_code == 1 and r.output.startswith(f"error: paths.report {report} {where}"), r.output
+    assert "== resize-bucket" not in r.output and not (tmp_path / "store").exists()
+    assert notes.read_text() == "mine"
+
+
 def test_a_report_folder_left_by_an_interrupted_report_passes(tmp_path):
     """What either evaluate leaves when stopped before metrics.json (written last) is written over by the rerun:
     the one check of both (evaluate --all-checkpoints refused its own grid.png / index.html / temp files)."""

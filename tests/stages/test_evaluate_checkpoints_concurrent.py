@@ -406,3 +406,15 @@ def test_an_up_to_date_rerun_reads_no_checkpoint_and_a_rewritten_one_is_still_ca
                    skip_if_done=True)
     assert not rerun.up_to_date and rerun.evaluated == 3 and read[str(step10.resolve())] >= st.st_size
     assert "checkpoint step 10 holds other weights than the losses recorded" in capsys.readouterr().out
+
+
+def test_a_checkpoint_that_cannot_be_read_at_its_load_names_the_read_error_not_a_move(tmp_path):
+    """A checkpoint still there whose read fails at its load (a disk error, a permission) was told to be moved out
+    of the run, as one of another base model is; its check said "cannot read" already: one line for both now."""
+    from schemas.errors import UserError
+
+    path = tmp_path / "checkpoints" / "step-20" / "lora"
+    read = ev._unloadable(20, path, PermissionError(13, "Permission denied"))
+    assert str(read).startswith(f"checkpoint step 20: cannot read {path} (") and "move" not in str(read)
+    refused = ev._unloadable(20, path, UserError("saved [4, 8], model [4, 16]"))
+    assert f"or move {path.parent} out of the run's checkpoints/" in str(refused)

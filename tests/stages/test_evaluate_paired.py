@@ -15,7 +15,7 @@ from schemas.config import EvaluateConfig
 from stages.evaluate import checkpoints as ev
 from stages.evaluate.paired import signed
 from store.loss_array import GROUP
-from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
+from test_evaluate_checkpoints import CFG, _ckpts, _own_run, run_and_store  # noqa: F401 (the module fixture)
 
 
 def _per_sample(grid: np.ndarray) -> np.ndarray:
@@ -145,6 +145,40 @@ def test_every_checkpoint_within_noise_of_the_best_is_named_not_only_the_next_be
     assert page.count("≈ best") == 1 and f"{signed(per_step[0]['vs_best'])} ≈ best" in page
 
 
+def test_a_deleted_checkpoint_better_than_the_best_is_not_marked_as_within_noise(run_and_store, tiny_edit_model,
+                                                                                  tmp_path):
+    """Step 10, deleted since, was better than the best still on disk (-0.050 ± 0.0003): the table marked it
+    "≈ best" (the signed difference is below two standard errors). Only a step on disk within noise either way
+    (30) is marked, as the summary names only those; a deleted one within noise is no alternative either."""
+    import shutil
+
+    from stages.evaluate.checkpoint_report import make_grid, render_html
+
+    root, out = run_and_store, tmp_path / "report"
+    copies = _own_run(root, tmp_path)
+    ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, copies, out)
+    group = zarr.open_group(out / GROUP, mode="r+", use_consolidated=True)
+    base = np.asarray(group["base_loss"][:], dtype=np.float64)
+    row = {int(s): i for i, s in enumerate(group["step"][:])}
+    offsets = {10: -0.05 + np.array([0.001, -0.001, 0.0005, -0.0005, 0.0]),  # better, told apart
+               20: np.zeros(5),
+               30: 0.001 + np.array([-0.1, 0.1, -0.05, 0.05, 0.0])}  # worse on average, within noise
+    for step, off in offsets.items():
+        group["loss"][row[step]] = (base + off[:, None, None, None]).astype("float32")
+    shutil.rmtree(copies[0][1].parent)
+
+    res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, copies[1:], out)
+    per_step = res.metrics["checkpoints"]["per_step"]
+    assert res.best["step"] == 20 and per_step[0]["vs_best"]["difference"] == pytest.approx(-0.05, abs=1e-4)
+    assert res.best["within_noise"] == [{"step": 30, "weights": "lora"}]
+    page = (out / "index.html").read_text()
+    assert page.count("≈ best") == 1 and f"{signed(per_step[2]['vs_best'])} ≈ best" in page
+
+    metrics = json.loads((out / "metrics.json").read_text())
+    metrics["checkpoints"]["per_step"][0]["vs_best"] = {"difference": -0.0005, "standard_error": 0.001, "n": 5}
+    assert render_html(metrics, [], make_grid([])).count("≈ best") == 1  # deleted, within noise: not marked
+
+
 def test_vs_best_leaves_out_the_best_and_a_non_finite_step():
     from stages.evaluate.paired import vs_best, within_noise
 
@@ -154,3 +188,5 @@ def test_vs_best_leaves_out_the_best_and_a_non_finite_step():
     assert diffs[1] is None and diffs[2] is None
     assert diffs[0] == {"difference": 0.5, "standard_error": pytest.approx(1.0), "n": 2} and within_noise(diffs[0])
     assert not within_noise(None) and not within_noise({"difference": 0.0, "standard_error": None, "n": 1})
+    assert not within_noise({"difference": -0.05, "standard_error": 0.001, "n": 5})  # better by far: told apart
+    assert within_noise({"difference": -0.001, "standard_error": 0.001, "n": 5})
