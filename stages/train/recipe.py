@@ -65,6 +65,7 @@ from stages.train.launch import launched_world_size
 from stages.train.prefetch import MicroBatches
 from stages.train.result import TrainResult
 from stages.train.saving import checkpoint, cleanup, finish
+from stages.train.sampler import padded_tokens
 from stages.train.settings import (make_accelerator, resolved_config, run_backend, sigma_for_model, train_device,
                                    validate_config, zero_token_weights)
 from stages.train.start import check_same_start, open_tables, prepare_run_dir, resume_point, start_record
@@ -159,7 +160,7 @@ class Run:
         return self.run_dir / "checkpoints"
 
     @cached_property
-    def step_oom_advice(self) -> str:
+    def oom_advice(self) -> str:
         """`step_oom_advice` of the run's config, built once (every step names it to `fails_alone`)."""
         return step_oom_advice(self.cfg)
 
@@ -517,7 +518,7 @@ def _accumulate(r: Run, t0: float) -> tuple[list, float, int, torch.Tensor, int,
     damaged = 0  # train.on_damaged=skip: this rank's planned samples left out as damaged (stages/train/damaged.py)
     weightless = torch.zeros((), device=r.device)  # this rank's samples whose every token weighs 0
     micro, data_seconds = [], 0.0
-    with fails_alone(r.world, f"optimizer step {r.step + 1}", r.step_oom_advice):
+    with fails_alone(r.world, f"optimizer step {r.step + 1}", r.oom_advice):
         # the step's planned samples from the plan, not from its micro-batches: each is read, run and dropped in
         # turn, so one micro-batch's inputs sit on the device at a time, not grad_accum of them (and after an
         # elastic shrink not grad_accum x W0 / W planned batches', which the run was never sized for)
@@ -573,7 +574,7 @@ def log(r: Run, s: StepStats) -> None:
     curve. The trackers get them every N steps and at the run's last step (`log_point`)."""
     r.result.losses.append(s.loss)
     r.result.step_epochs.append(s.epoch)
-    r.step_tokens.append(tokens_of(s.batches, r.tables.lengths))
+    r.step_tokens.append(padded_tokens(s.batches, r.tables.lengths))
     del r.step_tokens[:-max(r.cfg.log_every, train_state.KEPT_LOSSES)]  # what a checkpoint keeps, at most
     _log_ended_epochs(r)
     if r.profiler is not None:
@@ -658,7 +659,7 @@ def backward_of(model, fb: FlowBatch, tc: TrainConfig, device: torch.device, sca
 def _count_epoch_tokens(r: Run, m) -> None:
     """Valid / computed tokens of micro-batch `m`'s epoch (all ranks' micro-batches as they run,
     `MicroBatches.as_run`, from the sampler's lengths), reported when it ends."""
-    valid, computed = tokens_of(r.batches.as_run(m.global_batch), r.tables.lengths)
+    valid, computed = padded_tokens(r.batches.as_run(m.global_batch), r.tables.lengths)
     r.epoch_tokens[0] += valid
     r.epoch_tokens[1] += computed
     if not m.ends_epoch:
@@ -679,12 +680,6 @@ def _log_ended_epochs(r: Run) -> None:
         return
     r.writer.add_scalar("epoch/padding_efficiency", r.ended_tokens[0] / r.ended_tokens[1], r.step)
     r.ended_tokens = [0, 0]
-
-
-def tokens_of(batches: list[list[int]], lengths) -> tuple[int, int]:
-    """(valid, computed) tokens of `batches`, each padded to its longest (an empty one, a stand-in's: none)."""
-    return (sum(int(lengths[i]) for b in batches for i in b),
-            sum(max(int(lengths[i]) for i in b) * len(b) for b in batches if b))
 
 
 def step_sample_losses(r: Run, micro: list, mine: list[tuple[list[int], torch.Tensor]]) -> dict[str, float]:

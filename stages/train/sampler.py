@@ -84,20 +84,23 @@ class LengthAwareBatchSampler:
         return EpochPlan(np.concatenate([grid.reshape(-1), tail]), sizes, self.world_size)
 
 
-def padding_efficiency(batches: list[list[int]], lengths: list[int]) -> tuple[float, float]:
-    """(valid / computed tokens, the same weighted by sequence length²), each batch padded to its longest."""
-    valid = computed = valid_sq = computed_sq = 0
+def padded_tokens(batches: list[list[int]], lengths) -> tuple[int, int]:
+    """(valid, computed) tokens of `batches`, each padded to its longest (an empty one, a stand-in's: none)."""
+    valid = computed = 0
     for batch in batches:
-        if not batch:
-            continue
-        ls = [lengths[i] for i in batch]
-        longest = max(ls)
-        valid += sum(ls)
-        computed += longest * len(ls)
-        valid_sq += sum(n * n for n in ls)
-        computed_sq += longest * longest * len(ls)
+        if batch:
+            ls = [int(lengths[i]) for i in batch]
+            valid += sum(ls)
+            computed += max(ls) * len(ls)
+    return valid, computed
+
+
+def padding_efficiency(batches: list[list[int]], lengths) -> tuple[float, float]:
+    """(valid / computed tokens, the same weighted by sequence length²), each batch padded to its longest."""
+    valid, computed = padded_tokens(batches, lengths)
     if computed == 0:
         return 1.0, 1.0
+    valid_sq, computed_sq = padded_tokens(batches, {i: int(lengths[i]) ** 2 for b in batches for i in b})
     return valid / computed, valid_sq / computed_sq
 
 
