@@ -686,8 +686,9 @@ def test_a_server_gone_before_a_url_files_tag_is_asked_again_is_named_not_taken_
     monkeypatch.setattr(parquet_source._RowGroups, "confirm", server_stopped_then_confirm)
     with pytest.raises(UserError) as stopped:  # a lowered pixel limit: each row's header read from its row group
         stage.run(load_config(None, {**SMALL, "resize.max_image_pixels": 64 * 64 - 1}), source, out)
-    assert re.search(r"part-0\.parquet: its server could not be reached .*check the network and that the server "
-                     r"runs", str(stopped.value)) and "was put again" not in str(stopped.value), stopped.value
+    assert re.search(rf"the server of {re.escape(source)} could not be reached \(ClientConnectorError: .*check the "
+                     r"network and that the server runs", str(stopped.value)) and "was put again" not in \
+        str(stopped.value), stopped.value
 
 
 @pytest.mark.parametrize("fault, said", [
