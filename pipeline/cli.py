@@ -12,10 +12,22 @@ import sys
 # stops with the usual line, 143 or 130; a process that imports this module for `app` (a test) keeps its own
 # handling. (Before this line runs, Python's own start - ~50 ms - is beyond any handler of ours.)
 _early_signals: list[int] = []
+
+
+def _hold(signum, frame) -> None:
+    # Held, but a second Ctrl-C ends the process here: an import that hangs (a stalled network filesystem) never
+    # reaches main(). os._exit and a raw write: nothing ran yet to unwind, and a raise could be swallowed by (or a
+    # print collide with) the import's code under way.
+    if signum == signal.SIGINT and signal.SIGINT in _early_signals:
+        os.write(2, b"stopped by SIGINT (Ctrl-C) while the command was starting: nothing was done\n")
+        os._exit(128 + signum)
+    _early_signals.append(signum)
+
+
 if (__name__ == "__main__" or os.path.basename(sys.argv[0]).removesuffix(".exe") == "pipeline"
         or getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None) == "pipeline.__main__"):
     for _held in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(_held, lambda signum, frame: _early_signals.append(signum))
+        signal.signal(_held, _hold)
 
 import typer
 

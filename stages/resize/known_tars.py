@@ -123,28 +123,18 @@ class KnownTars:
             return None
 
     def still(self, url: str, sha: str) -> bool:
-        """Is the file at a URL still the one judged as `sha` (its size and tag asked again: one request)? Asked
-        after a tar's samples or a parquet file's rows were read by offsets (picture_heads.TarIndex.confirm,
-        parquet_source._RowGroups.confirm; a parquet file read the first time, parquet_source.iter_parquet): False,
-        the run stops (picture_heads.refuse_put_again). Its ETag asked is `match`'s from then on. A server that
-        cannot be reached, or that answers with an error (403 from a signed URL that expired, S3's refusal of
-        expired credentials, a 5xx), says nothing of a put again: the run stops with a line saying what it is
-        (before: "put again, rerun", where the network, the server or the access is what to check)."""
-        from stages.resize.shards import remote_tag
-        from store.remote import unreachable
+        """Is the file at a URL still the one judged as `sha` (its size and tag asked again: one request)? False
+        stops the run (picture_heads.refuse_put_again); an unreachable or refusing server is the store's line, as
+        it says nothing of a put again. Its ETag asked is `match`'s from then on."""
+        from stages.resize.shards import remote_source_errors
 
         try:
-            asked = remote_tag(url, client_errors=True)
-        except UserError:  # no client for the scheme: its own line
+            with remote_source_errors(url):
+                asked = _tag_unless_gone(url)
+        except UserError:
             raise
-        except Exception as e:  # noqa: BLE001  the client's own types: aiohttp's, botocore's, fsspec's
-            if (lost := unreachable(e)) is not None:
-                raise UserError(f"{url}: its server could not be reached to ask whether the file changed while this "
-                                f"run read it ({type(lost).__name__}: {str(lost).partition(chr(10))[0]}); check the "
-                                "network and that the server runs, then rerun") from None
-            if (line := _answered(url, e)) is not None:
-                raise line from None
-            asked = None  # gone, or an error no line names: not the file judged
+        except Exception:  # noqa: BLE001  an error no line names: not the file judged (never a traceback)
+            asked = None
         self._urls[url], self._etags[url] = _identity_of(url, asked)
         return self._urls[url] == sha
 
@@ -244,22 +234,18 @@ def _remote_identity(url: str) -> tuple[str | None, str | None]:
     return _identity_of(url, asked)
 
 
-def _answered(url: str, e: Exception) -> UserError | None:
-    """The store's one line for a source URL's error (store/remote.remote_errors: a denial, expired credentials, an
-    HTTP error answer, the server's own error) asking a file's tag again; None for a file not found (gone: not the
-    file judged, as before) and for an error that line does not know (as before: never a traceback)."""
-    from stages.resize.shards import remote_source_errors
-    from store.remote import http_answer
+def _tag_unless_gone(url: str) -> RemoteTag | None:
+    """The size and tag of a file at a URL; None for one not found (gone: not the file judged). fsspec's http says
+    FileNotFoundError for an unreachable server and an error answer too: those go on to the store's line."""
+    from stages.resize.shards import remote_tag
+    from store.remote import http_answer, unreachable
 
-    if isinstance(e, FileNotFoundError) and http_answer(e) is None:
-        return None
     try:
-        with remote_source_errors(url):
-            raise e
-    except UserError as line:
-        return line
-    except Exception:  # noqa: BLE001  re-raised as it came: no line for it
-        return None
+        return remote_tag(url, client_errors=True)
+    except FileNotFoundError as e:
+        if unreachable(e) is None and http_answer(e) is None:
+            return None
+        raise
 
 
 def _identity_of(url: str, asked: RemoteTag | None) -> tuple[str | None, str | None]:

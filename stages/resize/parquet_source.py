@@ -18,7 +18,7 @@ the bytes its reader reads (hashed_parquet.py, first_read.py). A file at a URL i
 requests, as the object whose identity was asked (known_tars.KnownTars.still: the same sizes put again between two
 blocks read on into the new bytes, rows of neither object): its footer read again through them, each sending the
 ETag asked as If-Match over http(s) (412 for one put again; s3fs's file sends its own), its tag asked again after
-its last row; put again, the run stops with one line (rerun).
+its last row where no If-Match was sent (s3, a weak tag); put again, the run stops with one line (rerun).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def remote_parquet_files(url: str) -> list[str]:
 
 def _open(path: Any, **match: Any) -> Any:
     """What pyarrow reads: a local path as it is; a URL as a random-access file of fsspec (range requests, so
-    a footer or one row group's columns are fetched, never the whole object; `match`: picture_heads.if_match's)."""
+    a footer or one row group's columns are fetched, never the whole object; `match`: shards.if_match's)."""
     if not is_url(path):
         return path
     from stages.resize.shards import remote_fs
@@ -426,15 +426,16 @@ def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int, known: Any
             yield from _hashed_file(path, layouts, max_file_bytes, known, done)
             continue
         before = known.identity(str(path)) if known is not None else None
-        # at a URL read as the object its identity names (If-Match, its tag asked after its last row): its blocks
-        # are fetched one range after another, and one put again between them was read on into the new bytes
+        # at a URL read as the object its identity names (If-Match; without one, its tag asked after its last row):
+        # its blocks are fetched one range after another, and one put again between them was read on into new bytes
         still = partial(known.still, str(path), before) if before is not None and is_url(path) else None
+        match = known.match(str(path)) if still is not None else None  # a strong ETag as If-Match: 412 if put again
         yielded, failed = 0, False
-        for s in _file_samples(path, layouts, max_file_bytes, done=done, still=still,
-                               match=known.match(str(path)) if still is not None else None):
+        for s in _file_samples(path, layouts, max_file_bytes, done=done, still=still, match=match):
             yielded, failed = yielded + 1, failed or s.problem_kind == "read-error"
             yield s
-        _refuse_if_put_again(path, still, "row groups")
+        if not match:  # no If-Match sent (s3, a weak tag): only asking again says every row was that object's
+            _refuse_if_put_again(path, still, "row groups")
         # not changed while read, and read whole (a read error: not noted, so a rerun reads it again)
         if before is not None and not failed and (still is not None or known.identity(str(path), fresh=True) == before):
             known.note(str(path), before, yielded)
@@ -502,7 +503,7 @@ class _RowGroups:
     A file at a URL (`still`, `match`: known_tars.KnownTars's) is read by the offsets of the footer read when it was
     judged: its row groups' range reads send the judged object's strong ETag as If-Match over http(s) (a server
     answers 412 for one put again), and its tag is asked once more after its last row (`confirm`), as a carried
-    tar's is (and a file read the first time: `iter_parquet`)."""
+    tar's is (a file read the first time: only where no If-Match was sent, `iter_parquet`)."""
 
     def __init__(self, path: Path, lay: _Layout, max_file_bytes: int, still: Any = None,
                  match: dict[str, Any] | None = None) -> None:

@@ -334,3 +334,36 @@ def test_a_signal_while_the_cli_imports_stops_with_its_line_and_status(signal_na
     said = "SIGINT (Ctrl-C)" if signal_name == "SIGINT" else signal_name
     assert proc.stderr.strip().splitlines()[-1] == (f"stopped by {said}: what it committed is kept; rerun the same "
                                                     "command to continue from there"), proc.stderr[-2000:]
+
+
+# the `pipeline` entry point with an import that hangs (a stalled network filesystem) after two Ctrl-Cs have come
+HUNG_IMPORT = """
+import os, signal, sys, time
+from importlib.abc import MetaPathFinder
+
+
+class HangOnTyper(MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "typer":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(60)
+        return None
+
+
+sys.meta_path.insert(0, HangOnTyper())
+sys.argv[0] = "pipeline"
+from pipeline.cli import main
+main()
+"""
+
+
+def test_a_second_ctrl_c_while_the_cli_imports_stops_it_at_once(tmp_path):
+    """Before: every Ctrl-C during the imports was held for main(), so an import that hung could not be
+    interrupted (here the sleep ran its 60 s). Now the first is held, the second stops it: one line, 130."""
+    proc = subprocess.run([sys.executable, "-c", HUNG_IMPORT, "run", "all", "--config", str(tmp_path / "c.yaml")],
+                          env=ENV, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 130, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.strip().splitlines() == ["stopped by SIGINT (Ctrl-C) while the command was starting: nothing "
+                                                "was done"], proc.stderr[-2000:]

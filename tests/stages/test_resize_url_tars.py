@@ -640,6 +640,32 @@ def test_a_url_file_put_again_while_it_is_read_the_first_time_stops_the_run(serv
     assert _rows(Store(out)) == _rows(Store(fresh)) and _quarantine(Store(out)) == _quarantine(Store(fresh))
 
 
+def test_a_url_file_put_again_after_its_last_row_was_read_keeps_the_rows_read(served_root, tmp_path: Path,
+                                                                              monkeypatch) -> None:
+    """A parquet file at a URL read for the first time with its strong ETag as If-Match, put again once its last row
+    was read: every row came from the object judged (a read of another is refused, 412), yet its tag was asked
+    again and the run stopped ("put again ... rerun") with every row right. Now the run commits the old rows; the
+    rerun reads the new object whole."""
+    root, url, server = served_root
+    path = root / "part-0.parquet"
+    data = _captioned_parquet(path)
+    real, source, out = parquet_source._sample, f"{url}/part-0.parquet", tmp_path / "store"
+    stage.run(load_config(None, SMALL), source, tmp_path / "old")
+
+    def put_again_after_last_row(row, lay, at, no, *a):
+        if no == ROWS - 1 and path.read_bytes() == data:
+            before = path.stat()
+            path.write_bytes(data.replace(b"edit ", b"EDIT "))
+            os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))  # another ETag (size, mtime)
+        return real(row, lay, at, no, *a)
+    with monkeypatch.context() as m:
+        m.setattr(parquet_source, "_sample", put_again_after_last_row)
+        stage.run(load_config(None, SMALL), source, out)
+    assert server.refused == 0 and _rows(Store(out)) == _rows(Store(tmp_path / "old"))
+    stage.run(load_config(None, SMALL), source, out)
+    _same_as_fresh(tmp_path, out, source, {})
+
+
 def test_a_server_gone_before_a_url_files_tag_is_asked_again_is_named_not_taken_for_a_put_again(
         served_root, tmp_path: Path, monkeypatch) -> None:
     """A carried parquet file's row groups read by offsets, then its server stopped before its tag is asked again
@@ -660,8 +686,9 @@ def test_a_server_gone_before_a_url_files_tag_is_asked_again_is_named_not_taken_
     monkeypatch.setattr(parquet_source._RowGroups, "confirm", server_stopped_then_confirm)
     with pytest.raises(UserError) as stopped:  # a lowered pixel limit: each row's header read from its row group
         stage.run(load_config(None, {**SMALL, "resize.max_image_pixels": 64 * 64 - 1}), source, out)
-    assert re.search(r"part-0\.parquet: its server could not be reached .*check the network and that the server "
-                     r"runs", str(stopped.value)) and "was put again" not in str(stopped.value), stopped.value
+    assert re.search(rf"the server of {re.escape(source)} could not be reached \(ClientConnectorError: .*check the "
+                     r"network and that the server runs", str(stopped.value)) and "was put again" not in \
+        str(stopped.value), stopped.value
 
 
 @pytest.mark.parametrize("fault, said", [
