@@ -239,7 +239,7 @@ def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int] | No
     local store.json's tables, as push read them."""
     from store.gc import not_kept
 
-    garbage, damaged = not_kept(src, entries)  # (none while a local lease is damaged)
+    garbage, damaged = not_kept(src, entries)  # (empty while a local lease is damaged: each named in one line)
     for found in damaged:
         log.warning("%s: %s", src, damaged_lease_line(found, f"every complete version is pushed to {url}, those "
                                                              "this store's gc would remove too"))
