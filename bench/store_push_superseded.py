@@ -45,7 +45,7 @@ def push_into(src: Path, url: str, old_rule: bool):
     from store.remote_sync import push
 
     # the rule before: every complete version not switched away from (none is here), so every version
-    with mock.patch.object(gc, "not_kept", lambda *a, **k: set()) if old_rule else contextlib.nullcontext():
+    with mock.patch.object(gc, "not_kept", lambda *a, **k: (set(), [])) if old_rule else contextlib.nullcontext():
         t = time.perf_counter()
         summary = push(src, url)
         return summary, time.perf_counter() - t

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import fcntl
 import functools
-import logging
 import os
 import re
 import shutil
@@ -56,7 +55,6 @@ from store.manifest_files import checked_schema
 from store.version_notes import notes_of
 
 DELETING_SUFFIX = ".gc-deleting"
-log = logging.getLogger("store")
 
 
 @dataclass
@@ -81,16 +79,6 @@ class GcPlan:
     # complete versions past their table's current one and never current (kept) -> the current version (0: none):
     # a commit whose store.json switch failed; its rerun makes that version current (`find_version`)
     unswitched: dict[tuple[str, int], int] = field(default_factory=dict)
-
-
-def _kept(root: Path, current: dict[str, int] | list[tuple[str, int]],
-          unknown: dict[tuple[str, int], str] | None = None,
-          upstream_of: Callable[[str, int], list[tuple[str, int]] | None] | None = None,
-          every: list[tuple[str, int]] | None = None) -> set[tuple[str, int]]:
-    """`kept_closure` of `current` in the store at `root` (`upstream_of`: `_upstream_reader(root)`'s; `every`:
-    `_every_version(root)`, both shared by the calls of one plan: one per live lease, a reader per rank)."""
-    every = _every_version(root) if every is None else every
-    return kept_closure(current, upstream_of or _upstream_reader(root), every, unknown)
 
 
 def _every_version(root: Path) -> list[tuple[str, int]]:
@@ -160,10 +148,9 @@ def unswitched(tables: dict[str, dict], versions: list[tuple[str, int]]) -> dict
     return found
 
 
-def _complete_versions(root: Path) -> list[tuple[str, int]]:
-    """(table, version) of every complete version in the store at `root`."""
-    return [(t, v) for t in _tables(root) for v in fmt.list_versions(root, t)
-            if fmt.is_complete(fmt.version_dir(root, t, v))]
+def _complete_versions(root: Path, every: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Of `every` version of the store at `root` (`_every_version`), the complete ones."""
+    return [(t, v) for t, v in every if fmt.is_complete(fmt.version_dir(root, t, v))]
 
 
 def all_current(entries: dict[str, dict], complete: list[tuple[str, int]] | set[tuple[str, int]]) -> bool:
@@ -173,34 +160,25 @@ def all_current(entries: dict[str, dict], complete: list[tuple[str, int]] | set[
     return all(t in entries and v == int(entries[t]["current"]) for t, v in complete)
 
 
-def not_kept(root: Path, entries: dict[str, dict] | None = None, pushing_to: str | None = None
-             ) -> set[tuple[str, int]]:
-    """The complete versions of the store at `root` that gc would remove (`keep_rule`, as `plan` keeps): replaced by
-    a newer current one or switched away from (`was_current`), read under no live lease, and made nothing kept.
-    Push sends none of them (store/remote_sync.py): the URL's gc would remove them, and one is tens of GB at 1M
-    samples. `entries`: its store.json's tables, when the caller read them already. None while a live lease is
-    damaged (it may name any version: store/lease.py `live_versions`), said in one line when `pushing_to` (the
-    push's URL) is given; `store gc` stops instead (`Found.versions`)."""
+def not_kept(root: Path, entries: dict[str, dict] | None = None, found: list[leases.Found] | None = None
+             ) -> tuple[set[tuple[str, int]], list[leases.Found]]:
+    """(the complete versions of the store at `root` that gc would remove, its live damaged leases). Removed
+    (`keep_rule`, as `plan` keeps): replaced by a newer current one or switched away from (`was_current`), read under
+    no live lease, and made nothing kept. Push sends none of them (store/remote_sync.py): the URL's gc would remove
+    them, and one is tens of GB at 1M samples. `entries`: its store.json's tables, `found`: its leases
+    (`leases.leases`), when the caller read them already. While a live lease is damaged (it may name any version:
+    store/lease.py `live_versions`) no version is told removed (an empty set) and those leases are returned for the
+    caller to name in its own words (`leases.damaged_lease_line`); `store gc` stops instead (`Found.versions`)."""
     entries = fmt.read_store_record(root)["tables"] if entries is None else entries
-    complete = _complete_versions(root)
+    every = _every_version(root)
+    complete = _complete_versions(root, every)
     if all_current(entries, complete):  # the usual store: no read
-        return set()
-    found = leases.leases(root)
+        return set(), []
+    found = leases.leases(root) if found is None else found
     damaged = leases.live_versions(found)[1]
     if damaged:  # which versions it keeps cannot be told; leaving garbage out is optional: keep every one
-        if pushing_to is not None:
-            _say_pushed_for_damaged(root, pushing_to, damaged)
-        return set()
-    return set(complete) - keep_rule(root, entries, GcPlan(), complete, found)[0]
-
-
-def _say_pushed_for_damaged(root: Path, url: str, damaged: list[leases.Found]) -> None:
-    """One line: why a push sends the versions the local store's gc would remove too (`store gc STORE` stops)."""
-    named = "; ".join(f"read lease {f.path} is damaged ({f.why})" for f in damaged)
-    log.warning("%s: %s, so which versions its reader reads cannot be told; every complete version is pushed to %s, "
-                "those its gc would remove too (left out again once it is written again, within %.0f s while its "
-                "reader runs, or stale, %.0f min after its last refresh)", root, named, url, leases.REFRESH_SECONDS,
-                leases.STALE_SECONDS / 60)
+        return set(), damaged
+    return set(complete) - keep_rule(root, entries, GcPlan(), every, complete, found)[0], []
 
 
 def unswitched_lines(found: dict[tuple[str, int], int]) -> list[str]:
@@ -269,31 +247,29 @@ def _stale_records(root: Path, table_dir: Path) -> list[Path]:
             and not (table_dir / f"v{v}{fmt.SET_ASIDE_SUFFIX}").exists()]
 
 
-def keep_rule(root: Path, entries: dict[str, dict], out: GcPlan, complete: list[tuple[str, int]] | None = None,
-              found_leases: list[leases.Found] | None = None
+def keep_rule(root: Path, entries: dict[str, dict], out: GcPlan, every: list[tuple[str, int]],
+              complete: list[tuple[str, int]], found_leases: list[leases.Found]
               ) -> tuple[set[tuple[str, int]], dict[tuple[str, int], list[str]]]:
     """What gc keeps of the store at `root` (`entries`: its store.json's tables), once for `plan` and push
     (`not_kept`): each table's current version, its complete versions past it never current (`unswitched`), every
     version a live read lease names, and what these were made from (`kept_closure`). Fills `out`'s unswitched,
     unknown_upstream, leased and dead_leases; returns the kept versions and, per version a live lease names (there
-    or not), by whom. `complete`: `_complete_versions(root)`, when the caller listed them already; `found_leases`:
-    `leases.leases(root)`, as the caller read them. A live damaged lease stops it (`Found.versions`)."""
+    or not), by whom. `every`: `_every_version(root)` (listed once, not again for each live lease); `complete`:
+    `_complete_versions(root, every)` (a stat of each manifest, made once by the caller that needs them too);
+    `found_leases`: `leases.leases(root)`. A live damaged lease stops it (`Found.versions`)."""
     current = {t: int(e["current"]) for t, e in entries.items()}
-    every = _every_version(root)  # listed once, not again for each live lease
-    if complete is None:
-        complete = [(t, v) for t, v in every if fmt.is_complete(fmt.version_dir(root, t, v))]
     out.unswitched = unswitched(entries, complete)
     upstream_of = _upstream_reader(root)
-    keep = _kept(root, sorted(current.items()) + sorted(out.unswitched), out.unknown_upstream, upstream_of, every)
+    keep = kept_closure(sorted(current.items()) + sorted(out.unswitched), upstream_of, every, out.unknown_upstream)
     named_by: dict[tuple[str, int], list[str]] = {}  # every version a live lease names, existing or not
-    for found in leases.leases(root) if found_leases is None else found_leases:
+    for found in found_leases:
         if not found.live:
             out.dead_leases.append(found)
             continue
         for tv in found.versions():
             named_by.setdefault(tv, []).append(found.describe())
         named = [(t, v) for t, v in found.versions() if fmt.version_dir(root, t, v).is_dir()]
-        for tv in sorted(_kept(root, named, out.unknown_upstream, upstream_of, every) - keep):
+        for tv in sorted(kept_closure(named, upstream_of, every, out.unknown_upstream) - keep):
             out.leased.setdefault(tv, []).append(found.describe())
     return keep | set(out.leased), named_by
 
@@ -302,7 +278,8 @@ def plan(root: Path) -> GcPlan:
     entries = fmt.read_store_record(root)["tables"]
     current = {t: int(e["current"]) for t, e in entries.items()}
     out = GcPlan()
-    keep, named_by = keep_rule(root, entries, out)
+    every = _every_version(root)
+    keep, named_by = keep_rule(root, entries, out, every, _complete_versions(root, every), leases.leases(root))
     out.keep = sorted(keep)
     for table_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         out.leftovers += sorted(p for p in table_dir.iterdir() if p.name.endswith(DELETING_SUFFIX))

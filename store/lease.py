@@ -476,25 +476,32 @@ class Found:
 
     def versions(self) -> Iterable[tuple[str, int]]:
         """The versions it names. A live damaged lease names versions no one can tell: UserError (gc and repair's
-        retiring of a version stop before removing one its reader may be reading; the URL cache's eviction, a
-        whole-URL pull and a push ask only undamaged ones: `live_versions`)."""
+        retiring of a version stop there, before removing anything more; the URL cache's eviction, a whole-URL pull
+        and a push ask only undamaged ones: `live_versions`)."""
         if self.damaged and self.live:
-            raise UserError(f"read lease {self.path} is damaged ({self.why}): its reader may still run, and which "
-                            f"versions it reads cannot be told, so this stopped before removing any; rerun later (a "
-                            f"running reader writes its lease again within {REFRESH_SECONDS:.0f} s; one of a gone "
-                            f"reader counts as dead {STALE_SECONDS / 60:.0f} min after its last refresh), or remove "
-                            f"the file if its reader is known to be gone")
+            # "anything more": asked mid-way too (a URL's gc looks again before each version's DELETE; a stage
+            # sets the damaged version aside after its commit), where what went before stays removed
+            raise UserError(damaged_lease_line(self, "this stopped before removing anything more; rerun later, or "
+                                                     "remove the file if its reader is known to be gone"))
         for table, vs in (self.record.get("versions") or {}).items():
             for v in vs:
                 yield table, int(v)
+
+
+def damaged_lease_line(found: Found, consequence: str) -> str:
+    """The one line for a live damaged lease `found`: `consequence`, what the caller does about it (gc: "this
+    stopped before removing anything more"; push: "every complete version is pushed to URL"), and when that ends."""
+    return (f"read lease {found.path} is damaged ({found.why}): its reader may still run, and which versions it reads "
+            f"cannot be told, so {consequence} (a running reader writes its lease again within {REFRESH_SECONDS:.0f} "
+            f"s; one of a gone reader counts as dead {STALE_SECONDS / 60:.0f} min after its last refresh)")
 
 
 def live_versions(found: Iterable[Found]) -> tuple[set[tuple[str, int]], list[Found]]:
     """(the versions the live leases among `found` name, the live damaged ones). A damaged one names versions no one
     can tell: a caller whose removing is optional housekeeping (the URL cache's eviction, store/remote_cache.py; a
     whole-URL pull leaving out the URL's garbage, store/remote_gc.py `not_kept`; a push leaving out the store's,
-    store/gc.py `not_kept`) keeps every version of that store
-    while it is fresh, and says so, instead of stopping; `store gc`, asked for, stops (`Found.versions`)."""
+    store/gc.py `not_kept`) keeps every version of that store while it is fresh, and says so
+    (`damaged_lease_line`), instead of stopping; `store gc`, asked for, stops (`Found.versions`)."""
     leased: set[tuple[str, int]] = set()
     damaged: list[Found] = []
     for lease in found:

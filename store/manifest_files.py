@@ -190,11 +190,10 @@ def read_column(vdir: Path, data: bytes | pa.Buffer, name: str, dictionary: bool
     from store.arrow_columns import narrowed
 
     groups = ManifestGroups(data, vdir, dictionary=[name] if dictionary else None, record=record)
-    with groups.reading():
-        chunks = [narrowed(c, narrow) if narrow else c
-                  for group in groups.groups([name]) for c in group.column(0).chunks]
-        if not chunks:  # no row groups, or groups of no rows (an empty table's commit)
-            return groups.empty().column(name)
+    # each group's read is the manifest's (`groups`); the narrowing between them is this caller's own work
+    chunks = [narrowed(c, narrow) if narrow else c for group in groups.groups([name]) for c in group.column(0).chunks]
+    if not chunks:  # no row groups, or groups of no rows (an empty table's commit)
+        return groups.empty().column(name)
     if narrow:  # the types are tried narrowest first: a later one holds every earlier one's values
         rank = {t: i for i, t in enumerate(narrow)}
         wide = max((c.type for c in chunks), key=lambda t: rank.get(t, len(narrow)))
@@ -220,11 +219,11 @@ def checked_manifest(vdir: Path, columns: list[str] | None = None, record: bool 
     Memory-mapped, as a reader's: every rank opening training reads the `images` manifest (hundreds of MB at 1M
     samples), one copy in the page cache rather than a private one each. `record`: damage found (a checksum
     mismatch, a page that does not decode) recorded as a reader records it (`_checked_map`, `_reading`)."""
-    data = _checked_map(vdir, record)
+    groups = ManifestGroups(_checked_map(vdir, record), vdir, record=record)  # its footer parsed once
     if columns is not None:
-        names = set(ManifestGroups(data, vdir, record=record).names)
-        columns = [c for c in columns if c in names]
-    return read_manifest(vdir, data, columns, record=record)
+        columns = [c for c in columns if c in set(groups.names)]
+    with groups.reading():
+        return groups.file.read(columns=columns)
 
 
 def checked_groups(vdir: Path, columns: list[str], record: bool = False) -> Iterator[pa.Table]:

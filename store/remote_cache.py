@@ -261,16 +261,17 @@ def _candidates(cache: Path, keep: set[tuple[Path, str, int]],
     sends such a one, and the cached store's gc removes it."""
     from store.remote_shards import is_lazy, is_shard
 
-    # what the cached store's gc would remove, asked once per store and only of a version committed here: push
-    # never sends it (store/remote_sync.py), so kept as "not pushed yet" it was counted against the limit for ever
-    garbage = functools.lru_cache(maxsize=None)(_not_kept_here)
     total, out, unpushed = 0, [], []
     for root in sorted(p for p in cache.iterdir() if p.is_dir()):
         if not (root / fmt.STORE_JSON).is_file():
             total += _size(root)
             continue
-        leased, damaged = _live_leases(root)
+        live = _live_leases(root)
+        leased, damaged = leases.live_versions(live)
         _say_kept_for_damaged(root, damaged)
+        # what the cached store's gc would remove, asked once per store (its leases as read here) and only of a
+        # version committed here: push never sends it, so kept as "not pushed yet" it counted against the limit
+        garbage = functools.cache(functools.partial(_not_kept_here, root, live))
         total += sum(n for _, n, _ in _files(root)[0])
         for table_dir in sorted(p for p in root.iterdir() if p.is_dir()):
             if table_dir.name.startswith("."):
@@ -290,7 +291,7 @@ def _candidates(cache: Path, keep: set[tuple[Path, str, int]],
                 total += n
                 pinned = bool(damaged) or (root, table_dir.name, v) in keep or (table_dir.name, v) in leased
                 if not lazy:
-                    if fmt.is_complete(vdir) and (table_dir.name, v) in garbage(root):  # owed to no one
+                    if fmt.is_complete(vdir) and (table_dir.name, v) in garbage():  # owed to no one
                         if whole_versions and not pinned:
                             out.append((vdir.stat().st_mtime, n, vdir, True))
                     elif fmt.is_complete(vdir):  # never a writer's version in progress, never one not pushed
@@ -304,19 +305,21 @@ def _candidates(cache: Path, keep: set[tuple[Path, str, int]],
     return total, out, unpushed
 
 
-def _not_kept_here(root: Path) -> set[tuple[str, int]]:
+def _not_kept_here(root: Path, found: list[leases.Found]) -> set[tuple[str, int]]:
     """The complete versions of the cached store `root` that its gc would remove (store/gc.py `not_kept`) because a
     newer version of the same table that this cache committed and pushed itself replaced it (`_pushed_here`): the
     writer here moved on, and no push sends it. Not one a newer version of another writer replaced (an open made
     the URL's current here): never sent, it is the only copy of its work, which the rerun of its settings adopts
     (store.find_version) and pushes. Not one switched away from (`was_current`) either: an open sets the cache's
-    store.json to the URL's, which switches away from a version committed here and not pushed yet. None where this
-    cannot be told (a record of a newer release, damage): every version committed here is then kept, as before."""
+    store.json to the URL's, which switches away from a version committed here and not pushed yet. Empty where this
+    cannot be told (a record of a newer release, damage, a live damaged lease): every version committed here is
+    then kept. `found`: its live leases, as `_live_leases` read them."""
     from store.gc import not_kept
 
     try:
         entries = fmt.read_store_record(root)["tables"]
-        replaced = {(t, v) for t, v in not_kept(root, entries) if t in entries and v < int(entries[t]["current"])}
+        garbage = not_kept(root, entries, found)[0]  # (none while a lease is damaged: said by the caller)
+        replaced = {(t, v) for t, v in garbage if t in entries and v < int(entries[t]["current"])}
     except UserError:
         return set()
     pushed = {t: [u for u in fmt.list_versions(root, t) if _pushed_here(fmt.version_dir(root, t, u))]
@@ -335,15 +338,15 @@ def _pushed_here(vdir: Path) -> bool:
         return False
 
 
-def _live_leases(root: Path) -> tuple[set[tuple[str, int]], list[leases.Found]]:
-    """(the versions live read leases of the cached store `root` name, its live damaged leases); the files of dead
-    ones are removed here (judged as `store gc` judges them: one per killed reader piled up until a gc of the cache's
-    store). A damaged one names versions no one can tell (store/lease.py `live_versions`): the caller keeps every
-    version of `root` while it is fresh, never stops (eviction is housekeeping; `store gc`, asked for, stops)."""
+def _live_leases(root: Path) -> list[leases.Found]:
+    """The live read leases of the cached store `root`; the files of dead ones are removed here (judged as `store gc`
+    judges them: one per killed reader piled up until a gc of the cache's store). A damaged one names versions no
+    one can tell (store/lease.py `live_versions`): the caller keeps every version of `root` while it is fresh, never
+    stops (eviction is housekeeping; `store gc`, asked for, stops)."""
     found = leases.leases(root)
     for dead in (f for f in found if not f.live):
         dead.path.unlink(missing_ok=True)
-    return leases.live_versions(found)
+    return [f for f in found if f.live]
 
 
 _said_damaged: set[Path] = set()  # lease files named already by this process: a walk runs before many fetches
@@ -354,10 +357,7 @@ def _say_kept_for_damaged(root: Path, damaged: list[leases.Found]) -> None:
     for found in damaged:
         if found.path not in _said_damaged:
             _said_damaged.add(found.path)
-            log.warning("the store cache keeps every version of %s whole: its read lease %s is damaged (%s), so which "
-                        "versions its reader reads cannot be told; evicted again once it is written again (within "
-                        "%.0f s while its reader runs) or stale (%.0f min after its last refresh)", root, found.path,
-                        found.why, leases.REFRESH_SECONDS, leases.STALE_SECONDS / 60)
+            log.warning("%s", leases.damaged_lease_line(found, f"the store cache keeps every version of {root} whole"))
 
 
 def _remove_dead_fetches(root: Path) -> None:

@@ -41,7 +41,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store import remote_endpoint, remote_lease
 from store.gc import all_current, kept_closure, unknown_lines, unswitched, unswitched_lines
-from store.lease import REFRESH_SECONDS, STALE_SECONDS, Found, live_versions
+from store.lease import Found, live_versions
 from store.manifest_files import checked_schema
 from store.remote import CLOCK_DIR, Remote, open_remote, remote_errors
 from store.remote_local import UPLOAD_DIR
@@ -112,15 +112,13 @@ def _currents(entries: dict[str, dict] | None) -> dict[str, int] | None:
 
 def _entries(remote: Remote) -> dict[str, dict[str, Any]] | None:
     """store.json's table entries (`fmt.table_entry`); None without a store.json."""
-    from store.remote_sync import _parse_record
+    from store.remote_sync import _remote_record  # (remote_sync imports this module)
 
-    try:
-        return _parse_record(remote.read(fmt.STORE_JSON), remote.url)["tables"]
-    except FileNotFoundError:
-        return None
+    record = _remote_record(remote, None)
+    return None if record is None else record["tables"]
 
 
-def _once(remote: Remote) -> Callable[[str], bytes]:
+def read_once(remote: Remote) -> Callable[[str], bytes]:
     """`remote.read`, each object fetched once per plan: the closure, each live lease's and the strays' check
     read the same schema.json / checksums.json (a version's checksums.json can be megabytes)."""
     got: dict[str, bytes] = {}
@@ -190,8 +188,9 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
             # a clock probe of a command killed between its PUT and its DELETE, or the temp file of a killed
             # write to a file:// remote (store/remote_local.py); untouched for the grace period: not in use
             out.leftovers.append(rel)
-    read = _once(remote)
-    keep, found_leases = keep_rule(remote, versions, _entries(remote), listing, now, out, read)
+    read = read_once(remote)
+    found_leases = remote_lease.leases(remote, listing, now)  # one GET per lease object (a reader per rank)
+    keep = keep_rule(remote, versions, _entries(remote), out, read, found_leases)
     held = {tv for found in found_leases if found.live for tv in found.versions()}
     out.uploads = _stale_uploads(remote, now, grace_s, held)
     out.keep = sorted(tv for tv in keep if tv in versions)
@@ -217,14 +216,12 @@ def _versions(listing: dict[str, tuple[int, float]]) -> dict[tuple[str, int], Ve
 
 
 def keep_rule(remote: Remote, versions: dict[tuple[str, int], Version], entries: dict[str, dict] | None,
-              listing: dict[str, tuple[int, float]], now: float, out: RemoteGcPlan,
-              read: Callable[[str], bytes], found_leases: list[Found] | None = None
-              ) -> tuple[set[tuple[str, int]], list[Found]]:
+              out: RemoteGcPlan, read: Callable[[str], bytes], found_leases: list[Found]) -> set[tuple[str, int]]:
     """What gc keeps at the URL (store/gc.py `keep_rule`'s, once for `plan` and pull: `not_kept`): each table's
     current version (every complete one without a store.json), the complete ones past it never current, every
-    version a live lease names, and what these were made from. Fills `out`'s unswitched, was_current,
-    unknown_upstream, leased and dead_leases; returns the kept versions and the leases found (`found_leases`: as
-    the caller read them, else read here). A live damaged lease stops it (`Found.versions`)."""
+    version a live lease (of `found_leases`: `remote_lease.leases`) names, and what these were made from. Fills
+    `out`'s unswitched, was_current, unknown_upstream, leased and dead_leases. A live damaged lease stops it
+    (`Found.versions`)."""
     current = _currents(entries)
     roots = sorted(current.items()) if current is not None else [tv for tv, v in versions.items() if v.complete]
     if entries is not None:  # (without a store.json every complete version is a root already)
@@ -233,8 +230,6 @@ def keep_rule(remote: Remote, versions: dict[tuple[str, int], Version], entries:
         roots += sorted(out.unswitched)
     named: dict[tuple[str, int], list[tuple[str, int]] | None] = {}
     keep = _closure(remote, roots, versions, out.unknown_upstream, read, named)
-    if found_leases is None:
-        found_leases = remote_lease.leases(remote, listing, now)  # one GET per lease object (a reader per rank)
     for found in found_leases:
         if not found.live:
             out.dead_leases.append(found)
@@ -242,46 +237,36 @@ def keep_rule(remote: Remote, versions: dict[tuple[str, int], Version], entries:
         for tv in sorted(_closure(remote, list(found.versions()), versions, out.unknown_upstream, read, named)
                          - keep):
             out.leased.setdefault(tv, []).append(found.describe())
-    return keep | set(out.leased), found_leases
+    return keep | set(out.leased)
 
 
 def not_kept(remote: Remote, listing: dict[str, tuple[int, float]], entries: dict[str, dict] | None,
-             read: Callable[[str], bytes] | None = None) -> set[tuple[str, int]]:
-    """The complete versions at the URL that its gc would remove (`keep_rule`, as `plan` keeps): replaced by a newer
-    current one or switched away from, read under no live lease, and made nothing kept. A pull of the whole URL
-    copies none of them (store/remote_sync.py), as push sends none of a local store's (store/gc.py `not_kept`):
-    one is tens of GB at 1M samples. `entries`: the URL's store.json's tables, as the caller read them after
-    `listing` (None: no store.json, then none). Nothing is read where every complete version is current (the usual
-    store); none either where the server's clock cannot be read (credentials that may not write: leases not
-    judged), nor while a live lease is damaged (it may name any version: store/lease.py `live_versions`; said in
-    one line). `read`: `_once(remote)` shared with the caller (a pull copies the versions whose records it
-    read)."""
+             read: Callable[[str], bytes] | None = None) -> tuple[set[tuple[str, int]], list[Found]]:
+    """(the complete versions at the URL that its gc would remove, its live damaged leases). Removed (`keep_rule`,
+    as `plan` keeps): replaced by a newer current one or switched away from, read under no live lease, and made
+    nothing kept. A pull of the whole URL copies none of them (store/remote_sync.py), as push sends none of a local
+    store's (store/gc.py `not_kept`): one is tens of GB at 1M samples. `entries`: the URL's store.json's tables, as
+    the caller read them after `listing` (None: no store.json, then no version is removed). No version is told
+    removed (an empty set) where every complete version is current (the usual store: nothing read), where the
+    server's clock cannot be read (credentials that may not write: leases not judged, said here), or while a live
+    lease is damaged (it may name any version: store/lease.py `live_versions`): those leases are returned for the
+    caller to name in its own words (`damaged_lease_line`). `read`: `read_once(remote)` shared with the caller (a
+    pull copies the versions whose records it read)."""
     versions = _versions(listing)
     complete = {tv for tv, v in versions.items() if v.complete}
     if entries is None or all_current(entries, complete):
-        return set()
+        return set(), []
     try:
         now = remote.now()
     except PermissionError as e:
         log.warning("%s: the server's clock not read (%s); versions its gc would remove are pulled too",
                     remote.url, e)
-        return set()
+        return set(), []
     found = remote_lease.leases(remote, listing, now)
     damaged = live_versions(found)[1]
     if damaged:  # which versions it keeps cannot be told; leaving garbage out is optional: keep every one
-        _say_pulled_for_damaged(remote.url, damaged)
-        return set()
-    return complete - keep_rule(remote, versions, entries, listing, now, RemoteGcPlan(), read or _once(remote),
-                                found)[0]
-
-
-def _say_pulled_for_damaged(url: str, damaged: list[Found]) -> None:
-    """One line: why a whole-URL pull copies the versions the URL's gc would remove too (`store gc URL` stops)."""
-    named = "; ".join(f"read lease {f.path} is damaged ({f.why})" for f in damaged)
-    log.warning("%s: %s, so which versions its reader reads cannot be told; every complete version is pulled, "
-                "those its gc would remove too (left out again once it is written again, within "
-                "%.0f s while its reader runs, or stale, %.0f min after its last refresh)", url, named,
-                REFRESH_SECONDS, STALE_SECONDS / 60)
+        return set(), damaged
+    return complete - keep_rule(remote, versions, entries, RemoteGcPlan(), read or read_once(remote), found), []
 
 
 def _strays(remote: Remote, kept: list[Version], now: float, grace_s: float,

@@ -41,7 +41,7 @@ from store import integrity, remote_checked, remote_endpoint, remote_lease
 from store.checksum import SealError, crc_hex, seal, unseal
 from store.io_errors import is_not_writable
 from store.remote import Remote, SharedBar, each_at_once, lost_object, lost_version, open_remote, remote_errors
-from store.lease import process_tag
+from store.lease import damaged_lease_line, process_tag
 from store.remote_shards import is_cache_file, is_lazy
 from store.remote_upload import Mismatch
 
@@ -239,7 +239,10 @@ def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int] | No
     local store.json's tables, as push read them."""
     from store.gc import not_kept
 
-    garbage = not_kept(src, entries, pushing_to=url)  # (none while a local lease is damaged: said in one line)
+    garbage, damaged = not_kept(src, entries)  # (empty while a local lease is damaged: each named in one line)
+    for found in damaged:
+        log.warning("%s: %s", src, damaged_lease_line(found, f"every complete version is pushed to {url}, those "
+                                                             "this store's gc would remove too"))
     todo: list[_File] = []
     files_of: dict[str, list[_File]] = {}
     for table, version in versions:
@@ -550,7 +553,7 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
     working copy, which looks at every version there): those the URL's gc would remove are copied too. `record`:
     the URL's store.json as the caller read it already (store/remote_work.py), not fetched again (nor by the
     URL's `not_kept`)."""
-    from store.remote_gc import _once, not_kept
+    from store.remote_gc import not_kept, read_once
     from store.store import Store
 
     dst = Path(dst)
@@ -567,8 +570,11 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
         # those a pull names, `tables`' current ones, always are)
         # (`read`: each version's checksums.json the keep rule read - megabytes at 1M samples - not read again to
         # copy it; versions never change under their number, and each object copied is checked against it)
-        read = _once(remote)
-        garbage = not_kept(remote, times, rec["tables"], read) if whole else set()
+        read = read_once(remote)
+        garbage, damaged = not_kept(remote, times, rec["tables"], read) if whole else (set(), [])
+        for found in damaged:
+            log.warning("%s: %s", url, damaged_lease_line(found, "every complete version is pulled, those the "
+                                                                 "URL's gc would remove too"))
         _refuse_lost_current(remote, rec, tables, listing)
         store = Store(dst)
         versions = _versions_to_pull(listing, tables, wanted, dst, damaged_ok)
@@ -665,7 +671,7 @@ def _hold_pulling(remote: Remote, versions: list[tuple[str, int]], dst: Path) ->
 def _pull_versions(remote: Remote, dst: Path, versions: list[tuple[str, int]], summary: SyncSummary,
                    damaged_ok: bool, read: Callable[[str], bytes] | None = None) -> None:
     """Each version into `dst`: a copy there already is checked to be the same and refilled, the others fetched.
-    `read`: the URL's objects as the caller's keep rule read them already (store/remote_gc.py `_once`)."""
+    `read`: the URL's objects as the caller's keep rule read them already (store/remote_gc.py `read_once`)."""
     url = remote.url
     plan: list[tuple[str, int, bytes, list[_File]]] = []
     for table, version in versions:

@@ -47,15 +47,17 @@ def test_a_whole_url_pull_reads_store_json_once(store: Store, tmp_path: Path, mo
 def test_not_kept_lists_the_complete_versions_once(store: Store, monkeypatch) -> None:
     for i, tag in enumerate("ab"):  # v1 replaced by v2: the keep rule is asked
         fill(store, 3, tag=tag, start=10 * i)
-    listings, records = [], []
-    real_complete, real_record = gc._complete_versions, fmt.read_store_record
-    monkeypatch.setattr(gc, "_complete_versions", lambda root: listings.append(root) or real_complete(root))
+    listings, stats, records = [], [], []
+    real_every, real_complete, real_record = gc._every_version, gc._complete_versions, fmt.read_store_record
+    monkeypatch.setattr(gc, "_every_version", lambda root: listings.append(root) or real_every(root))
+    monkeypatch.setattr(gc, "_complete_versions", lambda root, every: stats.append(root) or real_complete(root, every))
     monkeypatch.setattr(fmt, "read_store_record", lambda root: records.append(root) or real_record(root))
-    assert gc.not_kept(store.root) == {("vae", 1)}
-    assert len(listings) == 1 and len(records) == 1, (listings, records)
+    assert gc.not_kept(store.root) == ({("vae", 1)}, [])
+    assert len(listings) == 1 and len(stats) == 1 and len(records) == 1, (listings, stats, records)
 
 
 def test_the_caches_look_for_replaced_versions_reads_store_json_once(store: Store, monkeypatch) -> None:
+    from store import lease
     from store.remote_cache import _not_kept_here
     from store.remote_shards import mark
 
@@ -65,7 +67,7 @@ def test_the_caches_look_for_replaced_versions_reads_store_json_once(store: Stor
     records = []
     real_record = fmt.read_store_record
     monkeypatch.setattr(fmt, "read_store_record", lambda root: records.append(root) or real_record(root))
-    assert _not_kept_here(store.root) == {("vae", 1)}
+    assert _not_kept_here(store.root, lease.leases(store.root)) == {("vae", 1)}
     assert len(records) == 1, records
 
 
@@ -107,12 +109,13 @@ def test_the_keep_rule_lists_the_versions_once_whatever_the_live_leases(store: S
     listings = []
     real_list = fmt.list_versions
     monkeypatch.setattr(fmt, "list_versions", lambda root, table: listings.append(table) or real_list(root, table))
-    assert gc.not_kept(store.root) == {("vae", 1)}
+    assert gc.not_kept(store.root) == ({("vae", 1)}, [])
     without_leases = len(listings)
+    assert without_leases == 1, listings  # one table: its folder listed once (twice before: complete, then every)
     readers = [lease.hold(store.root, {"vae": 1}, f"reader {rank}") for rank in range(3)]
     try:
         listings.clear()
-        assert gc.not_kept(store.root) == set()  # v1 read: kept
+        assert gc.not_kept(store.root) == (set(), [])  # v1 read: kept
         assert len(listings) == without_leases, listings
     finally:
         for held in readers:

@@ -43,7 +43,8 @@ def test_a_damaged_lease_of_a_live_reader_stops_gc_in_one_line_and_keeps_its_ver
         damaged = _damages(held.path.read_bytes(), os.getpid())[how]
         assert damaged != held.path.read_bytes()
         held.path.write_bytes(damaged)
-        with pytest.raises(UserError, match=r"read lease .* is damaged .*stopped before removing any; rerun") as e:
+        with pytest.raises(UserError, match=r"read lease .* is damaged .*stopped before removing anything more; "
+                                            r"rerun") as e:
             gc.collect(store.root, echo=lambda m: None)
         assert "\n" not in str(e.value)
         assert store.versions("vae") == [1, 2] and held.path.read_bytes() == damaged
@@ -196,9 +197,42 @@ def test_a_damaged_fresh_lease_object_at_a_url_pulls_every_version_and_its_gc_st
     said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
     assert len(said) == 1 and rel in said[0] and "\n" not in said[0], said
     assert Store(tmp_path / "copy", create=False).versions("vae") == [1, 2]
-    with pytest.raises(UserError, match=r"read lease .* is damaged .*stopped before removing any"):
+    with pytest.raises(UserError, match=r"read lease .* is damaged .*stopped before removing anything more"):
         remote_gc.collect(url, echo=lambda m: None)
     assert "vae/v1/manifest.parquet" in open_remote(url).listing_times()  # gc removed nothing
+
+
+def test_a_lease_damaged_while_a_urls_gc_removes_stops_it_in_words_that_stay_true(store: Store, tmp_path,
+                                                                                  monkeypatch) -> None:
+    """A URL's gc looks at the leases again before each version's DELETE: a lease object written damaged after the
+    first version went stops it there. Its line said "this stopped before removing any" with v1 removed already;
+    it says "anything more", and v2 is left whole."""
+    from store import remote_gc
+    from store.remote_sync import push
+    from store_samples import fill
+
+    url = (tmp_path / "remote").as_uri()
+    for i, tag in enumerate("abc"):  # v1 and v2 replaced by v3: the URL's gc removes both
+        fill(store, 3, tag=tag, start=10 * i)
+        push(store.root, url)
+    looks, real = [], remote_gc._still_doomed
+
+    def damaged_after_the_first(remote, v):
+        if looks:  # v1 is removed: a reader's lease object arrives damaged, written just now
+            held = remote_lease.hold(remote, [("vae", 3)], "a test reader")
+            obj = tmp_path / "remote" / held.rel
+            data = obj.read_bytes()
+            held.release()
+            obj.write_bytes(_flip_pid(data, os.getpid()))
+        looks.append(v.name)
+        return real(remote, v)
+
+    monkeypatch.setattr(remote_gc, "_still_doomed", damaged_after_the_first)
+    with pytest.raises(UserError, match=r"read lease .* is damaged .*stopped before removing anything more") as e:
+        remote_gc.collect(url, echo=lambda m: None)
+    assert "\n" not in str(e.value) and looks == ["vae/v1", "vae/v2"], looks
+    listed = open_remote(url).listing_times()
+    assert "vae/v1/manifest.parquet" not in listed and "vae/v2/manifest.parquet" in listed
 
 
 @pytest.mark.parametrize("scheme", ["file", "s3"])
@@ -223,6 +257,6 @@ def test_a_damaged_fresh_local_lease_pushes_every_version_and_gc_still_stops(sto
     assert len(said) == 1 and str(path) in said[0] and url in said[0] and "\n" not in said[0], said
     assert pull(url, tmp_path / "copy", every_version=True).copied == ["vae/v1", "vae/v2"]  # both there, whole
     assert Store(tmp_path / "copy", create=False).versions("vae") == [1, 2]
-    with pytest.raises(UserError, match=r"read lease .* is damaged .*stopped before removing any"):
+    with pytest.raises(UserError, match=r"read lease .* is damaged .*stopped before removing anything more"):
         gc.collect(store.root, echo=lambda m: None)
     assert store.versions("vae") == [1, 2] and path.exists()  # gc removed nothing
