@@ -286,6 +286,12 @@ def _in_thread(call: Callable[[], T]) -> tuple[threading.Thread, dict]:
     a hung one): run in the main thread, one C++ call blocked it for ever, where no Ctrl-C or SIGTERM ran its
     handler (only SIGKILL ended the rank). A thread left blocked there is a daemon (it never holds the exit)."""
     done: dict = {}
+    if sys.is_finalizing():  # no new thread at the interpreter's shutdown (3.12 refuses one): the call as it is
+        try:
+            done["value"] = call()
+        except BaseException as e:  # noqa: BLE001 - raised by `_outcome`
+            done["error"] = e
+        return threading.current_thread(), done
 
     def attempt() -> None:
         try:
@@ -299,14 +305,15 @@ def _in_thread(call: Callable[[], T]) -> tuple[threading.Thread, dict]:
 
 
 def _outcome(started: tuple[threading.Thread, dict], seconds: float, where: str):
-    """The outcome of `_in_thread`'s call, waited for at most `seconds` (a wait of Python's, which a signal
-    interrupts); `StoreSilent` past that."""
+    """The outcome of `_in_thread`'s call given `seconds` (the client's timeout), waited for a second more (a wait
+    of Python's, which a signal interrupts; where torch's own timeout applies, its error comes first); past that,
+    `StoreSilent`."""
     worker, done = started
-    worker.join(seconds)
-    if worker.is_alive():
+    if worker is not threading.current_thread():  # (run in place at shutdown: done already)
+        worker.join(seconds + 1.0)
+    if worker is not threading.current_thread() and worker.is_alive():
         # remembered: a Ctrl-C of a rank waiting for it does not wait for it again to publish its stop
-        _state["store_silent"] = (f"the launch's store at {where} accepts connections but did not answer within "
-                                  f"{seconds:.0f} s (its host is stopped or hung)")
+        _state["store_silent"] = _silent_line(where, seconds)
         raise StoreSilent(_state["store_silent"])
     _state.pop("store_silent", None)  # it answered (again)
     if "error" in done:
@@ -314,14 +321,26 @@ def _outcome(started: tuple[threading.Thread, dict], seconds: float, where: str)
     return done["value"]
 
 
-def _call(client, call: Callable[[object], T]) -> T:
-    """`call(client)`, one call through torch's store client, waited for at most the client's own timeout (10 s
-    when it has none; STORE_RETRY_SECONDS at most: the before-group store's is 30 minutes, its calls answer at
-    once): `StoreSilent` past that, where the call blocked for ever (`_in_thread`)."""
+def _silent_line(where: str, seconds: float) -> str:
+    return (f"the launch's store at {where} accepts connections but did not answer within {seconds:.0f} s (its host "
+            "is stopped, hung or unreachable)")
+
+
+def _bound(client) -> float:
+    """How long one call through `client` is waited for: its own timeout (10 s when it has none), STORE_RETRY_SECONDS
+    at most (the before-group store's is 30 minutes, its calls answer at once)."""
     held = getattr(client, "timeout", None)
-    seconds = min(held.total_seconds() if isinstance(held, timedelta) else 10.0, STORE_RETRY_SECONDS)
-    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    return _outcome(_in_thread(lambda: call(client)), seconds, where)
+    return min(held.total_seconds() if isinstance(held, timedelta) else 10.0, STORE_RETRY_SECONDS)
+
+
+def _call(client, call: Callable[[object], T]) -> T:
+    """`call(client)`, one call through torch's store client, waited for within `_bound`: `StoreSilent` past that,
+    where the call blocked for ever (`_in_thread`)."""
+    return _outcome(_in_thread(lambda: call(client)), _bound(client), _where())
+
+
+def _where() -> str:
+    return f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
 
 
 def _store_client(timeout: float = 10.0):
@@ -348,8 +367,7 @@ def _store_client(timeout: float = 10.0):
         except (OSError, RuntimeError) as e:  # refused (not up yet), no answer, a name not resolved yet; DistError
             if time.monotonic() + POLL_SECONDS > deadline:
                 if isinstance(e, StoreSilent):
-                    raise StoreSilent(f"the launch's store at {host}:{port} accepts connections but did not answer "
-                                      f"within {timeout:.0f} s (its host is stopped or hung)") from None
+                    raise StoreSilent(_silent_line(f"{host}:{port}", timeout)) from None
                 last = (str(e).splitlines() or [type(e).__name__])[0][:200]
                 raise TimeoutError(f"no store answered at {host}:{port} within {timeout:.0f} s, the last try: "
                                    f"{last}") from None
@@ -371,7 +389,7 @@ def _connect(host: str, port: int, seconds: float, pending: list):
         lambda: dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=seconds)))
     pending[:] = [started]
     try:
-        return _outcome(started, seconds + 1.0, f"{host}:{port}")
+        return _outcome(started, seconds, f"{host}:{port}")
     finally:
         if not started[0].is_alive():
             pending.clear()
@@ -479,7 +497,7 @@ def _count_exit(client, world: int) -> None:
     store found gone (a client call prints that warning again) nor after a published failure, whose ranks all end
     once they know it (`_known_by_all`): a host waiting here would redraw its progress bar after its line. Nor
     while the store does not answer (`_reconnect`): the same warning, or a wait for a host that is gone."""
-    if not _state.get("store_done") and not _state.get("store_lost"):
+    if not _state.get("store_done") and not _state.get("store_lost") and not _state.get("store_silent"):
         _count_and_wait(client, _launch_key("exited"), world, wait=_hosts_store())
 
 
@@ -630,8 +648,12 @@ def _read(clients: list, read: Callable[[object], T]) -> T:
             raise dist.DistNetworkError("Connection closed by peer: the launch's store's process ended")
         try:
             return _call(clients[0], read)
-        except Exception:  # noqa: BLE001 - re-raised below when the store does not answer again
+        except Exception as e:  # noqa: BLE001 - re-raised below when the store does not answer again
+            bound = _bound(clients[0])
             if not _reconnect(clients, threading.Event()):
+                if not isinstance(e, StoreSilent) and _state.get("store_silent"):
+                    # its tries connected and got no answer: said so, whatever the first call raised (torch's timeout)
+                    raise StoreSilent(_silent_line(_where(), bound)) from None
                 raise
 
 
@@ -903,7 +925,7 @@ def _all_set(is_set: Callable[[str], bool], keys: list[str], deadline: float) ->
 def peer_failure() -> str | None:
     """The line another rank published, if any (for a main thread that met a collective error first: a peer's
     exit closes the gloo connections)."""
-    if not _state["watching"]:
+    if not _state["watching"] or _state.get("store_silent"):  # (found silent: not waited for again)
         return None
     try:
         client = _store_client()

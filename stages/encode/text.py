@@ -177,8 +177,9 @@ def check_start_idx(fmt: PromptFormat, tokenizer) -> None:
     """`start_idx` drops at most the template's own tokens before the first sample's own ones (its images or its
     instruction): past them it cuts every sample's prompt, and from its length on stores an empty [0, D] embedding.
     Before, `prompt_template_start_idx: 200` stored every sample's prompt_embeds empty, nothing said."""
-    first = min(i for i in (fmt.template.find("{}"), fmt.template.find("<|vision_start|>")) if i >= 0)
-    fixed = len(tokenizer(fmt.template[:first])["input_ids"])
+    # the template's text before the instruction, as formatted (a doubled brace is one: '{{}}' is text, not the slot)
+    prefix = fmt.template.format("\0").split("\0")[0].split("<|vision_start|>")[0]
+    fixed = len(tokenizer(prefix)["input_ids"])
     if fmt.start_idx > fixed:
         raise UserError(f"encode_text.prompt_template_start_idx is {fmt.start_idx}, past the {fixed} tokens of the "
                         "template before each sample's images and instruction: it would cut every sample's own "

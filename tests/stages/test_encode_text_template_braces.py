@@ -57,3 +57,16 @@ def test_a_start_idx_past_the_templates_own_tokens_is_refused_before_the_encoder
     with pytest.raises(UserError, match="prompt_template_start_idx is 65, past the 64 tokens of the template"):
         encode_text.run(load_config(None, {"encode_text.prompt_template_start_idx": 65}), edit_store, tiny_edit_model)
     assert "text" not in Store(edit_store).tables()
+
+
+def test_a_doubled_brace_before_the_instruction_counts_as_one_character_of_the_templates_own_tokens():
+    """The template's own tokens are those of its text before the instruction as formatted: a '{{}}' in its system
+    part is text. Before, its '{}' was taken for the instruction's slot, the prefix counted short, and a valid
+    start_idx refused (a character tokenizer here: one token per character)."""
+    template = _default("edit").replace("Describe", "Describe {{}} and")
+    chars = len(template.format("\0").split("\0")[0].split("<|vision_start|>")[0])
+    by_char = lambda text: {"input_ids": list(text)}  # noqa: E731
+    assert template.index("{{}}") < chars - 4
+    encode_text.check_start_idx(encode_text.prompt_format("edit", template, chars), by_char)  # its own: no refusal
+    with pytest.raises(UserError, match=f"past the {chars} tokens"):
+        encode_text.check_start_idx(encode_text.prompt_format("edit", template, chars + 1), by_char)
