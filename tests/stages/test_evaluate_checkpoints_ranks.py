@@ -123,7 +123,9 @@ def test_a_failing_rank_stops_both_with_its_line_and_the_rerun_resumes(fail_in, 
     assert rc0 != 0 and rc1 != 0, (rc0, rc1, err0[-2000:], err1[-2000:])
     # the failing rank's line, printed by a rank as it stops
     what = "compute" if fail_in == "loss" else "load"
-    assert f"error: rank 1 cannot {what} step 20 (injected)" in out0 + err0 + out1 + err1, (err0[-3000:], err1[-3000:])
+    named = "checkpoint step 20: " if fail_in == "load" else ""  # a load's refusal names its step and what to do
+    assert f"error: {named}rank 1 cannot {what} step 20 (injected)" in out0 + err0 + out1 + err1, (err0[-3000:],
+                                                                                                   err1[-3000:])
     # newest first: step 30 committed before the failure at step 20, and kept
     assert list(xr.open_zarr(out / GROUP).step.values) == [30]
 

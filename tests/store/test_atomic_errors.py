@@ -37,7 +37,9 @@ def test_a_file_write_is_named_as_given(tmp_path):
 
 def test_the_cli_line_names_the_users_folder(tmp_path):
     (tmp_path / "file").write_text("not a folder")
+    # refused before anything is written, a mistake on the command line (exit 2: pipeline/commands/tools.py)
     res = CliRunner().invoke(app, ["make-demo-data", str(tmp_path / "file" / "data"), "--n", "2"])
-    assert res.exit_code == 1
-    assert f"error: {tmp_path / 'file' / 'data'} (or a folder on its path) is a file" in res.output, res.output
+    assert res.exit_code == 2
+    assert f"error: {tmp_path / 'file' / 'data'} lies under {tmp_path / 'file'}, which is a file" in res.output, \
+        res.output
     assert ".tmp-" not in res.output, res.output
