@@ -363,10 +363,10 @@ def table(rows: list[dict]) -> str:
 def prepare(work: Path, demo: Path | None) -> Path:
     if demo is None:
         demo = work / "demo"
-        subprocess.run([sys.executable, "-m", "pipeline.cli", "make-tiny-model", "--variant", "edit-plus", "--out",
-                        str(demo / "tiny-model")], env=env(), check=True)
-        subprocess.run([sys.executable, "-m", "pipeline.cli", "make-demo-data", "--out", str(demo / "data")],
-                       env=env(), check=True)
+        subprocess.run([sys.executable, "-m", "pipeline.cli", "make-tiny-model", str(demo / "tiny-model"),
+                        "--variant", "edit-plus"], env=env(), check=True)
+        subprocess.run([sys.executable, "-m", "pipeline.cli", "make-demo-data", str(demo / "data"), "--n", "24"],
+                       env=env(), check=True)  # the docstring's figures: 24 samples
     (work / "ref").mkdir(parents=True)
     write_config(work / "ref", demo)
     return demo

@@ -130,11 +130,11 @@ def main(n: int = 4) -> None:
 
 def _split_join(manifests: Path):
     """The synthetic join over the manifests saved at `manifests` (bench/content_ids.py), as an opened split is."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from content_ids import joined
+    sys.path.insert(0, str(ROOT / "tests" / "store"))
+    from store_samples import joined_over_manifests  # the storeless join bench/content_ids.py times too
 
-    j = joined({t: (manifests / f"{t}.parquet").read_bytes() for t in ("text", "vae")})
-    j._versions, j._prefix_contents, j.damaged = None, {}, {}
+    j = joined_over_manifests({t: (manifests / f"{t}.parquet").read_bytes() for t in ("text", "vae")})
+    j._versions, j.damaged = None, {}  # what JoinedTables.__init__ sets and the storeless join leaves out
     return j
 
 
