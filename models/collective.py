@@ -284,14 +284,10 @@ def _in_thread(call: Callable[[], T]) -> tuple[threading.Thread, dict]:
     dict ("value" or "error"), read by `_outcome`. torch's client ignores its timeout against a store whose host
     accepts connections but never answers (its kernel completes the handshake for a stopped process, SIGSTOP, or
     a hung one): run in the main thread, one C++ call blocked it for ever, where no Ctrl-C or SIGTERM ran its
-    handler (only SIGKILL ended the rank). A thread left blocked there is a daemon (it never holds the exit)."""
+    handler (only SIGKILL ended the rank). A thread left blocked there is a daemon (it never holds the exit). No
+    thread (None) where none can start - at the interpreter's shutdown, Python 3.12 refuses one even in an atexit
+    handler (the exit's count): the call runs in place, unbounded, as before these threads."""
     done: dict = {}
-    if sys.is_finalizing():  # no new thread at the interpreter's shutdown (3.12 refuses one): the call as it is
-        try:
-            done["value"] = call()
-        except BaseException as e:  # noqa: BLE001 - raised by `_outcome`
-            done["error"] = e
-        return threading.current_thread(), done
 
     def attempt() -> None:
         try:
@@ -300,18 +296,22 @@ def _in_thread(call: Callable[[], T]) -> tuple[threading.Thread, dict]:
             done["error"] = e
 
     worker = threading.Thread(target=attempt, name="store-call", daemon=True)
-    worker.start()
+    try:
+        worker.start()
+    except RuntimeError:  # "can't create new thread at interpreter shutdown"
+        attempt()
+        return None, done
     return worker, done
 
 
-def _outcome(started: tuple[threading.Thread, dict], seconds: float, where: str):
+def _outcome(started: tuple[threading.Thread | None, dict], seconds: float, where: str):
     """The outcome of `_in_thread`'s call given `seconds` (the client's timeout), waited for a second more (a wait
     of Python's, which a signal interrupts; where torch's own timeout applies, its error comes first); past that,
     `StoreSilent`."""
     worker, done = started
-    if worker is not threading.current_thread():  # (run in place at shutdown: done already)
+    if worker is not None:  # (None: run in place, done already)
         worker.join(seconds + 1.0)
-    if worker is not threading.current_thread() and worker.is_alive():
+    if worker is not None and worker.is_alive():
         # remembered: a Ctrl-C of a rank waiting for it does not wait for it again to publish its stop
         _state["store_silent"] = _silent_line(where, seconds)
         raise StoreSilent(_state["store_silent"])
@@ -327,7 +327,7 @@ def _silent_line(where: str, seconds: float) -> str:
 
 
 def _bound(client) -> float:
-    """How long one call through `client` is waited for: its own timeout (10 s when it has none), STORE_RETRY_SECONDS
+    """How long one call through `client` is given (`_outcome` waits a second more): its own timeout (10 s when it has none), STORE_RETRY_SECONDS
     at most (the before-group store's is 30 minutes, its calls answer at once)."""
     held = getattr(client, "timeout", None)
     return min(held.total_seconds() if isinstance(held, timedelta) else 10.0, STORE_RETRY_SECONDS)
@@ -391,7 +391,7 @@ def _connect(host: str, port: int, seconds: float, pending: list):
     try:
         return _outcome(started, seconds, f"{host}:{port}")
     finally:
-        if not started[0].is_alive():
+        if started[0] is None or not started[0].is_alive():
             pending.clear()
 
 

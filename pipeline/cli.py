@@ -15,11 +15,15 @@ _early_signals: list[int] = []
 
 
 def _hold(signum, frame) -> None:
-    # Held, but a second Ctrl-C ends the process here: an import that hangs (a stalled network filesystem) never
-    # reaches main(). os._exit and a raw write: nothing ran yet to unwind, and a raise could be swallowed by (or a
-    # print collide with) the import's code under way.
-    if signum == signal.SIGINT and signal.SIGINT in _early_signals:
-        os.write(2, b"stopped by SIGINT (Ctrl-C) while the command was starting: nothing was done\n")
+    # Held, but a second signal (a second Ctrl-C, a launcher's SIGTERM after it) ends the process here: an import
+    # that waits (interruptibly: a slow network filesystem) may never reach main(). os._exit and a raw write: nothing
+    # ran yet to unwind, and a raise could be swallowed by (or a print collide with) the import's code under way.
+    if _early_signals:
+        said = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
+        try:
+            os.write(2, f"stopped by {said} while the command was starting: nothing was done\n".encode())
+        except OSError:  # no stderr: the status says it
+            pass
         os._exit(128 + signum)
     _early_signals.append(signum)
 

@@ -221,7 +221,8 @@ def checked_manifest(vdir: Path, columns: list[str] | None = None, record: bool 
     mismatch, a page that does not decode) recorded as a reader records it (`_checked_map`, `_reading`)."""
     groups = ManifestGroups(_checked_map(vdir, record), vdir, record=record)  # its footer parsed once
     if columns is not None:
-        columns = [c for c in columns if c in set(groups.names)]
+        names = set(groups.names)
+        columns = [c for c in columns if c in names]
     with groups.reading():
         return groups.file.read(columns=columns)
 
@@ -231,7 +232,8 @@ def checked_groups(vdir: Path, columns: list[str], record: bool = False) -> Iter
     group's rows, not the whole columns (every rank's start reads the `images` keys and splits: ~45 MB of Arrow
     arrays at 1M samples, and their decode's scratch, for a few keys kept). `record`: as `checked_manifest`'s."""
     groups = ManifestGroups(_checked_map(vdir, record), vdir, record=record)
-    yield from groups.groups([c for c in columns if c in set(groups.names)])
+    names = set(groups.names)
+    yield from groups.groups([c for c in columns if c in names])
 
 
 def _checked_map(vdir: Path, record: bool) -> pa.Buffer:

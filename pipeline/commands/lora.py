@@ -80,7 +80,8 @@ def merge_lora(model: str, lora: Path, out: Path, scale: float = 1.0, dtype: str
     from store.format import atomic_dir, link_or_copy
 
     out = Path(out)
-    refuse_a_non_empty(out)
+    # (again: the base check's minutes ran since the command's; atomic_dir would replace a folder made meanwhile)
+    refuse_a_used_folder(out, "--out ", "pass a new folder")
     root = resolve_model(model)
     refuse_inside_model(out, root)
     transformer = fused_transformer(model, lora, scale, parse_dtype(dtype, device) if dtype else None, device)
@@ -93,16 +94,6 @@ def merge_lora(model: str, lora: Path, out: Path, scale: float = 1.0, dtype: str
             json.dumps({"base": str(model), "lora": str(lora_weight_file(lora)), "scale": scale}, indent=2) + "\n"
         )
     return out
-
-
-def refuse_a_non_empty(out: Path) -> None:
-    from schemas.errors import UserError
-    from schemas.temp_files import check_name_fits
-
-    out = Path(out)
-    check_name_fits(out, "--out")  # the fused model's folder is renamed to it last, after the fuse
-    if out.exists() and any(out.iterdir()):  # a file: NotADirectoryError, named by user_errors
-        raise UserError(f"output folder {out} exists and is not empty; pass a new folder")
 
 
 def refuse_inside_model(out: Path, root: Path) -> None:

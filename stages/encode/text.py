@@ -68,6 +68,7 @@ FIXES = Fixes(own=((1, lambda meta, row: has_alpha_picture(meta)),),
 COMPONENTS = ("text_encoder", "processor", "tokenizer")  # what the features depend on (per-sample reuse)
 # diffusers builds the Edit-Plus image prompt inline in `_get_qwen_prompt_embeds`; mirrored here, and recorded
 # in the lineage so a change of it means a new table version.
+VISION_START = "<|vision_start|>"
 PLUS_IMAGE_PROMPT = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 KINDS = ("prompt", "empty")  # the instruction, and "" for caption dropout, both with the sample's images
 # with encode_text.no_control_embeds: the instruction without the control images (train.control_dropout)
@@ -178,7 +179,7 @@ def check_start_idx(fmt: PromptFormat, tokenizer) -> None:
     instruction): past them it cuts every sample's prompt, and from its length on stores an empty [0, D] embedding.
     Before, `prompt_template_start_idx: 200` stored every sample's prompt_embeds empty, nothing said."""
     # the template's text before the instruction, as formatted (a doubled brace is one: '{{}}' is text, not the slot)
-    prefix = fmt.template.format("\0").split("\0")[0].split("<|vision_start|>")[0]
+    prefix = fmt.template.format("\0").split("\0")[0].split(VISION_START)[0]
     fixed = len(tokenizer(prefix)["input_ids"])
     if fmt.start_idx > fixed:
         raise UserError(f"encode_text.prompt_template_start_idx is {fmt.start_idx}, past the {fixed} tokens of the "

@@ -84,12 +84,13 @@ class LengthAwareBatchSampler:
         return EpochPlan(np.concatenate([grid.reshape(-1), tail]), sizes, self.world_size)
 
 
-def padded_tokens(batches: list[list[int]], lengths) -> tuple[int, int]:
-    """(valid, computed) tokens of `batches`, each padded to its longest (an empty one, a stand-in's: none)."""
+def padded_tokens(batches: list[list[int]], lengths, power: int = 1) -> tuple[int, int]:
+    """(valid, computed) tokens of `batches`, each padded to its longest (an empty one, a stand-in's: none); with
+    `power` 2, each sample's count squared (attention's cost)."""
     valid = computed = 0
     for batch in batches:
         if batch:
-            ls = [int(lengths[i]) for i in batch]
+            ls = [int(lengths[i]) ** power for i in batch]
             valid += sum(ls)
             computed += max(ls) * len(ls)
     return valid, computed
@@ -100,7 +101,7 @@ def padding_efficiency(batches: list[list[int]], lengths) -> tuple[float, float]
     valid, computed = padded_tokens(batches, lengths)
     if computed == 0:
         return 1.0, 1.0
-    valid_sq, computed_sq = padded_tokens(batches, {i: int(lengths[i]) ** 2 for b in batches for i in b})
+    valid_sq, computed_sq = padded_tokens(batches, lengths, power=2)
     return valid / computed, valid_sq / computed_sq
 
 

@@ -176,3 +176,32 @@ def _answered(bound: float) -> None:
     deadline = time.monotonic() + bound
     while any(t.name == "store-call" for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def test_a_store_call_where_no_thread_can_start_runs_in_place_and_is_tried_again(monkeypatch, own_collective):
+    """At the interpreter's shutdown (Python 3.12: an atexit handler too, the exit's count) no thread starts: the
+    call runs in place. A failed connect there is tried afresh by the next try (`_connect`'s `pending` kept the
+    first one's error for every later try before, so a store up a moment later was never reached)."""
+    import threading
+
+    collective = own_collective
+
+    def refused(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    assert collective._outcome(collective._in_thread(lambda: 5), 1.0, "h:p") == 5
+    tries, pending = [], []
+
+    def connect_once_refused(*a, **k):
+        tries.append(1)
+        if len(tries) == 1:
+            raise RuntimeError("not up yet")
+        return "client"
+
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "TCPStore", connect_once_refused)
+    with pytest.raises(RuntimeError, match="not up yet"):
+        collective._connect("127.0.0.1", 1, 1.0, pending)
+    assert collective._connect("127.0.0.1", 1, 1.0, pending) == "client" and len(tries) == 2

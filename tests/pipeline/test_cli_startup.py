@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 from enum import Enum
@@ -347,11 +348,12 @@ class HangOnTyper(MetaPathFinder):
         if name == "typer":
             sys.meta_path.remove(self)
             os.kill(os.getpid(), signal.SIGINT)
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), SECOND)
             time.sleep(60)
         return None
 
 
+SECOND = getattr(signal, sys.argv.pop(1))
 sys.meta_path.insert(0, HangOnTyper())
 sys.argv[0] = "pipeline"
 from pipeline.cli import main
@@ -359,11 +361,13 @@ main()
 """
 
 
-def test_a_second_ctrl_c_while_the_cli_imports_stops_it_at_once(tmp_path):
-    """Before: every Ctrl-C during the imports was held for main(), so an import that hung could not be
-    interrupted (here the sleep ran its 60 s). Now the first is held, the second stops it: one line, 130."""
-    proc = subprocess.run([sys.executable, "-c", HUNG_IMPORT, "run", "all", "--config", str(tmp_path / "c.yaml")],
-                          env=ENV, capture_output=True, text=True, timeout=30)
-    assert proc.returncode == 130, (proc.returncode, proc.stderr[-2000:])
-    assert proc.stderr.strip().splitlines() == ["stopped by SIGINT (Ctrl-C) while the command was starting: nothing "
-                                                "was done"], proc.stderr[-2000:]
+@pytest.mark.parametrize("second, said", [("SIGINT", "SIGINT (Ctrl-C)"), ("SIGTERM", "SIGTERM")])
+def test_a_second_signal_while_the_cli_imports_stops_it_at_once(tmp_path, second, said):
+    """Before: every Ctrl-C during the imports was held for main(), so an import that waited could not be
+    interrupted (here the sleep ran its 60 s). Now the first is held, a second (a Ctrl-C again, a launcher's
+    SIGTERM) stops it: one line, 128 + its number."""
+    proc = subprocess.run([sys.executable, "-c", HUNG_IMPORT, second, "run", "all", "--config",
+                           str(tmp_path / "c.yaml")], env=ENV, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 128 + getattr(signal, second), (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.strip().splitlines() == [f"stopped by {said} while the command was starting: nothing was "
+                                                "done"], proc.stderr[-2000:]

@@ -64,7 +64,8 @@ def test_a_doubled_brace_before_the_instruction_counts_as_one_character_of_the_t
     part is text. Before, its '{}' was taken for the instruction's slot, the prefix counted short, and a valid
     start_idx refused (a character tokenizer here: one token per character)."""
     template = _default("edit").replace("Describe", "Describe {{}} and")
-    chars = len(template.format("\0").split("\0")[0].split("<|vision_start|>")[0])
+    chars = 358  # the system prompt and the user turn's markers before the picture, '{{}}' written as '{}'
+    assert template.index("<|vision_start|>") - template.count("{{") - template.count("}}") == chars
     by_char = lambda text: {"input_ids": list(text)}  # noqa: E731
     assert template.index("{{}}") < chars - 4
     encode_text.check_start_idx(encode_text.prompt_format("edit", template, chars), by_char)  # its own: no refusal
