@@ -279,7 +279,7 @@ class StoreSilent(UserError, TimeoutError):
     an end, whatever its timeout. A one-line refusal where it ends a command (a rank waiting through the store)."""
 
 
-def _in_thread(call: Callable[[], T]) -> tuple[threading.Thread, dict]:
+def _in_thread(call: Callable[[], T]) -> tuple[threading.Thread | None, dict]:
     """`call()` (a connect or a call of torch's store client) started in a daemon thread; its outcome lands in the
     dict ("value" or "error"), read by `_outcome`. torch's client ignores its timeout against a store whose host
     accepts connections but never answers (its kernel completes the handshake for a stopped process, SIGSTOP, or
@@ -327,8 +327,8 @@ def _silent_line(where: str, seconds: float) -> str:
 
 
 def _bound(client) -> float:
-    """How long one call through `client` is given (`_outcome` waits a second more): its own timeout (10 s when it has none), STORE_RETRY_SECONDS
-    at most (the before-group store's is 30 minutes, its calls answer at once)."""
+    """How long one call through `client` is given (`_outcome` waits a second more): its own timeout (10 s when it
+    has none), STORE_RETRY_SECONDS at most (the before-group store's is 30 minutes, its calls answer at once)."""
     held = getattr(client, "timeout", None)
     return min(held.total_seconds() if isinstance(held, timedelta) else 10.0, STORE_RETRY_SECONDS)
 
