@@ -27,8 +27,7 @@ def lora_weight_file(lora: str | Path) -> Path:
             # a checkpoint the training pruned (train.keep_checkpoints) since a report named it
             kept = sorted((p.name for p in step.parent.iterdir() if p.name.startswith("step-")),
                           key=lambda n: int(n[5:]) if n[5:].isdigit() else -1)
-            raise UserError(f"no LoRA weights at {path}: {step} does not exist (removed: {KEEPS_NEWEST}; or "
-                            "moved); "
+            raise UserError(f"no LoRA weights at {path}: {step} does not exist (removed: {KEEPS_NEWEST}; or moved); "
                             f"{step.parent} holds {', '.join(kept) or 'no checkpoint'}")
         raise UserError(
             f"no LoRA weights at {path}: pass a folder written by `pipeline run train` (RUN/lora) "
