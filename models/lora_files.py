@@ -9,6 +9,8 @@ from schemas.errors import UserError
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' default LoRA file name
 EXPORT_FORMATS = ("comfyui",)  # `pipeline lora export --format` (models/lora_export.py writes them)
+#: why a checkpoint listed or named before is gone: one wording in every line that says so (here, evaluate)
+KEEPS_NEWEST = "the training keeps only its newest checkpoints (train.keep_checkpoints)"
 
 
 def lora_weight_file(lora: str | Path) -> Path:
@@ -25,8 +27,7 @@ def lora_weight_file(lora: str | Path) -> Path:
             # a checkpoint the training pruned (train.keep_checkpoints) since a report named it
             kept = sorted((p.name for p in step.parent.iterdir() if p.name.startswith("step-")),
                           key=lambda n: int(n[5:]) if n[5:].isdigit() else -1)
-            raise UserError(f"no LoRA weights at {path}: {step} does not exist (deleted by the training, which "
-                            "keeps only its newest checkpoints (train.keep_checkpoints), or moved); "
+            raise UserError(f"no LoRA weights at {path}: {step} does not exist (removed: {KEEPS_NEWEST}; or moved); "
                             f"{step.parent} holds {', '.join(kept) or 'no checkpoint'}")
         raise UserError(
             f"no LoRA weights at {path}: pass a folder written by `pipeline run train` (RUN/lora) "

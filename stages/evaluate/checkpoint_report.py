@@ -13,6 +13,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 from tqdm.auto import tqdm
 
+from models.lora_files import KEEPS_NEWEST
 from stages.evaluate.curves import Chart, Series, svg
 from stages.evaluate.report import (
     LABEL_H, TILE, _fit, _fmt, _img, _table, data_uri, mean_line, page, write_report_files,
@@ -281,8 +282,7 @@ def render_html(metrics: dict, rows: list[OutputsRow], grid: Image.Image) -> str
     for s, p, here, per in zip(c["steps"], c["paths"], on_disk, c["per_step"]):
         mark = (" ★ best (EMA)" if on_ema else " ★ best") if s == best["step"] else ""
         # a pruned checkpoint keeps its point on the curves; its path names no file any more
-        path = p if here else (f"{p} (removed: the training keeps only its newest checkpoints, "
-                               "train.keep_checkpoints; or the folder was moved)")
+        path = p if here else f"{p} (removed: {KEEPS_NEWEST}; or the folder was moved)"
         extra = [] if ema_at is None else [ema_at.get(s, "–")]
         table_rows.append([f"step {s}{mark}", path, per["overall"], *extra, *([_vs_best(per, here)] * paired_col),
                            per["inside"], per["outside"]])
@@ -342,6 +342,7 @@ def _vs_best(per: dict, on_disk: bool) -> str:
 
 def _sureness(best: dict, scored_ema: bool = False) -> str:
     """The best's paired differences (vs the base, the next best checkpoint ± standard error) as one line."""
+    from stages.evaluate.checkpoints import near_best_steps
     from stages.evaluate.ema_curve import label
     from stages.evaluate.paired import signed
 
@@ -352,7 +353,7 @@ def _sureness(best: dict, scored_ema: bool = False) -> str:
     if "runner_up" in best:
         r = best["runner_up"]
         text += f"; next best, step {r['step']}{label(r, scored_ema)}: {signed(r)}"
-    near = [f"step {p['step']}{label(p, scored_ema)}" for p in best.get("within_noise") or []]
+    near = near_best_steps(best, scored_ema)
     if near:  # every checkpoint still on disk within noise of the best, not only the next best
         text += f"; not told apart from it: {', '.join(near)}"
     return (f"{html.escape(text)} (paired over {v['n']} val samples, ± standard error; within about two standard "

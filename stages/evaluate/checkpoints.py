@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from models.attention import attention_record
 from models.held_out import bucket_of, has_two_regions, loss_grid, loss_summary
+from models.lora_files import KEEPS_NEWEST
 from schemas import up_to_date as current
 from schemas.config import EvaluateConfig
 from schemas.errors import UserError
@@ -479,8 +480,7 @@ class CheckpointsResult:
         else:
             head = (f"evaluated {self.evaluated} of {len(c['steps'])} checkpoints "
                     f"({len(c['steps']) - self.evaluated} already in {c['losses']}"
-                    + (f"; {len(self.pruned)} deleted by the training meanwhile (train.keep_checkpoints), skipped"
-                       if self.pruned else "")
+                    + (f"; {len(self.pruned)} deleted meanwhile, skipped: {KEEPS_NEWEST}" if self.pruned else "")
                     + ")")
         sure = ""
         if b.get("vs_base"):  # paired over val samples (reports written before these numbers have none)
@@ -499,10 +499,15 @@ class CheckpointsResult:
                 f"{self.report}{newer}")
 
 
+def near_best_steps(best: dict, scored_ema: bool) -> list[str]:
+    """['step 30', 'step 40 (EMA)']: the checkpoints still on disk within noise of the best (`within_noise`; none
+    in a report written before it)."""
+    return [f"step {p['step']}{ema_label(p, scored_ema)}" for p in best.get("within_noise") or []]
+
+
 def _near_best(best: dict, scored_ema: bool, most: int = 10) -> str:
-    """', not told apart from it (within 2 s.e.): step 30, step 40' (the first `most`), or '' (none, or a report
-    written before `within_noise`)."""
-    near = [f"step {p['step']}{ema_label(p, scored_ema)}" for p in best.get("within_noise") or []]
+    """', not told apart from it (within 2 s.e.): step 30, step 40' (the first `most`), or '' (none)."""
+    near = near_best_steps(best, scored_ema)
     if not near:
         return ""
     return (f", not told apart from it (within {NOISE_SE:g} s.e.): " + ", ".join(near[:most])
@@ -1014,14 +1019,13 @@ def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[
                 summary, held = _summary_held(losses, samples, cfg, fingerprint, on_disk, shas,
                                               pictured=cfg.num_samples > 0 or bool(cfg.extra_prompts), ema=ema)
                 if summary is None and not newer:  # `newer`: the same on every rank (`agreed_checkpoints`)
-                    raise UserError(f"no checkpoint recorded in {losses.path} is still on disk (deleted by the "
-                                    "training while evaluating: it keeps only its newest, train.keep_checkpoints; "
-                                    "and none newer written): rerun evaluate")
+                    raise UserError(f"no checkpoint recorded in {losses.path} is still on disk and none newer was "
+                                    f"written: they were deleted while evaluating, as {KEEPS_NEWEST}; rerun evaluate")
         if not ranks.from_main([int(summary is None)])[0]:  # none left: the newer ones are evaluated
             break
         if ranks.main:
-            tqdm.write(f"every checkpoint evaluated was deleted by the training meanwhile (it keeps only its newest, "
-                       f"train.keep_checkpoints): evaluating the {len(newer)} it wrote since, newest first")
+            tqdm.write(f"every checkpoint evaluated was deleted meanwhile, as {KEEPS_NEWEST}: evaluating the "
+                       f"{len(newer)} it wrote since, newest first")
         listed |= {step for step, _ in newer}
         checkpoints, new_shas = check_and_hash(newer, ranks)
         pruned += [step for step, _ in newer if step not in new_shas]
@@ -1477,8 +1481,7 @@ def _load_checkpoint(ranks, transformer, step: int, path: Path, sha: str, lora_s
 
 def _deleted_line(step: int, path) -> str:
     """What a checkpoint gone before its turn is told as, in the user's terms (it said "pruned")."""
-    return (f"checkpoint step {step} was deleted before it was evaluated ({path}): the training still running keeps "
-            "only its newest checkpoints (train.keep_checkpoints); skipped")
+    return f"checkpoint step {step} was deleted before it was evaluated ({path}): {KEEPS_NEWEST}; skipped"
 
 
 def _unloadable(step: int, path: Path, e: UserError | OSError) -> UserError:
@@ -1570,8 +1573,10 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
     loss = loss_summary({"base": base, "lora": all_grids[best_i]}, samples, *cfg.loss_axes, protocol)
     loss["nonfinite_samples"] = nonfinite  # left out of every number (evaluate.on_nonfinite=skip)
 
-    best = {**_best(points, all_grids, base, candidates, best_i), "weights": points[best_i].get("weights", "lora")}
-    best["within_noise"] = _note_vs_best(points, all_grids, candidates, best_i,
+    diffs = vs_best(all_grids, [p["loss"] for p in points], best_i)
+    best = {**_best(points, all_grids, base, candidates, best_i, diffs),
+            "weights": points[best_i].get("weights", "lora")}
+    best["within_noise"] = _note_vs_best(points, diffs, candidates,
                                          per_step["steps"] + (curve["section"]["per_step"] if curve else []))
     loss["lora_minus_base"] = best["vs_base"]
     metrics = {
@@ -1632,26 +1637,25 @@ def _ema_curve(ema: LossStore, kept, base: np.ndarray, samples, present: dict[in
     return {"points": points, "grids": grids, "alive": alive, "section": section}
 
 
-def _note_vs_best(points: list[dict], grids: np.ndarray, alive: list[int], best_i: int,
-                  per_step: list[dict]) -> list[dict]:
-    """Each step's `vs_best` (its loss minus the best's, paired over the val samples ± s.e.; `per_step[i]` is
-    `points[i]`'s numbers, the raw curve's then the EMA's) and the checkpoints still on disk within noise of the
-    best, [{step, weights}]. The runner-up alone did not say it: the next best by mean may be told apart
-    (+0.010 ± 0.001) while a later one (+0.020 ± 0.030) is not, and "best" was read as settled."""
-    diffs = vs_best(grids, [p["loss"] for p in points], best_i)
+def _note_vs_best(points: list[dict], diffs: list[dict | None], alive: list[int], per_step: list[dict]) -> list[dict]:
+    """Each step's `vs_best` (`diffs[i]`: its loss minus the best's, paired over the val samples ± s.e.;
+    `per_step[i]` is `points[i]`'s numbers, the raw curve's then the EMA's) and the checkpoints still on disk within
+    noise of the best, [{step, weights}]. The runner-up alone did not say it: the next best by mean may be told
+    apart (+0.010 ± 0.001) while a later one (+0.020 ± 0.030) is not, and "best" was read as settled."""
     for numbers, diff in zip(per_step, diffs):
         numbers["vs_best"] = diff
     return [{"step": points[i]["step"], "weights": points[i].get("weights", "lora")}
             for i in sorted(alive, key=lambda i: (points[i]["step"], i)) if within_noise(diffs[i])]
 
 
-def _best(points: list[dict], grids: np.ndarray, base: np.ndarray, alive: list[int], best_i: int) -> dict:
+def _best(points: list[dict], grids: np.ndarray, base: np.ndarray, alive: list[int], best_i: int,
+          diffs: list[dict | None]) -> dict:
     """The best checkpoint's point (`points[best_i]`: step, path, overall loss) and how sure "best" is: paired over
-    the val samples against the base (`vs_base`) and the next best checkpoint still on disk (`runner_up`)."""
+    the val samples against the base (`vs_base`) and the next best checkpoint still on disk (`runner_up`, its
+    `diffs` entry: `vs_best`, runner-up minus best)."""
     best = {**points[best_i], "vs_base": paired(per_sample(grids[best_i]), per_sample(base))}
     others = [i for i in alive if i != best_i and math.isfinite(points[i]["loss"])]
     if others:  # a tie: the earlier step, as for the best
         nxt = min(others, key=lambda i: (points[i]["loss"], points[i]["step"]))
-        best["runner_up"] = {**points[nxt], "weights": points[nxt].get("weights", "lora"),
-                             **paired(per_sample(grids[nxt]), per_sample(grids[best_i]))}
+        best["runner_up"] = {**points[nxt], "weights": points[nxt].get("weights", "lora"), **diffs[nxt]}
     return best

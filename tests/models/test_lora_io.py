@@ -197,8 +197,8 @@ def test_a_pruned_checkpoint_is_named_as_missing_with_the_kept_ones(tmp_path):
     for given in (ckpts / "step-10" / "lora", ckpts / "step-10"):
         with pytest.raises(UserError) as e:
             lora_weight_file(given)
-        assert f"{ckpts / 'step-10'} does not exist (deleted by the training, which keeps only its newest " \
-               "checkpoints (train.keep_checkpoints)" in str(e.value)  # it said "pruned by train.keep_checkpoints"
+        assert f"{ckpts / 'step-10'} does not exist (removed: the training keeps only its newest " \
+               "checkpoints (train.keep_checkpoints); or moved)" in str(e.value)  # it said "pruned by train.keep_checkpoints"
         assert str(e.value).endswith(f"{ckpts} holds step-30, step-40, step-100")
 
 

@@ -1138,7 +1138,7 @@ def test_a_checkpoint_removed_since_an_up_to_date_report_is_marked_removed(run_a
     c = json.loads((out / "metrics.json").read_text())["checkpoints"]
     assert c["steps"] == [10, 20, 30] and c["on_disk"] == [False, True, True]
     # says why, in the user's terms (it said "pruned by the training")
-    assert f"{copies[0][1]} (removed: the training keeps only its newest checkpoints, train.keep_checkpoints" \
+    assert f"{copies[0][1]} (removed: the training keeps only its newest checkpoints (train.keep_checkpoints); " \
         in (out / "index.html").read_text()
     assert ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, copies[1:], out,
                   skip_if_done=True).up_to_date

@@ -52,7 +52,7 @@ def test_a_checkpoint_pruned_while_evaluating_is_left_out_and_the_others_are_eva
     assert res.best["step"] == 30  # the zero LoRA (= the base) beats the far one; step 20 is gone
     err = "".join(capsys.readouterr())
     assert "checkpoint step 20 was deleted before it was evaluated" in err and "train.keep_checkpoints" in err
-    assert res.pruned == [20] and "1 deleted by the training meanwhile (train.keep_checkpoints), skipped" in str(res)
+    assert res.pruned == [20] and "1 deleted meanwhile, skipped: the training keeps only its newest" in str(res)
     # appended newest first (the ones a training prunes last); sorted, the steps evaluated
     assert list(xr.open_zarr(tmp_path / "r" / GROUP).sortby("step").step.values) == [10, 30]
 
@@ -290,8 +290,8 @@ def test_every_checkpoint_evaluated_pruned_meanwhile_evaluates_the_newer_ones(ru
     assert record["checkpoints"] == [10, 20, 30, 40, 50] and record["checkpoints_evaluated"] == 5
     assert record["best_step"] in (40, 50) and Path(record["best_checkpoint"]).is_dir()
     assert record["checkpoints_pruned"] == [] and record["checkpoints_newer"] == []
-    assert "every checkpoint evaluated was deleted by the training meanwhile (it keeps only its newest, " \
-           "train.keep_checkpoints): evaluating the 2" in res.output
+    assert "every checkpoint evaluated was deleted meanwhile, as the training keeps only its newest checkpoints " \
+           "(train.keep_checkpoints): evaluating the 2" in res.output
 
 
 @pytest.mark.parametrize("as_json", [True, False])
@@ -313,7 +313,8 @@ def test_a_checkpoint_pruned_before_its_turn_is_skipped_and_newer_ones_are_named
         assert record["checkpoints_pruned"] == [10] and record["checkpoints_newer"] == [40]
     else:
         assert "(0 already in" in res.output
-        assert "; 1 deleted by the training meanwhile (train.keep_checkpoints), skipped)" in res.output
+        assert "; 1 deleted meanwhile, skipped: the training keeps only its newest checkpoints " \
+               "(train.keep_checkpoints))" in res.output
         assert "; 1 newer checkpoint was written meanwhile (step 40): rerun to include it" in res.output
 
 
