@@ -321,6 +321,14 @@ def _outcome(started: tuple[threading.Thread | None, dict], seconds: float, wher
     return done["value"]
 
 
+def _again_timeout(timeout: float) -> float:
+    """The timeout of a new connection (`_store_client`) for a rank's later use of the store (a publish, a peer's
+    line, the exit's count): PROBE_SECONDS where a call found it silent (`store_silent`), `timeout` else. Such a
+    store is tried once more, briefly, not skipped: the flag is cleared only by a later call answered, and a stall
+    that had passed would have cost the rank its word to the others."""
+    return PROBE_SECONDS if _state.get("store_silent") else timeout
+
+
 def _silent_line(where: str, seconds: float) -> str:
     return (f"the launch's store at {where} accepts connections but did not answer within {seconds:.0f} s (its host "
             "is stopped, hung or unreachable)")
@@ -411,7 +419,7 @@ def watch_failures(world: int) -> None:
         # the watch thread tries again (`_watch`): given up here, this live rank counted no sign of life, and the
         # ranks waiting for it (`arrive_together`) named it as killed; a failure published by another went unseen
         client = None
-        _state["store_lost"] = True  # its exit does not count itself in a store it has not reached (`_count_exit`)
+        _state["store_lost"] = True  # its exit tries the store only briefly (`_count_exit`)
     stop = threading.Event()
     alive = _alive_key(int(os.environ.get("RANK", "0")))
     clients = [client]  # the watch thread's connection, replaced after a failed call (`_reconnect`)
@@ -495,10 +503,21 @@ def _count_exit(client, world: int) -> None:
     rank whose exit came later (a loaded node) had its watch thread poll a store already gone: torch's client
     printed a C++ warning and stack after the rank's last line (CI: rank 1 of an agreed refusal). Not after a
     store found gone (a client call prints that warning again) nor after a published failure, whose ranks all end
-    once they know it (`_known_by_all`): a host waiting here would redraw its progress bar after its line. Nor
-    while the store does not answer (`_reconnect`): the same warning, or a wait for a host that is gone."""
-    if not _state.get("store_done") and not _state.get("store_lost") and not _state.get("store_silent"):
-        _count_and_wait(client, _launch_key("exited"), world, wait=_hosts_store())
+    once they know it (`_known_by_all`): a host waiting here would redraw its progress bar after its line. Where
+    a call went unanswered or the store was being tried again (`store_silent`, `store_lost`: a stall at the watch
+    thread's last poll, its `_reconnect` cut short by this exit), one new connection given PROBE_SECONDS
+    (as `_again_timeout`), unless the store's host is gone (`store_host_gone`): a store that answers it counts this
+    rank. Skipped there, a rank the stall had passed was never counted, and the host waited for it its whole bound."""
+    if _state.get("store_done"):
+        return
+    if _state.get("store_lost") or _state.get("store_silent"):
+        if store_host_gone():
+            return
+        try:
+            client = _store_client(PROBE_SECONDS)
+        except Exception:  # noqa: BLE001 - silent or gone still: this rank is not counted
+            return
+    _count_and_wait(client, _launch_key("exited"), world, wait=_hosts_store())
 
 
 def _alive_key(rank: int) -> str:
@@ -633,13 +652,15 @@ def _reconnect(clients: list, stop: threading.Event) -> bool:
     return False
 
 
-def _read(clients: list, read: Callable[[object], T]) -> T:
+def _read(clients: list, read: Callable, each: bool = False) -> T:
     """`read(client)` through `clients[0]` for a main thread's long wait (`arrive_together`, `main_alone`: hours),
     tried again on a new connection after a failed call (`_reconnect`): one hiccup of the store ended the rank in a
     traceback, and the launch with it. Reads only, or writes that are the same when applied twice (a `set`, a
     compare-and-set): a call that failed may have been applied. A store gone: its failure, as before. Each call is
     bounded (`_call`): against a store whose host stopped answering (SIGSTOP, hung) it blocked for ever, a Ctrl-C
-    ignored; a store still silent after `_reconnect`'s tries ends the wait in one line (`StoreSilent`)."""
+    ignored; a store still silent after `_reconnect`'s tries ends the wait in one line (`StoreSilent`).
+    `each`: `read(call)` makes many calls (one or two per rank), each through `call(op)`, bounded on its own: one
+    bound for the whole batch ran out on a busy store of many ranks, and the batch was tried again for ever."""
     while True:
         if store_host_gone():
             import torch.distributed as dist
@@ -647,7 +668,7 @@ def _read(clients: list, read: Callable[[object], T]) -> T:
             # what the failed call would have raised (its one line: `lost_peer_line`), without torch's C++ warning
             raise dist.DistNetworkError("Connection closed by peer: the launch's store's process ended")
         try:
-            return _call(clients[0], read)
+            return read(lambda op: _call(clients[0], op)) if each else _call(clients[0], read)
         except Exception as e:  # noqa: BLE001 - re-raised below when the store does not answer again
             bound = _bound(clients[0])
             if not _reconnect(clients, threading.Event()):
@@ -799,17 +820,15 @@ def _write_failure(message: str, world: int, timeout: float = 10.0, watching_onl
     know whether any rank waits for it (one stopped before its own first exchange)."""
     _state["published"] = True
     try:
-        if _state.get("store_silent"):  # found silent already: not waited for again
-            raise StoreSilent(_state["store_silent"])
-        client = _store_client(timeout)
+        client = _store_client(_again_timeout(timeout))
         if client is None:
             return None
         key, clients = _failure_key(), [client]
         # tried again after a hiccup (`_read`; a compare-and-set writes once): unpublished, the line reached no rank,
         # which ended on another (a lost peer's) or, waiting in `arrive_together`, only after LOST_SECONDS
         line = _read(clients, lambda c: c.compare_set(key, "", message)).decode("utf-8", "replace")
-        _known_by_all(clients[0], key, world, _read(clients, lambda c: _watching_ranks(c, world)) if watching_only
-                      else None)
+        _known_by_all(clients[0], key, world, _read(clients, lambda call: _watching_ranks(call, world), each=True)
+                      if watching_only else None)
         return line
     except StoreSilent as e:  # said: a rank's exit held for ever there before, then nothing said why it took its time
         _untold_warning(str(e))
@@ -827,13 +846,13 @@ def _untold_warning(silent: str) -> None:
     sys.stderr.flush()
 
 
-def _watching_ranks(client, world: int) -> list[int]:
+def _watching_ranks(call: Callable, world: int) -> list[int]:
     """The other ranks whose watch thread has counted a sign of life (`_alive_key`): those that may wait for this
     one (a rank waiting at an exchange or an arrival watches from its first exchange on) and read a line it
     publishes within POLL_SECONDS. A rank with none is still starting: it reads the line at its first exchange, if
-    the store is still up, and no wait here would make it read sooner."""
+    the store is still up, and no wait here would make it read sooner. `call(op)`: one store call (`_read`)."""
     me = int(os.environ.get("RANK", "0"))
-    return [r for r in range(world) if r != me and client.add(_alive_key(r), 0) > 0]
+    return [r for r in range(world) if r != me and call(lambda c: c.add(_alive_key(r), 0)) > 0]
 
 
 def _known_by_all(client, key: str, world: int, ranks: list[int] | None = None) -> None:
@@ -925,10 +944,10 @@ def _all_set(is_set: Callable[[str], bool], keys: list[str], deadline: float) ->
 def peer_failure() -> str | None:
     """The line another rank published, if any (for a main thread that met a collective error first: a peer's
     exit closes the gloo connections)."""
-    if not _state["watching"] or _state.get("store_silent"):  # (found silent: not waited for again)
+    if not _state["watching"]:
         return None
     try:
-        client = _store_client()
+        client = _store_client(_again_timeout(10.0))
         if client is not None and _call(client, lambda c: c.check([_failure_key()])):
             line = _call(client, lambda c: c.get(_failure_key())).decode("utf-8", "replace")
             _known_by_all(client, _failure_key(), _state["world"])  # this rank ends on it
@@ -1227,13 +1246,14 @@ def arrive_together(world: int, what: str) -> None:
     while _read(clients, lambda c: c.add(key, 0)) < world:
         if time.monotonic() >= notice:
             notice += WAIT_NOTICE_SECONDS
-            line = _read(clients, lambda c: _wait_notice(c, key, world, rank, time.monotonic() - began, what))
+            line = _read(clients, lambda call: _wait_notice(call, key, world, rank, time.monotonic() - began, what),
+                         each=True)
             if line:
                 sys.stderr.write(line + "\n")
                 sys.stderr.flush()
         if time.monotonic() >= look:
             look = time.monotonic() + LIVENESS_SECONDS
-            lost = _read(clients, lambda c: _lost_ranks(c, key, world, seen))
+            lost = _read(clients, lambda call: _lost_ranks(call, key, world, seen), each=True)
             if lost:
                 from models.agreement import few
 
@@ -1245,11 +1265,12 @@ def arrive_together(world: int, what: str) -> None:
         time.sleep(POLL_SECONDS)
 
 
-def _wait_notice(client, key: str, world: int, rank: int, waited: float, what: str) -> str | None:
+def _wait_notice(call: Callable, key: str, world: int, rank: int, waited: float, what: str) -> str | None:
     """The line a long wait prints (every WAIT_NOTICE_SECONDS), by the lowest rank arrived only (one line, not one
     per rank): a rank alive but stuck (a hung network file system read) keeps counting signs of life, so the
-    others wait on without an end; the line says who they wait for, so a user sees it and can stop the job."""
-    arrived = [r for r in range(world) if client.check([f"{key}/{r}"])]
+    others wait on without an end; the line says who they wait for, so a user sees it and can stop the job.
+    `call(op)`: one store call (`_read`)."""
+    arrived = [r for r in range(world) if call(lambda c: c.check([f"{key}/{r}"]))]
     if not arrived or arrived[0] != rank:
         return None
     from models.agreement import few
@@ -1259,15 +1280,15 @@ def _wait_notice(client, key: str, world: int, rank: int, waited: float, what: s
             "still alive (working, or stuck: its node's logs say which)")
 
 
-def _lost_ranks(client, key: str, world: int, seen: dict[int, tuple[int, float]]) -> list[int]:
+def _lost_ranks(call: Callable, key: str, world: int, seen: dict[int, tuple[int, float]]) -> list[int]:
     """The ranks not arrived at `key` whose signs of life have not changed for LOST_SECONDS; a rank that never gave
     any (its watch thread not started yet, or unable to reach the store) only after BEFORE_GROUP_SECONDS: a rank
-    still starting is no lost one, but no wait is for ever."""
+    still starting is no lost one, but no wait is for ever. `call(op)`: one store call (`_read`)."""
     now, lost = time.monotonic(), []
     for r in range(world):
-        if client.check([f"{key}/{r}"]):
+        if call(lambda c: c.check([f"{key}/{r}"])):
             continue
-        beats = client.add(_alive_key(r), 0)
+        beats = call(lambda c: c.add(_alive_key(r), 0))
         if r not in seen or seen[r][0] != beats:
             seen[r] = (beats, now)
         elif now - seen[r][1] > (LOST_SECONDS if beats else BEFORE_GROUP_SECONDS):

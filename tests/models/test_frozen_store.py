@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -205,3 +206,85 @@ def test_a_store_call_where_no_thread_can_start_runs_in_place_and_is_tried_again
     with pytest.raises(RuntimeError, match="not up yet"):
         collective._connect("127.0.0.1", 1, 1.0, pending)
     assert collective._connect("127.0.0.1", 1, 1.0, pending) == "client" and len(tries) == 2
+
+
+class SlowStore:
+    """A live store's client whose every call takes `seconds` (a store busy with 512 ranks' polls), with a bound
+    (`timeout`) that one call keeps well within and a rank's batch of them does not."""
+
+    def __init__(self, seconds: float, bound: float) -> None:
+        self.seconds, self.timeout, self.values = seconds, timedelta(seconds=bound), {}
+
+    def _op(self):
+        time.sleep(self.seconds)
+
+    def set(self, key: str, value: str) -> None:
+        self._op()
+        self.values[key] = 1
+
+    def check(self, keys: list[str]) -> bool:
+        self._op()
+        return all(k in self.values for k in keys)
+
+    def add(self, key: str, n: int) -> int:
+        self._op()
+        self.values[key] = self.values.get(key, 0) + n
+        return self.values[key]
+
+
+def test_a_wait_of_many_ranks_on_a_busy_store_bounds_each_call_not_the_batch(monkeypatch, own_collective) -> None:
+    """`arrive_together` looks at every rank not arrived (`_lost_ranks`: two calls per rank; `_wait_notice`: one)
+    through a store whose calls take 2 ms each: 512 ranks' batch takes ~2 s, past a bound of 1 s. Bounded as a
+    whole, the batch ended in `StoreSilent`, a new connection (`_reconnect`) and the same batch again (for ever
+    where the store answers, each lap leaving a blocked thread and a connection); each call bounded on its own, the
+    wait ends when the last rank arrives."""
+    collective, world = own_collective, 512
+    store = SlowStore(0.002, 0.01)  # the bound: 0.01 s and `_outcome`'s second more
+    for name, value in {"RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    laps: list[int] = []
+
+    def reconnect(clients, stop) -> bool:
+        laps.append(1)
+        return len(laps) < 3  # a store that answers again, twice: then the wait ends (for ever before)
+
+    monkeypatch.setattr(collective, "watch_failures", lambda world: None)
+    monkeypatch.setattr(collective, "_store_client", lambda timeout=10.0: store)
+    monkeypatch.setattr(collective, "store_host_gone", lambda: False)
+    monkeypatch.setattr(collective, "_reconnect", reconnect)
+    monkeypatch.setattr(collective, "WAIT_NOTICE_SECONDS", 0.0)  # the notice's batch at the first look too
+    monkeypatch.setattr(collective, "POLL_SECONDS", 0.01)
+    counts = iter([1, world])  # rank 0 alone at the first look, all arrived at the next
+    add = store.add
+    monkeypatch.setattr(store, "add", lambda key, n: next(counts) if n == 0 and "/arrived/" in key else add(key, n))
+    began = time.monotonic()
+    collective.arrive_together(world, "checkpoint write")
+    assert laps == [], f"a batch was tried again {len(laps)} time(s) after {time.monotonic() - began:.1f} s"
+
+
+@pytest.mark.parametrize("store", ["answers", "silent"])
+def test_an_exit_after_a_stall_counts_itself_where_the_store_answers_again(monkeypatch, own_collective, store):
+    """The watch thread's last poll before the exit met a stall (`store_silent`), and its new connection was cut
+    short by the exit (`store_lost`). The exit's count (`_count_exit`) skipped such a store for good, though the
+    stall had passed: the store's host waited for this rank its whole bound. Now one short try: a store that
+    answers counts the rank; one still silent costs the try's bound (PROBE_SECONDS and a second), not more."""
+    from test_failure_lines import _as_rank_1
+
+    collective = own_collective
+    live = _as_rank_1(monkeypatch)
+    listener = _silent_store()
+    if store == "silent":
+        monkeypatch.setenv("MASTER_PORT", str(listener.getsockname()[1]))
+    collective._state.update(store_silent="a stall", store_lost=True)
+    began = time.monotonic()
+    try:
+        collective._count_exit(None, 2)
+        took = time.monotonic() - began
+    finally:
+        collective.forget_store_hosts()
+        listener.close()
+        _answered(BOUND)
+    if store == "answers":
+        assert live.check([f"{collective._launch_key('exited')}/1"]), "this rank's exit was not counted"
+    else:
+        assert took < collective.PROBE_SECONDS + 3, f"the exit waited {took:.1f} s for a silent store"
