@@ -131,8 +131,9 @@ def test_a_wait_through_a_store_whose_host_stopped_ends_in_one_line(monkeypatch,
         clients = [collective._store_client(2.0)]
         assert not _call_read(collective, clients, BOUND), "the store answered no call while it ran"
         host.send_signal(signal.SIGSTOP)
-        # the first failed call's own error, torch's timeout too, ends in the same line: the flaky outcome of a race
-        # between torch's timeout and our bound: torch's error, not this line, before)
+        _wait_stopped(host.pid, BOUND)  # (a stop lands when the host's threads are next scheduled: CI saw it answer)
+        # the first failed call's own error, torch's timeout too, ends in the same line (before, a race between
+        # torch's timeout and our bound could end in torch's error)
         outcome = _call_read(collective, clients, BOUND, None if read == "blocks" else _timed_out)
     finally:
         host.send_signal(signal.SIGCONT)
@@ -143,6 +144,23 @@ def test_a_wait_through_a_store_whose_host_stopped_ends_in_one_line(monkeypatch,
     assert isinstance(outcome, UserError) and "\n" not in str(outcome)
     assert str(outcome).startswith(f"the launch's store at 127.0.0.1:{port} accepts connections but did not answer "
                                    "within 2 s (its host is stopped, hung or unreachable)"), outcome
+
+
+def _wait_stopped(pid: int, bound: float) -> None:
+    """Until every thread of process `pid` is stopped (state T in /proc), at most `bound` seconds."""
+    deadline = time.monotonic() + bound
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rpartition(")")[2].split()[0])
+            except FileNotFoundError:  # a thread that ended
+                pass
+        if states and all(state in "tT" for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped within {bound:.0f} s: {states}"
+        time.sleep(0.01)
 
 
 def _port(proc: WarmProcess) -> int:
