@@ -286,7 +286,8 @@ def _in_thread(call: Callable[[], T]) -> tuple[threading.Thread | None, dict]:
     a hung one): run in the main thread, one C++ call blocked it for ever, where no Ctrl-C or SIGTERM ran its
     handler (only SIGKILL ended the rank). A thread left blocked there is a daemon (it never holds the exit). No
     thread (None) where none can start - at the interpreter's shutdown, Python 3.12 refuses one even in an atexit
-    handler (the exit's count): the call runs in place, unbounded, as before these threads."""
+    handler (the exit's count): the call runs in place, unbounded, as before these threads, unless the store was
+    found silent (then `StoreSilent` at once)."""
     done: dict = {}
 
     def attempt() -> None:
@@ -299,7 +300,10 @@ def _in_thread(call: Callable[[], T]) -> tuple[threading.Thread | None, dict]:
     try:
         worker.start()
     except RuntimeError:  # "can't create new thread at interpreter shutdown"
-        attempt()
+        if _state.get("store_silent"):  # unbounded in place: not against a store found silent (the exit's retry)
+            done["error"] = StoreSilent(_state["store_silent"])
+        else:
+            attempt()
         return None, done
     return worker, done
 
@@ -315,6 +319,8 @@ def _outcome(started: tuple[threading.Thread | None, dict], seconds: float, wher
         # remembered: a Ctrl-C of a rank waiting for it does not wait for it again to publish its stop
         _state["store_silent"] = _silent_line(where, seconds)
         raise StoreSilent(_state["store_silent"])
+    if isinstance(done.get("error"), StoreSilent):  # not asked (`_in_thread` at shutdown): silent still
+        raise done["error"]
     _state.pop("store_silent", None)  # it answered (again)
     if "error" in done:
         raise done["error"]

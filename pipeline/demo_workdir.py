@@ -35,9 +35,11 @@ def claim_workdir(workdir: Path) -> None:
 
 
 def refuse_other_folder(workdir: Path) -> None:
-    """A UserError when WORKDIR is a file, or a non-empty folder that is not a previous demo workdir."""
-    if workdir.exists() and not workdir.is_dir():
-        raise UserError(f"--workdir {workdir} is a file: pass a new or empty folder (e.g. demo-workdir)")
+    """A UserError when WORKDIR is a file or lies under one, or is a non-empty folder that is not a previous demo
+    workdir."""
+    from schemas.out_folder import refuse_a_file_on_the_path
+
+    refuse_a_file_on_the_path(workdir, "--workdir ")
     if workdir.is_dir() and any(workdir.iterdir()) and not _is_previous_demo(workdir):
         raise UserError(
             f"--workdir {workdir} is not empty and is not a previous demo workdir: the demo writes config.yaml, "

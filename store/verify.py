@@ -102,7 +102,8 @@ def verify_store(root: Path, progress: bool = True, objects: ObjectCheck | None 
                     raise
                 except Exception as e:  # noqa: BLE001 - verify reports, it never crashes
                     found = [f"{table}/v{v}: cannot be checked ({type(e).__name__}: {e})"]
-                found = [_one_line(p) for p in found]
+                # one printable line per problem: pyarrow's messages carry newlines and the damaged byte they met
+                found = [printable_line(p) for p in found]
                 problems += found
                 # Recorded in the store, so the stage that wrote the version recomputes its damaged samples on
                 # its next run instead of calling it up to date (temp files left by killed writes are not damage).
@@ -114,12 +115,6 @@ def verify_store(root: Path, progress: bool = True, objects: ObjectCheck | None 
     if (bad := quarantine.problem(root)) is not None:
         problems.append(f"{fmt.QUARANTINE}: {bad} (`store repair` sets it aside)")
     return problems
-
-
-def _one_line(problem: str) -> str:
-    """Library messages (pyarrow's parquet errors) carry newlines and the damaged byte they met (a control character,
-    which a terminal may act on); verify's contract is one printable line per problem."""
-    return printable_line(problem)
 
 
 def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]], shards: set[str],

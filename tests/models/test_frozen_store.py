@@ -210,6 +210,10 @@ def test_a_store_call_where_no_thread_can_start_runs_in_place_and_is_tried_again
 
     monkeypatch.setattr(threading.Thread, "start", refused)
     assert collective._outcome(collective._in_thread(lambda: 5), 1.0, "h:p") == 5
+    collective._state["store_silent"] = "silent"  # found silent: no unbounded call in place against it
+    with pytest.raises(collective.StoreSilent):
+        collective._outcome(collective._in_thread(lambda: pytest.fail("called in place")), 1.0, "h:p")
+    del collective._state["store_silent"]
     tries, pending = [], []
 
     def connect_once_refused(*a, **k):

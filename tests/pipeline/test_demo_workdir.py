@@ -26,6 +26,9 @@ def test_demo_refuses_a_folder_with_other_files(tmp_path):
     assert res.exit_code == 2 and f"--workdir {file} is a file: pass a new or empty folder" in res.output
     with pytest.raises(UserError, match="is a file"):
         claim_workdir(file)
+    # under a file: refused as a mistake on the command line too (it failed at mkdir, exit 1)
+    res = CliRunner().invoke(app, ["demo", "--workdir", str(file / "demo")])
+    assert res.exit_code == 2 and f"--workdir {file / 'demo'} lies under {file}, which is a file" in res.output
 
 
 def test_new_empty_and_previous_demo_workdirs_are_accepted(tmp_path):
