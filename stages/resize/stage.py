@@ -136,6 +136,9 @@ class ResizeSummary:
     unreadable: list[str] = field(default_factory=list)
     # val samples whose target and controls a train sample has too (the pair under another caption: `val_sharing`)
     val_sharing: int = 0
+    # samples whose target is one of their controls (the same bytes: `source_hashes`), and the first few sources
+    identity_edits: int = 0
+    identity_examples: list[str] = field(default_factory=list)
     split_by: str = ""  # the rule the version was split by (split_rule.py)
     # what the reader read that no setting named, and what it left unread (a parquet source: `_source_notes`)
     source_notes: list[str] = field(default_factory=list)
@@ -148,7 +151,8 @@ class ResizeSummary:
                               resumed=self.resumed, splits=dict(self.splits),
                               quarantined_by_reason=dict(self.quarantined), repaired_from=self.repaired_from,
                               newer_current=self.newer_current, source_before=self.source_before or None,
-                              val_sharing_train_images=self.val_sharing, split_by=self.split_by or None)
+                              val_sharing_train_images=self.val_sharing, identity_edits=self.identity_edits,
+                              split_by=self.split_by or None)
 
     def _val_sharing_line(self) -> str:
         # only under the key rule: the pictures rule puts every caption of a pair in one split
@@ -157,6 +161,11 @@ class ResizeSummary:
                 "and evaluate's best checkpoint favours memorising them; this store splits by key (its rule when "
                 "made); rerun with `--set resize.split_by=pictures` to split by the pictures alone (a new images "
                 "version: samples move between splits, the encoders carry their features; train and evaluate anew)")
+
+    def _identity_line(self) -> str:
+        return (f"{self.identity_edits} of {self.splits.total()} samples have a control identical to their target "
+                "(an identity edit: the LoRA learns to change nothing there), e.g. "
+                f"{', '.join(self.identity_examples)}; check the control column/folder")
 
     def __str__(self) -> str:
         if self.up_to_date and self.unreadable:
@@ -188,6 +197,7 @@ class ResizeSummary:
                    f"bytes are now at {self.source}: nothing re-rendered (v{self.version}, complete, is not "
                    f"rewritten: it names {self.source_before})" if self.source_before else "")
                 + (f"\n{self._val_sharing_line()}" if self.val_sharing else "")
+                + (f"\n{self._identity_line()}" if self.identity_edits else "")
                 + "".join(f"\n{n}" for n in self.source_notes)
                 + (f"\n{self.sizes}" if self.sizes else ""))
 
@@ -223,6 +233,8 @@ class ResizeSummary:
             lines.append("controls per sample: " + ", ".join(f"{n}: {c}" for n, c in sorted(self.controls.items()))
                          + ("; samples without a control train text-to-image (resize.min_controls: 1 quarantines "
                             "them)" if 0 in self.controls else ""))
+        if self.identity_edits:
+            lines.append(self._identity_line())
         if self.val_sharing:
             lines.append(self._val_sharing_line())
         lines += self.source_notes
@@ -367,7 +379,9 @@ def _committed_summary(st: Store, summary: ResizeSummary, rc: ResizeConfig, repa
     summary.seconds = time.perf_counter() - started
     if summary.resumed or summary.reused:  # the resumed and carried samples count too: the version, whole
         summary.splits, summary.controls, summary.buckets = version_counts(st, summary.version)
-    summary.val_sharing = val_sharing(_split_and_images(st, summary.version))
+    rows = _split_and_images(st, summary.version)
+    summary.val_sharing = val_sharing(rows)
+    summary.identity_edits, summary.identity_examples = identity_edits(st, summary.version, rows)
     summary.split_by = rc.split_by
     return summary
 
@@ -381,8 +395,9 @@ def _up_to_date_summary(st: Store, found: int, newer: Any, rc: ResizeConfig, sou
     before = recorded_source(st, found)
     rows = _split_and_images(st, found)
     splits = value_counts(rows.column("split"))
+    same, examples = identity_edits(st, found, rows)
     return ResizeSummary(version=found, up_to_date=True, reused=splits.total(), splits=splits,
-                         val_sharing=val_sharing(rows), split_by=rc.split_by, seconds=time.perf_counter() - started,
+                         val_sharing=val_sharing(rows), identity_edits=same, identity_examples=examples, split_by=rc.split_by, seconds=time.perf_counter() - started,
                          sizes=sizes_in_force(rc.model_dump()), store=str(st.root), newer_current=newer,
                          source=str(source), source_before=before if before not in ("", str(source)) else "",
                          source_notes=notes)
@@ -428,6 +443,29 @@ def val_sharing(manifest: Any) -> int:
     if not val.num_rows or not train.num_rows:
         return 0
     return int(pc.sum(sharing_pictures(val, train)).as_py() or 0)
+
+
+IDENTITY_EXAMPLES = 3
+
+
+def identity_edits(st: Store, version: int, rows: Any) -> tuple[int, list[str]]:
+    """(samples of the committed `version` one of whose controls is their target, the first few of their sources
+    by name) from `rows`, its `source_hashes` (`features.same_pictures.control_is_target`: no picture read again).
+    Counted from the version committed, carried and resumed rows too, so a rerun or a resumed run says the same;
+    the examples are the smallest names, not the first rows (row order follows the order rows were committed).
+    The `source` column is read only where there is something to name."""
+    import pyarrow.compute as pc
+
+    from features.same_pictures import control_is_target
+    from store.manifest_files import checked_manifest
+
+    same = control_is_target(rows)
+    n = int(same.sum())
+    if not n:
+        return 0, []
+    sources = checked_manifest(st.version_dir(TABLE, version), ["source"]).column("source").filter(pa.array(same))
+    first = pc.take(sources, pc.select_k_unstable(sources, k=IDENTITY_EXAMPLES, sort_keys=[("", "ascending")]))
+    return n, sorted(first.to_pylist())
 
 
 # ---------------------------------------------------------------- the steps of `run`
