@@ -397,7 +397,8 @@ def _up_to_date_summary(st: Store, found: int, newer: Any, rc: ResizeConfig, sou
     splits = value_counts(rows.column("split"))
     same, examples = identity_edits(st, found, rows)
     return ResizeSummary(version=found, up_to_date=True, reused=splits.total(), splits=splits,
-                         val_sharing=val_sharing(rows), identity_edits=same, identity_examples=examples, split_by=rc.split_by, seconds=time.perf_counter() - started,
+                         val_sharing=val_sharing(rows), identity_edits=same, identity_examples=examples,
+                         split_by=rc.split_by, seconds=time.perf_counter() - started,
                          sizes=sizes_in_force(rc.model_dump()), store=str(st.root), newer_current=newer,
                          source=str(source), source_before=before if before not in ("", str(source)) else "",
                          source_notes=notes)
