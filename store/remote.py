@@ -462,8 +462,7 @@ class Remote:
 
     @property
     def is_s3(self) -> bool:
-        protocol = self.fs.protocol
-        return bool({"s3", "s3a"} & set(protocol if isinstance(protocol, (tuple, list)) else [protocol]))
+        return bool({"s3", "s3a"} & set(remote_local.protocols(self.fs)))
 
     def listing(self, under: str = "", prefix: str = "") -> dict[str, int]:
         """{path relative to the store root: size} of every object under it, or under its folder `under` (one
@@ -691,10 +690,6 @@ def _precondition_failed(e: OSError) -> bool:
     return "precondition" in text.replace("-", "") or "412" in text
 
 
-def _protocols(fs: Any) -> tuple[str, ...]:
-    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-
-
 def open_remote(url: str, storage_options: dict[str, Any] | None = None) -> Remote:
     """The store folder at `url`; UserError when the scheme's library is missing."""
     try:
@@ -712,8 +707,9 @@ def open_remote(url: str, storage_options: dict[str, Any] | None = None) -> Remo
                         "s3:// install the s3 extra: pip install 'qwen-edit-lora-pipeline[s3]'") from None
     except ValueError as e:
         raise UserError(f"{url}: not a store URL this program can open ({_first_line(e)})") from None
-    if set(_protocols(fs)) & {"http", "https"}:  # read-only to fsspec (no put, no listing a store needs); its
-        # root is the whole URL, so the empty-folder check below misread the scheme's own "//"
+    # read-only to fsspec (no put, no listing a store needs); its root is the whole URL, so the empty-folder
+    # check below misread the scheme's own "//"
+    if set(remote_local.protocols(fs)) & {"http", "https"}:
         raise UserError(f"{url}: a store cannot live at an http(s) URL (it cannot be written or listed there); pass "
                         "s3://bucket/prefix (AWS_ENDPOINT_URL=http://... for an S3-compatible server) or a folder")
     root = root.rstrip("/")

@@ -112,9 +112,9 @@ def _currents(entries: dict[str, dict] | None) -> dict[str, int] | None:
 
 def _entries(remote: Remote) -> dict[str, dict[str, Any]] | None:
     """store.json's table entries (`fmt.table_entry`); None without a store.json."""
-    from store.remote_sync import _remote_record  # (remote_sync imports this module)
+    from store.remote_sync import remote_record  # (remote_sync imports this module)
 
-    record = _remote_record(remote, None)
+    record = remote_record(remote, None)
     return None if record is None else record["tables"]
 
 

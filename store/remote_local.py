@@ -16,7 +16,7 @@ import secrets
 import socket
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from store import format as fmt
 from store.checksum import CHUNK, RunningCrc
@@ -27,9 +27,13 @@ CRC_XATTR = "user.crc32c"  # an object's CRC32C, recorded when it is created (a 
 LOCK_DIR = ".locks"  # one flock per object updated by compare-and-swap (store.json, quarantine.parquet)
 
 
-def is_local(fs) -> bool:
-    protocol = fs.protocol
-    return bool({"file", "local"} & set(protocol if isinstance(protocol, (tuple, list)) else [protocol]))
+def protocols(fs: Any) -> tuple[str, ...]:
+    """The fsspec file system's protocol names (its `protocol` is one string or several)."""
+    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+
+
+def is_local(fs: Any) -> bool:
+    return bool({"file", "local"} & set(protocols(fs)))
 
 
 def _temp(root: str) -> Path:

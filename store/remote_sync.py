@@ -207,7 +207,7 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
             # the listing only when there is something to send: a stage of `run all` found up to date pushes its
             # cached copy back, and a whole prefix (~200k objects at 1M samples) was listed for nothing
             listing = remote.listing() if pushing else None
-            _remote_record(remote, listing)  # a newer format (or a damaged record): refused
+            remote_record(remote, listing)  # a newer format (or a damaged record): refused
             todo, files_of = _plan_push(remote, src, url, listing, versions, summary, local_rec["tables"])
             if not set_aside_quarantine:  # refused before any upload, not after the versions are there
                 check_quarantine(remote, src)
@@ -497,7 +497,7 @@ def _same(remote: Remote, listing: dict[str, int], f: _File) -> bool:
     return remote.has(f.rel, f.nbytes, f.crc, listing)
 
 
-def _remote_record(remote: Remote, listing: dict[str, int] | None) -> dict[str, Any] | None:
+def remote_record(remote: Remote, listing: dict[str, int] | None) -> dict[str, Any] | None:
     """The remote's store.json (None when there is none); `listing` None: not listed, read to find out."""
     if listing is not None and fmt.STORE_JSON not in listing:
         return None
@@ -564,7 +564,7 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
             return summary
         whole = tables is None and not every_version  # then what the URL's gc would remove is not copied
         listing, times = _listing(remote, whole)
-        rec = record if record is not None else _remote_record(remote, listing)
+        rec = record if record is not None else remote_record(remote, listing)
         rec, tables, wanted = wanted_versions(rec, url, tables, optional, listing)
         # (complete versions the URL's gc would remove, one rule with gc and push: not copied, `summary.garbage`;
         # those a pull names, `tables`' current ones, always are)
@@ -719,7 +719,7 @@ def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSumma
 
     if not (dst / fmt.STORE_JSON).is_file():
         return False
-    if rec is None and (rec := _remote_record(remote, None)) is None:
+    if rec is None and (rec := remote_record(remote, None)) is None:
         return False
     if not set(tables) <= set(rec["tables"]):
         return False

@@ -85,7 +85,7 @@ def work_copy(url: str, cache_dir: str | Path | None, damaged_ok: bool = False,
     # which URL, and its current versions when the copy was begun, before anything is pulled (a pull killed half-way
     # leaves most of the bytes): `store gc URL` names the URL and tells a copy the URL's store has moved on from
     (root / "source-url.txt").write_text(url + "\n")  # store/remote_parts.SOURCE_URL
-    record = _remote_record(url, storage_options)
+    record = _record_at(url, storage_options)
     tables = None if record is None else sorted(record["tables"])
     if record is not None and not (root / BASE).is_file():  # a rerun resuming keeps the first run's
         fmt.atomic_write_json(root / BASE, {t: int(e["current"]) for t, e in record["tables"].items()})
@@ -101,12 +101,12 @@ def work_copy(url: str, cache_dir: str | Path | None, damaged_ok: bool = False,
     return root
 
 
-def _remote_record(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any] | None:
+def _record_at(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any] | None:
     """The remote's store.json; None without one (pull then says so)."""
-    from store.remote_sync import _remote_record as record_of
+    from store.remote_sync import remote_record
 
     with remote_errors(url, "open"):
-        return record_of(open_remote(url, storage_options), None)
+        return remote_record(open_remote(url, storage_options), None)
 
 
 def replaced_here(root: Path) -> list[tuple[str, int]]:
@@ -198,7 +198,7 @@ def _moved_on(url: str, root: Path, storage_options: dict[str, Any] | None) -> s
         base = {t: int(v) for t, v in json.loads((root / BASE).read_text()).items()}
     except (OSError, ValueError, AttributeError):
         base = None
-    record = _remote_record(url, storage_options)
+    record = _record_at(url, storage_options)
     if record is None:
         return f"{url} holds no store any more (no store.json)"
     for table, begun in sorted((base or {}).items()):

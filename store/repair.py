@@ -59,6 +59,8 @@ class TablePlan:
     intact_shards: list[str] = field(default_factory=list)  # hard-linked as they are
     copied: list[str] = field(default_factory=list)  # intact samples of damaged shards, re-added
     manifest_rebuilt: bool = False
+    # why the manifest did not read (then rebuilt, or unrepairable): the line a reader's read of it meets and records
+    manifest_problem: str | None = None
     unrepairable: str | None = None
     new_version: int | None = None
     # damaged files the manifest makes redundant (shard indexes, rank-NN.done): a new version gets fresh ones
@@ -127,6 +129,7 @@ def _manifest(vdir: Path, sums: dict | None, plan: TablePlan) -> tuple[pa.Table 
 
         return read_manifest(vdir, integrity.read_checked(vdir, fmt.MANIFEST, sums)), {}
     except UserError as e:
+        plan.manifest_problem = str(e)
         indexes = sorted(vdir.glob("shard-r*-*.index.parquet"))
         try:
             if not indexes:

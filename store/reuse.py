@@ -77,23 +77,14 @@ def damage_scan(store: Store, table: str, version: int):
             plan = scan_table(store.root, table, version)
         except WrittenByNewer as e:  # not this code's to read: nothing carried from it, and no damage recorded
             plan = TablePlan(table, version, unrepairable=str(e))
-        else:
-            if plan.manifest_rebuilt or (plan.unrepairable and fmt.is_complete(vdir)):
-                _record_unread_manifest(vdir)
-        if plan.damaged:
-            integrity.record_damage(vdir, plan.damaged)
+        # repair's scan records nothing: a manifest it could not read (rebuilt from the shard indexes, or not) is
+        # recorded with the line a reader's view records on meeting it (schema.json and checksums.json were read
+        # checked, and recorded, by the callers' reader open before this scan)
+        problems = [plan.manifest_problem] if plan.manifest_problem else []
+        if plan.damaged or problems:
+            integrity.record_damage(vdir, plan.damaged, problems=problems)
         _SCANS[stamp()] = plan
     return _SCANS[stamp()]
-
-
-def _record_unread_manifest(vdir: Path) -> None:
-    """Repair's scan records nothing: a manifest it could not read (rebuilt from the shard indexes, or not) is read
-    again as a reader's view reads it, which records the line it meets (nothing where the manifest reads: the scan
-    stopped at something else, e.g. schema.json, recorded where it is read)."""
-    try:
-        checked_manifest(vdir, record=True)
-    except UserError:
-        pass
 
 
 def same_features(attrs: dict[str, Any], accepted: Iterable[str]) -> bool:

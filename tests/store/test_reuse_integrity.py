@@ -17,9 +17,11 @@ from store import format as fmt
 from store import repair_context
 from store.gc import collect
 from store.integrity import DamagedData, read_version_checksums
-from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, reusable, unchanged_by_fixes
+from store.manifest_files import checked_manifest
+from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, damage_scan, reusable, unchanged_by_fixes
 from store.verify import verify_store
 from damage import damage_manifest_page, flip_bit, sample_byte
+from file_opens import opens
 from store_samples import key_of, sample, vae_schema
 
 LINEAGE = "feat-0123456789"
@@ -153,6 +155,22 @@ def test_a_manifest_page_the_full_scan_cannot_decode_is_recorded_and_its_version
     assert reusable(store, "vae", LINEAGE, first_group) == {}
     problems = json.loads(fmt.damaged_marker(store.root, "vae", 1).read_text())["problems"]
     assert len(problems) == 1 and problems[0].startswith(f"{store.version_dir('vae', 1) / fmt.MANIFEST} is unreadable")
+
+
+def test_the_full_scan_records_the_manifest_it_cannot_decode_from_its_own_read(store: Store, monkeypatch) -> None:
+    """The scan's own manifest error is recorded: the manifest (hundreds of MB at 1M rows) is not opened and decoded
+    a second time for it, and the line is the one a reader's view records on meeting that page (one line, not
+    two, when a reader finds it later)."""
+    monkeypatch.setattr(fmt, "ROW_GROUP_ROWS", 4)
+    _write(store, "a", range(12))
+    vdir = store.version_dir("vae", 1)
+    damage_manifest_page(vdir, "caption", group=2)
+    with opens(vdir) as counts:
+        plan = damage_scan(store, "vae", 1)
+    assert plan.manifest_rebuilt and counts[fmt.MANIFEST] == 1
+    with pytest.raises(DamagedData) as e:
+        checked_manifest(vdir)
+    assert json.loads(fmt.damaged_marker(store.root, "vae", 1).read_text())["problems"] == [str(e.value)]
 
 
 def test_a_manifest_page_reusable_keys_cannot_decode_is_recorded_and_nothing_reused(store: Store) -> None:
