@@ -236,16 +236,19 @@ def _remote_identity(url: str) -> tuple[str | None, str | None]:
 
 def _tag_unless_gone(url: str) -> RemoteTag | None:
     """The size and tag of a file at a URL; None for one not found (gone: not the file judged). fsspec's http says
-    FileNotFoundError for an unreachable server and an error answer too: those go on to the store's line."""
-    from stages.resize.shards import remote_tag
+    FileNotFoundError for an unreachable server and an error answer too: those go on to the store's line. The
+    client's other errors as raised (the caller names them: shards.remote_source_errors)."""
+    from stages.resize.shards import remote_fs, tag_of
     from store.remote import http_answer, unreachable
 
+    fs, path = remote_fs(url)
     try:
-        return remote_tag(url, client_errors=True)
+        info = fs.info(path)
     except FileNotFoundError as e:
         if unreachable(e) is None and http_answer(e) is None:
             return None
         raise
+    return tag_of(info)
 
 
 def _identity_of(url: str, asked: RemoteTag | None) -> tuple[str | None, str | None]:

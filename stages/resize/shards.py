@@ -17,7 +17,6 @@ brace lists (`shard-{000..099}.tar`, `a.tar::b.tar`), all through the `webdatase
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import os
@@ -113,13 +112,17 @@ class RemoteTag(NamedTuple):
         return etag if etag and not etag.startswith("W/") else None
 
 
-def remote_tag(url: str, client_errors: bool = False) -> RemoteTag:
+def remote_tag(url: str) -> RemoteTag:
     """The size and content tag of a shard at a URL, from the server's metadata: one request. The client's errors
-    as one UserError line naming the URL; `client_errors`: as raised (the caller tells an unreachable server from
-    a missing object: fsspec's http answers FileNotFoundError for both, the connection error its cause)."""
+    as one UserError line naming the URL."""
     fs, path = remote_fs(url)
-    with contextlib.nullcontext() if client_errors else remote_source_errors(url):
+    with remote_source_errors(url):
         info = fs.info(path)
+    return tag_of(info)
+
+
+def tag_of(info: dict[str, Any]) -> RemoteTag:
+    """The size and content tag in fsspec's `fs.info` answer for a file at a URL."""
     name = next((k for k in (*_REMOTE_TAGS, *(k.lower() for k in _REMOTE_TAGS)) if info.get(k)), None)
     return RemoteTag(info.get("size"), name, None if name is None else str(info[name]))
 

@@ -124,6 +124,7 @@ class Run:
     carried_losses: list[float] = field(default_factory=list)  # the last step losses before this start (its checkpoint's)
     # [valid, computed] tokens of each of the last steps, the checkpoint's before this start's: a log point's window
     step_tokens: list[tuple[int, int]] = field(default_factory=list)
+    step_running_tokens: list[int] = field(default_factory=lambda: [0, 0])  # valid, computed of this step so far
     logged_step: int = 0  # the last step whose scalars the trackers got (`log_point`)
     ema: Any = None  # stages.train.ema.AdapterEMA with train.ema_decay
     validator: Any = None  # stages.train.validate.Validator with train.validate_every / sample_every
@@ -180,7 +181,6 @@ class StepStats:
     epoch: int  # the epoch the step began in
     samples: int
     grad_norm: float
-    batches: list[list[int]]  # every rank's micro-batches of every micro-step as run (the padding figure)
     seconds: float  # compute + data, up to the loss sync
     data_seconds: float  # of which waiting for this rank's micro-batches (reads + preparation, or an empty queue)
     started: float  # perf_counter / process_time at the step's start: `log` adds its own time to the step's
@@ -481,9 +481,8 @@ def step(r: Run) -> StepStats:
     r.optimizer.zero_grad(set_to_none=True)
     r.step += 1
     loss = total / trained if trained else float("nan")
-    batches = [b for m in micro for b in r.batches.as_run(m.global_batch)]
-    return StepStats(loss, micro[0].epoch, intact, grad_norm, batches, time.perf_counter() - t0, data_seconds, t0, c0,
-                     lr=lr, stop=stop > 0)
+    return StepStats(loss, micro[0].epoch, intact, grad_norm, time.perf_counter() - t0, data_seconds, t0, c0, lr=lr,
+                     stop=stop > 0)
 
 
 def _summed_over_ranks(r: Run, loss_sum: torch.Tensor, damaged: int,
@@ -574,7 +573,8 @@ def log(r: Run, s: StepStats) -> None:
     curve. The trackers get them every N steps and at the run's last step (`log_point`)."""
     r.result.losses.append(s.loss)
     r.result.step_epochs.append(s.epoch)
-    r.step_tokens.append(padded_tokens(s.batches, r.tables.lengths))
+    r.step_tokens.append(tuple(r.step_running_tokens))  # its micro-batches' (`_count_epoch_tokens`)
+    r.step_running_tokens = [0, 0]
     del r.step_tokens[:-max(r.cfg.log_every, train_state.KEPT_LOSSES)]  # what a checkpoint keeps, at most
     _log_ended_epochs(r)
     if r.profiler is not None:
@@ -657,11 +657,12 @@ def backward_of(model, fb: FlowBatch, tc: TrainConfig, device: torch.device, sca
 
 
 def _count_epoch_tokens(r: Run, m) -> None:
-    """Valid / computed tokens of micro-batch `m`'s epoch (all ranks' micro-batches as they run,
-    `MicroBatches.as_run`, from the sampler's lengths), reported when it ends."""
+    """Valid / computed tokens of micro-batch `m` (all ranks' micro-batches as they run, `MicroBatches.as_run`,
+    from the sampler's lengths), added to its epoch's, reported when it ends, and to its step's (`log`)."""
     valid, computed = padded_tokens(r.batches.as_run(m.global_batch), r.tables.lengths)
-    r.epoch_tokens[0] += valid
-    r.epoch_tokens[1] += computed
+    for pair in (r.epoch_tokens, r.step_running_tokens):
+        pair[0] += valid
+        pair[1] += computed
     if not m.ends_epoch:
         return
     eff = r.epoch_tokens[0] / r.epoch_tokens[1]

@@ -245,14 +245,14 @@ def test_the_epoch_padding_after_a_shrink_counts_the_micro_batches_that_run():
 
     from stages.train.prefetch import MicroBatches
     from stages.train.recipe import _count_epoch_tokens
-    from stages.train.sampler import padding_efficiency
+    from stages.train.sampler import padded_tokens, padding_efficiency
 
     lengths = random_lengths(24, 0)
     steps = elastic.on_world(LengthAwareBatchSampler(lengths, 2, 0, world_size=2), 1)
     batches = MicroBatches(DataStream(steps), SimpleNamespace(on_damaged="stop"),
                            SimpleNamespace(check_ahead=0, grad_accum=1), 0, 0, torch.device("cpu"), torch.float32)
     r = SimpleNamespace(tables=SimpleNamespace(lengths=lengths), epoch_tokens=[0, 0], writer=None, batches=batches,
-                        result=SimpleNamespace(epoch_padding={}))
+                        result=SimpleNamespace(epoch_padding={}), step_running_tokens=[0, 0])
     plan = list(steps.global_steps(0))
     for k, shares in enumerate(plan):
         _count_epoch_tokens(r, SimpleNamespace(epoch=0, global_batch=shares, ends_epoch=k == len(plan) - 1))
@@ -262,6 +262,7 @@ def test_the_epoch_padding_after_a_shrink_counts_the_micro_batches_that_run():
     want, _ = padding_efficiency(as_run, lengths)
     one_batch, _ = padding_efficiency([share for shares in plan for share in shares], lengths)
     assert r.result.epoch_padding[0] == pytest.approx(want, rel=1e-12)
+    assert r.step_running_tokens == list(padded_tokens(as_run, lengths))  # the steps' figure: the same micro-batches
     assert want - one_batch > 0.05, (want, one_batch)  # the figure counted before
 
 

@@ -750,9 +750,10 @@ def test_still_says_what_a_client_error_is_and_keeps_an_unknown_one_a_put_again(
     from stages.resize import shards
     from stages.resize.known_tars import KnownTars
 
-    def refused(url, client_errors=False):
-        raise raised
-    monkeypatch.setattr(shards, "remote_tag", refused)
+    class Refusing:  # the client's answer to the metadata request
+        def info(self, path):
+            raise raised
+    monkeypatch.setattr(shards, "remote_fs", lambda url: (Refusing(), url.split("://", 1)[1]))
     for name in ("AWS_PROFILE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(name, raising=False)
     known = KnownTars(None, {}, None, {})  # type: ignore[arg-type]  # no local file asked
