@@ -57,7 +57,7 @@ def test_run_all_refuses_such_a_paths_run_before_its_first_stage(tmp_path):
     config.write_text(yaml.safe_dump({"paths": {"source": str(tmp_path / "src"), "store": str(tmp_path / "store"),
                                                 "model": "m", "run": str(data), "report": str(tmp_path / "rep")}}))
     r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
-    assert r.exit_code == 1 and r.output.startswith(f"error: paths.run {data} holds other files (notes.txt)"), r.output
+    assert r.exit_code == 2 and r.output.startswith(f"error: paths.run {data} holds other files (notes.txt)"), r.output
     assert not (tmp_path / "store").exists()
 
 
@@ -74,7 +74,7 @@ def test_run_all_refuses_a_paths_report_of_other_files_before_its_first_stage(tm
     config.write_text(yaml.safe_dump({"paths": {"source": str(tmp_path / "src"), "store": str(tmp_path / "store"),
                                                 "model": "m", "run": str(tmp_path / "run"), "report": str(report)}}))
     r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
-    assert r.exit_code == 1 and r.output.startswith(f"error: paths.report {report} is not empty and holds no "
+    assert r.exit_code == 2 and r.output.startswith(f"error: paths.report {report} is not empty and holds no "
                                                     "earlier report"), r.output
     assert "== resize-bucket" not in r.output and not (tmp_path / "store").exists()
     assert sorted(p.name for p in report.iterdir()) == ["notes.txt"]
@@ -93,7 +93,7 @@ def test_run_all_refuses_a_file_at_paths_report_before_its_first_stage(tmp_path,
     config.write_text(yaml.safe_dump({"paths": {"source": str(tmp_path / "src"), "store": str(tmp_path / "store"),
                                                 "model": "m", "run": str(tmp_path / "run"), "report": str(report)}}))
     r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
-    assert r.exit_code == 1 and r.output.startswith(f"error: paths.report {report} {where}"), r.output
+    assert r.exit_code == 2 and r.output.startswith(f"error: paths.report {report} {where}"), r.output
     assert "== resize-bucket" not in r.output and not (tmp_path / "store").exists()
     assert notes.read_text() == "mine"
 
@@ -132,7 +132,7 @@ def test_run_all_refuses_a_store_inside_paths_run_on_its_first_invocation_too(tm
             store.mkdir(parents=True)  # what resize-bucket and the encoders left
             (store / "store.json").write_text("{}")
         r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
-        assert r.exit_code == 1 and r.output.startswith(line), r.output
+        assert r.exit_code == 2 and r.output.startswith(line), r.output
     assert sorted(p.name for p in run.iterdir()) == ["store"]
 
 
