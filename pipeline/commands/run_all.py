@@ -22,8 +22,10 @@ def command(
     cfg = config_from(config, {}, set_, shared=True)
     from pipeline.orchestrate import check_config, check_output_folders, run_all
 
-    with usage_errors():  # a missing path, a train setting, a wrong output folder: refused now, not after the encoders
-        check_output_folders(check_config(cfg))
+    with usage_errors():  # a missing path, a train setting: refused now, not after resize-bucket and the encoders
+        paths = check_config(cfg)
+    with user_errors(), usage_errors():  # an output folder refused: 2; one that cannot be read: 1, one line
+        check_output_folders(paths)
 
     if as_json:
         import json

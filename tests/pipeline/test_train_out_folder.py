@@ -98,6 +98,26 @@ def test_run_all_refuses_a_file_at_paths_report_before_its_first_stage(tmp_path,
     assert notes.read_text() == "mine"
 
 
+def test_run_all_names_an_output_folder_it_cannot_read_in_one_line(tmp_path, monkeypatch):
+    """An output folder whose listing fails (a permission, a disk) is no usage mistake: one line, exit 1, as every
+    error the work meets (its check runs under `usage_errors` for the refusals, exit 2; a traceback otherwise)."""
+    import yaml
+
+    import pipeline.run_folder as run_folder
+
+    def unreadable(path, what):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(run_folder, "refuse_a_folder_of_other_files", unreadable)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"paths": {"source": str(tmp_path / "src"), "store": str(tmp_path / "store"),
+                                                "model": "m", "run": str(tmp_path / "run"),
+                                                "report": str(tmp_path / "report")}}))
+    r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
+    assert r.exit_code == 1 and "Traceback" not in r.output, (r.exit_code, r.output, r.exception)
+    assert r.output.count("error:") == 1 and str(tmp_path / "run") in r.output, r.output
+
+
 def test_a_report_folder_left_by_an_interrupted_report_passes(tmp_path):
     """What either evaluate leaves when stopped before metrics.json (written last) is written over by the rerun:
     the one check of both (evaluate --all-checkpoints refused its own grid.png / index.html / temp files)."""
