@@ -260,31 +260,44 @@ def _base_caches_back(report: Path, kept_report: Path) -> None:
                 pass
 
 
-def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: Path | None = None,
-            cache_gb: float | None = None) -> AllResult:
-    """Every stage in order; `log` gets a header per stage and its one-line summary. A store URL is worked on
-    through its local cache in `cache_dir` (pipeline/store_url.py)."""
-    from pipeline.store_url import StoreAccess
-
+def check_output_folders(paths: Paths) -> None:
+    """The folders `run all` writes, refused before resize-bucket's minutes (not at train or evaluate): a store,
+    source or model inside paths.run, a paths.run or paths.store holding other files, a paths.report that is not
+    a report's. Each rank reads its own node's folders; one outcome for every rank (a rank that stopped alone here
+    left the others waiting for it). The command asks right after `check_config`: a usage mistake, exit 2."""
     from pipeline.run_folder import (refuse_a_folder_of_other_files, refuse_a_store_among_other_files,
                                      refuse_inputs_inside)
 
     from models.collective import together_before_group
-    from models.loading import model_variant
     from stages.evaluate.report_folder import check_report_folder
+
+    with together_before_group(launched()[0], "run all: the output folders"):
+        refuse_inputs_inside(paths.run, {"paths.store": paths.store, "paths.source": paths.source,
+                                         "paths.model": paths.model})
+        refuse_a_folder_of_other_files(paths.run, "paths.run")
+        refuse_a_store_among_other_files(paths.store, "paths.store")
+        check_report_folder(paths.report, "paths.report")  # evaluate's check at its start, here before resize
+
+
+def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: Path | None = None,
+            cache_gb: float | None = None, folders_checked: bool = False) -> AllResult:
+    """Every stage in order; `log` gets a header per stage and its one-line summary. A store URL is worked on
+    through its local cache in `cache_dir` (pipeline/store_url.py). `folders_checked`: the caller has run
+    `check_output_folders` (the command, for its exit 2); otherwise they are checked here."""
+    from pipeline.store_url import StoreAccess
+
+    from models.collective import together_before_group
+    from models.loading import model_variant
 
     paths = check_config(cfg)
     world, main = launched()
     if world > 1:  # the config alone decides it, alike on every rank: before any file is read
         _refuse_url_under_launch(paths.store, world)
-    # what the folders and files hold, read by each rank (a node may lack one): one outcome for every rank, before
-    # rank 0 goes into resize-bucket and the others wait for it (a rank that stopped alone here left them waiting)
+    if not folders_checked:
+        check_output_folders(paths)
+    # what the model folder and the node hold, read by each rank (a node may lack one): one outcome for every rank,
+    # before rank 0 goes into resize-bucket and the others wait for it (a rank that stopped alone left them waiting)
     with together_before_group(world, "run all: the paths and settings"):
-        refuse_inputs_inside(paths.run, {"paths.store": paths.store, "paths.source": paths.source,
-                                         "paths.model": paths.model})
-        refuse_a_folder_of_other_files(paths.run, "paths.run")  # before resize-bucket's minutes, not at train
-        refuse_a_store_among_other_files(paths.store, "paths.store")
-        check_report_folder(paths.report, "paths.report")  # evaluate's check at its start, here before resize
         model_variant(paths.model)  # every rank encodes, trains and evaluates on this node's model folder
         _check_node(cfg)  # every rank: its node's devices, packages and init LoRA
         if main:  # the sample grid and evaluate's images are rank 0's: only its node needs the extra prompts' files

@@ -279,6 +279,8 @@ def user_errors(output: Path | str | None = None) -> Iterator[None]:
 
     try:
         yield
+    except typer.Exit:  # decided and said already (an inner `usage_errors`' exit 2): no second line
+        raise
     except (UserError, ConfigError) as e:
         from models.collective import failure_line  # several ranks: the others stop with the same line
 

@@ -20,10 +20,12 @@ def command(
     cache_gb: Optional[float] = CacheGbOpt,
 ) -> None:
     cfg = config_from(config, {}, set_, shared=True)
-    from pipeline.orchestrate import check_config, run_all
+    from pipeline.orchestrate import check_config, check_output_folders, run_all
 
     with usage_errors():  # a missing path, a train setting: refused now, not after resize-bucket and the encoders
-        check_config(cfg)
+        paths = check_config(cfg)
+    with user_errors(), usage_errors():  # an output folder refused: 2; one that cannot be read: 1, one line
+        check_output_folders(paths)
 
     if as_json:
         import json
@@ -31,7 +33,7 @@ def command(
 
         with user_errors(), json_mode(True):
             result = run_all(cfg, log=lambda m: print(m, file=sys.stderr), cache_dir=cache_dir,
-                             cache_gb=cache_gb)
+                             cache_gb=cache_gb, folders_checked=True)
         from pipeline.commands.common import with_variant
 
         if not result.metrics:  # a rank other than 0 under a launcher: rank 0 prints the records
@@ -40,7 +42,7 @@ def command(
         echo(json.dumps([with_variant(o.result.to_json(), cfg.paths.model) for o in result.outcomes], sort_keys=True))
         return
     with user_errors():
-        result = run_all(cfg, log=echo, cache_dir=cache_dir, cache_gb=cache_gb)
+        result = run_all(cfg, log=echo, cache_dir=cache_dir, cache_gb=cache_gb, folders_checked=True)
     if not result.metrics:  # a rank other than 0 under a launcher: rank 0 prints the report's line
         return
     overall = result.metrics["loss"]["overall"]

@@ -48,7 +48,7 @@ def test_run_all_refuses_a_store_path_of_other_files_before_any_stage(tmp_path):
     cfg.write_text(f"paths:\n  source: {tmp_path / 'src'}\n  store: {dst}\n  model: m\n  run: {tmp_path / 'run'}\n"
                    f"  report: {tmp_path / 'report'}\n")
     r = CliRunner().invoke(app, ["run", "all", "--config", str(cfg)])
-    assert r.exit_code == 1, r.output
+    assert r.exit_code == 2, r.output
     assert r.output.startswith(f"error: paths.store {dst} holds other files"), r.output
     assert sorted(p.relative_to(dst) for p in dst.rglob("*")) == before
 

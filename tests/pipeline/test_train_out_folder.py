@@ -57,7 +57,7 @@ def test_run_all_refuses_such_a_paths_run_before_its_first_stage(tmp_path):
     config.write_text(yaml.safe_dump({"paths": {"source": str(tmp_path / "src"), "store": str(tmp_path / "store"),
                                                 "model": "m", "run": str(data), "report": str(tmp_path / "rep")}}))
     r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
-    assert r.exit_code == 1 and r.output.startswith(f"error: paths.run {data} holds other files (notes.txt)"), r.output
+    assert r.exit_code == 2 and r.output.startswith(f"error: paths.run {data} holds other files (notes.txt)"), r.output
     assert not (tmp_path / "store").exists()
 
 
@@ -74,7 +74,7 @@ def test_run_all_refuses_a_paths_report_of_other_files_before_its_first_stage(tm
     config.write_text(yaml.safe_dump({"paths": {"source": str(tmp_path / "src"), "store": str(tmp_path / "store"),
                                                 "model": "m", "run": str(tmp_path / "run"), "report": str(report)}}))
     r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
-    assert r.exit_code == 1 and r.output.startswith(f"error: paths.report {report} is not empty and holds no "
+    assert r.exit_code == 2 and r.output.startswith(f"error: paths.report {report} is not empty and holds no "
                                                     "earlier report"), r.output
     assert "== resize-bucket" not in r.output and not (tmp_path / "store").exists()
     assert sorted(p.name for p in report.iterdir()) == ["notes.txt"]
@@ -93,9 +93,29 @@ def test_run_all_refuses_a_file_at_paths_report_before_its_first_stage(tmp_path,
     config.write_text(yaml.safe_dump({"paths": {"source": str(tmp_path / "src"), "store": str(tmp_path / "store"),
                                                 "model": "m", "run": str(tmp_path / "run"), "report": str(report)}}))
     r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
-    assert r.exit_code == 1 and r.output.startswith(f"error: paths.report {report} {where}"), r.output
+    assert r.exit_code == 2 and r.output.startswith(f"error: paths.report {report} {where}"), r.output
     assert "== resize-bucket" not in r.output and not (tmp_path / "store").exists()
     assert notes.read_text() == "mine"
+
+
+def test_run_all_names_an_output_folder_it_cannot_read_in_one_line(tmp_path, monkeypatch):
+    """An output folder whose listing fails (a permission, a disk) is no usage mistake: one line, exit 1, as every
+    error the work meets (its check runs under `usage_errors` for the refusals, exit 2; a traceback otherwise)."""
+    import yaml
+
+    import pipeline.run_folder as run_folder
+
+    def unreadable(path, what):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(run_folder, "refuse_a_folder_of_other_files", unreadable)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"paths": {"source": str(tmp_path / "src"), "store": str(tmp_path / "store"),
+                                                "model": "m", "run": str(tmp_path / "run"),
+                                                "report": str(tmp_path / "report")}}))
+    r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
+    assert r.exit_code == 1 and "Traceback" not in r.output, (r.exit_code, r.output, r.exception)
+    assert r.output.count("error:") == 1 and str(tmp_path / "run") in r.output, r.output
 
 
 def test_a_report_folder_left_by_an_interrupted_report_passes(tmp_path):
@@ -132,7 +152,7 @@ def test_run_all_refuses_a_store_inside_paths_run_on_its_first_invocation_too(tm
             store.mkdir(parents=True)  # what resize-bucket and the encoders left
             (store / "store.json").write_text("{}")
         r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
-        assert r.exit_code == 1 and r.output.startswith(line), r.output
+        assert r.exit_code == 2 and r.output.startswith(line), r.output
     assert sorted(p.name for p in run.iterdir()) == ["store"]
 
 

@@ -88,6 +88,7 @@ def test_run_all_stops_every_node_when_one_nodes_folder_is_refused(tiny_plus_mod
     ended = _two_nodes(tmp_path, node_args=(["--config", config], ["--config", theirs]))
     _one_line_each(ended, f"error: rank 1: paths.report {tmp_path / 'theirs'} is not empty and holds no earlier "
                           "report (no metrics.json): pass a new or empty folder, or the folder of an earlier report")
+    assert all("(exitcode: 2)" in err for _, err in ended)  # each worker's: a usage error (torchrun's own is 1)
     assert not (tmp_path / "store").exists()
 
 
