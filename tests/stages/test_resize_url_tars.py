@@ -451,10 +451,28 @@ def _put_again_swapped(path: Path) -> None:
             data = src.extractfile(m).read()
             m.name = stem + swap.get(f".{ext}", f".{ext}")
             dst.addfile(m, io.BytesIO(data))
+    size = path.stat().st_size
+    _put_bytes_again(path, out.getvalue())
+    assert path.stat().st_size == size
+
+
+def _put_bytes_again(path: Path, data: bytes) -> None:
+    """`data` written to the served file as an object put again: its mtime a second on, so another ETag (the test
+    server's tag is its size and mtime) even for bytes of the same size."""
     before = path.stat()
-    path.write_bytes(out.getvalue())
+    path.write_bytes(data)
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
-    assert path.stat().st_size == before.st_size
+
+
+def _put_again_at_row(path: Path, data: bytes, at: int):
+    """parquet_source._sample, with the served file put again (its captions upper-cased) as row `at` is read."""
+    real = parquet_source._sample
+
+    def sample(row, lay, where, no, *a):
+        if no == at and path.read_bytes() == data:
+            _put_bytes_again(path, data.replace(b"edit ", b"EDIT "))
+        return real(row, lay, where, no, *a)
+    return sample
 
 
 @needs_curl
@@ -582,9 +600,7 @@ def test_a_url_file_put_again_while_its_row_groups_are_read_stops_the_run(served
 
     def put_again_then_read(self, no):
         if path.read_bytes() == data:
-            before = path.stat()
-            path.write_bytes(data.replace(pngs[4], _resized_header(pngs[4], 64)))
-            os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))  # another ETag (size, mtime)
+            _put_bytes_again(path, data.replace(pngs[4], _resized_header(pngs[4], 64)))
         return real(self, no)
     with monkeypatch.context() as m:
         m.setattr(parquet_source._RowGroups, "_read_group", put_again_then_read)
@@ -621,16 +637,9 @@ def test_a_url_file_put_again_while_it_is_read_the_first_time_stops_the_run(serv
     data = _captioned_parquet(path)
     monkeypatch.setattr(parquet_source, "URL_BLOCK_BYTES", 4096)
     monkeypatch.setattr(parquet_source, "BATCH_ROWS", 3)  # a row group a batch: row 0 is met before group 1 is read
-    real, source, out = parquet_source._sample, f"{url}/part-0.parquet", tmp_path / "store"
-
-    def put_again_at_row_0(row, lay, at, no, *a):
-        if no == 0 and path.read_bytes() == data:
-            before = path.stat()
-            path.write_bytes(data.replace(b"edit ", b"EDIT "))
-            os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))  # another ETag (size, mtime)
-        return real(row, lay, at, no, *a)
+    source, out = f"{url}/part-0.parquet", tmp_path / "store"
     with monkeypatch.context() as m:
-        m.setattr(parquet_source, "_sample", put_again_at_row_0)
+        m.setattr(parquet_source, "_sample", _put_again_at_row(path, data, 0))
         with pytest.raises(UserError, match=r"part-0\.parquet: the parquet file was put again while this run .*rerun"):
             stage.run(load_config(None, SMALL), source, out)
     assert server.refused > 0  # the next row group's ranges asked If-Match the judged object's ETag: 412
@@ -649,17 +658,10 @@ def test_a_url_file_put_again_after_its_last_row_was_read_keeps_the_rows_read(se
     root, url, server = served_root
     path = root / "part-0.parquet"
     data = _captioned_parquet(path)
-    real, source, out = parquet_source._sample, f"{url}/part-0.parquet", tmp_path / "store"
+    source, out = f"{url}/part-0.parquet", tmp_path / "store"
     stage.run(load_config(None, SMALL), source, tmp_path / "old")
-
-    def put_again_after_last_row(row, lay, at, no, *a):
-        if no == ROWS - 1 and path.read_bytes() == data:
-            before = path.stat()
-            path.write_bytes(data.replace(b"edit ", b"EDIT "))
-            os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))  # another ETag (size, mtime)
-        return real(row, lay, at, no, *a)
     with monkeypatch.context() as m:
-        m.setattr(parquet_source, "_sample", put_again_after_last_row)
+        m.setattr(parquet_source, "_sample", _put_again_at_row(path, data, ROWS - 1))
         stage.run(load_config(None, SMALL), source, out)
     assert server.refused == 0 and _rows(Store(out)) == _rows(Store(tmp_path / "old"))
     stage.run(load_config(None, SMALL), source, out)
