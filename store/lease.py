@@ -496,12 +496,20 @@ def damaged_lease_line(found: Found, consequence: str) -> str:
             f"s; one of a gone reader counts as dead {STALE_SECONDS / 60:.0f} min after its last refresh)")
 
 
+def warn_damaged(where: object, damaged: Iterable[Found], consequence: str) -> None:
+    """One warning per live damaged lease in `damaged` (`damaged_lease_line`), for a caller that goes on past them
+    rather than stop (`live_versions`): `where`, the store or URL they lease; `consequence`, what the caller does
+    about them ("every complete version is pushed to URL")."""
+    for found in damaged:
+        log.warning("%s: %s", where, damaged_lease_line(found, consequence))
+
+
 def live_versions(found: Iterable[Found]) -> tuple[set[tuple[str, int]], list[Found]]:
     """(the versions the live leases among `found` name, the live damaged ones). A damaged one names versions no one
     can tell: a caller whose removing is optional housekeeping (the URL cache's eviction, store/remote_cache.py; a
     whole-URL pull leaving out the URL's garbage, store/remote_gc.py `not_kept`; a push leaving out the store's,
-    store/gc.py `not_kept`) keeps every version of that store while it is fresh, and says so
-    (`damaged_lease_line`), instead of stopping; `store gc`, asked for, stops (`Found.versions`)."""
+    store/gc.py `not_kept`) keeps every version of that store while it is fresh, and says so (`warn_damaged`),
+    instead of stopping; `store gc`, asked for, stops (`Found.versions`)."""
     leased: set[tuple[str, int]] = set()
     damaged: list[Found] = []
     for lease in found:

@@ -354,10 +354,9 @@ _said_damaged: set[Path] = set()  # lease files named already by this process: a
 
 def _say_kept_for_damaged(root: Path, damaged: list[leases.Found]) -> None:
     """One line, once per lease file and process: why no version of `root` is evicted whole meanwhile."""
-    for found in damaged:
-        if found.path not in _said_damaged:
-            _said_damaged.add(found.path)
-            log.warning("%s", leases.damaged_lease_line(found, f"the store cache keeps every version of {root} whole"))
+    unsaid = [found for found in damaged if found.path not in _said_damaged]
+    _said_damaged.update(found.path for found in unsaid)
+    leases.warn_damaged(root, unsaid, "the store cache keeps every version of this store whole")
 
 
 def _remove_dead_fetches(root: Path) -> None:

@@ -41,7 +41,7 @@ from store import integrity, remote_checked, remote_endpoint, remote_lease
 from store.checksum import SealError, crc_hex, seal, unseal
 from store.io_errors import is_not_writable
 from store.remote import Remote, SharedBar, each_at_once, lost_object, lost_version, open_remote, remote_errors
-from store.lease import damaged_lease_line, process_tag
+from store.lease import process_tag, warn_damaged
 from store.remote_shards import is_cache_file, is_lazy
 from store.remote_upload import Mismatch
 
@@ -240,9 +240,7 @@ def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int] | No
     from store.gc import not_kept
 
     garbage, damaged = not_kept(src, entries)  # (empty while a local lease is damaged: each named in one line)
-    for found in damaged:
-        log.warning("%s: %s", src, damaged_lease_line(found, f"every complete version is pushed to {url}, those "
-                                                             "this store's gc would remove too"))
+    warn_damaged(src, damaged, f"every complete version is pushed to {url}, those this store's gc would remove too")
     todo: list[_File] = []
     files_of: dict[str, list[_File]] = {}
     for table, version in versions:
@@ -572,9 +570,7 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
         # copy it; versions never change under their number, and each object copied is checked against it)
         read = read_once(remote)
         garbage, damaged = not_kept(remote, times, rec["tables"], read) if whole else (set(), [])
-        for found in damaged:
-            log.warning("%s: %s", url, damaged_lease_line(found, "every complete version is pulled, those the "
-                                                                 "URL's gc would remove too"))
+        warn_damaged(url, damaged, "every complete version is pulled, those the URL's gc would remove too")
         _refuse_lost_current(remote, rec, tables, listing)
         store = Store(dst)
         versions = _versions_to_pull(listing, tables, wanted, dst, damaged_ok)
