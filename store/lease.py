@@ -62,7 +62,7 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -470,6 +470,9 @@ class Found:
     live: bool
     why: str  # "pid 123 on host, running" / "pid 123 on host is gone" / "refreshed 20 s ago on other-host"
     damaged: bool = False  # its record did not read (`parse_record`): judged by its refresh age alone
+    # which file was read (a local one's `fmt.file_identity`): another file at that path later, or this one written
+    # again, is another lease to a caller that says each once (store/remote_cache.py)
+    seen: tuple[int, int, int] | None = None
 
     def describe(self) -> str:
         return f"{self.record.get('what', '?')} ({self.why}, lease {self.path.name})"
@@ -559,13 +562,14 @@ def leases(root: Path) -> list[Found]:
     if not folder.is_dir():
         return out
     for p in sorted(folder.glob("*.json")):
-        mtime = 0.0  # not even stat'ed: as old as can be
+        mtime, seen = 0.0, None  # not even stat'ed: as old as can be
         try:
-            mtime = p.stat().st_mtime
+            st = p.stat()
+            mtime, seen = st.st_mtime, fmt.file_identity(st)
             record, damaged = parse_record(p.read_bytes())
         except FileNotFoundError:  # released meanwhile
             continue
         except OSError as e:  # unreadable here (permissions, I/O): whose it is cannot be told, as a damaged one
             record, damaged = {}, f"cannot be read: {e.strerror or e}"
-        out.append(judge(p, record, mtime, damaged=damaged))
+        out.append(replace(judge(p, record, mtime, damaged=damaged), seen=seen))
     return out
