@@ -39,7 +39,7 @@ from schemas.temp_files import temp_of
 from store import format as fmt
 from store import integrity, remote_checked, remote_endpoint, remote_lease
 from store.checksum import SealError, crc_hex, seal, unseal
-from store.io_errors import is_not_writable
+from store.io_errors import describe, is_not_writable
 from store.remote import Remote, SharedBar, each_at_once, lost_object, lost_version, open_remote, remote_errors
 from store.lease import process_tag, warn_damaged
 from store.remote_shards import is_cache_file, is_lazy
@@ -599,7 +599,7 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
 @contextmanager
 def _writing_into(dst: Path, url: str) -> Iterator[None]:
     """A pull's write refused in `dst` (a read-only mount: EROFS; another account's folder: EACCES) as one line
-    naming the folder and what to do (before: a PermissionError traceback from the version's temp folder). Errors
+    naming the file and what to do (store/io_errors.py's, as every write's). Errors
     naming no path in `dst` pass: the URL's (S3's access denied names none; a file:// URL's own path), and a full
     disk (its callers' lines: the CLI's, the cache's)."""
     try:
@@ -609,8 +609,10 @@ def _writing_into(dst: Path, url: str) -> Iterator[None]:
         if not is_not_writable(e) or name is None or not Path(os.path.abspath(os.fsdecode(name))).is_relative_to(
                 os.path.abspath(dst)):
             raise
-        raise UserError(f"cannot pull {url} into {dst}: {name} is not writable ({e.strerror or e}); make "
-                        f"{dst} writable (its permissions, a read-write mount) or pull into another folder") from None
+        err = describe(e, f"the pull of {url} into {dst}", dst)  # (its not-writable line)
+        if err is None:
+            raise
+        raise err from None
 
 
 def _listing(remote: Remote, whole: bool) -> tuple[dict[str, int], dict[str, tuple[int, float]] | None]:
