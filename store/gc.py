@@ -168,7 +168,7 @@ def not_kept(root: Path, entries: dict[str, dict] | None = None, found: list[lea
     them, and one is tens of GB at 1M samples. `entries`: its store.json's tables, `found`: its leases
     (`leases.leases`), when the caller read them already. While a live lease is damaged (it may name any version:
     store/lease.py `live_versions`) no version is told removed (an empty set) and those leases are returned for the
-    caller to name in its own words (`leases.damaged_lease_line`); `store gc` stops instead (`Found.versions`)."""
+    caller to name in its own words (`leases.warn_damaged`); `store gc` stops instead (`Found.versions`)."""
     entries = fmt.read_store_record(root)["tables"] if entries is None else entries
     every = _every_version(root)
     complete = _complete_versions(root, every)

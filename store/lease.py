@@ -62,7 +62,7 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -470,6 +470,9 @@ class Found:
     live: bool
     why: str  # "pid 123 on host, running" / "pid 123 on host is gone" / "refreshed 20 s ago on other-host"
     damaged: bool = False  # its record did not read (`parse_record`): judged by its refresh age alone
+    # which file was read (a local one's `fmt.file_identity`): another file at that path later, or this one written
+    # again, is another lease to a caller that says each once (store/remote_cache.py)
+    seen: tuple[int, int, int] | None = None
 
     def describe(self) -> str:
         return f"{self.record.get('what', '?')} ({self.why}, lease {self.path.name})"
@@ -496,12 +499,20 @@ def damaged_lease_line(found: Found, consequence: str) -> str:
             f"s; one of a gone reader counts as dead {STALE_SECONDS / 60:.0f} min after its last refresh)")
 
 
+def warn_damaged(where: object, damaged: Iterable[Found], consequence: str) -> None:
+    """One warning per live damaged lease in `damaged` (`damaged_lease_line`), for a caller that goes on past them
+    rather than stop (`live_versions`): `where`, the store or URL they lease; `consequence`, what the caller does
+    about them ("every complete version is pushed to URL")."""
+    for found in damaged:
+        log.warning("%s: %s", where, damaged_lease_line(found, consequence))
+
+
 def live_versions(found: Iterable[Found]) -> tuple[set[tuple[str, int]], list[Found]]:
     """(the versions the live leases among `found` name, the live damaged ones). A damaged one names versions no one
     can tell: a caller whose removing is optional housekeeping (the URL cache's eviction, store/remote_cache.py; a
     whole-URL pull leaving out the URL's garbage, store/remote_gc.py `not_kept`; a push leaving out the store's,
-    store/gc.py `not_kept`) keeps every version of that store while it is fresh, and says so
-    (`damaged_lease_line`), instead of stopping; `store gc`, asked for, stops (`Found.versions`)."""
+    store/gc.py `not_kept`) keeps every version of that store while it is fresh, and says so (`warn_damaged`),
+    instead of stopping; `store gc`, asked for, stops (`Found.versions`)."""
     leased: set[tuple[str, int]] = set()
     damaged: list[Found] = []
     for lease in found:
@@ -551,13 +562,14 @@ def leases(root: Path) -> list[Found]:
     if not folder.is_dir():
         return out
     for p in sorted(folder.glob("*.json")):
-        mtime = 0.0  # not even stat'ed: as old as can be
+        mtime, seen = 0.0, None  # not even stat'ed: as old as can be
         try:
-            mtime = p.stat().st_mtime
+            st = p.stat()
+            mtime, seen = st.st_mtime, fmt.file_identity(st)
             record, damaged = parse_record(p.read_bytes())
         except FileNotFoundError:  # released meanwhile
             continue
         except OSError as e:  # unreadable here (permissions, I/O): whose it is cannot be told, as a damaged one
             record, damaged = {}, f"cannot be read: {e.strerror or e}"
-        out.append(judge(p, record, mtime, damaged=damaged))
+        out.append(replace(judge(p, record, mtime, damaged=damaged), seen=seen))
     return out

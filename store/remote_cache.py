@@ -349,15 +349,16 @@ def _live_leases(root: Path) -> list[leases.Found]:
     return [f for f in found if f.live]
 
 
-_said_damaged: set[Path] = set()  # lease files named already by this process: a walk runs before many fetches
+# damaged lease files named already by this process, as (path, `Found.seen`): a walk runs before many fetches, and
+# one damaged again (written whole by its reader, then damaged) or replaced by another damaged file is said again
+_said_damaged: set[tuple[Path, tuple[int, int, int] | None]] = set()
 
 
 def _say_kept_for_damaged(root: Path, damaged: list[leases.Found]) -> None:
-    """One line, once per lease file and process: why no version of `root` is evicted whole meanwhile."""
-    for found in damaged:
-        if found.path not in _said_damaged:
-            _said_damaged.add(found.path)
-            log.warning("%s", leases.damaged_lease_line(found, f"the store cache keeps every version of {root} whole"))
+    """One line, once per damaged lease file and process: why no version of `root` is evicted whole meanwhile."""
+    unsaid = [found for found in damaged if (found.path, found.seen) not in _said_damaged]
+    _said_damaged.update((found.path, found.seen) for found in unsaid)
+    leases.warn_damaged(root, unsaid, "the store cache keeps every version of this store whole")
 
 
 def _remove_dead_fetches(root: Path) -> None:

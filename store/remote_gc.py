@@ -250,8 +250,8 @@ def not_kept(remote: Remote, listing: dict[str, tuple[int, float]], entries: dic
     removed (an empty set) where every complete version is current (the usual store: nothing read), where the
     server's clock cannot be read (credentials that may not write: leases not judged, said here), or while a live
     lease is damaged (it may name any version: store/lease.py `live_versions`): those leases are returned for the
-    caller to name in its own words (`damaged_lease_line`). `read`: `read_once(remote)` shared with the caller (a
-    pull copies the versions whose records it read)."""
+    caller to name in its own words (store/lease.py `warn_damaged`). `read`: `read_once(remote)` shared with the
+    caller (a pull copies the versions whose records it read)."""
     versions = _versions(listing)
     complete = {tv for tv, v in versions.items() if v.complete}
     if entries is None or all_current(entries, complete):

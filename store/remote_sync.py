@@ -39,9 +39,9 @@ from schemas.temp_files import temp_of
 from store import format as fmt
 from store import integrity, remote_checked, remote_endpoint, remote_lease
 from store.checksum import SealError, crc_hex, seal, unseal
-from store.io_errors import is_not_writable
+from store.io_errors import describe, is_not_writable
 from store.remote import Remote, SharedBar, each_at_once, lost_object, lost_version, open_remote, remote_errors
-from store.lease import damaged_lease_line, process_tag
+from store.lease import process_tag, warn_damaged
 from store.remote_shards import is_cache_file, is_lazy
 from store.remote_upload import Mismatch
 
@@ -240,9 +240,7 @@ def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int] | No
     from store.gc import not_kept
 
     garbage, damaged = not_kept(src, entries)  # (empty while a local lease is damaged: each named in one line)
-    for found in damaged:
-        log.warning("%s: %s", src, damaged_lease_line(found, f"every complete version is pushed to {url}, those "
-                                                             "this store's gc would remove too"))
+    warn_damaged(src, damaged, f"every complete version is pushed to {url}, those this store's gc would remove too")
     todo: list[_File] = []
     files_of: dict[str, list[_File]] = {}
     for table, version in versions:
@@ -572,9 +570,7 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
         # copy it; versions never change under their number, and each object copied is checked against it)
         read = read_once(remote)
         garbage, damaged = not_kept(remote, times, rec["tables"], read) if whole else (set(), [])
-        for found in damaged:
-            log.warning("%s: %s", url, damaged_lease_line(found, "every complete version is pulled, those the "
-                                                                 "URL's gc would remove too"))
+        warn_damaged(url, damaged, "every complete version is pulled, those the URL's gc would remove too")
         _refuse_lost_current(remote, rec, tables, listing)
         store = Store(dst)
         versions = _versions_to_pull(listing, tables, wanted, dst, damaged_ok)
@@ -603,7 +599,7 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
 @contextmanager
 def _writing_into(dst: Path, url: str) -> Iterator[None]:
     """A pull's write refused in `dst` (a read-only mount: EROFS; another account's folder: EACCES) as one line
-    naming the folder and what to do (before: a PermissionError traceback from the version's temp folder). Errors
+    naming the file and what to do (store/io_errors.py's, as every write's). Errors
     naming no path in `dst` pass: the URL's (S3's access denied names none; a file:// URL's own path), and a full
     disk (its callers' lines: the CLI's, the cache's)."""
     try:
@@ -613,8 +609,10 @@ def _writing_into(dst: Path, url: str) -> Iterator[None]:
         if not is_not_writable(e) or name is None or not Path(os.path.abspath(os.fsdecode(name))).is_relative_to(
                 os.path.abspath(dst)):
             raise
-        raise UserError(f"cannot pull {url} into {dst}: {name} is not writable ({e.strerror or e}); make "
-                        f"{dst} writable (its permissions, a read-write mount) or pull into another folder") from None
+        err = describe(e, f"the pull of {url} into {dst}", dst)  # (its not-writable line)
+        if err is None:
+            raise
+        raise err from None
 
 
 def _listing(remote: Remote, whole: bool) -> tuple[dict[str, int], dict[str, tuple[int, float]] | None]:

@@ -114,7 +114,8 @@ def test_a_damaged_fresh_lease_in_a_url_cache_keeps_its_store_and_the_open_goes_
     """The URL cache's eviction is housekeeping: while a damaged lease in a cached store is fresh, an open with a
     size limit (a training reading the URL) stopped with the lease's line (up to 15 min for a gone reader's). It
     opens now, keeps every version of that store whole (the lease may name any; their shards may go, refetched on
-    need, as a live lease's), and says so in one line, once; once the lease is stale, the unused version goes."""
+    need, as a live lease's), and says so in one line, once per damaged file; once the lease is stale, the unused
+    version goes."""
     from store import format as fmt
     from store.remote_cache import USAGE, local_store
     from store.remote_sync import push
@@ -145,6 +146,19 @@ def test_a_damaged_fresh_lease_in_a_url_cache_keeps_its_store_and_the_open_goes_
             assert local_store(url, ["vae"], cache, limit_gb=a_kb_less(), lease=False) == root
     said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
     assert len(said) == 1 and str(path) in said[0] and "\n" not in said[0], said
+    assert fmt.is_complete(v1) and path.exists()
+
+    # written whole again (a live lease: nothing said), then damaged again at the same path: said again, once (it
+    # was said once per path and process: the second damage went unsaid)
+    caplog.clear()
+    path.write_bytes(data)
+    assert local_store(url, ["vae"], cache, limit_gb=a_kb_less(), lease=False) == root
+    path.write_bytes(_flip_pid(data, os.getpid()))
+    with caplog.at_level("WARNING", logger="store"):
+        for _ in range(2):
+            assert local_store(url, ["vae"], cache, limit_gb=a_kb_less(), lease=False) == root
+    said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(said) == 1 and str(path) in said[0], said
     assert fmt.is_complete(v1) and path.exists()
 
     long_ago = time.time() - lease.STALE_SECONDS - 60  # its reader never wrote it again: stale, judged dead

@@ -180,8 +180,9 @@ def test_a_pull_into_a_read_only_folder_is_one_line_naming_it(store: Store, tmp_
         return real_mkdir(path, *a, **k)
 
     monkeypatch.setattr(os, "mkdir", refused_in_dst)
-    with pytest.raises(UserError, match=rf"cannot pull {url} into {dst}: {dst}/vae/\S+ is not writable .*; make "
-                                        rf"{dst} writable .* or pull into another folder") as e:
+    with pytest.raises(UserError, match=rf"cannot write the pull of {url} into {dst}: {dst}/vae/\S+ is not "
+                                        rf"writable .*; check the folder's permissions or choose another "
+                                        rf"location") as e:
         pull(url, dst)
     assert "\n" not in str(e.value)
     assert Store(dst, create=False).versions("vae") == [1]
