@@ -49,7 +49,7 @@ from encode_carry import with_notes  # noqa: E402
 from schemas.fixes import mask_orientation_changes  # noqa: E402
 from stages.encode.plan import changed_rows  # noqa: E402
 from stages.encode.vae import FIXES  # noqa: E402
-from stages.resize.stage import MASK_FIX  # noqa: E402
+from stages.resize.images_table import MASK_FIX  # noqa: E402
 from store import Store  # noqa: E402
 from store.manifest import TENSOR_STRUCT  # noqa: E402
 

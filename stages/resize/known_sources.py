@@ -3,7 +3,7 @@ val_fraction or the control limits changed, a few samples added) carries them fo
 bytes or hashing their key again (a folder or JSONL source: its reader in sources.py asks `KnownSources.get`
 before reading a sample).
 
-A sample's key (stage.sample_key: sha256 of target + controls + caption) needs every byte of it. A row records its
+A sample's key (images_table.sample_key: sha256 of target + controls + caption) needs every byte of it. A row records its
 source name, the sha256 of each target/control file (`source_hashes`), of its mask (`mask_sha256`) and its caption.
 A sample found now under the same source name whose files' sha256, as the file-hash cache knows them, are the
 recorded ones, and whose caption (a folder's .txt, small, read; a JSONL's, in its line) is the recorded one, has the recorded bytes: the recorded

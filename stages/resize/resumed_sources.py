@@ -145,7 +145,7 @@ class ResumedMasks:
 
 
 def _bits(mask_sha256: str | None) -> int:
-    """As stage._mask_bits of the mask's bytes: 64 bits of its hash, 0 for none ("")."""
+    """As images_table.mask_bits of the mask's bytes: 64 bits of its hash, 0 for none ("")."""
     return int(mask_sha256[:16], 16) if mask_sha256 else 0
 
 

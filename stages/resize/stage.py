@@ -18,17 +18,14 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 from PIL import Image
 from tqdm import tqdm
 
 from schemas.config import PipelineConfig, ResizeConfig
-from schemas import FieldSpec, Lineage, TableSchema, UserError
+from schemas import TableSchema, UserError
 from schemas.errors import Rejected
-from schemas.fixes import (KEPT_INSTEAD, UNCLEANED_CAPTION, made_since, mask_may_misfit, mask_orientation_changes,
-                           revisions_before)
+from schemas.fixes import KEPT_INSTEAD
 from schemas.up_to_date import is_current
 from schemas.stage import quarantined_line
 from schemas.img_shapes import PIXELS_PER_PATCH, img_shapes_from_pixels
@@ -40,70 +37,20 @@ from stages.resize.content import Listing, content_listing_hash
 from stages.resize.first_read import pending_tars, record_pending, settle_listing, settling
 from stages.resize.caption_text import CONTROLS_REMOVED, clean_caption, had_controls, not_utf8
 from stages.resize.folder_listing import remembered
+from stages.resize.images_table import (STAGE, TABLE, fixed_since, images_schema, lineages_before_fixes,
+                                        mask_bits, mask_hash, pictures_before_fixes, pictures_now, pictures_of,
+                                        sample_key, told_by_source_since)
 from stages.resize.parquet_source import columns_in_force, remembered_footers
 from stages.resize.moved_source import Moved, recorded_source
 from stages.resize.sources import SourceSample, detect_format, iter_source
 from stages.resize.split_rule import pictures_id, rule_in_force, split_for
 from stages.resize.still_unreadable import same_version as _same_version
-from store.row_rule import AnyOf, ColumnRule, RowRule
 from store.writer_commit import discard_version
 
 if TYPE_CHECKING:
     from store import Store
 
-STAGE = "resize-bucket"
-TABLE = "images"
-# Bump when this stage's output changes for identical inputs and settings (new resampling, PNG options...).
-FEATURE_REVISION = 4
 
-
-def _caption_changes(rows: pa.Table) -> np.ndarray:
-    """Stored captions revision 3 renders otherwise: '' (a copy kept instead of its rejected first copy) or one
-    holding a control character or CR (cleaned since, so keyed anew), matched over the whole column."""
-    if "caption" not in rows.column_names:
-        return np.zeros(rows.num_rows, bool)
-    col = rows.column("caption")
-    hit = pc.or_(pc.equal(col, ""), pc.match_substring_regex(col, UNCLEANED_CAPTION))
-    return pc.fill_null(hit, False).to_numpy(zero_copy_only=False)
-
-
-# Each earlier revision whose versions stay current, with the fix made after it: which stored samples that fix
-# renders differently (schemas/fixes.py), asked over whole columns (store/row_rule.py). A version of revision r
-# is carried forward but for the samples any fix made since r changes: only those are re-rendered (`_fixed_since`).
-# 1 -> 2: a mask drawn on an EXIF-rotated target's stored pixels was stretched (e532fe5).
-MASK_FIX = RowRule(mask_orientation_changes, ("has_mask", "conversions"))
-# 2 -> 3: a mask of another aspect than its target was stretched (18eac2c: bad-mask since), captions kept control
-# characters (cc89fbf), a copy kept instead of its rejected first copy was stored with caption '' (7016b9b)
-REVISION_3_FIX = AnyOf((RowRule(mask_may_misfit, ("has_mask", "conversions")),
-                        ColumnRule(_caption_changes, ("caption",))))
-# 3 -> 4: a picture with one transparent colour (a PNG's tRNS on RGB/L/1/16-bit grey) kept that colour's pixels as
-# stored instead of taking them as transparent (features/decode.py). No stored column tells such a picture (the rows
-# record neither the pictures' formats nor their transparency; `source` names the target's file, not a control's,
-# and a parquet cell no file at all): every row may change, so no revision-3 version stays current; the rerun reads
-# each sample's source pictures' headers (no pixel decoded: header_checks.py) and renders again only those with a
-# transparent colour, the others carried (`TOLD_BY_SOURCE`); the encoders encode again only rows whose new render
-# notes it (`took_transparent_colour`)
-REVISION_4_FIX = ColumnRule(lambda rows: np.ones(rows.num_rows, bool), ())
-FIXES = ((1, MASK_FIX), (2, REVISION_3_FIX), (3, REVISION_4_FIX))
-# the fixes whose rows the source's bytes settle, not the stored columns: a row only they select is carried when
-# its pictures' headers say the fix leaves it unchanged (header_checks.py)
-TOLD_BY_SOURCE = (REVISION_4_FIX,)
-
-
-def _fixed_since(revision: int, by_rows: bool = False) -> AnyOf:
-    """Which samples of a version of `revision` the fixes made since render differently (`by_rows`: those the
-    stored columns tell, without the rows the source's headers settle: `TOLD_BY_SOURCE`)."""
-    return AnyOf(tuple(rule for rule in made_since(FIXES, revision) if not (by_rows and rule in TOLD_BY_SOURCE)))
-
-
-def _told_by_source_since(revision: int) -> bool:
-    """Does a fix made since `revision` leave it to the source's headers which samples it changes?"""
-    return any(rule in TOLD_BY_SOURCE for rule in made_since(FIXES, revision))
-
-
-def _revisions_before_fixes() -> list[int]:
-    """The earlier revisions whose versions stay current (oldest first)."""
-    return revisions_before(FIXES, FEATURE_REVISION)
 PNG_COMPRESS_LEVEL = 3  # lossless either way; 3 is ~3x faster than the default 6 for a few % more bytes
 
 
@@ -327,7 +274,7 @@ def _write_version(cfg: PipelineConfig, st: Store, source: str | Path, fmt: str,
     """Open this run's version (or resume it), fill it and commit it; its summary. A run whose unread files fail
     alike again keeps the version it found instead (`_kept_summary`)."""
     rc, schema = lineage.rc, lineage.schema
-    now = _pictures_now(schema)
+    now = pictures_now(schema)
     _refuse_a_switch_without_hashes(st, rc, schema, now)
     repairing = _damaged_current(st)
     _say_why_new(st, schema, lineage.pending)
@@ -348,7 +295,7 @@ def _fill_and_commit(cfg: PipelineConfig, st: Store, writer: Any, intake: _Intak
                      lineage: _Lineage, now: tuple[str, ...], started: float) -> ResizeSummary | None:
     """Render and carry every sample into `writer`, settle its lineage and commit it. None once committed; the
     kept version's summary when the files a read error left unread fail alike again (still_unreadable.py). `now`:
-    `_pictures_now`."""
+    `pictures_now`."""
     rc, pending = lineage.rc, lineage.pending
     record_pending(writer, pending)
     carry = _render_source(source, fmt, rc, writer, *_rendered_before(st, lineage.schema, now), intake, st, pending,
@@ -509,7 +456,6 @@ def _named_source(source: str | Path) -> str | Path:
     return Path(source).resolve()
 
 
-
 HELD_PER_KEY = 4
 
 
@@ -551,7 +497,7 @@ class _Intake:
         row = {"key": r.key, "source": rec.source, "stage": STAGE, "reason": r.reason, "detail": r.detail}
         if rec.samples > 1:  # one row for a range of unread rows: the column only there (older rows lack it)
             row["samples"] = rec.samples
-        if r.key is not None and (pictures := _pictures_of(rec)) is not None:  # its would-be split under either
+        if r.key is not None and (pictures := pictures_of(rec)) is not None:  # its would-be split under either
             row["pictures"] = pictures  # rule (`run all`'s val check: pipeline/val_split.py); older rows lack it
         if rec.unread is not None:
             self.unread.add(rec.unread)
@@ -579,14 +525,14 @@ class _Intake:
 
             self.masks = resumed_masks(writer.dir)
         recorded = self.masks.get(key)
-        return recorded is None or recorded == _mask_bits(rec.mask)
+        return recorded is None or recorded == mask_bits(rec.mask)
 
     def duplicate(self, rec: SourceSample, r: Rejected, first_kept: bool, holder: bool = False) -> None:
         """A duplicate's quarantine row; held for a revival when its mask differs from the first copy's and that
         copy is not known to be kept (written, resumed or carried forward). `holder`: the copy a resumed version
         holds instead of its first (`revived_before`), held always: its revival finds it in the table."""
         row = self.reject(rec, r)
-        if holder or (not first_kept and self.first_mask.get(r.key, 0) != _mask_bits(rec.mask)):
+        if holder or (not first_kept and self.first_mask.get(r.key, 0) != mask_bits(rec.mask)):
             if len(held := self.held.setdefault(r.key, [])) < HELD_PER_KEY or holder:
                 held.append((rec, row))
 
@@ -697,7 +643,7 @@ def _opened_from_remote(st: Store, schema: TableSchema) -> bool:
 
     if repair_context.active():
         return False
-    wanted = [schema.lineage.to_dict(), *(old.to_dict() for _, old in _lineages_before_fixes(schema.lineage))]
+    wanted = [schema.lineage.to_dict(), *(old.to_dict() for _, old in lineages_before_fixes(schema.lineage))]
 
     def same(recorded: Any) -> bool:  # compared as `Store.find_version` compares a local version's schema.json
         try:
@@ -709,23 +655,6 @@ def _opened_from_remote(st: Store, schema: TableSchema) -> bool:
     return open_committed(st.root, TABLE, same) is not None
 
 
-def _lineages_before_fixes(lineage: Lineage) -> list[tuple[int, Lineage]]:
-    """(revision, this run's version lineage as it hashed) for each earlier revision whose versions stay current."""
-    from schemas.pictures_lineage import images_code_version
-
-    return [(r, replace(lineage, code_version=images_code_version(r))) for r in _revisions_before_fixes()]
-
-
-def _pictures_before_fixes(schema: TableSchema) -> list[tuple[int, str]]:
-    """(revision, pictures' feature lineage) of each earlier revision, as this run's schema records them."""
-    from schemas.pictures_lineage import CODE_BEFORE_FIXES_ATTR, images_revision, recorded_before_fixes
-    from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR
-
-    now = schema.attrs[FEATURE_LINEAGE_ATTR]
-    pairs = recorded_before_fixes(schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR), schema.attrs.get(CODE_BEFORE_FIXES_ATTR))
-    return [(r, h) for r, h in ((images_revision(c), h) for c, h in pairs) if r is not None and h != now]
-
-
 def _supersede_earlier_revision(schema: TableSchema) -> TableSchema:
     """`store repair` of a version rendered before this revision's fixes (its lineage is this run's under an earlier
     revision): the samples re-rendered are this revision's, so this run writes under its own lineage and schema
@@ -735,7 +664,7 @@ def _supersede_earlier_revision(schema: TableSchema) -> TableSchema:
     from store import repair_context
 
     if any(old == repair_context.expected() and old != schema.lineage
-           for _, old in _lineages_before_fixes(schema.lineage)):
+           for _, old in lineages_before_fixes(schema.lineage)):
         repair_context.supersede(schema.lineage)
     return schema
 
@@ -748,11 +677,11 @@ def _unchanged_by_fixes(st: Store, schema: TableSchema) -> int | None:
     from store.manifest_files import checked_manifest
     from store.reuse import unchanged_by_fixes
 
-    for revision, before in reversed(_lineages_before_fixes(schema.lineage)):
+    for revision, before in reversed(lineages_before_fixes(schema.lineage)):
         found = st.find_version(TABLE, before)
         if found is None:
             continue
-        fixed = _fixed_since(revision)
+        fixed = fixed_since(revision)
 
         def none_changed() -> bool:
             try:
@@ -827,17 +756,17 @@ def _damaged_current(st: Store) -> int | None:
 
 def _rendered_before(st: Store, schema: TableSchema, now: tuple[str, ...]) -> tuple[dict[str, str], set[str]]:
     """key -> mask hash of every sample an earlier version rendered with the same pixel settings (`now`:
-    `_pictures_now`; or with the revision before this one's fixes, when they leave the sample unchanged), and the
+    `pictures_now`; or with the revision before this one's fixes, when they leave the sample unchanged), and the
     keys among them to carry only once their source pictures' headers say a fix leaves them unchanged
     (`TOLD_BY_SOURCE`)."""
     from store.reuse import reusable_keys
 
     fixed: dict[str, str] = {}
     checked: set[str] = set()
-    for revision, before in _pictures_before_fixes(schema):  # oldest first: a later revision's row wins
-        keys = reusable_keys(st, TABLE, before, "mask_sha256", changed=_fixed_since(revision, by_rows=True))
+    for revision, before in pictures_before_fixes(schema):  # oldest first: a later revision's row wins
+        keys = reusable_keys(st, TABLE, before, "mask_sha256", changed=fixed_since(revision, by_rows=True))
         fixed.update(keys)
-        if _told_by_source_since(revision):
+        if told_by_source_since(revision):
             checked.update(keys)
         else:
             checked.difference_update(keys)
@@ -846,18 +775,6 @@ def _rendered_before(st: Store, schema: TableSchema, now: tuple[str, ...]) -> tu
         same.update(reusable_keys(st, TABLE, lineage, "mask_sha256"))
     checked.difference_update(same)
     return {**fixed, **same}, checked
-
-
-def _pictures_now(schema: TableSchema) -> tuple[str, ...]:
-    """This run's pictures' feature lineage, then, where it differs, the same pictures' as recorded before unread
-    settings were hashed as their defaults (`schemas.pictures_lineage.earlier_pictures_lineage`): both name the
-    samples carried as rendered with the same pixel settings. Computed once a run (it hashes the settings twice)."""
-    from schemas.pictures_lineage import earlier_pictures_lineage
-    from store.reuse import FEATURE_LINEAGE_ATTR
-
-    earlier = earlier_pictures_lineage(ResizeConfig.model_validate(schema.attrs["resize"]),
-                                       schema.lineage.code_version)
-    return (schema.attrs[FEATURE_LINEAGE_ATTR], *filter(None, [earlier]))
 
 
 def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
@@ -975,7 +892,7 @@ class _Triage:
         if rec.known is not None:
             key = _judge_known(rec, self.rc, intake.first_source)
             if rec.known.mask_sha256:
-                intake.first_mask[key] = int(rec.known.mask_sha256[:16], 16)  # as _mask_bits of its bytes
+                intake.first_mask[key] = int(rec.known.mask_sha256[:16], 16)  # as mask_bits of its bytes
             self.carry[key] = rec.source
             return None
         return _judge(rec, self.rc, intake.first_source)
@@ -992,7 +909,7 @@ class _Triage:
         """A judged sample: resumed, carried forward, or to render (returned)."""
         intake, writer = self.intake, self.writer
         if rec.mask is not None:
-            intake.first_mask[key] = _mask_bits(rec.mask)
+            intake.first_mask[key] = mask_bits(rec.mask)
         if key in writer.done_keys and intake.holds(writer, key, rec):
             intake.summary.resumed += 1
         elif key in writer.done_keys:  # a later copy holds it: this first copy's rendering failed before
@@ -1080,10 +997,10 @@ def _carry_forward(st: Store, writer: Any, schema: TableSchema, now: tuple[str, 
     source_hashes)."""
     from store.reuse import carry_forward, reusable
 
-    befores = _pictures_before_fixes(schema)
+    befores = pictures_before_fixes(schema)
     # the rows the source's headers settled (`TOLD_BY_SOURCE`) are in `carry` only where they said unchanged
     for version, rows in reusable(st, TABLE, (*now, *(h for _, h in befores)), carry,
-                                  changed={h: _fixed_since(r, by_rows=True) for r, h in befores} or None).items():
+                                  changed={h: fixed_since(r, by_rows=True) for r, h in befores} or None).items():
         keys = rows.column("key").to_pylist()
         # a version written before source_hashes was recorded lacks them: split by key they are not needed
         hashes = rows.column("source_hashes").to_pylist() if "source_hashes" in rows.column_names else [None] * len(keys)
@@ -1105,7 +1022,7 @@ def _without_hashes(st: Store, version: int, samples: int, which: str) -> UserEr
 def _refuse_a_switch_without_hashes(st: Store, rc: ResizeConfig, schema: TableSchema, now: tuple[str, ...]) -> None:
     """A switch to the pictures split of a store whose current version records no source_hashes (an older
     release's) and whose samples this run would carry (the same pixels' settings, under either spelling of their
-    lineage, `now`: `_pictures_now`, or before this revision's fixes): refused before any sample is rendered, not
+    lineage, `now`: `pictures_now`, or before this revision's fixes): refused before any sample is rendered, not
     after (`_carry_forward` checks every version it carries from). One column of the manifest read, on a switch
     only. A switch that renders every sample anew (other pixels' settings) needs none."""
     from stages.resize.split_rule import recorded_rule
@@ -1118,7 +1035,7 @@ def _refuse_a_switch_without_hashes(st: Store, rc: ResizeConfig, schema: TableSc
     vdir = st.version_dir(TABLE, current)
     try:  # checked: a flipped bit that still parses is no old release's version to refuse the switch for
         attrs = checked_schema(vdir).attrs
-        befores = [h for _, h in _pictures_before_fixes(schema)]
+        befores = [h for _, h in pictures_before_fixes(schema)]
         if recorded_rule(attrs) == "pictures" or not same_features(attrs, (*now, *befores)):
             return
         rows = checked_manifest(vdir, ["source_hashes"])
@@ -1168,92 +1085,6 @@ def _verify_repaired(st: Store, summary: ResizeSummary, repairing: int) -> None:
     done = replace_damaged(st, TABLE, summary.version, repairing, "re-rendered")
     summary.repaired_from = repairing
     tqdm.write(f"resize-bucket: {done}")
-
-
-# ---------------------------------------------------------------- schema, lineage, keys
-
-
-def images_schema(rc: ResizeConfig, listing: str, source: str = "", source_format: str = "") -> TableSchema:
-    from schemas.lineage import unhashed_names
-    from schemas.pictures_lineage import CODE_BEFORE_FIXES_ATTR, images_code_version, pictures_lineage
-    from stages.resize.split_rule import ATTR as SPLIT_ATTR
-    from stages.resize.split_rule import FOR_NEW_STORE
-    from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR
-
-    lineage = Lineage(stage=STAGE, config_hash=f"{rc.fingerprint()}-src{listing}",
-                      code_version=images_code_version(FEATURE_REVISION))
-    before_fixes = _lineages_before_fixes(lineage)
-    png, col = "png", "column"
-    return TableSchema(
-        name=TABLE,
-        lineage=lineage,
-        fields=(
-            FieldSpec("target.png", png, kind="file"),
-            FieldSpec("control_{i}.png", png, kind="file", optional=True),
-            FieldSpec("control_{i}_vl.png", png, kind="file", optional=True),
-            FieldSpec("mask.png", png, kind="file", optional=True),
-            FieldSpec("caption", "string", kind=col),
-            FieldSpec("split", "string", kind=col),
-            FieldSpec("img_shapes", "json", kind=col),
-            FieldSpec("bucket", "json", kind=col),
-            FieldSpec("control_sizes", "json", kind=col),
-            FieldSpec("control_vl_sizes", "json", kind=col),
-            FieldSpec("num_controls", "int64", kind=col),
-            FieldSpec("source", "string", kind=col),
-            FieldSpec("source_hashes", "json", kind=col),
-            FieldSpec("source_size", "json", kind=col),
-            FieldSpec("has_mask", "bool", kind=col),
-            FieldSpec("mask_sha256", "string", kind=col, optional=True),
-            FieldSpec("conversions", "json", kind=col, optional=True),
-        ),
-        # without the operational settings (shard size, workers), which change neither features nor lineage
-        attrs={
-            # the split rule apart (split_rule.ATTR): recorded also where it hashes as unset ("key")
-            "resize": rc.model_dump(mode="json", exclude=unhashed_names(rc) | {"split_by"}),
-            SPLIT_ATTR: rc.split_by or FOR_NEW_STORE,
-            "source": source,
-            "source_format": source_format,
-            "source_listing": listing,
-            # the pixels' settings, not the view (which samples, split labels)
-            FEATURE_LINEAGE_ATTR: pictures_lineage(rc, lineage.code_version),
-            # what these pixels were hashed as by each earlier revision (oldest first): the encoders carry their
-            # samples encoded from such a table forward unless a fix made since changed the sample
-            # (stages/encode/plan.py)
-            LINEAGE_BEFORE_FIXES_ATTR: [pictures_lineage(rc, old.code_version) for _, old in before_fixes],
-            CODE_BEFORE_FIXES_ATTR: [old.code_version for _, old in before_fixes],
-        },
-    )
-
-
-def sample_key(target: bytes, controls: list[bytes], caption: str) -> str:
-    """Content hash of the target bytes, each control's bytes in order and the instruction (32 hex chars).
-
-    Every part is length-prefixed, so moving bytes between parts can never give the same key.
-    """
-    h = hashlib.sha256()
-    for part in (target, *controls, caption.encode("utf-8")):
-        h.update(len(part).to_bytes(8, "big"))
-        h.update(part)
-    return h.hexdigest()[:32]
-
-
-def mask_hash(mask: bytes | None) -> str:
-    """The edit mask is not part of the key (DESIGN: key = target + controls + caption), so reuse compares it
-    separately: sha256 of its bytes, "" for none."""
-    return hashlib.sha256(mask).hexdigest() if mask is not None else ""
-
-
-def _pictures_of(rec: SourceSample) -> str | None:
-    """`pictures_id` of a sample read (its bytes) or found with its record; None where neither is at hand."""
-    if rec.known is not None and rec.known.source_hashes:
-        return pictures_id(rec.known.source_hashes)
-    if rec.target is None:
-        return None
-    return pictures_id(hashlib.sha256(b).hexdigest() for b in (rec.target, *rec.controls))
-
-
-def _mask_bits(mask: bytes | None) -> int:
-    return int(mask_hash(mask)[:16], 16) if mask is not None else 0
 
 
 # ---------------------------------------------------------------- per sample
@@ -1515,6 +1346,5 @@ def _png(im: Image.Image) -> bytes:
     buf = io.BytesIO()
     im.save(buf, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
     return buf.getvalue()
-
 
 

@@ -18,7 +18,7 @@ from PIL import Image
 from pipeline.config import load_config
 from stages.encode import text as encode_text
 from stages.encode import vae as encode_vae
-from stages.resize import known_sources
+from stages.resize import images_table, known_sources
 from stages.resize import stage as resize_stage
 from store import Store
 
@@ -82,7 +82,7 @@ def _build_at(monkeypatch, revision: int, cfg, src, store):
     """What revision 1 or 2 wrote: any mask stretched, captions as read, a kept copy's caption '', no notes of
     either; revision 2 recorded the lineage before its fix as one string each, revision 1 none."""
     with monkeypatch.context() as m:
-        m.setattr(resize_stage, "FEATURE_REVISION", revision)
+        m.setattr(images_table, "FEATURE_REVISION", revision)
         m.setattr(resize_stage, "_check_mask_aspect", lambda *a: None)
         if revision == 1:
             m.setattr(resize_stage, "_drawn_on_stored_pixels", lambda *a: False)

@@ -12,7 +12,8 @@ from pathlib import Path
 from PIL import Image
 
 from pipeline.config import load_config
-from stages.resize.stage import run, sample_key
+from stages.resize.images_table import sample_key
+from stages.resize.stage import run
 from store import Store
 from store.verify import verify_store
 

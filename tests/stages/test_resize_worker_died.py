@@ -21,7 +21,8 @@ import crashing_render
 from pipeline.config import load_config
 from pipeline.demo_data import make_demo_data
 from stages.resize import stage
-from stages.resize.stage import run, sample_key
+from stages.resize.images_table import sample_key
+from stages.resize.stage import run
 from store import Store
 from store.verify import verify_store
 
