@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from pipeline.config import load_config
-from stages.resize import images_table
+from stages.resize import images_table, rendering
 from stages.resize import stage as resize_stage
 from store import Store
 
@@ -67,8 +67,8 @@ def _build_before_fix(monkeypatch, cfg, src, store):
     """What revision 1 wrote: the stretched mask, its lineage (and no record of the lineage before fixes)."""
     with monkeypatch.context() as m:
         m.setattr(images_table, "FEATURE_REVISION", 1)
-        m.setattr(resize_stage, "_drawn_on_stored_pixels", lambda *a: False)
-        m.setattr(resize_stage, "_check_mask_aspect", lambda *a: None)  # it stretched any mask (since: bad-mask)
+        m.setattr(rendering, "_drawn_on_stored_pixels", lambda *a: False)
+        m.setattr(rendering, "_check_mask_aspect", lambda *a: None)  # it stretched any mask (since: bad-mask)
         real_schema = resize_stage.images_schema
 
         def old_schema(*a, **k):

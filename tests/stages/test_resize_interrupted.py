@@ -32,7 +32,7 @@ from signal_elsewhere import signal_elsewhere_once_main_waits
 from pipeline.config import load_config
 from stages.resize import stage
 
-stage._render_item = hanging_render.render_item
+stage.render_item = hanging_render.render_item
 
 def head_hangs():  # the sample the main thread waits for is the stuck one: nothing else will wake it
     frame = sys._current_frames().get(threading.main_thread().ident)

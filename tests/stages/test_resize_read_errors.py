@@ -20,7 +20,7 @@ from PIL import Image
 
 from models.file_hashes import FileHashes
 from pipeline.config import load_config
-from stages.resize import sources, stage
+from stages.resize import rendering, sources, stage
 from stages.resize.content import content_listing_hash
 from store import Store
 from tests.stages.test_resize_rerun_reads import SMALL, _quarantine, _rows
@@ -103,8 +103,8 @@ def test_a_tar_read_error_quarantines_each_unread_sample_and_a_rerun_adds_them(t
     assert "could not read 2 sample(s)" in str(first) and "rerun" in str(first)
 
     rendered = []
-    real_render = stage.render
-    monkeypatch.setattr(stage, "render", lambda rec, *a, **k: rendered.append(rec.source) or real_render(rec, *a, **k))
+    real_render = rendering.render
+    monkeypatch.setattr(rendering, "render", lambda rec, *a, **k: rendered.append(rec.source) or real_render(rec, *a, **k))
     again = stage.run(cfg, src, out)  # the disk reads again
     assert not again.up_to_date and again.version == first.version + 1
     assert again.written == 2 and again.reused == 4 and not again.quarantined
