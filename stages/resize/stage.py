@@ -30,11 +30,12 @@ from schemas.resize_sizes import sizes_in_force
 from stages.resize.render_pool import rendered_in_order
 from stages.resize.content import Listing, content_listing_hash
 from stages.resize.first_read import pending_tars, record_pending, settle_listing, settling
-from stages.resize.caption_text import clean_caption, not_utf8
+from stages.resize.caption_text import clean_caption
 from stages.resize.folder_listing import remembered
 from stages.resize.images_table import (STAGE, TABLE, fixed_since, images_schema, lineages_before_fixes,
                                         mask_bits, mask_hash, pictures_before_fixes, pictures_now, pictures_of,
-                                        sample_key, told_by_source_since)
+                                        told_by_source_since)
+from stages.resize.judge import claim, judge, judge_known
 from stages.resize.parquet_source import columns_in_force, remembered_footers
 from stages.resize.moved_source import Moved, recorded_source
 from stages.resize.rendering import Rendered, bucket_rules, render_item
@@ -879,16 +880,16 @@ class _Triage:
         Rejected."""
         intake = self.intake
         if rec.done_key is not None:  # written before: same source name, same bytes (the lineage)
-            _claim(rec.done_key, rec.source, intake.first_source)
+            claim(rec.done_key, rec.source, intake.first_source)
             intake.summary.resumed += 1
             return None
         if rec.known is not None:
-            key = _judge_known(rec, self.rc, intake.first_source)
+            key = judge_known(rec, self.rc, intake.first_source)
             if rec.known.mask_sha256:
                 intake.first_mask[key] = int(rec.known.mask_sha256[:16], 16)  # as mask_bits of its bytes
             self.carry[key] = rec.source
             return None
-        return _judge(rec, self.rc, intake.first_source)
+        return judge(rec, self.rc, intake.first_source)
 
     def _rejected(self, rec: SourceSample, r: Rejected) -> None:
         intake, writer = self.intake, self.writer
@@ -1136,48 +1137,5 @@ def check_config(rc: ResizeConfig) -> None:
         raise UserError(f"resize.multiple = {rc.multiple} must be a multiple of {PIXELS_PER_PATCH} (VAE 8 x patch 2)")
     if rc.min_controls > rc.max_controls:
         raise UserError(f"resize.min_controls = {rc.min_controls} is above resize.max_controls = {rc.max_controls}")
-
-
-def _judge(rec: SourceSample, rc: ResizeConfig, first_source: dict[str, str]) -> tuple[str, str]:
-    """Checks that need no decoding: reader problems, caption, control count, duplicate content."""
-    if rec.problem is not None:
-        raise Rejected(rec.problem_kind, rec.problem)
-    assert rec.target is not None
-    if rec.caption is None:
-        raise Rejected("missing-caption", "no caption (.txt / caption field) for this sample")
-    try:
-        caption = clean_caption(rec.caption)
-    except UnicodeDecodeError as e:
-        raise Rejected("caption-not-utf8", not_utf8(rec.caption, e)) from None
-    if not caption:
-        raise Rejected("empty-caption", "caption is empty, or whitespace or control characters only")
-    n = len(rec.controls)
-    key = sample_key(rec.target, rec.controls, caption)  # before the count check: its row names the key, so its
-    # would-be split is known (`run all`'s val check tells a val split emptied by this quarantine from the hash's)
-    _check_count(n, rc, key)
-    _claim(key, rec.source, first_source)
-    return key, caption
-
-
-def _judge_known(rec: SourceSample, rc: ResizeConfig, first_source: dict[str, str]) -> str:
-    """`_judge` of a sample found with its recorded key (its caption checked against the recorded one)."""
-    _check_count(rec.known.controls, rc, rec.known.key)
-    _claim(rec.known.key, rec.source, first_source)
-    return rec.known.key
-
-
-def _check_count(n: int, rc: ResizeConfig, key: str) -> None:
-    if not rc.min_controls <= n <= rc.max_controls:
-        raise Rejected(
-            "control-count", f"{n} control image(s), outside resize.min_controls..max_controls = {rc.min_controls}..{rc.max_controls}",
-            key=key,
-        )
-
-
-def _claim(key: str, source: str, first_source: dict[str, str]) -> None:
-    """The first copy of a content key; a later one is a duplicate."""
-    if key in first_source:
-        raise Rejected("duplicate", f"same content (target, controls, caption) as {first_source[key]}", key=key)
-    first_source[key] = source
 
 
