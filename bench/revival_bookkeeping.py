@@ -25,7 +25,8 @@ from collections import Counter
 
 from schemas.errors import Rejected
 from stages.resize.sources import SourceSample
-from stages.resize.stage import ResizeSummary, _Intake
+from stages.resize.stage import _Intake
+from stages.resize.summary import ResizeSummary
 
 
 def intake_with_held(keys: int, others: int) -> tuple[_Intake, list[tuple[str, list]]]:

@@ -26,7 +26,7 @@ PNG_COMPRESS_LEVEL = 3  # lossless either way; 3 is ~3x faster than the default 
 
 
 def render_item(item: tuple[SourceSample, str, str], rc: ResizeConfig,
-                 rules: dict[str, BucketRule]) -> Rendered | Rejected:
+                rules: dict[str, BucketRule]) -> Rendered | Rejected:
     """`render` of a (sample, key, caption) item: what the render workers are handed, by name."""
     rec, key, caption = item
     return render(rec, key, caption, rc, rules)

@@ -96,7 +96,7 @@ def test_the_summary_counts_the_whole_table_after_a_resume_or_a_carry_forward(tm
     resumed run counted only the samples rendered after the kill (and a carried-forward one left its samples'
     buckets out), so a table of 16 read "controls per sample: 0: 3, 1: 2" after a resume. The run that carries
     samples forward never parses a whole `images` manifest (every column: ~730 MB at 1M samples), neither to find
-    the rows it carries (store/reuse.py) nor to count the version it wrote (`stage.version_counts`)."""
+    the rows it carries (store/reuse.py) nor to count the version it wrote (`summary.version_counts`)."""
     make_demo_data(tmp_path / "src", n=16, fmt="folder", max_controls=2, seed=2)
     src, out = tmp_path / "src", tmp_path / "store"
     killed = warm_start.run([sys.executable, "-c", KILLED, str(src), str(out)],

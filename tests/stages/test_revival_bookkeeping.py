@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from schemas.errors import Rejected
 from stages.resize.sources import SourceSample
-from stages.resize.stage import ResizeSummary, _Intake
+from stages.resize.stage import _Intake
+from stages.resize.summary import ResizeSummary
 
 
 def _dup(intake: _Intake, key: str, source: str) -> tuple[SourceSample, dict]:
