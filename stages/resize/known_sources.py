@@ -7,7 +7,7 @@ A sample's key (images_table.sample_key: sha256 of target + controls + caption) 
 source name, the sha256 of each target/control file (`source_hashes`), of its mask (`mask_sha256`) and its caption.
 A sample found now under the same source name whose files' sha256, as the file-hash cache knows them, are the
 recorded ones, and whose caption (a folder's .txt, small, read; a JSONL's, in its line) is the recorded one, has the recorded bytes: the recorded
-key. Only rows whose key and mask an earlier version holds with the same render settings (stage._rendered_before)
+key. Only rows whose key and mask an earlier version holds with the same render settings (earlier_versions.reusable_renders)
 are offered: the others must be rendered, so read, anyway.
 
 What is trusted is the cache's own rule (models/file_hashes.py), the one the listing hash has just applied to every
