@@ -1,4 +1,4 @@
-"""The bookkeeping of resize-bucket's revivals (stages/resize/stage.py `_revive`): each first copy the rendering
+"""The bookkeeping of resize-bucket's revivals (stages/resize/render_loop.py `_revive`): each first copy the rendering
 rejected (a bad mask) has its next copy taken back from the quarantine (`take_back`) and, once kept, its later
 copies named as that copy's duplicates (`kept_instead`). Before, each revived copy searched the quarantine rows for
 its own (`next(i for ... if r is row)`) and `summary.duplicates.remove`d its pair: both lists grow with the

@@ -1,5 +1,5 @@
 """What a rerun reads of a sample an earlier version rendered before carrying it forward instead of rendering it
-(stage.py): its source pictures' headers, no pixel decoded, where the stored row cannot tell.
+(render_loop.py): its source pictures' headers, no pixel decoded, where the stored row cannot tell.
 
 - a resize.max_image_pixels lowered since the row was checked (pixel_limit.py); a resize.max_image_frames below
   a frame count its row notes (frame_limit.py: such a key is rendered, never carried);

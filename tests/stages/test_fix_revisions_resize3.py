@@ -18,7 +18,7 @@ from PIL import Image
 from pipeline.config import load_config
 from stages.encode import text as encode_text
 from stages.encode import vae as encode_vae
-from stages.resize import images_table, judge, known_sources, rendering
+from stages.resize import images_table, judge, known_sources, render_loop, rendering
 from stages.resize import stage as resize_stage
 from store import Store
 
@@ -86,18 +86,18 @@ def _build_at(monkeypatch, revision: int, cfg, src, store):
         m.setattr(rendering, "_check_mask_aspect", lambda *a: None)
         if revision == 1:
             m.setattr(rendering, "_drawn_on_stored_pixels", lambda *a: False)
-        for mod in (judge, resize_stage, known_sources):
+        for mod in (judge, render_loop, known_sources):
             m.setattr(mod, "clean_caption", _old_caption)
         m.setattr(rendering, "had_controls", lambda raw: False)
-        m.setattr(resize_stage, "_kept_instead", lambda out: out, raising=False)  # no note
-        real_revive = resize_stage._revive
+        m.setattr(render_loop, "_kept_instead", lambda out: out, raising=False)  # no note
+        real_revive = render_loop._revive
 
         def old_revive(*a, **k):  # the copy kept instead rendered with caption ''
             with pytest.MonkeyPatch.context() as r:
-                r.setattr(resize_stage, "clean_caption", lambda raw: "")
+                r.setattr(render_loop, "clean_caption", lambda raw: "")
                 return real_revive(*a, **k)
 
-        m.setattr(resize_stage, "_revive", old_revive)
+        m.setattr(render_loop, "_revive", old_revive)
         real_schema = resize_stage.images_schema
 
         def old_schema(*a, **k):
