@@ -1,7 +1,7 @@
 """Which stored samples a fix changes (schemas/fixes.py), after a code upgrade past one: an encode rerun's reuse
 (store/reuse.py `reusable` over each rank's stored rows), encode's "does the fix change any sample of the old
 version?" scan (stages/encode/plan.py `_unchanged_by_fixes`) and resize-bucket's over `images`
-(stages/resize/earlier_versions.py `_unchanged_by_fixes`, `reusable_renders`; stages/resize/stage.py `_carry_forward`).
+(stages/resize/earlier_versions.py `_unchanged_by_fixes`, `reusable_renders`; stages/resize/carried.py `carry_samples`).
 
 Builds a synthetic `images` version of --samples rows (bench/encode_carry.py's, resize-bucket's meta columns, in
 --dir, reused on reruns) whose `conversions` notes mix an RGBA picture (2%), a turned mask (1%), a mask resized

@@ -19,18 +19,18 @@ from schemas.config import PipelineConfig, ResizeConfig
 from schemas import TableSchema, UserError
 from schemas.img_shapes import PIXELS_PER_PATCH
 from schemas.resize_sizes import sizes_in_force
+from stages.resize.carried import carry_samples, refuse_a_switch_without_hashes
 from stages.resize.content import Listing, content_listing_hash
 from stages.resize.first_read import pending_tars, record_pending, settle_listing, settling
 from stages.resize.earlier_versions import adopted, damaged_current, reusable_renders, say_why_new, up_to_date_version
 from stages.resize.folder_listing import remembered
-from stages.resize.images_table import (TABLE, fixed_since, images_schema, lineages_before_fixes,
-                                        pictures_before_fixes, pictures_now)
+from stages.resize.images_table import TABLE, images_schema, lineages_before_fixes, pictures_now
 from stages.resize.intake import Intake
 from stages.resize.parquet_source import columns_in_force, remembered_footers
 from stages.resize.render_loop import render_source
 from stages.resize.sources import detect_format
 from stages.resize.summary import ResizeSummary, committed_summary, kept_summary, up_to_date_summary
-from stages.resize.split_rule import pictures_id, rule_in_force, split_for
+from stages.resize.split_rule import rule_in_force
 from stages.resize.still_unreadable import same_version as _same_version
 from store.writer_commit import discard_version
 
@@ -121,7 +121,7 @@ def _write_version(cfg: PipelineConfig, st: Store, source: str | Path, fmt: str,
     alike again keeps the version it found instead (`kept_summary`)."""
     rc, schema = lineage.rc, lineage.schema
     now = pictures_now(schema)
-    _refuse_a_switch_without_hashes(st, rc, schema, now)
+    refuse_a_switch_without_hashes(st, rc, schema, now)
     repairing = damaged_current(st)
     say_why_new(st, schema, lineage.pending)
     moved = adopted(st, schema)
@@ -146,7 +146,7 @@ def _fill_and_commit(cfg: PipelineConfig, st: Store, writer: Any, intake: Intake
     record_pending(writer, pending)
     carry = render_source(source, fmt, rc, writer, *reusable_renders(st, lineage.schema, now), intake, st, pending,
                           read_columns=cfg.resize.columns)
-    _carry_forward(st, writer, lineage.schema, now, carry, intake.summary, rc)
+    carry_samples(st, writer, lineage.schema, now, carry, intake.summary, rc)
     if intake.unread:
         _refuse_unread_repair(intake)
     if pending or intake.unread:  # before the commit: the lineage of the bytes streamed (first_read.py)
@@ -202,62 +202,6 @@ def _supersede_earlier_revision(schema: TableSchema) -> TableSchema:
            for _, old in lineages_before_fixes(schema.lineage)):
         repair_context.supersede(schema.lineage)
     return schema
-
-
-def _carry_forward(st: Store, writer: Any, schema: TableSchema, now: tuple[str, ...], carry: dict[str, str],
-                   summary: ResizeSummary, rc: ResizeConfig) -> None:
-    """Link the shards of samples rendered before with the same settings; their source and split are this
-    run's (a view of the same pixels: the split by this run's rule and val_fraction, from the recorded key and
-    source_hashes)."""
-    from store.reuse import carry_forward, reusable
-
-    befores = pictures_before_fixes(schema)
-    # the rows the source's headers settled (`TOLD_BY_SOURCE`) are in `carry` only where they said unchanged
-    for version, rows in reusable(st, TABLE, (*now, *(h for _, h in befores)), carry,
-                                  changed={h: fixed_since(r, by_rows=True) for r, h in befores} or None).items():
-        keys = rows.column("key").to_pylist()
-        # a version written before source_hashes was recorded lacks them: split by key they are not needed
-        hashes = rows.column("source_hashes").to_pylist() if "source_hashes" in rows.column_names else [None] * len(keys)
-        if rc.split_by == "pictures" and None in hashes:  # the pictures' identity is those hashes: none to split by
-            raise _without_hashes(st, version, hashes.count(None), "of the samples this run carries from it")
-        splits = {k: split_for(k, None if h is None else pictures_id(h), rc.val_fraction, rc.split_by)
-                  for k, h in zip(keys, hashes)}
-        views = {"source": {k: carry[k] for k in keys}, "split": splits}
-        summary.reused += carry_forward(writer, version, rows, views)  # counted in the summary from the version
-
-
-def _without_hashes(st: Store, version: int, samples: int, which: str) -> UserError:
-    return UserError(
-        f"table 'images' v{version} ({st.version_dir(TABLE, version)}) was written by a release that did not record "
-        f"source_hashes ({samples} {which}), which the pictures split (resize.split_by: pictures) reads: keep the "
-        "key split (--set resize.split_by=key) or render the source into a new store")
-
-
-def _refuse_a_switch_without_hashes(st: Store, rc: ResizeConfig, schema: TableSchema, now: tuple[str, ...]) -> None:
-    """A switch to the pictures split of a store whose current version records no source_hashes (an older
-    release's) and whose samples this run would carry (the same pixels' settings, under either spelling of their
-    lineage, `now`: `pictures_now`, or before this revision's fixes): refused before any sample is rendered, not
-    after (`_carry_forward` checks every version it carries from). One column of the manifest read, on a switch
-    only. A switch that renders every sample anew (other pixels' settings) needs none."""
-    from stages.resize.split_rule import recorded_rule
-    from store.manifest_files import checked_manifest, checked_schema
-    from store.reuse import same_features
-
-    current = st.tables().get(TABLE)
-    if rc.split_by != "pictures" or current is None:
-        return
-    vdir = st.version_dir(TABLE, current)
-    try:  # checked: a flipped bit that still parses is no old release's version to refuse the switch for
-        attrs = checked_schema(vdir).attrs
-        befores = [h for _, h in pictures_before_fixes(schema)]
-        if recorded_rule(attrs) == "pictures" or not same_features(attrs, (*now, *befores)):
-            return
-        rows = checked_manifest(vdir, ["source_hashes"])
-    except (UserError, OSError):  # damaged (recorded: nothing is carried from it) or unreadable: said where read
-        return
-    missing = rows.column("source_hashes").null_count if "source_hashes" in rows.column_names else rows.num_rows
-    if missing:
-        raise _without_hashes(st, current, missing, "of its samples")
 
 
 def _commit(st: Store, writer: Any, source: str | Path, intake: Intake) -> None:

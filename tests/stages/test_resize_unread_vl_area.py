@@ -81,7 +81,7 @@ def test_a_switch_to_the_pictures_split_past_such_a_table_without_hashes_is_refu
     """Such a table (its lineage the earlier spelling), split by key by a release that recorded no source_hashes:
     a switch to the pictures split carries its pictures with no identity to split them by. The check before
     rendering looked for this run's spelling only, so the refusal came after the whole source was read and
-    rendered (in `_carry_forward`); now before, naming the version's samples."""
+    rendered (in `carried.carry_samples`); now before, naming the version's samples."""
     from stages.resize import stage
     from test_resize_split_rule import _as_written_without_source_hashes
 
