@@ -70,7 +70,7 @@ READER = 1
 PARQUET_NOTE = "source-parquet"
 PARQUET_READER = 1
 # A parquet note written under the rule that an unset resize.columns.mask reads a column `mask` (parquet_source.py):
-# a version of the same listing whose note says so resolved it from these very footers (stage._mask_by_a_version)
+# a version of the same listing whose note says so resolved it from these very footers (run_lineage._mask_by_a_version)
 MASK_RULE = 1
 
 

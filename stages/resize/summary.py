@@ -57,7 +57,7 @@ class ResizeSummary:
     identity_edits: int = 0
     identity_examples: list[str] = field(default_factory=list)
     split_by: str = ""  # the rule the version was split by (split_rule.py)
-    # what the reader read that no setting named, and what it left unread (a parquet source: `_source_notes`)
+    # what the reader read that no setting named, and what it left unread (a parquet source: run_lineage.py `_source_notes`)
     source_notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from pipeline.config import load_config
-from stages.resize import images_table, rendering
+from stages.resize import images_table, rendering, run_lineage
 from stages.resize import stage as resize_stage
 from store import Store
 
@@ -69,7 +69,7 @@ def _build_before_fix(monkeypatch, cfg, src, store):
         m.setattr(images_table, "FEATURE_REVISION", 1)
         m.setattr(rendering, "_drawn_on_stored_pixels", lambda *a: False)
         m.setattr(rendering, "_check_mask_aspect", lambda *a: None)  # it stretched any mask (since: bad-mask)
-        real_schema = resize_stage.images_schema
+        real_schema = run_lineage.images_schema
 
         def old_schema(*a, **k):
             schema = real_schema(*a, **k)
@@ -77,7 +77,7 @@ def _build_before_fix(monkeypatch, cfg, src, store):
                      if n not in ("feature_lineage_before_fixes", "code_version_before_fixes")}
             return type(schema)(name=schema.name, lineage=schema.lineage, fields=schema.fields, attrs=attrs)
 
-        m.setattr(resize_stage, "images_schema", old_schema)
+        m.setattr(run_lineage, "images_schema", old_schema)
         return resize_stage.run(cfg, src, store)
 
 

@@ -18,7 +18,7 @@ from PIL import Image
 from pipeline.config import load_config
 from stages.encode import text as encode_text
 from stages.encode import vae as encode_vae
-from stages.resize import images_table, judge, known_sources, render_loop, rendering
+from stages.resize import images_table, judge, known_sources, render_loop, rendering, run_lineage
 from stages.resize import stage as resize_stage
 from store import Store
 
@@ -98,7 +98,7 @@ def _build_at(monkeypatch, revision: int, cfg, src, store):
                 return real_revive(*a, **k)
 
         m.setattr(render_loop, "_revive", old_revive)
-        real_schema = resize_stage.images_schema
+        real_schema = run_lineage.images_schema
 
         def old_schema(*a, **k):
             schema = real_schema(*a, **k)
@@ -108,7 +108,7 @@ def _build_at(monkeypatch, revision: int, cfg, src, store):
                 attrs |= {n: schema.attrs[n][0] for n in ("feature_lineage_before_fixes", "code_version_before_fixes")}
             return type(schema)(name=schema.name, lineage=schema.lineage, fields=schema.fields, attrs=attrs)
 
-        m.setattr(resize_stage, "images_schema", old_schema)
+        m.setattr(run_lineage, "images_schema", old_schema)
         return resize_stage.run(cfg, src, store)
 
 
