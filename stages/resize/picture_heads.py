@@ -26,7 +26,7 @@ from schemas.errors import UserError
 from stages.resize.first_read import file_stamp
 from stages.resize.header_checks import FIRST_READ, Heads, Reader
 from stages.resize.shards import open_shard
-from stages.resize.sources import SourceSample, _printable_names, _reread_tar, _sample_from_members, _split_member, \
+from stages.resize.sources import SourceSample, printable_names, _reread_tar, _sample_from_members, _split_member, \
     dot_member, printable, tar_headers
 
 # a tar at a URL is walked by range requests of this many bytes from each header: a member smaller than the rest of
@@ -408,7 +408,7 @@ class TarIndex:
             if run is not None:
                 members = self._whole(run[2])
                 if all(len(data) == run[2][ext][1] for ext, data in members.items()):
-                    return _printable_names(_sample_from_members(run[0], run[1], members, []))
+                    return printable_names(_sample_from_members(run[0], run[1], members, []))
         except (OSError, tarfile.TarError):
             pass
         return _reread_tar(self.tar, source, self._max)  # which names a read error, or a tar changed meanwhile

@@ -13,7 +13,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from stages.resize import sources
+from stages.resize import folder_source, sources
 from stages.resize.jsonl_text import manifest_lines
 
 
@@ -22,8 +22,8 @@ def count_samples(source: str | Path, fmt: str, known: Any = None) -> int | None
     (known_tars.KnownTars): a tar carried unread is counted by its record, not opened."""
     try:
         if fmt == "folder":
-            layout = sources.folder_layout(Path(source))  # the listing is cached: no second scan of the disk
-            return len(layout.targets) + len(sources.folder_leftovers(Path(source), layout))
+            layout = folder_source.folder_layout(Path(source))  # the listing is cached: no second scan of the disk
+            return len(layout.targets) + len(folder_source.folder_leftovers(Path(source), layout))
         if fmt == "parquet":
             from stages.resize.parquet_source import count_rows
 

@@ -37,7 +37,6 @@ import re
 import stat
 import tarfile
 import time
-import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -45,12 +44,12 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Protocol
 
 from schemas.errors import UserError
-from stages.resize.folder_listing import Scan, _inside, named_on_disk, scan, stem_suffix
+from stages.resize.folder_listing import _inside, named_on_disk
 from stages.resize.jsonl_text import checked_manifest, foreign_path_hint, manifest_lines
 from stages.resize.shards import is_shard_list, is_url, open_shard, shard_urls
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".bmp", ".gif")  # = features.decode.ALLOWED_FORMATS
-_CONTROL_DIR = re.compile(r"^control(?:_(\d+))?$")
+CONTROL_DIR = re.compile(r"^control(?:_(\d+))?$")
 DEFAULT_MAX_FILE_BYTES = 1 << 30  # = ResizeConfig.max_file_bytes' default
 
 
@@ -106,7 +105,9 @@ def detect_format(source: str | Path) -> str:
         raise UserError(f"source {p} does not exist; pass a folder, a .tar shard (or folder, brace list or URL of "
                         "them), a .jsonl file or a .parquet file (or folder of them)")
     if (p / "target").is_dir():
-        _control_dirs(p)  # its layout refusals (a misnamed or doubled control/mask folder) before a store is made
+        from stages.resize.folder_source import control_folders
+
+        control_folders(p)  # its layout refusals (a misnamed or doubled control/mask folder) before a store is made
         return "folder"
     if tars := sorted(p.glob("*.tar")):
         refuse_no_file(p, tars)  # a broken link's own row says it (cannot open tar)
@@ -133,7 +134,7 @@ def refuse_no_file(root: Path, files: list[Path], links: bool = False) -> None:
     file to read: a FIFO or a device (hashing or reading it hung the run), and with `links` a broken link or a
     link loop (skipped unsaid). Folders are not looked at (Spark's `x.parquet/` holds the part files)."""
     for f in files:
-        kind = _not_regular(f)
+        kind = not_regular(f)
         if kind in _NEVER_ENDS or links and kind in ("a broken symlink", "a symlink loop"):
             kind += f" to {os.readlink(f)}" if kind == "a broken symlink" else ""
             raise UserError(f"source {root}: {os.path.relpath(f, root)} is {kind}, not a regular file: not read; "
@@ -155,13 +156,17 @@ def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
         from stages.resize.parquet_source import iter_parquet
 
         samples = iter_parquet(source if is_url(source) else Path(source), columns, max_file_bytes, known, done)
+    elif fmt == "folder":
+        from stages.resize.folder_source import iter_folder
+
+        samples = iter_folder(Path(source), max_file_bytes, done, known)
     else:
-        samples = iter_folder(Path(source), max_file_bytes, done, known) if fmt == "folder" else \
-            iter_jsonl(Path(source), max_file_bytes, done, known)
-    return map(_printable_names, samples)
+        samples = iter_jsonl(Path(source), max_file_bytes, done, known)
+    return map(printable_names, samples)
 
 
-def _done_key(done: Done, source: str) -> str | None:
+def resumed_key(done: Done, source: str) -> str | None:
+    """The key the resumed version holds `source` under (`done`), None where it holds none."""
     return done.get(printable(source)) if done else None  # recorded as printable (the manifest holds UTF-8)
 
 
@@ -180,7 +185,7 @@ def printable(text: str) -> str:
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _printable_names(s: SourceSample) -> SourceSample:
+def printable_names(s: SourceSample) -> SourceSample:
     """The names a sample is recorded under (manifest, quarantine, messages), as valid UTF-8."""
     s.name, s.source, s.files = printable(s.name), printable(s.source), [printable(f) for f in s.files]
     if s.problem is not None:
@@ -199,12 +204,10 @@ def source_files(source: str | Path) -> list[Path]:
         from stages.resize.parquet_source import parquet_files
 
         return [] if is_url(source) else parquet_files(p)  # at a URL: content.py hashes their metadata
-    if fmt == "folder":  # only what the reader reads: a store or OS litter inside the source changes nothing
-        files = []  # in Path order: by folder name, then file name (each scan is sorted)
-        for d in sorted(_layout_dirs(p), key=lambda d: d.name):
-            sc = scan(d, p)
-            files += [d / n for n in sc.names if sc.is_file(n) and sc.inside_root(n, p)]
-        return files
+    if fmt == "folder":
+        from stages.resize.folder_source import folder_files
+
+        return folder_files(p)
     manifest = _jsonl_path(p)
     files = {manifest}
     for _, obj, _ in _jsonl_objects(manifest):
@@ -220,7 +223,7 @@ def source_files(source: str | Path) -> list[Path]:
 # ---------------------------------------------------------------- the one way a source file is read
 
 
-class _Problem(Exception):
+class ReadProblem(Exception):
     def __init__(self, message: str, kind: str = "bad-source", unread: Path | None = None) -> None:
         super().__init__(message)
         self.kind, self.unread = kind, unread
@@ -239,22 +242,22 @@ def is_read_error(path: Any, e: BaseException) -> bool:
     return isinstance(e, OSError) and bool(e.errno) and e.errno not in _NO_FILE and not is_url(path)
 
 
-def _read_failed(what: str, path: Path, e: OSError) -> _Problem:
+def _read_failed(what: str, path: Path, e: OSError) -> ReadProblem:
     """A file the reader could not read: `read-error` (EIO, EACCES, ...: retried by a rerun), unless the path names
     no file (`bad-source`)."""
     if e.errno in _NO_FILE:
-        return _Problem(f"{what} file {path} cannot be read: {e.strerror or e}")
-    return _Problem(f"{what} file {path} could not be read: {e.strerror or e} (errno {e.errno}); {READ_ERROR_HINT}",
+        return ReadProblem(f"{what} file {path} cannot be read: {e.strerror or e}")
+    return ReadProblem(f"{what} file {path} could not be read: {e.strerror or e} (errno {e.errno}); {READ_ERROR_HINT}",
                     "read-error", path)
 
 
 def read_source_file(path: Path, root: Path | None, max_bytes: int, what: str = "file") -> bytes:
     """The bytes of a regular file of at most `max_bytes`, within `root` (None: anywhere, for an absolute JSONL
-    path); `_Problem` naming the reason otherwise."""
+    path); `ReadProblem` naming the reason otherwise."""
     if "\0" in str(path):  # a JSON "\u0000" in a path: no OS call takes it (ValueError, the run's traceback)
-        raise _Problem(f"{what} path {str(path)!r} holds a NUL character: no file has such a name; fix the path")
+        raise ReadProblem(f"{what} path {str(path)!r} holds a NUL character: no file has such a name; fix the path")
     if root is not None and not _inside(path, root):
-        raise _Problem(f"{what} {path} resolves to {os.path.realpath(path)}, outside the source {root} (symlink or "
+        raise ReadProblem(f"{what} {path} resolves to {os.path.realpath(path)}, outside the source {root} (symlink or "
                        "'..'): not read; copy the file into the source", "outside-source")
     try:
         # O_NONBLOCK: opening a FIFO must not wait for a writer; the mode is checked on the open file (no race)
@@ -264,9 +267,9 @@ def read_source_file(path: Path, root: Path | None, max_bytes: int, what: str = 
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise _Problem(f"{what} {path} is not a regular file ({_file_kind(st.st_mode)}): not read", "not-a-file")
+            raise ReadProblem(f"{what} {path} is not a regular file ({_file_kind(st.st_mode)}): not read", "not-a-file")
         if st.st_size > max_bytes:
-            raise _Problem(f"{what} {path} is {st.st_size} bytes, over resize.max_file_bytes ({max_bytes})",
+            raise ReadProblem(f"{what} {path} is {st.st_size} bytes, over resize.max_file_bytes ({max_bytes})",
                            "file-too-large")
         with os.fdopen(os.dup(fd), "rb") as f:
             # the size read, not the limit: read(n) allocates n bytes up front (1 GiB of address space per file,
@@ -275,7 +278,7 @@ def read_source_file(path: Path, root: Path | None, max_bytes: int, what: str = 
             if len(data) > st.st_size:
                 data += f.read(max_bytes + 1 - len(data))
         if len(data) > max_bytes:  # grew while read
-            raise _Problem(f"{what} {path} is over resize.max_file_bytes ({max_bytes})", "file-too-large")
+            raise ReadProblem(f"{what} {path} is over resize.max_file_bytes ({max_bytes})", "file-too-large")
         return data
     except OSError as e:
         raise _read_failed(what, path, e) from None
@@ -283,86 +286,12 @@ def read_source_file(path: Path, root: Path | None, max_bytes: int, what: str = 
         os.close(fd)
 
 
-# ---------------------------------------------------------------- folder
-
-
-# Folders a user meant as control/ or mask/ but named otherwise (masks/, controls/, Control/, control1/,
-# control-2/): never read, so an edit dataset trained text-to-image, or without its masks, with no word about it.
-_NEAR_LAYOUT_DIR = re.compile(r"^(control|mask)s?(?:[-_ ]?(\d+))?$", re.IGNORECASE)
-
-
-def _near_miss(d: Path) -> str | None:
-    """The layout folder `d` was surely meant to be (`mask`, `control`, `control_2`), when it is not one itself."""
-    m = _NEAR_LAYOUT_DIR.match(d.name)
-    if not m or d.name == "mask" or _CONTROL_DIR.match(d.name):
-        return None
-    kind, index = m.group(1).lower(), int(m.group(2) or 0)
-    return kind if kind == "mask" or index == 0 else f"control_{index}"
-
-
-def _control_dirs(root: Path) -> dict[int, Path]:
-    """control/ is index 0, control_<i>/ is index i. A folder named near these or mask/ is refused (_near_miss)."""
-    out: dict[int, Path] = {}
-    for d in sorted(root.iterdir()):
-        m = _CONTROL_DIR.match(d.name)
-        if (m or d.name == "mask") and not d.is_dir():
-            raise _not_a_layout_folder(root, d)
-        if d.is_dir() and (meant := _near_miss(d)):
-            raise UserError(f"source {root}: folder {d.name}/ is not read (the layout reads target/, control/, "
-                            f"control_1/, ..., mask/); rename it to {meant}/, or move it out of the source")
-        if d.is_dir() and m:
-            i = int(m.group(1) or 0)
-            if i in out:  # e.g. control/ + control_0/, control_1/ + control_01/: one would vanish unread
-                raise UserError(f"source {root}: folders {out[i].name}/ and {d.name}/ both hold control {i} "
-                                "(control/ is control 0, control_<i>/ is control i); merge or rename one")
-            out[i] = d
-    return out
-
-
-def _not_a_layout_folder(root: Path, d: Path) -> UserError:
-    """control/, control_<i>/ or mask/ that is no folder (a link to a disk not mounted, a file): listed as empty,
-    every pair trained without its controls or masks and no row saying why."""
-    kind = _not_regular(d) or "a file"
-    if kind == "a broken symlink":
-        kind += f" to {os.readlink(d)}"
-    return UserError(f"source {root}: {d.name} is {kind}, not a folder: its files are not read; make it the "
-                     f"folder of those files (mount or fix the link), or remove it")
-
-
-def _layout_dirs(root: Path) -> list[Path]:
-    return [root / "target", *(d for _, d in sorted(_control_dirs(root).items())), root / "mask"]
-
-
-def _stem(name: str) -> tuple[str, str]:
-    """(the stem a sample's files are matched by, the suffix). The stem in Unicode NFC: the same name may be stored
-    composed (`café`, NFC: Linux, Windows) or decomposed (`cafe` + U+0301, NFD: written on macOS, copied by rsync or
-    unzipped), and a target and its control or caption spelt the two ways looked alike but parted: the pair trained
-    text-to-image, its control quarantined as an orphan. The files keep their real names."""
-    stem, suffix = stem_suffix(name)
-    return unicodedata.normalize("NFC", stem), suffix
-
-
-def _images_by_stem(sc: Scan, unsupported: dict[str, list[Path]], also: tuple[str, ...] = ()) -> dict[str, list[str]]:
-    """Image file names by stem (`_stem`); every other entry (not an image, nor a suffix in `also`) goes to
-    `unsupported`. Suffixes match in any case (`x.PNG`, `x.TXT`: cameras and Windows tools write them). Names, not
-    Paths: a million Path objects were ~1 GB."""
-    out: dict[str, list[str]] = {}
-    for name in sc.names:
-        stem, suffix = _stem(name)
-        is_file = sc.is_file(name)
-        if is_file and suffix.lower() in IMAGE_SUFFIXES:
-            out.setdefault(stem, []).append(name)
-        elif not (is_file and suffix.lower() in also):
-            unsupported.setdefault(stem, []).append(sc.folder / name)
-    return out
-
-
 def _file_kind(mode: int) -> str:
     return ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket"
             if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file")
 
 
-def _not_regular(path: Path) -> str | None:
+def not_regular(path: Path) -> str | None:
     """What a folder entry is when it is no regular file (a broken link, a link loop, a folder, a FIFO), else None."""
     try:
         mode = os.stat(path).st_mode
@@ -371,170 +300,11 @@ def _not_regular(path: Path) -> str | None:
     return None if stat.S_ISREG(mode) else _file_kind(mode)
 
 
-def _unsupported_message(root: Path, files: list[Path]) -> str:
-    """The entries a sample cannot use: each no-file said as what it is (a `x.png` that is a broken link is not a
-    wrong image type), the others with the types that are read."""
-    odd = {f: kind for f in files if (kind := _not_regular(f))}
-    names = ", ".join(os.path.relpath(f, root) + (f" ({odd[f]})" if f in odd else "") for f in files)
-    if set(odd.values()) == {"a folder"}:  # target/cats/*.png: a layout of nested folders, not a file gone wrong
-        return (f"{names}: not a regular file, not read: a folder source is flat (target/<stem>.png, "
-                f"control/<stem>.png, ...), its sub-folders are not read; move their files up into "
-                f"{os.path.relpath(files[0].parent, root)}/ or remove them")
-    if len(odd) == len(files):
-        return f"{names}: not a regular file, not read; replace it with the file or remove it"
-    return f"unsupported file(s) {names}: images must be one of {', '.join(IMAGE_SUFFIXES)} (captions target/<stem>.txt)"
-
-
-@dataclass
-class _FolderLayout:
-    """A folder source as listed (nothing read): each folder's files by stem, and what no sample can use."""
-
-    targets: dict[str, list[str]]
-    captions: dict[str, list[str]]  # stem -> its caption file names (`x.txt`, `x.TXT`: either, not both)
-    control_dirs: dict[int, Path]
-    controls: dict[int, dict[str, list[str]]]
-    masks: dict[str, list[str]]
-    unsupported: dict[str, list[Path]]  # stem -> files the layout cannot use; they must not vanish
-
-
-def folder_layout(root: Path) -> _FolderLayout:
-    unsupported: dict[str, list[Path]] = {}
-    listed = scan(root / "target", root)
-    targets = _images_by_stem(listed, unsupported, also=(".txt",))
-    captions: dict[str, list[str]] = {}
-    for name in listed.names:
-        if listed.is_file(name) and (split := _stem(name))[1].lower() == ".txt":
-            captions.setdefault(split[0], []).append(name)
-    control_dirs = _control_dirs(root)
-    controls = {i: _images_by_stem(scan(d, root), unsupported) for i, d in control_dirs.items()}
-    masks = _images_by_stem(scan(root / "mask", root), unsupported)
-    return _FolderLayout(targets, captions, control_dirs, controls, masks, unsupported)
-
-
-def folder_leftovers(root: Path, layout: _FolderLayout) -> list[SourceSample]:
-    """A record for each file that belongs to no target (it would otherwise vanish silently), after the targets'
-    own: what `iter_folder` yields beyond one record per target, so the bar's total counts them too (it ran past
-    its total into a count without one, losing its ETA)."""
-    orphans: list[Path] = [root / "target" / n for stem, ns in layout.captions.items() if stem not in layout.targets
-                           for n in ns]
-    for i in sorted(layout.controls):
-        orphans += [layout.control_dirs[i] / f for stem, fs in layout.controls[i].items() if stem not in layout.targets
-                    for f in fs]
-    orphans += [root / "mask" / f for stem, fs in layout.masks.items() if stem not in layout.targets for f in fs]
-    out = [SourceSample(name=f.stem, source=str(f), problem="file has no matching target image in target/",
-                        problem_kind="orphan-file") for f in orphans]
-    for stem, fs in sorted(layout.unsupported.items()):
-        if stem not in layout.targets:
-            for f in fs:
-                orphan = "" if f.is_dir() else " (and no matching target image in target/)"  # a folder's is said
-                out.append(SourceSample(name=stem, source=str(f), problem=_unsupported_message(root, [f]) + orphan,
-                                        problem_kind="unsupported-file"))
-    return out
-
-
-def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                done: Done | None = None, known: Any = None) -> Iterator[SourceSample]:
-    layout = folder_layout(root)
-    targets, controls, control_dirs, masks = layout.targets, layout.controls, layout.control_dirs, layout.masks
-    for stem in sorted(targets):
-        s = SourceSample(name=stem, source=str(root / "target" / stem))
-        found = [root / "target" / name for name in targets[stem]]
-        if stem in layout.unsupported:
-            s.source = str(found[0])
-            s.problem, s.problem_kind = _unsupported_message(root, layout.unsupported[stem]), "unsupported-file"
-            yield s
-            continue
-        if len(found) > 1:
-            s.problem = f"several target files for one sample: {', '.join(f.name for f in found)}"
-            yield s
-            continue
-        s.source = str(found[0])
-        if len(masks.get(stem, ())) > 1:  # as several target or control files: which one is meant is unknown
-            s.problem = f"several mask files in mask/: {', '.join(sorted(masks[stem]))}"
-            yield s
-            continue
-        present = [i for i in sorted(controls) if stem in controls[i]]
-        if present != list(range(len(present))):
-            s.problem = f"control folders for this sample are not contiguous from control/: found indices {present}"
-            yield s
-            continue
-        s.done_key = _done_key(done or {}, s.source)
-        if s.done_key is not None:
-            yield s
-            continue
-        files = _FolderFiles(root, found[0], [[control_dirs[i] / name for name in controls[i][stem]] for i in present],
-                             [root / "target" / name for name in layout.captions.get(stem, ())],
-                             root / "mask" / masks[stem][0] if stem in masks else None)
-        if known and _known_folder_sample(s, files, known, max_file_bytes):
-            yield s
-            continue
-        yield _read_folder_sample(s, files, max_file_bytes)
-    yield from folder_leftovers(root, layout)
-
-
-@dataclass(frozen=True)
-class _FolderFiles:
-    """The files of one folder sample, as listed (nothing read): controls in order, each its candidates."""
-
-    root: Path
-    target: Path
-    controls: list[list[Path]]
-    captions: list[Path]  # its caption files as listed (`x.txt`, `x.TXT`): none, one, or several (refused)
-    mask: Path | None
-
-
-def _read_folder_sample(s: SourceSample, f: _FolderFiles, max_file_bytes: int) -> SourceSample:
-    def read(path: Path, what: str) -> bytes:
-        return read_source_file(path, f.root, max_file_bytes, what)
-
-    try:
-        s.target = read(f.target, "target")
-        s.files.append(str(f.target))
-        for cands in f.controls:
-            if len(cands) > 1:
-                raise _Problem(f"several control files in {cands[0].parent.name}/: {', '.join(c.name for c in cands)}")
-            s.controls.append(read(cands[0], f"control {len(s.controls)}"))  # contiguous from 0: the folder's index
-            s.files.append(str(cands[0]))
-        if len(f.captions) > 1:
-            raise _Problem(f"several caption files: {', '.join(c.name for c in f.captions)}; keep one")
-        s.caption = read(f.captions[0], "caption") if f.captions else None
-        if f.mask is not None:
-            s.mask = read(f.mask, "mask")
-            s.files.append(str(f.mask))
-    except _Problem as e:
-        s.problem, s.problem_kind, s.unread = str(e), e.kind, e.unread and str(e.unread)
-    return s
-
-
-def _known_folder_sample(s: SourceSample, f: _FolderFiles, known: Any, max_file_bytes: int) -> bool:
-    """Fill `s` as a sample an earlier version holds, its files unchanged (known_sources.py), reading only its
-    caption; False (nothing read but perhaps the caption): read it whole."""
-    if any(len(c) != 1 for c in f.controls) or not known.recorded(printable(s.source)) or len(f.captions) != 1:
-        return False
-    try:
-        caption = read_source_file(f.captions[0], f.root, max_file_bytes, "caption")
-    except _Problem:
-        return False
-    images = [f.target, *(c[0] for c in f.controls)]
-    hit = known.get(printable(s.source), [(p, f.root) for p in images], None if f.mask is None else (f.mask, f.root),
-                    caption)
-    if hit is None:
-        return False
-    s.known, s.caption = hit, caption
-    s.files = [str(p) for p in (*images, *([f.mask] if f.mask is not None else []))]
-    s.reread = partial(_reread_folder, s.name, s.source, f, max_file_bytes)
-    s.heads = partial(_file_heads, images, f.mask)
-    return True
-
-
-def _file_heads(images: list[Path], mask: Path | None) -> Any:
+def read_heads(images: list[Path], mask: Path | None) -> Any:
+    """A local sample's pictures' first bytes (picture_heads.py `file_heads`), for the header checks."""
     from stages.resize.picture_heads import file_heads
 
     return file_heads(images, mask)
-
-
-def _reread_folder(name: str, source: str, f: _FolderFiles, max_file_bytes: int) -> SourceSample:
-    return _printable_names(_read_folder_sample(SourceSample(name=name, source=source), f, max_file_bytes))
 
 
 # ---------------------------------------------------------------- webdataset
@@ -575,7 +345,7 @@ WDS_METADATA_MEMBERS = frozenset({"json", "cls", "cls2", "id", "meta", "yaml", "
 def _sample_from_members(key: str, where: str, members: dict[str, bytes], bad: list[str],
                          done: Done | None = None) -> SourceSample:
     s = SourceSample(name=key, source=where)
-    s.done_key = _done_key(done or {}, where)
+    s.done_key = resumed_key(done or {}, where)
     if s.done_key is not None:
         return s
     if bad:
@@ -588,7 +358,7 @@ def _sample_from_members(key: str, where: str, members: dict[str, bytes], bad: l
     unknown: list[str] = []
     for ext in members:
         head, dot, tail = ext.partition(".")
-        m = _CONTROL_DIR.match(head)
+        m = CONTROL_DIR.match(head)
         if m and dot and f".{tail}" in IMAGE_SUFFIXES:
             ctrl_ext.setdefault(int(m.group(1) or 0), []).append(ext)
         elif head == "mask" and dot and f".{tail}" in IMAGE_SUFFIXES:
@@ -707,7 +477,7 @@ def _reread_tar(tar: str, source: str, max_file_bytes: int) -> SourceSample:
     try:
         for s in samples:
             if printable(s.source) == source:
-                return _printable_names(s)
+                return printable_names(s)
             if s.problem_kind == "read-error" and s.source == tar:  # a read error, the headers after it too
                 return SourceSample(name=source[len(tar) + 1:], source=source, problem_kind="read-error", unread=tar,
                                     problem=f"sample {source} could not be read again: {s.problem}")
@@ -737,7 +507,7 @@ def _tar_samples(tar: str, tf: tarfile.TarFile, stream: Any, max_file_bytes: int
                     yield _sample_from_members(key, f"{tar}:{key}", members, bad, done)
                     members, bad = {}, []
                 key = k
-                if _done_key(done, f"{tar}:{k}") is not None:
+                if resumed_key(done, f"{tar}:{k}") is not None:
                     continue  # written before: its members not read (a stream passes over them)
                 # never follow names out of the archive, even though we do not extract to disk
                 if _unsafe_name(m.name):
@@ -781,7 +551,7 @@ def _unread_rest(tar: str, after: int, key: str | None, done: Done, error: OSErr
 
     def unread(k: str, what: str) -> SourceSample:
         source = f"{tar}:{k}"
-        if (done_key := _done_key(done, source)) is not None:
+        if (done_key := resumed_key(done, source)) is not None:
             return SourceSample(name=k, source=source, done_key=done_key)
         return SourceSample(name=k, source=source, problem=f"{what} {tar}: {why}", problem_kind="read-error",
                             unread=tar)
@@ -924,7 +694,7 @@ def iter_jsonl(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
             continue
         assert isinstance(obj, dict)
         if isinstance(obj.get("target"), str) and (
-                key := _done_key(done or {}, f"{manifest}:{no} ({obj['target']})")) is not None:
+                key := resumed_key(done or {}, f"{manifest}:{no} ({obj['target']})")) is not None:
             s.source, s.done_key = f"{manifest}:{no} ({obj['target']})", key  # the source name it was written under
             yield s
             continue
@@ -952,7 +722,7 @@ def _read_jsonl_sample(s: SourceSample, obj: dict, line: str, base: Path, max_fi
         if obj.get("mask") is not None:
             s.mask = _read_ref(base, obj["mask"], "mask")
             s.files.append(str(_resolve(base, obj["mask"])))
-    except _Problem as e:
+    except ReadProblem as e:
         s.problem, s.problem_kind, s.unread = str(e), e.kind, e.unread and str(e.unread)
         return s
     s.source = f"{line} ({obj['target']})"
@@ -987,23 +757,23 @@ def _known_jsonl_sample(s: SourceSample, obj: dict, line: str, base: Path, known
     s.source, s.known, s.caption = source, hit, caption
     s.files = [str(_resolve(base, r)) for r in (*rels, *([mask] if mask is not None else []))]
     s.reread = partial(_reread_jsonl, s.name, s.source, obj, line, base, max_file_bytes)
-    s.heads = partial(_file_heads, [_resolve(base, r) for r in rels], None if mask is None else _resolve(base, mask))
+    s.heads = partial(read_heads, [_resolve(base, r) for r in rels], None if mask is None else _resolve(base, mask))
     return True
 
 
 def _reread_jsonl(name: str, source: str, obj: dict, line: str, base: Path, max_file_bytes: int) -> SourceSample:
-    return _printable_names(_read_jsonl_sample(SourceSample(name=name, source=line), obj, line, base, max_file_bytes))
+    return printable_names(_read_jsonl_sample(SourceSample(name=name, source=line), obj, line, base, max_file_bytes))
 
 
 def _read_jsonl_ref(base: Path, rel: object, what: str, max_file_bytes: int) -> bytes:
     if not isinstance(rel, str) or not rel:
-        raise _Problem(f"field {what!r} is missing or not a path string")
+        raise ReadProblem(f"field {what!r} is missing or not a path string")
     # a relative path stays within the JSONL file's folder; an absolute one is read where it points
     try:
         return read_source_file(_resolve(base, rel), None if Path(rel).is_absolute() else base, max_file_bytes, what)
-    except _Problem as e:
+    except ReadProblem as e:
         hint = foreign_path_hint(rel)
         if hint and not os.path.lexists(_resolve(base, rel)):
-            raise _Problem(f"{e}; {rel!r} {hint}", e.kind, e.unread) from None
+            raise ReadProblem(f"{e}; {rel!r} {hint}", e.kind, e.unread) from None
         raise
 

@@ -14,7 +14,7 @@ from PIL import Image, PngImagePlugin
 
 from features.decode import has_transparent_colour
 from pipeline.config import load_config
-from stages.resize import picture_heads, sources
+from stages.resize import folder_source, picture_heads, sources
 from stages.resize import stage as resize_stage
 from stages.resize.header_checks import FIRST_READ, from_header
 from stages.resize.pixel_limit import picture_pixels
@@ -167,7 +167,8 @@ def test_a_revision_3_rerun_reads_the_carried_pictures_first_bytes_only(monkeypa
 
     whole_reads, first_reads, streamed = [], [], []
     real_file, real_first, real_open = sources.read_source_file, picture_heads.read_first, sources.open_shard
-    monkeypatch.setattr(sources, "read_source_file", lambda *a, **k: whole_reads.append(len(d := real_file(*a, **k))) or d)
+    for reader in (folder_source, sources):
+        monkeypatch.setattr(reader, "read_source_file", lambda *a, **k: whole_reads.append(len(d := real_file(*a, **k))) or d)
     monkeypatch.setattr(sources, "open_shard", lambda url: streamed.append(url) or real_open(url))
 
     def counted_first(path, n, offset=0, size=None):
