@@ -90,10 +90,10 @@ def tar_run(src: Path, store: Path, before: bool, val_fraction: float) -> tuple[
 
     from models import file_hashes
     from pipeline.config import load_config
-    from stages.resize import content, known_tars, sources, stage
+    from stages.resize import content, known_tars, stage, webdataset_source
 
     hashed, streamed, walked = [0], [0], [0]
-    real = (sources.open_shard, tarfile.open, file_hashes.file_sha256, content.file_sha256, known_tars.known_tars)
+    real = (webdataset_source.open_shard, tarfile.open, file_hashes.file_sha256, content.file_sha256, known_tars.known_tars)
 
     def sha(p):
         hashed[0] += Path(p).stat().st_size
@@ -103,7 +103,7 @@ def tar_run(src: Path, store: Path, before: bool, val_fraction: float) -> tuple[
         walked[0] += name is not None
         return real[1](name, *a, **kw)
 
-    sources.open_shard = lambda url: _Counted(real[0](url), streamed)
+    webdataset_source.open_shard = lambda url: _Counted(real[0](url), streamed)
     tarfile.open, file_hashes.file_sha256, content.file_sha256 = tar_open, sha, sha
     if before:  # no record read: every tar streamed, as before
         known_tars.known_tars = lambda st, rb, h, *a, **k: known_tars.KnownTars(h, {}, None, {})
@@ -112,7 +112,7 @@ def tar_run(src: Path, store: Path, before: bool, val_fraction: float) -> tuple[
         stage.run(load_config(None, {**SETTINGS, "resize.val_fraction": val_fraction}), src, store)
         return hashed[0], streamed[0], walked[0], time.perf_counter() - t
     finally:
-        (sources.open_shard, tarfile.open, file_hashes.file_sha256, content.file_sha256,
+        (webdataset_source.open_shard, tarfile.open, file_hashes.file_sha256, content.file_sha256,
          known_tars.known_tars) = real
 
 

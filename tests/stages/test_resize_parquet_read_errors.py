@@ -20,7 +20,7 @@ import pytest
 
 from models.file_hashes import FileHashes
 from pipeline.config import load_config
-from stages.resize import hashed_parquet, parquet_source, rendering, sources, stage
+from stages.resize import hashed_parquet, parquet_source, rendering, stage, webdataset_source
 from store import Store
 from tests.stages.test_resize_read_errors import _data_offset, _failing_tar, _tars
 from tests.stages.test_resize_rerun_parquet import ROWS, _source
@@ -143,7 +143,7 @@ def test_a_carried_tar_read_again_whose_headers_fail_too_is_a_read_error(tmp_pat
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real_open(name, mode, *a, **k)
     monkeypatch.setattr(tarfile, "open", walk)
-    s = sources._reread_tar(str(victim), f"{victim}:s0_2", 1 << 30)
+    s = webdataset_source.reread_tar(str(victim), f"{victim}:s0_2", 1 << 30)
     assert (s.problem_kind, s.unread, s.source) == ("read-error", str(victim), f"{victim}:s0_2")
     assert "Input/output error" in s.problem
 
