@@ -40,7 +40,7 @@ SETTINGS = {"resize.target_area": 128 * 128, "resize.control_vae_area": 128 * 12
 def rerun(src: Path, store: Path, before: bool) -> tuple[int, int, float]:
     """(source bytes read, keys hashed, seconds) of a rerun with val_fraction 0.1 -> 0.3."""
     from pipeline.config import load_config
-    from stages.resize import folder_source, judge, known_sources, sources, stage
+    from stages.resize import folder_source, jsonl_source, judge, known_sources, sources, stage
     from stages.resize.resumed_sources import ResumedSources
 
     read, keys = [0], [0]
@@ -55,7 +55,7 @@ def rerun(src: Path, store: Path, before: bool) -> tuple[int, int, float]:
         keys[0] += 1
         return real_key(*a)
 
-    folder_source.read_source_file = sources.read_source_file = counted_read
+    folder_source.read_source_file = jsonl_source.read_source_file = counted_read
     judge.sample_key = counted_key
     if before:  # nothing offered: every sample read and keyed, as before
         known_sources.known_sources = lambda st, rb, hashes, mb: known_sources.KnownSources(ResumedSources([]), hashes, mb)
@@ -65,7 +65,7 @@ def rerun(src: Path, store: Path, before: bool) -> tuple[int, int, float]:
         assert s.written == 0 and s.reused > 0, s
         return read[0], keys[0], time.perf_counter() - t
     finally:
-        folder_source.read_source_file = sources.read_source_file = real_read
+        folder_source.read_source_file = jsonl_source.read_source_file = real_read
         judge.sample_key, known_sources.known_sources = real_key, real_known
 
 

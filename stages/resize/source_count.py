@@ -13,7 +13,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from stages.resize import folder_source, sources, webdataset_source
+from stages.resize import folder_source, jsonl_source, sources, webdataset_source
 from stages.resize.jsonl_text import manifest_lines
 
 
@@ -43,6 +43,6 @@ def count_samples(source: str | Path, fmt: str, known: Any = None) -> int | None
                     total += len({webdataset_source.split_member(m.name)[0] for m in webdataset_source.tar_headers(tf)
                                   if m.isfile() and not webdataset_source.dot_member(m.name)})
             return total
-        return sum(1 for _, line in manifest_lines(sources._jsonl_path(Path(source))) if line.strip())
+        return sum(1 for _, line in manifest_lines(jsonl_source.jsonl_path(Path(source))) if line.strip())
     except (OSError, tarfile.TarError, ValueError):  # pyarrow's ArrowInvalid is a ValueError
         return None

@@ -145,5 +145,3 @@ def check_config(rc: ResizeConfig) -> None:
         raise UserError(f"resize.multiple = {rc.multiple} must be a multiple of {PIXELS_PER_PATCH} (VAE 8 x patch 2)")
     if rc.min_controls > rc.max_controls:
         raise UserError(f"resize.min_controls = {rc.min_controls} is above resize.max_controls = {rc.max_controls}")
-
-

@@ -14,7 +14,7 @@ from PIL import Image, PngImagePlugin
 
 from features.decode import has_transparent_colour
 from pipeline.config import load_config
-from stages.resize import folder_source, picture_heads, sources, webdataset_source
+from stages.resize import folder_source, jsonl_source, picture_heads, sources, webdataset_source
 from stages.resize import stage as resize_stage
 from stages.resize.header_checks import FIRST_READ, from_header
 from stages.resize.pixel_limit import picture_pixels
@@ -167,7 +167,7 @@ def test_a_revision_3_rerun_reads_the_carried_pictures_first_bytes_only(monkeypa
 
     whole_reads, first_reads, streamed = [], [], []
     real_file, real_first, real_open = sources.read_source_file, picture_heads.read_first, webdataset_source.open_shard
-    for reader in (folder_source, sources):
+    for reader in (folder_source, jsonl_source):
         monkeypatch.setattr(reader, "read_source_file", lambda *a, **k: whole_reads.append(len(d := real_file(*a, **k))) or d)
     monkeypatch.setattr(webdataset_source, "open_shard", lambda url: streamed.append(url) or real_open(url))
 

@@ -1,9 +1,10 @@
 """A local read error (EIO: a failing disk; EACCES) is not bad data (stages/resize/webdataset_source.py
-`_unread_rest`, sources.py `read_source_file`): every sample it kept from being read is a `read-error` quarantine row naming the file and
-the OS error (before: a tar's current sample was "truncated or corrupt" and the rest of the tar silently missing),
-the version does not count the file as read (first_read.settle_listing's stand-in line), and a rerun once the disk
-reads again adds exactly those samples, the others carried, not rendered again: the store then equals a clean
-run's. The fault is raised at a chosen byte by the stream the reader reads (the tar shard's, a source file's)."""
+`_unread_rest`, sources.py `read_source_file`): every sample it kept from being read is a `read-error` quarantine
+row naming the file and the OS error (before: a tar's current sample was "truncated or corrupt" and the rest of the
+tar silently missing), the version does not count the file as read (first_read.settle_listing's stand-in line), and
+a rerun once the disk reads again adds exactly those samples, the others carried, not rendered again: the store then
+equals a clean run's. The fault is raised at a chosen byte by the stream the reader reads (the tar shard's, a source
+file's)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from PIL import Image
 from models import file_hashes
 from pipeline.config import load_config
 from pipeline.demo_data import make_demo_data
-from stages.resize import content, folder_source, judge, sources, stage
+from stages.resize import content, folder_source, jsonl_source, judge, sources, stage
 from stages.resize.split_rule import pictures_id, split_for
 from store import Store
 
@@ -53,7 +53,7 @@ class Reads:
             self.keys += 1
             return real_key(*a)
 
-        for reader in (folder_source, sources):
+        for reader in (folder_source, jsonl_source):
             monkeypatch.setattr(reader, "read_source_file", read)
         monkeypatch.setattr(file_hashes, "file_sha256", lambda p: self.hashed.append(str(p)) or real_sha(p))
         monkeypatch.setattr(content, "file_sha256", lambda p: self.hashed.append(str(p)) or real_sha(p))

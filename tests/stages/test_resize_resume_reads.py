@@ -15,7 +15,7 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.demo_data import make_demo_data
-from stages.resize import folder_source, judge, sources, stage
+from stages.resize import folder_source, jsonl_source, judge, sources, stage
 from store import Store
 import warm_start  # the killed and rerun resizes: real processes, started warm
 
@@ -51,7 +51,7 @@ def test_a_resumed_run_reads_and_hashes_only_the_unfinished_samples(tmp_path: Pa
     read, members = Counter(), Counter()
     real_key, real_read, real_extract = judge.sample_key, sources.read_source_file, tarfile.TarFile.extractfile
     monkeypatch.setattr(judge, "sample_key", lambda t, c, cap: hashed.append(1) or real_key(t, c, cap))
-    for reader in (folder_source, sources):
+    for reader in (folder_source, jsonl_source):
         monkeypatch.setattr(reader, "read_source_file",  # (path, root, max_bytes, what): the targets read
                             lambda p, *a: read.update([str(p)] if a[2] == "target" else []) or real_read(p, *a))
     monkeypatch.setattr(tarfile.TarFile, "extractfile",
