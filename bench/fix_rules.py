@@ -1,7 +1,7 @@
 """Which stored samples a fix changes (schemas/fixes.py), after a code upgrade past one: an encode rerun's reuse
 (store/reuse.py `reusable` over each rank's stored rows), encode's "does the fix change any sample of the old
-version?" scan (stages/encode/plan.py `_unchanged_by_fixes`) and resize-bucket's over `images` (stages/resize/stage.py
-`_unchanged_by_fixes`, `_rendered_before`, `_carry_forward`).
+version?" scan (stages/encode/plan.py `_unchanged_by_fixes`) and resize-bucket's over `images`
+(stages/resize/earlier_versions.py `_unchanged_by_fixes`, `reusable_renders`; stages/resize/carried.py `carry_samples`).
 
 Builds a synthetic `images` version of --samples rows (bench/encode_carry.py's, resize-bucket's meta columns, in
 --dir, reused on reruns) whose `conversions` notes mix an RGBA picture (2%), a turned mask (1%), a mask resized
@@ -13,7 +13,7 @@ step), old and new in the same run, after checking both keep the same rows:
           rule once per distinct value of the columns it reads)
   scan    encode's scan of an old version no fix changes (`key`, `length` of the samples without an RGBA picture:
           every row walked): old per row (`images.meta`), new `changed_rows`
-  resize  resize-bucket's `_rendered_before` (store/reuse.py `reusable_keys` with its mask rule) over the images
+  resize  resize-bucket's `reusable_renders` (store/reuse.py `reusable_keys` with its mask rule) over the images
           manifest: old every column `to_pylist()`, the rule per row; new the four columns it reads, `MASK_FIX`
 Prints the figures and old / new. 2-core shared dev machine (other jobs running; two runs of the old reuse: 79 s
 and 101 s), 1M samples, one process holding every row (world size 1):
@@ -49,7 +49,7 @@ from encode_carry import with_notes  # noqa: E402
 from schemas.fixes import mask_orientation_changes  # noqa: E402
 from stages.encode.plan import changed_rows  # noqa: E402
 from stages.encode.vae import FIXES  # noqa: E402
-from stages.resize.stage import MASK_FIX  # noqa: E402
+from stages.resize.images_table import MASK_FIX  # noqa: E402
 from store import Store  # noqa: E402
 from store.manifest import TENSOR_STRUCT  # noqa: E402
 

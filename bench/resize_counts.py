@@ -1,4 +1,4 @@
-"""The counts closing a resize-bucket run that carried or resumed samples (stages/resize/stage.py `version_counts`:
+"""The counts closing a resize-bucket run that carried or resumed samples (stages/resize/summary.py `version_counts`:
 the new `images` version's samples by split, by number of controls and by target bucket), on rank 0 while every
 other rank waits; after a val_fraction change or samples added, at 1M samples.
 Before, a reader of the version was opened (every shard stat'ed) and its whole manifest parsed (every column,
@@ -27,7 +27,7 @@ import gc, json, sys, time
 from collections import Counter
 import psutil
 from store import Store
-from stages.resize.stage import version_counts
+from stages.resize.summary import version_counts
 
 def old_counts(st, version):
     # the former counting (stages/resize/stage.py before bench/resize_counts.py), verbatim

@@ -90,12 +90,12 @@ class Counted(io.RawIOBase):
 def first_run(src: Path, work: Path, before: bool) -> tuple[float, float]:
     """(bytes read from the tars, seconds) of one first run: a new store, an empty file-hash cache."""
     from pipeline.config import load_config
-    from stages.resize import stage
+    from stages.resize import run_lineage, stage
 
     run = work / f"run{len(list(work.iterdir()))}"
     os.environ["XDG_CACHE_HOME"] = str(run / "cache")
     total = [0]
-    real_open, real_bltn, real_pending = builtins.open, tarfile.bltn_open, stage.pending_tars
+    real_open, real_bltn, real_pending = builtins.open, tarfile.bltn_open, run_lineage.pending_tars
 
     def counting_open(file, mode="r", buffering=-1, *a, **k):
         if isinstance(file, (str, Path)) and str(file).endswith(".tar") and str(file).startswith(str(src)) \
@@ -106,13 +106,13 @@ def first_run(src: Path, work: Path, before: bool) -> tuple[float, float]:
 
     builtins.open, io.open, tarfile.bltn_open = counting_open, counting_open, counting_open
     if before:
-        stage.pending_tars = lambda *a: frozenset()
+        run_lineage.pending_tars = lambda *a: frozenset()
     try:
         started = time.perf_counter()
         stage.run(load_config(None, SETTINGS), src, run / "store")
         return float(total[0]), time.perf_counter() - started
     finally:
-        builtins.open, io.open, tarfile.bltn_open, stage.pending_tars = real_open, real_open, real_bltn, real_pending
+        builtins.open, io.open, tarfile.bltn_open, run_lineage.pending_tars = real_open, real_open, real_bltn, real_pending
 
 
 def make_parquet(src: Path, files: int, rows: int, side: int, group: int) -> int:
@@ -140,12 +140,12 @@ def parquet_first_run(src: Path, work: Path, before: bool, counted: bool) -> tup
     import contextlib
 
     from pipeline.config import load_config
-    from stages.resize import parquet_source, stage
+    from stages.resize import parquet_source, run_lineage, stage
 
     run = work / f"run{len(list(work.iterdir()))}"
     os.environ["XDG_CACHE_HOME"] = str(run / "cache")
     total = [0]
-    real = builtins.open, parquet_source._open, stage.pending_tars, stage.remembered_footers
+    real = builtins.open, parquet_source._open, run_lineage.pending_tars, stage.remembered_footers
 
     def counting_open(file, mode="r", buffering=-1, *a, **k):
         if isinstance(file, (str, Path)) and str(file).endswith(".parquet") and str(file).startswith(str(src)) \
@@ -158,14 +158,14 @@ def parquet_first_run(src: Path, work: Path, before: bool, counted: bool) -> tup
         builtins.open = io.open = counting_open
         parquet_source._open = lambda p: counting_open(p, "rb", buffering=0)
     if before:
-        stage.pending_tars = lambda *a: frozenset()
+        run_lineage.pending_tars = lambda *a: frozenset()
         stage.remembered_footers = contextlib.nullcontext
     try:
         started = time.perf_counter()
         stage.run(load_config(None, SETTINGS), src, run / "store")
         return float(total[0]), time.perf_counter() - started
     finally:
-        builtins.open, parquet_source._open, stage.pending_tars, stage.remembered_footers = real
+        builtins.open, parquet_source._open, run_lineage.pending_tars, stage.remembered_footers = real
         io.open = real[0]
 
 

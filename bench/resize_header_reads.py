@@ -103,7 +103,7 @@ def main() -> None:
 
     from features import decode
     from pipeline.config import load_config
-    from stages.resize import stage
+    from stages.resize import images_table, stage
 
     work = Path(a.dir)
     src, store = work / "src", work / "store"
@@ -111,12 +111,12 @@ def main() -> None:
         size = make_source(src, a.format, a.samples, a.side, a.controls, a.picture)
         print(f"source: {a.samples} samples x {a.controls + 1} pictures, {size / 2**20:.1f} MiB")
     cfg = load_config(None, SETTINGS)
-    fixes, keyed = stage.FIXES, decode._colour_keyed
-    stage.FEATURE_REVISION, stage.FIXES = 3, tuple(f for f in fixes if f[0] < 3)
+    fixes, keyed = images_table.FIXES, decode._colour_keyed
+    images_table.FEATURE_REVISION, images_table.FIXES = 3, tuple(f for f in fixes if f[0] < 3)
     decode._colour_keyed = lambda im: None  # revision 3's decode
     if not store.exists():
         stage.run(cfg, src, store)
-    stage.FEATURE_REVISION, stage.FIXES, decode._colour_keyed = 4, fixes, keyed
+    images_table.FEATURE_REVISION, images_table.FIXES, decode._colour_keyed = 4, fixes, keyed
     from stages.resize import header_checks
 
     real_canvas = header_checks.webp_canvas

@@ -56,7 +56,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from pipeline.config import load_config
-    from stages.resize import stage
+    from stages.resize import render_loop, stage
 
     work = Path(a.dir) / f"n{a.samples}"
     src, store = work / "src", work / "store"
@@ -72,20 +72,20 @@ def main() -> None:
     shutil.copytree(store, rerun)
 
     at_carry: list[tracemalloc.Snapshot] = []
-    real = stage._revive
+    real = render_loop._revive
 
     def snapped(*args, **kw):
         at_carry.append(tracemalloc.take_snapshot())
         return real(*args, **kw)
 
-    stage._revive = snapped
+    render_loop._revive = snapped
     tracemalloc.start()
     t = time.perf_counter()
     s = stage.run(load_config(None, {**SETTINGS, "resize.val_fraction": 0.3}), src, rerun)
     seconds = time.perf_counter() - t
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    stage._revive = real
+    render_loop._revive = real
     assert s.written == 0 and s.reused == a.samples, s
     snap = at_carry[0].filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
     total = sum(st.size for st in snap.statistics("filename"))

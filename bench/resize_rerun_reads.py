@@ -40,11 +40,11 @@ SETTINGS = {"resize.target_area": 128 * 128, "resize.control_vae_area": 128 * 12
 def rerun(src: Path, store: Path, before: bool) -> tuple[int, int, float]:
     """(source bytes read, keys hashed, seconds) of a rerun with val_fraction 0.1 -> 0.3."""
     from pipeline.config import load_config
-    from stages.resize import known_sources, sources, stage
+    from stages.resize import folder_source, jsonl_source, judge, known_sources, sources, stage
     from stages.resize.resumed_sources import ResumedSources
 
     read, keys = [0], [0]
-    real_read, real_key, real_known = sources.read_source_file, stage.sample_key, known_sources.known_sources
+    real_read, real_key, real_known = sources.read_source_file, judge.sample_key, known_sources.known_sources
 
     def counted_read(*a):
         data = real_read(*a)
@@ -55,7 +55,8 @@ def rerun(src: Path, store: Path, before: bool) -> tuple[int, int, float]:
         keys[0] += 1
         return real_key(*a)
 
-    sources.read_source_file, stage.sample_key = counted_read, counted_key
+    folder_source.read_source_file = jsonl_source.read_source_file = counted_read
+    judge.sample_key = counted_key
     if before:  # nothing offered: every sample read and keyed, as before
         known_sources.known_sources = lambda st, rb, hashes, mb: known_sources.KnownSources(ResumedSources([]), hashes, mb)
     try:
@@ -64,7 +65,8 @@ def rerun(src: Path, store: Path, before: bool) -> tuple[int, int, float]:
         assert s.written == 0 and s.reused > 0, s
         return read[0], keys[0], time.perf_counter() - t
     finally:
-        sources.read_source_file, stage.sample_key, known_sources.known_sources = real_read, real_key, real_known
+        folder_source.read_source_file = jsonl_source.read_source_file = real_read
+        judge.sample_key, known_sources.known_sources = real_key, real_known
 
 
 class _Counted:
@@ -88,10 +90,10 @@ def tar_run(src: Path, store: Path, before: bool, val_fraction: float) -> tuple[
 
     from models import file_hashes
     from pipeline.config import load_config
-    from stages.resize import content, known_tars, sources, stage
+    from stages.resize import content, known_tars, stage, webdataset_source
 
     hashed, streamed, walked = [0], [0], [0]
-    real = (sources.open_shard, tarfile.open, file_hashes.file_sha256, content.file_sha256, known_tars.known_tars)
+    real = (webdataset_source.open_shard, tarfile.open, file_hashes.file_sha256, content.file_sha256, known_tars.known_tars)
 
     def sha(p):
         hashed[0] += Path(p).stat().st_size
@@ -101,7 +103,7 @@ def tar_run(src: Path, store: Path, before: bool, val_fraction: float) -> tuple[
         walked[0] += name is not None
         return real[1](name, *a, **kw)
 
-    sources.open_shard = lambda url: _Counted(real[0](url), streamed)
+    webdataset_source.open_shard = lambda url: _Counted(real[0](url), streamed)
     tarfile.open, file_hashes.file_sha256, content.file_sha256 = tar_open, sha, sha
     if before:  # no record read: every tar streamed, as before
         known_tars.known_tars = lambda st, rb, h, *a, **k: known_tars.KnownTars(h, {}, None, {})
@@ -110,7 +112,7 @@ def tar_run(src: Path, store: Path, before: bool, val_fraction: float) -> tuple[
         stage.run(load_config(None, {**SETTINGS, "resize.val_fraction": val_fraction}), src, store)
         return hashed[0], streamed[0], walked[0], time.perf_counter() - t
     finally:
-        (sources.open_shard, tarfile.open, file_hashes.file_sha256, content.file_sha256,
+        (webdataset_source.open_shard, tarfile.open, file_hashes.file_sha256, content.file_sha256,
          known_tars.known_tars) = real
 
 

@@ -116,7 +116,7 @@ def main() -> None:
     os.environ["NO_PROXY"] = "127.0.0.1,localhost"
     from features import decode
     from pipeline.config import load_config
-    from stages.resize import stage
+    from stages.resize import images_table, stage
 
     work = Path(a.dir)
     shutil.rmtree(work, ignore_errors=True)
@@ -127,16 +127,16 @@ def main() -> None:
     server = _serve(work / "www")
     url = f"http://127.0.0.1:{server.server_address[1]}/shard-000.tar"
     cfg = load_config(None, SETTINGS)
-    fixes, keyed = stage.FIXES, decode._colour_keyed
-    stage.FEATURE_REVISION, stage.FIXES = 3, tuple(f for f in fixes if f[0] < 3)
+    fixes, keyed = images_table.FIXES, decode._colour_keyed
+    images_table.FEATURE_REVISION, images_table.FIXES = 3, tuple(f for f in fixes if f[0] < 3)
     decode._colour_keyed = lambda im: None  # revision 3's decode
     stage.run(cfg, url, work / "store")
-    stage.FEATURE_REVISION, stage.FIXES, decode._colour_keyed = 4, fixes, keyed
+    images_table.FEATURE_REVISION, images_table.FIXES, decode._colour_keyed = 4, fixes, keyed
     stage.run(cfg, url, work / "store")  # revision 4 (now's code): the store a view-setting rerun starts from
-    stage.FEATURE_REVISION, stage.FIXES = 3, tuple(f for f in fixes if f[0] < 3)
+    images_table.FEATURE_REVISION, images_table.FIXES = 3, tuple(f for f in fixes if f[0] < 3)
     decode._colour_keyed = lambda im: None
     stage.run(cfg, url, work / "store3")
-    stage.FEATURE_REVISION, stage.FIXES, decode._colour_keyed = 4, fixes, keyed
+    images_table.FEATURE_REVISION, images_table.FIXES, decode._colour_keyed = 4, fixes, keyed
     view = load_config(None, {**SETTINGS, "resize.val_fraction": 0.3})
     server.delay = a.delay
     print(f"each request answered after {a.delay * 1000:.0f} ms")

@@ -1,4 +1,4 @@
-"""The bookkeeping of resize-bucket's revivals (stages/resize/stage.py `_revive`): each first copy the rendering
+"""The bookkeeping of resize-bucket's revivals (stages/resize/render_loop.py `_revive`): each first copy the rendering
 rejected (a bad mask) has its next copy taken back from the quarantine (`take_back`) and, once kept, its later
 copies named as that copy's duplicates (`kept_instead`). Before, each revived copy searched the quarantine rows for
 its own (`next(i for ... if r is row)`) and `summary.duplicates.remove`d its pair: both lists grow with the
@@ -25,11 +25,12 @@ from collections import Counter
 
 from schemas.errors import Rejected
 from stages.resize.sources import SourceSample
-from stages.resize.stage import ResizeSummary, _Intake
+from stages.resize.intake import Intake
+from stages.resize.summary import ResizeSummary
 
 
-def intake_with_held(keys: int, others: int) -> tuple[_Intake, list[tuple[str, list]]]:
-    intake = _Intake(ResizeSummary(version=1))
+def intake_with_held(keys: int, others: int) -> tuple[Intake, list[tuple[str, list]]]:
+    intake = Intake(ResizeSummary(version=1))
     for i in range(others):
         intake.reject(SourceSample(name=f"o{i}", source=f"other/{i}"), Rejected("bad-caption", "x", key=None))
     held = []
@@ -44,8 +45,8 @@ def intake_with_held(keys: int, others: int) -> tuple[_Intake, list[tuple[str, l
     return intake, held
 
 
-def old_take_back(intake: _Intake, key: str, rec: SourceSample, row: dict) -> None:
-    # the former `_Intake.take_back`, verbatim
+def old_take_back(intake: Intake, key: str, rec: SourceSample, row: dict) -> None:
+    # the former `Intake.take_back`, verbatim
     del intake.rejects[next(i for i, r in enumerate(intake.rejects) if r is row)]
     intake.summary.quarantined["duplicate"] -= 1
     if not intake.summary.quarantined["duplicate"]:
@@ -53,20 +54,20 @@ def old_take_back(intake: _Intake, key: str, rec: SourceSample, row: dict) -> No
     intake.summary.duplicates.remove((intake.first_source[key], rec.source))
 
 
-def old_kept_instead(intake: _Intake, key: str, kept: SourceSample, later: list) -> None:
-    # the former `_Intake.kept_instead`, verbatim
+def old_kept_instead(intake: Intake, key: str, kept: SourceSample, later: list) -> None:
+    # the former `Intake.kept_instead`, verbatim
     for rec, row in later:
         row["detail"] = f"same content (target, controls, caption) as {kept.source}"
         intake.summary.duplicates.remove((intake.first_source[key], rec.source))
         intake.summary.duplicates.append((kept.source, rec.source))
 
 
-def revive(intake: _Intake, held: list, old: bool) -> float:
+def revive(intake: Intake, held: list, old: bool) -> float:
     start = time.perf_counter()
     for key, copies in held:
         (rec, row), later = copies[0], copies[1:]
-        (old_take_back if old else _Intake.take_back)(intake, key, rec, row)
-        (old_kept_instead if old else _Intake.kept_instead)(intake, key, rec, later)
+        (old_take_back if old else Intake.take_back)(intake, key, rec, row)
+        (old_kept_instead if old else Intake.kept_instead)(intake, key, rec, later)
     if not old:
         intake.settle_revivals()
     return time.perf_counter() - start

@@ -64,7 +64,7 @@ def _references_told(cfg: PipelineConfig, source: str | None) -> bool | None:
     root = Path(source)
     if not (root / "target").is_dir():  # not a folder source (`stages.resize.sources.detect_format`'s rule)
         return None
-    from stages.resize.sources import folder_layout
+    from stages.resize.folder_source import folder_layout
 
     layout = folder_layout(root)  # a listing, no file read
     return any(stem in layout.targets for by_stem in layout.controls.values() for stem in by_stem)

@@ -67,7 +67,7 @@ def _why_empty(cfg: PipelineConfig, store: str, samples: int, version: int) -> s
     (stages/resize/split_rule.py; the config's where a version records none)."""
     from features.open import quarantined_keys
     from stages.resize.split_rule import recorded_rule, split_for
-    from stages.resize.stage import STAGE
+    from stages.resize.images_table import STAGE
     from store.manifest_files import read_schema
     from store.store import Store
 

@@ -125,7 +125,7 @@ class ResizeConfig(Section):
     multiple: Annotated[int, FEATURES] = Field(32, gt=0, description="bucket sides are multiples of this")
     min_side: Annotated[int, FEATURES] = Field(32, gt=0)
     max_aspect: Annotated[float, FEATURES] = Field(4.0, gt=1.0, description="buckets are clamped to this aspect ratio")
-    # read only while VL views are rendered (`vl_views`, stages/resize/stage.py `_render`): under false it enters
+    # read only while VL views are rendered (`vl_views`, stages/resize/rendering.py `_render`): under false it enters
     # every hash as its default (changing it there re-rendered every picture into the same bytes)
     control_vl_area: Annotated[int, Role("features", read_if=lambda rc: rc.vl_views)] = Field(
         384 * 384, gt=0, description="VL view of each control (Edit-Plus CONDITION_IMAGE_SIZE)")

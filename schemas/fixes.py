@@ -6,7 +6,7 @@ still accepted for a sample the fix leaves unchanged (store/reuse.py `reusable(.
 predicate below answers "does the fix change this stored sample?" and errs towards yes when the metadata cannot
 tell (a sample recomputed needlessly costs time; one reused wrongly is a silently wrong feature). A predicate
 is asked once per distinct value of the columns declared with it (stages/encode/plan.py `Fixes.reads`,
-stages/resize/stage.py `FIXES`; store/row_rule.py), never per row: it reads those columns only (not the key).
+stages/resize/images_table.py `FIXES`; store/row_rule.py), never per row: it reads those columns only (not the key).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ IMAGES_STAGE = "resize-bucket"
 # LINEAGE_BEFORE_FIXES_ATTR: one string each in a revision 2 version, lists (oldest first) since revision 3
 CODE_BEFORE_FIXES_ATTR = "code_version_before_fixes"
 
-# render settings the VAE encoder does not read: they size or skip the VL views alone (stages/resize/stage.py
+# render settings the VAE encoder does not read: they size or skip the VL views alone (stages/resize/rendering.py
 # `_render`: target, control VAE views and mask are sized by target_area / control_vae_area and the bucket rules)
 VAE_UNREAD = ("control_vl_area", "vl_views")
 # render settings the text encoder does not read, by pipeline family (`models.loading.pipeline_family`): none reads

@@ -526,7 +526,7 @@ def open_version(url: str, root: Path, table: str, version: int,
                  storage_options: dict[str, Any] | None = None) -> None:
     """One complete version of `url` into its cached store `root`, lazily, as `open_lazily` opens the current ones
     (call under the cache lock); not made current: a rerun adopting an older version of its settings does that
-    (stages/resize/stage.py)."""
+    (stages/resize/earlier_versions.py)."""
     remote = open_remote(url, storage_options)
     with remote_errors(url, "open"):
         _open_version(remote, root, table, version)

@@ -1,4 +1,4 @@
-"""resize.max_image_frames applied to the samples a rerun carries forward instead of rendering (stage.py), as
+"""resize.max_image_frames applied to the samples a rerun carries forward instead of rendering (render_loop.py), as
 pixel_limit.py applies max_image_pixels: a carried sample is not decoded, so its frames are not counted. Its row
 tells them: a picture of several frames is noted `first frame of N used` (features/decode.py). A limit below the
 one a complete `images` version was rendered under reads that note of its rows, and a key one of them notes with

@@ -1,9 +1,9 @@
 """What a rerun reads of a sample an earlier version rendered before carrying it forward instead of rendering it
-(stage.py): its source pictures' headers, no pixel decoded, where the stored row cannot tell.
+(render_loop.py): its source pictures' headers, no pixel decoded, where the stored row cannot tell.
 
 - a resize.max_image_pixels lowered since the row was checked (pixel_limit.py); a resize.max_image_frames below
   a frame count its row notes (frame_limit.py: such a key is rendered, never carried);
-- resize-bucket revision 4 (stage.REVISION_4_FIX): a picture with one transparent colour (a PNG's tRNS on an RGB,
+- resize-bucket revision 4 (images_table.REVISION_4_FIX): a picture with one transparent colour (a PNG's tRNS on an RGB,
   L, 1 or 16-bit grey picture) is taken as alpha since; no stored column tells such a picture, so each row of an
   earlier revision (`colour_checked`) is carried only when none of its target and controls has one
   (features.decode.has_transparent_colour; a mask's is not read as alpha). A row with one is rendered again.

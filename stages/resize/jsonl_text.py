@@ -1,4 +1,4 @@
-"""A JSONL manifest as text, before any of its rows is read (sources.py reads them): its encoding, what ends its
+"""A JSONL manifest as text, before any of its rows is read (jsonl_source.py reads them): its encoding, what ends its
 lines, whether it is JSON Lines at all, and what to say about a path written for another machine. Each was a
 manifest read as a million bad lines (a quarantine row each, then 'no usable sample') or a bare 'No such file or
 directory', never naming the cause."""

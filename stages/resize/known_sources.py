@@ -1,14 +1,14 @@
 """Samples of the newest complete `images` version whose source files are unchanged: a rerun (a view setting such as
 val_fraction or the control limits changed, a few samples added) carries them forward without reading their image
-bytes or hashing their key again (a folder or JSONL source: its reader in sources.py asks `KnownSources.get`
-before reading a sample).
+bytes or hashing their key again (a folder or JSONL source: its reader, folder_source.py or jsonl_source.py, asks
+`KnownSources.get` before reading a sample).
 
-A sample's key (stage.sample_key: sha256 of target + controls + caption) needs every byte of it. A row records its
-source name, the sha256 of each target/control file (`source_hashes`), of its mask (`mask_sha256`) and its caption.
-A sample found now under the same source name whose files' sha256, as the file-hash cache knows them, are the
-recorded ones, and whose caption (a folder's .txt, small, read; a JSONL's, in its line) is the recorded one, has the recorded bytes: the recorded
-key. Only rows whose key and mask an earlier version holds with the same render settings (stage._rendered_before)
-are offered: the others must be rendered, so read, anyway.
+A sample's key (images_table.sample_key: sha256 of target + controls + caption) needs every byte of it. A row
+records its source name, the sha256 of each target/control file (`source_hashes`), of its mask (`mask_sha256`) and
+its caption. A sample found now under the same source name whose files' sha256, as the file-hash cache knows them,
+are the recorded ones, and whose caption (a folder's .txt, small, read; a JSONL's, in its line) is the recorded one,
+has the recorded bytes: the recorded key. Only rows whose key and mask an earlier version holds with the same render
+settings (earlier_versions.reusable_renders) are offered: the others must be rendered, so read, anyway.
 
 What is trusted is the cache's own rule (models/file_hashes.py), the one the listing hash has just applied to every
 file: a cached sha256 stands while the file's size, mtime_ns and ctime_ns are those it was hashed at (same real

@@ -59,9 +59,10 @@ if TYPE_CHECKING:
     from store import Store
 
 NOTE = "source-tars"
-# The rules by which sources.iter_webdataset makes samples of a tar's members (member names and case, dotfiles,
-# which member is the caption or the mask): they are not in the render lineage, so a note records the revision
-# it was written under and a note of another one carries nothing (its tars read, and their samples judged, anew).
+# The rules by which webdataset_source.iter_webdataset makes samples of a tar's members (member names and case,
+# dotfiles, which member is the caption or the mask): they are not in the render lineage, so a note records the
+# revision it was written under and a note of another one carries nothing (its tars read, and their samples judged,
+# anew).
 # Bump it with any change to those rules.
 READER = 1
 # A parquet source's files, by the same rules (parquet_source.py): rows `<file>:<row>`. Its reader's rules (how a
@@ -70,7 +71,7 @@ READER = 1
 PARQUET_NOTE = "source-parquet"
 PARQUET_READER = 1
 # A parquet note written under the rule that an unset resize.columns.mask reads a column `mask` (parquet_source.py):
-# a version of the same listing whose note says so resolved it from these very footers (stage._mask_by_a_version)
+# a version of the same listing whose note says so resolved it from these very footers (run_lineage._mask_by_a_version)
 MASK_RULE = 1
 
 

@@ -10,7 +10,7 @@ the stage judges like every other format: a null or oversized image, a path with
 instruction quarantines the row with the same reasons as a file would; a missing or mistyped mapped column is
 the user's to fix (one UserError naming the column and the file). A local file whose read fails (EIO, EACCES: an
 OSError with an errno, not pyarrow's "corrupt") is one `read-error` row for the rows not read (counting them), the
-file marked unread (`_unread_rows`: a rerun reads it again), as a tar's samples are (sources.py).
+file marked unread (`_unread_rows`: a rerun reads it again), as a tar's samples are (webdataset_source.py).
 
 Within `remembered_footers()` (one resize-bucket run) each file's footer is read once, shared by the bar's row
 count, the column check and the reader (three reads before). A local file read for the first time is hashed from

@@ -26,8 +26,8 @@ from schemas.errors import UserError
 from stages.resize.first_read import file_stamp
 from stages.resize.header_checks import FIRST_READ, Heads, Reader
 from stages.resize.shards import open_shard
-from stages.resize.sources import SourceSample, _printable_names, _reread_tar, _sample_from_members, _split_member, \
-    dot_member, printable, tar_headers
+from stages.resize.sources import SourceSample, printable, printable_names
+from stages.resize.webdataset_source import dot_member, reread_tar, sample_from_members, split_member, tar_headers
 
 # a tar at a URL is walked by range requests of this many bytes from each header: a member smaller than the rest of
 # it costs no request of its own (a caption), a larger one one request (not its data: ~16 KiB of a ~1 MB picture)
@@ -242,8 +242,8 @@ class TarIndex:
         """A tar at a URL whose walk by range requests failed (a server that ignores them): downloaded once to a
         temporary file (gone with the index), walked and read there; else each sample to read would stream the tar
         up to it (a tar of n samples read ~n/2 times). A transfer that fails, no room for the copy, or bytes that
-        are no tar: each sample streamed instead (`_reread_tar`), whose stream names the error where it lasts."""
-        from stages.resize.sources import _close_shard
+        are no tar: each sample streamed instead (`reread_tar`), whose stream names the error where it lasts."""
+        from stages.resize.webdataset_source import close_shard
 
         try:
             copy = tempfile.NamedTemporaryFile(prefix="resize-tar-", suffix=".tar")
@@ -251,7 +251,7 @@ class TarIndex:
             try:
                 shutil.copyfileobj(stream, copy, 1 << 20)
             finally:
-                _close_shard(self.tar, stream)
+                close_shard(self.tar, stream)
             copy.flush()
             self._copy = copy
             return self._walk()
@@ -314,7 +314,7 @@ class TarIndex:
             headers.append(m.offset)
             if m.isdir() or dot_member(m.name):
                 continue
-            key, ext = _split_member(m.name)
+            key, ext = split_member(m.name)
             where = f"{self.tar}:{key}"
             name = printable(where)
             if key != last and name in runs:  # a second run of one key: which is the row's is not known
@@ -333,7 +333,7 @@ class TarIndex:
         if run is None:
             return None
         # the reader's own rules say which member is the target, a control, the mask (offsets in place of bytes)
-        s = _sample_from_members(run[0], run[1], run[2], [])  # type: ignore[arg-type]
+        s = sample_from_members(run[0], run[1], run[2], [])  # type: ignore[arg-type]
         if s.problem is not None:
             return None
         if self._still is not None and self._copy is None and source in self._order:
@@ -408,7 +408,7 @@ class TarIndex:
             if run is not None:
                 members = self._whole(run[2])
                 if all(len(data) == run[2][ext][1] for ext, data in members.items()):
-                    return _printable_names(_sample_from_members(run[0], run[1], members, []))
+                    return printable_names(sample_from_members(run[0], run[1], members, []))
         except (OSError, tarfile.TarError):
             pass
-        return _reread_tar(self.tar, source, self._max)  # which names a read error, or a tar changed meanwhile
+        return reread_tar(self.tar, source, self._max)  # which names a read error, or a tar changed meanwhile

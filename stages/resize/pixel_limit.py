@@ -1,4 +1,4 @@
-"""resize.max_image_pixels applied to the samples a rerun carries forward instead of rendering (stage.py).
+"""resize.max_image_pixels applied to the samples a rerun carries forward instead of rendering (render_loop.py).
 
 The limit is checked while decoding; a carried sample is not decoded. A limit lowered since its rows were rendered
 must still quarantine them as a fresh run does, and a limit raised must read nothing. So each version records the

@@ -12,7 +12,7 @@ width of the sample keys themselves, which the store already trusts to be collis
 206 MB, now 50 MB; a lookup costs a digest, ~10 us under load, the dict's was ~0.1 us).
 
 Also key -> recorded mask (`resumed_masks`), read only when a copy of a key the version holds is met under
-another source name: a first copy whose key the interrupted run kept under a later copy (a revival, stage.py).
+another source name: a first copy whose key the interrupted run kept under a later copy (a revival, render_loop.py).
 And the rows of one parquet file the version holds (`held_rows`), for a read error that keeps a range of rows
 from being read: those written before are kept, not counted as unread (parquet_source._unread_rows).
 """
@@ -145,7 +145,7 @@ class ResumedMasks:
 
 
 def _bits(mask_sha256: str | None) -> int:
-    """As stage._mask_bits of the mask's bytes: 64 bits of its hash, 0 for none ("")."""
+    """As images_table.mask_bits of the mask's bytes: 64 bits of its hash, 0 for none ("")."""
     return int(mask_sha256[:16], 16) if mask_sha256 else 0
 
 

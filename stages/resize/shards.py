@@ -7,9 +7,9 @@ brace lists (`shard-{000..099}.tar`, `a.tar::b.tar`), all through the `webdatase
 - A shard is opened with webdataset's `gopen` (a local file; `http(s)` through curl), except `s3://`, which gopen
   has no handler for (its `pipe:aws s3 cp` would need the AWS CLI and a shell): that is fsspec/s3fs, configured by
   the standard AWS environment (`AWS_ENDPOINT_URL` for an S3-compatible server), as the store's URLs are.
-- The members are still parsed by sources.py from that stream, not by webdataset's `tar_file_iterator`: that one
-  reads every member whole (an oversized member could not be refused unread), skips links silently and keeps no
-  record of duplicates, which would lose the quarantine rules every format shares.
+- The members are still parsed by webdataset_source.py from that stream, not by webdataset's `tar_file_iterator`:
+  that one reads every member whole (an oversized member could not be refused unread), skips links silently and
+  keeps no record of duplicates, which would lose the quarantine rules every format shares.
 - Identity for the listing hash (content.py): a local shard by its bytes' sha256 (as every local file); a URL by
   its size and the server's content tag (ETag, else Content-MD5, else Last-Modified), from one HEAD request per
   shard; a server that sends none of these is read once and hashed.

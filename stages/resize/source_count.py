@@ -13,7 +13,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from stages.resize import sources
+from stages.resize import folder_source, jsonl_source, sources, webdataset_source
 from stages.resize.jsonl_text import manifest_lines
 
 
@@ -22,8 +22,8 @@ def count_samples(source: str | Path, fmt: str, known: Any = None) -> int | None
     (known_tars.KnownTars): a tar carried unread is counted by its record, not opened."""
     try:
         if fmt == "folder":
-            layout = sources.folder_layout(Path(source))  # the listing is cached: no second scan of the disk
-            return len(layout.targets) + len(sources.folder_leftovers(Path(source), layout))
+            layout = folder_source.folder_layout(Path(source))  # the listing is cached: no second scan of the disk
+            return len(layout.targets) + len(folder_source.folder_leftovers(Path(source), layout))
         if fmt == "parquet":
             from stages.resize.parquet_source import count_rows
 
@@ -40,9 +40,9 @@ def count_samples(source: str | Path, fmt: str, known: Any = None) -> int | None
                     total += n
                     continue
                 with tarfile.open(tar, mode="r:") as tf:  # uncompressed tar: seeks header to header
-                    total += len({sources._split_member(m.name)[0] for m in sources.tar_headers(tf)
-                                  if m.isfile() and not sources.dot_member(m.name)})
+                    total += len({webdataset_source.split_member(m.name)[0] for m in webdataset_source.tar_headers(tf)
+                                  if m.isfile() and not webdataset_source.dot_member(m.name)})
             return total
-        return sum(1 for _, line in manifest_lines(sources._jsonl_path(Path(source))) if line.strip())
+        return sum(1 for _, line in manifest_lines(jsonl_source.jsonl_path(Path(source))) if line.strip())
     except (OSError, tarfile.TarError, ValueError):  # pyarrow's ArrowInvalid is a ValueError
         return None

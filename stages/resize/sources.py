@@ -1,6 +1,8 @@
-"""Readers for the source formats (DESIGN §3): a folder, webdataset tars, a JSONL manifest, parquet files (the
-last in parquet_source.py; where tar shards are and how they are opened - local, brace lists, http(s), s3 - in
-shards.py).
+"""The source formats (DESIGN §3): which one a source is (`detect_format`), its samples (`iter_source`, read by the
+format's reader: folder_source.py, webdataset_source.py, jsonl_source.py, parquet_source.py; where tar shards are
+and how they are opened - local, brace lists, http(s), s3 - in shards.py), the local files its listing hashes
+(`source_files`), and what every reader shares: `SourceSample` and the one way a source file is read
+(`read_source_file`).
 
 Each reader yields one `SourceSample` per sample with the raw bytes of the target, of each control in order, of
 the caption and of the optional edit mask. Nothing is decoded here: judging bytes (bad image, bad caption, wrong
@@ -31,26 +33,21 @@ paths are read where they point, as documented). Each refusal quarantines the sa
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import stat
-import tarfile
-import time
-import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import partial
-from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 from schemas.errors import UserError
-from stages.resize.folder_listing import Scan, _inside, named_on_disk, scan, stem_suffix
-from stages.resize.jsonl_text import checked_manifest, foreign_path_hint, manifest_lines
-from stages.resize.shards import is_shard_list, is_url, open_shard, shard_urls
+from stages.resize.folder_listing import _inside
+from stages.resize.jsonl_text import checked_manifest
+from stages.resize.shards import is_shard_list, is_url, shard_urls
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".bmp", ".gif")  # = features.decode.ALLOWED_FORMATS
-_CONTROL_DIR = re.compile(r"^control(?:_(\d+))?$")
+CONTROL_DIR = re.compile(r"^control(?:_(\d+))?$")
 DEFAULT_MAX_FILE_BYTES = 1 << 30  # = ResizeConfig.max_file_bytes' default
 
 
@@ -106,7 +103,9 @@ def detect_format(source: str | Path) -> str:
         raise UserError(f"source {p} does not exist; pass a folder, a .tar shard (or folder, brace list or URL of "
                         "them), a .jsonl file or a .parquet file (or folder of them)")
     if (p / "target").is_dir():
-        _control_dirs(p)  # its layout refusals (a misnamed or doubled control/mask folder) before a store is made
+        from stages.resize.folder_source import control_folders
+
+        control_folders(p)  # its layout refusals (a misnamed or doubled control/mask folder) before a store is made
         return "folder"
     if tars := sorted(p.glob("*.tar")):
         refuse_no_file(p, tars)  # a broken link's own row says it (cannot open tar)
@@ -133,7 +132,7 @@ def refuse_no_file(root: Path, files: list[Path], links: bool = False) -> None:
     file to read: a FIFO or a device (hashing or reading it hung the run), and with `links` a broken link or a
     link loop (skipped unsaid). Folders are not looked at (Spark's `x.parquet/` holds the part files)."""
     for f in files:
-        kind = _not_regular(f)
+        kind = not_regular(f)
         if kind in _NEVER_ENDS or links and kind in ("a broken symlink", "a symlink loop"):
             kind += f" to {os.readlink(f)}" if kind == "a broken symlink" else ""
             raise UserError(f"source {root}: {os.path.relpath(f, root)} is {kind}, not a regular file: not read; "
@@ -150,18 +149,26 @@ def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     fmt = detect_format(source)
     done = done or {}
     if fmt == "webdataset":
+        from stages.resize.webdataset_source import iter_webdataset
+
         samples = iter_webdataset(source, max_file_bytes, done, known)
     elif fmt == "parquet":
         from stages.resize.parquet_source import iter_parquet
 
         samples = iter_parquet(source if is_url(source) else Path(source), columns, max_file_bytes, known, done)
+    elif fmt == "folder":
+        from stages.resize.folder_source import iter_folder
+
+        samples = iter_folder(Path(source), max_file_bytes, done, known)
     else:
-        samples = iter_folder(Path(source), max_file_bytes, done, known) if fmt == "folder" else \
-            iter_jsonl(Path(source), max_file_bytes, done, known)
-    return map(_printable_names, samples)
+        from stages.resize.jsonl_source import iter_jsonl
+
+        samples = iter_jsonl(Path(source), max_file_bytes, done, known)
+    return map(printable_names, samples)
 
 
-def _done_key(done: Done, source: str) -> str | None:
+def resumed_key(done: Done, source: str) -> str | None:
+    """The key the resumed version holds `source` under (`done`), None where it holds none."""
     return done.get(printable(source)) if done else None  # recorded as printable (the manifest holds UTF-8)
 
 
@@ -180,7 +187,7 @@ def printable(text: str) -> str:
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _printable_names(s: SourceSample) -> SourceSample:
+def printable_names(s: SourceSample) -> SourceSample:
     """The names a sample is recorded under (manifest, quarantine, messages), as valid UTF-8."""
     s.name, s.source, s.files = printable(s.name), printable(s.source), [printable(f) for f in s.files]
     if s.problem is not None:
@@ -199,28 +206,19 @@ def source_files(source: str | Path) -> list[Path]:
         from stages.resize.parquet_source import parquet_files
 
         return [] if is_url(source) else parquet_files(p)  # at a URL: content.py hashes their metadata
-    if fmt == "folder":  # only what the reader reads: a store or OS litter inside the source changes nothing
-        files = []  # in Path order: by folder name, then file name (each scan is sorted)
-        for d in sorted(_layout_dirs(p), key=lambda d: d.name):
-            sc = scan(d, p)
-            files += [d / n for n in sc.names if sc.is_file(n) and sc.inside_root(n, p)]
-        return files
-    manifest = _jsonl_path(p)
-    files = {manifest}
-    for _, obj, _ in _jsonl_objects(manifest):
-        if isinstance(obj, dict):
-            for rel in _jsonl_paths(obj):
-                f = _resolve(manifest.parent, rel)
-                # what the reader would refuse is not hashed either (it is quarantined, never read)
-                if f.is_file() and (Path(rel).is_absolute() or _inside(f, manifest.parent)):
-                    files.add(f)
-    return sorted(files, key=lambda f: f.parts)  # Path order, compared in C (Path.__lt__ is Python: minutes)
+    if fmt == "folder":
+        from stages.resize.folder_source import folder_files
+
+        return folder_files(p)
+    from stages.resize.jsonl_source import jsonl_files
+
+    return jsonl_files(p)
 
 
 # ---------------------------------------------------------------- the one way a source file is read
 
 
-class _Problem(Exception):
+class ReadProblem(Exception):
     def __init__(self, message: str, kind: str = "bad-source", unread: Path | None = None) -> None:
         super().__init__(message)
         self.kind, self.unread = kind, unread
@@ -239,22 +237,22 @@ def is_read_error(path: Any, e: BaseException) -> bool:
     return isinstance(e, OSError) and bool(e.errno) and e.errno not in _NO_FILE and not is_url(path)
 
 
-def _read_failed(what: str, path: Path, e: OSError) -> _Problem:
+def _read_failed(what: str, path: Path, e: OSError) -> ReadProblem:
     """A file the reader could not read: `read-error` (EIO, EACCES, ...: retried by a rerun), unless the path names
     no file (`bad-source`)."""
     if e.errno in _NO_FILE:
-        return _Problem(f"{what} file {path} cannot be read: {e.strerror or e}")
-    return _Problem(f"{what} file {path} could not be read: {e.strerror or e} (errno {e.errno}); {READ_ERROR_HINT}",
+        return ReadProblem(f"{what} file {path} cannot be read: {e.strerror or e}")
+    return ReadProblem(f"{what} file {path} could not be read: {e.strerror or e} (errno {e.errno}); {READ_ERROR_HINT}",
                     "read-error", path)
 
 
 def read_source_file(path: Path, root: Path | None, max_bytes: int, what: str = "file") -> bytes:
     """The bytes of a regular file of at most `max_bytes`, within `root` (None: anywhere, for an absolute JSONL
-    path); `_Problem` naming the reason otherwise."""
+    path); `ReadProblem` naming the reason otherwise."""
     if "\0" in str(path):  # a JSON "\u0000" in a path: no OS call takes it (ValueError, the run's traceback)
-        raise _Problem(f"{what} path {str(path)!r} holds a NUL character: no file has such a name; fix the path")
+        raise ReadProblem(f"{what} path {str(path)!r} holds a NUL character: no file has such a name; fix the path")
     if root is not None and not _inside(path, root):
-        raise _Problem(f"{what} {path} resolves to {os.path.realpath(path)}, outside the source {root} (symlink or "
+        raise ReadProblem(f"{what} {path} resolves to {os.path.realpath(path)}, outside the source {root} (symlink or "
                        "'..'): not read; copy the file into the source", "outside-source")
     try:
         # O_NONBLOCK: opening a FIFO must not wait for a writer; the mode is checked on the open file (no race)
@@ -264,9 +262,9 @@ def read_source_file(path: Path, root: Path | None, max_bytes: int, what: str = 
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise _Problem(f"{what} {path} is not a regular file ({_file_kind(st.st_mode)}): not read", "not-a-file")
+            raise ReadProblem(f"{what} {path} is not a regular file ({_file_kind(st.st_mode)}): not read", "not-a-file")
         if st.st_size > max_bytes:
-            raise _Problem(f"{what} {path} is {st.st_size} bytes, over resize.max_file_bytes ({max_bytes})",
+            raise ReadProblem(f"{what} {path} is {st.st_size} bytes, over resize.max_file_bytes ({max_bytes})",
                            "file-too-large")
         with os.fdopen(os.dup(fd), "rb") as f:
             # the size read, not the limit: read(n) allocates n bytes up front (1 GiB of address space per file,
@@ -275,7 +273,7 @@ def read_source_file(path: Path, root: Path | None, max_bytes: int, what: str = 
             if len(data) > st.st_size:
                 data += f.read(max_bytes + 1 - len(data))
         if len(data) > max_bytes:  # grew while read
-            raise _Problem(f"{what} {path} is over resize.max_file_bytes ({max_bytes})", "file-too-large")
+            raise ReadProblem(f"{what} {path} is over resize.max_file_bytes ({max_bytes})", "file-too-large")
         return data
     except OSError as e:
         raise _read_failed(what, path, e) from None
@@ -283,86 +281,12 @@ def read_source_file(path: Path, root: Path | None, max_bytes: int, what: str = 
         os.close(fd)
 
 
-# ---------------------------------------------------------------- folder
-
-
-# Folders a user meant as control/ or mask/ but named otherwise (masks/, controls/, Control/, control1/,
-# control-2/): never read, so an edit dataset trained text-to-image, or without its masks, with no word about it.
-_NEAR_LAYOUT_DIR = re.compile(r"^(control|mask)s?(?:[-_ ]?(\d+))?$", re.IGNORECASE)
-
-
-def _near_miss(d: Path) -> str | None:
-    """The layout folder `d` was surely meant to be (`mask`, `control`, `control_2`), when it is not one itself."""
-    m = _NEAR_LAYOUT_DIR.match(d.name)
-    if not m or d.name == "mask" or _CONTROL_DIR.match(d.name):
-        return None
-    kind, index = m.group(1).lower(), int(m.group(2) or 0)
-    return kind if kind == "mask" or index == 0 else f"control_{index}"
-
-
-def _control_dirs(root: Path) -> dict[int, Path]:
-    """control/ is index 0, control_<i>/ is index i. A folder named near these or mask/ is refused (_near_miss)."""
-    out: dict[int, Path] = {}
-    for d in sorted(root.iterdir()):
-        m = _CONTROL_DIR.match(d.name)
-        if (m or d.name == "mask") and not d.is_dir():
-            raise _not_a_layout_folder(root, d)
-        if d.is_dir() and (meant := _near_miss(d)):
-            raise UserError(f"source {root}: folder {d.name}/ is not read (the layout reads target/, control/, "
-                            f"control_1/, ..., mask/); rename it to {meant}/, or move it out of the source")
-        if d.is_dir() and m:
-            i = int(m.group(1) or 0)
-            if i in out:  # e.g. control/ + control_0/, control_1/ + control_01/: one would vanish unread
-                raise UserError(f"source {root}: folders {out[i].name}/ and {d.name}/ both hold control {i} "
-                                "(control/ is control 0, control_<i>/ is control i); merge or rename one")
-            out[i] = d
-    return out
-
-
-def _not_a_layout_folder(root: Path, d: Path) -> UserError:
-    """control/, control_<i>/ or mask/ that is no folder (a link to a disk not mounted, a file): listed as empty,
-    every pair trained without its controls or masks and no row saying why."""
-    kind = _not_regular(d) or "a file"
-    if kind == "a broken symlink":
-        kind += f" to {os.readlink(d)}"
-    return UserError(f"source {root}: {d.name} is {kind}, not a folder: its files are not read; make it the "
-                     f"folder of those files (mount or fix the link), or remove it")
-
-
-def _layout_dirs(root: Path) -> list[Path]:
-    return [root / "target", *(d for _, d in sorted(_control_dirs(root).items())), root / "mask"]
-
-
-def _stem(name: str) -> tuple[str, str]:
-    """(the stem a sample's files are matched by, the suffix). The stem in Unicode NFC: the same name may be stored
-    composed (`café`, NFC: Linux, Windows) or decomposed (`cafe` + U+0301, NFD: written on macOS, copied by rsync or
-    unzipped), and a target and its control or caption spelt the two ways looked alike but parted: the pair trained
-    text-to-image, its control quarantined as an orphan. The files keep their real names."""
-    stem, suffix = stem_suffix(name)
-    return unicodedata.normalize("NFC", stem), suffix
-
-
-def _images_by_stem(sc: Scan, unsupported: dict[str, list[Path]], also: tuple[str, ...] = ()) -> dict[str, list[str]]:
-    """Image file names by stem (`_stem`); every other entry (not an image, nor a suffix in `also`) goes to
-    `unsupported`. Suffixes match in any case (`x.PNG`, `x.TXT`: cameras and Windows tools write them). Names, not
-    Paths: a million Path objects were ~1 GB."""
-    out: dict[str, list[str]] = {}
-    for name in sc.names:
-        stem, suffix = _stem(name)
-        is_file = sc.is_file(name)
-        if is_file and suffix.lower() in IMAGE_SUFFIXES:
-            out.setdefault(stem, []).append(name)
-        elif not (is_file and suffix.lower() in also):
-            unsupported.setdefault(stem, []).append(sc.folder / name)
-    return out
-
-
 def _file_kind(mode: int) -> str:
     return ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket"
             if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file")
 
 
-def _not_regular(path: Path) -> str | None:
+def not_regular(path: Path) -> str | None:
     """What a folder entry is when it is no regular file (a broken link, a link loop, a folder, a FIFO), else None."""
     try:
         mode = os.stat(path).st_mode
@@ -371,639 +295,8 @@ def _not_regular(path: Path) -> str | None:
     return None if stat.S_ISREG(mode) else _file_kind(mode)
 
 
-def _unsupported_message(root: Path, files: list[Path]) -> str:
-    """The entries a sample cannot use: each no-file said as what it is (a `x.png` that is a broken link is not a
-    wrong image type), the others with the types that are read."""
-    odd = {f: kind for f in files if (kind := _not_regular(f))}
-    names = ", ".join(os.path.relpath(f, root) + (f" ({odd[f]})" if f in odd else "") for f in files)
-    if set(odd.values()) == {"a folder"}:  # target/cats/*.png: a layout of nested folders, not a file gone wrong
-        return (f"{names}: not a regular file, not read: a folder source is flat (target/<stem>.png, "
-                f"control/<stem>.png, ...), its sub-folders are not read; move their files up into "
-                f"{os.path.relpath(files[0].parent, root)}/ or remove them")
-    if len(odd) == len(files):
-        return f"{names}: not a regular file, not read; replace it with the file or remove it"
-    return f"unsupported file(s) {names}: images must be one of {', '.join(IMAGE_SUFFIXES)} (captions target/<stem>.txt)"
-
-
-@dataclass
-class _FolderLayout:
-    """A folder source as listed (nothing read): each folder's files by stem, and what no sample can use."""
-
-    targets: dict[str, list[str]]
-    captions: dict[str, list[str]]  # stem -> its caption file names (`x.txt`, `x.TXT`: either, not both)
-    control_dirs: dict[int, Path]
-    controls: dict[int, dict[str, list[str]]]
-    masks: dict[str, list[str]]
-    unsupported: dict[str, list[Path]]  # stem -> files the layout cannot use; they must not vanish
-
-
-def folder_layout(root: Path) -> _FolderLayout:
-    unsupported: dict[str, list[Path]] = {}
-    listed = scan(root / "target", root)
-    targets = _images_by_stem(listed, unsupported, also=(".txt",))
-    captions: dict[str, list[str]] = {}
-    for name in listed.names:
-        if listed.is_file(name) and (split := _stem(name))[1].lower() == ".txt":
-            captions.setdefault(split[0], []).append(name)
-    control_dirs = _control_dirs(root)
-    controls = {i: _images_by_stem(scan(d, root), unsupported) for i, d in control_dirs.items()}
-    masks = _images_by_stem(scan(root / "mask", root), unsupported)
-    return _FolderLayout(targets, captions, control_dirs, controls, masks, unsupported)
-
-
-def folder_leftovers(root: Path, layout: _FolderLayout) -> list[SourceSample]:
-    """A record for each file that belongs to no target (it would otherwise vanish silently), after the targets'
-    own: what `iter_folder` yields beyond one record per target, so the bar's total counts them too (it ran past
-    its total into a count without one, losing its ETA)."""
-    orphans: list[Path] = [root / "target" / n for stem, ns in layout.captions.items() if stem not in layout.targets
-                           for n in ns]
-    for i in sorted(layout.controls):
-        orphans += [layout.control_dirs[i] / f for stem, fs in layout.controls[i].items() if stem not in layout.targets
-                    for f in fs]
-    orphans += [root / "mask" / f for stem, fs in layout.masks.items() if stem not in layout.targets for f in fs]
-    out = [SourceSample(name=f.stem, source=str(f), problem="file has no matching target image in target/",
-                        problem_kind="orphan-file") for f in orphans]
-    for stem, fs in sorted(layout.unsupported.items()):
-        if stem not in layout.targets:
-            for f in fs:
-                orphan = "" if f.is_dir() else " (and no matching target image in target/)"  # a folder's is said
-                out.append(SourceSample(name=stem, source=str(f), problem=_unsupported_message(root, [f]) + orphan,
-                                        problem_kind="unsupported-file"))
-    return out
-
-
-def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                done: Done | None = None, known: Any = None) -> Iterator[SourceSample]:
-    layout = folder_layout(root)
-    targets, controls, control_dirs, masks = layout.targets, layout.controls, layout.control_dirs, layout.masks
-    for stem in sorted(targets):
-        s = SourceSample(name=stem, source=str(root / "target" / stem))
-        found = [root / "target" / name for name in targets[stem]]
-        if stem in layout.unsupported:
-            s.source = str(found[0])
-            s.problem, s.problem_kind = _unsupported_message(root, layout.unsupported[stem]), "unsupported-file"
-            yield s
-            continue
-        if len(found) > 1:
-            s.problem = f"several target files for one sample: {', '.join(f.name for f in found)}"
-            yield s
-            continue
-        s.source = str(found[0])
-        if len(masks.get(stem, ())) > 1:  # as several target or control files: which one is meant is unknown
-            s.problem = f"several mask files in mask/: {', '.join(sorted(masks[stem]))}"
-            yield s
-            continue
-        present = [i for i in sorted(controls) if stem in controls[i]]
-        if present != list(range(len(present))):
-            s.problem = f"control folders for this sample are not contiguous from control/: found indices {present}"
-            yield s
-            continue
-        s.done_key = _done_key(done or {}, s.source)
-        if s.done_key is not None:
-            yield s
-            continue
-        files = _FolderFiles(root, found[0], [[control_dirs[i] / name for name in controls[i][stem]] for i in present],
-                             [root / "target" / name for name in layout.captions.get(stem, ())],
-                             root / "mask" / masks[stem][0] if stem in masks else None)
-        if known and _known_folder_sample(s, files, known, max_file_bytes):
-            yield s
-            continue
-        yield _read_folder_sample(s, files, max_file_bytes)
-    yield from folder_leftovers(root, layout)
-
-
-@dataclass(frozen=True)
-class _FolderFiles:
-    """The files of one folder sample, as listed (nothing read): controls in order, each its candidates."""
-
-    root: Path
-    target: Path
-    controls: list[list[Path]]
-    captions: list[Path]  # its caption files as listed (`x.txt`, `x.TXT`): none, one, or several (refused)
-    mask: Path | None
-
-
-def _read_folder_sample(s: SourceSample, f: _FolderFiles, max_file_bytes: int) -> SourceSample:
-    def read(path: Path, what: str) -> bytes:
-        return read_source_file(path, f.root, max_file_bytes, what)
-
-    try:
-        s.target = read(f.target, "target")
-        s.files.append(str(f.target))
-        for cands in f.controls:
-            if len(cands) > 1:
-                raise _Problem(f"several control files in {cands[0].parent.name}/: {', '.join(c.name for c in cands)}")
-            s.controls.append(read(cands[0], f"control {len(s.controls)}"))  # contiguous from 0: the folder's index
-            s.files.append(str(cands[0]))
-        if len(f.captions) > 1:
-            raise _Problem(f"several caption files: {', '.join(c.name for c in f.captions)}; keep one")
-        s.caption = read(f.captions[0], "caption") if f.captions else None
-        if f.mask is not None:
-            s.mask = read(f.mask, "mask")
-            s.files.append(str(f.mask))
-    except _Problem as e:
-        s.problem, s.problem_kind, s.unread = str(e), e.kind, e.unread and str(e.unread)
-    return s
-
-
-def _known_folder_sample(s: SourceSample, f: _FolderFiles, known: Any, max_file_bytes: int) -> bool:
-    """Fill `s` as a sample an earlier version holds, its files unchanged (known_sources.py), reading only its
-    caption; False (nothing read but perhaps the caption): read it whole."""
-    if any(len(c) != 1 for c in f.controls) or not known.recorded(printable(s.source)) or len(f.captions) != 1:
-        return False
-    try:
-        caption = read_source_file(f.captions[0], f.root, max_file_bytes, "caption")
-    except _Problem:
-        return False
-    images = [f.target, *(c[0] for c in f.controls)]
-    hit = known.get(printable(s.source), [(p, f.root) for p in images], None if f.mask is None else (f.mask, f.root),
-                    caption)
-    if hit is None:
-        return False
-    s.known, s.caption = hit, caption
-    s.files = [str(p) for p in (*images, *([f.mask] if f.mask is not None else []))]
-    s.reread = partial(_reread_folder, s.name, s.source, f, max_file_bytes)
-    s.heads = partial(_file_heads, images, f.mask)
-    return True
-
-
-def _file_heads(images: list[Path], mask: Path | None) -> Any:
+def read_heads(images: list[Path], mask: Path | None) -> Any:
+    """A local sample's pictures' first bytes (picture_heads.py `file_heads`), for the header checks."""
     from stages.resize.picture_heads import file_heads
 
     return file_heads(images, mask)
-
-
-def _reread_folder(name: str, source: str, f: _FolderFiles, max_file_bytes: int) -> SourceSample:
-    return _printable_names(_read_folder_sample(SourceSample(name=name, source=source), f, max_file_bytes))
-
-
-# ---------------------------------------------------------------- webdataset
-
-
-def tar_headers(tf: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
-    """Each member's header in order, none kept: a TarFile keeps every header it met (~1 KB each), GBs for a tar of
-    a million samples (a folder dataset put in one `.tar`) read whole; webdataset's reader lets them go alike."""
-    while (m := tf.next()) is not None:
-        tf.members.clear()
-        yield m
-
-
-def _split_member(name: str) -> tuple[str, str]:
-    """webdataset's rule: key = path up to the first dot of the base name, suffix = the rest (lowercased)."""
-    d, _, base = name.rpartition("/")
-    stem, dot, ext = base.partition(".")
-    return (f"{d}/{stem}" if d else stem), (ext.lower() if dot else "")
-
-
-def dot_member(name: str) -> bool:
-    """A tar member whose base name starts with a dot: OS litter, ignored as a folder source's dotfiles (macOS tar
-    writes an AppleDouble `._x.png` before every file with extended attributes, e.g. a downloaded one, which split
-    each sample's run in two: a whole shard quarantined). webdataset's own key rule skips them too."""
-    return name.rpartition("/")[2].startswith(".")
-
-
-def _unsafe_name(name: str) -> bool:
-    pure = PurePosixPath(name)
-    return name.startswith("/") or "\\" in name or ".." in pure.parts or re.match(r"^[A-Za-z]:", name) is not None
-
-
-# Metadata members common in webdataset shards (labels, per-sample JSON): not part of an edit pair, so they
-# are ignored rather than quarantining the sample. Anything else unknown (e.g. `.control.heic`) quarantines it.
-WDS_METADATA_MEMBERS = frozenset({"json", "cls", "cls2", "id", "meta", "yaml", "yml"})
-
-
-def _sample_from_members(key: str, where: str, members: dict[str, bytes], bad: list[str],
-                         done: Done | None = None) -> SourceSample:
-    s = SourceSample(name=key, source=where)
-    s.done_key = _done_key(done or {}, where)
-    if s.done_key is not None:
-        return s
-    if bad:
-        s.problem = "; ".join(bad)
-        s.problem_kind = "unsafe-path" if any(b.startswith("unsafe member path") for b in bad) else "bad-source"
-        return s
-    targets = [ext for ext in members if "." not in ext and f".{ext}" in IMAGE_SUFFIXES]
-    ctrl_ext: dict[int, list[str]] = {}
-    masks: list[str] = []
-    unknown: list[str] = []
-    for ext in members:
-        head, dot, tail = ext.partition(".")
-        m = _CONTROL_DIR.match(head)
-        if m and dot and f".{tail}" in IMAGE_SUFFIXES:
-            ctrl_ext.setdefault(int(m.group(1) or 0), []).append(ext)
-        elif head == "mask" and dot and f".{tail}" in IMAGE_SUFFIXES:
-            masks.append(ext)
-        elif ext not in targets and ext != "txt" and ext not in WDS_METADATA_MEMBERS:
-            unknown.append(ext)
-    if unknown:  # a member we would not read (e.g. .control.heic) must not be dropped unseen
-        s.problem, s.problem_kind = (
-            f"unsupported member(s) {', '.join(f'{key}.{e}' if e else key for e in sorted(unknown))}: the layout reads "
-            f"<key>.<image>, .txt, .control[_i].<image>, .mask.<image>; images {'/'.join(IMAGE_SUFFIXES)}",
-            "unsupported-file",
-        )
-        return s
-    several = [f"{key}.{'/'.join(exts)}" for exts in [*ctrl_ext.values(), masks] if len(exts) > 1]
-    if several:
-        s.problem = f"several members for one image: {', '.join(several)}"
-        return s
-    if len(targets) != 1:
-        s.problem = (
-            f"no target image member ({'/'.join(IMAGE_SUFFIXES)}) among {sorted(members)}"
-            if not targets
-            else f"several target image members: {sorted(targets)}"
-        )
-        return s
-    s.target = members[targets[0]]
-    s.files.append(f"{where}.{targets[0]}")
-    if sorted(ctrl_ext) != list(range(len(ctrl_ext))):
-        s.problem = f"control members are not contiguous from .control: found indices {sorted(ctrl_ext)}"
-        return s
-    s.controls = [members[ctrl_ext[i][0]] for i in range(len(ctrl_ext))]
-    s.files += [f"{where}.{ctrl_ext[i][0]}" for i in range(len(ctrl_ext))]
-    s.caption = members.get("txt")
-    if masks:
-        s.mask = members[masks[0]]
-        s.files.append(f"{where}.{masks[0]}")
-    return s
-
-
-def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                    done: Done | None = None, known: Any = None) -> Iterator[SourceSample]:
-    """Every shard of the source (shards.py: local, http(s), s3, brace lists), streamed once, in order. `known`
-    (known_tars.KnownTars): a tar unchanged since the newest version, every sample of it there, is not opened: its
-    samples are yielded with `known`; each tar read whole is recorded in it (its hash, its sample count)."""
-    for tar in shard_urls(root):
-        carried = known.unchanged(tar) if known is not None else None
-        if carried is not None:
-            from stages.resize.picture_heads import TarIndex
-
-            sha, samples = carried
-            # its headers walked only when a sample is read after all (a URL's: while it is still the recorded one)
-            index = TarIndex(tar, max_file_bytes, partial(known.still, tar, sha) if is_url(tar) else None,
-                             [source for source, _ in samples] if is_url(tar) else None, known.headers(tar),
-                             partial(known.match, tar) if is_url(tar) else None)
-            for source, hit in samples:
-                yield SourceSample(name=source[len(tar) + 1:], source=source, known=hit,
-                                   reread=partial(index.sample, source), heads=partial(index.heads, source))
-            index.confirm()  # a URL's object not put again while its samples were read by offsets
-            known.note(tar, sha, len(samples), index.headers or known.headers(tar))
-            continue
-        if known is not None and str(Path(tar)) in known.pending:  # read for the first time: hashed as streamed
-            yield from _hashed_shard(tar, max_file_bytes, done or {}, known)
-            continue
-        before = known.identity(tar) if known is not None else None
-        count, failed, headers = 0, False, [] if is_url(tar) else None  # a URL's header offsets (known_tars.py)
-        for s in _shard_samples(tar, max_file_bytes, done or {}, headers=headers):
-            count, failed = count + 1, failed or s.problem_kind == "read-error"
-            yield s
-        # not changed while it was streamed, and read whole (a read error: not noted, so a rerun reads it again)
-        if before is not None and not failed and known.identity(tar, fresh=True) == before:
-            known.note(tar, before, count, headers)
-
-
-def _hashed_shard(tar: str, max_file_bytes: int, done: Done, known: Any) -> Iterator[SourceSample]:
-    """A local tar's samples, its sha256 taken from the same bytes (first_read.py): noted as read, and kept for
-    the cache, when it was streamed whole and is unchanged since its stream began."""
-    from stages.resize.first_read import HashingStream, file_stamp
-
-    streams: list[HashingStream] = []
-
-    def opened(url: str) -> HashingStream:
-        streams.append(HashingStream(open_shard(url)))
-        return streams[-1]
-
-    started = time.time_ns()  # the file-hash cache judges a whole-second stamp by it (models/file_hashes.RACY_NS)
-    before, count, failed = file_stamp(tar), 0, False
-    for s in _shard_samples(tar, max_file_bytes, done, opener=opened):
-        count, failed = count + 1, failed or s.problem_kind == "read-error"
-        yield s
-    digest = streams[0].digest() if streams else None
-    if digest is not None and not failed and before is not None and file_stamp(tar) == before:
-        known.streamed[tar] = (digest, os.stat(tar), started)
-        known.note(tar, digest, count)
-
-
-def _shard_samples(tar: str, max_file_bytes: int, done: Done,
-                   opener: Callable[[str], Any] | None = None,
-                   headers: list[int] | None = None) -> Iterator[SourceSample]:
-    stream = None
-    try:
-        stream = (opener or open_shard)(tar)
-        tf = tarfile.open(fileobj=stream, mode="r|*")  # streaming: one pass, like webdataset
-    except (tarfile.TarError, OSError) as e:
-        if stream is not None:
-            _close_shard(tar, stream)  # a failed transfer (e.g. curl's exit status) stops the run instead
-        if is_read_error(tar, e):
-            yield from _unread_rest(tar, -1, None, done, e)  # EACCES, EIO: the disk's, not the data's
-            return
-        yield SourceSample(name=Path(tar).stem, source=tar, problem=f"cannot open tar: {e}")
-        return
-    yield from _tar_samples(tar, tf, stream, max_file_bytes, done, headers)
-
-
-def _reread_tar(tar: str, source: str, max_file_bytes: int) -> SourceSample:
-    """The sample recorded as `source` of a tar carried unread, read from the tar after all (streamed up to it)."""
-    samples = _shard_samples(tar, max_file_bytes, {})
-    try:
-        for s in samples:
-            if printable(s.source) == source:
-                return _printable_names(s)
-            if s.problem_kind == "read-error" and s.source == tar:  # a read error, the headers after it too
-                return SourceSample(name=source[len(tar) + 1:], source=source, problem_kind="read-error", unread=tar,
-                                    problem=f"sample {source} could not be read again: {s.problem}")
-    finally:
-        samples.close()
-    return SourceSample(name=source[len(tar) + 1:], source=source, problem=f"sample {source} is no longer in "
-                        f"{tar} (the tar changed while this run read it); rerun")
-
-
-def _tar_samples(tar: str, tf: tarfile.TarFile, stream: Any, max_file_bytes: int,
-                 done: Done, headers: list[int] | None = None) -> Iterator[SourceSample]:
-    """`headers`: each member header's offset appended (a tar at a URL's, recorded: known_tars.py)."""
-    key: str | None = None
-    members: dict[str, bytes] = {}
-    bad: list[str] = []
-    at, failed = -1, None  # the header offset of the last member met; the local read error that ended the stream
-    try:
-        with tf:
-            for m in tar_headers(tf):
-                at = m.offset
-                if headers is not None:
-                    headers.append(at)
-                if m.isdir() or dot_member(m.name):
-                    continue
-                k, ext = _split_member(m.name)
-                if key is not None and k != key:
-                    yield _sample_from_members(key, f"{tar}:{key}", members, bad, done)
-                    members, bad = {}, []
-                key = k
-                if _done_key(done, f"{tar}:{k}") is not None:
-                    continue  # written before: its members not read (a stream passes over them)
-                # never follow names out of the archive, even though we do not extract to disk
-                if _unsafe_name(m.name):
-                    bad.append(f"unsafe member path {m.name!r} (absolute or '..')")
-                elif not m.isfile():
-                    bad.append(f"member {m.name!r} is not a regular file (link or device)")
-                elif ext in members:  # webdataset would keep the last copy silently
-                    bad.append(f"member {m.name!r} appears twice in the run of key {k!r}")
-                elif m.size > max_file_bytes:
-                    bad.append(f"member {m.name!r} is {m.size} bytes, over resize.max_file_bytes ({max_file_bytes})")
-                else:
-                    f = tf.extractfile(m)
-                    members[ext] = f.read() if f is not None else b""
-    except (tarfile.TarError, EOFError) as e:  # the data: a truncated or corrupt tar
-        _close_shard(tar, stream)  # unless the transfer failed, which is the run's error, not the data's
-        bad.append(f"tar is truncated or corrupt: {e}")
-    except Exception as e:  # noqa: BLE001  reading failed: a local disk's OSError, or a transfer's (any library type)
-        if is_url(tar):
-            raise UserError(f"source shard {tar}: the transfer failed ({type(e).__name__}: {e}); check the server "
-                            "and rerun (samples already written are kept)") from None
-        if not isinstance(e, OSError):
-            raise
-        _close_shard(tar, stream)
-        failed = e  # the disk's error, not the data's: this sample and the rest of the tar are not read
-    else:
-        _close_shard(tar, stream)
-    if failed is not None:
-        yield from _unread_rest(tar, at, key, done, failed)
-    elif key is not None:
-        yield _sample_from_members(key, f"{tar}:{key}", members, bad, done)
-    elif bad:
-        yield SourceSample(name=Path(tar).stem, source=tar, problem="; ".join(bad))
-
-
-def _unread_rest(tar: str, after: int, key: str | None, done: Done, error: OSError) -> Iterator[SourceSample]:
-    """The samples a local read error (EIO, EACCES) kept from being read: `key`'s, whose members it cut, and those
-    after it, named by a walk of the tar's headers past header offset `after` (a bad sector mostly spoils one
-    member's data); each a `read-error` sample (a resumed run's written ones: as written). Headers that cannot be
-    read either: one row for the rest of the tar. Never silently missing, never "corrupt": a rerun reads them."""
-    why = f"{error.strerror or error} (errno {error.errno}); {READ_ERROR_HINT}"
-
-    def unread(k: str, what: str) -> SourceSample:
-        source = f"{tar}:{k}"
-        if (done_key := _done_key(done, source)) is not None:
-            return SourceSample(name=k, source=source, done_key=done_key)
-        return SourceSample(name=k, source=source, problem=f"{what} {tar}: {why}", problem_kind="read-error",
-                            unread=tar)
-
-    if key is not None:
-        yield unread(key, "a member of this sample could not be read from")
-    last = key
-    try:
-        with tarfile.open(tar, mode="r:") as tf:  # uncompressed: seeks header to header, member data unread
-            for m in tar_headers(tf):
-                if m.offset <= after or m.isdir() or dot_member(m.name):
-                    continue
-                k = _split_member(m.name)[0]
-                if k != last:  # a run of members sharing a key is a sample
-                    yield unread(k, "not read: a read error earlier in")
-                last = k
-    except (OSError, tarfile.TarError, EOFError) as e:
-        yield SourceSample(name=Path(tar).stem, source=tar, problem_kind="read-error", unread=tar, problem=(
-            f"the rest of the tar after {'key ' + repr(last) if last is not None else 'its start'} could not be "
-            f"read (its headers neither: {type(e).__name__}: {e}), how many samples it holds is not known: {why}"))
-
-
-def _close_shard(tar: str, stream: Any) -> None:
-    """Close a shard's stream; a URL whose transfer failed (curl's exit status, s3fs's error) stops the run with
-    one line rather than quarantining its remaining samples as if the tar were corrupt: a rerun continues."""
-    try:
-        stream.close()
-    except Exception as e:  # noqa: BLE001  webdataset's Pipe raises a bare IOError with curl's status
-        if not is_url(tar):
-            return
-        raise UserError(f"source shard {tar}: the transfer failed ({e}); check the server and rerun "
-                        "(samples already written are kept)") from None
-
-
-# ---------------------------------------------------------------- JSONL
-
-
-def _jsonl_path(p: Path) -> Path:
-    return p if p.is_file() else sorted(p.glob("*.jsonl"))[0]
-
-
-class _FieldTwice(ValueError):
-    pass
-
-
-def _fields_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose read field is given twice with two values: Python's json keeps the last, and the first
-    (a target, a control, a caption) was dropped unsaid."""
-    obj: dict[str, Any] = {}
-    for name, value in pairs:
-        if name in obj and name in _JSONL_FIELDS and obj[name] != value:
-            raise _FieldTwice(f"field {name!r} is given twice on this line ({obj[name]!r}, then {value!r}): JSON "
-                              "readers keep the last and drop the first; keep one")
-        obj[name] = value
-    return obj
-
-
-def _jsonl_objects(path: Path) -> Iterator[tuple[int, object, str | None]]:
-    """(line number, parsed object or None, error) per non-blank line."""
-    for no, raw in manifest_lines(path):
-        if not raw.strip():
-            continue
-        try:
-            # a UTF-8 BOM before the first line (Windows editors, PowerShell 5's utf8) is not part of the JSON
-            yield no, json.loads(raw.decode("utf-8-sig" if no == 1 else "utf-8"), object_pairs_hook=_fields_once), None
-        except UnicodeDecodeError:
-            yield no, None, "line is not valid UTF-8"
-        except _FieldTwice as e:
-            yield no, None, str(e)
-        except json.JSONDecodeError as e:
-            yield no, None, f"line is not valid JSON: {e.msg}"
-        except RecursionError:  # arrays nested 100k deep: one bad line, not the run's traceback
-            yield no, None, "line is not valid JSON: nested too deeply to read"
-        except ValueError:  # a number of over 4300 digits (Python's int limit)
-            yield no, None, "line is not valid JSON: holds a number with too many digits to read"
-
-
-def _jsonl_controls(obj: dict) -> list:
-    """`controls` (a list, or one path), else `control`. null is no controls: pandas' and HF datasets' `to_json`
-    write a missing value as null (a text-to-image row of an edit dataset), not as an absent field."""
-    ctrls = obj.get("controls")
-    if ctrls is None:
-        ctrls = obj.get("control")
-    if ctrls is None:
-        return []
-    return ctrls if isinstance(ctrls, list) else [ctrls]
-
-
-# The fields a JSONL line is read by. A field holding image paths under another name (`mask_path`, `control_images`,
-# `source_image`) was passed over unsaid: the edit pair trained text-to-image, or without its mask.
-_JSONL_FIELDS = ("target", "controls", "control", "caption", "prompt", "mask")
-
-
-def _jsonl_field_problem(obj: dict, base: Path) -> str | None:
-    """Why a line's fields would drop one of its images unread, or None. A field is passed whose paths are all read
-    anyway (`image_path` or `file_name` beside `target`, as caption tools and converted datasets keep them) or name
-    no file there (`original_filename`: a camera's name, provenance): no image of the line is dropped."""
-    if obj.get("controls") is not None and obj.get("control") is not None:  # one of the two would be dropped
-        return "both 'controls' and 'control' are given; keep one (controls: a list of paths)"
-    read = {os.path.normpath(_resolve(base, p)) for p in _jsonl_paths(obj)}
-    for name, value in obj.items():
-        paths = value if isinstance(value, list) else [value]
-        # a URL (`"url": "https://.../a.jpg"`, a crawl's provenance) is never read as an image anyway
-        if name in _JSONL_FIELDS or not paths or not all(
-                isinstance(v, str) and v.lower().endswith(IMAGE_SUFFIXES) and "://" not in v for v in paths):
-            continue
-        if all(os.path.normpath(_resolve(base, v)) in read or not _resolve(base, v).is_file() for v in paths):
-            continue
-        meant = "mask" if "mask" in name.lower() else "controls"
-        return (f"field {name!r} names image file(s) ({paths[0]}) but is not read (a line's fields: "
-                f"{', '.join(_JSONL_FIELDS)}); rename it to {meant!r}, or drop it from the line")
-    return None
-
-
-def _jsonl_paths(obj: dict) -> list[str]:
-    paths = [obj.get("target"), *_jsonl_controls(obj), obj.get("mask")]
-    return [p for p in paths if isinstance(p, str)]
-
-
-def _resolve(base: Path, rel: str) -> Path:
-    """A line's path: relative to the JSONL file's folder, as its folder spells it (`named_on_disk`: a name written
-    in NFC on disk in NFD, or the other way round, was quarantined as "no such file")."""
-    p = Path(rel)
-    return named_on_disk(p if p.is_absolute() else base / p)
-
-
-def iter_jsonl(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-               done: Done | None = None, known: Any = None) -> Iterator[SourceSample]:
-    manifest = _jsonl_path(root)
-    base = manifest.parent
-    for no, obj, err in _jsonl_objects(manifest):
-        s = SourceSample(name=f"line{no}", source=f"{manifest}:{no}")
-        if err is None and not isinstance(obj, dict):
-            err = "line is not a JSON object"
-        if err is None:
-            err = _jsonl_field_problem(obj, base)
-        if err is not None:
-            s.problem = err
-            yield s
-            continue
-        assert isinstance(obj, dict)
-        if isinstance(obj.get("target"), str) and (
-                key := _done_key(done or {}, f"{manifest}:{no} ({obj['target']})")) is not None:
-            s.source, s.done_key = f"{manifest}:{no} ({obj['target']})", key  # the source name it was written under
-            yield s
-            continue
-        if known and _known_jsonl_sample(s, obj, f"{manifest}:{no}", base, known, max_file_bytes):
-            yield s
-            continue
-        yield _read_jsonl_sample(s, obj, f"{manifest}:{no}", base, max_file_bytes)
-
-
-def _jsonl_caption(obj: dict) -> object:
-    return obj.get("caption") if obj.get("caption") is not None else obj.get("prompt")  # null: as absent
-
-
-def _read_jsonl_sample(s: SourceSample, obj: dict, line: str, base: Path, max_file_bytes: int) -> SourceSample:
-    def _read_ref(base: Path, rel: object, what: str) -> bytes:
-        return _read_jsonl_ref(base, rel, what, max_file_bytes)
-
-    try:
-        s.target = _read_ref(base, obj.get("target"), "target")
-        ctrls = _jsonl_controls(obj)
-        s.files.append(str(_resolve(base, obj["target"])))
-        for i, c in enumerate(ctrls):
-            s.controls.append(_read_ref(base, c, f"controls[{i}]"))
-            s.files.append(str(_resolve(base, c)))
-        if obj.get("mask") is not None:
-            s.mask = _read_ref(base, obj["mask"], "mask")
-            s.files.append(str(_resolve(base, obj["mask"])))
-    except _Problem as e:
-        s.problem, s.problem_kind, s.unread = str(e), e.kind, e.unread and str(e.unread)
-        return s
-    s.source = f"{line} ({obj['target']})"
-    text = _jsonl_caption(obj)
-    if text is not None and not isinstance(text, str):
-        s.problem = f"caption/prompt is not a string (got {type(text).__name__})"
-    # a JSON "\\udce9" (a lone surrogate) decodes to a str that is no text: its bytes fail the UTF-8 check
-    s.caption = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else None
-    return s
-
-
-def _known_jsonl_sample(s: SourceSample, obj: dict, line: str, base: Path, known: Any, max_file_bytes: int) -> bool:
-    """Fill `s` as a sample an earlier version holds, its files unchanged (known_sources.py), reading none of its
-    files (the caption is in the line); False: read it whole."""
-    rels = [obj.get("target"), *_jsonl_controls(obj)]
-    mask = obj.get("mask")
-    text = _jsonl_caption(obj)
-    if not all(isinstance(r, str) and r for r in rels) or not (mask is None or isinstance(mask, str) and mask) \
-            or not isinstance(text, str):
-        return False
-    source = f"{line} ({rels[0]})"
-    if not known.recorded(printable(source)):
-        return False
-
-    def located(rel: str) -> tuple[Path, Path | None]:  # a relative path stays within the JSONL file's folder
-        return _resolve(base, rel), None if Path(rel).is_absolute() else base
-
-    caption = text.encode("utf-8", "surrogatepass")
-    hit = known.get(printable(source), [located(r) for r in rels], None if mask is None else located(mask), caption)
-    if hit is None:
-        return False
-    s.source, s.known, s.caption = source, hit, caption
-    s.files = [str(_resolve(base, r)) for r in (*rels, *([mask] if mask is not None else []))]
-    s.reread = partial(_reread_jsonl, s.name, s.source, obj, line, base, max_file_bytes)
-    s.heads = partial(_file_heads, [_resolve(base, r) for r in rels], None if mask is None else _resolve(base, mask))
-    return True
-
-
-def _reread_jsonl(name: str, source: str, obj: dict, line: str, base: Path, max_file_bytes: int) -> SourceSample:
-    return _printable_names(_read_jsonl_sample(SourceSample(name=name, source=line), obj, line, base, max_file_bytes))
-
-
-def _read_jsonl_ref(base: Path, rel: object, what: str, max_file_bytes: int) -> bytes:
-    if not isinstance(rel, str) or not rel:
-        raise _Problem(f"field {what!r} is missing or not a path string")
-    # a relative path stays within the JSONL file's folder; an absolute one is read where it points
-    try:
-        return read_source_file(_resolve(base, rel), None if Path(rel).is_absolute() else base, max_file_bytes, what)
-    except _Problem as e:
-        hint = foreign_path_hint(rel)
-        if hint and not os.path.lexists(_resolve(base, rel)):
-            raise _Problem(f"{e}; {rel!r} {hint}", e.kind, e.unread) from None
-        raise
-

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from store import Store
 
 TABLE = "images"
-ROW = ("source", "mask_sha256")  # with the key, what a row is rendered from (stage.py `_render`)
+ROW = ("source", "mask_sha256")  # with the key, what a row is rendered from (rendering.py `_render`)
 
 
 def same_version(st: Store, writer: Any) -> int | None:

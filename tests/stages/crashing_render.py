@@ -8,14 +8,14 @@ from __future__ import annotations
 import os
 import signal
 
-from stages.resize import stage
+from stages.resize import rendering
 
 
 def render_item(item, rc, rules):
     rec, key, caption = item
     if caption == "crash the worker":
         os.kill(os.getpid(), signal.SIGKILL)
-    return stage.render(rec, key, caption, rc, rules)
+    return rendering.render(rec, key, caption, rc, rules)
 
 
 def echo_or_die(item: str) -> str:

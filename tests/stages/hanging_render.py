@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 import time
 
-from stages.resize import stage
+from stages.resize import rendering
 
 
 def render_item(item, rc, rules):
     rec, key, caption = item
     while caption == os.environ.get("HANG_CAPTION"):
         time.sleep(1)
-    return stage.render(rec, key, caption, rc, rules)
+    return rendering.render(rec, key, caption, rc, rules)

@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 from pipeline.config import load_config
+from stages.resize import images_table, rendering, run_lineage
 from stages.resize import stage as resize_stage
 from store import Store
 
@@ -21,8 +22,8 @@ def revision_3_code(monkeypatch):
     counts). Revision 4 re-renders every row of an older version (a transparent colour no stored column tells:
     test_fix_revisions_resize4.py); revision 3's decode equals it on these pictures (no transparent colour).
     Imported (so in force) by the other revision tests that build an older `images` table."""
-    monkeypatch.setattr(resize_stage, "FEATURE_REVISION", 3)
-    monkeypatch.setattr(resize_stage, "FIXES", tuple((r, f) for r, f in resize_stage.FIXES if r < 3))
+    monkeypatch.setattr(images_table, "FEATURE_REVISION", 3)
+    monkeypatch.setattr(images_table, "FIXES", tuple((r, f) for r, f in images_table.FIXES if r < 3))
 
 
 SMALL = {"resize.target_area": 64 * 96, "resize.control_vae_area": 64 * 64, "resize.control_vl_area": 32 * 32,
@@ -65,10 +66,10 @@ def _source(root, with_affected: bool):
 def _build_before_fix(monkeypatch, cfg, src, store):
     """What revision 1 wrote: the stretched mask, its lineage (and no record of the lineage before fixes)."""
     with monkeypatch.context() as m:
-        m.setattr(resize_stage, "FEATURE_REVISION", 1)
-        m.setattr(resize_stage, "_drawn_on_stored_pixels", lambda *a: False)
-        m.setattr(resize_stage, "_check_mask_aspect", lambda *a: None)  # it stretched any mask (since: bad-mask)
-        real_schema = resize_stage.images_schema
+        m.setattr(images_table, "FEATURE_REVISION", 1)
+        m.setattr(rendering, "_drawn_on_stored_pixels", lambda *a: False)
+        m.setattr(rendering, "_check_mask_aspect", lambda *a: None)  # it stretched any mask (since: bad-mask)
+        real_schema = run_lineage.images_schema
 
         def old_schema(*a, **k):
             schema = real_schema(*a, **k)
@@ -76,7 +77,7 @@ def _build_before_fix(monkeypatch, cfg, src, store):
                      if n not in ("feature_lineage_before_fixes", "code_version_before_fixes")}
             return type(schema)(name=schema.name, lineage=schema.lineage, fields=schema.fields, attrs=attrs)
 
-        m.setattr(resize_stage, "images_schema", old_schema)
+        m.setattr(run_lineage, "images_schema", old_schema)
         return resize_stage.run(cfg, src, store)
 
 
@@ -116,8 +117,8 @@ def test_a_table_the_fix_leaves_unchanged_stays_current(monkeypatch, tmp_path):
     record = tmp_path / "store" / "images" / f"v{old.version}.unchanged.json"
     scanned = []
     columns = ("has_mask", "conversions")  # (a rule is asked once per distinct value of these: store/row_rule.py)
-    monkeypatch.setattr(resize_stage, "FIXES", tuple((r, RowRule(lambda row: scanned.append(row) or False, columns))
-                                                     for r, _ in resize_stage.FIXES))
+    monkeypatch.setattr(images_table, "FIXES", tuple((r, RowRule(lambda row: scanned.append(row) or False, columns))
+                                                     for r, _ in images_table.FIXES))
     again = resize_stage.run(cfg, tmp_path / "src", tmp_path / "store")
     assert again.up_to_date and again.version == old.version and scanned == []
     # a record of another manifest (a version rebuilt under this number) is not trusted: scanned again
@@ -126,8 +127,8 @@ def test_a_table_the_fix_leaves_unchanged_stays_current(monkeypatch, tmp_path):
     assert json.loads(record.read_text())["version_id"] == Store(tmp_path / "store").version_id("images", old.version)
     # nor is one answered for another lineage: a later fix (revision 4, its predicate saying "changed") scans the
     # version again and re-renders, never trusting the "none changed" its predecessor's scan recorded
-    monkeypatch.setattr(resize_stage, "FEATURE_REVISION", 4)
-    monkeypatch.setattr(resize_stage, "FIXES", (*resize_stage.FIXES,
+    monkeypatch.setattr(images_table, "FEATURE_REVISION", 4)
+    monkeypatch.setattr(images_table, "FIXES", (*images_table.FIXES,
                                                 (3, RowRule(lambda row: scanned.append(row) or True, columns))))
     later = resize_stage.run(cfg, tmp_path / "src", tmp_path / "store")
     assert not later.up_to_date and later.version == old.version + 1 and later.written == old.written

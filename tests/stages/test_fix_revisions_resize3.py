@@ -18,7 +18,7 @@ from PIL import Image
 from pipeline.config import load_config
 from stages.encode import text as encode_text
 from stages.encode import vae as encode_vae
-from stages.resize import known_sources
+from stages.resize import images_table, judge, known_sources, render_loop, rendering, run_lineage
 from stages.resize import stage as resize_stage
 from store import Store
 
@@ -82,23 +82,23 @@ def _build_at(monkeypatch, revision: int, cfg, src, store):
     """What revision 1 or 2 wrote: any mask stretched, captions as read, a kept copy's caption '', no notes of
     either; revision 2 recorded the lineage before its fix as one string each, revision 1 none."""
     with monkeypatch.context() as m:
-        m.setattr(resize_stage, "FEATURE_REVISION", revision)
-        m.setattr(resize_stage, "_check_mask_aspect", lambda *a: None)
+        m.setattr(images_table, "FEATURE_REVISION", revision)
+        m.setattr(rendering, "_check_mask_aspect", lambda *a: None)
         if revision == 1:
-            m.setattr(resize_stage, "_drawn_on_stored_pixels", lambda *a: False)
-        for mod in (resize_stage, known_sources):
+            m.setattr(rendering, "_drawn_on_stored_pixels", lambda *a: False)
+        for mod in (judge, render_loop, known_sources):
             m.setattr(mod, "clean_caption", _old_caption)
-        m.setattr(resize_stage, "had_controls", lambda raw: False)
-        m.setattr(resize_stage, "_kept_instead", lambda out: out, raising=False)  # no note
-        real_revive = resize_stage._revive
+        m.setattr(rendering, "had_controls", lambda raw: False)
+        m.setattr(render_loop, "_kept_instead", lambda out: out, raising=False)  # no note
+        real_revive = render_loop._revive
 
         def old_revive(*a, **k):  # the copy kept instead rendered with caption ''
             with pytest.MonkeyPatch.context() as r:
-                r.setattr(resize_stage, "clean_caption", lambda raw: "")
+                r.setattr(render_loop, "clean_caption", lambda raw: "")
                 return real_revive(*a, **k)
 
-        m.setattr(resize_stage, "_revive", old_revive)
-        real_schema = resize_stage.images_schema
+        m.setattr(render_loop, "_revive", old_revive)
+        real_schema = run_lineage.images_schema
 
         def old_schema(*a, **k):
             schema = real_schema(*a, **k)
@@ -108,7 +108,7 @@ def _build_at(monkeypatch, revision: int, cfg, src, store):
                 attrs |= {n: schema.attrs[n][0] for n in ("feature_lineage_before_fixes", "code_version_before_fixes")}
             return type(schema)(name=schema.name, lineage=schema.lineage, fields=schema.fields, attrs=attrs)
 
-        m.setattr(resize_stage, "images_schema", old_schema)
+        m.setattr(run_lineage, "images_schema", old_schema)
         return resize_stage.run(cfg, src, store)
 
 

@@ -16,6 +16,7 @@ from pipeline.config import load_config
 from schemas.fixes import TRANSPARENT_COLOUR
 from stages.encode import text as encode_text
 from stages.encode import vae as encode_vae
+from stages.resize import images_table
 from stages.resize import stage as resize_stage
 
 from tests.stages.test_fix_revisions_encode import F32, _same, _tables
@@ -42,8 +43,8 @@ def _source(root) -> None:
 
 def _build_at_revision_3(monkeypatch, cfg, src, store):
     with monkeypatch.context() as m:
-        m.setattr(resize_stage, "FEATURE_REVISION", 3)
-        m.setattr(resize_stage, "FIXES", tuple((r, f) for r, f in resize_stage.FIXES if r < 3))
+        m.setattr(images_table, "FEATURE_REVISION", 3)
+        m.setattr(images_table, "FIXES", tuple((r, f) for r, f in images_table.FIXES if r < 3))
         m.setattr(decode, "_colour_keyed", lambda im: None)  # revision 3's decode: the colour kept as stored
         return resize_stage.run(cfg, src, store)
 

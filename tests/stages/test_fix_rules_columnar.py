@@ -16,7 +16,7 @@ from schemas import FieldSpec, Lineage, TableSchema
 from schemas.fixes import mask_orientation_changes, prompt_was_emptied
 from stages.encode import qwen21, text, vae
 from stages.encode.plan import Fixes, changed_rows
-from stages.resize.stage import MASK_FIX
+from stages.resize.images_table import MASK_FIX
 from store import Store
 from store.reuse import _unchanged
 from store.row_rule import RowRule, codes
@@ -134,7 +134,7 @@ def test_codes_are_equal_exactly_where_the_values_are():
 
 def test_resize_caption_rule_over_the_column_flags_exactly_the_captions_cleaning_changes():
     from stages.resize.caption_text import clean_caption
-    from stages.resize.stage import REVISION_3_FIX
+    from stages.resize.images_table import REVISION_3_FIX
 
     # as revision 2 stored them (decoded, BOM and outer whitespace off), and '' (a copy kept instead)
     captions = ["plain", "tab\there", "two\nlines", "crlf\r\nline", "lone\rcr", "\x1b[31mred\x1b[0m", "nul\x00byte",

@@ -19,7 +19,8 @@ from pipeline.config import load_config
 from pipeline.demo_data import make_demo_data
 from stages.resize.bucketing import BucketRule, bucket_size
 from stages.resize.split_rule import split_for
-from stages.resize.stage import run, sample_key
+from stages.resize.images_table import sample_key
+from stages.resize.stage import run
 from store import Store
 from store.verify import verify_store
 import warm_start  # the killed and rerun resizes: real processes, started warm

@@ -15,7 +15,7 @@ from schemas.config import ResizeConfig
 from schemas.errors import Rejected
 from features import decode as imaging
 from stages.resize.sources import SourceSample
-from stages.resize.stage import _rules, render
+from stages.resize.rendering import bucket_rules, render
 
 
 def png(im: Image.Image) -> bytes:
@@ -61,7 +61,7 @@ def test_render_opens_each_png_of_a_sample_once(opens):
     rc = ResizeConfig(split_by="pictures")  # render is given the rule in force (resolved by the stage's run)
     rec = SourceSample("s", "src/s", target=png(noise(64, 48)), controls=[png(noise(40, 40, 1))],
                        caption=b"edit", mask=png(Image.new("L", (64, 48), 255)))
-    out = render(rec, "ab" * 16, "edit", rc, _rules(rc))
+    out = render(rec, "ab" * 16, "edit", rc, bucket_rules(rc))
     assert not isinstance(out, Rejected), out
     assert len(opens) == 3  # target, control, mask: one open each
 

@@ -106,8 +106,8 @@ def test_a_copy_that_renders_on_resume_after_failing_before_the_kill_stays_out(t
     target, control = png(rgb(64, 48)), png(rgb(64, 64, (10, 200, 10)))
     for i, left in enumerate([8, 16, 40]):
         put(src, f"a{i + 1}", target, controls=[control], mask=_mask(left))
-    died = ("from stages.resize import stage; real = stage.render\n"
-            "stage.render = lambda rec, key, *a: (stage.Rejected('worker-died', 'killed', key=key)\n"
+    died = ("from schemas.errors import Rejected; from stages.resize import rendering; real = rendering.render\n"
+            "rendering.render = lambda rec, key, *a: (Rejected('worker-died', 'killed', key=key)\n"
             "    if rec.source.endswith('a1.png') else real(rec, key, *a))\n")
     killed = warm_start.run([sys.executable, "-c", died + KILLED, str(src), str(tmp_path / "store")],
                            env={**os.environ, "STORE_CRASH_AT": "after_shard_commit"})

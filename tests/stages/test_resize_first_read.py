@@ -117,7 +117,7 @@ def test_a_run_killed_before_its_commit_records_nothing_and_resumes(tmp_path: Pa
         else:
             def commit(*a, **k):
                 raise Killed
-            m.setattr(stage, "_commit", commit)
+            m.setattr(stage, "commit_version", commit)
         with pytest.raises(Killed):
             stage.run(cfg, src, out)
     st = Store(out)

@@ -14,7 +14,7 @@ from PIL import Image, PngImagePlugin
 
 from features.decode import has_transparent_colour
 from pipeline.config import load_config
-from stages.resize import picture_heads, sources
+from stages.resize import folder_source, jsonl_source, picture_heads, sources, webdataset_source
 from stages.resize import stage as resize_stage
 from stages.resize.header_checks import FIRST_READ, from_header
 from stages.resize.pixel_limit import picture_pixels
@@ -166,9 +166,10 @@ def test_a_revision_3_rerun_reads_the_carried_pictures_first_bytes_only(monkeypa
             dest.mkdir(exist_ok=True) if f.is_dir() else dest.write_bytes(f.read_bytes())
 
     whole_reads, first_reads, streamed = [], [], []
-    real_file, real_first, real_open = sources.read_source_file, picture_heads.read_first, sources.open_shard
-    monkeypatch.setattr(sources, "read_source_file", lambda *a, **k: whole_reads.append(len(d := real_file(*a, **k))) or d)
-    monkeypatch.setattr(sources, "open_shard", lambda url: streamed.append(url) or real_open(url))
+    real_file, real_first, real_open = sources.read_source_file, picture_heads.read_first, webdataset_source.open_shard
+    for reader in (folder_source, jsonl_source):
+        monkeypatch.setattr(reader, "read_source_file", lambda *a, **k: whole_reads.append(len(d := real_file(*a, **k))) or d)
+    monkeypatch.setattr(webdataset_source, "open_shard", lambda url: streamed.append(url) or real_open(url))
 
     def counted_first(path, n, offset=0, size=None):
         data = real_first(path, n, offset, size)
@@ -228,7 +229,7 @@ def test_a_tar_read_whole_keeps_no_header_of_its_members(monkeypatch, tmp_path):
     monkeypatch.setattr(tarfile.TarFile, "next", next_header)
     tar = str(tmp_path / "src" / "a.tar")
     assert count_samples(tar, "webdataset") == 40
-    assert len(list(sources.iter_webdataset(tar))) == 40
+    assert len(list(webdataset_source.iter_webdataset(tar))) == 40
     assert len(held) > 160 and max(held) <= 1
     held.clear()
     assert len(picture_heads.TarIndex(tar, 1 << 30).heads(f"{tar}:s3").controls) == 0
@@ -267,8 +268,8 @@ def test_a_carried_tar_whose_samples_became_copies_is_not_streamed_once_a_sample
     (src / "a.tar").write_bytes((src / "b.tar").read_bytes())  # the same samples, listed first now
 
     streamed = []
-    real_open = sources.open_shard
-    monkeypatch.setattr(sources, "open_shard", lambda url: streamed.append(url) or real_open(url))
+    real_open = webdataset_source.open_shard
+    monkeypatch.setattr(webdataset_source, "open_shard", lambda url: streamed.append(url) or real_open(url))
     rerun = resize_stage.run(cfg, src, tmp_path / "store")
     assert (rerun.written, rerun.quarantined["duplicate"]) == (0, 4)
     assert streamed.count(str(src / "b.tar")) == 0  # 4 before: one stream a copy

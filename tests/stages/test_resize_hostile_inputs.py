@@ -352,7 +352,7 @@ def test_a_folder_sources_bar_total_counts_the_files_no_target_claims(tmp_path):
     """The bar's total counted the targets alone, while the reader yields one more record per file no target
     claims (a caption without its picture, a control or mask of no target, a sub-folder, an unsupported file):
     the bar ran past its total into a count without one (`8/8`, then `9sample [...]`, its ETA gone)."""
-    from stages.resize.sources import iter_folder
+    from stages.resize.folder_source import iter_folder
 
     src = tmp_path / "src"
     for stem in ("a", "b", "c"):

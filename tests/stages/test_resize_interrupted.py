@@ -12,7 +12,8 @@ from pathlib import Path
 from PIL import Image
 
 from pipeline.config import load_config
-from stages.resize.stage import run, sample_key
+from stages.resize.images_table import sample_key
+from stages.resize.stage import run
 from store import Store
 from store.verify import verify_store
 
@@ -29,9 +30,9 @@ sys.path.insert(0, {str(HERE)!r})  # hanging_render, for the spawned workers too
 import hanging_render
 from signal_elsewhere import signal_elsewhere_once_main_waits
 from pipeline.config import load_config
-from stages.resize import stage
+from stages.resize import render_loop, stage
 
-stage._render_item = hanging_render.render_item
+render_loop.render_item = hanging_render.render_item
 
 def head_hangs():  # the sample the main thread waits for is the stuck one: nothing else will wake it
     frame = sys._current_frames().get(threading.main_thread().ident)

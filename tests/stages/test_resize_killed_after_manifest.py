@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pipeline.config import load_config
-from stages.resize import stage
+from stages.resize import rendering, stage
 from store import Store
 from tests.stages.read_counter import count_reads_under
 from tests.stages.test_resize_first_read import _png, _source
@@ -52,8 +52,8 @@ def test_a_run_sigkilled_after_its_manifest_loses_nothing_and_reads_no_tar_again
 
     reads = count_reads_under(monkeypatch, src)
     rendered = []
-    real_render = stage.render
-    monkeypatch.setattr(stage, "render", lambda rec, *a, **k: rendered.append(rec.source) or real_render(rec, *a, **k))
+    real_render = rendering.render
+    monkeypatch.setattr(rendering, "render", lambda rec, *a, **k: rendered.append(rec.source) or real_render(rec, *a, **k))
     again = stage.run(cfg, src, out)
     monkeypatch.undo()
     assert (again.up_to_date, again.version, again.written) == (True, version, 0)

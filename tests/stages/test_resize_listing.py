@@ -9,7 +9,8 @@ from pathlib import Path
 
 from stages.resize.content import content_listing_hash
 from stages.resize.source_count import count_samples
-from stages.resize.sources import iter_folder, source_files
+from stages.resize.folder_source import iter_folder
+from stages.resize.sources import source_files
 
 
 def _odd_folder(root: Path) -> Path:

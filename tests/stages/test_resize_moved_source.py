@@ -21,7 +21,7 @@ from damage import HEADER, flip_bit, key_at, sample_byte
 from pipeline.cli import app
 from pipeline.config import load_config
 from pipeline.demo_data import make_demo_data
-from stages.resize import stage
+from stages.resize import judge, stage
 from store import Store
 from store.verify import verify_store
 from test_resize_resume_reads import _quarantine, _rows
@@ -100,8 +100,8 @@ def test_a_run_killed_then_moved_resumes_there(tmp_path: Path, monkeypatch, fmt:
     source = _named(tmp_path / "mnt" / "b", after)
 
     hashed: list[int] = []
-    real_key = stage.sample_key
-    monkeypatch.setattr(stage, "sample_key", lambda t, c, cap: hashed.append(1) or real_key(t, c, cap))
+    real_key = judge.sample_key
+    monkeypatch.setattr(judge, "sample_key", lambda t, c, cap: hashed.append(1) or real_key(t, c, cap))
     resumed = stage.run(_cfg(), source, out)
     monkeypatch.undo()
     assert resumed.version == 1 and Store(out).versions("images") == [1]  # before: v2, all 20 rendered again

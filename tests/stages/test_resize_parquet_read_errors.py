@@ -20,7 +20,7 @@ import pytest
 
 from models.file_hashes import FileHashes
 from pipeline.config import load_config
-from stages.resize import hashed_parquet, parquet_source, sources, stage
+from stages.resize import hashed_parquet, parquet_source, rendering, stage, webdataset_source
 from store import Store
 from tests.stages.test_resize_read_errors import _data_offset, _failing_tar, _tars
 from tests.stages.test_resize_rerun_parquet import ROWS, _source
@@ -98,8 +98,8 @@ def test_a_parquet_read_error_quarantines_each_unread_row_and_a_rerun_adds_them(
     assert "rerun" in str(first)
 
     rendered = []
-    real_render = stage.render
-    monkeypatch.setattr(stage, "render", lambda rec, *a, **k: rendered.append(rec.source) or real_render(rec, *a, **k))
+    real_render = rendering.render
+    monkeypatch.setattr(rendering, "render", lambda rec, *a, **k: rendered.append(rec.source) or real_render(rec, *a, **k))
     again = stage.run(cfg, src, out)  # the disk reads again
     assert not again.up_to_date, "rows a read error kept out, and the run calls the version up to date"
     assert again.written == 2 * ROWS - first.written and again.reused == first.written and not again.quarantined
@@ -143,7 +143,7 @@ def test_a_carried_tar_read_again_whose_headers_fail_too_is_a_read_error(tmp_pat
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real_open(name, mode, *a, **k)
     monkeypatch.setattr(tarfile, "open", walk)
-    s = sources._reread_tar(str(victim), f"{victim}:s0_2", 1 << 30)
+    s = webdataset_source.reread_tar(str(victim), f"{victim}:s0_2", 1 << 30)
     assert (s.problem_kind, s.unread, s.source) == ("read-error", str(victim), f"{victim}:s0_2")
     assert "Input/output error" in s.problem
 
@@ -256,10 +256,10 @@ def test_a_resumed_run_failing_earlier_counts_the_rows_written_before_as_kept(tm
         with pytest.raises(Killed):
             stage.run(cfg, src, out)
     rendered = []
-    real_render = stage.render
+    real_render = rendering.render
     with monkeypatch.context() as m:
         _bad_sector(m, victim, at(1))
-        m.setattr(stage, "render", lambda rec, *a, **k: rendered.append(rec.source) or real_render(rec, *a, **k))
+        m.setattr(rendering, "render", lambda rec, *a, **k: rendered.append(rec.source) or real_render(rec, *a, **k))
         resumed = stage.run(cfg, src, out)
     assert (resumed.written, resumed.resumed, resumed.quarantined["read-error"]) == (0, 40, 20) and not rendered
     assert "could not read 20 sample(s)" in str(resumed) and "40 kept from an interrupted run" in str(resumed)

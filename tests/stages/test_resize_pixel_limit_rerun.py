@@ -13,6 +13,7 @@ from PIL import Image
 from pipeline.config import load_config
 from pipeline.demo_data import make_demo_data
 from stages.resize import stage
+from stages.resize.summary import ResizeSummary
 from store import Store
 
 from tests.stages.test_resize_rerun_reads import SMALL, Reads, _rows
@@ -27,7 +28,7 @@ def _quarantine(st: Store) -> list[tuple]:
     return sorted(zip(*(q.column(c).to_pylist() for c in ("source", "reason", "key", "detail"))))
 
 
-def _same_as_fresh(tmp_path: Path, out: Path, src: Path, over: dict, rerun: stage.ResizeSummary) -> None:
+def _same_as_fresh(tmp_path: Path, out: Path, src: Path, over: dict, rerun: ResizeSummary) -> None:
     fresh = tmp_path / f"fresh{len(list(tmp_path.glob('fresh*')))}"
     made = stage.run(load_config(None, {**SMALL, **over}), src, fresh)
     assert _rows(Store(out)) == _rows(Store(fresh))

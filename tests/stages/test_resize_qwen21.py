@@ -10,7 +10,8 @@ import numpy as np
 from PIL import Image
 
 from pipeline.config import load_config
-from stages.resize.stage import images_schema, run
+from stages.resize.images_table import images_schema
+from stages.resize.stage import run
 from store import Store
 
 CONFIG = Path(__file__).parents[2] / "configs" / "qwen-image-2.1.yaml"

@@ -1,9 +1,10 @@
-"""A local read error (EIO: a failing disk; EACCES) is not bad data (stages/resize/sources.py `_unread_rest`,
-`read_source_file`): every sample it kept from being read is a `read-error` quarantine row naming the file and
-the OS error (before: a tar's current sample was "truncated or corrupt" and the rest of the tar silently missing),
-the version does not count the file as read (first_read.settle_listing's stand-in line), and a rerun once the disk
-reads again adds exactly those samples, the others carried, not rendered again: the store then equals a clean
-run's. The fault is raised at a chosen byte by the stream the reader reads (the tar shard's, a source file's)."""
+"""A local read error (EIO: a failing disk; EACCES) is not bad data (stages/resize/webdataset_source.py
+`_unread_rest`, sources.py `read_source_file`): every sample it kept from being read is a `read-error` quarantine
+row naming the file and the OS error (before: a tar's current sample was "truncated or corrupt" and the rest of the
+tar silently missing), the version does not count the file as read (first_read.settle_listing's stand-in line), and
+a rerun once the disk reads again adds exactly those samples, the others carried, not rendered again: the store then
+equals a clean run's. The fault is raised at a chosen byte by the stream the reader reads (the tar shard's, a source
+file's)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from PIL import Image
 
 from models.file_hashes import FileHashes
 from pipeline.config import load_config
-from stages.resize import sources, stage
+from stages.resize import rendering, sources, stage, webdataset_source
 from stages.resize.content import content_listing_hash
 from store import Store
 from tests.stages.test_resize_rerun_reads import SMALL, _quarantine, _rows
@@ -69,12 +70,12 @@ class _Failing(io.RawIOBase):
 
 def _failing_tar(monkeypatch, victim: Path, at: int) -> None:
     """The reader's stream of `victim` fails at byte `at` (the header walk, tarfile's own open, reads it fine)."""
-    real = sources.open_shard
+    real = webdataset_source.open_shard
 
     def opened(url: str):
         f = real(url)
         return io.BufferedReader(_Failing(f, at)) if Path(url) == victim else f
-    monkeypatch.setattr(sources, "open_shard", opened)
+    monkeypatch.setattr(webdataset_source, "open_shard", opened)
 
 
 def _data_offset(tar: Path, member: str) -> int:
@@ -103,8 +104,8 @@ def test_a_tar_read_error_quarantines_each_unread_sample_and_a_rerun_adds_them(t
     assert "could not read 2 sample(s)" in str(first) and "rerun" in str(first)
 
     rendered = []
-    real_render = stage.render
-    monkeypatch.setattr(stage, "render", lambda rec, *a, **k: rendered.append(rec.source) or real_render(rec, *a, **k))
+    real_render = rendering.render
+    monkeypatch.setattr(rendering, "render", lambda rec, *a, **k: rendered.append(rec.source) or real_render(rec, *a, **k))
     again = stage.run(cfg, src, out)  # the disk reads again
     assert not again.up_to_date and again.version == first.version + 1
     assert again.written == 2 and again.reused == 4 and not again.quarantined

@@ -15,7 +15,7 @@ from PIL import Image
 from models import file_hashes
 from pipeline.config import load_config
 from pipeline.demo_data import make_demo_data
-from stages.resize import content, sources, stage
+from stages.resize import content, folder_source, jsonl_source, judge, sources, stage
 from stages.resize.split_rule import pictures_id, split_for
 from store import Store
 
@@ -42,7 +42,7 @@ class Reads:
         self.images: Counter = Counter()
         self.hashed: list[str] = []
         self.keys = 0
-        real_read, real_sha, real_key = sources.read_source_file, file_hashes.file_sha256, stage.sample_key
+        real_read, real_sha, real_key = sources.read_source_file, file_hashes.file_sha256, judge.sample_key
 
         def read(p, *a):
             if a[2] != "caption":
@@ -53,10 +53,11 @@ class Reads:
             self.keys += 1
             return real_key(*a)
 
-        monkeypatch.setattr(sources, "read_source_file", read)
+        for reader in (folder_source, jsonl_source):
+            monkeypatch.setattr(reader, "read_source_file", read)
         monkeypatch.setattr(file_hashes, "file_sha256", lambda p: self.hashed.append(str(p)) or real_sha(p))
         monkeypatch.setattr(content, "file_sha256", lambda p: self.hashed.append(str(p)) or real_sha(p))
-        monkeypatch.setattr(stage, "sample_key", key)
+        monkeypatch.setattr(judge, "sample_key", key)
 
 
 def _source(tmp_path: Path, n: int = 16) -> Path:

@@ -14,7 +14,7 @@ from pathlib import Path
 from models import file_hashes
 from pipeline.config import load_config
 from pipeline.demo_data import make_demo_data
-from stages.resize import content, sources, stage
+from stages.resize import content, stage, webdataset_source
 from stages.resize.split_rule import pictures_id, split_for
 from store import Store
 from tests.stages.test_resize_rerun_reads import SMALL, _rows, _same_as_fresh
@@ -26,7 +26,7 @@ class Opened:
     def __init__(self, monkeypatch) -> None:
         self.tars: Counter = Counter()
         self.hashed: list[str] = []
-        real_open_shard, real_tar_open, real_sha = sources.open_shard, tarfile.open, file_hashes.file_sha256
+        real_open_shard, real_tar_open, real_sha = webdataset_source.open_shard, tarfile.open, file_hashes.file_sha256
 
         def open_shard(url):
             self.tars[Path(url).name] += 1
@@ -37,7 +37,7 @@ class Opened:
                 self.tars[Path(name).name] += 1
             return real_tar_open(name, *a, **kw)
 
-        monkeypatch.setattr(sources, "open_shard", open_shard)
+        monkeypatch.setattr(webdataset_source, "open_shard", open_shard)
         monkeypatch.setattr(tarfile, "open", tar_open)
         monkeypatch.setattr(file_hashes, "file_sha256", lambda p: self.hashed.append(str(p)) or real_sha(p))
         monkeypatch.setattr(content, "file_sha256", lambda p: self.hashed.append(str(p)) or real_sha(p))

@@ -15,7 +15,7 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.demo_data import make_demo_data
-from stages.resize import sources, stage
+from stages.resize import folder_source, jsonl_source, judge, sources, stage
 from store import Store
 import warm_start  # the killed and rerun resizes: real processes, started warm
 
@@ -49,10 +49,11 @@ def test_a_resumed_run_reads_and_hashes_only_the_unfinished_samples(tmp_path: Pa
 
     hashed: list[int] = []
     read, members = Counter(), Counter()
-    real_key, real_read, real_extract = stage.sample_key, sources.read_source_file, tarfile.TarFile.extractfile
-    monkeypatch.setattr(stage, "sample_key", lambda t, c, cap: hashed.append(1) or real_key(t, c, cap))
-    monkeypatch.setattr(sources, "read_source_file",  # (path, root, max_bytes, what): the targets read
-                        lambda p, *a: read.update([str(p)] if a[2] == "target" else []) or real_read(p, *a))
+    real_key, real_read, real_extract = judge.sample_key, sources.read_source_file, tarfile.TarFile.extractfile
+    monkeypatch.setattr(judge, "sample_key", lambda t, c, cap: hashed.append(1) or real_key(t, c, cap))
+    for reader in (folder_source, jsonl_source):
+        monkeypatch.setattr(reader, "read_source_file",  # (path, root, max_bytes, what): the targets read
+                            lambda p, *a: read.update([str(p)] if a[2] == "target" else []) or real_read(p, *a))
     monkeypatch.setattr(tarfile.TarFile, "extractfile",
                         lambda self, m: members.update([m.name.split(".", 1)[0]]) or real_extract(self, m))
     resumed = stage.run(load_config(None, SMALL), src, out)
@@ -96,7 +97,7 @@ def test_the_summary_counts_the_whole_table_after_a_resume_or_a_carry_forward(tm
     resumed run counted only the samples rendered after the kill (and a carried-forward one left its samples'
     buckets out), so a table of 16 read "controls per sample: 0: 3, 1: 2" after a resume. The run that carries
     samples forward never parses a whole `images` manifest (every column: ~730 MB at 1M samples), neither to find
-    the rows it carries (store/reuse.py) nor to count the version it wrote (`stage.version_counts`)."""
+    the rows it carries (store/reuse.py) nor to count the version it wrote (`summary.version_counts`)."""
     make_demo_data(tmp_path / "src", n=16, fmt="folder", max_controls=2, seed=2)
     src, out = tmp_path / "src", tmp_path / "store"
     killed = warm_start.run([sys.executable, "-c", KILLED, str(src), str(out)],

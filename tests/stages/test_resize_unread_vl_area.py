@@ -81,7 +81,7 @@ def test_a_switch_to_the_pictures_split_past_such_a_table_without_hashes_is_refu
     """Such a table (its lineage the earlier spelling), split by key by a release that recorded no source_hashes:
     a switch to the pictures split carries its pictures with no identity to split them by. The check before
     rendering looked for this run's spelling only, so the refusal came after the whole source was read and
-    rendered (in `_carry_forward`); now before, naming the version's samples."""
+    rendered (in `carried.carry_samples`); now before, naming the version's samples."""
     from stages.resize import stage
     from test_resize_split_rule import _as_written_without_source_hashes
 
@@ -92,8 +92,8 @@ def test_a_switch_to_the_pictures_split_past_such_a_table_without_hashes_is_refu
     old = _resize(source, store, control_vl_area=4096, split_by="key")
     monkeypatch.undo()
     _as_written_without_source_hashes(Store(store).version_dir("images", old.version))
-    rendering, real = [], stage._render_source
-    monkeypatch.setattr(stage, "_render_source", lambda *a, **k: rendering.append(1) or real(*a, **k))
+    rendering, real = [], stage.render_source
+    monkeypatch.setattr(stage, "render_source", lambda *a, **k: rendering.append(1) or real(*a, **k))
     with pytest.raises(UserError) as e:
         _resize(source, store, control_vl_area=4096, split_by="pictures")
     assert f"table 'images' v{old.version}" in str(e.value), e.value

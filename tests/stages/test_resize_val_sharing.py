@@ -72,7 +72,7 @@ def test_rows_without_source_hashes_share_nothing():
     matched a null train row and the summary said val samples shared a train sample's pictures."""
     import pyarrow as pa
 
-    from stages.resize.stage import val_sharing
+    from stages.resize.summary import val_sharing
 
     rows = pa.table({"split": ["train", "val", "train", "val"],
                      "source_hashes": pa.array([None, None, ["a", "b"], ["a", "b"]], pa.list_(pa.string()))})

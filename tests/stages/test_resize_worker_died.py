@@ -20,8 +20,9 @@ from PIL import Image
 import crashing_render
 from pipeline.config import load_config
 from pipeline.demo_data import make_demo_data
-from stages.resize import stage
-from stages.resize.stage import run, sample_key
+from stages.resize import render_loop
+from stages.resize.images_table import sample_key
+from stages.resize.stage import run
 from store import Store
 from store.verify import verify_store
 
@@ -45,7 +46,7 @@ def test_a_worker_killed_by_one_sample_quarantines_that_sample_and_the_run_goes_
         (src / "target" / f"s{i}.txt").write_text(caption)
         if i != 2:
             expected.add(sample_key(data, [], caption))
-    monkeypatch.setattr(stage, "_render_item", crashing_render.render_item)  # pickled by name to the workers
+    monkeypatch.setattr(render_loop, "render_item", crashing_render.render_item)  # pickled by name to the workers
 
     summary = run(load_config(None, {**SMALL, "resize.workers": 2}), src, tmp_path / "store")
 
@@ -103,7 +104,7 @@ def test_workers_dying_on_every_sample_stop_the_run_instead_of_quarantining_all(
     for i in range(5):
         (src / "target" / f"s{i}.png").write_bytes(_png((30 * i, 10, 10)))
         (src / "target" / f"s{i}.txt").write_text("crash the worker")
-    monkeypatch.setattr(stage, "_render_item", crashing_render.render_item)
+    monkeypatch.setattr(render_loop, "render_item", crashing_render.render_item)
     with pytest.raises(UserError, match="a worker process died on 3 samples in a row, each rendered alone"):
         run(load_config(None, {**SMALL, "resize.workers": 2}), src, tmp_path / "store")
     st = Store(tmp_path / "store")

@@ -1,4 +1,4 @@
-"""The revivals' bookkeeping (stages/resize/stage.py `_Intake.take_back`, `kept_instead`, `settle_revivals`):
+"""The revivals' bookkeeping (stages/resize/intake.py `Intake.take_back`, `kept_instead`, `settle_revivals`):
 the rows and pairs they let go are dropped in one pass at the end (a list search per revived copy made 1M
 samples' revivals quadratic: bench/revival_bookkeeping.py); the quarantine rows, their order and the summary's
 duplicate pairs are those the removals one by one left."""
@@ -7,16 +7,17 @@ from __future__ import annotations
 
 from schemas.errors import Rejected
 from stages.resize.sources import SourceSample
-from stages.resize.stage import ResizeSummary, _Intake
+from stages.resize.intake import Intake
+from stages.resize.summary import ResizeSummary
 
 
-def _dup(intake: _Intake, key: str, source: str) -> tuple[SourceSample, dict]:
+def _dup(intake: Intake, key: str, source: str) -> tuple[SourceSample, dict]:
     rec = SourceSample(name=key, source=source)
     return rec, intake.reject(rec, Rejected("duplicate", "same content", key=key))
 
 
 def test_revived_copies_leave_the_rows_and_pairs_a_removal_each_left():
-    intake = _Intake(ResizeSummary(version=1))
+    intake = Intake(ResizeSummary(version=1))
     intake.first_source.update({"a": "a1", "b": "b1", "c": "c1"})
     intake.reject(SourceSample(name="x", source="x1"), Rejected("bad-caption", "empty", key=None))
     a2, a3 = _dup(intake, "a", "a2"), _dup(intake, "a", "a3")
