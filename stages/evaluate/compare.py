@@ -196,10 +196,10 @@ def read_curves(path: str | Path, label: str) -> RunCurves:
             "base model": settings.get("model_fingerprint"),
             # not on_damaged nor max_loss_samples: the samples they leave read are the val samples, compared above
             # (arrays recorded on_damaged as set; a cap at or above the split's size is recorded as null now, as
-            # set before: one held-out set, `checkpoints.samples_read`)
+            # set before: one held-out set, `loss_fingerprint.samples_read`)
             "evaluate settings": settings.get("evaluate") and {k: v for k, v in settings["evaluate"].items()
                                                                 if k not in ("on_damaged", "max_loss_samples")},
-            # what evaluate computes from the same inputs (`checkpoints.EVALUATION_REVISION`; recorded before it
+            # what evaluate computes from the same inputs (`loss_fingerprint.EVALUATION_REVISION`; recorded before it
             # was: revision 1): another revision's numbers are not one scale with these
             "evaluation revision": _revision(settings),
         },

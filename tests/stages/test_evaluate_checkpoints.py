@@ -19,6 +19,7 @@ from models.lora import add_lora, save_lora
 from pipeline.cli import app
 from schemas.config import EvaluateConfig, LoraConfig
 from stages.evaluate import checkpoints as ev
+from stages.evaluate.loss_groups import group_hash
 from store.loss_array import GROUP
 from lora_writer import add_checkpoint_lora, write_checkpoint as _write_lora, write_in_processes
 from train_store import make_train_store, mixed_specs
@@ -716,7 +717,7 @@ def respell_report(out, settings: dict) -> str:
     import zarr
 
     group = zarr.open_group(out / GROUP, mode="r+", use_consolidated=True)
-    old = ev.group_hash(settings)
+    old = group_hash(settings)
     group.attrs.update({"fingerprint": old, "settings": settings})
     zarr.consolidate_metadata(out / GROUP)
     metrics = json.loads((out / "metrics.json").read_text())
