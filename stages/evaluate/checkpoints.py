@@ -31,6 +31,8 @@ from schemas.lineage import hashed_settings, settings_hash, unhashed_names
 from schemas.record_formats import EARLIER_FINGERPRINTS, UNRECORDED_BACKEND
 from schemas.stage import few
 from stages.evaluate.base_images import FOLDER as BASE_IMAGES, extra_prompt_bytes
+from stages.evaluate.checkpoint_files import (agreed_checkpoints, check_and_hash, checkpoint_gone, deleted_line,
+                                              unloadable)
 from stages.evaluate.curves import pick_best
 from stages.evaluate.ema_curve import (FOLDER as EMA_LOSSES, best_lora_input, ema_checkpoints, ema_settings,
                                        label as ema_label, todo_line, write_best_lora)
@@ -69,15 +71,6 @@ def nonfinite_current(metrics: dict, cfg: EvaluateConfig) -> bool:
     on_nonfinite=skip only: under "stop" they stop evaluate, where the report would pass for one of every sample.
     on_nonfinite is hashed as its default: this is where it still counts."""
     return cfg.on_nonfinite == "skip" or not (metrics.get("loss") or {}).get("nonfinite_samples")
-
-
-def lora_digest(checkpoint: Path, hashes) -> str:
-    """The sha256 of the checkpoint's LoRA file, checked against its sealed record and hashed in one read, or as
-    `hashes` remembers it unchanged since such a read (`stages.evaluate.lora_bytes.known_or_checked`)."""
-    from models.lora import lora_weight_file
-    from stages.evaluate.lora_bytes import known_or_checked
-
-    return known_or_checked(lora_weight_file(checkpoint), hashes)
 
 
 # What a checkpoint's weights were trained from, in its step folder's resume.json (stages/train/state.py): the
@@ -133,14 +126,6 @@ def same_training(a: dict, b: dict) -> bool:
     return tables[0] == tables[1]
 
 
-def _gone(checkpoint: Path) -> bool:
-    """Was the checkpoint removed since it was listed? A training running beside evaluate prunes its oldest kept
-    checkpoints (train.keep_checkpoints) while the others are evaluated."""
-    from models.lora import WEIGHT_NAME
-
-    return not (Path(checkpoint) / WEIGHT_NAME).is_file() and not Path(checkpoint).is_file()
-
-
 def check_same_settings(world: int, cfg: EvaluateConfig) -> None:
     """The hashed evaluate settings (`cfg.fingerprint()`, with the precision all ranks agreed on) are the same on
     every rank, or every rank stops with one line naming the ranks that differ. Each rank reads --config / --set
@@ -153,71 +138,6 @@ def check_same_settings(world: int, cfg: EvaluateConfig) -> None:
         raise UserError(f"evaluate: the ranks do not evaluate with the same settings (their evaluate config "
                         f"fingerprints differ: {ranks_differ(ranks)}): each node reads --config and --set itself, "
                         "and the nodes' copies of the config differ; use one config")
-
-
-def agreed_checkpoints(checkpoints: list[tuple[int, Path]], ranks) -> list[tuple[int, Path]]:
-    """The checkpoints rank 0 lists, on every rank, less those some rank does not see. Each rank lists the run
-    folder itself, and every later exchange pairs the checkpoints by their place in the list: a training beside
-    evaluate that commits or prunes one between the ranks' listings, or a node whose view of the folder lags
-    (right after train in `run all`), would pair one rank's step 400 with another's step 600, or leave lists of
-    different lengths waiting in different collectives. A step some rank does not see is left out with a line
-    (the next evaluate takes it); one only other ranks list waits for rank 0 to see it."""
-    if ranks.world <= 1:
-        return checkpoints
-    (n,) = ranks.from_main([len(checkpoints)])
-    if n == 0:
-        return []
-    steps = ranks.from_main([step for step, _ in checkpoints] if ranks.main else [0] * n)
-    mine = dict(checkpoints)
-    unseen = ranks.any([int(step not in mine) for step in steps])
-    if ranks.main and any(unseen):
-        left = [str(step) for step, u in zip(steps, unseen) if u]
-        tqdm.write(f"checkpoint step(s) {', '.join(left)} not seen by every rank yet (committed during the start, "
-                   "or a node's view of the run folder lags): left out; the next evaluate takes them")
-    return [(step, mine[step]) for step, u in zip(steps, unseen) if not u]
-
-
-def check_and_hash(checkpoints: list[tuple[int, Path]], ranks=None) -> tuple[list[tuple[int, Path]], dict[int, str]]:
-    """Each checkpoint's LoRA file against the CRC32C its sealed resume.json records (as single-LoRA evaluate
-    checks RUN/lora's checksums.json): a flipped bit is refused naming the file, not evaluated as trained
-    weights, nor taken (its hash changed) for another run's checkpoint. The same pass gives its bytes' sha256
-    (the up-to-date check and the appends both compare them). Each file is read once, not on every run: its
-    sha256 is remembered by `models.file_hashes` (a checkpoint unchanged since is not read again; one rewritten
-    is), and under a launcher checkpoint i is looked at by rank i % world, the hashes then shared, every rank
-    deciding alike. A checkpoint removed
-    meanwhile (pruned by a training running beside evaluate) is left out with a line, not taken for a damaged
-    one. Returns (kept, step -> sha256), the same on every rank."""
-    from models.collective import together
-    from models.lora import lora_base_fingerprint
-    from stages.evaluate.lora_bytes import checked_hashes
-    from stages.evaluate.ranks import Ranks
-
-    ranks = ranks or Ranks()
-    hashes: list[str | None] = [None] * len(checkpoints)
-    gone = [0] * len(checkpoints)
-    with together(ranks.world, "check the checkpoints"), checked_hashes() as remembered:
-        for i in tqdm(ranks.share(len(checkpoints)), desc="check and hash checkpoints", unit="ckpt",
-                      disable=not ranks.main):
-            step, path = checkpoints[i]
-            try:
-                hashes[i] = lora_digest(path, remembered)
-                lora_base_fingerprint(path)  # its header parses: a truncated file unsealed (older runs) is named here
-            except (UserError, OSError) as e:
-                if _gone(path):
-                    gone[i] = 1
-                    continue
-                raise _unloadable(step, path, e) from None
-    gone = ranks.any(gone)  # left out on every rank when the rank that read it found it gone
-    hashes = ranks.from_owners(hashes)
-    kept, shas = [], {}
-    for (step, path), g, sha in zip(checkpoints, gone, hashes):
-        if g:
-            if ranks.main:
-                tqdm.write(_deleted_line(step, path))
-            continue
-        kept.append((step, path))
-        shas[step] = sha
-    return kept, shas
 
 
 # ------------------------------------------------------------------------------------------------ the numbers
@@ -885,7 +805,7 @@ def _summary_held(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: 
         held = held_bytes([best, last], shas, ema_shas)
         if held is not None:
             return summary, held if pictured else {}
-        on_disk = [c for c in on_disk if not _gone(c[1])]
+        on_disk = [c for c in on_disk if not checkpoint_gone(c[1])]
 
 
 def _open_losses(out: Path, fingerprint: str, settings: dict, earlier: list[dict], axes: Axes,
@@ -941,7 +861,7 @@ def use_checkpoint(transformer, path: Path, scale: float, attached: bool, data: 
             load_lora(transformer, path, adapter_name="lora", data=data)
             return
         except UserError:
-            if _gone(path):
+            if checkpoint_gone(path):
                 raise
             transformer.delete_adapters("lora")
     attach_lora(transformer, path, scale, data=data)
@@ -997,7 +917,7 @@ def held_bytes(points: list[dict], shas: dict[int, str],
         try:
             data, sha = read_for_load(lora_weight_file(p["path"]))
         except (UserError, OSError):
-            if _gone(p["path"]):
+            if checkpoint_gone(p["path"]):
                 return None
             raise
         recorded = (ema_shas or {}) if p.get("weights") == "ema" else shas
@@ -1279,30 +1199,15 @@ def _load_checkpoint(ranks, transformer, step: int, path: Path, sha: str, lora_s
             else:
                 changed = REWRITTEN
         except (UserError, OSError) as e:
-            if not _gone(path):
-                raise _unloadable(step, path, e) from None
+            if not checkpoint_gone(path):
+                raise unloadable(step, path, e) from None
             changed = PRUNED
     changed = ranks.any([changed])[0]  # left out on every rank when any rank saw it change
     if changed and ranks.main:
-        tqdm.write(_deleted_line(step, path) if changed == PRUNED else
+        tqdm.write(deleted_line(step, path) if changed == PRUNED else
                    f"checkpoint step {step} was rewritten while evaluating ({path}; by a running training?): "
                    "left out; rerun evaluate to evaluate what is there now")
     return changed, attached
-
-
-def _deleted_line(step: int, path) -> str:
-    """What a checkpoint gone before its turn is told as, in the user's terms (it said "pruned")."""
-    return f"checkpoint step {step} was deleted before it was evaluated ({path}): {KEEPS_NEWEST}; skipped"
-
-
-def _unloadable(step: int, path: Path, e: UserError | OSError) -> UserError:
-    """One line for a checkpoint still there that cannot be used, at its check (`check_and_hash`) or its load (one
-    that passed its check, but of tensors of other sizes: a LoRA of another base model copied into the run): its
-    step, and for a refusal how to evaluate the others; a read error is the disk's, not the file's to move."""
-    if isinstance(e, OSError):
-        return UserError(f"checkpoint step {step}: cannot read {path} ({e})")
-    return UserError(f"checkpoint step {step}: {e}; or move {Path(path).parent} out of the run's checkpoints/ to "
-                     "evaluate the others")
 
 
 def _cells(ranks, transformer, samples, mine: list[int], seeds: list[int], sigmas: list[float], batch_size: int,

@@ -24,10 +24,10 @@ BEST_LORA = "best-ema-lora"  # the best checkpoint's EMA as a LoRA, when the EMA
 
 def ema_checkpoints(cfg, checkpoints: list[tuple[int, Path]], ranks) -> tuple[list[tuple[int, Path]], dict[int, str]]:
     """(step, EMA file) of the checkpoints that hold one, with each file's sha256, checked against the checkpoint's
-    sealed record and hashed as the LoRAs are (`checkpoints.check_and_hash`: a flipped bit refused naming it); none
+    sealed record and hashed as the LoRAs are (`checkpoint_files.check_and_hash`: a flipped bit refused naming it); none
     without an EMA or with evaluate.score_ema off. A collective: every rank calls it."""
     from models.ema_file import ema_of
-    from stages.evaluate.checkpoints import agreed_checkpoints, check_and_hash
+    from stages.evaluate.checkpoint_files import agreed_checkpoints, check_and_hash
 
     if not cfg.score_ema:
         return [], {}

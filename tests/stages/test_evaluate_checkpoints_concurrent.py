@@ -14,7 +14,7 @@ import pytest
 import xarray as xr
 
 from schemas.config import EvaluateConfig
-from stages.evaluate import checkpoints as ev
+from stages.evaluate import checkpoint_files, checkpoints as ev
 from read_counter import count_lora_reads
 from store.loss_array import GROUP
 from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
@@ -60,14 +60,14 @@ def test_a_checkpoint_pruned_while_evaluating_is_left_out_and_the_others_are_eva
 def test_a_checkpoint_pruned_while_hashing_is_left_out(run_and_store, tiny_edit_model, tmp_path, monkeypatch,
                                                        capsys):
     root = _copy_run(run_and_store, tmp_path)
-    real = ev.lora_digest
+    real = checkpoint_files.lora_digest
 
     def lora_digest(path, hashes):  # step 10 hashed: the training prunes step 20 meanwhile
         if "step-10" in str(path):
             shutil.rmtree(root / "run" / "checkpoints" / "step-20", ignore_errors=True)
         return real(path, hashes)
 
-    monkeypatch.setattr(ev, "lora_digest", lora_digest)
+    monkeypatch.setattr(checkpoint_files, "lora_digest", lora_digest)
     res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), tmp_path / "r")
     assert res.metrics["checkpoints"]["steps"] == [10, 30]
     assert "checkpoint step 20 was deleted before it was evaluated" in "".join(capsys.readouterr())
@@ -415,7 +415,7 @@ def test_a_checkpoint_that_cannot_be_read_at_its_load_names_the_read_error_not_a
     from schemas.errors import UserError
 
     path = tmp_path / "checkpoints" / "step-20" / "lora"
-    read = ev._unloadable(20, path, PermissionError(13, "Permission denied"))
+    read = checkpoint_files.unloadable(20, path, PermissionError(13, "Permission denied"))
     assert str(read).startswith(f"checkpoint step 20: cannot read {path} (") and "move" not in str(read)
-    refused = ev._unloadable(20, path, UserError("saved [4, 8], model [4, 16]"))
+    refused = checkpoint_files.unloadable(20, path, UserError("saved [4, 8], model [4, 16]"))
     assert f"or move {path.parent} out of the run's checkpoints/" in str(refused)
