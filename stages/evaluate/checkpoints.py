@@ -28,7 +28,6 @@ from schemas import up_to_date as current
 from schemas.config import EvaluateConfig
 from schemas.errors import UserError
 from schemas.lineage import hashed_settings, settings_hash, unhashed_names
-from schemas.record_formats import EARLIER_FINGERPRINTS, UNRECORDED_BACKEND
 from schemas.stage import few
 from stages.evaluate.base_images import FOLDER as BASE_IMAGES, extra_prompt_bytes
 from stages.evaluate.checkpoint_files import (agreed_checkpoints, check_and_hash, checkpoint_gone, deleted_line,
@@ -40,6 +39,7 @@ from stages.evaluate.loss_fingerprint import (content_fingerprint, earlier_setti
                                               loss_fingerprint, read_fingerprint, spelled_as)
 from stages.evaluate.loss_groups import cells_line, note_computed_on, recorded_on
 from stages.evaluate.paired import NOISE_SE, paired, per_sample, signed, vs_best, within_noise
+from stages.evaluate.whose_losses import other_weights, this_runs, this_runs_kept, training_of
 from store import Store
 from store.io_errors import writing
 from store.loss_array import GROUP, Axes, CellDonor, LossGroup, LossStore, cell_donor, kept_groups, recorded_steps
@@ -71,59 +71,6 @@ def nonfinite_current(metrics: dict, cfg: EvaluateConfig) -> bool:
     on_nonfinite=skip only: under "stop" they stop evaluate, where the report would pass for one of every sample.
     on_nonfinite is hashed as its default: this is where it still counts."""
     return cfg.on_nonfinite == "skip" or not (metrics.get("loss") or {}).get("nonfinite_samples")
-
-
-# What a checkpoint's weights were trained from, in its step folder's resume.json (stages/train/state.py): the
-# checkpoints of one training share these whatever their step, process count or max_steps (schemas.up_to_date)
-_TRAINING_INPUTS = ("config_fingerprint", "model_fingerprint", "init_lora_sha256", "training_revision", "tables",
-                    "table_contents", "attention_backend")
-
-
-def training_of(checkpoint: Path) -> dict | None:
-    """What trained the checkpoint (RUN/checkpoints/step-N/lora): its inputs as its resume.json records them
-    (compared by `same_training`); None when there is no such record to read."""
-    from schemas.record_formats import RESUME_JSON
-    from store.checksum import SealError, is_sealed, unseal
-
-    try:
-        data = (Path(checkpoint).parent / RESUME_JSON).read_bytes()
-        record = unseal(data) if is_sealed(data) else json.loads(data)
-    except (OSError, ValueError, SealError):
-        return None
-    if not isinstance(record, dict) or not record.get("config_fingerprint"):
-        return None
-    extra = record.get("extra") if isinstance(record.get("extra"), dict) else {}
-    earlier, unrecorded = extra.get(EARLIER_FINGERPRINTS), extra.get(UNRECORDED_BACKEND)
-    return {**{k: record.get(k) for k in _TRAINING_INPUTS},
-            **({EARLIER_FINGERPRINTS: list(earlier)} if isinstance(earlier, list) else {}),
-            **({UNRECORDED_BACKEND: unrecorded} if isinstance(unrecorded, str) else {})}
-
-
-def same_training(a: dict, b: dict) -> bool:
-    """Whether two checkpoints' `training_of` are one training, as a resume from one to the other is (train's
-    `ResumeRecord.check_matches`): the tables by content where both records hold it (`compared_tables`), an init
-    LoRA's bytes where both recorded them (`known_init_lora`), the attention backend as `known_backend` reads a
-    record that lacks it. A run begun before a record held those fields and resumed under a release that records
-    them writes both kinds; compared as one hash, its pruned early steps passed for another training's and every
-    earlier point went aside."""
-    from schemas.up_to_date import compared_tables, known_backend, known_init_lora
-
-    if any(a.get(k) != b.get(k) for k in ("model_fingerprint", "training_revision")):
-        return False
-    # one fingerprint, or one the other's run recorded under an earlier spelling of its settings and resumed
-    fa, fb = a.get("config_fingerprint"), b.get("config_fingerprint")
-    if fa != fb and fa not in (b.get(EARLIER_FINGERPRINTS) or ()) and fb not in (a.get(EARLIER_FINGERPRINTS) or ()):
-        return False
-    init = a.get("init_lora_sha256")
-    if known_init_lora(init, b.get("init_lora_sha256")) != known_init_lora(b.get("init_lora_sha256"), init):
-        return False
-    # the backend trained with (the fingerprint hashes no backend name; an unrecorded one: `UNRECORDED_BACKEND`)
-    if known_backend(a, b) != known_backend(b, a):
-        return False
-    contents = b.get("table_contents")
-    tables = compared_tables(a.get("tables") or {}, a.get("table_contents"), b.get("tables") or {},
-                             (lambda: contents) if contents else None)
-    return tables[0] == tables[1]
 
 
 def check_same_settings(world: int, cfg: EvaluateConfig) -> None:
@@ -401,13 +348,13 @@ def say_recomputed(out: Path, why: list[str], redone: str = "evaluating again", 
 
 
 def trained_on_since(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str]) -> bool:
-    """Is OUT's loss array of these settings this run's (`_this_runs`: no step of other weights, of another run
+    """Is OUT's loss array of these settings this run's (`this_runs`: no step of other weights, of another run
     folder or training) with fewer checkpoints than it has now (the run resumed to more steps since)?"""
     if recorded_steps(out, fingerprint) is None:
         return False
     try:
         group = LossGroup(out / GROUP)
-        return any(step not in group.steps() for step in shas) and _this_runs(group, checkpoints, shas)
+        return any(step not in group.steps() for step in shas) and this_runs(group, checkpoints, shas)
     except Exception:  # noqa: BLE001 - unreadable: not known to be this run's, the plain line
         return False
 
@@ -437,7 +384,7 @@ def redone(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], sha
     if group is None:
         return (_grown(out, checkpoints, shas, settings, cfg, keys, ranks_machines)
                 or "evaluating every checkpoint again")
-    if not _this_runs(group, checkpoints, shas):  # as `_plan` decides: aside, and this run's kept group back
+    if not this_runs(group, checkpoints, shas):  # as `_plan` decides: aside, and this run's kept group back
         if (back := this_runs_kept(out, fingerprint, checkpoints, shas, axes, spelled)) is not None:
             group = back
         elif other := other_weights(group.steps(), shas):
@@ -962,7 +909,7 @@ def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int
                    f"settings are taken back from {losses.taken_back} (only checkpoints not in them are evaluated)")
     if losses.unchecked is not None and first:  # an array of an earlier release lacking a chunk of losses
         tqdm.write(losses.unchecked)
-    if not _this_runs(losses, checkpoints, shas):  # its numbers go aside; this run's kept ones come back
+    if not this_runs(losses, checkpoints, shas):  # its numbers go aside; this run's kept ones come back
         back = this_runs_kept(losses.path.parent, losses.fingerprint, checkpoints, shas, losses.axes, losses.spelled)
         losses.start_over("the run's checkpoints are not the ones evaluated before", back and back.path)
         tqdm.write(f"{losses.aside_reason}: earlier losses kept in {losses.kept_aside}" +
@@ -1008,29 +955,6 @@ def _grown(out: Path, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
     return (f"{cells_line(donor.known)} for {'the base and ' if base and donor.has_base() else ''}{held} of "
             f"{len(checkpoints)} checkpoints (the cells {donor.path} holds reused)"
             + (f", evaluating {rest} other{'s' if rest != 1 else ''} whole" if rest else ""))
-
-
-def _this_runs(group: LossGroup, checkpoints: list[tuple[int, Path]], shas: dict[int, str]) -> bool:
-    """Are the losses in `group` this run's? Not when a step is recorded with other weights (another run trained
-    into this folder), or of another run folder still on disk (this --out held another run's report), or of
-    another training whose folder is gone (RUN trained afresh, its old checkpoints moved or deleted)."""
-    return not (other_weights(group.steps(), shas) or _other_runs(group, checkpoints)
-                or _other_trainings(group, checkpoints))
-
-
-def this_runs_kept(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
-                   axes: Axes | None = None, spelled=None) -> LossGroup | None:
-    """The group kept aside in OUT under these settings (and `axes`' samples) that is this run's (`_this_runs`)
-    and holds the most of its checkpoints with the same bytes; None when none holds one. Run A, run B, then A
-    again into one report folder: B set A's losses aside, and A's third run evaluated every checkpoint again
-    beside them (a kept group was taken back only for other settings); now they are taken back."""
-    best, most = None, 0
-    for kept in kept_groups(out, fingerprint, axes, spelled):
-        steps = kept.steps()
-        held = sum(1 for step, sha in shas.items() if steps.get(step) == sha)
-        if held > most and _this_runs(kept, checkpoints, shas):
-            best, most = kept, held
-    return best
 
 
 @dataclass
@@ -1216,38 +1140,6 @@ def _cells(ranks, transformer, samples, mine: list[int], seeds: list[int], sigma
     if cells is not None and not cells.any():
         return np.full((len(samples), len(seeds), len(sigmas), 3), np.nan)
     return _grid(ranks, transformer, samples, mine, seeds, sigmas, batch_size, desc, load, cells)
-
-
-def other_weights(recorded: dict[int, str], shas: dict[int, str]) -> list[int]:
-    """The steps recorded (step -> LoRA sha256) with other bytes than the checkpoint's now (another run trained
-    into RUN): `_plan` sets the array aside, and `redone` says so."""
-    return sorted(step for step, sha in shas.items() if recorded.get(step, sha) != sha)
-
-
-def _other_runs(losses: LossGroup, checkpoints: list[tuple[int, Path]]) -> bool:
-    """Does the array hold a checkpoint of another run folder that is still on disk? (One no longer on disk was
-    pruned by this run, or the run folder moved: its numbers stay.)"""
-    def run_of(path) -> Path:  # RUN/checkpoints/step-N/lora -> RUN
-        parents = Path(path).resolve().parents
-        return parents[2] if len(parents) > 2 else parents[-1]
-
-    steps_now = {step for step, _ in checkpoints}
-    runs_now = {run_of(path) for _, path in checkpoints}
-    return any(step not in steps_now and Path(p).is_dir() and run_of(p) not in runs_now
-               for step, p in losses.checkpoints().items())
-
-
-def _other_trainings(losses: LossGroup, checkpoints: list[tuple[int, Path]]) -> bool:
-    """Was a recorded step trained by another training than every checkpoint on disk now? A step no longer on disk
-    is a checkpoint this run pruned only when the same training wrote it: `pipeline run train --new-run` (or RUN
-    deleted and trained again) with other settings keeps no checkpoint of the old run in RUN, and its steps
-    passed for pruned ones (the new run's curve went on with the old run's numbers). Steps recorded before the
-    training was (older arrays) cannot tell: kept."""
-    recorded = losses.trainings()
-    if not recorded:
-        return False
-    now = [t for t in (training_of(path) for _, path in checkpoints) if t is not None]
-    return any(not any(same_training(training, t) for t in now) for training in recorded.values())
 
 
 def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
