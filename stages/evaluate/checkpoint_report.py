@@ -57,7 +57,7 @@ def generated_rows(cfg, model: str, store, tables, transformer, samples, best_pa
     step's EMA file and its raw LoRA are two paths).
     `base_cache`: (folder, the loss fingerprint's settings): the base images are reused from there when every input
     of them is unchanged (`stages.evaluate.base_images`), else generated and kept there. `held`: path -> the LoRA
-    bytes of the best and last, read when the summary named them (`checkpoints.held_bytes`). The best's and the
+    bytes of the best and last, read when the summary named them (`checkpoint_load.held_bytes`). The best's and the
     last's images are kept as single-LoRA evaluate keeps its LoRA column (OUT/lora-images/, OUT/last-images/:
     `base_images.lora_group_key`, the checkpoint's bytes and scale, not the loss grid): a rerun whose pictures'
     inputs are unchanged generates none and loads no checkpoint (every rerun generated both before)."""
@@ -65,7 +65,7 @@ def generated_rows(cfg, model: str, store, tables, transformer, samples, best_pa
     from models.ema_file import is_ema_file
     from models.qwen21_flow import is_qwen21
     from stages.evaluate import base_images
-    from stages.evaluate.checkpoints import use_recorded
+    from stages.evaluate.checkpoint_load import use_recorded
 
     qwen21 = is_qwen21(transformer)
     vae = load_component(model, "vae", dtype=parse_dtype(cfg.dtype), device=cfg.device)

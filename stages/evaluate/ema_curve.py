@@ -66,7 +66,7 @@ def write_best_lora(out: Path, transformer, best: dict, scale: float, data: byte
     from models.ema_file import ema_state
     from models.lora import lora_base_fingerprint, save_lora
     from models.lora_files import lora_weight_file
-    from stages.evaluate.checkpoints import _rewritten, use_checkpoint
+    from stages.evaluate.checkpoint_load import rewritten, use_checkpoint
     from stages.evaluate.lora_bytes import digest, read_for_load
     from store.checksum import write_folder_record
     from store.format import atomic_dir
@@ -80,7 +80,7 @@ def write_best_lora(out: Path, transformer, best: dict, scale: float, data: byte
     if data is None:
         data, now = read_for_load(ema)
         if sha is not None and now != sha:
-            raise _rewritten(best["step"], Path(ema))
+            raise rewritten(best["step"], Path(ema))
     use_checkpoint(transformer, Path(ema), scale, "lora" in (getattr(transformer, "peft_config", None) or {}), data)
     # the EMA file's float32 values, not the adapter's (evaluate's dtype: bf16 on a GPU, one more rounding)
     values = ema_state(transformer, "lora", data, Path(ema))
