@@ -100,7 +100,7 @@ REWRITTEN, PRUNED = 1, 2  # `load_checkpoint`: why a checkpoint is left out (0: 
 
 
 def load_checkpoint(ranks, transformer, step: int, path: Path, sha: str, lora_scale: float,
-                     attached: bool) -> tuple[int, bool]:
+                    attached: bool) -> tuple[int, bool]:
     """(0, True) once checkpoint `step` is loaded into `transformer` on every rank; (REWRITTEN or PRUNED,
     attached) - said once - when any rank found it changed or gone: left out on every rank."""
     from models.collective import together

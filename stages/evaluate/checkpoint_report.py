@@ -342,7 +342,7 @@ def _vs_best(per: dict, on_disk: bool) -> str:
 
 def _sureness(best: dict, scored_ema: bool = False) -> str:
     """The best's paired differences (vs the base, the next best checkpoint ± standard error) as one line."""
-    from stages.evaluate.checkpoints import near_best_steps
+    from stages.evaluate.best_checkpoint import near_best_steps
     from stages.evaluate.ema_curve import label
     from stages.evaluate.paired import signed
 

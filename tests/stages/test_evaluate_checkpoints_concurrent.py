@@ -14,7 +14,7 @@ import pytest
 import xarray as xr
 
 from schemas.config import EvaluateConfig
-from stages.evaluate import checkpoint_files, checkpoints as ev
+from stages.evaluate import best_checkpoint, checkpoint_files, checkpoints as ev
 from read_counter import count_lora_reads
 from store.loss_array import GROUP
 from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
@@ -198,14 +198,14 @@ def test_the_best_checkpoint_rewritten_before_its_images_is_refused_not_pictured
 
     root = _copy_run(run_and_store, tmp_path)
     ck = root / "run" / "checkpoints"
-    real = ev._summary
+    real = best_checkpoint._summary
 
     def summary_then_rewrite(*a, **k):
         out = real(*a, **k)
         shutil.copyfile(ck / "step-10" / "lora" / WEIGHTS, ck / "step-20" / "lora" / WEIGHTS)
         return out
 
-    monkeypatch.setattr(ev, "_summary", summary_then_rewrite)
+    monkeypatch.setattr(best_checkpoint, "_summary", summary_then_rewrite)
     cfg = EvaluateConfig(**{**CFG, "num_samples": 1, "num_inference_steps": 2})
     with pytest.raises(UserError, match="checkpoint step 20 was rewritten after its held-out loss") as e:
         ev.run(cfg, run_and_store / "store", tiny_edit_model, _ckpts(root), tmp_path / "r")
