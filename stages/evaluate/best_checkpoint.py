@@ -94,7 +94,7 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
             "losses": str(losses.path), "fingerprint": fingerprint, "config_fingerprint": cfg.fingerprint(),
             # None without extra prompts: a report made before they were hashed stays current
             "extra_prompts_sha256": extra_prompt_bytes(cfg) or None,
-            # the bytes each step's numbers are of: what the up-to-date check compares (`_up_to_date`)
+            # the bytes each step's numbers are of: what the up-to-date check compares (`current_metrics`)
             "steps": steps, "paths": paths, "lora_sha256": [shas[step] for step in steps],
             # whether each step's checkpoint was still there (a pruned one keeps its point, but not its file)
             "on_disk": [i in alive for i in range(len(steps))],

@@ -479,7 +479,7 @@ def same_config(recorded: str | None, cfg: EvaluateConfig, n: int | None, metric
     `cap_spellings`)? One rule for a single-LoRA report and an --all-checkpoints one (that one compared only the
     spellings as set: 256 then null rewrote its report, the same figures)."""
     from stages.evaluate.backend import unset_backend
-    from stages.evaluate.checkpoints import earlier_config_fingerprints
+    from stages.evaluate.report_current import earlier_config_fingerprints
 
     if not isinstance(metrics, dict):
         return False
@@ -536,8 +536,8 @@ def images_rows_id(st: Store, tables: JoinedTables, first: int | None = None) ->
 def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path,
                       lora_sha256: str | None = None, why: list[str] | None = None) -> bool:
     """Is OUT's report this run's (`schemas.up_to_date`)? `why`: filled, when it holds one that is not, with what
-    differs (`checkpoints.differences`)."""
-    from stages.evaluate.checkpoints import damaged_current, differences, nonfinite_current
+    differs (`report_current.differences`)."""
+    from stages.evaluate.report_current import damaged_current, differences, nonfinite_current
     from stages.evaluate.loss_fingerprint import damaged_read
 
     metrics = Path(out) / "metrics.json"
@@ -776,8 +776,8 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
 def _recorded_report(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: Path,
                      lora_sha256: str, skip_if_done: bool) -> EvaluateResult | None:
     """With `skip_if_done`, OUT's report when it is current for these inputs (its line said again); else None,
-    having said why a report there is not current (`checkpoints.say_recomputed`)."""
-    from stages.evaluate.checkpoints import say_recomputed
+    having said why a report there is not current (`report_current.say_recomputed`)."""
+    from stages.evaluate.report_current import say_recomputed
 
     why: list[str] = []
     if skip_if_done and report_up_to_date(cfg, store, model, lora, out, lora_sha256, why):

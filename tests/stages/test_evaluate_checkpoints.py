@@ -20,6 +20,7 @@ from pipeline.cli import app
 from schemas.config import EvaluateConfig, LoraConfig
 from stages.evaluate import checkpoints as ev
 from stages.evaluate.loss_groups import group_hash
+from stages.evaluate.report_current import named_steps
 from store.loss_array import GROUP
 from lora_writer import add_checkpoint_lora, write_checkpoint as _write_lora, write_in_processes
 from train_store import make_train_store, mixed_specs
@@ -1131,7 +1132,7 @@ def test_a_checkpoint_removed_since_an_up_to_date_report_is_marked_removed(run_a
     copies = _own_run(root, tmp_path)
     out = tmp_path / "report"
     first = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, copies, out)
-    named = ev.named_steps(first.metrics["checkpoints"])
+    named = named_steps(first.metrics["checkpoints"])
     assert named == [20, 30], named  # step 10 (the worst, not the last) is named by nothing
     shutil.rmtree(copies[0][1].parent)  # step 10 removed
     res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, copies[1:], out, skip_if_done=True)
