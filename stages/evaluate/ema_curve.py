@@ -2,7 +2,7 @@
 `models.ema_file`) scored beside its raw LoRA, so the report says which is better and the best pick weighs both.
 
 The EMA rows are a loss group of their own, `REPORT/ema-losses/losses.zarr` (`store.loss_array`, opened, planned,
-appended, set aside and taken back exactly as REPORT/losses.zarr: `checkpoints._open_losses`, `_append_missing`),
+appended, set aside and taken back exactly as REPORT/losses.zarr: `loss_pass.open_losses`, `append_missing`),
 under the raw array's settings plus `"weights": "ema"`, one row per step named by the EMA file's sha256. Its base is
 the raw array's (the same val samples, noise and σ: the two curves are paired sample for sample). Its own folder:
 the raw curve reads REPORT/losses.zarr only; `pipeline compare` reads both (`compare._ema_curve`).

@@ -18,7 +18,7 @@ from models.loading import load_component
 from models.lora import add_lora, save_lora
 from pipeline.cli import app
 from schemas.config import EvaluateConfig, LoraConfig
-from stages.evaluate import checkpoints as ev
+from stages.evaluate import checkpoints as ev, loss_pass
 from stages.evaluate.loss_groups import group_hash
 from stages.evaluate.report_current import named_steps
 from store.loss_array import GROUP
@@ -1064,13 +1064,13 @@ def test_a_lost_chunk_file_of_the_loss_array_is_refused_not_read_as_a_non_finite
     transformer = load_component(tiny_edit_model, "transformer")
     add_checkpoint_lora(transformer)
     _write_lora(transformer, tmp_path / "run" / "checkpoints" / "step-40", 5.0)
-    real = ev._grid
+    real = loss_pass._grid
 
     def diverged_at_40(*a, **k):  # every loss of step 40 NaN (a LoRA diverged in bf16; a NaN LoRA file is refused)
         grid = real(*a, **k)
         return np.full_like(grid, np.nan) if "(step 40)" in a[7] else grid
 
-    monkeypatch.setattr(ev, "_grid", diverged_at_40)
+    monkeypatch.setattr(loss_pass, "_grid", diverged_at_40)
     ckpts = [(s, tmp_path / "run" / "checkpoints" / f"step-{s}" / "lora") for s in (10, 20, 30, 40)]
     res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, ckpts, out)
     assert res.evaluated == 4 and res.best["step"] == 20

@@ -14,7 +14,7 @@ import pytest
 import xarray as xr
 
 from schemas.config import EvaluateConfig
-from stages.evaluate import best_checkpoint, checkpoint_files, checkpoints as ev
+from stages.evaluate import best_checkpoint, checkpoint_files, checkpoints as ev, loss_pass
 from read_counter import count_lora_reads
 from store.loss_array import GROUP
 from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
@@ -31,7 +31,7 @@ def _copy_run(run_and_store, tmp_path):
 def _while_the_first_is_evaluated(monkeypatch, action):
     """Run `action` while the held-out loss of the first checkpoint evaluated (the newest, step 30) is computed
     (the base is first)."""
-    real, calls = ev.loss_grid, []
+    real, calls = loss_pass.loss_grid, []
 
     def loss_grid(*a, **k):
         calls.append(k.get("desc", a[-1] if len(a) > 5 else ""))
@@ -39,7 +39,7 @@ def _while_the_first_is_evaluated(monkeypatch, action):
             action()
         return real(*a, **k)
 
-    monkeypatch.setattr(ev, "loss_grid", loss_grid)
+    monkeypatch.setattr(loss_pass, "loss_grid", loss_grid)
 
 
 def test_a_checkpoint_pruned_while_evaluating_is_left_out_and_the_others_are_evaluated(
@@ -223,7 +223,7 @@ def test_the_best_checkpoint_rewritten_after_its_losses_is_not_named_without_pic
 
     root = _copy_run(run_and_store, tmp_path)
     ck = root / "run" / "checkpoints"
-    real, calls = ev.loss_grid, []
+    real, calls = loss_pass.loss_grid, []
 
     def loss_grid(*a, **k):  # base, step 30, step 20, step 10
         calls.append(1)
@@ -231,7 +231,7 @@ def test_the_best_checkpoint_rewritten_after_its_losses_is_not_named_without_pic
             shutil.copyfile(ck / "step-10" / "lora" / WEIGHTS, ck / "step-20" / "lora" / WEIGHTS)
         return real(*a, **k)
 
-    monkeypatch.setattr(ev, "loss_grid", loss_grid)
+    monkeypatch.setattr(loss_pass, "loss_grid", loss_grid)
     with pytest.raises(UserError, match="checkpoint step 20 was rewritten after its held-out loss") as e:
         ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), tmp_path / "r")
     assert "\n" not in str(e.value) and not (tmp_path / "r" / "metrics.json").exists()
@@ -266,7 +266,7 @@ def _training_meanwhile(monkeypatch, at_call: int, new_steps: list[int], keep: i
             shutil.copytree(ck / "step-20", ck / f"step-{step}")
         prune(ck, keep)
 
-    real, calls = ev.loss_grid, []
+    real, calls = loss_pass.loss_grid, []
 
     def loss_grid(*a, **k):
         calls.append(1)
@@ -274,7 +274,7 @@ def _training_meanwhile(monkeypatch, at_call: int, new_steps: list[int], keep: i
             training()
         return real(*a, **k)
 
-    monkeypatch.setattr(ev, "loss_grid", loss_grid)
+    monkeypatch.setattr(loss_pass, "loss_grid", loss_grid)
 
 
 def test_every_checkpoint_evaluated_pruned_meanwhile_evaluates_the_newer_ones(run_and_store, tiny_edit_model,

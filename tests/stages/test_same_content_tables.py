@@ -206,13 +206,13 @@ def _reevaluate(store, run, single, every, model, monkeypatch):
     from models import held_out
     from schemas.config import EvaluateConfig
     from stages.evaluate import checkpoints as ev
-    from stages.evaluate import stage
+    from stages.evaluate import loss_pass, stage
 
     passes = []
     grid = held_out.loss_grid
     monkeypatch.setattr(held_out, "loss_grid", lambda *a, **k: passes.append(1) or grid(*a, **k))
     monkeypatch.setattr(stage, "loss_grid", held_out.loss_grid)
-    monkeypatch.setattr(ev, "loss_grid", held_out.loss_grid)
+    monkeypatch.setattr(loss_pass, "loss_grid", held_out.loss_grid)
     one = stage.run(EvaluateConfig(**EVAL), store, model, run / "lora", single, skip_if_done=True)
     every_ = ev.run(EvaluateConfig(**EVAL), store, model, _steps(run), every, skip_if_done=True)
     return one, every_, len(passes)
