@@ -8,12 +8,18 @@ the earlier step) -> generate the val samples with base, best and last -> metric
 
 metrics.json keeps evaluate's `loss` section (base vs the best checkpoint), so whatever read a single-LoRA
 report reads this one too; `checkpoints` adds the per-step curves and `best` / `last`.
+
+Here: the steps of one run, every rank taking each together. Their parts: the checkpoints as files
+(`checkpoint_files`), the loss array's fingerprint (`loss_fingerprint`), whether the report is current
+(`report_current`), the loss passes (`loss_pass`; one checkpoint's weights loaded: `checkpoint_load`; whose
+losses a group holds: `whose_losses`), which is best (`best_checkpoint`), the report (`checkpoint_report`) and
+the result (`checkpoints_result`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -25,122 +31,17 @@ from schemas.config import EvaluateConfig
 from schemas.errors import UserError
 from schemas.stage import few
 from stages.evaluate.base_images import FOLDER as BASE_IMAGES
-from stages.evaluate.best_checkpoint import near_best_steps, summary_held
+from stages.evaluate.best_checkpoint import summary_held
 from stages.evaluate.checkpoint_files import agreed_checkpoints, check_and_hash
-from stages.evaluate.ema_curve import (FOLDER as EMA_LOSSES, ema_checkpoints, ema_settings, label as ema_label,
-                                       todo_line, write_best_lora)
+from stages.evaluate.checkpoints_result import CheckpointsResult
+from stages.evaluate.ema_curve import FOLDER as EMA_LOSSES, ema_checkpoints, ema_settings, todo_line, write_best_lora
 from stages.evaluate.loss_fingerprint import (content_fingerprint, earlier_settings, known_fingerprint,
                                               loss_fingerprint, read_fingerprint)
 from stages.evaluate.loss_pass import append_ema, append_missing, open_losses
-from stages.evaluate.paired import NOISE_SE, signed
 from stages.evaluate.report_current import current_metrics, redone, say_recomputed, trained_on_since
 from store import Store
 from store.io_errors import writing
-from store.loss_array import GROUP, Axes, LossStore
-
-
-def check_same_settings(world: int, cfg: EvaluateConfig) -> None:
-    """The hashed evaluate settings (`cfg.fingerprint()`, with the precision all ranks agreed on) are the same on
-    every rank, or every rank stops with one line naming the ranks that differ. Each rank reads --config / --set
-    itself: per-node copies that differ (other noise seeds, σ grid, max_loss_samples, lora_scale) would sum rows
-    computed under different settings into one loss grid, recorded as rank 0's (as train's `check_same_start`)."""
-    from models.collective import differing_ranks, ranks_differ
-
-    (ranks,) = differing_ranks(world, [cfg.fingerprint()])
-    if ranks:
-        raise UserError(f"evaluate: the ranks do not evaluate with the same settings (their evaluate config "
-                        f"fingerprints differ: {ranks_differ(ranks)}): each node reads --config and --set itself, "
-                        "and the nodes' copies of the config differ; use one config")
-
-
-# ------------------------------------------------------------------------------------------------ the numbers
-
-
-# ------------------------------------------------------------------------------------------------ the result
-
-
-@dataclass
-class CheckpointsResult:
-    metrics: dict
-    report: Path
-    up_to_date: bool = False
-    evaluated: int = 0  # checkpoints whose losses this run computed
-    stage: str = "evaluate"
-    seconds: float = 0.0
-    pruned: list[int] = field(default_factory=list)  # steps a training beside evaluate pruned before their turn
-    newer: list[int] = field(default_factory=list)  # steps it wrote meanwhile, not evaluated (a rerun takes them)
-
-    @property
-    def best(self) -> dict:
-        return self.metrics["checkpoints"]["best"]
-
-    def to_json(self) -> dict:
-        from schemas.stage import absolute, summary_record
-
-        c = self.metrics["checkpoints"]
-        # the array beside the report, named absolute: an up-to-date report's recorded path was relative to the cwd
-        # of the run that wrote it
-        return summary_record(self.stage, seconds=self.seconds, up_to_date=self.up_to_date,
-                              report=absolute(self.report), val_samples=self.metrics["loss"]["overall"]["n"],
-                              losses=absolute(self.report.parent / GROUP),
-                              checkpoints=c["steps"], checkpoints_evaluated=self.evaluated,
-                              best_checkpoint=self.best["path"], best_step=self.best["step"],
-                              best_weights=self.best.get("weights", "lora"),
-                              ema_losses=absolute(Path(c["ema"]["losses"])) if c.get("ema") else None,
-                              loss_best=self.best["loss"], loss_base=c["base"]["overall"],
-                              best_vs_base=self.best.get("vs_base"), runner_up=self.best.get("runner_up"),
-                              within_noise_of_best=self.best.get("within_noise"),
-                              last_step=c["last"]["step"], damaged_samples=sorted(self.metrics["run"]["damaged_samples"]),
-                              checkpoints_pruned=self.pruned, checkpoints_newer=self.newer)
-
-    def __str__(self) -> str:
-        b, c = self.best, self.metrics["checkpoints"]
-        if self.up_to_date:
-            head = f"report {self.report.parent} is up to date ({len(c['steps'])} checkpoints)"
-        else:
-            head = (f"evaluated {self.evaluated} of {len(c['steps'])} checkpoints "
-                    f"({len(c['steps']) - self.evaluated} already in {c['losses']}"
-                    + (f"; {len(self.pruned)} deleted meanwhile, skipped: {KEEPS_NEWEST}" if self.pruned else "")
-                    + ")")
-        sure = ""
-        if b.get("vs_base"):  # paired over val samples (reports written before these numbers have none)
-            sure = f"; vs base {signed(b['vs_base'])}"
-            if b.get("runner_up"):
-                sure += (f", next best step {b['runner_up']['step']}{ema_label(b['runner_up'], 'ema' in c)} "
-                         f"{signed(b['runner_up'])}")
-            sure += _near_best(b, "ema" in c) + f" (paired over {b['vs_base']['n']} val samples, ± s.e.)"
-        newer = ""
-        if self.newer:
-            n = len(self.newer)
-            newer = (f"; {n} newer checkpoint{'s were' if n > 1 else ' was'} written meanwhile (step "
-                     f"{', '.join(map(str, self.newer))}): rerun to include {'them' if n > 1 else 'it'}")
-        return (f"{head}; best checkpoint step {b['step']}{ema_label(b, 'ema' in c)}: held-out loss "
-                f"{b['loss']:.4f} (base {c['base']['overall']:.4f}{sure}{_beside(b, c)}) {b['path']}; report: "
-                f"{self.report}{newer}")
-
-
-def _near_best(best: dict, scored_ema: bool, most: int = 10) -> str:
-    """', not told apart from it (within 2 s.e.): step 30, step 40' (the first `most`), or '' (none)."""
-    near = near_best_steps(best, scored_ema)
-    if not near:
-        return ""
-    return (f", not told apart from it (within {NOISE_SE:g} s.e.): " + ", ".join(near[:most])
-            + (f" … ({len(near)} in all)" if len(near) > most else ""))
-
-
-def _beside(best: dict, c: dict) -> str:
-    """The other weights of the best's step, when the EMA was scored: '; its raw LoRA 0.1234' / '; its EMA ...'."""
-    ema = c.get("ema")
-    if not ema:
-        return ""
-    on_ema = best.get("weights") == "ema"
-    steps, per = (c["steps"], c["per_step"]) if on_ema else (ema["steps"], ema["per_step"])
-    if best["step"] not in steps:
-        return ""
-    return f"; its {'raw LoRA' if on_ema else 'EMA'} {per[steps.index(best['step'])]['overall']:.4f}"
-
-
-# ------------------------------------------------------------------------------------------------ the stage
+from store.loss_array import Axes, LossStore
 
 
 def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tuple[int, Path]], out: str | Path,
@@ -261,6 +162,20 @@ def _checkpoints_on_disk(ranks, checkpoints: list[tuple[int, Path]],
     return checkpoints, shas, pruned
 
 
+def check_same_settings(world: int, cfg: EvaluateConfig) -> None:
+    """The hashed evaluate settings (`cfg.fingerprint()`, with the precision all ranks agreed on) are the same on
+    every rank, or every rank stops with one line naming the ranks that differ. Each rank reads --config / --set
+    itself: per-node copies that differ (other noise seeds, σ grid, max_loss_samples, lora_scale) would sum rows
+    computed under different settings into one loss grid, recorded as rank 0's (as train's `check_same_start`)."""
+    from models.collective import differing_ranks, ranks_differ
+
+    (ranks,) = differing_ranks(world, [cfg.fingerprint()])
+    if ranks:
+        raise UserError(f"evaluate: the ranks do not evaluate with the same settings (their evaluate config "
+                        f"fingerprints differ: {ranks_differ(ranks)}): each node reads --config and --set itself, "
+                        "and the nodes' copies of the config differ; use one config")
+
+
 def _recorded_if_up_to_date(run: _Evaluation, settings: dict, checkpoints: list[tuple[int, Path]],
                             shas: dict[int, str], skip_if_done: bool, whose_report=None,
                             ema_shas: dict[int, str] | None = None) -> tuple[bool, CheckpointsResult | None]:
@@ -350,56 +265,6 @@ def _base_key(run: _Evaluation, settings: dict, samples) -> str | None:
     return key
 
 
-def _report(run: _Evaluation, tables, share, transformer, done, damaged: dict, shas: dict[int, str],
-            settings: dict, pruned: list[int], trained: list[dict] | None = None) -> CheckpointsResult:
-    """Rank 0's part once the losses are in: the images of the best and last checkpoints (and the base), the
-    run record, metrics.json and index.html (`_rank_0_alone` runs it)."""
-    from stages.evaluate import stage as single
-    from stages.evaluate.checkpoint_report import generated_rows, write_checkpoint_report
-    from stages.evaluate.val_share import complete
-
-    cfg, model, store, out = run.cfg, run.model, run.store, run.out
-    evaluated, attached, pruned_meanwhile, newer, (metrics, best, last), held = done
-    ema = metrics["checkpoints"].get("ema") or {}
-    # the bytes each pictured point's losses are of, by path: a step's raw LoRA and its EMA are two files
-    recorded = {p: sha for p, sha in zip(ema.get("paths") or [], ema.get("sha256") or [])}
-    recorded.update({last["path"]: shas.get(last["step"])} if best.get("weights") == "ema" else
-                    {best["path"]: shas.get(best["step"]), last["path"]: shas.get(last["step"])})
-    with writing("the report", out):  # a full disk: its line, not "rank 0: ... OSError" (`fails_alone`)
-        rows, pictured = [], complete(tables, share, single.pick_samples(share.samples, cfg.num_samples))
-        if cfg.num_samples > 0 or cfg.extra_prompts:
-            rows = generated_rows(cfg, model, store, tables, transformer, pictured, best["path"],
-                                  best["step"], last["path"], last["step"], attached, damaged, recorded,
-                                  base_cache=(out / BASE_IMAGES, settings), held=held)
-        write_best_lora(out, transformer, best, cfg.lora_scale, (held or {}).get(best["path"]),
-                        recorded.get(best["path"]))
-        metrics["generation"] = single.generation_summary(rows, cfg, model)  # "lora" = the best one
-        metrics["run"] = _run_record(cfg, store, model, tables, pictured, damaged, settings,
-                                     run.ranks.world, transformer, run.precision)
-        metrics["run"]["trained_val"] = trained  # val samples the runs trained on (`trained_val.check`)
-        written = write_checkpoint_report(out, metrics, rows)
-        if damaged:
-            tqdm.write(f"skipped {len(damaged)} damaged val sample(s): {few(damaged)}")
-        return CheckpointsResult(metrics, written, evaluated=evaluated, seconds=time.perf_counter() - run.started,
-                                 pruned=sorted(set(pruned + pruned_meanwhile)), newer=newer)
-
-
-REPORT_WORK = "evaluate: the images and the report"
-
-
-def _rank_0_alone(ranks, work):
-    """Rank 0's images and report (`work`) while the other ranks wait for them through the launcher's store
-    (`main_alone`: minutes of generation would pass a collective's timeout), then end together. Before, they
-    ended with status 0 as soon as their share was computed, and a failure of rank 0's there (out of memory
-    generating, a full disk) was its alone: now it stops them with its line. One process: `work()`."""
-    from models.collective import main_alone
-
-    result = main_alone(ranks.world, REPORT_WORK, work, "rank 0 alone makes the images: evaluate.num_samples 0 and no "
-                        "extra prompts make none")
-    ranks.any([0])  # no rank ends before all are past it: in a plain env:// launch rank 0 serves that store
-    return result
-
-
 def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[tuple[int, Path]],
                              shas: dict[int, str], transformer, samples, mine: list[int], cfg: EvaluateConfig, load,
                              fingerprint: str, relist, base_cache: tuple | None = None,
@@ -450,6 +315,56 @@ def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[
     if not ranks.main:
         return None
     return evaluated, attached, pruned, sorted(step for step, _ in newer), summary, held
+
+
+REPORT_WORK = "evaluate: the images and the report"
+
+
+def _rank_0_alone(ranks, work):
+    """Rank 0's images and report (`work`) while the other ranks wait for them through the launcher's store
+    (`main_alone`: minutes of generation would pass a collective's timeout), then end together. Before, they
+    ended with status 0 as soon as their share was computed, and a failure of rank 0's there (out of memory
+    generating, a full disk) was its alone: now it stops them with its line. One process: `work()`."""
+    from models.collective import main_alone
+
+    result = main_alone(ranks.world, REPORT_WORK, work, "rank 0 alone makes the images: evaluate.num_samples 0 and no "
+                        "extra prompts make none")
+    ranks.any([0])  # no rank ends before all are past it: in a plain env:// launch rank 0 serves that store
+    return result
+
+
+def _report(run: _Evaluation, tables, share, transformer, done, damaged: dict, shas: dict[int, str],
+            settings: dict, pruned: list[int], trained: list[dict] | None = None) -> CheckpointsResult:
+    """Rank 0's part once the losses are in: the images of the best and last checkpoints (and the base), the
+    run record, metrics.json and index.html (`_rank_0_alone` runs it)."""
+    from stages.evaluate import stage as single
+    from stages.evaluate.checkpoint_report import generated_rows, write_checkpoint_report
+    from stages.evaluate.val_share import complete
+
+    cfg, model, store, out = run.cfg, run.model, run.store, run.out
+    evaluated, attached, pruned_meanwhile, newer, (metrics, best, last), held = done
+    ema = metrics["checkpoints"].get("ema") or {}
+    # the bytes each pictured point's losses are of, by path: a step's raw LoRA and its EMA are two files
+    recorded = {p: sha for p, sha in zip(ema.get("paths") or [], ema.get("sha256") or [])}
+    recorded.update({last["path"]: shas.get(last["step"])} if best.get("weights") == "ema" else
+                    {best["path"]: shas.get(best["step"]), last["path"]: shas.get(last["step"])})
+    with writing("the report", out):  # a full disk: its line, not "rank 0: ... OSError" (`fails_alone`)
+        rows, pictured = [], complete(tables, share, single.pick_samples(share.samples, cfg.num_samples))
+        if cfg.num_samples > 0 or cfg.extra_prompts:
+            rows = generated_rows(cfg, model, store, tables, transformer, pictured, best["path"],
+                                  best["step"], last["path"], last["step"], attached, damaged, recorded,
+                                  base_cache=(out / BASE_IMAGES, settings), held=held)
+        write_best_lora(out, transformer, best, cfg.lora_scale, (held or {}).get(best["path"]),
+                        recorded.get(best["path"]))
+        metrics["generation"] = single.generation_summary(rows, cfg, model)  # "lora" = the best one
+        metrics["run"] = _run_record(cfg, store, model, tables, pictured, damaged, settings,
+                                     run.ranks.world, transformer, run.precision)
+        metrics["run"]["trained_val"] = trained  # val samples the runs trained on (`trained_val.check`)
+        written = write_checkpoint_report(out, metrics, rows)
+        if damaged:
+            tqdm.write(f"skipped {len(damaged)} damaged val sample(s): {few(damaged)}")
+        return CheckpointsResult(metrics, written, evaluated=evaluated, seconds=time.perf_counter() - run.started,
+                                 pruned=sorted(set(pruned + pruned_meanwhile)), newer=newer)
 
 
 def _run_record(cfg: EvaluateConfig, store: str | Path, model: str, tables, samples, damaged: dict, settings: dict,
