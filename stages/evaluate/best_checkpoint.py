@@ -59,28 +59,21 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
     from stages.evaluate import stage as single
 
     steps, paths, grids = losses.losses()
-    shas = losses.steps()  # step -> the LoRA bytes its numbers are of
     present = {step: str(Path(path).resolve()) for step, path in checkpoints}
     paths = [present.get(step, p) for step, p in zip(steps, paths)]
     base = losses.base()
     kept, nonfinite = single.finite_samples(samples, {"base": base}, cfg)
     base, grids, samples = base[kept], grids[:, kept], [samples[i] for i in kept]
     per_step = step_summaries(base, grids, [bucket_of(s) for s in samples], [has_two_regions(s) for s in samples])
-    overall = [s["overall"] for s in per_step["steps"]]
     alive = [i for i, step in enumerate(steps) if step in present and Path(present[step]).exists()]  # pruned meanwhile
     if not alive:  # every one evaluated was pruned meanwhile: the caller evaluates newer ones, or says so
         return None
-    last_i = alive[-1]
-    points = [{"step": step, "path": path, "loss": o} for step, path, o in zip(steps, paths, overall)]
+    points = [{"step": step, "path": path, "loss": numbers["overall"]}
+              for step, path, numbers in zip(steps, paths, per_step["steps"])]
     curve = _ema_curve(ema, kept, base, samples, present) if ema is not None else None
     points, candidates, all_grids = _with_ema(points, alive, grids, curve)
-    best_i = pick_best([points[i]["step"] for i in candidates], [points[i]["loss"] for i in candidates])
-    if best_i is None:
-        raise UserError(f"no checkpoint in {losses.path} has a finite held-out loss; check the run's training loss")
-    best_i = candidates[best_i]
-    protocol = single.protocol(cfg, samples).replace("LoRA off (base) and on", "LoRA off (base) and the best checkpoint")
-    loss = loss_summary({"base": base, "lora": all_grids[best_i]}, samples, *cfg.loss_axes, protocol)
-    loss["nonfinite_samples"] = nonfinite  # left out of every number (evaluate.on_nonfinite=skip)
+    best_i = _best_of(points, candidates, losses.path)
+    loss = _loss_section(cfg, samples, base, all_grids[best_i], nonfinite)
 
     diffs = vs_best(all_grids, [p["loss"] for p in points], best_i)
     best = {**_best(points, all_grids, base, candidates, best_i, diffs),
@@ -88,24 +81,53 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
     best["within_noise"] = _note_vs_best(points, diffs, candidates,
                                          per_step["steps"] + (curve["section"]["per_step"] if curve else []))
     loss["lora_minus_base"] = best["vs_base"]
-    metrics = {
-        "loss": loss,
-        "checkpoints": {
-            "losses": str(losses.path), "fingerprint": fingerprint, "config_fingerprint": cfg.fingerprint(),
-            # None without extra prompts: a report made before they were hashed stays current
-            "extra_prompts_sha256": extra_prompt_bytes(cfg) or None,
-            # the bytes each step's numbers are of: what the up-to-date check compares (`current_metrics`)
-            "steps": steps, "paths": paths, "lora_sha256": [shas[step] for step in steps],
-            # whether each step's checkpoint was still there (a pruned one keeps its point, but not its file)
-            "on_disk": [i in alive for i in range(len(steps))],
-            "base": per_step["base"], "per_step": per_step["steps"],
-            "best": best, "last": points[last_i],
-            "note": BEST_NOTE + (EMA_NOTE if curve is not None else ""),
-        },
+    last = points[alive[-1]]
+    metrics = {"loss": loss,
+               "checkpoints": _checkpoints_section(losses, cfg, fingerprint, steps, paths, alive, per_step, best, last,
+                                                       curve)}
+    return metrics, best, dict(last)  # a dict apart from metrics' "last"
+
+
+def _best_of(points: list[dict], candidates: list[int], where: Path) -> int:
+    """The index of the best point among `candidates` (`curves.pick_best`: the lowest finite loss, ties to the
+    earlier step); none finite: one line naming the loss array (`where`)."""
+    best_i = pick_best([points[i]["step"] for i in candidates], [points[i]["loss"] for i in candidates])
+    if best_i is None:
+        raise UserError(f"no checkpoint in {where} has a finite held-out loss; check the run's training loss")
+    return candidates[best_i]
+
+
+def _loss_section(cfg: EvaluateConfig, samples, base: np.ndarray, best: np.ndarray, nonfinite) -> dict:
+    """metrics.json's `loss`, as a single-LoRA report's: the base against the best checkpoint's grid (`best`), over
+    the val samples kept, and those left out for a non-finite base loss."""
+    from stages.evaluate import stage as single
+
+    protocol = single.protocol(cfg, samples).replace("LoRA off (base) and on", "LoRA off (base) and the best checkpoint")
+    loss = loss_summary({"base": base, "lora": best}, samples, *cfg.loss_axes, protocol)
+    loss["nonfinite_samples"] = nonfinite  # left out of every number (evaluate.on_nonfinite=skip)
+    return loss
+
+
+def _checkpoints_section(losses: LossStore, cfg: EvaluateConfig, fingerprint: str, steps: list[int], paths: list[str],
+                         alive: list[int], per_step: dict, best: dict, last: dict, curve: dict | None) -> dict:
+    """metrics.json's `checkpoints`: every step's numbers, path and bytes, which are still on disk, the best and
+    the last, and the EMA's curve (`curve`) where it was scored."""
+    shas = losses.steps()  # step -> the LoRA bytes its numbers are of
+    section = {
+        "losses": str(losses.path), "fingerprint": fingerprint, "config_fingerprint": cfg.fingerprint(),
+        # None without extra prompts: a report made before they were hashed stays current
+        "extra_prompts_sha256": extra_prompt_bytes(cfg) or None,
+        # the bytes each step's numbers are of: what the up-to-date check compares (`current_metrics`)
+        "steps": steps, "paths": paths, "lora_sha256": [shas[step] for step in steps],
+        # whether each step's checkpoint was still there (a pruned one keeps its point, but not its file)
+        "on_disk": [i in alive for i in range(len(steps))],
+        "base": per_step["base"], "per_step": per_step["steps"],
+        "best": best, "last": last,
+        "note": BEST_NOTE + (EMA_NOTE if curve is not None else ""),
     }
     if curve is not None:
-        metrics["checkpoints"]["ema"] = curve["section"]
-    return metrics, best, dict(points[last_i])  # a dict apart from metrics' "last"
+        section["ema"] = curve["section"]
+    return section
 
 
 BEST_NOTE = ("best = lowest overall held-out loss among the checkpoints still on disk (ties: earlier step); "
