@@ -12,23 +12,6 @@ from models.lora_files import KEEPS_NEWEST
 from schemas.errors import UserError
 
 
-def lora_digest(checkpoint: Path, hashes) -> str:
-    """The sha256 of the checkpoint's LoRA file, checked against its sealed record and hashed in one read, or as
-    `hashes` remembers it unchanged since such a read (`stages.evaluate.lora_bytes.known_or_checked`)."""
-    from models.lora import lora_weight_file
-    from stages.evaluate.lora_bytes import known_or_checked
-
-    return known_or_checked(lora_weight_file(checkpoint), hashes)
-
-
-def checkpoint_gone(checkpoint: Path) -> bool:
-    """Was the checkpoint removed since it was listed? A training running beside evaluate prunes its oldest kept
-    checkpoints (train.keep_checkpoints) while the others are evaluated."""
-    from models.lora import WEIGHT_NAME
-
-    return not (Path(checkpoint) / WEIGHT_NAME).is_file() and not Path(checkpoint).is_file()
-
-
 def agreed_checkpoints(checkpoints: list[tuple[int, Path]], ranks) -> list[tuple[int, Path]]:
     """The checkpoints rank 0 lists, on every rank, less those some rank does not see. Each rank lists the run
     folder itself, and every later exchange pairs the checkpoints by their place in the list: a training beside
@@ -92,6 +75,23 @@ def check_and_hash(checkpoints: list[tuple[int, Path]], ranks=None) -> tuple[lis
         kept.append((step, path))
         shas[step] = sha
     return kept, shas
+
+
+def lora_digest(checkpoint: Path, hashes) -> str:
+    """The sha256 of the checkpoint's LoRA file, checked against its sealed record and hashed in one read, or as
+    `hashes` remembers it unchanged since such a read (`stages.evaluate.lora_bytes.known_or_checked`)."""
+    from models.lora import lora_weight_file
+    from stages.evaluate.lora_bytes import known_or_checked
+
+    return known_or_checked(lora_weight_file(checkpoint), hashes)
+
+
+def checkpoint_gone(checkpoint: Path) -> bool:
+    """Was the checkpoint removed since it was listed? A training running beside evaluate prunes its oldest kept
+    checkpoints (train.keep_checkpoints) while the others are evaluated."""
+    from models.lora import WEIGHT_NAME
+
+    return not (Path(checkpoint) / WEIGHT_NAME).is_file() and not Path(checkpoint).is_file()
 
 
 def deleted_line(step: int, path) -> str:

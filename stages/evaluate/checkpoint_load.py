@@ -12,6 +12,49 @@ from schemas.errors import UserError
 from stages.evaluate.checkpoint_files import checkpoint_gone, deleted_line, unloadable
 
 
+REWRITTEN, PRUNED = 1, 2  # `load_checkpoint`: why a checkpoint is left out (0: loaded)
+
+
+def load_checkpoint(ranks, transformer, step: int, path: Path, sha: str, lora_scale: float,
+                    attached: bool) -> tuple[int, bool]:
+    """(0, True) once checkpoint `step` is loaded into `transformer` on every rank; (REWRITTEN or PRUNED,
+    attached) - said once - when any rank found it changed or gone: left out on every rank."""
+    from models.collective import together
+
+    changed = 0
+    with together(ranks.world, f"load checkpoint step {step}"):
+        try:
+            # A training running beside evaluate may prune or rewrite a checkpoint after it was hashed: the
+            # numbers are recorded under the hash only when the loaded bytes are still the hashed ones.
+            if _load_if_unchanged(transformer, path, sha, lora_scale, attached):
+                attached = True
+            else:
+                changed = REWRITTEN
+        except (UserError, OSError) as e:
+            if not checkpoint_gone(path):
+                raise unloadable(step, path, e) from None
+            changed = PRUNED
+    changed = ranks.any([changed])[0]  # left out on every rank when any rank saw it change
+    if changed and ranks.main:
+        tqdm.write(deleted_line(step, path) if changed == PRUNED else
+                   f"checkpoint step {step} was rewritten while evaluating ({path}; by a running training?): "
+                   "left out; rerun evaluate to evaluate what is there now")
+    return changed, attached
+
+
+def _load_if_unchanged(transformer, path: Path, sha: str, scale: float, attached: bool) -> bool:
+    """Load the checkpoint when its bytes are still the ones hashed (one read: the loader parses the bytes
+    hashed here); False when they changed (rewritten since by a training running beside evaluate)."""
+    from models.lora import lora_weight_file
+    from stages.evaluate.lora_bytes import read_for_load
+
+    data, now = read_for_load(lora_weight_file(path))
+    if now != sha:
+        return False
+    use_checkpoint(transformer, path, scale, attached, data)
+    return True  # `data` is freed here, before the checkpoint's loss pass
+
+
 def use_checkpoint(transformer, path: Path, scale: float, attached: bool, data: bytes | None = None) -> None:
     """The checkpoint's weights in the one adapter "lora": copied into it when they fit (no new modules per
     checkpoint); a checkpoint of another rank, alpha or target modules (a run folder holding checkpoints of two
@@ -36,19 +79,6 @@ def use_checkpoint(transformer, path: Path, scale: float, attached: bool, data: 
     attach_lora(transformer, path, scale, data=data)
 
 
-def _load_if_unchanged(transformer, path: Path, sha: str, scale: float, attached: bool) -> bool:
-    """Load the checkpoint when its bytes are still the ones hashed (one read: the loader parses the bytes
-    hashed here); False when they changed (rewritten since by a training running beside evaluate)."""
-    from models.lora import lora_weight_file
-    from stages.evaluate.lora_bytes import read_for_load
-
-    data, now = read_for_load(lora_weight_file(path))
-    if now != sha:
-        return False
-    use_checkpoint(transformer, path, scale, attached, data)
-    return True  # `data` is freed here, before the checkpoint's loss pass
-
-
 def use_recorded(transformer, path: Path, step: int, sha: str | None, scale: float, attached: bool,
                  data: bytes | None = None) -> None:
     """The checkpoint's weights for its pictures, when they are the bytes its losses were recorded under (`sha`;
@@ -61,12 +91,6 @@ def use_recorded(transformer, path: Path, step: int, sha: str | None, scale: flo
         use_checkpoint(transformer, path, scale, attached)
     elif not _load_if_unchanged(transformer, path, sha, scale, attached):
         raise rewritten(step, path)
-
-
-def rewritten(step: int, path: Path) -> UserError:
-    return UserError(f"checkpoint step {step} was rewritten after its held-out loss was computed ({path}; by a "
-                     "running training?): its images would not show the weights evaluated; rerun evaluate "
-                     "once the training has stopped writing it")
 
 
 def held_bytes(points: list[dict], shas: dict[int, str],
@@ -96,31 +120,7 @@ def held_bytes(points: list[dict], shas: dict[int, str],
     return held
 
 
-REWRITTEN, PRUNED = 1, 2  # `load_checkpoint`: why a checkpoint is left out (0: loaded)
-
-
-def load_checkpoint(ranks, transformer, step: int, path: Path, sha: str, lora_scale: float,
-                    attached: bool) -> tuple[int, bool]:
-    """(0, True) once checkpoint `step` is loaded into `transformer` on every rank; (REWRITTEN or PRUNED,
-    attached) - said once - when any rank found it changed or gone: left out on every rank."""
-    from models.collective import together
-
-    changed = 0
-    with together(ranks.world, f"load checkpoint step {step}"):
-        try:
-            # A training running beside evaluate may prune or rewrite a checkpoint after it was hashed: the
-            # numbers are recorded under the hash only when the loaded bytes are still the hashed ones.
-            if _load_if_unchanged(transformer, path, sha, lora_scale, attached):
-                attached = True
-            else:
-                changed = REWRITTEN
-        except (UserError, OSError) as e:
-            if not checkpoint_gone(path):
-                raise unloadable(step, path, e) from None
-            changed = PRUNED
-    changed = ranks.any([changed])[0]  # left out on every rank when any rank saw it change
-    if changed and ranks.main:
-        tqdm.write(deleted_line(step, path) if changed == PRUNED else
-                   f"checkpoint step {step} was rewritten while evaluating ({path}; by a running training?): "
-                   "left out; rerun evaluate to evaluate what is there now")
-    return changed, attached
+def rewritten(step: int, path: Path) -> UserError:
+    return UserError(f"checkpoint step {step} was rewritten after its held-out loss was computed ({path}; by a "
+                     "running training?): its images would not show the weights evaluated; rerun evaluate "
+                     "once the training has stopped writing it")

@@ -56,30 +56,14 @@ def _loss_settings(cfg: EvaluateConfig, as_set: bool = False) -> dict:
     return {k: v for k, v in hashed_settings(cfg, as_set=as_set).items() if k in LOSS_SETTINGS}
 
 
-def known_fingerprint(out: Path, fingerprint: str, settings: dict, earlier: list[dict] = ()) -> str:
-    """The fingerprint OUT's loss array is recorded under when it is this one's earlier spelling (its settings held
-    the store's path, which is no longer hashed, or no evaluation revision: `UNRECORDED_REVISION`'s; or named
-    the tables by the version ids read, `earlier`, before they were named by content: `read_tables`), else
-    `fingerprint`: such an array stays this setting's, its losses kept, and is recorded under the present
-    spelling at its next write (`LossStore.refingerprint`)."""
-    recorded = recorded_setting(out)
-    if recorded is not None and recorded[0] != fingerprint and spelled_as(settings, earlier)(recorded[1]):
-        return recorded[0]
-    return fingerprint
-
-
-def spelled_as(settings: dict, earlier: list[dict] = ()):
-    """Is a loss array's recorded settings these (`settings`) or an earlier spelling of them (`earlier`, and
-    `known_fingerprint`'s: the store's path, no evaluation revision)? One rule for the array in place and for the
-    groups kept aside (`kept_groups`): one an earlier release kept aside under its hash of seeds and σ in the
-    configured order was never taken back."""
-    spellings = [settings, *earlier]
-
-    def spelled(recorded) -> bool:
-        return isinstance(recorded, dict) and \
-            {"evaluation_revision": UNRECORDED_REVISION, **{k: v for k, v in recorded.items() if k != "store"}} \
-            in spellings
-    return spelled
+def read_fingerprint(settings: dict, tables) -> tuple[str, dict]:
+    """`loss_fingerprint` with the text / vae tables the val samples were read from (`tables`, `read_tables`): the
+    store's current versions, looked up before the tables were opened, may have moved since (an encode beside
+    evaluate), and an array keyed by those would hold the new version's losses under the old one's name (reused
+    by the next run that reads the old one). `max_loss_samples` as the samples it reads (`samples_read`)."""
+    tables_read = read_tables(tables, settings["evaluate"].get("max_loss_samples"))
+    settings = {**settings, "tables": tables_read, "evaluate": samples_read(settings["evaluate"], len(tables))}
+    return group_hash(settings), settings
 
 
 def read_tables(tables, cap: int | None) -> dict:
@@ -96,16 +80,6 @@ def read_tables(tables, cap: int | None) -> dict:
     return tables.content_names(rows_read(tables, cap))
 
 
-def read_fingerprint(settings: dict, tables) -> tuple[str, dict]:
-    """`loss_fingerprint` with the text / vae tables the val samples were read from (`tables`, `read_tables`): the
-    store's current versions, looked up before the tables were opened, may have moved since (an encode beside
-    evaluate), and an array keyed by those would hold the new version's losses under the old one's name (reused
-    by the next run that reads the old one). `max_loss_samples` as the samples it reads (`samples_read`)."""
-    tables_read = read_tables(tables, settings["evaluate"].get("max_loss_samples"))
-    settings = {**settings, "tables": tables_read, "evaluate": samples_read(settings["evaluate"], len(tables))}
-    return group_hash(settings), settings
-
-
 def samples_read(evaluate: dict, n: int) -> dict:
     """The loss settings with `max_loss_samples` at or above the val split's `n` samples spelled `None`: it reads
     every sample, as `None` does (`read_val_samples`), so the numbers are the same. Spelled as set, a 50-sample
@@ -113,6 +87,35 @@ def samples_read(evaluate: dict, n: int) -> dict:
     the base again. The tables' content ids name the split, so one spelling never covers two sample counts."""
     cap = evaluate.get("max_loss_samples")
     return {**evaluate, "max_loss_samples": None} if cap is not None and cap >= n else evaluate
+
+
+def content_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str, settings: dict,
+                        out: Path | None = None) -> tuple[str, dict, list, list[str], int]:
+    """`read_fingerprint` of the val split as evaluate would read it now (opened and closed here: the up-to-date
+    check before anything is loaded), its `earlier_settings`, the keys of the val samples the loss passes
+    will read (`val_share.loss_keys`: the loss array's sample axis) and the split's size."""
+    from features.open import open_configured
+    from models.loading import model_files
+    from stages.evaluate.val_share import loss_keys
+
+    with open_configured(cfg, "evaluate", store, model, model_files(model), "val") as tables:
+        # the samples OUT's report left out as damaged (on_damaged=skip): its read took as many rows more
+        # (`features.damaged.rows_read`), as a read now would where they are still damaged
+        tables.damaged.update(damaged_read(out) if out is not None else {})
+        fingerprint, settings = read_fingerprint(settings, tables)
+        return fingerprint, settings, earlier_settings(settings, tables, cfg, out), loss_keys(cfg, tables), len(tables)
+
+
+def damaged_read(out: Path) -> dict[str, str]:
+    """The val samples OUT's report records the loss passes' read left out as damaged (`run.damaged_samples`; not
+    the pictures' `images:` rows); none when there is no such record."""
+    try:
+        damaged = (json.loads((out / "metrics.json").read_text()).get("run") or {}).get("damaged_samples")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if not isinstance(damaged, dict):
+        return {}
+    return {str(k): str(v) for k, v in damaged.items() if not str(k).startswith("images:")}
 
 
 def earlier_settings(settings: dict, tables, cfg: EvaluateConfig, out: Path | None = None) -> list[dict]:
@@ -179,30 +182,27 @@ def unset_array_backend(out: Path) -> str | None:
     return unset_backend(evaluate.get("dtype"), report_metrics(out), recorded[1])
 
 
-def content_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str, settings: dict,
-                        out: Path | None = None) -> tuple[str, dict, list, list[str], int]:
-    """`read_fingerprint` of the val split as evaluate would read it now (opened and closed here: the up-to-date
-    check before anything is loaded), its `earlier_settings`, the keys of the val samples the loss passes
-    will read (`val_share.loss_keys`: the loss array's sample axis) and the split's size."""
-    from features.open import open_configured
-    from models.loading import model_files
-    from stages.evaluate.val_share import loss_keys
-
-    with open_configured(cfg, "evaluate", store, model, model_files(model), "val") as tables:
-        # the samples OUT's report left out as damaged (on_damaged=skip): its read took as many rows more
-        # (`features.damaged.rows_read`), as a read now would where they are still damaged
-        tables.damaged.update(damaged_read(out) if out is not None else {})
-        fingerprint, settings = read_fingerprint(settings, tables)
-        return fingerprint, settings, earlier_settings(settings, tables, cfg, out), loss_keys(cfg, tables), len(tables)
+def known_fingerprint(out: Path, fingerprint: str, settings: dict, earlier: list[dict] = ()) -> str:
+    """The fingerprint OUT's loss array is recorded under when it is this one's earlier spelling (its settings held
+    the store's path, which is no longer hashed, or no evaluation revision: `UNRECORDED_REVISION`'s; or named
+    the tables by the version ids read, `earlier`, before they were named by content: `read_tables`), else
+    `fingerprint`: such an array stays this setting's, its losses kept, and is recorded under the present
+    spelling at its next write (`LossStore.refingerprint`)."""
+    recorded = recorded_setting(out)
+    if recorded is not None and recorded[0] != fingerprint and spelled_as(settings, earlier)(recorded[1]):
+        return recorded[0]
+    return fingerprint
 
 
-def damaged_read(out: Path) -> dict[str, str]:
-    """The val samples OUT's report records the loss passes' read left out as damaged (`run.damaged_samples`; not
-    the pictures' `images:` rows); none when there is no such record."""
-    try:
-        damaged = (json.loads((out / "metrics.json").read_text()).get("run") or {}).get("damaged_samples")
-    except (OSError, ValueError, AttributeError):
-        return {}
-    if not isinstance(damaged, dict):
-        return {}
-    return {str(k): str(v) for k, v in damaged.items() if not str(k).startswith("images:")}
+def spelled_as(settings: dict, earlier: list[dict] = ()):
+    """Is a loss array's recorded settings these (`settings`) or an earlier spelling of them (`earlier`, and
+    `known_fingerprint`'s: the store's path, no evaluation revision)? One rule for the array in place and for the
+    groups kept aside (`kept_groups`): one an earlier release kept aside under its hash of seeds and σ in the
+    configured order was never taken back."""
+    spellings = [settings, *earlier]
+
+    def spelled(recorded) -> bool:
+        return isinstance(recorded, dict) and \
+            {"evaluation_revision": UNRECORDED_REVISION, **{k: v for k, v in recorded.items() if k != "store"}} \
+            in spellings
+    return spelled
