@@ -12,7 +12,7 @@ Timed in process CPU time on one thread (the box is shared; wall time is printed
 
     python bench/evaluate_checkpoints.py --split-rows 1000000
 
-The up-to-date check's val split part at scale instead: what `checkpoints.content_fingerprint` computes once the
+The up-to-date check's val split part at scale instead: what `loss_fingerprint.content_fingerprint` computes once the
 split is open (`read_fingerprint` + `earlier_settings`), on a synthetic join of `--split-rows` manifest rows per
 table (bench/content_ids.py's manifests: 90% of them in the joined split), with max_loss_samples 256 (the default)
 and unset, OUT without a loss array, with one of today's spelling, and with one of the whole split's spelling (an
@@ -145,20 +145,21 @@ def _split_check_once(manifests: Path, cap: str, recorded: str) -> None:
     import tracemalloc
 
     from schemas.config import EvaluateConfig
-    from stages.evaluate import checkpoints as ev
+    from stages.evaluate import loss_fingerprint as fp
+    from stages.evaluate.loss_groups import group_hash
     from store.loss_array import Axes, LossStore
 
     cfg = EvaluateConfig(num_samples=0, device="cpu", max_loss_samples=None if cap == "none" else int(cap))
-    settings = {"tables": {}, "model_fingerprint": "bench", "evaluate": ev._loss_settings(cfg),
-                "evaluation_revision": ev.EVALUATION_REVISION}
+    settings = {"tables": {}, "model_fingerprint": "bench", "evaluate": fp._loss_settings(cfg),
+                "evaluation_revision": fp.EVALUATION_REVISION}
     out = Path(tempfile.mkdtemp(prefix="bench-evalsplit-"))
     try:
         if recorded != "none":  # written from another join: this one's content ids not computed yet
             setup = _split_join(manifests)
-            fingerprint, now = ev.read_fingerprint(settings, setup)
+            fingerprint, now = fp.read_fingerprint(settings, setup)
             if recorded == "whole":
                 now = {**now, "tables": setup.content_names()}
-                fingerprint = ev.group_hash(now)
+                fingerprint = group_hash(now)
             LossStore(out, fingerprint, Axes(["k"], ["b"], *cfg.loss_axes), now)
             del setup
         j = _split_join(manifests)
@@ -166,8 +167,8 @@ def _split_check_once(manifests: Path, cap: str, recorded: str) -> None:
         rss_before = int(Path("/proc/self/statm").read_text().split()[1]) * page
         tracemalloc.start()
         w, c = time.perf_counter(), time.process_time()
-        fingerprint, now = ev.read_fingerprint(settings, j)
-        earlier = ev.earlier_settings(now, j, cfg, out)
+        fingerprint, now = fp.read_fingerprint(settings, j)
+        earlier = fp.earlier_settings(now, j, cfg, out)
         wall, cpu = time.perf_counter() - w, time.process_time() - c
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()

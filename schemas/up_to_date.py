@@ -9,7 +9,7 @@ keeps every output current; a hashed one differs, so every path recomputes.
 
 The code counts too where the settings cannot tell: train and evaluate record a revision of what they compute
 (`stages/train/settings.py` `training_revision`, per config: the newest `TRAINING_REVISION` that changes its
-weights; `stages/evaluate/checkpoints.py` `EVALUATION_REVISION`; the
+weights; `stages/evaluate/loss_fingerprint.py` `EVALUATION_REVISION`; the
 encode stages' is their feature revision, `schemas.lineage.code_version`), so a release that fixes their math
 recomputes their outputs.
 """

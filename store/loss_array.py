@@ -713,7 +713,7 @@ def _steps_of(path: Path, fingerprint: str) -> dict[int, str] | None:
 
 def open_dataset(path: str | Path, say=None):
     """The group as an xarray Dataset (what the report and `pipeline compare` read), in step order: evaluate
-    appends the newest checkpoints first (stages/evaluate/checkpoints.py), the step axis is in that order.
+    appends the newest checkpoints first (stages/evaluate/loss_pass.py), the step axis is in that order.
     A chunk file missing (format 2) is refused naming it; `say`: called with `unchecked`'s line for a format-1
     group lacking a chunk of losses."""
     import xarray as xr

@@ -4,7 +4,7 @@ reruns (a retrained LoRA, a training adding checkpoints), while regenerating the
 
 Each image is kept under its own inputs: the group key (`group_key`) holds everything the base images are made
 from but which samples are pictured and the extra prompts: every file of the model (text encoder, processor and
-scheduler too), the text / vae tables read, by content (the stored features; `checkpoints.read_tables`), every
+scheduler too), the text / vae tables read, by content (the stored features; `loss_fingerprint.read_tables`), every
 hashed evaluate setting but `num_samples` and the extra prompts' own (seed, steps, true CFG, dtype, attention
 backend, quantisation; not the LoRA's scale, nor on_damaged: a damaged sample skipped changes the samples read,
 which the tables' content and the sample keys name, nor the held-out loss's seeds / σ grid, `GRID_SETTINGS`),
@@ -50,14 +50,14 @@ SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 def losses_key(cfg, features: dict, sample_keys: list[str], ranks_machines: list[dict] = ()) -> str:
     """Hash of every input of the base's held-out losses over `sample_keys` (single-LoRA evaluate's cache,
-    `base_losses`). features: `checkpoints.loss_fingerprint`'s settings (the store's text / vae tables read, the
+    `base_losses`). features: `loss_fingerprint.loss_fingerprint`'s settings (the store's text / vae tables read, the
     model's fingerprint); sample_keys: the val samples, in order. Of the evaluate settings, only those the losses
-    depend on (`checkpoints.LOSS_SETTINGS`), none that change only the pictures (seed, num_samples, steps,
+    depend on (`loss_fingerprint.LOSS_SETTINGS`), none that change only the pictures (seed, num_samples, steps,
     guidance, the extra prompts), which made a rerun with more pictures recompute them. `ranks_machines`: a
     launched run's every rank's device and libraries (`loss_groups.on_every_rank`; each computes its share of the
     rows): in the key where one is not this process's (rank 0's), which the key alone named; ranks alike (and one
     process) keep the one-process key, so their files serve each other and those written before stay readable."""
-    from stages.evaluate.checkpoints import LOSS_SETTINGS
+    from stages.evaluate.loss_fingerprint import LOSS_SETTINGS
 
     # max_loss_samples as set is no input: `features` spell it as the samples it reads, `sample_keys` name them
     # (256 then null on a split 256 covered computed the same base losses again)

@@ -57,7 +57,7 @@ def generated_rows(cfg, model: str, store, tables, transformer, samples, best_pa
     step's EMA file and its raw LoRA are two paths).
     `base_cache`: (folder, the loss fingerprint's settings): the base images are reused from there when every input
     of them is unchanged (`stages.evaluate.base_images`), else generated and kept there. `held`: path -> the LoRA
-    bytes of the best and last, read when the summary named them (`checkpoints.held_bytes`). The best's and the
+    bytes of the best and last, read when the summary named them (`checkpoint_load.held_bytes`). The best's and the
     last's images are kept as single-LoRA evaluate keeps its LoRA column (OUT/lora-images/, OUT/last-images/:
     `base_images.lora_group_key`, the checkpoint's bytes and scale, not the loss grid): a rerun whose pictures'
     inputs are unchanged generates none and loads no checkpoint (every rerun generated both before)."""
@@ -65,7 +65,7 @@ def generated_rows(cfg, model: str, store, tables, transformer, samples, best_pa
     from models.ema_file import is_ema_file
     from models.qwen21_flow import is_qwen21
     from stages.evaluate import base_images
-    from stages.evaluate.checkpoints import use_recorded
+    from stages.evaluate.checkpoint_load import use_recorded
 
     qwen21 = is_qwen21(transformer)
     vae = load_component(model, "vae", dtype=parse_dtype(cfg.dtype), device=cfg.device)
@@ -267,8 +267,39 @@ def charts(metrics: dict) -> list[Chart]:
 
 
 def render_html(metrics: dict, rows: list[OutputsRow], grid: Image.Image) -> str:
+    sections = _which_checkpoint(metrics) + (_samples(metrics, rows, grid) if rows else [])
+    return page("LoRA checkpoints report", sections, metrics, extra_css="""
+.curves svg { margin: 0 16px 16px 0; border: 1px solid #eee; }
+.best { background: #eef7ee; padding: 6px 10px; border-left: 3px solid #2ca02c; }""")
+
+
+def _which_checkpoint(metrics: dict) -> list[str]:
+    """The page's first part: the best checkpoint and how sure, where the numbers are, the curves, every step."""
     c = metrics["checkpoints"]
     best, last = c["best"], c["last"]
+    ema = c.get("ema")
+    on_ema = best.get("weights") == "ema"
+    whose = (f"the EMA of <code>{html.escape(best.get('ema_checkpoint', ''))}</code>, written as a LoRA to "
+             if on_ema else "")
+    return [
+        "<h2>Which checkpoint</h2>",
+        f"<p class='best'>Best checkpoint: <b>step {best['step']}{' (EMA)' if on_ema else ''}</b>, held-out loss "
+        f"{_fmt(best['loss'])} (base {_fmt(c['base']['overall'])}, last step {last['step']}: {_fmt(last['loss'])})"
+        f"<br>{_sureness(best, ema is not None)}{whose}<code>{html.escape(best['path'])}</code></p>",
+        f"<p>{html.escape(metrics['loss']['protocol'])}. {html.escape(c['note'])}. Every number is in "
+        f"<code>{html.escape(c['losses'])}</code>"
+        + (f", the EMA's in <code>{html.escape(ema['losses'])}</code>" if ema is not None else "")
+        + " (open it with <code>xarray.open_zarr(...).sortby(\"step\")</code>: the newest steps are appended "
+        "first).</p>",
+        "<div class='curves'>" + "".join(svg(ch) for ch in charts(metrics)) + "</div>",
+        _steps_table(c),
+    ]
+
+
+def _steps_table(c: dict) -> str:
+    """The base and every step (metrics.json's `checkpoints`, `c`): held-out loss, the EMA's beside it, the
+    difference to the best paired ± s.e., inside / outside the mask."""
+    best = c["best"]
     ema = c.get("ema")
     on_ema = best.get("weights") == "ema"
     # with an EMA: its loss beside the raw LoRA's, step by step (the same val samples, noise and σ)
@@ -286,48 +317,35 @@ def render_html(metrics: dict, rows: list[OutputsRow], grid: Image.Image) -> str
         extra = [] if ema_at is None else [ema_at.get(s, "–")]
         table_rows.append([f"step {s}{mark}", path, per["overall"], *extra, *([_vs_best(per, here)] * paired_col),
                            per["inside"], per["outside"]])
-    whose = (f"the EMA of <code>{html.escape(best.get('ema_checkpoint', ''))}</code>, written as a LoRA to "
-             if on_ema else "")
-    sections = [
-        "<h2>Which checkpoint</h2>",
-        f"<p class='best'>Best checkpoint: <b>step {best['step']}{' (EMA)' if on_ema else ''}</b>, held-out loss "
-        f"{_fmt(best['loss'])} (base {_fmt(c['base']['overall'])}, last step {last['step']}: {_fmt(last['loss'])})"
-        f"<br>{_sureness(best, ema is not None)}{whose}<code>{html.escape(best['path'])}</code></p>",
-        f"<p>{html.escape(metrics['loss']['protocol'])}. {html.escape(c['note'])}. Every number is in "
-        f"<code>{html.escape(c['losses'])}</code>"
-        + (f", the EMA's in <code>{html.escape(ema['losses'])}</code>" if ema is not None else "")
-        + " (open it with <code>xarray.open_zarr(...).sortby(\"step\")</code>: the newest steps are appended "
-        "first).</p>",
-        "<div class='curves'>" + "".join(svg(ch) for ch in charts(metrics)) + "</div>",
-        _table(["checkpoint", "path", "held-out loss", *([] if ema_at is None else ["EMA held-out loss"]),
-                *(["vs best (paired ± s.e.)"] * paired_col), "inside mask", "outside mask"], table_rows),
+    return _table(["checkpoint", "path", "held-out loss", *([] if ema_at is None else ["EMA held-out loss"]),
+                   *(["vs best (paired ± s.e.)"] * paired_col), "inside mask", "outside mask"], table_rows)
+
+
+def _samples(metrics: dict, rows: list[OutputsRow], grid: Image.Image) -> list[str]:
+    """The page's second part: each pictured sample's controls, target and outputs (base, best, last) with their
+    PSNR, the generation settings and means, and the grid of all."""
+    labels = list(rows[0].outputs)
+    n_controls = max(len(r.controls) for r in rows)
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in
+                   ["sample", "instruction", *[f"control {i + 1}" for i in range(n_controls)], "target", *labels,
+                    "PSNR dB (" + " / ".join(labels) + ")"])
+    body = []
+    for r in rows:
+        cells = [f"<td><code>{html.escape(r.title)}</code></td>", f"<td class='caption'>{html.escape(r.caption)}</td>"]
+        cells += [_img(x, f"control {i + 1}") for i, x in enumerate(r.controls)]
+        cells += ["<td class='empty'>–</td>"] * (n_controls - len(r.controls))
+        cells += [_img(r.target, "target"), *[_img(img, label) for label, img in r.outputs.items()]]
+        psnrs = [v for k, v in r.scores.items() if k.startswith("psnr_")]
+        cells.append(f"<td class='score'>{' / '.join(_fmt(v) for v in psnrs) or '–'}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    gen = metrics.get("generation", {})
+    return [
+        "<h2>Samples: base, best and last checkpoint</h2>",
+        f"<p>{html.escape(gen.get('settings', ''))}</p>",
+        f"<p class='means'>{html.escape(mean_line(gen))}</p>",  # base / best checkpoint
+        f"<table class='samples'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>",
+        "<h2>Grid</h2>", f"<img class='grid' src='{data_uri(grid)}' alt='grid of all samples'>",
     ]
-    if rows:
-        labels = list(rows[0].outputs)
-        n_controls = max(len(r.controls) for r in rows)
-        head = "".join(f"<th>{html.escape(h)}</th>" for h in
-                       ["sample", "instruction", *[f"control {i + 1}" for i in range(n_controls)], "target", *labels,
-                        "PSNR dB (" + " / ".join(labels) + ")"])
-        body = []
-        for r in rows:
-            cells = [f"<td><code>{html.escape(r.title)}</code></td>", f"<td class='caption'>{html.escape(r.caption)}</td>"]
-            cells += [_img(x, f"control {i + 1}") for i, x in enumerate(r.controls)]
-            cells += ["<td class='empty'>–</td>"] * (n_controls - len(r.controls))
-            cells += [_img(r.target, "target"), *[_img(img, label) for label, img in r.outputs.items()]]
-            psnrs = [v for k, v in r.scores.items() if k.startswith("psnr_")]
-            cells.append(f"<td class='score'>{' / '.join(_fmt(v) for v in psnrs) or '–'}</td>")
-            body.append("<tr>" + "".join(cells) + "</tr>")
-        gen = metrics.get("generation", {})
-        sections += [
-            "<h2>Samples: base, best and last checkpoint</h2>",
-            f"<p>{html.escape(gen.get('settings', ''))}</p>",
-            f"<p class='means'>{html.escape(mean_line(gen))}</p>",  # base / best checkpoint
-            f"<table class='samples'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>",
-            "<h2>Grid</h2>", f"<img class='grid' src='{data_uri(grid)}' alt='grid of all samples'>",
-        ]
-    return page("LoRA checkpoints report", sections, metrics, extra_css="""
-.curves svg { margin: 0 16px 16px 0; border: 1px solid #eee; }
-.best { background: #eef7ee; padding: 6px 10px; border-left: 3px solid #2ca02c; }""")
 
 
 def _vs_best(per: dict, on_disk: bool) -> str:
@@ -342,7 +360,7 @@ def _vs_best(per: dict, on_disk: bool) -> str:
 
 def _sureness(best: dict, scored_ema: bool = False) -> str:
     """The best's paired differences (vs the base, the next best checkpoint ± standard error) as one line."""
-    from stages.evaluate.checkpoints import near_best_steps
+    from stages.evaluate.best_checkpoint import near_best_steps
     from stages.evaluate.ema_curve import label
     from stages.evaluate.paired import signed
 

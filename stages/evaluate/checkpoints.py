@@ -8,724 +8,40 @@ the earlier step) -> generate the val samples with base, best and last -> metric
 
 metrics.json keeps evaluate's `loss` section (base vs the best checkpoint), so whatever read a single-LoRA
 report reads this one too; `checkpoints` adds the per-step curves and `best` / `last`.
+
+Here: the steps of one run, every rank taking each together. Their parts: the checkpoints as files
+(`checkpoint_files`), the loss array's fingerprint (`loss_fingerprint`), whether the report is current
+(`report_current`), the loss passes (`loss_pass`; one checkpoint's weights loaded: `checkpoint_load`; whose
+losses a group holds: `whose_losses`), which is best (`best_checkpoint`), the report (`checkpoint_report`) and
+the result (`checkpoints_result`).
 """
 
 from __future__ import annotations
 
-import json
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 from tqdm.auto import tqdm
 
 from models.attention import attention_record
-from models.held_out import bucket_of, has_two_regions, loss_grid, loss_summary
+from models.held_out import bucket_of
 from models.lora_files import KEEPS_NEWEST
-from schemas import up_to_date as current
 from schemas.config import EvaluateConfig
 from schemas.errors import UserError
-from schemas.lineage import hashed_settings, settings_hash, unhashed_names
-from schemas.record_formats import EARLIER_FINGERPRINTS, UNRECORDED_BACKEND
 from schemas.stage import few
-from schemas.up_to_date import UNRECORDED_REVISION
-from stages.evaluate.base_images import FOLDER as BASE_IMAGES, extra_prompt_bytes
-from stages.evaluate.curves import pick_best
-from stages.evaluate.ema_curve import (FOLDER as EMA_LOSSES, best_lora_input, ema_checkpoints, ema_settings,
-                                       label as ema_label, todo_line, write_best_lora)
-from stages.evaluate.loss_groups import cells_line, group_hash, note_computed_on, recorded_on
-from stages.evaluate.paired import NOISE_SE, paired, per_sample, signed, vs_best, within_noise
+from stages.evaluate.base_images import FOLDER as BASE_IMAGES
+from stages.evaluate.best_checkpoint import summary_held
+from stages.evaluate.checkpoint_files import agreed_checkpoints, check_and_hash
+from stages.evaluate.checkpoints_result import CheckpointsResult
+from stages.evaluate.ema_curve import FOLDER as EMA_LOSSES, ema_checkpoints, ema_settings, todo_line, write_best_lora
+from stages.evaluate.loss_fingerprint import (content_fingerprint, earlier_settings, known_fingerprint,
+                                              loss_fingerprint, read_fingerprint)
+from stages.evaluate.loss_pass import append_ema, append_missing, open_losses
+from stages.evaluate.report_current import current_metrics, redone, say_recomputed, trained_on_since
 from store import Store
 from store.io_errors import writing
-from store.loss_array import (GROUP, Axes, CellDonor, LossGroup, LossStore, cell_donor, kept_groups, recorded_setting,
-                               recorded_steps)
-
-#: hashed evaluate settings (schemas/config.py declares which) that change the numbers in the array (the others
-#: only change the pictures); device and batch size are throughput: a change keeps the array. on_damaged changes
-#: them only through the samples read (the array's sample axis, the base caches' keys): it is hashed as its
-#: default, and listed so that the arrays recorded with it stay current (as set: `earlier_settings`).
-LOSS_SETTINGS = ("noise_seeds", "timesteps", "max_loss_samples", "lora_scale", "dtype",
-                 "attention_backend", "quantize_base", "on_damaged")
-
-
-# What evaluate computes from its inputs (store tables, model, LoRA bytes, hashed settings): bump it with a release
-# that changes a report's numbers or pictures for those same inputs (the held-out loss or its use of the noise
-# seeds and σ grid, generation, PSNR / SSIM, the summaries and their pairing) - not for speed, layout or wording.
-# Recorded in the loss array's setting (`loss_fingerprint`, so also the base images' and base losses' keys) and
-# in a single-LoRA report's inputs: a report of another revision is recomputed, its loss array kept aside.
-# Reports from before it was recorded: `schemas.up_to_date.UNRECORDED_REVISION`.
-EVALUATION_REVISION = 1
-
-
-def loss_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str) -> tuple[str, dict]:
-    """(hash, settings) of everything the held-out losses depend on besides the LoRA, the code's evaluation
-    revision included: equal = same array. The store's path is not one of them: the tables' identities (number
-    and manifest hash) name the data, and a store moved, or a store URL's cache in another folder, gives the same
-    numbers (`known_fingerprint`)."""
-    from models.loading import model_fingerprint
-
-    st = Store(store, create=False)
-    settings = {
-        "tables": {t: st.version_id(t, v) for t, v in sorted(st.tables().items()) if t in ("text", "vae")},
-        "model_fingerprint": model_fingerprint(model),
-        "evaluate": _loss_settings(cfg),
-        "evaluation_revision": EVALUATION_REVISION,
-    }
-    return group_hash(settings), settings
-
-
-def _loss_settings(cfg: EvaluateConfig, as_set: bool = False) -> dict:
-    return {k: v for k, v in hashed_settings(cfg, as_set=as_set).items() if k in LOSS_SETTINGS}
-
-
-def earlier_config_fingerprints(cfg: EvaluateConfig, unset_used: str | None = None) -> list[str]:
-    """A report's `config_fingerprint` as recorded before on_damaged and an unread negative_prompt were hashed as
-    their defaults (the settings as set; none when that is the present spelling): such a report is current. Also
-    as recorded before the attention backend was hashed as resolved, unset, where the report's evidence says its
-    unset backend was `cfg`'s (`unset_used`: `stages.evaluate.backend.unset_backend`)."""
-    spellings = [cfg]
-    if unset_used is not None and unset_used == cfg.attention_backend:
-        spellings.append(cfg.model_copy(update={"attention_backend": None}))
-    earlier = [settings_hash(hashed_settings(c, as_set=True)) for c in spellings] + \
-        [c.fingerprint() for c in spellings[1:]]
-    return [h for h in dict.fromkeys(earlier) if h != cfg.fingerprint()]
-
-
-def damaged_current(metrics: dict, cfg: EvaluateConfig) -> bool:
-    """A report that left damaged samples out (or their pictures: `run.damaged_samples`) is current under
-    on_damaged=skip only: under "stop" they stop evaluate (or, repaired, are evaluated), where the report would
-    pass for one of every sample. on_damaged is hashed as its default: this is where it still counts
-    (`schemas.up_to_date.serves_on_damaged`)."""
-    return current.serves_on_damaged(cfg.on_damaged, lambda: (metrics.get("run") or {}).get("damaged_samples"))
-
-
-def nonfinite_current(metrics: dict, cfg: EvaluateConfig) -> bool:
-    """A report that left val samples with a non-finite loss out (`loss.nonfinite_samples`) is current under
-    on_nonfinite=skip only: under "stop" they stop evaluate, where the report would pass for one of every sample.
-    on_nonfinite is hashed as its default: this is where it still counts."""
-    return cfg.on_nonfinite == "skip" or not (metrics.get("loss") or {}).get("nonfinite_samples")
-
-
-def known_fingerprint(out: Path, fingerprint: str, settings: dict, earlier: list[dict] = ()) -> str:
-    """The fingerprint OUT's loss array is recorded under when it is this one's earlier spelling (its settings held
-    the store's path, which is no longer hashed, or no evaluation revision: `UNRECORDED_REVISION`'s; or named
-    the tables by the version ids read, `earlier`, before they were named by content: `read_tables`), else
-    `fingerprint`: such an array stays this setting's, its losses kept, and is recorded under the present
-    spelling at its next write (`LossStore.refingerprint`)."""
-    recorded = recorded_setting(out)
-    if recorded is not None and recorded[0] != fingerprint and spelled_as(settings, earlier)(recorded[1]):
-        return recorded[0]
-    return fingerprint
-
-
-def spelled_as(settings: dict, earlier: list[dict] = ()):
-    """Is a loss array's recorded settings these (`settings`) or an earlier spelling of them (`earlier`, and
-    `known_fingerprint`'s: the store's path, no evaluation revision)? One rule for the array in place and for the
-    groups kept aside (`kept_groups`): one an earlier release kept aside under its hash of seeds and σ in the
-    configured order was never taken back."""
-    spellings = [settings, *earlier]
-
-    def spelled(recorded) -> bool:
-        return isinstance(recorded, dict) and \
-            {"evaluation_revision": UNRECORDED_REVISION, **{k: v for k, v in recorded.items() if k != "store"}} \
-            in spellings
-    return spelled
-
-
-def read_tables(tables, cap: int | None) -> dict:
-    """The text / vae tables the val samples were read from (`tables`, the val split's join), named by what
-    evaluate reads from them: the content ids (`JoinedTables.content_ids`: keys, sample checksums, img_shapes,
-    lengths) of the rows the loss passes read (`features.damaged.rows_read` of `cap`, max_loss_samples), so an
-    `images` rerun that changed no sample (encode carries every sample forward into new versions) keeps the
-    losses, and so does a val sample added or changed after those rows (keyed by the whole split, it evaluated
-    every checkpoint and the base again, and `pipeline compare` refused two reports of one held-out set); the
-    version ids read where a table has none (`JoinedTables.content_names`, as train's validation curve names
-    them)."""
-    from features.damaged import rows_read
-
-    return tables.content_names(rows_read(tables, cap))
-
-
-def read_fingerprint(settings: dict, tables) -> tuple[str, dict]:
-    """`loss_fingerprint` with the text / vae tables the val samples were read from (`tables`, `read_tables`): the
-    store's current versions, looked up before the tables were opened, may have moved since (an encode beside
-    evaluate), and an array keyed by those would hold the new version's losses under the old one's name (reused
-    by the next run that reads the old one). `max_loss_samples` as the samples it reads (`samples_read`)."""
-    tables_read = read_tables(tables, settings["evaluate"].get("max_loss_samples"))
-    settings = {**settings, "tables": tables_read, "evaluate": samples_read(settings["evaluate"], len(tables))}
-    return group_hash(settings), settings
-
-
-def samples_read(evaluate: dict, n: int) -> dict:
-    """The loss settings with `max_loss_samples` at or above the val split's `n` samples spelled `None`: it reads
-    every sample, as `None` does (`read_val_samples`), so the numbers are the same. Spelled as set, a 50-sample
-    split evaluated again under `null` (or a cap of 512) set the array aside and evaluated every checkpoint and
-    the base again. The tables' content ids name the split, so one spelling never covers two sample counts."""
-    cap = evaluate.get("max_loss_samples")
-    return {**evaluate, "max_loss_samples": None} if cap is not None and cap >= n else evaluate
-
-
-def earlier_settings(settings: dict, tables, cfg: EvaluateConfig, out: Path | None = None) -> list[dict]:
-    """`read_fingerprint`'s settings as spelled before: the tables named by the version ids read (before they
-    were named by content) or by the whole split's content (before the rows read; both only where a group in OUT
-    records other tables: `_other_tables_recorded`), the evaluate settings with max_loss_samples as set (before
-    `samples_read`; also as OUT's loss array records it, where that cap read every sample too) and all as set (`cfg`'s; before on_damaged was
-    hashed as its default), each with both table spellings; each also with the attention backend unset (before it
-    was hashed as resolved) where OUT's loss array records it unset and its evidence says that was this backend
-    (`unset_array_backend`); none that is the present spelling: an array or a report recorded so is still
-    current. Not the base caches (`base_images`): their keys hold the source digest, which the release that
-    spelled them so had another of."""
-    n = len(tables)
-    evaluates = [settings["evaluate"], *(e for as_set in (False, True) for e in
-                                         (_loss_settings(cfg, as_set), samples_read(_loss_settings(cfg, as_set), n)))]
-    cap = _recorded_cap(out) if out is not None else None
-    if settings["evaluate"].get("max_loss_samples") is None and cap is not None and cap >= n:
-        evaluates += [{**e, "max_loss_samples": cap} for e in evaluates]
-    # the tables named by the whole split's content (before they were named by the rows read, `read_tables`): the
-    # same split, so the same rows read; only where a group in OUT records other tables than today's
-    named = [settings["tables"]]
-    if out is None or _other_tables_recorded(out, settings["tables"]):
-        named += [tables.content_names(), tables.versions()]
-    spellings = [{**settings, "tables": t, "evaluate": e} for e in evaluates for t in named]
-    used = unset_array_backend(out) if out is not None else None
-    if used is not None and used == settings["evaluate"].get("attention_backend"):
-        spellings += [{**s, "evaluate": {**s["evaluate"], "attention_backend": None}} for s in spellings]
-    return [s for i, s in enumerate(spellings) if s != settings and s not in spellings[:i]]
-
-
-def _other_tables_recorded(out: Path, tables: dict) -> bool:
-    """Does a loss group in OUT (its array, the EMA's, one kept aside beside either) record other tables than
-    `tables`? Only such a group can be of an earlier tables spelling (`earlier_settings`), whose whole split's
-    content ids hash every row of the split (at 1M val samples seconds and hundreds of MB on every up-to-date
-    check, under the default max_loss_samples of 256) and whose version ids hash its manifests."""
-    for group in (*out.glob("losses*.zarr"), *(out / EMA_LOSSES).glob("losses*.zarr")):
-        try:
-            recorded = LossGroup(group).group.attrs.get("settings")
-        except Exception:  # noqa: BLE001 - unreadable: no settings that could match (`kept_groups` skips it too)
-            continue
-        if isinstance(recorded, dict) and recorded.get("tables") != tables:
-            return True
-    return False
-
-
-def _recorded_cap(out: Path) -> int | None:
-    """The max_loss_samples OUT's loss array records, when a number (None: none, or no such array)."""
-    recorded = recorded_setting(out)
-    evaluate = recorded[1].get("evaluate") if recorded is not None else None
-    cap = evaluate.get("max_loss_samples") if isinstance(evaluate, dict) else None
-    return cap if isinstance(cap, int) and not isinstance(cap, bool) else None
-
-
-def unset_array_backend(out: Path) -> str | None:
-    """The backend OUT's loss array was computed with when it records the attention backend unset (recorded before
-    it was hashed as resolved): `stages.evaluate.backend.unset_backend` of its dtype and OUT's report of it; None
-    when the array records another or none, or that is unknown."""
-    from stages.evaluate.backend import report_metrics, unset_backend
-
-    recorded = recorded_setting(out)
-    evaluate = recorded[1].get("evaluate") if recorded is not None and isinstance(recorded[1], dict) else None
-    if not isinstance(evaluate, dict) or "attention_backend" not in evaluate or evaluate["attention_backend"]:
-        return None
-    return unset_backend(evaluate.get("dtype"), report_metrics(out), recorded[1])
-
-
-def content_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str, settings: dict,
-                        out: Path | None = None) -> tuple[str, dict, list, list[str], int]:
-    """`read_fingerprint` of the val split as evaluate would read it now (opened and closed here: the up-to-date
-    check before anything is loaded), its `earlier_settings`, the keys of the val samples the loss passes
-    will read (`val_share.loss_keys`: the loss array's sample axis) and the split's size."""
-    from features.open import open_configured
-    from models.loading import model_files
-    from stages.evaluate.val_share import loss_keys
-
-    with open_configured(cfg, "evaluate", store, model, model_files(model), "val") as tables:
-        # the samples OUT's report left out as damaged (on_damaged=skip): its read took as many rows more
-        # (`features.damaged.rows_read`), as a read now would where they are still damaged
-        tables.damaged.update(damaged_read(out) if out is not None else {})
-        fingerprint, settings = read_fingerprint(settings, tables)
-        return fingerprint, settings, earlier_settings(settings, tables, cfg, out), loss_keys(cfg, tables), len(tables)
-
-
-def damaged_read(out: Path) -> dict[str, str]:
-    """The val samples OUT's report records the loss passes' read left out as damaged (`run.damaged_samples`; not
-    the pictures' `images:` rows); none when there is no such record."""
-    try:
-        damaged = (json.loads((out / "metrics.json").read_text()).get("run") or {}).get("damaged_samples")
-    except (OSError, ValueError, AttributeError):
-        return {}
-    if not isinstance(damaged, dict):
-        return {}
-    return {str(k): str(v) for k, v in damaged.items() if not str(k).startswith("images:")}
-
-
-def lora_digest(checkpoint: Path, hashes) -> str:
-    """The sha256 of the checkpoint's LoRA file, checked against its sealed record and hashed in one read, or as
-    `hashes` remembers it unchanged since such a read (`stages.evaluate.lora_bytes.known_or_checked`)."""
-    from models.lora import lora_weight_file
-    from stages.evaluate.lora_bytes import known_or_checked
-
-    return known_or_checked(lora_weight_file(checkpoint), hashes)
-
-
-# What a checkpoint's weights were trained from, in its step folder's resume.json (stages/train/state.py): the
-# checkpoints of one training share these whatever their step, process count or max_steps (schemas.up_to_date)
-_TRAINING_INPUTS = ("config_fingerprint", "model_fingerprint", "init_lora_sha256", "training_revision", "tables",
-                    "table_contents", "attention_backend")
-
-
-def training_of(checkpoint: Path) -> dict | None:
-    """What trained the checkpoint (RUN/checkpoints/step-N/lora): its inputs as its resume.json records them
-    (compared by `same_training`); None when there is no such record to read."""
-    from schemas.record_formats import RESUME_JSON
-    from store.checksum import SealError, is_sealed, unseal
-
-    try:
-        data = (Path(checkpoint).parent / RESUME_JSON).read_bytes()
-        record = unseal(data) if is_sealed(data) else json.loads(data)
-    except (OSError, ValueError, SealError):
-        return None
-    if not isinstance(record, dict) or not record.get("config_fingerprint"):
-        return None
-    extra = record.get("extra") if isinstance(record.get("extra"), dict) else {}
-    earlier, unrecorded = extra.get(EARLIER_FINGERPRINTS), extra.get(UNRECORDED_BACKEND)
-    return {**{k: record.get(k) for k in _TRAINING_INPUTS},
-            **({EARLIER_FINGERPRINTS: list(earlier)} if isinstance(earlier, list) else {}),
-            **({UNRECORDED_BACKEND: unrecorded} if isinstance(unrecorded, str) else {})}
-
-
-def same_training(a: dict, b: dict) -> bool:
-    """Whether two checkpoints' `training_of` are one training, as a resume from one to the other is (train's
-    `ResumeRecord.check_matches`): the tables by content where both records hold it (`compared_tables`), an init
-    LoRA's bytes where both recorded them (`known_init_lora`), the attention backend as `known_backend` reads a
-    record that lacks it. A run begun before a record held those fields and resumed under a release that records
-    them writes both kinds; compared as one hash, its pruned early steps passed for another training's and every
-    earlier point went aside."""
-    from schemas.up_to_date import compared_tables, known_backend, known_init_lora
-
-    if any(a.get(k) != b.get(k) for k in ("model_fingerprint", "training_revision")):
-        return False
-    # one fingerprint, or one the other's run recorded under an earlier spelling of its settings and resumed
-    fa, fb = a.get("config_fingerprint"), b.get("config_fingerprint")
-    if fa != fb and fa not in (b.get(EARLIER_FINGERPRINTS) or ()) and fb not in (a.get(EARLIER_FINGERPRINTS) or ()):
-        return False
-    init = a.get("init_lora_sha256")
-    if known_init_lora(init, b.get("init_lora_sha256")) != known_init_lora(b.get("init_lora_sha256"), init):
-        return False
-    # the backend trained with (the fingerprint hashes no backend name; an unrecorded one: `UNRECORDED_BACKEND`)
-    if known_backend(a, b) != known_backend(b, a):
-        return False
-    contents = b.get("table_contents")
-    tables = compared_tables(a.get("tables") or {}, a.get("table_contents"), b.get("tables") or {},
-                             (lambda: contents) if contents else None)
-    return tables[0] == tables[1]
-
-
-def _gone(checkpoint: Path) -> bool:
-    """Was the checkpoint removed since it was listed? A training running beside evaluate prunes its oldest kept
-    checkpoints (train.keep_checkpoints) while the others are evaluated."""
-    from models.lora import WEIGHT_NAME
-
-    return not (Path(checkpoint) / WEIGHT_NAME).is_file() and not Path(checkpoint).is_file()
-
-
-def check_same_settings(world: int, cfg: EvaluateConfig) -> None:
-    """The hashed evaluate settings (`cfg.fingerprint()`, with the precision all ranks agreed on) are the same on
-    every rank, or every rank stops with one line naming the ranks that differ. Each rank reads --config / --set
-    itself: per-node copies that differ (other noise seeds, σ grid, max_loss_samples, lora_scale) would sum rows
-    computed under different settings into one loss grid, recorded as rank 0's (as train's `check_same_start`)."""
-    from models.collective import differing_ranks, ranks_differ
-
-    (ranks,) = differing_ranks(world, [cfg.fingerprint()])
-    if ranks:
-        raise UserError(f"evaluate: the ranks do not evaluate with the same settings (their evaluate config "
-                        f"fingerprints differ: {ranks_differ(ranks)}): each node reads --config and --set itself, "
-                        "and the nodes' copies of the config differ; use one config")
-
-
-def agreed_checkpoints(checkpoints: list[tuple[int, Path]], ranks) -> list[tuple[int, Path]]:
-    """The checkpoints rank 0 lists, on every rank, less those some rank does not see. Each rank lists the run
-    folder itself, and every later exchange pairs the checkpoints by their place in the list: a training beside
-    evaluate that commits or prunes one between the ranks' listings, or a node whose view of the folder lags
-    (right after train in `run all`), would pair one rank's step 400 with another's step 600, or leave lists of
-    different lengths waiting in different collectives. A step some rank does not see is left out with a line
-    (the next evaluate takes it); one only other ranks list waits for rank 0 to see it."""
-    if ranks.world <= 1:
-        return checkpoints
-    (n,) = ranks.from_main([len(checkpoints)])
-    if n == 0:
-        return []
-    steps = ranks.from_main([step for step, _ in checkpoints] if ranks.main else [0] * n)
-    mine = dict(checkpoints)
-    unseen = ranks.any([int(step not in mine) for step in steps])
-    if ranks.main and any(unseen):
-        left = [str(step) for step, u in zip(steps, unseen) if u]
-        tqdm.write(f"checkpoint step(s) {', '.join(left)} not seen by every rank yet (committed during the start, "
-                   "or a node's view of the run folder lags): left out; the next evaluate takes them")
-    return [(step, mine[step]) for step, u in zip(steps, unseen) if not u]
-
-
-def check_and_hash(checkpoints: list[tuple[int, Path]], ranks=None) -> tuple[list[tuple[int, Path]], dict[int, str]]:
-    """Each checkpoint's LoRA file against the CRC32C its sealed resume.json records (as single-LoRA evaluate
-    checks RUN/lora's checksums.json): a flipped bit is refused naming the file, not evaluated as trained
-    weights, nor taken (its hash changed) for another run's checkpoint. The same pass gives its bytes' sha256
-    (the up-to-date check and the appends both compare them). Each file is read once, not on every run: its
-    sha256 is remembered by `models.file_hashes` (a checkpoint unchanged since is not read again; one rewritten
-    is), and under a launcher checkpoint i is looked at by rank i % world, the hashes then shared, every rank
-    deciding alike. A checkpoint removed
-    meanwhile (pruned by a training running beside evaluate) is left out with a line, not taken for a damaged
-    one. Returns (kept, step -> sha256), the same on every rank."""
-    from models.collective import together
-    from models.lora import lora_base_fingerprint
-    from stages.evaluate.lora_bytes import checked_hashes
-    from stages.evaluate.ranks import Ranks
-
-    ranks = ranks or Ranks()
-    hashes: list[str | None] = [None] * len(checkpoints)
-    gone = [0] * len(checkpoints)
-    with together(ranks.world, "check the checkpoints"), checked_hashes() as remembered:
-        for i in tqdm(ranks.share(len(checkpoints)), desc="check and hash checkpoints", unit="ckpt",
-                      disable=not ranks.main):
-            step, path = checkpoints[i]
-            try:
-                hashes[i] = lora_digest(path, remembered)
-                lora_base_fingerprint(path)  # its header parses: a truncated file unsealed (older runs) is named here
-            except (UserError, OSError) as e:
-                if _gone(path):
-                    gone[i] = 1
-                    continue
-                raise _unloadable(step, path, e) from None
-    gone = ranks.any(gone)  # left out on every rank when the rank that read it found it gone
-    hashes = ranks.from_owners(hashes)
-    kept, shas = [], {}
-    for (step, path), g, sha in zip(checkpoints, gone, hashes):
-        if g:
-            if ranks.main:
-                tqdm.write(_deleted_line(step, path))
-            continue
-        kept.append((step, path))
-        shas[step] = sha
-    return kept, shas
-
-
-# ------------------------------------------------------------------------------------------------ the numbers
-
-
-def step_summaries(base: np.ndarray, grids: np.ndarray, samples_meta: list[str], two_regions: list[bool]) -> dict:
-    """Per step: overall, per bucket, inside / outside (means over rows; a sample weighs its seeds x σ rows);
-    and the base's same numbers. samples_meta: each sample's bucket; two_regions: whether its mask has an inside
-    and an outside (only those have inside / outside losses; the others hold NaN there by design)."""
-    buckets = sorted(set(samples_meta), key=lambda b: tuple(int(x) for x in b.split("x")))
-    idx = {b: [i for i, m in enumerate(samples_meta) if m == b] for b in buckets}
-    masked = [i for i, two in enumerate(two_regions) if two]
-
-    def numbers(g: np.ndarray) -> dict:
-        # No non-finite value is left out here: a checkpoint that overflows on some samples has a non-finite
-        # loss (never the best), not the mean of the samples it did not overflow on.
-        def mean(a: np.ndarray) -> float:
-            return float(a.mean()) if a.size else math.nan
-
-        return {
-            "overall": mean(g[..., 0]),
-            "per_bucket": {b: mean(g[ix, ..., 0]) for b, ix in idx.items()},
-            "inside": mean(g[masked, ..., 1]),
-            "outside": mean(g[masked, ..., 2]),
-        }
-
-    return {"base": numbers(base), "steps": [numbers(g) for g in grids]}
-
-
-# ------------------------------------------------------------------------------------------------ the result
-
-
-@dataclass
-class CheckpointsResult:
-    metrics: dict
-    report: Path
-    up_to_date: bool = False
-    evaluated: int = 0  # checkpoints whose losses this run computed
-    stage: str = "evaluate"
-    seconds: float = 0.0
-    pruned: list[int] = field(default_factory=list)  # steps a training beside evaluate pruned before their turn
-    newer: list[int] = field(default_factory=list)  # steps it wrote meanwhile, not evaluated (a rerun takes them)
-
-    @property
-    def best(self) -> dict:
-        return self.metrics["checkpoints"]["best"]
-
-    def to_json(self) -> dict:
-        from schemas.stage import absolute, summary_record
-
-        c = self.metrics["checkpoints"]
-        # the array beside the report, named absolute: an up-to-date report's recorded path was relative to the cwd
-        # of the run that wrote it
-        return summary_record(self.stage, seconds=self.seconds, up_to_date=self.up_to_date,
-                              report=absolute(self.report), val_samples=self.metrics["loss"]["overall"]["n"],
-                              losses=absolute(self.report.parent / GROUP),
-                              checkpoints=c["steps"], checkpoints_evaluated=self.evaluated,
-                              best_checkpoint=self.best["path"], best_step=self.best["step"],
-                              best_weights=self.best.get("weights", "lora"),
-                              ema_losses=absolute(Path(c["ema"]["losses"])) if c.get("ema") else None,
-                              loss_best=self.best["loss"], loss_base=c["base"]["overall"],
-                              best_vs_base=self.best.get("vs_base"), runner_up=self.best.get("runner_up"),
-                              within_noise_of_best=self.best.get("within_noise"),
-                              last_step=c["last"]["step"], damaged_samples=sorted(self.metrics["run"]["damaged_samples"]),
-                              checkpoints_pruned=self.pruned, checkpoints_newer=self.newer)
-
-    def __str__(self) -> str:
-        b, c = self.best, self.metrics["checkpoints"]
-        if self.up_to_date:
-            head = f"report {self.report.parent} is up to date ({len(c['steps'])} checkpoints)"
-        else:
-            head = (f"evaluated {self.evaluated} of {len(c['steps'])} checkpoints "
-                    f"({len(c['steps']) - self.evaluated} already in {c['losses']}"
-                    + (f"; {len(self.pruned)} deleted meanwhile, skipped: {KEEPS_NEWEST}" if self.pruned else "")
-                    + ")")
-        sure = ""
-        if b.get("vs_base"):  # paired over val samples (reports written before these numbers have none)
-            sure = f"; vs base {signed(b['vs_base'])}"
-            if b.get("runner_up"):
-                sure += (f", next best step {b['runner_up']['step']}{ema_label(b['runner_up'], 'ema' in c)} "
-                         f"{signed(b['runner_up'])}")
-            sure += _near_best(b, "ema" in c) + f" (paired over {b['vs_base']['n']} val samples, ± s.e.)"
-        newer = ""
-        if self.newer:
-            n = len(self.newer)
-            newer = (f"; {n} newer checkpoint{'s were' if n > 1 else ' was'} written meanwhile (step "
-                     f"{', '.join(map(str, self.newer))}): rerun to include {'them' if n > 1 else 'it'}")
-        return (f"{head}; best checkpoint step {b['step']}{ema_label(b, 'ema' in c)}: held-out loss "
-                f"{b['loss']:.4f} (base {c['base']['overall']:.4f}{sure}{_beside(b, c)}) {b['path']}; report: "
-                f"{self.report}{newer}")
-
-
-def near_best_steps(best: dict, scored_ema: bool) -> list[str]:
-    """['step 30', 'step 40 (EMA)']: the checkpoints still on disk within noise of the best (`within_noise`; none
-    in a report written before it)."""
-    return [f"step {p['step']}{ema_label(p, scored_ema)}" for p in best.get("within_noise") or []]
-
-
-def _near_best(best: dict, scored_ema: bool, most: int = 10) -> str:
-    """', not told apart from it (within 2 s.e.): step 30, step 40' (the first `most`), or '' (none)."""
-    near = near_best_steps(best, scored_ema)
-    if not near:
-        return ""
-    return (f", not told apart from it (within {NOISE_SE:g} s.e.): " + ", ".join(near[:most])
-            + (f" … ({len(near)} in all)" if len(near) > most else ""))
-
-
-def _beside(best: dict, c: dict) -> str:
-    """The other weights of the best's step, when the EMA was scored: '; its raw LoRA 0.1234' / '; its EMA ...'."""
-    ema = c.get("ema")
-    if not ema:
-        return ""
-    on_ema = best.get("weights") == "ema"
-    steps, per = (c["steps"], c["per_step"]) if on_ema else (ema["steps"], ema["per_step"])
-    if best["step"] not in steps:
-        return ""
-    return f"; its {'raw LoRA' if on_ema else 'EMA'} {per[steps.index(best['step'])]['overall']:.4f}"
-
-
-def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
-                cfg: EvaluateConfig, settings: dict | None = None, why: list[str] | None = None,
-                n: int | None = None, ema_shas: dict[int, str] | None = None) -> dict | None:
-    """The report's metrics when it is current (`schemas.up_to_date`): the same loss array (`fingerprint`),
-    every checkpoint recorded with its present bytes (`shas`) and path (a moved run: the report names the new
-    paths), the same evaluate settings (`stage.same_config`; `n`: the val split's size, which says which caps
-    read every sample) and extra prompts' image bytes (pictures only: the array is kept). `why`: filled, when
-    OUT holds a report that is not current, with what differs (`differences`; `settings`: the loss array's
-    settings of this run, `loss_fingerprint`). `ema_shas`: step -> the sha256 of its EMA file, of the checkpoints
-    whose EMA is scored (`ema_curve`): a report of a run without EMA records none and needs none (it stays
-    current); one that scored no EMA where there is one now (made before EMA was scored) is not current."""
-    metrics_file = out / "metrics.json"
-    if not metrics_file.is_file() or not (out / "index.html").is_file():
-        return None
-    try:
-        metrics = json.loads(metrics_file.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    recorded = recorded_steps(out, fingerprint)  # None: no loss array of these settings
-    try:  # a metrics.json damaged into other valid JSON (a list, a number for a section) is no report either
-        c = metrics.get("checkpoints", {})
-        recorded_paths = dict(zip(c.get("steps") or [], c.get("paths") or []))
-        # the LoRA bytes the report's numbers are of, as it records them: the array's may be newer (checkpoints
-        # retrained under the same steps and paths, their losses appended, evaluate killed before this report was
-        # rewritten: the old report then passed for theirs). Reports from before it recorded them: the array's.
-        reported = dict(zip(c.get("steps") or [], c["lora_sha256"])) if "lora_sha256" in c else (recorded or {})
-        recorded_inputs = {"fingerprint": c.get("fingerprint"), "steps": c.get("steps"),
-                           "config_fingerprint": c.get("config_fingerprint"),
-                           "extra_prompts_sha256": c.get("extra_prompts_sha256"),
-                           "loras": {str(step): reported.get(step) for step, _ in checkpoints},
-                           "paths": {str(step): recorded_paths.get(step) for step, _ in checkpoints}}
-        named = named_steps(c)
-        listed = listed_on_disk(c, named)
-        ema_inputs = _ema_inputs(c, checkpoints, ema_shas or {})
-    except (AttributeError, TypeError, KeyError, ValueError):
-        return None
-    present = {"fingerprint": fingerprint, "steps": sorted(recorded) if recorded is not None else c.get("steps"),
-               "config_fingerprint": cfg.fingerprint(), "extra_prompts_sha256": extra_prompt_bytes(cfg) or None,
-               "loras": {str(step): shas[step] for step, _ in checkpoints},
-               "paths": {str(step): str(Path(path).resolve()) for step, path in checkpoints}}
-    # the checkpoints the report names (best, next best, last) are still there: one removed since (pruned, or
-    # deleted by hand) left the report "up to date" naming a path that is gone as the best
-    recorded_inputs["named_on_disk"] = named
-    present["named_on_disk"] = [step for step in named if step in dict(checkpoints)]
-    # and every other step it lists as on disk: one removed since stayed "up to date" listed with its path as any
-    # other (metrics.json's on_disk true), not marked removed; rewritten, no checkpoint is evaluated again
-    recorded_inputs["listed_on_disk"] = listed
-    present["listed_on_disk"] = [step for step in listed if step in dict(checkpoints)]
-    recorded_inputs.update(ema_inputs[0])
-    present.update(ema_inputs[1])
-    from stages.evaluate.stage import same_config
-
-    if same_config(recorded_inputs["config_fingerprint"], cfg, n, metrics):  # the same settings, spelled otherwise
-        present["config_fingerprint"] = recorded_inputs["config_fingerprint"]
-    if recorded is not None and current.is_current(recorded_inputs, present) and damaged_current(metrics, cfg) \
-            and nonfinite_current(metrics, cfg):
-        return metrics
-    if why is not None:
-        why += differences(recorded_inputs, present, metrics, cfg, settings)
-    return None
-
-
-def _ema_inputs(c: dict, checkpoints: list[tuple[int, Path]], ema_shas: dict[int, str]) -> tuple[dict, dict]:
-    """The EMA's part of `_up_to_date`'s inputs, (recorded, present): whether it was scored and is now, each scored
-    step's EMA sha256, the best EMA's LoRA (`ema_curve.best_lora_input`). None of them for a run without EMA
-    whose report scored none: its inputs as before."""
-    ema_recorded = c.get("ema") or {}
-    ema_reported = dict(zip(ema_recorded.get("steps") or [], ema_recorded.get("sha256") or []))
-    recorded, present = {}, {}
-    if ema_recorded or ema_shas:
-        recorded["ema_scored"], present["ema_scored"] = bool(ema_recorded), bool(ema_shas)
-        if ema_recorded and ema_shas:  # else the line above says it, not every step's sha256 against None
-            steps = [str(step) for step, _ in checkpoints if step in ema_reported or step in ema_shas]
-            recorded["ema"] = {k: ema_reported.get(int(k)) for k in steps}
-            present["ema"] = {k: ema_shas.get(int(k)) for k in steps}
-    best_lora = best_lora_input(c.get("best") or {})
-    if best_lora is not None:
-        recorded["best_ema_lora"], present["best_ema_lora"] = best_lora
-    return recorded, present
-
-
-def named_steps(c: dict) -> list[int]:
-    """The steps a report's checkpoints section names: its best, next best and last checkpoint."""
-    best = c.get("best") or {}
-    points = [best, best.get("runner_up") or {}, c.get("last") or {}]
-    return sorted({p["step"] for p in points if isinstance(p.get("step"), int)})
-
-
-def listed_on_disk(c: dict, named: list[int]) -> list[int]:
-    """The steps other than `named` that a report's checkpoints section lists as still on disk (a report from
-    before `on_disk` was recorded: every one, as its table shows them)."""
-    steps = c.get("steps") or []
-    on_disk = c.get("on_disk") or [True] * len(steps)
-    return [step for step, here in zip(steps, on_disk) if here and step not in named]
-
-
-# what a report's recorded inputs are called in the line that says why it is recomputed (`differences`)
-_INPUT_LABELS = {"named_on_disk": "checkpoints the report names (best, next best, last) still on disk",
-                 "listed_on_disk": "other checkpoints the report lists as on disk still there",
-                 "fingerprint": "held-out loss inputs", "steps": "checkpoints in the loss array",
-                 "ema_scored": "checkpoints' EMA (train.ema_decay) scored", "ema": "checkpoint EMA weights (sha256)",
-                 "best_ema_lora": "the best EMA written as a LoRA (sha256)",
-                 "config_fingerprint": "evaluate config fingerprint",
-                 "extra_prompts_sha256": "extra prompts' images (sha256)", "loras": "checkpoint weights (sha256)",
-                 "paths": "checkpoint paths", "tables": "store tables", "model_fingerprint": "model fingerprint",
-                 "lora_sha256": "LoRA weights (sha256)", "evaluation_revision": "evaluation revision"}
-
-
-def differences(recorded: dict, present: dict, metrics: dict, cfg: EvaluateConfig, settings: dict | None) -> list[str]:
-    """What differs between a report (its recorded inputs; `metrics`, its metrics.json) and this run, as train
-    says why it trains afresh (`schemas.up_to_date`, one wording): each stale input, then each setting that
-    differs - of the loss array's settings (`settings`, this run's: tables, model, the evaluate loss settings,
-    the evaluation revision) and of the hashed evaluate settings (the report's `run.config`). Empty when only the
-    damaged samples it left out differ (on_damaged, which enters no hash: the stage says so itself)."""
-    run = metrics.get("run") or {}
-    # checkpoints trained since the report (a resumed run's): named by step, not as each one's sha256 and path
-    # against None (a line of 150 characters per checkpoint)
-    new = [step for step, sha in present["loras"].items() if sha is not None and recorded["loras"].get(step) is None] \
-        if isinstance(present.get("loras"), dict) and isinstance(recorded.get("loras"), dict) else []
-    recorded, present = dict(recorded), dict(present)
-    for side in (recorded, present):
-        for name in ("loras", "paths"):
-            if isinstance(side.get(name), dict):
-                side[name] = {k: v for k, v in side[name].items() if k not in new}
-    found = [f"checkpoints not in the report: step{'s' if len(new) > 1 else ''} {', '.join(new)}"] if new else []
-    found += current.stale_named(recorded, present, _INPUT_LABELS)
-    if isinstance(run.get("settings"), dict) and settings is not None:
-        found += current.changed_settings(run["settings"], settings, "")
-    if isinstance(run.get("config"), dict):
-        found += current.changed_settings(run["config"], cfg.model_dump(mode="json"), "evaluate",
-                                          ignore=unhashed_names(cfg))
-    return list(dict.fromkeys(found))
-
-
-def say_recomputed(out: Path, why: list[str], redone: str = "evaluating again", trained_on: bool = False) -> None:
-    """One line: why the report in OUT is computed again (`differences`), and what is (`redone`). `trained_on`:
-    the report is this run's from before it trained on (`trained_on_since`): said so, where the line called the
-    same run with more checkpoints "not this run's"."""
-    if why:
-        head = "is this run's from before it trained on" if trained_on else "is not this run's"
-        tqdm.write(f"evaluate: the report in {out} {head} ({'; '.join(why)}): {redone}")
-
-
-def trained_on_since(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str]) -> bool:
-    """Is OUT's loss array of these settings this run's (`_this_runs`: no step of other weights, of another run
-    folder or training) with fewer checkpoints than it has now (the run resumed to more steps since)?"""
-    if recorded_steps(out, fingerprint) is None:
-        return False
-    try:
-        group = LossGroup(out / GROUP)
-        return any(step not in group.steps() for step in shas) and _this_runs(group, checkpoints, shas)
-    except Exception:  # noqa: BLE001 - unreadable: not known to be this run's, the plain line
-        return False
-
-
-def redone(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
-           settings: dict | None = None, cfg: EvaluateConfig | None = None, earlier: list[dict] = (),
-           keys: list[str] | None = None, ranks_machines: list[dict] = ()) -> str:
-    """What a report that is not current costs again: the checkpoints whose losses OUT's loss array of these
-    settings (`fingerprint`, or a group of them kept aside, which is taken back) lacks; none when only the
-    report's own settings changed (num_samples, extra prompts: its pictures), the line said "evaluating again"
-    while no checkpoint was; every one when a recorded step holds other weights now (`other_weights`). The line
-    said "every checkpoint" where a kept group was taken back (none evaluated), and "1 of 3" where a step
-    retrained with other weights set the array aside (all 3 evaluated). Only a seed / σ grid changed (`settings`,
-    `cfg`: a group kept aside shares (seed, σ) cells with it, `store.loss_array.cell_donor`): the new cells of
-    the checkpoints it holds, as `_plan` computes them (it said "every checkpoint"). `earlier`: the settings'
-    earlier spellings, whose kept groups are taken back too (`spelled_as`). `keys`: the val samples the loss
-    passes will read (`val_share.loss_keys`): a group of other samples is neither kept in place nor taken back,
-    as `LossStore` and `_plan` judge (the line promised a take-back of one, and every checkpoint was evaluated)."""
-    spelled = spelled_as(settings, earlier) if settings is not None else None
-    axes = Axes(list(keys), [], *cfg.loss_axes) if keys is not None and cfg is not None else None
-    if recorded_steps(out, fingerprint) is not None:
-        group = LossGroup(out / GROUP)
-        if axes is not None and [str(k) for k in group.group["sample"][:]] != axes.keys:
-            group = None  # the val samples changed: set aside, nothing taken back (`LossStore`)
-    else:  # these settings' group kept aside (settings A, B, then A again): taken back (`LossStore`)
-        group = next(iter(kept_groups(out, fingerprint, axes, spelled)), None)
-    if group is None:
-        return (_grown(out, checkpoints, shas, settings, cfg, keys, ranks_machines)
-                or "evaluating every checkpoint again")
-    if not _this_runs(group, checkpoints, shas):  # as `_plan` decides: aside, and this run's kept group back
-        if (back := this_runs_kept(out, fingerprint, checkpoints, shas, axes, spelled)) is not None:
-            group = back
-        elif other := other_weights(group.steps(), shas):
-            return (f"evaluating every checkpoint again (checkpoint step {', '.join(map(str, other))} holds other "
-                    f"weights than the losses recorded in {group.path}, which are kept aside)")
-        else:
-            return f"evaluating every checkpoint again (the losses in {group.path} are another run's, kept aside)"
-    where, recorded = group.path, group.steps()
-    todo = [step for step, _ in checkpoints if recorded.get(step) != shas[step]]
-    # steps pruned since stay on the curve, as the end line counts them ("evaluated 1 of 3 (2 already in ...)")
-    n = len([step for step in recorded if step not in todo])
-    kept = (f"the losses of {n} checkpoint{'s' if n != 1 else ''} in {where}"
-            f"{', taken back,' if where.name != GROUP else ''} kept")
-    if not todo:
-        return f"writing the report again ({kept}: no checkpoint evaluated again)"
-    return f"evaluating {len(todo)} of {n + len(todo)} checkpoints ({kept})"
-
-
-# ------------------------------------------------------------------------------------------------ the stage
+from store.loss_array import Axes, LossStore
 
 
 def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tuple[int, Path]], out: str | Path,
@@ -846,6 +162,20 @@ def _checkpoints_on_disk(ranks, checkpoints: list[tuple[int, Path]],
     return checkpoints, shas, pruned
 
 
+def check_same_settings(world: int, cfg: EvaluateConfig) -> None:
+    """The hashed evaluate settings (`cfg.fingerprint()`, with the precision all ranks agreed on) are the same on
+    every rank, or every rank stops with one line naming the ranks that differ. Each rank reads --config / --set
+    itself: per-node copies that differ (other noise seeds, σ grid, max_loss_samples, lora_scale) would sum rows
+    computed under different settings into one loss grid, recorded as rank 0's (as train's `check_same_start`)."""
+    from models.collective import differing_ranks, ranks_differ
+
+    (ranks,) = differing_ranks(world, [cfg.fingerprint()])
+    if ranks:
+        raise UserError(f"evaluate: the ranks do not evaluate with the same settings (their evaluate config "
+                        f"fingerprints differ: {ranks_differ(ranks)}): each node reads --config and --set itself, "
+                        "and the nodes' copies of the config differ; use one config")
+
+
 def _recorded_if_up_to_date(run: _Evaluation, settings: dict, checkpoints: list[tuple[int, Path]],
                             shas: dict[int, str], skip_if_done: bool, whose_report=None,
                             ema_shas: dict[int, str] | None = None) -> tuple[bool, CheckpointsResult | None]:
@@ -858,7 +188,7 @@ def _recorded_if_up_to_date(run: _Evaluation, settings: dict, checkpoints: list[
         now, now_settings, earlier, keys, n = content_fingerprint(run.cfg, run.store, run.model, settings, run.out)
         why: list[str] = []
         known = known_fingerprint(out, now, now_settings, earlier)
-        done = _up_to_date(out, known, checkpoints, shas, run.cfg, now_settings, why, n, ema_shas)
+        done = current_metrics(out, known, checkpoints, shas, run.cfg, now_settings, why, n, ema_shas)
         if done is None:
             whose = whose_report(out) if why and whose_report is not None else None
             if whose:
@@ -905,7 +235,7 @@ def _read_val_share(run: _Evaluation):
 
 def _losses_opened(run: _Evaluation, samples, fingerprint: str, settings: dict, earlier: list[dict],
                    tables, folder: Path | None = None) -> LossStore | None:
-    """OUT/losses.zarr over the val samples' axes (`_open_losses`), opened by rank 0 while the others wait; None
+    """OUT/losses.zarr over the val samples' axes (`open_losses`), opened by rank 0 while the others wait; None
     on the others. `folder`: another group's folder (the EMA's, `ema_curve`) instead of OUT."""
     from models.collective import together
 
@@ -915,7 +245,7 @@ def _losses_opened(run: _Evaluation, samples, fingerprint: str, settings: dict, 
         if ranks.main:
             from stages.evaluate.loss_groups import start_computed_on
 
-            losses = _open_losses(folder or run.out, fingerprint, settings, earlier, axes, tables.versions())
+            losses = open_losses(folder or run.out, fingerprint, settings, earlier, axes, tables.versions())
             start_computed_on(losses)  # each machine recorded as it computes a row (`_record_rows`)
         else:
             losses = None
@@ -933,6 +263,74 @@ def _base_key(run: _Evaluation, settings: dict, samples) -> str | None:
         if run.ranks.main:
             key = losses_key(run.cfg, settings, [s.key for s in samples], run.computed_on)
     return key
+
+
+def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[tuple[int, Path]],
+                             shas: dict[int, str], transformer, samples, mine: list[int], cfg: EvaluateConfig, load,
+                             fingerprint: str, relist, base_cache: tuple | None = None,
+                             computed_on: list[dict] = (), ema: tuple | None = None):
+    """Evaluate the checkpoints not in the array, then list the run again (`relist`; None: the list given is all
+    there is): a training beside evaluate writes new checkpoints and prunes old ones meanwhile. When a checkpoint
+    evaluated is still on disk, the summary names the best of those and the newer ones are left to a rerun
+    (named); when every one evaluated was pruned meanwhile, the newer ones are evaluated (newest first) until one
+    is still there. Rank 0 returns (evaluated, attached, pruned steps, newer steps, the summary, the pictured
+    checkpoints' bytes: `held_bytes`); the others None. Every rank takes each turn of the loop together, and
+    rank 0's summary is one decision of all (`together`): its refusals (none left on disk, no finite loss, a
+    rewritten checkpoint) stop every rank with its line (none left on disk was rank 0's alone: the others ended
+    with status 0). `ema`: (the EMA group, rank 0's, None on the others; step -> EMA sha256): each checkpoint's EMA
+    scored after the raw LoRAs (`append_ema`), the summary over both."""
+    from models.collective import together
+
+    listed = {step for step, _ in checkpoints}
+    evaluated, attached, pruned, first = 0, False, [], True
+    while True:
+        n, attached, gone = append_missing(ranks, losses, checkpoints, shas, transformer, samples, mine, cfg,
+                                           load, attached, first, base_cache, computed_on)
+        if ema is not None:
+            attached = append_ema(ranks, losses, ema, checkpoints, transformer, samples, mine, cfg, load, attached,
+                                   first, computed_on)
+        evaluated, pruned, first = evaluated + n, pruned + gone, False
+        now = agreed_checkpoints(relist(), ranks) if relist is not None else None
+        newer = [c for c in now or [] if c[0] not in listed]
+        on_disk = now if now is not None else checkpoints  # no relist: the list given is all there is
+        summary = held = None
+        with together(ranks.world, "the checkpoints' summary"):
+            if ranks.main:
+                summary, held = summary_held(losses, samples, cfg, fingerprint, on_disk, shas,
+                                             pictured=cfg.num_samples > 0 or bool(cfg.extra_prompts), ema=ema)
+                if summary is None and not newer:  # `newer`: the same on every rank (`agreed_checkpoints`)
+                    raise UserError(f"no checkpoint recorded in {losses.path} is still on disk and none newer was "
+                                    f"written: they were deleted while evaluating, as {KEEPS_NEWEST}; rerun evaluate")
+        if not ranks.from_main([int(summary is None)])[0]:  # none left: the newer ones are evaluated
+            break
+        if ranks.main:
+            tqdm.write(f"every checkpoint evaluated was deleted meanwhile, as {KEEPS_NEWEST}: evaluating the "
+                       f"{len(newer)} it wrote since, newest first")
+        listed |= {step for step, _ in newer}
+        checkpoints, new_shas = check_and_hash(newer, ranks)
+        pruned += [step for step, _ in newer if step not in new_shas]
+        shas.update(new_shas)
+        if ema is not None:
+            ema[1].update(ema_checkpoints(cfg, checkpoints, ranks)[1])
+    if not ranks.main:
+        return None
+    return evaluated, attached, pruned, sorted(step for step, _ in newer), summary, held
+
+
+REPORT_WORK = "evaluate: the images and the report"
+
+
+def _rank_0_alone(ranks, work):
+    """Rank 0's images and report (`work`) while the other ranks wait for them through the launcher's store
+    (`main_alone`: minutes of generation would pass a collective's timeout), then end together. Before, they
+    ended with status 0 as soon as their share was computed, and a failure of rank 0's there (out of memory
+    generating, a full disk) was its alone: now it stops them with its line. One process: `work()`."""
+    from models.collective import main_alone
+
+    result = main_alone(ranks.world, REPORT_WORK, work, "rank 0 alone makes the images: evaluate.num_samples 0 and no "
+                        "extra prompts make none")
+    ranks.any([0])  # no rank ends before all are past it: in a plain env:// launch rank 0 serves that store
+    return result
 
 
 def _report(run: _Evaluation, tables, share, transformer, done, damaged: dict, shas: dict[int, str],
@@ -969,135 +367,6 @@ def _report(run: _Evaluation, tables, share, transformer, done, damaged: dict, s
                                  pruned=sorted(set(pruned + pruned_meanwhile)), newer=newer)
 
 
-REPORT_WORK = "evaluate: the images and the report"
-
-
-def _rank_0_alone(ranks, work):
-    """Rank 0's images and report (`work`) while the other ranks wait for them through the launcher's store
-    (`main_alone`: minutes of generation would pass a collective's timeout), then end together. Before, they
-    ended with status 0 as soon as their share was computed, and a failure of rank 0's there (out of memory
-    generating, a full disk) was its alone: now it stops them with its line. One process: `work()`."""
-    from models.collective import main_alone
-
-    result = main_alone(ranks.world, REPORT_WORK, work, "rank 0 alone makes the images: evaluate.num_samples 0 and no "
-                        "extra prompts make none")
-    ranks.any([0])  # no rank ends before all are past it: in a plain env:// launch rank 0 serves that store
-    return result
-
-
-def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[tuple[int, Path]],
-                             shas: dict[int, str], transformer, samples, mine: list[int], cfg: EvaluateConfig, load,
-                             fingerprint: str, relist, base_cache: tuple | None = None,
-                             computed_on: list[dict] = (), ema: tuple | None = None):
-    """Evaluate the checkpoints not in the array, then list the run again (`relist`; None: the list given is all
-    there is): a training beside evaluate writes new checkpoints and prunes old ones meanwhile. When a checkpoint
-    evaluated is still on disk, the summary names the best of those and the newer ones are left to a rerun
-    (named); when every one evaluated was pruned meanwhile, the newer ones are evaluated (newest first) until one
-    is still there. Rank 0 returns (evaluated, attached, pruned steps, newer steps, the summary, the pictured
-    checkpoints' bytes: `held_bytes`); the others None. Every rank takes each turn of the loop together, and
-    rank 0's summary is one decision of all (`together`): its refusals (none left on disk, no finite loss, a
-    rewritten checkpoint) stop every rank with its line (none left on disk was rank 0's alone: the others ended
-    with status 0). `ema`: (the EMA group, rank 0's, None on the others; step -> EMA sha256): each checkpoint's EMA
-    scored after the raw LoRAs (`_append_ema`), the summary over both."""
-    from models.collective import together
-
-    listed = {step for step, _ in checkpoints}
-    evaluated, attached, pruned, first = 0, False, [], True
-    while True:
-        n, attached, gone = _append_missing(ranks, losses, checkpoints, shas, transformer, samples, mine, cfg,
-                                            load, attached, first, base_cache, computed_on)
-        if ema is not None:
-            attached = _append_ema(ranks, losses, ema, checkpoints, transformer, samples, mine, cfg, load, attached,
-                                   first, computed_on)
-        evaluated, pruned, first = evaluated + n, pruned + gone, False
-        now = agreed_checkpoints(relist(), ranks) if relist is not None else None
-        newer = [c for c in now or [] if c[0] not in listed]
-        on_disk = now if now is not None else checkpoints  # no relist: the list given is all there is
-        summary = held = None
-        with together(ranks.world, "the checkpoints' summary"):
-            if ranks.main:
-                summary, held = _summary_held(losses, samples, cfg, fingerprint, on_disk, shas,
-                                              pictured=cfg.num_samples > 0 or bool(cfg.extra_prompts), ema=ema)
-                if summary is None and not newer:  # `newer`: the same on every rank (`agreed_checkpoints`)
-                    raise UserError(f"no checkpoint recorded in {losses.path} is still on disk and none newer was "
-                                    f"written: they were deleted while evaluating, as {KEEPS_NEWEST}; rerun evaluate")
-        if not ranks.from_main([int(summary is None)])[0]:  # none left: the newer ones are evaluated
-            break
-        if ranks.main:
-            tqdm.write(f"every checkpoint evaluated was deleted meanwhile, as {KEEPS_NEWEST}: evaluating the "
-                       f"{len(newer)} it wrote since, newest first")
-        listed |= {step for step, _ in newer}
-        checkpoints, new_shas = check_and_hash(newer, ranks)
-        pruned += [step for step, _ in newer if step not in new_shas]
-        shas.update(new_shas)
-        if ema is not None:
-            ema[1].update(ema_checkpoints(cfg, checkpoints, ranks)[1])
-    if not ranks.main:
-        return None
-    return evaluated, attached, pruned, sorted(step for step, _ in newer), summary, held
-
-
-def _append_ema(ranks, losses: LossStore | None, ema: tuple, checkpoints: list[tuple[int, Path]], transformer,
-                samples, mine: list[int], cfg: EvaluateConfig, load, attached: bool, first: bool,
-                computed_on: list[dict]) -> bool:
-    """The EMA of each checkpoint not yet in the EMA group (`ema_curve`), appended as `_append_missing` appends the
-    raw LoRAs (one mechanism: plan, cells kept aside, machines recorded), after the raw array's base is copied in
-    (rank 0): the same val samples, noise and σ, so the two curves pair sample for sample. Returns `attached`."""
-    from models.collective import together
-    from models.ema_file import ema_of
-
-    ema_losses, ema_shas = ema
-    with together(ranks.world, "the EMA loss array"):
-        if ranks.main and not ema_losses.has_base():
-            with _writing_losses(ema_losses.path.parent):
-                ema_losses.write_base(losses.base())
-    todo = [(step, ema_of(path)) for step, path in checkpoints if step in ema_shas]
-    _, attached, _ = _append_missing(ranks, ema_losses, todo, ema_shas, transformer, samples, mine, cfg, load,
-                                     attached, first, None, computed_on, what="EMA")
-    return attached
-
-
-def _summary_held(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
-                  on_disk: list[tuple[int, Path]], shas: dict[int, str], pictured: bool, ema: tuple | None = None):
-    """`_summary` over the checkpoints still on disk, and the bytes of the best and last it names (`held_bytes`;
-    read when no picture is made too, not held then: not `pictured`); one of them pruned before it was read: the
-    summary again without it. (None, None): none left. `ema`: (the EMA group, step -> EMA sha256), summarised
-    beside. The best and last named are their recorded bytes either way (`held_bytes` refuses a rewritten one):
-    without pictures a best rewritten after its losses (a training restarted into RUN beside evaluate) was named
-    by its path, which held other weights than the numbers are of."""
-    ema_losses, ema_shas = ema if ema is not None else (None, {})
-    while True:
-        summary = _summary(losses, samples, cfg, fingerprint, on_disk, ema_losses)
-        if summary is None:
-            return None, None
-        _, best, last = summary
-        held = held_bytes([best, last], shas, ema_shas)
-        if held is not None:
-            return summary, held if pictured else {}
-        on_disk = [c for c in on_disk if not _gone(c[1])]
-
-
-def _open_losses(out: Path, fingerprint: str, settings: dict, earlier: list[dict], axes: Axes,
-                 versions: dict) -> LossStore:
-    """OUT/losses.zarr for these settings (rank 0): an array recorded under an earlier spelling of them is
-    continued and recorded again under today's, with the table versions read, in one commit."""
-    with _writing_losses(out):
-        out.mkdir(parents=True, exist_ok=True)
-        recorded = known_fingerprint(out, fingerprint, settings, earlier)
-        losses = LossStore(out, recorded, axes, settings, versions, take_back=True,
-                           spelled=spelled_as(settings, earlier))
-        if losses.group.attrs.get("fingerprint") != fingerprint:  # in place or taken back under an earlier spelling
-            losses.refingerprint(fingerprint, settings, versions)
-        losses.note_versions(versions)  # `pipeline compare` against arrays named by versions (no-op when just noted)
-    return losses
-
-
-def _writing_losses(out: Path):
-    """A full disk / read-only folder while losses.zarr is written: one line naming it and OUT (before: the CLI's
-    last resort named no file, `disk full while writing output in .`, the cwd's free space)."""
-    return writing("the held-out loss array (losses.zarr) of the report", out)
-
-
 def _run_record(cfg: EvaluateConfig, store: str | Path, model: str, tables, samples, damaged: dict, settings: dict,
                 world: int, transformer, precision) -> dict:
     """metrics.json's `run`: what the report was computed from and how."""
@@ -1110,552 +379,3 @@ def _run_record(cfg: EvaluateConfig, store: str | Path, model: str, tables, samp
         "ranks": world, "attention": attention_record(transformer),
         **({"precision": precision_record(precision)} if world > 1 else {}),  # one process: run.config
     }
-
-
-def use_checkpoint(transformer, path: Path, scale: float, attached: bool, data: bytes | None = None) -> None:
-    """The checkpoint's weights in the one adapter "lora": copied into it when they fit (no new modules per
-    checkpoint); a checkpoint of another rank, alpha or target modules (a run folder holding checkpoints of two
-    trainings) gets the adapter rebuilt from its own saved config, so it is evaluated as saved, not refused. A
-    checkpoint's EMA file (`models.ema_file`, `ema_checkpoints`): its step's LoRA loaded, then the EMA's values."""
-    from models.ema_file import ema_state, is_ema_file
-    from models.lora import attach_lora, load_lora
-
-    if is_ema_file(path):  # a checkpoint's EMA: the adapter its step's lora/ builds, holding the EMA's values
-        use_checkpoint(transformer, Path(path).parent / "lora", scale, attached)
-        data = data if data is not None else Path(path).read_bytes()
-        load_lora(transformer, path, adapter_name="lora", state=ema_state(transformer, "lora", data, Path(path)))
-        return
-    if attached:
-        try:
-            load_lora(transformer, path, adapter_name="lora", data=data)
-            return
-        except UserError:
-            if _gone(path):
-                raise
-            transformer.delete_adapters("lora")
-    attach_lora(transformer, path, scale, data=data)
-
-
-def _load_if_unchanged(transformer, path: Path, sha: str, scale: float, attached: bool) -> bool:
-    """Load the checkpoint when its bytes are still the ones hashed (one read: the loader parses the bytes
-    hashed here); False when they changed (rewritten since by a training running beside evaluate)."""
-    from models.lora import lora_weight_file
-    from stages.evaluate.lora_bytes import read_for_load
-
-    data, now = read_for_load(lora_weight_file(path))
-    if now != sha:
-        return False
-    use_checkpoint(transformer, path, scale, attached, data)
-    return True  # `data` is freed here, before the checkpoint's loss pass
-
-
-def use_recorded(transformer, path: Path, step: int, sha: str | None, scale: float, attached: bool,
-                 data: bytes | None = None) -> None:
-    """The checkpoint's weights for its pictures, when they are the bytes its losses were recorded under (`sha`;
-    None: not hashed this run); else one line: the images of a rewritten checkpoint (a training restarted into
-    the run beside evaluate) would sit under numbers of other weights. `data`: its bytes, read and compared with
-    `sha` when the summary named it (`held_bytes`): a training pruning it since does not take its pictures."""
-    if data is not None:
-        use_checkpoint(transformer, path, scale, attached, data)
-    elif sha is None:
-        use_checkpoint(transformer, path, scale, attached)
-    elif not _load_if_unchanged(transformer, path, sha, scale, attached):
-        raise _rewritten(step, path)
-
-
-def _rewritten(step: int, path: Path) -> UserError:
-    return UserError(f"checkpoint step {step} was rewritten after its held-out loss was computed ({path}; by a "
-                     "running training?): its images would not show the weights evaluated; rerun evaluate "
-                     "once the training has stopped writing it")
-
-
-def held_bytes(points: list[dict], shas: dict[int, str],
-               ema_shas: dict[int, str] | None = None) -> dict[str, bytes] | None:
-    """The LoRA bytes of the checkpoints the summary names for pictures (best, last: `points`), read now and
-    held until their images are made: a training beside evaluate that prunes one meanwhile (while the base
-    images are made) does not stop evaluate. None when one is gone already (the summary is taken again without
-    it); a file whose bytes are not the ones evaluated is refused (`_rewritten`). Keyed by path: a step's raw LoRA
-    and its EMA (`ema_shas`, a point whose `weights` is "ema") are two files."""
-    from models.lora import lora_weight_file
-    from stages.evaluate.lora_bytes import read_for_load
-
-    held = {}
-    for p in points:
-        if p["path"] in held:
-            continue
-        try:
-            data, sha = read_for_load(lora_weight_file(p["path"]))
-        except (UserError, OSError):
-            if _gone(p["path"]):
-                return None
-            raise
-        recorded = (ema_shas or {}) if p.get("weights") == "ema" else shas
-        if p["step"] in recorded and sha != recorded[p["step"]]:
-            raise _rewritten(p["step"], p["path"])
-        held[p["path"]] = data
-    return held
-
-
-def _grid(ranks, transformer, samples, mine: list[int], seeds: list[int], sigmas: list[float], batch_size: int,
-          desc: str, load=None, cells: np.ndarray | None = None) -> np.ndarray:
-    """`loss_grid` of every sample: in one process all of them; under a launcher this rank's share (`mine`: the
-    positions it read, `stages.evaluate.val_share`), summed with the others' (a rank failing in its own pass
-    stops every rank: `fails_alone`)."""
-    if ranks.world == 1:
-        return loss_grid(transformer, samples, seeds, sigmas, batch_size, desc, load=load, cells=cells)
-    from models.collective import fails_alone
-
-    # One bar, rank 0's, said to be its share: every rank's progress would take a collective per batch, and the
-    # ranks' batch counts differ (shares of unequal size), so they could not all reach it
-    shown = f"{desc} [rank 0's share: {len(mine)} of {len(samples)} samples]"
-    with fails_alone(ranks.world, desc, "lower evaluate.batch_size"):
-        part = loss_grid(transformer, [samples[i] for i in mine], seeds, sigmas, batch_size, shown, show=ranks.main,
-                         cells=cells)
-    return ranks.full_grid(part, mine, len(samples))
-
-
-def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
-          first: bool, base_kept=lambda: False) -> tuple[list[int], CellDonor | None]:
-    """Rank 0's decisions as integers: [base recorded, then per checkpoint whether it is to be evaluated], and
-    the group kept aside whose (seed, σ) cells the missing rows take (`store.loss_array.cell_donor`; None: none).
-    `first`: the checkpoints listed at the start (later ones: written by the training meanwhile). `base_kept()`:
-    is the base in the base-losses file (`_base_row` reads it from there: no donor's cells, nor named in the line)?"""
-    # the group the open set aside for other settings: said below, once it is known whether its cells are reused
-    opened_aside = f"{losses.aside_reason}: the earlier losses are kept in {losses.kept_aside}; " \
-        if losses.kept_aside is not None and losses.taken_back is None and first else None
-    if losses.taken_back is not None and losses.kept_aside is None and first:
-        tqdm.write(f"the losses of these settings are taken back from {losses.taken_back} (an earlier run stopped "
-                   "while it set them back; only checkpoints not in them are evaluated)")
-    elif losses.taken_back is not None and first:
-        tqdm.write(f"{losses.aside_reason}: the earlier losses are kept in {losses.kept_aside}; those of these "
-                   f"settings are taken back from {losses.taken_back} (only checkpoints not in them are evaluated)")
-    if losses.unchecked is not None and first:  # an array of an earlier release lacking a chunk of losses
-        tqdm.write(losses.unchecked)
-    if not _this_runs(losses, checkpoints, shas):  # its numbers go aside; this run's kept ones come back
-        back = this_runs_kept(losses.path.parent, losses.fingerprint, checkpoints, shas, losses.axes, losses.spelled)
-        losses.start_over("the run's checkpoints are not the ones evaluated before", back and back.path)
-        tqdm.write(f"{losses.aside_reason}: earlier losses kept in {losses.kept_aside}" +
-                   (f"; this run's are taken back from {losses.taken_back} (only checkpoints not in them are "
-                    "evaluated)" if back else ""))
-    recorded = losses.steps()
-    plan = [int(losses.has_base())] + [int(step not in recorded) for step, _ in checkpoints]
-    axes = losses.axes
-    needed = {step: shas[step] for (step, _), todo in zip(checkpoints, plan[1:]) if todo}  # the rows to compute
-    compute_base = not plan[0] and not base_kept()
-    donor = cell_donor(losses.path.parent, losses.settings, axes.seeds, axes.sigmas, axes.keys, compute_base,
-                       needed) if compute_base or needed else None
-    if first and donor is not None:
-        n = sum(1 for (step, _), todo in zip(checkpoints, plan[1:]) if todo and donor.holds(step, shas[step]))
-        rows = ["the base"] * (compute_base and donor.has_base()) + [f"{n} checkpoint{'s' if n != 1 else ''}"]
-        tqdm.write(f"{opened_aside or ''}the (seed, σ) cells both grids hold are taken from {donor.path} "
-                   f"({' and '.join(rows)}): {cells_line(donor.known)}")
-    elif opened_aside is not None:
-        tqdm.write(f"{opened_aside}every checkpoint is evaluated again")
-    return plan, donor
-
-
-def _grown(out: Path, checkpoints: list[tuple[int, Path]], shas: dict[int, str], settings: dict | None,
-           cfg: EvaluateConfig | None, keys: list[str] | None, ranks_machines: list[dict] = ()) -> str | None:
-    """`redone`'s line when a group kept aside gives these settings' grid some of its (seed, σ) cells; else None.
-    The base is not one of them when the base-losses file holds it (`_base_row` reads it from there; its key:
-    `ranks_machines`, every rank's machine)."""
-    if settings is None or cfg is None:
-        return None
-    from stages.evaluate import base_losses
-    from stages.evaluate.base_images import losses_key
-
-    seeds, sigmas = cfg.loss_axes
-    base = keys is None or base_losses.read(out / base_losses.FILE,
-                                            losses_key(cfg, settings, list(keys), ranks_machines),
-                                            (len(keys), len(seeds), len(sigmas), 3)) is None
-    # a new group: the base (unless kept in the file) and every checkpoint
-    donor = cell_donor(out, settings, seeds, sigmas, keys, base, {step: shas[step] for step, _ in checkpoints})
-    if donor is None:
-        return None
-    held = sum(1 for step, _ in checkpoints if donor.holds(step, shas[step]))
-    rest = len(checkpoints) - held
-    return (f"{cells_line(donor.known)} for {'the base and ' if base and donor.has_base() else ''}{held} of "
-            f"{len(checkpoints)} checkpoints (the cells {donor.path} holds reused)"
-            + (f", evaluating {rest} other{'s' if rest != 1 else ''} whole" if rest else ""))
-
-
-def _this_runs(group: LossGroup, checkpoints: list[tuple[int, Path]], shas: dict[int, str]) -> bool:
-    """Are the losses in `group` this run's? Not when a step is recorded with other weights (another run trained
-    into this folder), or of another run folder still on disk (this --out held another run's report), or of
-    another training whose folder is gone (RUN trained afresh, its old checkpoints moved or deleted)."""
-    return not (other_weights(group.steps(), shas) or _other_runs(group, checkpoints)
-                or _other_trainings(group, checkpoints))
-
-
-def this_runs_kept(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
-                   axes: Axes | None = None, spelled=None) -> LossGroup | None:
-    """The group kept aside in OUT under these settings (and `axes`' samples) that is this run's (`_this_runs`)
-    and holds the most of its checkpoints with the same bytes; None when none holds one. Run A, run B, then A
-    again into one report folder: B set A's losses aside, and A's third run evaluated every checkpoint again
-    beside them (a kept group was taken back only for other settings); now they are taken back."""
-    best, most = None, 0
-    for kept in kept_groups(out, fingerprint, axes, spelled):
-        steps = kept.steps()
-        held = sum(1 for step, sha in shas.items() if steps.get(step) == sha)
-        if held > most and _this_runs(kept, checkpoints, shas):
-            best, most = kept, held
-    return best
-
-
-@dataclass
-class _Shared:
-    """Rank 0's plan for `_append_missing`, as every rank receives it (`_shared_plan`)."""
-
-    recorded: bool  # the base's grid is in the array
-    todo: list[tuple[int, Path]]  # the checkpoints to evaluate, the newest first
-    base_from_donor: bool  # the donor (rank 0's) holds the base
-    from_donor: dict[int, int]  # step -> 1 where the donor holds the checkpoint's row under these bytes
-    known: np.ndarray  # [seed, σ]: the cells the donor holds
-
-
-def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
-                    transformer, samples, mine: list[int], cfg: EvaluateConfig, load=None, attached: bool = False,
-                    first: bool = True, base_cache: tuple | None = None,
-                    computed_on: list[dict] = (), what: str = "") -> tuple[int, bool, list[int]]:
-    """The base's grid (once) and each checkpoint not yet in the array, one append each (rank 0; `losses` is None
-    on the others), the newest first: a training beside evaluate prunes the oldest (train.keep_checkpoints), so
-    the newest are the ones still there when their turn comes (the array's order is no order: every reader sorts
-    by step). Returns (how many checkpoints were evaluated now, whether the adapter is attached to `transformer`,
-    the steps pruned before they could be loaded). `base_cache`: (OUT, rank 0's key of the base losses' inputs):
-    an array without base losses takes them from there when recorded under the key, and records them there when
-    computed (`stages.evaluate.base_losses`). `computed_on`: every rank's machine (`loss_groups.on_every_rank`),
-    recorded with the first row computed (`_record_rows`). `what`: the weights named in the bars ("EMA": the
-    checkpoints' EMA files, `_append_ema`)."""
-    seeds, sigmas = cfg.loss_axes
-    shared, donor = _shared_plan(ranks, losses, checkpoints, shas, first, base_cache,
-                                 (len(samples), len(seeds), len(sigmas), 3))
-    _base_row(ranks, losses, transformer, samples, mine, cfg, load, attached, base_cache,
-              recorded=shared.recorded, from_donor=shared.base_from_donor, donor=donor, known=shared.known,
-              computed_on=computed_on)
-    evaluated, pruned = 0, []
-    # no bar with nothing to do: tqdm drew "checkpoints: 0ckpt [00:00, ?ckpt/s]" (no total, no percentage)
-    for step, path in tqdm(shared.todo, desc=f"checkpoints' {what}" if what else "checkpoints", unit="ckpt",
-                           disable=not ranks.main or not shared.todo):
-        partial = bool(shared.from_donor[step])
-        if partial and shared.known.all():  # a shrunk grid: every cell of its row recorded under these very bytes
-            _record_checkpoint(ranks, losses, step, path, shas[step], (), donor, None)
-            continue
-        changed, attached = _load_checkpoint(ranks, transformer, step, path, shas[step], cfg.lora_scale, attached)
-        if changed == PRUNED:
-            pruned.append(step)
-        if changed:
-            continue
-        grid = _cells(ranks, transformer, samples, mine, seeds, sigmas, cfg.batch_size,
-                      f"held-out loss (step {step}{', ' + what if what else ''})", load,
-                      ~shared.known if partial else None)
-        _record_checkpoint(ranks, losses, step, path, shas[step], computed_on, donor if partial else None, grid)
-        evaluated += 1
-    return evaluated, attached, pruned
-
-
-def _shared_plan(ranks, losses: LossStore | None, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
-                 first: bool, base_cache: tuple | None, base_shape: tuple) -> tuple[_Shared, CellDonor | None]:
-    """Rank 0's `_plan` (what the array holds, and the donor of cells it takes from: rank 0's alone, None on the
-    others) sent to every rank as one list of integers, and read back as a `_Shared` on each."""
-    from models.collective import together
-    from stages.evaluate import base_losses
-
-    n, cells = len(checkpoints), base_shape[1] * base_shape[2]
-    # [base recorded, each checkpoint to evaluate; base from a donor, each checkpoint's row in it; its known cells]
-    plan, donor = [0] * (2 * n + 2 + cells), None
-    with together(ranks.world, "the loss array"):
-        if ranks.main:
-            with _writing_losses(losses.path.parent):  # may set an earlier array aside (a rename)
-                head, donor = _plan(losses, checkpoints, shas, first, lambda: base_cache is not None and (
-                    base_losses.read(Path(base_cache[0]) / base_losses.FILE, base_cache[1], base_shape) is not None))
-            plan = head + ([int(donor.has_base())] + [int(donor.holds(step, shas[step])) for step, _ in checkpoints]
-                           + donor.known.astype(int).reshape(-1).tolist() if donor else [0] * (n + 1 + cells))
-    plan = ranks.from_main(plan)
-    return _Shared(
-        recorded=bool(plan[0]),
-        todo=sorted((c for c, flag in zip(checkpoints, plan[1 : n + 1]) if flag), key=lambda c: c[0], reverse=True),
-        base_from_donor=bool(plan[n + 1]),
-        from_donor=dict(zip((step for step, _ in checkpoints), plan[n + 2 : 2 * n + 2])),
-        known=np.array(plan[2 * n + 2:], dtype=bool).reshape(base_shape[1], base_shape[2])), donor
-
-
-def _record_checkpoint(ranks, losses: LossStore | None, step: int, path: Path, sha: str, computed_on,
-                       donor: CellDonor | None, grid: np.ndarray | None) -> None:
-    """One checkpoint's row appended (rank 0), every rank together: `grid` as computed, its cells not computed
-    taken from `donor` (a partial row; with `grid` None, every cell: nothing computed, the donor's machines)."""
-    from models.collective import together
-
-    with together(ranks.world, f"record checkpoint step {step}"):
-        if ranks.main:
-            if donor is not None:
-                grid = donor.step(step, np.full(losses.axes.shape, np.nan) if grid is None else grid)
-            with _writing_losses(losses.path.parent):
-                _record_rows(losses, computed_on, donor)
-                losses.append(step, str(Path(path).resolve()), sha, grid, training_of(path))
-
-
-def _base_row(ranks, losses: LossStore | None, transformer, samples, mine: list[int], cfg: EvaluateConfig, load,
-              attached: bool, base_cache: tuple | None, recorded: bool, from_donor: bool, donor,
-              known: np.ndarray, computed_on: list[dict] = ()) -> None:
-    """The base's grid in the array (`_append_missing`): `recorded` already, else from the base-losses file
-    (`base_cache`), else computed with the adapter off - with `from_donor` (every rank: the plan's flag) only the
-    cells not `known` to rank 0's `donor`, an old group holding the base - and written; then checked finite
-    (rank 0)."""
-    from contextlib import nullcontext
-
-    from models.collective import together
-    from stages.evaluate import base_losses, stage as single
-
-    seeds, sigmas = cfg.loss_axes
-    base, reused = None, False
-    if not recorded and base_cache is not None:  # one decision of all ranks, rank 0's file
-        reused, base = base_losses.agreed_reuse(ranks, *base_cache, (len(samples), len(seeds), len(sigmas), 3))
-    base_partial = not recorded and not reused and from_donor  # the donor's cells, the others computed
-    if not recorded and not reused:  # the plain model: a checkpoint's adapter, once loaded, bypassed
-        # (the newer checkpoints of another training set the array aside after one was evaluated: that LoRA's
-        # losses were recorded as the base, and kept in the base-losses file for later runs)
-        with single.lora_enabled(transformer, False) if attached else nullcontext():
-            base = _cells(ranks, transformer, samples, mine, seeds, sigmas, cfg.batch_size, "held-out loss (base)",
-                          load, ~known if base_partial else None)
-    with together(ranks.world, "the base losses"):
-        if ranks.main:
-            if recorded:
-                base = losses.base()
-            else:
-                if base_partial:
-                    base = donor.base(base)
-                with _writing_losses(losses.path.parent):
-                    # wholly a donor's: computed by no rank now (the donor's machines recorded). One read from the
-                    # base-losses file (`reused`) was computed on this run's machines: the file's key holds the
-                    # device and libraries, every rank's where they differ (`base_images.losses_key`)
-                    _record_rows(losses, () if base_partial and known.all() else computed_on,
-                                 donor if base_partial else None)
-                    losses.write_base(base)
-                # the file holds whole computations only: a grown grid's recorded cells are float32
-                if base_cache is not None and not reused and not base_partial:
-                    base_losses.write(Path(base_cache[0]) / base_losses.FILE, base_cache[1], base)
-            # A non-finite base loss means bad stored features (evaluate.on_nonfinite=stop names them): stop
-            # before the checkpoints are evaluated, not after all of them
-            single.finite_samples(samples, {"base": base}, cfg)
-
-
-def _record_rows(losses: LossStore, computed_on: list[dict], donor=None) -> None:
-    """Rank 0, before it writes a row: the machines that computed its cells recorded on the array (`computed_on`,
-    none when nothing was computed), and the donor's record where cells are taken from one
-    (`loss_groups.note_computed_on`). A rerun that computes nothing records no machine; an array without a
-    record (an earlier release's rows, or none yet) is recorded as such first, before this row makes it hold one."""
-    if donor is not None:
-        note_computed_on(losses, recorded_on(donor.group), say=False)
-    note_computed_on(losses, computed_on)  # a commit only where the record changes
-
-
-REWRITTEN, PRUNED = 1, 2  # `_load_checkpoint`: why a checkpoint is left out (0: loaded)
-
-
-def _load_checkpoint(ranks, transformer, step: int, path: Path, sha: str, lora_scale: float,
-                     attached: bool) -> tuple[int, bool]:
-    """(0, True) once checkpoint `step` is loaded into `transformer` on every rank; (REWRITTEN or PRUNED,
-    attached) - said once - when any rank found it changed or gone: left out on every rank."""
-    from models.collective import together
-
-    changed = 0
-    with together(ranks.world, f"load checkpoint step {step}"):
-        try:
-            # A training running beside evaluate may prune or rewrite a checkpoint after it was hashed: the
-            # numbers are recorded under the hash only when the loaded bytes are still the hashed ones.
-            if _load_if_unchanged(transformer, path, sha, lora_scale, attached):
-                attached = True
-            else:
-                changed = REWRITTEN
-        except (UserError, OSError) as e:
-            if not _gone(path):
-                raise _unloadable(step, path, e) from None
-            changed = PRUNED
-    changed = ranks.any([changed])[0]  # left out on every rank when any rank saw it change
-    if changed and ranks.main:
-        tqdm.write(_deleted_line(step, path) if changed == PRUNED else
-                   f"checkpoint step {step} was rewritten while evaluating ({path}; by a running training?): "
-                   "left out; rerun evaluate to evaluate what is there now")
-    return changed, attached
-
-
-def _deleted_line(step: int, path) -> str:
-    """What a checkpoint gone before its turn is told as, in the user's terms (it said "pruned")."""
-    return f"checkpoint step {step} was deleted before it was evaluated ({path}): {KEEPS_NEWEST}; skipped"
-
-
-def _unloadable(step: int, path: Path, e: UserError | OSError) -> UserError:
-    """One line for a checkpoint still there that cannot be used, at its check (`check_and_hash`) or its load (one
-    that passed its check, but of tensors of other sizes: a LoRA of another base model copied into the run): its
-    step, and for a refusal how to evaluate the others; a read error is the disk's, not the file's to move."""
-    if isinstance(e, OSError):
-        return UserError(f"checkpoint step {step}: cannot read {path} ({e})")
-    return UserError(f"checkpoint step {step}: {e}; or move {Path(path).parent} out of the run's checkpoints/ to "
-                     "evaluate the others")
-
-
-def _cells(ranks, transformer, samples, mine: list[int], seeds: list[int], sigmas: list[float], batch_size: int,
-           desc: str, load, cells: np.ndarray | None) -> np.ndarray:
-    """`_grid` of the `cells` to compute (None: all); no pass at all when there is none (a shrunk grid)."""
-    if cells is not None and not cells.any():
-        return np.full((len(samples), len(seeds), len(sigmas), 3), np.nan)
-    return _grid(ranks, transformer, samples, mine, seeds, sigmas, batch_size, desc, load, cells)
-
-
-def other_weights(recorded: dict[int, str], shas: dict[int, str]) -> list[int]:
-    """The steps recorded (step -> LoRA sha256) with other bytes than the checkpoint's now (another run trained
-    into RUN): `_plan` sets the array aside, and `redone` says so."""
-    return sorted(step for step, sha in shas.items() if recorded.get(step, sha) != sha)
-
-
-def _other_runs(losses: LossGroup, checkpoints: list[tuple[int, Path]]) -> bool:
-    """Does the array hold a checkpoint of another run folder that is still on disk? (One no longer on disk was
-    pruned by this run, or the run folder moved: its numbers stay.)"""
-    def run_of(path) -> Path:  # RUN/checkpoints/step-N/lora -> RUN
-        parents = Path(path).resolve().parents
-        return parents[2] if len(parents) > 2 else parents[-1]
-
-    steps_now = {step for step, _ in checkpoints}
-    runs_now = {run_of(path) for _, path in checkpoints}
-    return any(step not in steps_now and Path(p).is_dir() and run_of(p) not in runs_now
-               for step, p in losses.checkpoints().items())
-
-
-def _other_trainings(losses: LossGroup, checkpoints: list[tuple[int, Path]]) -> bool:
-    """Was a recorded step trained by another training than every checkpoint on disk now? A step no longer on disk
-    is a checkpoint this run pruned only when the same training wrote it: `pipeline run train --new-run` (or RUN
-    deleted and trained again) with other settings keeps no checkpoint of the old run in RUN, and its steps
-    passed for pruned ones (the new run's curve went on with the old run's numbers). Steps recorded before the
-    training was (older arrays) cannot tell: kept."""
-    recorded = losses.trainings()
-    if not recorded:
-        return False
-    now = [t for t in (training_of(path) for _, path in checkpoints) if t is not None]
-    return any(not any(same_training(training, t) for t in now) for training in recorded.values())
-
-
-def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
-             checkpoints: list[tuple[int, Path]], ema: LossStore | None = None) -> tuple[dict, dict, dict] | None:
-    """metrics.json's loss and checkpoints sections, the best and the last checkpoint still on disk; None when no
-    checkpoint recorded is still on disk.
-
-    "Still on disk" = among `checkpoints` (the run's kept ones now, named by their present paths): a checkpoint
-    pruned since keeps its point on the curves; a run folder moved since keeps its numbers (same bytes).
-
-    A val sample whose base loss is non-finite has bad stored features: evaluate.on_nonfinite stops naming it
-    (or leaves it out of every number). A checkpoint with a non-finite loss is simply never the best.
-
-    `ema`: the EMA group (`ema_curve`): its curve beside the raw one (`checkpoints.ema`), and the best picked among
-    both (a tie: the earlier step, then the raw LoRA), `best.weights` saying which ("lora" or "ema")."""
-    from stages.evaluate import stage as single
-
-    steps, paths, grids = losses.losses()
-    shas = losses.steps()  # step -> the LoRA bytes its numbers are of
-    present = {step: str(Path(path).resolve()) for step, path in checkpoints}
-    paths = [present.get(step, p) for step, p in zip(steps, paths)]
-    base = losses.base()
-    kept, nonfinite = single.finite_samples(samples, {"base": base}, cfg)
-    base, grids, samples = base[kept], grids[:, kept], [samples[i] for i in kept]
-    per_step = step_summaries(base, grids, [bucket_of(s) for s in samples], [has_two_regions(s) for s in samples])
-    overall = [s["overall"] for s in per_step["steps"]]
-    alive = [i for i, step in enumerate(steps) if step in present and Path(present[step]).exists()]  # pruned meanwhile
-    if not alive:  # every one evaluated was pruned meanwhile: the caller evaluates newer ones, or says so
-        return None
-    last_i = alive[-1]
-    points = [{"step": step, "path": path, "loss": o} for step, path, o in zip(steps, paths, overall)]
-    curve = _ema_curve(ema, kept, base, samples, present) if ema is not None else None
-    points, candidates, all_grids = _with_ema(points, alive, grids, curve)
-    best_i = pick_best([points[i]["step"] for i in candidates], [points[i]["loss"] for i in candidates])
-    if best_i is None:
-        raise UserError(f"no checkpoint in {losses.path} has a finite held-out loss; check the run's training loss")
-    best_i = candidates[best_i]
-    protocol = single.protocol(cfg, samples).replace("LoRA off (base) and on", "LoRA off (base) and the best checkpoint")
-    loss = loss_summary({"base": base, "lora": all_grids[best_i]}, samples, *cfg.loss_axes, protocol)
-    loss["nonfinite_samples"] = nonfinite  # left out of every number (evaluate.on_nonfinite=skip)
-
-    diffs = vs_best(all_grids, [p["loss"] for p in points], best_i)
-    best = {**_best(points, all_grids, base, candidates, best_i, diffs),
-            "weights": points[best_i].get("weights", "lora")}
-    best["within_noise"] = _note_vs_best(points, diffs, candidates,
-                                         per_step["steps"] + (curve["section"]["per_step"] if curve else []))
-    loss["lora_minus_base"] = best["vs_base"]
-    metrics = {
-        "loss": loss,
-        "checkpoints": {
-            "losses": str(losses.path), "fingerprint": fingerprint, "config_fingerprint": cfg.fingerprint(),
-            # None without extra prompts: a report made before they were hashed stays current
-            "extra_prompts_sha256": extra_prompt_bytes(cfg) or None,
-            # the bytes each step's numbers are of: what the up-to-date check compares (`_up_to_date`)
-            "steps": steps, "paths": paths, "lora_sha256": [shas[step] for step in steps],
-            # whether each step's checkpoint was still there (a pruned one keeps its point, but not its file)
-            "on_disk": [i in alive for i in range(len(steps))],
-            "base": per_step["base"], "per_step": per_step["steps"],
-            "best": best, "last": points[last_i],
-            "note": BEST_NOTE + (EMA_NOTE if curve is not None else ""),
-        },
-    }
-    if curve is not None:
-        metrics["checkpoints"]["ema"] = curve["section"]
-    return metrics, best, dict(points[last_i])  # a dict apart from metrics' "last"
-
-
-BEST_NOTE = ("best = lowest overall held-out loss among the checkpoints still on disk (ties: earlier step); "
-             "best.vs_base and best.runner_up: differences paired over the val samples (same noise and σ) ± their "
-             "standard error; within about two standard errors this held-out set does not tell the two apart")
-EMA_NOTE = ("; each checkpoint's EMA (train.ema_decay) is scored on the same val samples, noise and σ, and competes "
-            "for best (best.weights: lora or ema; a tie goes to the raw LoRA)")
-
-
-def _with_ema(points: list[dict], alive: list[int], grids: np.ndarray,
-              curve: dict | None) -> tuple[list[dict], list[int], np.ndarray]:
-    """(points, the indexes of those that may be the best, their grids) with the EMA curve's after the raw ones: a
-    tie at one step goes to the raw LoRA (a stable pick)."""
-    if curve is None:
-        return points, list(alive), grids
-    candidates = list(alive) + [len(points) + i for i in curve["alive"]]
-    all_grids = np.concatenate([grids, curve["grids"]]) if len(curve["points"]) else grids
-    return points + curve["points"], candidates, all_grids
-
-
-def _ema_curve(ema: LossStore, kept, base: np.ndarray, samples, present: dict[int, str]) -> dict:
-    """The EMA group's curve over the val samples `kept` (those the raw summary keeps): its points (`weights`
-    "ema", the EMA file's path), its grids, which are still on disk, and metrics.json's `checkpoints.ema`."""
-    from models.ema_file import ema_of
-
-    steps, paths, grids = ema.losses()
-    shas = ema.steps()
-    here = {step: str(ema_of(path).resolve()) for step, path in present.items()}
-    paths = [here.get(step, p) for step, p in zip(steps, paths)]
-    grids = grids[:, kept]
-    per_step = step_summaries(base, grids, [bucket_of(s) for s in samples],
-                              [has_two_regions(s) for s in samples])["steps"]
-    alive = [i for i, step in enumerate(steps) if step in here and Path(here[step]).exists()]
-    points = [{"step": step, "path": path, "loss": p["overall"], "weights": "ema"}
-              for step, path, p in zip(steps, paths, per_step)]
-    section = {"losses": str(ema.path), "steps": steps, "paths": paths, "sha256": [shas[step] for step in steps],
-               "on_disk": [i in alive for i in range(len(steps))], "per_step": per_step}
-    return {"points": points, "grids": grids, "alive": alive, "section": section}
-
-
-def _note_vs_best(points: list[dict], diffs: list[dict | None], alive: list[int], per_step: list[dict]) -> list[dict]:
-    """Each step's `vs_best` (`diffs[i]`: its loss minus the best's, paired over the val samples ± s.e.;
-    `per_step[i]` is `points[i]`'s numbers, the raw curve's then the EMA's) and the checkpoints still on disk within
-    noise of the best, [{step, weights}]. The runner-up alone did not say it: the next best by mean may be told
-    apart (+0.010 ± 0.001) while a later one (+0.020 ± 0.030) is not, and "best" was read as settled."""
-    for numbers, diff in zip(per_step, diffs):
-        numbers["vs_best"] = diff
-    return [{"step": points[i]["step"], "weights": points[i].get("weights", "lora")}
-            for i in sorted(alive, key=lambda i: (points[i]["step"], i)) if within_noise(diffs[i])]
-
-
-def _best(points: list[dict], grids: np.ndarray, base: np.ndarray, alive: list[int], best_i: int,
-          diffs: list[dict | None]) -> dict:
-    """The best checkpoint's point (`points[best_i]`: step, path, overall loss) and how sure "best" is: paired over
-    the val samples against the base (`vs_base`) and the next best checkpoint still on disk (`runner_up`, its
-    `diffs` entry: `vs_best`, runner-up minus best)."""
-    best = {**points[best_i], "vs_base": paired(per_sample(grids[best_i]), per_sample(base))}
-    others = [i for i in alive if i != best_i and math.isfinite(points[i]["loss"])]
-    if others:  # a tie: the earlier step, as for the best
-        nxt = min(others, key=lambda i: (points[i]["loss"], points[i]["step"]))
-        best["runner_up"] = {**points[nxt], "weights": points[nxt].get("weights", "lora"), **diffs[nxt]}
-    return best

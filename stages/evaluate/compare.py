@@ -72,10 +72,11 @@ class RunCurves:
 
     @property
     def best(self) -> tuple[str, int] | None:
-        """(weights: "lora" or "ema", index into that curve) by the report's rule (stages/evaluate/checkpoints.py
-        `_summary`): the lowest finite loss among the checkpoints still on disk, raw LoRAs and EMAs alike (a tie:
-        the earlier step, then the raw LoRA); a pruned one keeps its point on the curve but is never named. A
-        report looked at away from its run (copied, none of its checkpoints here) names its curves' minimum."""
+        """(weights: "lora" or "ema", index into that curve) by the report's rule
+        (stages/evaluate/best_checkpoint.py `_summary`): the lowest finite loss among the checkpoints still on disk,
+        raw LoRAs and EMAs alike (a tie: the earlier step, then the raw LoRA); a pruned one keeps its point on the
+        curve but is never named. A report looked at away from its run (copied, none of its checkpoints here) names
+        its curves' minimum."""
         points = [("lora", i, self.steps[i], self.overall[i], self.on_disk[i]) for i in range(len(self.steps))]
         if self.ema is not None:  # after the raw points: pick_best's stable sort gives a tie to the raw LoRA
             e = self.ema
@@ -131,7 +132,7 @@ def _on_disk(checkpoints: list[str]) -> list[bool | None]:
 
 def _ema_curve(group: Path, samples: list[str], kept: np.ndarray, two: np.ndarray, r: dict) -> EmaCurve | None:
     """The EMA group beside a report's raw one (REPORT/ema-losses/losses.zarr), over the raw curve's samples (its
-    base is the raw array's: `checkpoints._ema_curve` keeps the raw summary's samples); None where there is none,
+    base is the raw array's: `best_checkpoint._ema_curve` keeps the raw summary's samples); None where there is none,
     or where the report beside it scores no EMA (`metrics.json` `checkpoints.ema`): a report written again with
     evaluate.score_ema off, or of a run without EMA into the folder of one with, leaves the group on disk."""
     from tqdm.auto import tqdm
@@ -174,7 +175,7 @@ def read_curves(path: str | Path, label: str) -> RunCurves:
     base = ds.base_loss.values.astype(np.float64) if "base_loss" in ds else np.full(loss.shape[1:], np.nan)
     regions = [str(r) for r in ds.region.values]
     r = {name: regions.index(name) for name in ("all", "inside", "outside")}
-    # the samples evaluate's numbers are over (stages/evaluate/checkpoints.py `_summary`); without a base, all
+    # the samples evaluate's numbers are over (stages/evaluate/best_checkpoint.py `_summary`); without a base, all
     kept = _kept(base[..., r["all"]]) if "base_loss" in ds else np.ones(loss.shape[1], dtype=bool)
     two = kept & (_kept(base[..., r["inside"]]) if "base_loss" in ds else np.isfinite(loss[..., r["inside"]]).any(
         axis=tuple(i for i in range(loss.ndim - 1) if i != 1)))
@@ -196,10 +197,10 @@ def read_curves(path: str | Path, label: str) -> RunCurves:
             "base model": settings.get("model_fingerprint"),
             # not on_damaged nor max_loss_samples: the samples they leave read are the val samples, compared above
             # (arrays recorded on_damaged as set; a cap at or above the split's size is recorded as null now, as
-            # set before: one held-out set, `checkpoints.samples_read`)
+            # set before: one held-out set, `loss_fingerprint.samples_read`)
             "evaluate settings": settings.get("evaluate") and {k: v for k, v in settings["evaluate"].items()
                                                                 if k not in ("on_damaged", "max_loss_samples")},
-            # what evaluate computes from the same inputs (`checkpoints.EVALUATION_REVISION`; recorded before it
+            # what evaluate computes from the same inputs (`loss_fingerprint.EVALUATION_REVISION`; recorded before it
             # was: revision 1): another revision's numbers are not one scale with these
             "evaluation revision": _revision(settings),
         },

@@ -2,7 +2,7 @@
 `models.ema_file`) scored beside its raw LoRA, so the report says which is better and the best pick weighs both.
 
 The EMA rows are a loss group of their own, `REPORT/ema-losses/losses.zarr` (`store.loss_array`, opened, planned,
-appended, set aside and taken back exactly as REPORT/losses.zarr: `checkpoints._open_losses`, `_append_missing`),
+appended, set aside and taken back exactly as REPORT/losses.zarr: `loss_pass.open_losses`, `append_missing`),
 under the raw array's settings plus `"weights": "ema"`, one row per step named by the EMA file's sha256. Its base is
 the raw array's (the same val samples, noise and σ: the two curves are paired sample for sample). Its own folder:
 the raw curve reads REPORT/losses.zarr only; `pipeline compare` reads both (`compare._ema_curve`).
@@ -24,10 +24,10 @@ BEST_LORA = "best-ema-lora"  # the best checkpoint's EMA as a LoRA, when the EMA
 
 def ema_checkpoints(cfg, checkpoints: list[tuple[int, Path]], ranks) -> tuple[list[tuple[int, Path]], dict[int, str]]:
     """(step, EMA file) of the checkpoints that hold one, with each file's sha256, checked against the checkpoint's
-    sealed record and hashed as the LoRAs are (`checkpoints.check_and_hash`: a flipped bit refused naming it); none
+    sealed record and hashed as the LoRAs are (`checkpoint_files.check_and_hash`: a flipped bit refused naming it); none
     without an EMA or with evaluate.score_ema off. A collective: every rank calls it."""
     from models.ema_file import ema_of
-    from stages.evaluate.checkpoints import agreed_checkpoints, check_and_hash
+    from stages.evaluate.checkpoint_files import agreed_checkpoints, check_and_hash
 
     if not cfg.score_ema:
         return [], {}
@@ -66,7 +66,7 @@ def write_best_lora(out: Path, transformer, best: dict, scale: float, data: byte
     from models.ema_file import ema_state
     from models.lora import lora_base_fingerprint, save_lora
     from models.lora_files import lora_weight_file
-    from stages.evaluate.checkpoints import _rewritten, use_checkpoint
+    from stages.evaluate.checkpoint_load import rewritten, use_checkpoint
     from stages.evaluate.lora_bytes import digest, read_for_load
     from store.checksum import write_folder_record
     from store.format import atomic_dir
@@ -80,7 +80,7 @@ def write_best_lora(out: Path, transformer, best: dict, scale: float, data: byte
     if data is None:
         data, now = read_for_load(ema)
         if sha is not None and now != sha:
-            raise _rewritten(best["step"], Path(ema))
+            raise rewritten(best["step"], Path(ema))
     use_checkpoint(transformer, Path(ema), scale, "lora" in (getattr(transformer, "peft_config", None) or {}), data)
     # the EMA file's float32 values, not the adapter's (evaluate's dtype: bf16 on a GPU, one more rounding)
     values = ema_state(transformer, "lora", data, Path(ema))

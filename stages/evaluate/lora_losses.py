@@ -5,7 +5,7 @@ mechanism --all-checkpoints uses); a seed removed computes nothing, and a rerun 
 (num_samples, extra prompts) runs no loss pass. The numbers are a fresh run's to the bit: a cell computed alone is
 that cell of a whole grid (`models.held_out.loss_grid`), and the kept cells are float64 as computed.
 
-The group's settings are the loss array's (`checkpoints.read_fingerprint`: the tables read, the model, the loss
+The group's settings are the loss array's (`loss_fingerprint.read_fingerprint`: the tables read, the model, the loss
 settings, the evaluation revision) and the LoRA's bytes: a retrained LoRA is another group (the old one kept aside
 beside it, for a return to it; the `loss_groups.KEPT_ASIDE` used most recently stay, `loss_groups.prune`), its base
 taken from OUT/base-losses.safetensors. A folder of its own: `pipeline

@@ -180,13 +180,22 @@ def _img(img: Image.Image | None, alt: str) -> str:
 
 
 def render_html(metrics: dict, rows: list[SampleRow], grid: Image.Image) -> str:
-    loss = metrics["loss"]
+    sections = _loss_sections(metrics["loss"]) + (_samples(metrics.get("generation", {}), rows, grid) if rows else [])
+    return page("LoRA evaluation report", sections, metrics, extra_css="""
+td.score { white-space: nowrap; }
+th { max-width: 110px; }
+.note { color: #7a4b00; background: #fff6e0; padding: 6px 10px; border-left: 3px solid #e0a000; }""")
+
+
+def _loss_sections(loss: dict) -> list[str]:
+    """The page's first part, metrics.json's `loss`: base and LoRA overall and per bucket, their paired
+    difference, inside / outside the edit mask."""
     overall = [["overall", loss["overall"]["n"], loss["overall"]["base"], loss["overall"]["lora"],
                 loss["overall"]["lora"] - loss["overall"]["base"]]]
     buckets = [[b, v["n"], v["base"], v["lora"], v["lora"] - v["base"]] for b, v in loss["per_bucket"].items()]
     sections = [
         "<h2>Held-out flow-matching loss (val split)</h2>",
-        f"<p>{html.escape(metrics['loss']['protocol'])}</p>",
+        f"<p>{html.escape(loss['protocol'])}</p>",
         _table(["bucket (h×w)", "samples", "base", "LoRA", "LoRA − base"], overall + buckets),
     ]
     diff = loss.get("lora_minus_base")
@@ -205,36 +214,36 @@ def render_html(metrics: dict, rows: list[SampleRow], grid: Image.Image) -> str:
                    [[r, mask[r]["n"], mask[r]["base"], mask[r]["lora"], mask[r]["lora"] - mask[r]["base"]]
                     for r in ("inside", "outside")]),
         ]
-    gen = metrics.get("generation", {})
-    if rows:
-        n_controls = max(len(r.controls) for r in rows)
-        headers = ["sample", "instruction"] + [f"control {i + 1}" for i in range(n_controls)] + \
-            ["target", "base", "LoRA", "PSNR dB (base / LoRA)", "SSIM (base / LoRA)"]
-        body = []
-        for r in rows:
-            cells = [f"<td><code>{html.escape(r.title)}</code></td>", f"<td class='caption'>{html.escape(r.caption)}</td>"]
-            cells += [_img(c, f"control {i + 1}") for i, c in enumerate(r.controls)]
-            cells += ["<td class='empty'>–</td>"] * (n_controls - len(r.controls))
-            cells += [_img(r.target, "target"), _img(r.base, "base output"), _img(r.lora, "LoRA output")]
-            s = r.scores
-            for m in ("psnr", "ssim"):
-                pair = f"{_fmt(s.get(m + '_base', math.nan))} / {_fmt(s.get(m + '_lora', math.nan))}"
-                cells.append(f"<td class='score'>{pair}</td>")
-            body.append("<tr>" + "".join(cells) + "</tr>")
-        head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
-        sections += [
-            "<h2>Samples</h2>",
-            f"<p>{html.escape(gen.get('settings', ''))}</p>",
-            f"<p class='note'>{html.escape(gen.get('note', ''))}</p>",
-            f"<p class='means'>{html.escape(mean_line(gen))}</p>",
-            f"<table class='samples'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>",
-            "<h2>Grid</h2>",
-            f"<img class='grid' src='{data_uri(grid)}' alt='grid of all samples'>",
-        ]
-    return page("LoRA evaluation report", sections, metrics, extra_css="""
-td.score { white-space: nowrap; }
-th { max-width: 110px; }
-.note { color: #7a4b00; background: #fff6e0; padding: 6px 10px; border-left: 3px solid #e0a000; }""")
+    return sections
+
+
+def _samples(gen: dict, rows: list[SampleRow], grid: Image.Image) -> list[str]:
+    """The page's second part: each pictured sample's controls, target, base and LoRA outputs with their PSNR /
+    SSIM, the generation settings (`gen`, metrics.json's `generation`) and means, and the grid of all."""
+    n_controls = max(len(r.controls) for r in rows)
+    headers = ["sample", "instruction"] + [f"control {i + 1}" for i in range(n_controls)] + \
+        ["target", "base", "LoRA", "PSNR dB (base / LoRA)", "SSIM (base / LoRA)"]
+    body = []
+    for r in rows:
+        cells = [f"<td><code>{html.escape(r.title)}</code></td>", f"<td class='caption'>{html.escape(r.caption)}</td>"]
+        cells += [_img(c, f"control {i + 1}") for i, c in enumerate(r.controls)]
+        cells += ["<td class='empty'>–</td>"] * (n_controls - len(r.controls))
+        cells += [_img(r.target, "target"), _img(r.base, "base output"), _img(r.lora, "LoRA output")]
+        s = r.scores
+        for m in ("psnr", "ssim"):
+            pair = f"{_fmt(s.get(m + '_base', math.nan))} / {_fmt(s.get(m + '_lora', math.nan))}"
+            cells.append(f"<td class='score'>{pair}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    return [
+        "<h2>Samples</h2>",
+        f"<p>{html.escape(gen.get('settings', ''))}</p>",
+        f"<p class='note'>{html.escape(gen.get('note', ''))}</p>",
+        f"<p class='means'>{html.escape(mean_line(gen))}</p>",
+        f"<table class='samples'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>",
+        "<h2>Grid</h2>",
+        f"<img class='grid' src='{data_uri(grid)}' alt='grid of all samples'>",
+    ]
 
 
 _CSS = """body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; }

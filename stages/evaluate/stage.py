@@ -427,7 +427,7 @@ def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: st
     from models.file_hashes import file_sha256
     from models.loading import model_files, model_fingerprint
     from stages.evaluate.base_images import extra_prompt_bytes
-    from stages.evaluate.checkpoints import EVALUATION_REVISION
+    from stages.evaluate.loss_fingerprint import EVALUATION_REVISION
 
     if tables is None and table_ids is None:
         with open_configured(cfg, "evaluate", store, model, model_files(model), "val") as opened:
@@ -448,7 +448,7 @@ def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: st
 
 def config_fingerprint(cfg: EvaluateConfig, n: int | None) -> str:
     """A single-LoRA report's `config_fingerprint`: `cfg.fingerprint()` with `max_loss_samples` at or above the val
-    split's `n` samples spelled null, as the loss array's settings spell it (`checkpoints.samples_read`): it reads
+    split's `n` samples spelled null, as the loss array's settings spell it (`loss_fingerprint.samples_read`): it reads
     every sample, the same numbers. Hashed as set, 256 (the default) then null on a split 256 covered made the
     report out of date, and its rerun ran the LoRA's loss pass again. `n` None: as set (the split not opened)."""
     return _cap_spelled(cfg, None).fingerprint() if _reads_all(cfg.max_loss_samples, n) else cfg.fingerprint()
@@ -479,7 +479,7 @@ def same_config(recorded: str | None, cfg: EvaluateConfig, n: int | None, metric
     `cap_spellings`)? One rule for a single-LoRA report and an --all-checkpoints one (that one compared only the
     spellings as set: 256 then null rewrote its report, the same figures)."""
     from stages.evaluate.backend import unset_backend
-    from stages.evaluate.checkpoints import earlier_config_fingerprints
+    from stages.evaluate.report_current import earlier_config_fingerprints
 
     if not isinstance(metrics, dict):
         return False
@@ -499,10 +499,10 @@ def version_table_ids(store: str | Path) -> dict:
 
 def read_table_ids(cfg: EvaluateConfig, store: str | Path, model: str, tables: JoinedTables | None = None) -> dict:
     """The tables a report reads, named by content where they have one: text / vae by the val split's content
-    ids (`checkpoints.read_tables`), `images` by the rows the pictures and captions come from (`images_rows_id`),
+    ids (`loss_fingerprint.read_tables`), `images` by the rows the pictures and captions come from (`images_rows_id`),
     so an `images` rerun that changed no sample keeps the report. A table without one: its version id."""
     from models.loading import model_files
-    from stages.evaluate.checkpoints import read_tables
+    from stages.evaluate.loss_fingerprint import read_tables
     from features.damaged import rows_read
 
     if tables is None:
@@ -536,8 +536,9 @@ def images_rows_id(st: Store, tables: JoinedTables, first: int | None = None) ->
 def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path,
                       lora_sha256: str | None = None, why: list[str] | None = None) -> bool:
     """Is OUT's report this run's (`schemas.up_to_date`)? `why`: filled, when it holds one that is not, with what
-    differs (`checkpoints.differences`)."""
-    from stages.evaluate.checkpoints import damaged_read, damaged_current, differences, nonfinite_current
+    differs (`report_current.differences`)."""
+    from stages.evaluate.report_current import damaged_current, differences, nonfinite_current
+    from stages.evaluate.loss_fingerprint import damaged_read
 
     metrics = Path(out) / "metrics.json"
     if not metrics.is_file() or not (Path(out) / "index.html").is_file():
@@ -775,8 +776,8 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
 def _recorded_report(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: Path,
                      lora_sha256: str, skip_if_done: bool) -> EvaluateResult | None:
     """With `skip_if_done`, OUT's report when it is current for these inputs (its line said again); else None,
-    having said why a report there is not current (`checkpoints.say_recomputed`)."""
-    from stages.evaluate.checkpoints import say_recomputed
+    having said why a report there is not current (`report_current.say_recomputed`)."""
+    from stages.evaluate.report_current import say_recomputed
 
     why: list[str] = []
     if skip_if_done and report_up_to_date(cfg, store, model, lora, out, lora_sha256, why):
@@ -806,9 +807,9 @@ def _held_out(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Pa
 
 def read_inputs(cfg: EvaluateConfig, store: str | Path, model: str, tables) -> dict:
     """`loss_fingerprint`'s settings with the text / vae tables the val samples were read from, named by content
-    (`checkpoints.read_fingerprint`): the store's current ones may have changed since (an encode beside evaluate),
+    (`loss_fingerprint.read_fingerprint`): the store's current ones may have changed since (an encode beside evaluate),
     and a cache keyed by those would name numbers the new version never gave."""
-    from stages.evaluate.checkpoints import loss_fingerprint, read_fingerprint
+    from stages.evaluate.loss_fingerprint import loss_fingerprint, read_fingerprint
 
     return read_fingerprint(loss_fingerprint(cfg, store, model)[1], tables)[1]
 

@@ -61,7 +61,7 @@ def test_an_outline_does_not_keep_its_samples_buffer_alive():
 
 
 def test_a_cell_computed_alone_equals_that_cell_of_the_whole_grid(transformer, val_samples):  # noqa: F811
-    """A grown seed / σ grid computes only its new cells (stages/evaluate/checkpoints.py): each cell's batches hold
+    """A grown seed / σ grid computes only its new cells (stages/evaluate/loss_pass.py): each cell's batches hold
     the same samples at that cell alone, so its numbers are those of a whole grid's computation, bit for bit (rows
     batched across cells differed with their neighbours by float rounding). The other cells stay NaN, unrun."""
     whole = loss_grid(transformer, val_samples, [0, 1], [0.3, 0.7], 3)

@@ -206,7 +206,7 @@ def test_evaluate_settings_that_change_no_number_keep_the_report_and_its_earlier
     no extra prompt reads enter the report's fingerprint as their defaults. Before: either changed it, so `run
     all` recomputed every held-out loss pass and base image for the same numbers. Reports recorded with them as
     set (the hashes below, from the release before) are still current."""
-    from stages.evaluate.checkpoints import earlier_config_fingerprints
+    from stages.evaluate.report_current import earlier_config_fingerprints
 
     base = C.EvaluateConfig()
     assert C.EvaluateConfig(on_damaged="skip").fingerprint() == base.fingerprint()

@@ -17,7 +17,7 @@ import pytest
 from read_counter import WEIGHTS, count_lora_reads
 from schemas.config import EvaluateConfig
 from schemas.errors import UserError
-from stages.evaluate import checkpoints as ev
+from stages.evaluate.checkpoint_files import check_and_hash
 from stages.evaluate.ranks import launched
 
 
@@ -27,7 +27,7 @@ def main() -> None:
     ranks = launched(EvaluateConfig(device="cpu"))
     patch = pytest.MonkeyPatch()
     counts = count_lora_reads(patch)
-    kept, shas = ev.check_and_hash(ckpts, ranks)
+    kept, shas = check_and_hash(ckpts, ranks)
     print(f"RESULT ok: {json.dumps({'read': dict(counts), 'shas': shas, 'kept': [s for s, _ in kept]})}", flush=True)
     patch.undo()
     if ranks.main:  # rank 1's file (the second checkpoint) damaged: a flipped bit in its first weight
@@ -40,7 +40,7 @@ def main() -> None:
     with together(ranks.world, "damage"):  # rank 1 hashes after the damage only
         pass
     try:
-        ev.check_and_hash(ckpts, ranks)
+        check_and_hash(ckpts, ranks)
         print("RESULT damaged: accepted", flush=True)
     except UserError as e:
         print(f"RESULT damaged: {e}", flush=True)

@@ -163,7 +163,7 @@ def test_a_run_resumed_from_a_name_hashed_then_is_one_training_for_evaluate(unse
     keep_checkpoints pruned the old checkpoints, their steps passed for another training's and every earlier point
     of the report went aside ('the run's checkpoints are not the ones evaluated before'), all evaluated again.
     The new records carry the earlier fingerprint (and on through later resumes): one training."""
-    from stages.evaluate.checkpoints import same_training, training_of
+    from stages.evaluate.whose_losses import same_training, training_of
 
     out = tmp_path / "run"
     shutil.copytree(unset_run, out)
@@ -186,7 +186,7 @@ def test_a_run_resumed_from_records_without_a_backend_carries_the_one_it_took_th
     test_evaluate_checkpoints.py): the resumed run's records carry it, through later resumes too, so its old and
     new checkpoints stay one training once the old ones are pruned."""
     from schemas.record_formats import UNRECORDED_BACKEND
-    from stages.evaluate.checkpoints import same_training, training_of
+    from stages.evaluate.whose_losses import same_training, training_of
 
     out = tmp_path / "run"
     shutil.copytree(unset_run, out)

@@ -15,6 +15,7 @@ from schemas.config import EvaluateConfig
 from schemas.errors import UserError
 from stages.evaluate import checkpoints as ev, stage
 from stages.evaluate.compare import check_same_held_out, read_curves
+from stages.evaluate.loss_groups import group_hash
 from store.loss_array import GROUP
 from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the fixture)
 
@@ -63,10 +64,10 @@ def _as_recorded_unset(out, checkpoints: bool = True) -> None:
         group = zarr.open_group(out / GROUP, mode="r+", use_consolidated=True)
         settings = dict(group.attrs["settings"])
         settings["evaluate"] = {**settings["evaluate"], "attention_backend": None}
-        group.attrs.update({"fingerprint": ev.group_hash(settings), "settings": settings})
+        group.attrs.update({"fingerprint": group_hash(settings), "settings": settings})
         zarr.consolidate_metadata(out / GROUP)
         metrics["run"]["settings"] = settings
-        metrics["checkpoints"].update(fingerprint=ev.group_hash(settings), config_fingerprint=old_cfg.fingerprint())
+        metrics["checkpoints"].update(fingerprint=group_hash(settings), config_fingerprint=old_cfg.fingerprint())
     else:
         metrics["run"]["inputs"]["config_fingerprint"] = old_cfg.fingerprint()
     metrics["run"]["config"]["attention_backend"] = None

@@ -18,7 +18,9 @@ from models.loading import load_component
 from models.lora import add_lora, save_lora
 from pipeline.cli import app
 from schemas.config import EvaluateConfig, LoraConfig
-from stages.evaluate import checkpoints as ev
+from stages.evaluate import checkpoints as ev, loss_pass
+from stages.evaluate.loss_groups import group_hash
+from stages.evaluate.report_current import named_steps
 from store.loss_array import GROUP
 from lora_writer import add_checkpoint_lora, write_checkpoint as _write_lora, write_in_processes
 from train_store import make_train_store, mixed_specs
@@ -716,7 +718,7 @@ def respell_report(out, settings: dict) -> str:
     import zarr
 
     group = zarr.open_group(out / GROUP, mode="r+", use_consolidated=True)
-    old = ev.group_hash(settings)
+    old = group_hash(settings)
     group.attrs.update({"fingerprint": old, "settings": settings})
     zarr.consolidate_metadata(out / GROUP)
     metrics = json.loads((out / "metrics.json").read_text())
@@ -1062,13 +1064,13 @@ def test_a_lost_chunk_file_of_the_loss_array_is_refused_not_read_as_a_non_finite
     transformer = load_component(tiny_edit_model, "transformer")
     add_checkpoint_lora(transformer)
     _write_lora(transformer, tmp_path / "run" / "checkpoints" / "step-40", 5.0)
-    real = ev._grid
+    real = loss_pass._grid
 
     def diverged_at_40(*a, **k):  # every loss of step 40 NaN (a LoRA diverged in bf16; a NaN LoRA file is refused)
         grid = real(*a, **k)
         return np.full_like(grid, np.nan) if "(step 40)" in a[7] else grid
 
-    monkeypatch.setattr(ev, "_grid", diverged_at_40)
+    monkeypatch.setattr(loss_pass, "_grid", diverged_at_40)
     ckpts = [(s, tmp_path / "run" / "checkpoints" / f"step-{s}" / "lora") for s in (10, 20, 30, 40)]
     res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, ckpts, out)
     assert res.evaluated == 4 and res.best["step"] == 20
@@ -1130,7 +1132,7 @@ def test_a_checkpoint_removed_since_an_up_to_date_report_is_marked_removed(run_a
     copies = _own_run(root, tmp_path)
     out = tmp_path / "report"
     first = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, copies, out)
-    named = ev.named_steps(first.metrics["checkpoints"])
+    named = named_steps(first.metrics["checkpoints"])
     assert named == [20, 30], named  # step 10 (the worst, not the last) is named by nothing
     shutil.rmtree(copies[0][1].parent)  # step 10 removed
     res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, copies[1:], out, skip_if_done=True)

@@ -14,14 +14,14 @@ import xarray as xr
 
 from pipeline.orchestrate import REPORT_IN_KEPT_RUN, _report_back
 from schemas.config import EvaluateConfig
-from stages.evaluate import base_losses, checkpoints as ev
+from stages.evaluate import base_losses, checkpoints as ev, loss_pass
 from store.loss_array import GROUP
 from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
 
 
 def _counting(monkeypatch) -> list[str]:
-    passes, real = [], ev.loss_grid
-    monkeypatch.setattr(ev, "loss_grid", lambda *a, **k: (passes.append(a[5] if len(a) > 5 else k.get("desc")),
+    passes, real = [], loss_pass.loss_grid
+    monkeypatch.setattr(loss_pass, "loss_grid", lambda *a, **k: (passes.append(a[5] if len(a) > 5 else k.get("desc")),
                                                            real(*a, **k))[1])
     return passes
 

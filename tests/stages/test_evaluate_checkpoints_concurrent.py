@@ -14,7 +14,7 @@ import pytest
 import xarray as xr
 
 from schemas.config import EvaluateConfig
-from stages.evaluate import checkpoints as ev
+from stages.evaluate import best_checkpoint, checkpoint_files, checkpoints as ev, loss_pass
 from read_counter import count_lora_reads
 from store.loss_array import GROUP
 from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
@@ -31,7 +31,7 @@ def _copy_run(run_and_store, tmp_path):
 def _while_the_first_is_evaluated(monkeypatch, action):
     """Run `action` while the held-out loss of the first checkpoint evaluated (the newest, step 30) is computed
     (the base is first)."""
-    real, calls = ev.loss_grid, []
+    real, calls = loss_pass.loss_grid, []
 
     def loss_grid(*a, **k):
         calls.append(k.get("desc", a[-1] if len(a) > 5 else ""))
@@ -39,7 +39,7 @@ def _while_the_first_is_evaluated(monkeypatch, action):
             action()
         return real(*a, **k)
 
-    monkeypatch.setattr(ev, "loss_grid", loss_grid)
+    monkeypatch.setattr(loss_pass, "loss_grid", loss_grid)
 
 
 def test_a_checkpoint_pruned_while_evaluating_is_left_out_and_the_others_are_evaluated(
@@ -60,14 +60,14 @@ def test_a_checkpoint_pruned_while_evaluating_is_left_out_and_the_others_are_eva
 def test_a_checkpoint_pruned_while_hashing_is_left_out(run_and_store, tiny_edit_model, tmp_path, monkeypatch,
                                                        capsys):
     root = _copy_run(run_and_store, tmp_path)
-    real = ev.lora_digest
+    real = checkpoint_files.lora_digest
 
     def lora_digest(path, hashes):  # step 10 hashed: the training prunes step 20 meanwhile
         if "step-10" in str(path):
             shutil.rmtree(root / "run" / "checkpoints" / "step-20", ignore_errors=True)
         return real(path, hashes)
 
-    monkeypatch.setattr(ev, "lora_digest", lora_digest)
+    monkeypatch.setattr(checkpoint_files, "lora_digest", lora_digest)
     res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), tmp_path / "r")
     assert res.metrics["checkpoints"]["steps"] == [10, 30]
     assert "checkpoint step 20 was deleted before it was evaluated" in "".join(capsys.readouterr())
@@ -198,14 +198,14 @@ def test_the_best_checkpoint_rewritten_before_its_images_is_refused_not_pictured
 
     root = _copy_run(run_and_store, tmp_path)
     ck = root / "run" / "checkpoints"
-    real = ev._summary
+    real = best_checkpoint._summary
 
     def summary_then_rewrite(*a, **k):
         out = real(*a, **k)
         shutil.copyfile(ck / "step-10" / "lora" / WEIGHTS, ck / "step-20" / "lora" / WEIGHTS)
         return out
 
-    monkeypatch.setattr(ev, "_summary", summary_then_rewrite)
+    monkeypatch.setattr(best_checkpoint, "_summary", summary_then_rewrite)
     cfg = EvaluateConfig(**{**CFG, "num_samples": 1, "num_inference_steps": 2})
     with pytest.raises(UserError, match="checkpoint step 20 was rewritten after its held-out loss") as e:
         ev.run(cfg, run_and_store / "store", tiny_edit_model, _ckpts(root), tmp_path / "r")
@@ -223,7 +223,7 @@ def test_the_best_checkpoint_rewritten_after_its_losses_is_not_named_without_pic
 
     root = _copy_run(run_and_store, tmp_path)
     ck = root / "run" / "checkpoints"
-    real, calls = ev.loss_grid, []
+    real, calls = loss_pass.loss_grid, []
 
     def loss_grid(*a, **k):  # base, step 30, step 20, step 10
         calls.append(1)
@@ -231,7 +231,7 @@ def test_the_best_checkpoint_rewritten_after_its_losses_is_not_named_without_pic
             shutil.copyfile(ck / "step-10" / "lora" / WEIGHTS, ck / "step-20" / "lora" / WEIGHTS)
         return real(*a, **k)
 
-    monkeypatch.setattr(ev, "loss_grid", loss_grid)
+    monkeypatch.setattr(loss_pass, "loss_grid", loss_grid)
     with pytest.raises(UserError, match="checkpoint step 20 was rewritten after its held-out loss") as e:
         ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), tmp_path / "r")
     assert "\n" not in str(e.value) and not (tmp_path / "r" / "metrics.json").exists()
@@ -266,7 +266,7 @@ def _training_meanwhile(monkeypatch, at_call: int, new_steps: list[int], keep: i
             shutil.copytree(ck / "step-20", ck / f"step-{step}")
         prune(ck, keep)
 
-    real, calls = ev.loss_grid, []
+    real, calls = loss_pass.loss_grid, []
 
     def loss_grid(*a, **k):
         calls.append(1)
@@ -274,7 +274,7 @@ def _training_meanwhile(monkeypatch, at_call: int, new_steps: list[int], keep: i
             training()
         return real(*a, **k)
 
-    monkeypatch.setattr(ev, "loss_grid", loss_grid)
+    monkeypatch.setattr(loss_pass, "loss_grid", loss_grid)
 
 
 def test_every_checkpoint_evaluated_pruned_meanwhile_evaluates_the_newer_ones(run_and_store, tiny_edit_model,
@@ -415,7 +415,7 @@ def test_a_checkpoint_that_cannot_be_read_at_its_load_names_the_read_error_not_a
     from schemas.errors import UserError
 
     path = tmp_path / "checkpoints" / "step-20" / "lora"
-    read = ev._unloadable(20, path, PermissionError(13, "Permission denied"))
+    read = checkpoint_files.unloadable(20, path, PermissionError(13, "Permission denied"))
     assert str(read).startswith(f"checkpoint step 20: cannot read {path} (") and "move" not in str(read)
-    refused = ev._unloadable(20, path, UserError("saved [4, 8], model [4, 16]"))
+    refused = checkpoint_files.unloadable(20, path, UserError("saved [4, 8], model [4, 16]"))
     assert f"or move {path.parent} out of the run's checkpoints/" in str(refused)

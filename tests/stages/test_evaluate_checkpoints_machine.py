@@ -12,7 +12,7 @@ import xarray as xr
 from schemas.config import EvaluateConfig
 from schemas.errors import UserError
 from stages.evaluate import base_images
-from stages.evaluate import checkpoints as ev
+from stages.evaluate import checkpoint_load, checkpoints as ev
 from stages.evaluate.loss_groups import COMPUTED_ON
 from store.loss_array import GROUP
 from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
@@ -82,7 +82,7 @@ def test_base_losses_taken_from_the_kept_file_record_the_machine(run_and_store, 
     root, cfg, out = run_and_store, EvaluateConfig(**CFG), tmp_path / "report"
     stage.run(cfg, root / "store", tiny_edit_model, dict(_ckpts(root))[10], out)  # records the base losses
     # every checkpoint rewritten by a training beside it before it was loaded: left out, the base row alone
-    monkeypatch.setattr(ev, "_load_if_unchanged", lambda *a, **k: False)
+    monkeypatch.setattr(checkpoint_load, "_load_if_unchanged", lambda *a, **k: False)
     for folder in (out, tmp_path / "fresh"):  # from the file; computed
         with pytest.raises(UserError, match="no checkpoint recorded in .* is still on disk"):
             ev.run(cfg, root / "store", tiny_edit_model, _ckpts(root), folder)

@@ -40,9 +40,9 @@ FAILING_RANK = """
 import os, sys
 FAIL_IN = sys.argv.pop(1)  # an argument, not a variable: the ranks' environment is every rank test's (one warm parent)
 import models.lora
-from stages.evaluate import checkpoints as ev
+from stages.evaluate import loss_pass
 from schemas.errors import UserError
-real_grid, real_load = ev.loss_grid, models.lora.load_lora
+real_grid, real_load = loss_pass.loss_grid, models.lora.load_lora
 def loss_grid(*a, **k):
     if os.environ["RANK"] == "1" and FAIL_IN == "loss" and "step 20" in a[-1]:
         raise UserError("rank 1 cannot compute step 20 (injected)")
@@ -51,7 +51,7 @@ def load_lora(transformer, path, *a, **k):
     if os.environ["RANK"] == "1" and FAIL_IN == "load" and "step-20" in str(path):
         raise UserError("rank 1 cannot load step 20 (injected)")
     return real_load(transformer, path, *a, **k)
-ev.loss_grid, models.lora.load_lora = loss_grid, load_lora
+loss_pass.loss_grid, models.lora.load_lora = loss_grid, load_lora
 from pipeline.cli import app
 sys.argv = ["pipeline", *sys.argv[1:]]
 app()
@@ -236,12 +236,12 @@ import os, sys
 from pathlib import Path
 RESULTS, BLIND = Path(sys.argv.pop(1)), sys.argv.pop(1) == "blind"
 import models.held_out as held_out
-from stages.evaluate import base_losses, checkpoints as ev
-real_grid, passes = ev.loss_grid, []
+from stages.evaluate import base_losses, loss_pass
+real_grid, passes = loss_pass.loss_grid, []
 def loss_grid(*a, **k):
     passes.append(a[5])
     return real_grid(*a, **k)
-ev.loss_grid = loss_grid
+loss_pass.loss_grid = loss_grid
 real_targets, rows = held_out.target_predictions, []
 held_out.target_predictions = lambda t, fb: (rows.append(len(fb.targets)), real_targets(t, fb))[1]
 if BLIND and os.environ["RANK"] == "1":

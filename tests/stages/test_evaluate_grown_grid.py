@@ -16,7 +16,7 @@ import xarray as xr
 
 import models.held_out as held_out
 from schemas.config import EvaluateConfig
-from stages.evaluate import checkpoints as ev
+from stages.evaluate import checkpoint_load, checkpoints as ev
 from store.loss_array import GROUP, LossGroup
 from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
 from test_evaluate_checkpoints_base_cache import _counting
@@ -128,7 +128,7 @@ def test_a_kill_while_growing_loses_no_row_and_the_rerun_computes_the_rest(run_a
     root, out = run_and_store, tmp_path / "report"
     fresh_out, fresh_res, fresh_rows = fresh
     ev.run(ONE, root / "store", tiny_edit_model, _ckpts(root), out)
-    real, loads = ev._load_if_unchanged, []
+    real, loads = checkpoint_load._load_if_unchanged, []
 
     def killed_at_the_second(*a, **k):
         loads.append(a[1])
@@ -136,10 +136,10 @@ def test_a_kill_while_growing_loses_no_row_and_the_rerun_computes_the_rest(run_a
             raise KeyboardInterrupt  # a kill while the second checkpoint is loaded
         return real(*a, **k)
 
-    monkeypatch.setattr(ev, "_load_if_unchanged", killed_at_the_second)
+    monkeypatch.setattr(checkpoint_load, "_load_if_unchanged", killed_at_the_second)
     with pytest.raises(KeyboardInterrupt):
         ev.run(TWO, root / "store", tiny_edit_model, _ckpts(root), out)
-    monkeypatch.setattr(ev, "_load_if_unchanged", real)
+    monkeypatch.setattr(checkpoint_load, "_load_if_unchanged", real)
     # what was written is whole: the base and the newest checkpoint, every cell of them the fresh run's
     part, full = _arrays(out), _arrays(fresh_out)
     assert [int(s) for s in part.step.values] == [30]

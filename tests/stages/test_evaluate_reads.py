@@ -12,6 +12,7 @@ from read_counter import WEIGHTS, count_lora_reads
 from schemas.config import EvaluateConfig
 from stages.evaluate import checkpoints as ev
 from stages.evaluate import stage
+from stages.evaluate.checkpoint_files import check_and_hash
 from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
 
 
@@ -193,4 +194,4 @@ def test_a_flipped_bit_is_refused_though_an_unchecked_hash_of_it_was_remembered_
         flip_bit(weights, weights.stat().st_size - 2, 6)  # a finite value still: only the checksum can tell
         unchecked(weights)
         with pytest.raises(UserError, match="changed after it was written"):
-            ev.check_and_hash([(20, path)])
+            check_and_hash([(20, path)])

@@ -206,13 +206,13 @@ def _reevaluate(store, run, single, every, model, monkeypatch):
     from models import held_out
     from schemas.config import EvaluateConfig
     from stages.evaluate import checkpoints as ev
-    from stages.evaluate import stage
+    from stages.evaluate import loss_pass, stage
 
     passes = []
     grid = held_out.loss_grid
     monkeypatch.setattr(held_out, "loss_grid", lambda *a, **k: passes.append(1) or grid(*a, **k))
     monkeypatch.setattr(stage, "loss_grid", held_out.loss_grid)
-    monkeypatch.setattr(ev, "loss_grid", held_out.loss_grid)
+    monkeypatch.setattr(loss_pass, "loss_grid", held_out.loss_grid)
     one = stage.run(EvaluateConfig(**EVAL), store, model, run / "lora", single, skip_if_done=True)
     every_ = ev.run(EvaluateConfig(**EVAL), store, model, _steps(run), every, skip_if_done=True)
     return one, every_, len(passes)
@@ -281,10 +281,10 @@ def test_reports_and_arrays_recorded_under_version_ids_stay_current(trained, tin
 
     from schemas.config import EvaluateConfig
     from stages.evaluate import checkpoints as ev
-    from stages.evaluate import stage
+    from stages.evaluate import loss_fingerprint, stage
 
     with monkeypatch.context() as old_release:  # every table named by its version id, as before
-        old_release.setattr(ev, "read_tables", lambda tables, cap: tables.versions())
+        old_release.setattr(loss_fingerprint, "read_tables", lambda tables, cap: tables.versions())
         old_release.setattr(stage, "images_rows_id", lambda st, tables, first=None: None)
         store, run, single, every = _evaluated(trained, tiny_plus_model, tmp_path)
     import json
@@ -319,12 +319,12 @@ def test_compare_matches_an_array_named_by_content_with_one_named_by_versions(tr
     nothing of the contents of the older one)."""
     from schemas.config import EvaluateConfig
     from schemas.errors import UserError
-    from stages.evaluate import checkpoints as ev
+    from stages.evaluate import checkpoints as ev, loss_fingerprint
     from stages.evaluate.compare import check_same_held_out, read_curves
 
     store, run = _copy(trained, tmp_path)
     with monkeypatch.context() as old_release:
-        old_release.setattr(ev, "read_tables", lambda tables, cap: tables.versions())
+        old_release.setattr(loss_fingerprint, "read_tables", lambda tables, cap: tables.versions())
         ev.run(EvaluateConfig(**EVAL, max_loss_samples=1), store, tiny_plus_model, _steps(run), tmp_path / "old")
     ev.run(EvaluateConfig(**EVAL, max_loss_samples=1), store, tiny_plus_model, _steps(run), tmp_path / "new")
     old, new = read_curves(tmp_path / "old", "old"), read_curves(tmp_path / "new", "new")

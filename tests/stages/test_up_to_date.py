@@ -309,25 +309,25 @@ def test_an_evaluate_report_of_another_evaluation_revision_is_recomputed(trained
     losses too); a report recorded before the revision was counts as revision 1."""
     import json
 
-    from stages.evaluate import checkpoints as ev
+    from stages.evaluate import loss_fingerprint
     from stages.evaluate.stage import report_up_to_date, run
 
     store, lora, out = trained / "store", trained / "run" / "lora", tmp_path / "report"
     cfg = EvaluateConfig(**EVAL)
     run(cfg, store, tiny_edit_model, lora, out)
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["run"]["inputs"]["evaluation_revision"] == ev.EVALUATION_REVISION
+    assert metrics["run"]["inputs"]["evaluation_revision"] == loss_fingerprint.EVALUATION_REVISION
     del metrics["run"]["inputs"]["evaluation_revision"]  # as written before the revision was recorded
     (out / "metrics.json").write_text(json.dumps(metrics))
     assert report_up_to_date(cfg, store, tiny_edit_model, lora, out) == (
-        ev.EVALUATION_REVISION == up_to_date.UNRECORDED_REVISION)  # revision 1's
+        loss_fingerprint.EVALUATION_REVISION == up_to_date.UNRECORDED_REVISION)  # revision 1's
 
-    monkeypatch.setattr(ev, "EVALUATION_REVISION", ev.EVALUATION_REVISION + 1)
+    monkeypatch.setattr(loss_fingerprint, "EVALUATION_REVISION", loss_fingerprint.EVALUATION_REVISION + 1)
     assert not report_up_to_date(cfg, store, tiny_edit_model, lora, out)
     base_losses = (out / "base-losses.safetensors").read_bytes()
     again = run(cfg, store, tiny_edit_model, lora, out, skip_if_done=True)
     assert not again.up_to_date
-    assert again.metrics["run"]["inputs"]["evaluation_revision"] == ev.EVALUATION_REVISION
+    assert again.metrics["run"]["inputs"]["evaluation_revision"] == loss_fingerprint.EVALUATION_REVISION
     assert (out / "base-losses.safetensors").read_bytes() != base_losses  # recomputed under the new key
     assert report_up_to_date(cfg, store, tiny_edit_model, lora, out)
 
@@ -339,7 +339,7 @@ def test_a_checkpoint_report_of_another_evaluation_revision_evaluates_every_chec
     array recorded before the revision was (no revision in its setting) is revision 1's: kept, nothing evaluated."""
     import zarr
 
-    from stages.evaluate import checkpoints as ev
+    from stages.evaluate import checkpoints as ev, loss_fingerprint
     from store.loss_array import GROUP
 
     store, out = trained / "store", tmp_path / "report"
@@ -357,7 +357,7 @@ def test_a_checkpoint_report_of_another_evaluation_revision_evaluates_every_chec
     assert ev.run(cfg, store, tiny_edit_model, ckpts, out).evaluated == 0  # forced: the losses are kept
     assert not list(out.glob("losses.*.zarr"))
 
-    monkeypatch.setattr(ev, "EVALUATION_REVISION", ev.EVALUATION_REVISION + 1)
+    monkeypatch.setattr(loss_fingerprint, "EVALUATION_REVISION", loss_fingerprint.EVALUATION_REVISION + 1)
     again = ev.run(cfg, store, tiny_edit_model, ckpts, out, skip_if_done=True)
     assert not again.up_to_date and again.evaluated == 1
     assert list(out.glob("losses.*.zarr"))  # the earlier revision's losses kept aside
