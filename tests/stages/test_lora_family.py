@@ -154,3 +154,34 @@ def test_a_store_holding_both_families_names_the_version_this_model_encoded(tiny
     assert "built with a different model" in line and "Traceback" not in result.output, line
     assert "text v1" in line and "from images v1" in line and "current images v2" in line, line
     assert "pipeline run resize-bucket" in line, line
+
+
+def test_an_encoder_on_another_runs_images_says_so_and_names_the_configs_version(tiny_21_model, tmp_path, capsys):
+    """The same store, stage by stage: the 2.1 config's encode-text / encode-vae reading the current images
+    version an Edit run's resize-bucket made (its reference limit, no alpha) while the 2.1 config's own version
+    is there: one line each, naming the settings that differ and resize-bucket as the way to the config's version;
+    the encoders still encode the current one. Before, not a word (the Edit run's samples, fewer references)."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from test_qwen21_stages import MIXED, write_store21
+
+    from pipeline.config import load_config
+    from stages.encode import text as encode_text
+    from stages.encode import vae as encode_vae
+    from stages.encode.other_images import config_resize
+
+    cfg21 = load_config(None, {"encode_text.dtype": "float32", "encode_vae.dtype": "float32",
+                               "resize.max_controls": 10, "resize.keep_alpha": True, "resize.vl_views": False})
+    edit = load_config(None, {"resize.max_controls": 2})
+    store = write_store21(tmp_path / "s", MIXED[:3], resize=config_resize(cfg21))
+    write_store21(store, MIXED[:2], resize=config_resize(edit))  # the Edit run's resize-bucket: images v2, current
+    capsys.readouterr()
+    for encode, stage in ((encode_text, "encode-text"), (encode_vae, "encode-vae")):
+        summary = encode.run(cfg21, store, tiny_21_model)
+        assert summary.encoded == 2  # the current images v2, as before
+        [line] = [x for x in capsys.readouterr().out.splitlines() if "other resize settings" in x]
+        assert line.startswith(f"{stage}: the current images v2 ") and "images v1 with this config's" in line, line
+        assert "resize.max_controls: 2 -> 10" in line and "pipeline run resize-bucket" in line, line
+    summary = encode_text.run(edit, store, tiny_21_model)  # the current images' own config: nothing said
+    assert "other resize settings" not in capsys.readouterr().out

@@ -39,8 +39,9 @@ def _png(h, w, mode, rng) -> bytes:
     return buf.getvalue()
 
 
-def write_store21(root, samples=SAMPLES, val=()):
-    """An `images` table as resize-bucket writes it for 2.1 (control_{i}.png = each reference, sides in 32s)."""
+def write_store21(root, samples=SAMPLES, val=(), resize=None):
+    """An `images` table as resize-bucket writes it for 2.1 (control_{i}.png = each reference, sides in 32s);
+    `resize`: the settings it records as made with (`attrs["resize"]`), or none."""
     col = "column"
     schema = TableSchema(name="images", lineage=Lineage("resize-bucket", config_hash="fixture-21", upstream={},
                                                         code_version="fixture"),
@@ -48,7 +49,8 @@ def write_store21(root, samples=SAMPLES, val=()):
                                  FieldSpec("control_{i}.png", "png", kind="file", optional=True),
                                  FieldSpec("caption", "string", kind=col), FieldSpec("split", "string", kind=col),
                                  FieldSpec("img_shapes", "json", kind=col), FieldSpec("num_controls", "int64", kind=col),
-                                 FieldSpec("source", "string", kind=col)])
+                                 FieldSpec("source", "string", kind=col)],
+                         attrs={} if resize is None else {"resize": resize})
     rng = np.random.default_rng(0)
     w = Store(root).writer("images", schema)
     for i, (caption, (th, tw, tm), refs) in enumerate(samples):
