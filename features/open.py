@@ -319,8 +319,10 @@ def _encoded_from_other_images(st, table: str, model_fingerprint: str, model: st
         images = lineage.upstream.get("images")
         if lineage.model_fingerprint != model_fingerprint or images is None:
             continue
-        if int(images) == current:
-            return None  # the encoder finds it up to date and makes it current: the plain advice holds
+        # the current images: the encoder finds it up to date and makes it current (the plain advice holds);
+        # images gone (`store gc`): resize-bucket would render again, so nothing is promised
+        if int(images) == current or int(images) not in st.versions("images"):
+            return None
         return (f"its {table} v{v} was encoded by this model from images v{images}, not the current images "
                 f"v{current} (another run's resize settings): rerun `pipeline run resize-bucket` with the config "
                 f"that made images v{images} (it renders nothing again), then the encoders with --model {model} "
