@@ -887,3 +887,25 @@ def test_21_dynamic_shift_sigmas_are_the_stock_schedulers_shift_at_the_21_pipeli
         mu = calculate_shift(tokens, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)
         want = torch.tensor([scheduler.time_shift(mu, 1.0, x) for x in u.tolist()], dtype=torch.float32)
         torch.testing.assert_close(got, want, rtol=0, atol=2e-7)
+
+
+def test_an_edit_configs_dynamic_shift_on_a_21_model_is_said(tiny_21_model, tiny_edit_model, encoded21, tmp_path,
+                                                              capsys):
+    """An Edit config carried to 2.1 that spells its scheduler's shift (0.9 at 8192 tokens) trains at it, as set,
+    with one note naming the 2.1 scheduler's numbers (1.15 at 4096) and the settings to unset; before, not a word.
+    Unset, or set to the model's own numbers: nothing said."""
+    from stages.train.recipe import run
+    from stages.train.settings import say_other_shift
+
+    edit_numbers = {"train.sigma.max_shift": 0.9, "train.sigma.max_image_seq_len": 8192}
+    capsys.readouterr()
+    run(load_config(None, {"train.device": "cpu", "train.batch_size": 2, "train.lora.rank": 4, "train.max_steps": 1,
+                           "train.sigma.sampling": "dynamic_shift", **edit_numbers}),
+        encoded21, tiny_21_model, tmp_path / "run")
+    [note] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note: train.sigma")]
+    assert "max_shift 0.9, max_image_seq_len 8192, as set" in note, note
+    assert "max_shift 1.15, max_image_seq_len 4096" in note and "unset train.sigma.max_shift / max_image_seq_len" in note
+    for model, numbers in ((tiny_21_model, {}), (tiny_21_model, {"train.sigma.max_shift": 1.15}),
+                           (tiny_edit_model, edit_numbers)):
+        say_other_shift(load_config(None, {"train.sigma.sampling": "dynamic_shift", **numbers}).train.sigma, model)
+        assert "note:" not in capsys.readouterr().out
