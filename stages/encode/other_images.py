@@ -24,7 +24,7 @@ def say_other_images(job, cfg: PipelineConfig) -> None:
     or where no other version records the config's."""
     if job.ranks.rank != 0:
         return
-    wanted = config_resize(cfg)
+    wanted = _compared(config_resize(cfg))
     current = job.images.version
     recorded = _recorded_resize(job.store)
     if recorded.get(current) in (None, wanted):
@@ -41,11 +41,20 @@ def say_other_images(job, cfg: PipelineConfig) -> None:
                "first (it renders nothing again where the source is unchanged)")
 
 
+# Left out of the comparison: how a source's columns are read (resize-bucket records the columns in force, a
+# parquet source's detected mask column among them, not the config's), which tells sources apart, not renders.
+NOT_COMPARED = ("columns",)
+
+
 def config_resize(cfg: PipelineConfig) -> dict[str, Any]:
     """The config's resize settings as resize-bucket records them in an `images` version's schema (`resize`)."""
     from schemas.lineage import unhashed_names
 
     return cfg.resize.model_dump(mode="json", exclude=unhashed_names(cfg.resize) | {"split_by"})
+
+
+def _compared(settings: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in settings.items() if k not in NOT_COMPARED}
 
 
 def _recorded_resize(store) -> dict[int, dict[str, Any] | None]:
@@ -62,5 +71,5 @@ def _recorded_resize(store) -> dict[int, dict[str, Any] | None]:
             settings = store.checked_schema(IMAGES, v).attrs.get("resize")
         except UserError:  # damaged: stands for nothing
             settings = None
-        recorded[v] = settings if isinstance(settings, dict) else None
+        recorded[v] = _compared(settings) if isinstance(settings, dict) else None
     return recorded
