@@ -102,8 +102,10 @@ def _open_features(st, lease, readers: dict[str, TableReader], model: str, model
             files = differing_files(r.schema.attrs.get(MODEL_FILES_ATTR), model_files) if model_files else None
             raise UserError(
                 f"table '{r.table}' v{r.version} in {st.root} was built with a different model (fingerprint "
-                f"{found or 'none'}) than --model {model} ({model_fingerprint}{'; ' + files if files else ''}); use "
-                f"the model that encoded the store, or re-run `pipeline run {PRODUCER[r.table]} --model {model}`"
+                f"{found or 'none'}) than --model {model} ({model_fingerprint}{'; ' + files if files else ''}); "
+                + (_encoded_from_other_images(st, r.table, model_fingerprint, model) or
+                   f"use the model that encoded the store, or re-run `pipeline run {PRODUCER[r.table]} --model "
+                   f"{model}`")
             )
     # the `images` versions they were encoded from: a sample of two renders refused, a stale table said
     check_images_versions(st, readers, section)
@@ -299,6 +301,34 @@ def split_report(store: str | Path, tables: tuple[str, str], split: str) -> dict
         for r in readers.values():
             r.close()
         lease.release()
+
+
+def _encoded_from_other_images(st, table: str, model_fingerprint: str, model: str) -> str | None:
+    """The way back to the newest complete version of `table` this model encoded from an `images` version that is
+    no longer current (another run's resize-bucket, with its own settings, came between), or None. Re-running the
+    encoder alone would encode the current images instead: their resize settings (reference limit, alpha,
+    sizes) are the other run's."""
+    current = st.tables().get("images")
+    for v in reversed(st.versions(table)):
+        if not fmt.is_complete(st.version_dir(table, v)):
+            continue
+        try:
+            lineage = st.checked_schema(table, v).lineage
+        except UserError:  # unreadable: the next older one
+            continue
+        images = lineage.upstream.get("images")
+        if lineage.model_fingerprint != model_fingerprint or images is None:
+            continue
+        # the current images: the encoder finds it up to date and makes it current (the plain advice holds);
+        # images gone (`store gc`): resize-bucket would render again, so nothing is promised
+        if int(images) == current or int(images) not in st.versions("images"):
+            return None
+        return (f"its {table} v{v} was encoded by this model from images v{images}, not the current images "
+                f"v{current} (another run's resize settings): rerun `pipeline run resize-bucket` with the config "
+                f"that made images v{images} (it renders nothing again), then the encoders with --model {model} "
+                "find their tables up to date (`pipeline run all --config F` runs all three); re-running "
+                f"`pipeline run {PRODUCER[table]}` alone encodes images v{current}")
+    return None
 
 
 def reasons_text(rep: dict[str, Any]) -> str:

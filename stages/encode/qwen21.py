@@ -43,6 +43,7 @@ from stages.encode.common import (
     serving_config_hashes,
     with_overrides,
 )
+from stages.encode.other_images import say_other_images
 from stages.encode.plan import Fixes
 
 MAX_REFERENCES = 10
@@ -278,6 +279,7 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
                    unread=TEXT_UNREAD["qwen-image-2.1"], by_controls=references_rule)
     job.prompt_fits = lambda tokens, shapes: caption_length_rejection_21("", tokens, shapes) is None
     say_alpha_flattened(job, cfg, model)
+    say_other_images(job, cfg)
     if job.up_to_date:
         return job.summary
     with job.working():  # from the model load on, as encode-text/-vae (a load that fails closes the job too)

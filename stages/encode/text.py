@@ -51,6 +51,7 @@ from stages.encode.common import (
 
 from schemas.fixes import has_alpha_picture, prompt_was_emptied, took_transparent_colour
 from schemas.pictures_lineage import TEXT_UNREAD
+from stages.encode.other_images import say_other_images
 from stages.encode.plan import Fixes
 
 STAGE = "encode-text"
@@ -401,6 +402,7 @@ def run(
                    earlier_hashes=earlier, fixes=FIXES, serving_hashes=serving,
                    unread=TEXT_UNREAD[fmt.variant], by_controls=by_controls)
     job.prompt_fits = prompt_fits
+    say_other_images(job, cfg)
     if job.up_to_date:
         return job.summary
     if fmt.variant != "edit" and not job.images.schema.attrs.get("resize", {}).get("vl_views", True):

@@ -39,6 +39,7 @@ from stages.encode.common import (
 )
 
 from schemas.fixes import has_alpha_picture, mask_was_turned, took_transparent_colour
+from stages.encode.other_images import say_other_images
 from stages.encode.plan import Fixes
 
 STAGE = "encode-vae"
@@ -167,6 +168,7 @@ def run(
                    earlier_hashes=earlier_config_hashes(section), fixes=fixes, unread=VAE_UNREAD, by_controls=rule)
     job.match_columns = ("mask_sha256",)
     job.same_inputs_carry = True  # the caption is in the key, never in the latents: a recaption carries them
+    say_other_images(job, cfg)
     if variant == "qwen-image-2.1":  # its VAE reads RGBA: pictures flattened over white are said
         from stages.encode.qwen21 import say_alpha_flattened
 

@@ -66,8 +66,8 @@ from stages.train.prefetch import MicroBatches
 from stages.train.result import TrainResult
 from stages.train.saving import checkpoint, cleanup, finish
 from stages.train.sampler import padded_tokens
-from stages.train.settings import (make_accelerator, resolved_config, run_backend, sigma_for_model, train_device,
-                                   validate_config, zero_token_weights)
+from stages.train.settings import (make_accelerator, resolved_config, run_backend, say_other_shift, sigma_for_model,
+                                   train_device, validate_config, zero_token_weights)
 from stages.train.start import check_same_start, open_tables, prepare_run_dir, resume_point, start_record
 from stages.train.state import ResumeRecord
 from stages.train.stop import StopOnSignal
@@ -212,6 +212,8 @@ def run(
         return TrainResult(Path(out), lora, cfg.train.max_steps, cfg.train.max_steps, up_to_date=True,
                            unapplied=_unapplied(Path(out), cfg))
     accelerator = accelerator or make_accelerator(cfg.train)
+    if accelerator.is_main_process:
+        say_other_shift(cfg.train.sigma, model)
     locks = _lock_run_folder(cfg.train, accelerator, Path(out))
     r, moved = None, None
     try:

@@ -319,6 +319,27 @@ def sigma_for_model(cfg: PipelineConfig, model: str) -> PipelineConfig:
     return cfg.model_copy(update={"train": tc})
 
 
+def say_other_shift(sigma: SigmaConfig, model: str) -> None:
+    """A note where dynamic_shift's shift settings set in the config differ from the model's scheduler's, which its
+    pipeline samples with: an Edit config's 0.5..0.9 at 256..8192 tokens carried to a Qwen-Image-2.1 model (its
+    0.5..1.15 at 256..4096: μ 0.69 instead of 1.15 at a 1024² target), or the reverse, trained at the other
+    family's shift without a word. Set on purpose they stay in force: the note only says so."""
+    if sigma.sampling != "dynamic_shift":
+        return
+    from models.loading import load_component
+
+    scheduler = load_component(model, "scheduler").config
+    differ = [name for name in SHIFT_SETTINGS if name in sigma.model_fields_set
+              and scheduler.get(name) is not None and float(getattr(sigma, name)) != float(scheduler[name])]
+    if differ:
+        from tqdm.auto import tqdm
+
+        ours = ", ".join(f"{name} {getattr(sigma, name)}" for name in differ)
+        theirs = ", ".join(f"{name} {scheduler[name]}" for name in differ)
+        tqdm.write(f"note: train.sigma (dynamic_shift) {ours}, as set, differ from {model}'s scheduler ({theirs}), "
+                   f"which its pipeline samples with; unset train.sigma.{' / '.join(differ)} to train at the model's")
+
+
 def _check_resolved_sigma(sigma: SigmaConfig, read: dict[str, Any], model: str) -> None:
     """The σ section's own checks (`SigmaConfig`'s validators) on the numbers `sigma_for_model` resolved, as every
     one spelled out in the config is checked: before, a scheduler config with base_image_seq_len ==

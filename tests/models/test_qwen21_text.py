@@ -64,3 +64,33 @@ def test_generation_from_stored_features_equals_the_stock_pipeline(tiny_21_model
     got = generate_21(pipe.transformer, pipe.vae, pipe.scheduler, embeds, slots, [latent], 64, 96, 3, 5,
                       output_type="np")
     np.testing.assert_array_equal(got, want)
+
+
+def test_guided_generation_from_stored_features_equals_the_stock_pipeline(tiny_21_model):
+    """True CFG as evaluate's val images and train's sample grid run it (`evaluate.true_cfg_scale` > 1): the
+    negative is the stored empty prompt with the sample's references, which is the stock call with
+    `negative_prompt=""`; the image equals the stock `QwenImage21Pipeline`'s (no KV cache), bit for bit."""
+    from diffusers import QwenImage21Pipeline
+
+    from models.qwen21_generate import generate_21
+
+    pipe = QwenImage21Pipeline.from_pretrained(tiny_21_model)
+    # sizes the pipeline keeps at output_resolution 78 (calculate_dimensions(78², 3:2 or 2:3) = the same sides)
+    refs = [_img(64, 96, "RGBA", 0).convert("RGBA"), _img(96, 64, "RGB", 1).convert("RGBA")]
+    want = pipe(image=refs, prompt="make it red", negative_prompt="", true_cfg_scale=3.0, output_resolution=78,
+                height=64, width=96, num_inference_steps=3, generator=torch.Generator().manual_seed(5),
+                use_kv_cache=False, output_type="np").images[0]
+    encoder = prompt_encoder(pipe.text_encoder, pipe.processor)
+    embeds, slots = encode_prompt(encoder, "make it red", refs)
+    negative = encode_prompt(encoder, "", refs)
+    latents = []
+    for r in refs:
+        pixels = pipe.image_processor.preprocess(r, width=r.width, height=r.height).unsqueeze(2)
+        with torch.no_grad():
+            latents.append(pipe._encode_vae_image(pixels, None)[0])
+    got = generate_21(pipe.transformer, pipe.vae, pipe.scheduler, embeds, slots, latents, 64, 96, 3, 5,
+                      true_cfg_scale=3.0, negative=negative, output_type="np")
+    unguided = generate_21(pipe.transformer, pipe.vae, pipe.scheduler, embeds, slots, latents, 64, 96, 3, 5,
+                           output_type="np")
+    assert np.abs(got - unguided).max() > 1e-3  # guidance changes the image
+    np.testing.assert_array_equal(got, want)

@@ -121,3 +121,67 @@ def test_a_store_of_one_family_never_trains_the_other(tiny_21_model, tiny_plus_m
         [line] = [x for x in result.output.splitlines() if x.startswith("error:")]
         assert "built with a different model" in line and "Traceback" not in result.output
         assert not (run_dir / "lora").exists()
+
+
+def test_a_store_holding_both_families_names_the_version_this_model_encoded(tiny_21_model, tiny_edit_model, tmp_path):
+    """One store used by a 2.1 run and then by an Edit run with other resize settings (images v1 -> v2): the
+    current text/vae are the Edit model's, encoded from images v2. Train with the 2.1 model is refused, and the line
+    names the versions the 2.1 model encoded (from images v1) and resize-bucket as the way back to them. Before, it
+    said only "re-run encode-text --model M21", which encodes the current images v2 (the Edit run's resize
+    settings: its reference limit, its alpha handling) into a new table, unsaid."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from test_qwen21_stages import MIXED, write_store21
+
+    from pipeline.config import load_config
+    from stages.encode import text as encode_text
+    from stages.encode import vae as encode_vae
+    from store import Store
+
+    store = write_store21(tmp_path / "s", MIXED[:3])
+    cfg = load_config(None, {"encode_text.dtype": "float32", "encode_vae.dtype": "float32"})
+    encode_text.run(cfg, store, tiny_21_model)
+    encode_vae.run(cfg, store, tiny_21_model)
+    write_store21(store, MIXED[:2])  # another run's resize-bucket: images v2, current
+    encode_text.run(cfg, store, tiny_edit_model)
+    encode_vae.run(cfg, store, tiny_edit_model)
+    assert Store(store).tables() == {"images": 2, "text": 2, "vae": 2}
+    result = _cli("run", "train", "--store", store, "--model", tiny_21_model, "--out", tmp_path / "run",
+                  "--max-steps", 1, "--device", "cpu")
+    assert result.exit_code == 1, result.output
+    [line] = [x for x in result.output.splitlines() if x.startswith("error:")]
+    assert "built with a different model" in line and "Traceback" not in result.output, line
+    assert "text v1" in line and "from images v1" in line and "current images v2" in line, line
+    assert "pipeline run resize-bucket" in line, line
+
+
+def test_an_encoder_on_another_runs_images_says_so_and_names_the_configs_version(tiny_21_model, tmp_path, capsys):
+    """The same store, stage by stage: the 2.1 config's encode-text / encode-vae reading the current images
+    version an Edit run's resize-bucket made (its reference limit, no alpha) while the 2.1 config's own version
+    is there: one line each, naming the settings that differ and resize-bucket as the way to the config's version;
+    the encoders still encode the current one. Before, not a word (the Edit run's samples, fewer references)."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from test_qwen21_stages import MIXED, write_store21
+
+    from pipeline.config import load_config
+    from stages.encode import text as encode_text
+    from stages.encode import vae as encode_vae
+    from stages.encode.other_images import config_resize
+
+    cfg21 = load_config(None, {"encode_text.dtype": "float32", "encode_vae.dtype": "float32",
+                               "resize.max_controls": 10, "resize.keep_alpha": True, "resize.vl_views": False})
+    edit = load_config(None, {"resize.max_controls": 2})
+    store = write_store21(tmp_path / "s", MIXED[:3], resize=config_resize(cfg21))
+    write_store21(store, MIXED[:2], resize=config_resize(edit))  # the Edit run's resize-bucket: images v2, current
+    capsys.readouterr()
+    for encode, stage in ((encode_text, "encode-text"), (encode_vae, "encode-vae")):
+        summary = encode.run(cfg21, store, tiny_21_model)
+        assert summary.encoded == 2  # the current images v2, as before
+        [line] = [x for x in capsys.readouterr().out.splitlines() if "other resize settings" in x]
+        assert line.startswith(f"{stage}: the current images v2 ") and "images v1 with this config's" in line, line
+        assert "resize.max_controls: 2 -> 10" in line and "pipeline run resize-bucket" in line, line
+    summary = encode_text.run(edit, store, tiny_21_model)  # the current images' own config: nothing said
+    assert "other resize settings" not in capsys.readouterr().out

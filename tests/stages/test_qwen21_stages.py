@@ -39,8 +39,9 @@ def _png(h, w, mode, rng) -> bytes:
     return buf.getvalue()
 
 
-def write_store21(root, samples=SAMPLES, val=()):
-    """An `images` table as resize-bucket writes it for 2.1 (control_{i}.png = each reference, sides in 32s)."""
+def write_store21(root, samples=SAMPLES, val=(), resize=None):
+    """An `images` table as resize-bucket writes it for 2.1 (control_{i}.png = each reference, sides in 32s);
+    `resize`: the settings it records as made with (`attrs["resize"]`), or none."""
     col = "column"
     schema = TableSchema(name="images", lineage=Lineage("resize-bucket", config_hash="fixture-21", upstream={},
                                                         code_version="fixture"),
@@ -48,7 +49,8 @@ def write_store21(root, samples=SAMPLES, val=()):
                                  FieldSpec("control_{i}.png", "png", kind="file", optional=True),
                                  FieldSpec("caption", "string", kind=col), FieldSpec("split", "string", kind=col),
                                  FieldSpec("img_shapes", "json", kind=col), FieldSpec("num_controls", "int64", kind=col),
-                                 FieldSpec("source", "string", kind=col)])
+                                 FieldSpec("source", "string", kind=col)],
+                         attrs={} if resize is None else {"resize": resize})
     rng = np.random.default_rng(0)
     w = Store(root).writer("images", schema)
     for i, (caption, (th, tw, tm), refs) in enumerate(samples):
@@ -798,3 +800,112 @@ def test_a_reference_the_21_vlm_processor_cannot_keep_is_quarantined_before_the_
     assert "6496x32" in rows["fixture/1"]["detail"] and "200:1" in rows["fixture/1"]["detail"], rows
     assert rows["fixture/2"]["reason"] == "VLM grid differs from the VAE grid", rows
     assert "control_1" in rows["fixture/2"]["detail"] and "1024..262144" in rows["fixture/2"]["detail"], rows
+
+
+@pytest.mark.parametrize("fold_alpha", [True, False], ids=["final-lora", "checkpoint-lora"])
+def test_21_trainer_loss_is_the_stock_transformers_with_the_saved_lora(tiny_21_model, encoded21, tmp_path,
+                                                                         fold_alpha):
+    """The trainer's one loss (`flow_loss`: 0..3 references of different sizes in one padded batch, a different σ
+    per sample, one sample on its stored empty prompt) equals, per sample, the unmodified
+    `QwenImage21Pipeline.transformer` at batch 1 with the LoRA file loaded by the stock `load_lora_weights`, noised
+    and targeted as diffusers' Qwen-Image LoRA training script does ((1-σ)·x0 + σ·ε, target ε - x0, σ as the
+    timestep). alpha = 2·rank: the final LoRA folds it into lora_B, a checkpoint keeps it in the adapter metadata;
+    the stock loader applies both as the trainer does, and holds the file's tensors bit for bit."""
+    from diffusers import QwenImage21Pipeline
+    from safetensors.torch import load_file
+
+    from models.flow import flow_loss
+    from models.loading import load_component, model_fingerprint
+    from models.lora import add_lora, save_lora
+    from models.qwen21_multires import joint_image_mask, latent_tokens
+    from models.randomness import draw_noise
+    from stages.train.data import load, open_inputs
+
+    tables = open_inputs(encoded21, tiny_21_model)
+    samples = sorted((load(tables, k) for k in tables.keys), key=lambda s: len(s.controls))
+    assert [len(s.controls) for s in samples] == [0, 1, 1, 2, 3]
+    ours = load_component(tiny_21_model, "transformer").float().eval()
+    add_lora(ours, load_config(None, {"train.lora.rank": 4, "train.lora.alpha": 8}).train.lora)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)  # a trained adapter's size: its effect shows far above float32 rounding
+    lora = tmp_path / "lora"
+    save_lora(ours, lora, fold_alpha=fold_alpha, base_fingerprint=model_fingerprint(tiny_21_model))
+    sigmas = torch.tensor([0.9, 0.15, 0.5, 0.35, 0.7])
+    noises = [draw_noise(s, 0, i) for i, s in enumerate(samples)]
+    empty = [False, False, True, False, False]
+    with torch.no_grad():
+        got = flow_loss(ours, samples, sigmas, noises, use_empty=empty)
+
+    pipe = QwenImage21Pipeline.from_pretrained(tiny_21_model)
+    pipe.load_lora_weights(lora)
+    loaded = dict(pipe.transformer.named_parameters())
+    for key, value in load_file(lora / "pytorch_lora_weights.safetensors").items():
+        module = key.removeprefix("transformer.").replace(".weight", ".default_0.weight")
+        assert torch.equal(loaded[module], value), key
+
+    def stock(s, noise, sigma, use_empty):
+        x0, eps = latent_tokens(s.target).float(), latent_tokens(noise)
+        x_t = (1 - sigma) * x0 + sigma * eps
+        embeds, slot_mask = (s.empty_embeds, s.empty_slot_mask) if use_empty else (s.prompt_embeds, s.slot_mask)
+        slots, _ = joint_image_mask(slot_mask, x_t.shape[0])
+        hw = tuple(int(v) for v in s.img_shapes[0][1:])
+        with torch.no_grad():
+            out = pipe.transformer(
+                hidden_states=torch.cat([latent_tokens(c).float() for c in s.controls] + [x_t])[None],
+                encoder_hidden_states=embeds.float()[None], timestep=sigma.view(1), img_mask=slots[None],
+                img_shapes=[[(1, c.shape[-2], c.shape[-1]) for c in s.controls] + [(1, *hw)]], return_dict=False)[0]
+        return (out[0, -x_t.shape[0]:] - (eps - x0)).pow(2).mean()
+
+    want = torch.stack([stock(*args) for args in zip(samples, noises, sigmas, empty)])
+    pipe.unload_lora_weights()
+    base = torch.stack([stock(*args) for args in zip(samples, noises, sigmas, empty)])
+    assert (want - base).abs().min() > 1e-4  # the LoRA changes every sample's loss
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # measured max |diff| 1.2e-7 (float32)
+
+
+def test_21_dynamic_shift_sigmas_are_the_stock_schedulers_shift_at_the_21_pipelines_mu(tiny_21_model):
+    """`sigma.sampling: dynamic_shift` with the 2.1 model's scheduler numbers draws σ = the stock
+    `FlowMatchEulerDiscreteScheduler.time_shift` at the mu the `QwenImage21Pipeline` computes for the sample's
+    target tokens (its own `calculate_shift`, not the Edit pipelines')."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
+
+    from models.flow import sample_sigmas
+
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_21_model, subfolder="scheduler")
+    c = scheduler.config
+    settings = load_config(None, {"train.sigma.sampling": "dynamic_shift"}).train.sigma
+    settings = settings.model_copy(update=dict(base_shift=c.base_shift, max_shift=c.max_shift,
+                                               base_image_seq_len=c.base_image_seq_len,
+                                               max_image_seq_len=c.max_image_seq_len))
+    for tokens in (24, 256, 1024, 4096, 6000):
+        u = torch.rand(64, generator=torch.Generator().manual_seed(tokens))
+        got = sample_sigmas(64, settings, torch.Generator().manual_seed(tokens), [tokens] * 64)
+        mu = calculate_shift(tokens, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)
+        want = torch.tensor([scheduler.time_shift(mu, 1.0, x) for x in u.tolist()], dtype=torch.float32)
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-7)
+
+
+def test_an_edit_configs_dynamic_shift_on_a_21_model_is_said(tiny_21_model, tiny_edit_model, encoded21, tmp_path,
+                                                              capsys):
+    """An Edit config carried to 2.1 that spells its scheduler's shift (0.9 at 8192 tokens) trains at it, as set,
+    with one note naming the 2.1 scheduler's numbers (1.15 at 4096) and the settings to unset; before, not a word.
+    Unset, or set to the model's own numbers: nothing said."""
+    from stages.train.recipe import run
+    from stages.train.settings import say_other_shift
+
+    edit_numbers = {"train.sigma.max_shift": 0.9, "train.sigma.max_image_seq_len": 8192}
+    capsys.readouterr()
+    run(load_config(None, {"train.device": "cpu", "train.batch_size": 2, "train.lora.rank": 4, "train.max_steps": 1,
+                           "train.sigma.sampling": "dynamic_shift", **edit_numbers}),
+        encoded21, tiny_21_model, tmp_path / "run")
+    [note] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note: train.sigma")]
+    assert "max_shift 0.9, max_image_seq_len 8192, as set" in note, note
+    assert "max_shift 1.15, max_image_seq_len 4096" in note and "unset train.sigma.max_shift / max_image_seq_len" in note
+    for model, numbers in ((tiny_21_model, {}), (tiny_21_model, {"train.sigma.max_shift": 1.15}),
+                           (tiny_edit_model, edit_numbers)):
+        say_other_shift(load_config(None, {"train.sigma.sampling": "dynamic_shift", **numbers}).train.sigma, model)
+        assert "note:" not in capsys.readouterr().out
