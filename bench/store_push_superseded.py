@@ -59,7 +59,7 @@ def main() -> None:
     args = ap.parse_args()
     with s3_bucket("bench-push"):
         from store import Store
-        from store.remote_sync import pull
+        from store.remote_pull import pull
 
         with tempfile.TemporaryDirectory(prefix="bench-push-") as tmp:
             src = Path(tmp) / "store"

@@ -75,7 +75,8 @@ def store_bytes(root: Path) -> int:
 
 
 def bench_sync(work: Path, gb: float, shard_mb: float, repeats: int, seed: int) -> None:
-    from store.remote_sync import pull, push
+    from store.remote_pull import pull
+    from store.remote_sync import push
 
     src = work / "store"
     build(src, gb, shard_mb, seed)
@@ -232,7 +233,8 @@ def bench_objects(work: Path, shards: int, repeats: int) -> None:
 
     from store import Store, remote
     from store.remote_cache import local_store
-    from store.remote_sync import pull, push
+    from store.remote_pull import pull
+    from store.remote_sync import push
 
     src = Store(work / "objects-store")
     fill(src, shards * 3 // 2, shard_size_mb=0.004)  # ~1.5 samples (~4 KB each) per shard

@@ -244,7 +244,7 @@ def not_kept(remote: Remote, listing: dict[str, tuple[int, float]], entries: dic
              read: Callable[[str], bytes] | None = None) -> tuple[set[tuple[str, int]], list[Found]]:
     """(the complete versions at the URL that its gc would remove, its live damaged leases). Removed (`keep_rule`,
     as `plan` keeps): replaced by a newer current one or switched away from, read under no live lease, and made
-    nothing kept. A pull of the whole URL copies none of them (store/remote_sync.py), as push sends none of a local
+    nothing kept. A pull of the whole URL copies none of them (store/remote_pull.py), as push sends none of a local
     store's (store/gc.py `not_kept`): one is tens of GB at 1M samples. `entries`: the URL's store.json's tables, as
     the caller read them after `listing` (None: no store.json, then no version is removed). No version is told
     removed (an empty set) where every complete version is current (the usual store: nothing read), where the

@@ -545,7 +545,7 @@ def manifest_keys(url: str, table: str, version: int):
 
 def remote_quarantine(url: str):
     """The rows of the remote's quarantine.parquet (none when it has none); a damaged one is refused in one line,
-    as a cache's open refuses it (store/remote_sync.pull_quarantine)."""
+    as a cache's open refuses it (store/remote_pull.pull_quarantine)."""
     from store import quarantine
     from store.remote_sync import damaged_quarantine
 

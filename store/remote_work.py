@@ -77,7 +77,7 @@ def working_copy(url: str, cache_dir: str | Path | None, damaged_ok: bool = Fals
 def work_copy(url: str, cache_dir: str | Path | None, damaged_ok: bool = False,
               storage_options: dict[str, Any] | None = None) -> Path:
     from store.remote_shards import open_lazily
-    from store.remote_sync import pull
+    from store.remote_pull import pull
 
     url = url.rstrip("/")
     root = work_root(url, cache_dir)

@@ -193,7 +193,8 @@ def test_a_damaged_fresh_lease_object_at_a_url_pulls_every_version_and_its_gc_st
     fresh, the pull stopped with the gc's line (up to 15 min for a gone reader's). It copies every complete version
     now (the lease may name any: the safe side) and says so in one line; `store gc URL` still stops."""
     from store import remote_gc
-    from store.remote_sync import pull, push
+    from store.remote_pull import pull
+    from store.remote_sync import push
     from store_samples import fill
 
     url, read, write = _url_objects(scheme, request, tmp_path)
@@ -256,7 +257,8 @@ def test_a_damaged_fresh_local_lease_pushes_every_version_and_gc_still_stops(sto
     push stopped with the gc's line (its keep rule asked the lease's versions; up to 15 min for a gone reader's). It
     sends every complete version now (the lease may name any: the safe side) and says so in one line; `store gc`
     still stops."""
-    from store.remote_sync import pull, push
+    from store.remote_pull import pull
+    from store.remote_sync import push
 
     url, _, _ = _url_objects(scheme, request, tmp_path)
     two_versions(store)  # v1 replaced by v2: the local gc's garbage

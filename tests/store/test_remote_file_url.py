@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from store import Store
 from store.remote import open_remote
-from store.remote_sync import pull, push
+from store.remote_pull import pull
+from store.remote_sync import push
 from store.verify import verify_store
 from store_samples import fill
 

@@ -13,7 +13,7 @@ import pytest
 from schemas import UserError
 from store import Store
 from store import remote as remote_mod
-from store.remote_sync import pull
+from store.remote_pull import pull
 from store.verify import verify_store
 from store_samples import key_of, rank_writer, vae_schema
 

@@ -19,7 +19,8 @@ from store import Store
 from store import format as fmt
 from store import remote as remote_mod
 from store.remote_gc import collect
-from store.remote_sync import pull, push
+from store.remote_pull import pull
+from store.remote_sync import push
 from store.verify import verify_store
 from stalled_push import push_killed_where_it_stalls
 from store_samples import sample, vae_schema
