@@ -42,7 +42,7 @@ def build(root: Path, versions: int, samples: int, kb: float) -> None:
 
 def push_into(src: Path, url: str, old_rule: bool):
     from store import gc
-    from store.remote_sync import push
+    from store.remote_push import push
 
     # the rule before: every complete version not switched away from (none is here), so every version
     with mock.patch.object(gc, "not_kept", lambda *a, **k: (set(), [])) if old_rule else contextlib.nullcontext():

@@ -489,7 +489,7 @@ def push_back(store: str | Path, local: Path, storage_options: dict[str, Any] | 
     if not is_url(store):
         return None
     from store import remote_shards
-    from store.remote_sync import push
+    from store.remote_push import push
 
     url = str(store).rstrip("/")
     summary = push(local, url, storage_options)

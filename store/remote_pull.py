@@ -135,7 +135,7 @@ def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSumma
         files = _ordered(t, v, version_files(record, where), record)
         if not _same_version(fmt.version_dir(dst, t, v), record, files):
             raise _conflict(t, v, remote.url, dst)
-        if not damaged_ok or is_lazy(fmt.version_dir(dst, t, v)):  # as `pull` below
+        if not damaged_ok or is_lazy(fmt.version_dir(dst, t, v)):  # as `_pull_versions` below
             refill(remote, dst, t, v, files, summary, damaged_ok)
         summary.present.append(f"{t}/v{v}")
     store = Store(dst)

@@ -35,7 +35,7 @@ def push(
     option: list[str] = OptionsOpt,
 ) -> None:
     one_process("store push")  # every rank would upload the same versions
-    from store.remote_sync import push as do_push
+    from store.remote_push import push as do_push
 
     with user_errors():
         echo(str(do_push(store, url, _options(option))))

@@ -13,7 +13,7 @@ from store import Store
 from store import format as fmt
 from store import remote as remote_mod
 from store.remote_pull import pull
-from store.remote_sync import push
+from store.remote_push import push
 from store.verify import verify_store
 from store_samples import sample, vae_schema
 

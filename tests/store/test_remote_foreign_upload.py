@@ -14,7 +14,7 @@ from store_samples import fill
 
 from store import Store
 from store.remote_pull import pull
-from store.remote_sync import push
+from store.remote_push import push
 from store.verify import verify_store
 
 

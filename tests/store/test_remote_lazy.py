@@ -19,7 +19,7 @@ from store import format as fmt
 from store.integrity import DamagedData
 from store.remote_cache import local_store
 from store.remote_shards import FETCH_TAG, MARKER, RANGED, fetch_stats
-from store.remote_sync import push
+from store.remote_push import push
 from s3_server import aws_env, new_bucket
 from store_samples import fill
 import warm_start  # the processes sharing one cache: real ones, started warm

@@ -15,7 +15,7 @@ from store import format as fmt
 from store import remote_pull
 from store.remote_gc import collect
 from store.remote_pull import pull
-from store.remote_sync import push
+from store.remote_push import push
 
 
 def test_a_gc_during_a_pull_keeps_the_versions_it_copies(s3_env, store: Store, tmp_path: Path, monkeypatch):

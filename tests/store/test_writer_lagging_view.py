@@ -22,7 +22,7 @@ from store import format as fmt
 from store.checksum import unseal
 from store.gc import collect
 from store.remote_pull import pull
-from store.remote_sync import push
+from store.remote_push import push
 from store.verify import verify_store
 from store_samples import sample, vae_schema
 from test_store_writer import assert_exact, run_writer
