@@ -42,7 +42,7 @@ def build(root: Path, versions: int, samples: int, kb: float) -> None:
 
 def push_into(src: Path, url: str, old_rule: bool):
     from store import gc
-    from store.remote_sync import push
+    from store.remote_push import push
 
     # the rule before: every complete version not switched away from (none is here), so every version
     with mock.patch.object(gc, "not_kept", lambda *a, **k: (set(), [])) if old_rule else contextlib.nullcontext():
@@ -59,7 +59,7 @@ def main() -> None:
     args = ap.parse_args()
     with s3_bucket("bench-push"):
         from store import Store
-        from store.remote_sync import pull
+        from store.remote_pull import pull
 
         with tempfile.TemporaryDirectory(prefix="bench-push-") as tmp:
             src = Path(tmp) / "store"

@@ -75,7 +75,8 @@ def store_bytes(root: Path) -> int:
 
 
 def bench_sync(work: Path, gb: float, shard_mb: float, repeats: int, seed: int) -> None:
-    from store.remote_sync import pull, push
+    from store.remote_pull import pull
+    from store.remote_push import push
 
     src = work / "store"
     build(src, gb, shard_mb, seed)
@@ -120,7 +121,7 @@ def bench_read(work: Path, gb: float, shard_mb: float, repeats: int, seed: int, 
 
     from store.remote_cache import local_store
     from store.remote_shards import fetch_stats
-    from store.remote_sync import push
+    from store.remote_push import push
 
     src, url = work / "read-store", "s3://bench/read"
     n = build(src, gb, shard_mb, seed)
@@ -195,7 +196,7 @@ print(json.dumps({**remote_shards.fetch_stats(), "seconds": time.perf_counter() 
 def bench_ranks(work: Path, gb: float, shard_mb: float, repeats: int, seed: int, ranks: int) -> None:
     import json
 
-    from store.remote_sync import push
+    from store.remote_push import push
 
     src, url = work / "ranks-store", "s3://bench/ranks"
     n = build(src, gb, shard_mb, seed)
@@ -232,7 +233,8 @@ def bench_objects(work: Path, shards: int, repeats: int) -> None:
 
     from store import Store, remote
     from store.remote_cache import local_store
-    from store.remote_sync import pull, push
+    from store.remote_pull import pull
+    from store.remote_push import push
 
     src = Store(work / "objects-store")
     fill(src, shards * 3 // 2, shard_size_mb=0.004)  # ~1.5 samples (~4 KB each) per shard
@@ -277,7 +279,7 @@ def _demo_stores(work: Path, url: str):
     from pipeline.config import load_config
     from stages.encode import text as encode_text, vae as encode_vae
     from stages.resize import stage as resize
-    from store.remote_sync import push
+    from store.remote_push import push
 
     paths = {"source": work / "data", "store": work / "demo-store", "model": work / "tiny-model"}
     cfg = load_config(DEMO_CONFIG, {f"paths.{k}": str(v) for k, v in paths.items()})

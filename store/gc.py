@@ -164,7 +164,7 @@ def not_kept(root: Path, entries: dict[str, dict] | None = None, found: list[lea
              ) -> tuple[set[tuple[str, int]], list[leases.Found]]:
     """(the complete versions of the store at `root` that gc would remove, its live damaged leases). Removed
     (`keep_rule`, as `plan` keeps): replaced by a newer current one or switched away from (`was_current`), read under
-    no live lease, and made nothing kept. Push sends none of them (store/remote_sync.py): the URL's gc would remove
+    no live lease, and made nothing kept. Push sends none of them (store/remote_push.py): the URL's gc would remove
     them, and one is tens of GB at 1M samples. `entries`: its store.json's tables, `found`: its leases
     (`leases.leases`), when the caller read them already. While a live lease is damaged (it may name any version:
     store/lease.py `live_versions`) no version is told removed (an empty set) and those leases are returned for the

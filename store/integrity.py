@@ -315,7 +315,7 @@ def _marker_of(vdir: Path) -> tuple[int, Path, Path] | None:
 
 def clear_damage(vdir: Path, names: list[str]) -> None:
     """Drop from the version's `v<N>.damaged.json` what it records about the files `names` (a pull fetched them
-    again, each checked: store/remote_sync.refill): those shards, the samples in them, the problems naming them;
+    again, each checked: store/remote_pull.refill): those shards, the samples in them, the problems naming them;
     the marker goes when nothing is left, so the repaired copy is no longer refused as damaged. Damage elsewhere
     in the version (a sample whose bytes changed in a shard of the right size) stays recorded."""
     if (marker := _marker_of(vdir)) is None or not marker[2].exists():

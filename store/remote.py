@@ -1,7 +1,7 @@
 """A store's folder at a URL (`s3://bucket/prefix`, or any other fsspec scheme): open it, list it, move files.
 
 fsspec (+ s3fs for `s3://`) does the protocol work: signing, multipart uploads, retries. What is ours is only the
-store's commit protocol on top (store/remote_sync.py) and turning the libraries' exceptions into one line a user
+store's commit protocol on top (store/remote_push.py, store/remote_pull.py) and turning the libraries' exceptions into one line a user
 can act on. Configuration is the standard AWS environment (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
 `AWS_DEFAULT_REGION`, `AWS_ENDPOINT_URL` for an S3-compatible server, `AWS_PROFILE`), which botocore reads
 itself, or fsspec storage options passed by the caller.

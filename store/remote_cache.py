@@ -149,7 +149,7 @@ def _refill_unmarked(url: str, root: Path, versions: set[tuple[str, int]], stora
     checked, as `pipeline store pull` refills a local copy (under the cache lock: such a copy is counted by walks
     only, `recount`)."""
     from store.remote_shards import is_lazy
-    from store.remote_sync import pull
+    from store.remote_pull import pull
 
     unmarked = [t for t, v in sorted(versions) if not is_lazy(fmt.version_dir(root, t, v))]
     if unmarked:
@@ -489,7 +489,7 @@ def push_back(store: str | Path, local: Path, storage_options: dict[str, Any] | 
     if not is_url(store):
         return None
     from store import remote_shards
-    from store.remote_sync import push
+    from store.remote_push import push
 
     url = str(store).rstrip("/")
     summary = push(local, url, storage_options)

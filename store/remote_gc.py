@@ -45,6 +45,7 @@ from store.lease import Found, live_versions
 from store.manifest_files import checked_schema
 from store.remote import CLOCK_DIR, Remote, open_remote, remote_errors
 from store.remote_local import UPLOAD_DIR
+from store.remote_sync import _parse_record, remote_record, version_files
 
 log = logging.getLogger("store")
 
@@ -112,8 +113,6 @@ def _currents(entries: dict[str, dict] | None) -> dict[str, int] | None:
 
 def _entries(remote: Remote) -> dict[str, dict[str, Any]] | None:
     """store.json's table entries (`fmt.table_entry`); None without a store.json."""
-    from store.remote_sync import remote_record  # (remote_sync imports this module)
-
     record = remote_record(remote, None)
     return None if record is None else record["tables"]
 
@@ -244,7 +243,7 @@ def not_kept(remote: Remote, listing: dict[str, tuple[int, float]], entries: dic
              read: Callable[[str], bytes] | None = None) -> tuple[set[tuple[str, int]], list[Found]]:
     """(the complete versions at the URL that its gc would remove, its live damaged leases). Removed (`keep_rule`,
     as `plan` keeps): replaced by a newer current one or switched away from, read under no live lease, and made
-    nothing kept. A pull of the whole URL copies none of them (store/remote_sync.py), as push sends none of a local
+    nothing kept. A pull of the whole URL copies none of them (store/remote_pull.py), as push sends none of a local
     store's (store/gc.py `not_kept`): one is tens of GB at 1M samples. `entries`: the URL's store.json's tables, as
     the caller read them after `listing` (None: no store.json, then no version is removed). No version is told
     removed (an empty set) where every complete version is current (the usual store: nothing read), where the
@@ -276,8 +275,6 @@ def _strays(remote: Remote, kept: list[Version], now: float, grace_s: float,
     write-once shards stay inside the winner's version, which `store verify` then reports for ever ("not listed")
     and no reader reads. One GET of checksums.json per kept version (`read`: the closure's); one unreadable: nothing
     removed from it."""
-    from store.remote_sync import version_files
-
     out = []
     for v in kept:
         ages = {rel[len(v.name) + 1:]: now - t for rel, (_, t) in v.objects.items()}
@@ -459,7 +456,6 @@ def _forget_removed(remote: Remote, doomed: set[tuple[str, int]]) -> None:
     `_forget_removed`). A kill after this, or a version kept since the plan, is taken for never current: kept until
     a newer one is current."""
     from store.checksum import seal
-    from store.remote_sync import _parse_record
 
     def update(old: bytes | None) -> bytes | None:
         if old is None:

@@ -3,7 +3,7 @@
 `<prefix>/.leases/<host>-<pid>-<random>.json` holds the same record as a local lease (host, boot id, pid, its start
 time and pid namespace, what it is, `versions` {table: [N, ...]}) plus `kind` ("read" or "push"). A process that
 reads versions of a URL store (train, evaluate, the encoders reading `images`, verify: whatever opens it through
-store/remote_cache.local_store) or pushes versions into it (store/remote_sync.push) writes one, rewrites it every
+store/remote_cache.local_store) or pushes versions into it (store/remote_push.push) writes one, rewrites it every
 `REFRESH_SECONDS` from a daemon thread (the heartbeat: the object's LastModified is its refresh time, set by the
 server), and deletes it when done and at interpreter exit. A heartbeat never writes a lease that is gone (a gc
 judged it dead: the process was paused past its margin): it marks it lost instead (store/lease.lose), and the

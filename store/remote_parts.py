@@ -240,7 +240,8 @@ def make_current(remote, table: str, version: int, over: int | None = None) -> i
     store's rerun makes it current: store/store.py `find_version`): replaced even when higher, but only if it is
     still current. Returns the version current after it: `version`, or that higher one, which stays current (the
     caller must say so)."""
-    from store.remote_sync import _changed, _merged_record, _parse_record, newer_version
+    from store.remote_push import _changed, _merged_record
+    from store.remote_sync import _parse_record, newer_version
 
     newer: list[str] = []  # "table/vN", filled by the swap's last attempt
 
@@ -545,7 +546,7 @@ def manifest_keys(url: str, table: str, version: int):
 
 def remote_quarantine(url: str):
     """The rows of the remote's quarantine.parquet (none when it has none); a damaged one is refused in one line,
-    as a cache's open refuses it (store/remote_sync.pull_quarantine)."""
+    as a cache's open refuses it (store/remote_pull.pull_quarantine)."""
     from store import quarantine
     from store.remote_sync import damaged_quarantine
 
@@ -605,8 +606,8 @@ def drop_part(root: Path, table: str, version: int, schema: dict[str, Any] | Non
 
 def push_node_quarantine(root: Path, url: str, table: str) -> None:
     """This node's quarantine rows (its cache `root`'s `quarantine.parquet`: what its ranks rejected) merged into
-    the remote's, as push merges them (store/remote_sync.push_quarantine)."""
-    from store.remote_sync import push_quarantine
+    the remote's, as push merges them (store/remote_push.push_quarantine)."""
+    from store.remote_push import push_quarantine
 
     with remote_errors(url, f"this node's quarantine rows of table '{table}'"):
         push_quarantine(open_remote(url), root)
@@ -615,7 +616,7 @@ def push_node_quarantine(root: Path, url: str, table: str) -> None:
 def check_node_quarantine(writer: TableWriter) -> None:
     """Before rank 0's commit (every node, all ranks agreeing): the remote's quarantine.parquet can take this
     node's rows. A damaged one refused after the commit left the version committed and the rows unmerged."""
-    from store.remote_sync import check_quarantine
+    from store.remote_push import check_quarantine
 
     url = str(writer.remote_url)
     with remote_errors(url, f"the quarantine rows of table '{writer.table}' v{writer.version}"):

@@ -132,7 +132,8 @@ def _refetch_metadata(vdir: Path, url: str, base: str, fixed: list[str]) -> bool
 
     from store import integrity
     from store.checksum import SealError, file_crc, unseal
-    from store.remote_sync import _File, fetch_checked
+    from store.remote_pull import fetch_checked
+    from store.remote_sync import _File
 
     with remote_errors(url, f"fetch {base}"):
         remote = _open(url)
@@ -483,8 +484,9 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
     complete version there, but those `skip` names); the (table, version) pairs it holds for the caller. A version cached already is
     checked against the remote's record (one GET of its checksums.json; a different one under the same number is
     refused); a warm open lists nothing. `damaged_ok`: repair's working copy (a damaged quarantine.parquet is
-    copied for repair to set aside, store/remote_sync.pull_quarantine)."""
-    from store.remote_sync import _parse_record, pull_quarantine, wanted_versions
+    copied for repair to set aside, store/remote_pull.pull_quarantine)."""
+    from store.remote_pull import pull_quarantine, wanted_versions
+    from store.remote_sync import _parse_record
     from store.store import Store
 
     remote = open_remote(url, storage_options)
@@ -536,7 +538,8 @@ def _open_version(remote: Remote, root: Path, table: str, version: int) -> bool:
     """The version's metadata fetched and checked into `root` unless cached already (then checked to be the
     remote's: one GET of its checksums.json); whether it was fetched."""
     from store.remote_checked import known_crc
-    from store.remote_sync import version_files, _conflict, _ordered, _read_checksums
+    from store.remote_pull import _read_checksums
+    from store.remote_sync import version_files, _conflict, _ordered
 
     where = f"{remote.url}/{table}/v{version}/{fmt.CHECKSUMS}"
     record = _read_checksums(remote, table, version)  # a lost one named, not "rerun" for ever
@@ -580,7 +583,7 @@ def _fetch_metadata(remote: Remote, root: Path, table: str, version: int, files)
     commit)."""
     from tqdm import tqdm
 
-    from store.remote_sync import fetch_checked
+    from store.remote_pull import fetch_checked
 
     final = fmt.version_dir(root, table, version)
     tmp = final.with_name(f".{final.name}{LAZY_SUFFIX}")

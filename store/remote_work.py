@@ -77,7 +77,7 @@ def working_copy(url: str, cache_dir: str | Path | None, damaged_ok: bool = Fals
 def work_copy(url: str, cache_dir: str | Path | None, damaged_ok: bool = False,
               storage_options: dict[str, Any] | None = None) -> Path:
     from store.remote_shards import open_lazily
-    from store.remote_sync import pull
+    from store.remote_pull import pull
 
     url = url.rstrip("/")
     root = work_root(url, cache_dir)
@@ -124,7 +124,8 @@ def publish(url: str, root: Path, replaced: list[tuple[str, int]], echo: Callabl
             storage_options: dict[str, Any] | None = None, damaged: bool = True) -> None:
     """Push the working copy's new versions, made current only where the remote's current versions are still
     the `replaced` ones (store.json's compare-and-swap); then, for repair (`damaged`), retire the replaced ones."""
-    from store.remote_sync import marker_rel, push
+    from store.remote_push import push
+    from store.remote_sync import marker_rel
 
     url = url.rstrip("/")
     echo(str(push(root, url, storage_options, replacing=dict(replaced), set_aside_quarantine=damaged)))

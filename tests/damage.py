@@ -73,7 +73,7 @@ class ServerDamage(NamedTuple):
 def damaged_on_server(s3_env, root: Path, prefix: str) -> ServerDamage:
     """The store at `root` pushed to `s3_env.url(prefix)`, then one bit of its second sample's target.png flipped in
     the remote's images shard (read by range there, each range checked)."""
-    from store.remote_sync import push
+    from store.remote_push import push
 
     url, client, bucket = s3_env.url(prefix), s3_env.client(), s3_env.bucket
     push(root, url)

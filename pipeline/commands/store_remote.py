@@ -35,7 +35,7 @@ def push(
     option: list[str] = OptionsOpt,
 ) -> None:
     one_process("store push")  # every rank would upload the same versions
-    from store.remote_sync import push as do_push
+    from store.remote_push import push as do_push
 
     with user_errors():
         echo(str(do_push(store, url, _options(option))))
@@ -47,7 +47,7 @@ def pull(
     option: list[str] = OptionsOpt,
 ) -> None:
     one_process("store pull")  # every rank would download the same versions into one folder
-    from store.remote_sync import pull as do_pull
+    from store.remote_pull import pull as do_pull
 
     with user_errors(store):
         from pipeline.run_folder import refuse_a_store_among_other_files

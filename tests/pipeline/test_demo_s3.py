@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from pipeline.cli import app
 from store import Store
-from store.remote_sync import pull
+from store.remote_pull import pull
 from store.verify import verify_store
 
 

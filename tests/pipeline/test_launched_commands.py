@@ -132,7 +132,7 @@ def test_store_inspect_of_a_url_under_a_launcher_is_fetched_and_printed_by_rank_
     import store.remote_view
     from pipeline.cli import app
     from store import Store
-    from store.remote_sync import push
+    from store.remote_push import push
 
     url = f"file://{tmp_path / 'remote'}"
     push(Store(tmp_path / "store").root, url)

@@ -47,7 +47,7 @@ def test_a_remote_versions_left_out_samples_from_the_remotes_rows_and_the_nodes_
     """A store URL's version the cache need not hold (stages/encode/nodes.writer_place): its keys from the remote's
     manifest, the rows from the remote's quarantine.parquet and from this node's cache (a lost store.json swap left
     a node's rows there alone)."""
-    from store.remote_sync import push
+    from store.remote_push import push
 
     st = Store(tmp_path / "store")
     assert _version(st, ["a", "b"]) == 1

@@ -90,7 +90,7 @@ def test_on_a_store_url_a_version_encoded_with_it_on_serves_from_the_cache_and_f
 
     from pipeline.cli import app
     from store.checksum import unseal
-    from store.remote_sync import push
+    from store.remote_push import push
 
     url = s3_env.url("nocontrol")
     push(edit_store, url)

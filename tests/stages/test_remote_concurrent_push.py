@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from schemas.errors import UserError
-from store.remote_sync import push
+from store.remote_push import push
 
 
 def test_a_push_meeting_another_push_in_flight_names_it(s3_env, edit_store: Path, plus_store: Path) -> None:

@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 from pipeline.cli import app
 from store import Store
-from store.remote_sync import pull, push
+from store.remote_pull import pull
+from store.remote_push import push
 
 
 def test_encode_text_on_a_store_url(s3_env, edit_store: Path, tiny_edit_model, tmp_path: Path) -> None:

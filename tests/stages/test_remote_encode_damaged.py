@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 from damage import damaged_on_server, lose_current
 from pipeline.cli import app
-from store import Store, remote_shards, remote_sync
+from store import Store, remote_pull, remote_shards
 from store.checksum import unseal
-from store.remote_sync import pull
+from store.remote_pull import pull
 from store.verify import verify_store
 
 
@@ -103,7 +103,7 @@ def test_a_fresh_cache_refusing_the_remotes_version_carries_its_samples_forward(
     monkeypatch.setattr(remote_shards, "_fetchers", {})  # a new process: no range kept from the damaged bytes
 
     if not rows_cached:
-        monkeypatch.setattr(remote_sync, "pull_quarantine", lambda *a, **k: 0)
+        monkeypatch.setattr(remote_pull, "pull_quarantine", lambda *a, **k: 0)
     code, out = _encode_text(tiny_edit_model, url, tmp_path / "node-b")  # a fresh cache, on_damaged=stop
     assert code == 0, out
     assert out.count("left out 1 damaged input sample(s)") == 1 and "carries its samples forward" in out, out

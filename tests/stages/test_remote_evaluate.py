@@ -12,7 +12,7 @@ from models.loading import load_component
 from models.lora import add_lora, save_lora
 from pipeline.cli import app
 from schemas.config import LoraConfig
-from store.remote_sync import push
+from store.remote_push import push
 from train_store import make_train_store, mixed_specs
 
 

@@ -20,7 +20,8 @@ from stages.train import state as train_state
 from stages.train.recipe import run
 from store import Store
 from store.remote_cache import local_store
-from store.remote_sync import pull, push
+from store.remote_pull import pull
+from store.remote_push import push
 from test_train_ddp import TRAIN
 from test_train_multinode import kill_node, start_nodes
 from train_store import assert_close_lora, make_train_store, mixed_specs

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from pipeline.demo_data import make_demo_data
 from store import Store
-from store.remote_sync import pull
+from store.remote_pull import pull
 
 
 ARGS = ["--area", "4096", "--multiple", "32", "--val-fraction", "0.25", "--workers", "0"]

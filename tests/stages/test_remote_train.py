@@ -10,7 +10,8 @@ import torch
 from models.lora import read_lora
 from pipeline.config import load_config
 from stages.train.recipe import run
-from store.remote_sync import pull, push
+from store.remote_pull import pull
+from store.remote_push import push
 from train_store import make_train_store, mixed_specs
 
 CFG = {"train.device": "cpu", "train.batch_size": 2, "train.learning_rate": 2e-3, "train.lora.rank": 4,

@@ -128,7 +128,7 @@ def push_every_version(store: Store, url: str):
     (store/gc.py `keep_rule`), so each version is held under a read lease meanwhile (one a newer current version
     replaced is sent as a version a reader still reads)."""
     from store import lease
-    from store.remote_sync import push
+    from store.remote_push import push
 
     held = [lease.hold(store.root, {table: v}, "push_every_version") for table in store.tables()
             for v in store.versions(table)]

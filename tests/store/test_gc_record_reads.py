@@ -12,7 +12,8 @@ from pathlib import Path
 from store import Store, gc
 from store import format as fmt
 from store.remote import Remote
-from store.remote_sync import pull, push
+from store.remote_pull import pull
+from store.remote_push import push
 from store_samples import fill
 
 

@@ -273,7 +273,7 @@ def test_gc_of_a_url_reads_each_versions_schema_once_however_many_leases_name_it
     and the plan checked v1's schema.json against its checksums.json 8 times. Once per version now."""
     from store import remote_gc
     from store.remote import open_remote
-    from store.remote_sync import push
+    from store.remote_push import push
 
     url = (tmp_path / "remote").as_uri()
     fill(store, 4)

@@ -90,7 +90,7 @@ def test_a_damaged_lease_object_of_a_url_stops_its_gc_and_is_written_again(store
     """A URL's lease object: before, a flipped pid digit judged its live reader gone (its object removed, its
     version with it); now damage, and its next beat writes it whole again."""
     from store import remote_gc
-    from store.remote_sync import push
+    from store.remote_push import push
 
     url = (tmp_path / "remote").as_uri()
     two_versions(store)
@@ -118,7 +118,7 @@ def test_a_damaged_fresh_lease_in_a_url_cache_keeps_its_store_and_the_open_goes_
     version goes."""
     from store import format as fmt
     from store.remote_cache import USAGE, local_store
-    from store.remote_sync import push
+    from store.remote_push import push
     from store_samples import fill
 
     url, cache = (tmp_path / "remote").as_uri(), tmp_path / "cache"
@@ -193,7 +193,8 @@ def test_a_damaged_fresh_lease_object_at_a_url_pulls_every_version_and_its_gc_st
     fresh, the pull stopped with the gc's line (up to 15 min for a gone reader's). It copies every complete version
     now (the lease may name any: the safe side) and says so in one line; `store gc URL` still stops."""
     from store import remote_gc
-    from store.remote_sync import pull, push
+    from store.remote_pull import pull
+    from store.remote_push import push
     from store_samples import fill
 
     url, read, write = _url_objects(scheme, request, tmp_path)
@@ -222,7 +223,7 @@ def test_a_lease_damaged_while_a_urls_gc_removes_stops_it_in_words_that_stay_tru
     first version went stops it there. Its line said "this stopped before removing any" with v1 removed already;
     it says "anything more", and v2 is left whole."""
     from store import remote_gc
-    from store.remote_sync import push
+    from store.remote_push import push
     from store_samples import fill
 
     url = (tmp_path / "remote").as_uri()
@@ -256,7 +257,8 @@ def test_a_damaged_fresh_local_lease_pushes_every_version_and_gc_still_stops(sto
     push stopped with the gc's line (its keep rule asked the lease's versions; up to 15 min for a gone reader's). It
     sends every complete version now (the lease may name any: the safe side) and says so in one line; `store gc`
     still stops."""
-    from store.remote_sync import pull, push
+    from store.remote_pull import pull
+    from store.remote_push import push
 
     url, _, _ = _url_objects(scheme, request, tmp_path)
     two_versions(store)  # v1 replaced by v2: the local gc's garbage

@@ -24,7 +24,7 @@ from store import format as fmt
 from store import gc, lease, remote_lease
 from store import remote as remote_mod
 from store.remote import open_remote
-from store.remote_sync import push
+from store.remote_push import push
 from store_samples import fill
 
 AGED = lease.STALE_SECONDS + 120  # older than gc's margin

@@ -167,7 +167,8 @@ def test_each_folder_record_is_read_up_to_its_own_format(tmp_path: Path, monkeyp
 def test_a_newer_version_at_a_url_is_refused_by_verify_pull_and_repair_alike(store: Store, tmp_path: Path) -> None:
     """The remote's copy of a version whose checksums.json a newer release wrote (before: verify named it damaged
     and advised `store repair`, which pulled it and called it unrepairable damage). Nothing on the remote changes."""
-    from store.remote_sync import pull, push
+    from store.remote_pull import pull
+    from store.remote_push import push
 
     fill(store, 3)
     remote = tmp_path / "remote"

@@ -10,7 +10,8 @@ from pathlib import Path
 from store import Store
 from store import remote_gc, remote_lease
 from store.remote import open_remote
-from store.remote_sync import pull, push
+from store.remote_pull import pull
+from store.remote_push import push
 from store_samples import fill, fill_images
 from test_push_kept_only import _same_tables
 

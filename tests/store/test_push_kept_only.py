@@ -13,7 +13,8 @@ import torch
 from store import Store
 from store import lease as leases
 from store.gc import plan
-from store.remote_sync import pull, push
+from store.remote_pull import pull
+from store.remote_push import push
 from store_samples import fill, fill_images
 
 

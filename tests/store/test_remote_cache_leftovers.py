@@ -21,7 +21,7 @@ from store import format as fmt
 from store import lease
 from store.remote_cache import USAGE, local_store
 from store.remote_shards import FETCH_TAG
-from store.remote_sync import push
+from store.remote_push import push
 from store_samples import fill
 
 

@@ -18,7 +18,7 @@ from store import format as fmt
 from store import remote_cache
 from store.remote_cache import USAGE, local_store
 from store.remote_shards import fetch_stats, fetcher_for
-from store.remote_sync import push
+from store.remote_push import push
 from store_samples import fill
 import warm_start
 

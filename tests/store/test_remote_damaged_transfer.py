@@ -18,7 +18,8 @@ from schemas.errors import UserError
 from store import Store
 from store import format as fmt
 from store import remote as remote_mod
-from store.remote_sync import pull, push
+from store.remote_pull import pull
+from store.remote_push import push
 
 SHARD = "shard-r00-000001.tar"
 ONE_SHARD = "shard-r00-000000.tar"  # a store of one shard (fill's shard_size_mb=1)

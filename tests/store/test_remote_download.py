@@ -12,7 +12,8 @@ from remote_fakes import CutBody
 from store import Store
 from store import format as fmt
 from store import remote as remote_mod
-from store.remote_sync import pull, push
+from store.remote_pull import pull
+from store.remote_push import push
 from store.verify import verify_store
 from store_samples import sample, vae_schema
 
@@ -61,7 +62,7 @@ def test_a_pull_streams_each_object_in_one_get_and_resumes_a_cut_body(s3_env, tm
                 progress.update(n)
         return real_download(self, rel, local, Bar())
 
-    monkeypatch.setattr("store.remote_sync.open_remote", recording_open_remote)
+    monkeypatch.setattr("store.remote_pull.open_remote", recording_open_remote)
     monkeypatch.setattr(remote_mod.Remote, "download", recording_download)
     pulled = tmp_path / "pulled"
     summary = pull(s3_env.url(), pulled)

@@ -13,7 +13,8 @@ import pytest
 from schemas.errors import UserError
 from store import Store
 from store import format as fmt
-from store.remote_sync import pull, push
+from store.remote_pull import pull
+from store.remote_push import push
 from store.verify import verify_store
 from stalled_push import push_killed_where_it_stalls
 from store_samples import fill

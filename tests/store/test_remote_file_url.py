@@ -19,13 +19,14 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from store import Store
 from store.remote import open_remote
-from store.remote_sync import pull, push
+from store.remote_pull import pull
+from store.remote_push import push
 from store.verify import verify_store
 from store_samples import fill
 
 runner = CliRunner()
 
-KILLED_PUSH = "import sys; from store.remote_sync import push; push(sys.argv[1], sys.argv[2])"
+KILLED_PUSH = "import sys; from store.remote_push import push; push(sys.argv[1], sys.argv[2])"
 
 
 def _under(root: Path) -> dict[str, bytes]:

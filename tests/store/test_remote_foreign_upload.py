@@ -13,7 +13,8 @@ import pytest
 from store_samples import fill
 
 from store import Store
-from store.remote_sync import pull, push
+from store.remote_pull import pull
+from store.remote_push import push
 from store.verify import verify_store
 
 

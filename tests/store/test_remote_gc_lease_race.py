@@ -15,7 +15,7 @@ from schemas.errors import UserError
 from store import Store, remote_gc, remote_lease
 from store import remote as remote_mod
 from store.remote_cache import local_store
-from store.remote_sync import push
+from store.remote_push import push
 from store_samples import fill, sample
 
 

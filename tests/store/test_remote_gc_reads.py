@@ -10,7 +10,7 @@ from collections import Counter
 from store import Store, remote_gc
 from store import format as fmt
 from store.remote import Remote, open_remote
-from store.remote_sync import push
+from store.remote_push import push
 from store_samples import fill
 
 

@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from schemas.errors import UserError
 from store import Store, quarantine
-from store.remote_sync import pull, push
+from store.remote_pull import pull
+from store.remote_push import push
 from store_samples import fill
 
 runner = CliRunner()

@@ -19,7 +19,7 @@ from store import format as fmt
 from store.integrity import DamagedData
 from store.remote_cache import local_store
 from store.remote_shards import FETCH_TAG, MARKER, RANGED, fetch_stats
-from store.remote_sync import push
+from store.remote_push import push
 from s3_server import aws_env, new_bucket
 from store_samples import fill
 import warm_start  # the processes sharing one cache: real ones, started warm
@@ -610,7 +610,7 @@ def test_a_damaged_cached_metadata_file_is_never_missing_while_it_is_fetched_aga
     the version meanwhile found it missing, and refused the version as damage with nothing left to fetch. The
     intact copy now replaces the damaged one in one rename: at every moment of the fetch the file is there."""
     import store.remote_shards as remote_shards
-    import store.remote_sync as remote_sync
+    import store.remote_pull as remote_pull
 
     url, store = pushed
     root = local_store(url, ["vae"], tmp_path / "cache")
@@ -618,13 +618,13 @@ def test_a_damaged_cached_metadata_file_is_never_missing_while_it_is_fetched_aga
     path = vdir / fmt.SCHEMA_JSON
     _flip_in_place(path, len(path.read_bytes()) // 2, 0x01)
     seen = []
-    own = remote_sync.fetch_checked
+    own = remote_pull.fetch_checked
 
     def looked_at_meanwhile(*args, **kwargs):
         seen.append(path.exists())  # what another rank's open finds while this fetch streams
         return own(*args, **kwargs)
 
-    monkeypatch.setattr(remote_sync, "fetch_checked", looked_at_meanwhile)
+    monkeypatch.setattr(remote_pull, "fetch_checked", looked_at_meanwhile)
     assert remote_shards.refetch_metadata(vdir)
     assert seen == [True]
     assert path.read_bytes() == (store.root / "vae" / "v1" / fmt.SCHEMA_JSON).read_bytes()

@@ -12,7 +12,7 @@ from schemas.errors import UserError
 from store import Store
 from store.checksum import unseal
 from store.remote_cache import local_store
-from store.remote_sync import push
+from store.remote_push import push
 from store_samples import fill
 
 

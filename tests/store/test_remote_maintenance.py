@@ -26,7 +26,8 @@ from schemas.host import host_id
 from store.lease import _pid_namespace
 from store.remote import open_remote
 from store.remote_cache import local_store
-from store.remote_sync import pull, push
+from store.remote_pull import pull
+from store.remote_push import push
 from store.verify import verify_store
 from store_samples import fill
 from transfer_gate import AfterN

@@ -13,7 +13,7 @@ import pytest
 from schemas import UserError
 from store import Store
 from store import remote as remote_mod
-from store.remote_sync import pull
+from store.remote_pull import pull
 from store.verify import verify_store
 from store_samples import key_of, rank_writer, vae_schema
 
@@ -285,7 +285,7 @@ def test_a_damaged_remote_quarantine_stops_a_multi_node_encode_before_its_commit
     is found before it (one line), so no version is committed without its rows, and after `store repair` sets the
     file aside a rerun commits the version and its rows."""
     from store import quarantine
-    from store.remote_sync import check_quarantine
+    from store.remote_push import check_quarantine
 
     url = s3_env.url("qdamaged")
     _finished(tmp_path / "node1", url, 1)

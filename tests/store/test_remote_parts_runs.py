@@ -16,7 +16,7 @@ from schemas import UserError
 from store import Store
 from store import remote_parts
 from store.partition import rank_slice
-from store.remote_sync import pull
+from store.remote_pull import pull
 from store_samples import key_of, sample, vae_schema
 
 

@@ -15,7 +15,8 @@ from store import Store
 from store import format as fmt
 from store import remote as remote_mod
 from store.integrity import DamagedData
-from store.remote_sync import pull, push
+from store.remote_pull import pull
+from store.remote_push import push
 from store.verify import verify_store
 from store_samples import fill
 

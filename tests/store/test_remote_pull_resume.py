@@ -14,7 +14,8 @@ from store import Store
 from store import remote as remote_mod
 from store import remote_checked
 from store.remote_checked import CHECKED_XATTR
-from store.remote_sync import pull, push
+from store.remote_pull import pull
+from store.remote_push import push
 from store.verify import verify_store
 from store_samples import fill
 from transfer_gate import AfterN

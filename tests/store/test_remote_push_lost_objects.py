@@ -12,7 +12,8 @@ from store import Store
 from store import format as fmt
 from store.remote import Remote
 from store.remote_cache import local_store, push_back
-from store.remote_sync import pull, push
+from store.remote_pull import pull
+from store.remote_push import push
 from store_samples import fill, fill_images
 
 

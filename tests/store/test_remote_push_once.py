@@ -19,7 +19,8 @@ from store import Store
 from store import format as fmt
 from store import remote as remote_mod
 from store.remote_gc import collect
-from store.remote_sync import pull, push
+from store.remote_pull import pull
+from store.remote_push import push
 from store.verify import verify_store
 from stalled_push import push_killed_where_it_stalls
 from store_samples import sample, vae_schema
@@ -130,12 +131,12 @@ def test_a_push_that_fails_mid_multipart_leaves_nothing_visible_and_a_rerun_fini
         remote.fs._call_s3 = call_s3
         return remote
 
-    monkeypatch.setattr("store.remote_sync.open_remote", failing_open_remote)
+    monkeypatch.setattr("store.remote_push.open_remote", failing_open_remote)
     with pytest.raises(UserError, match="lost the connection"):
         push(store.root, s3_env.url())
     assert parts and f"store/vae/v1/{big.name}" not in _keys(s3_env) and _unfinished(s3_env) == []
     assert "store/vae/v1/manifest.parquet" not in _keys(s3_env)
-    monkeypatch.setattr("store.remote_sync.open_remote", real_open_remote)
+    monkeypatch.setattr("store.remote_push.open_remote", real_open_remote)
     summary = push(store.root, s3_env.url())
     assert summary.copied == ["vae/v1"] and summary.objects_skipped > 0  # what the first run sent is kept
     pulled = tmp_path / "pulled"

@@ -10,7 +10,8 @@ import threading
 
 from store import Store
 from store import remote as remote_mod
-from store.remote_sync import pull, push
+from store.remote_pull import pull
+from store.remote_push import push
 from store.verify import verify_store
 from store_samples import fill, key_of, rank_writer
 

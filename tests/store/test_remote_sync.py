@@ -13,7 +13,8 @@ from pipeline.cli import app
 from schemas.errors import UserError
 from store import Store
 from store import remote as remote_mod
-from store.remote_sync import pull, push
+from store.remote_pull import pull
+from store.remote_push import push
 from store.verify import verify_store
 from transfer_gate import AfterN
 from store_samples import fill, sample

@@ -75,7 +75,7 @@ def test_a_push_throttled_on_one_shard_commits_the_version(s3_env, store, monkey
     the same empty object. Now the push completes and every object is the local file."""
     from store_samples import fill
 
-    from store.remote_sync import push
+    from store.remote_push import push
 
     fill(store, 6)
     seen = []

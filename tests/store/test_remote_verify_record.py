@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from pipeline.cli import app
 from store import Store
-from store.remote_sync import push
+from store.remote_push import push
 from store_samples import fill
 
 

@@ -13,7 +13,8 @@ from store import Store
 from store import format as fmt
 from store.remote_cache import USAGE, local_store
 from store.remote_shards import FETCH_TAG, MARKER, RANGED
-from store.remote_sync import pull, push
+from store.remote_pull import pull
+from store.remote_push import push
 from store_samples import fill
 
 

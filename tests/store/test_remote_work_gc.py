@@ -177,7 +177,7 @@ def test_gc_of_a_url_removes_a_killed_migrates_working_copy_once_another_migrate
     import pyarrow.parquet as pq
 
     from store.integrity import write_version_checksums
-    from store.remote_sync import push
+    from store.remote_push import push
     from test_v1_handwritten import write_v1_store
 
     v1 = tmp_path / "v1store"

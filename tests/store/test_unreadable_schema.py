@@ -95,7 +95,7 @@ def test_gc_of_a_url_keeps_what_a_kept_version_with_an_unreadable_schema_may_nam
     was built from) and v3, where the local gc keeps every version of the other tables; one mechanism now."""
     from store.remote import open_remote
     from store.remote_parts import make_current
-    from store.remote_sync import push
+    from store.remote_push import push
 
     assert fill_images(store, "a") == 1
     fill(store, 3)

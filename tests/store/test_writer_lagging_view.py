@@ -21,7 +21,8 @@ from store import Store, writer_open
 from store import format as fmt
 from store.checksum import unseal
 from store.gc import collect
-from store.remote_sync import pull, push
+from store.remote_pull import pull
+from store.remote_push import push
 from store.verify import verify_store
 from store_samples import sample, vae_schema
 from test_store_writer import assert_exact, run_writer
