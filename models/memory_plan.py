@@ -425,7 +425,3 @@ def _decode_above(parts: dict[str, int], decode: int, activations: int, name: st
 
 def gib(n: int | float) -> str:
     return f"{n / 2**30:.2f} GiB"
-
-
-def read_transformer_config(model: str) -> dict:
-    return json.loads((config_root(model) / "transformer" / "config.json").read_text())

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Literal, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from schemas.errors import UserError
 
-DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 DeviceSpec = str | list[str]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

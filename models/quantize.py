@@ -41,9 +41,6 @@ NF4_BLOCK = 64
 # Modules kept in the load dtype (matched by name fragment, as diffusers' modules_to_not_convert does).
 KEEP_EXACT = ["img_in", "txt_in", "proj_out", "norm_out", "time_text_embed"]
 
-# Stored bytes per quantised weight element, and per-output-channel scale bytes (for memory planning).
-BYTES_PER_WEIGHT = {"int8": 1.0, "fp8": 1.0, "nf4": 0.5}
-
 
 def canonical(name: str) -> QuantizeName:
     return "int8" if name == "int8_weight_only" else name  # type: ignore[return-value]

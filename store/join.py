@@ -395,11 +395,6 @@ def split_keys(r: ReaderManifest, split: str | None) -> list[str]:
     return sorted(r.key_array.take(pa.array(r.rows_of(split))).to_pylist())
 
 
-def _name_keys(keys: set[str], limit: int = 5) -> str:
-    shown = sorted(keys)[:limit]
-    return ", ".join(shown) + (f" … ({len(keys)} in all)" if len(keys) > limit else "")
-
-
 def text_lengths(text: ReaderManifest) -> np.ndarray:
     """Prompt token count per row of the text table (the `length` column, else the prompt_embeds shape)."""
     if text.has_column("length"):

@@ -157,13 +157,6 @@ def _first_unseen(old: pa.Table | None, rows: pa.Table, identity: list[str]) -> 
     return np.sort(firsts[firsts >= m]) - m
 
 
-def table_of(data: bytes) -> pa.Table:
-    """A quarantine.parquet's bytes as a table (through Arrow's own buffer: Arrow's I/O threads never call back
-    into Python for a read, as they would through a Python file object - at interpreter exit such a call ends
-    the thread from C++ code: `terminate called without an active exception`)."""
-    return pq.read_table(pa.BufferReader(data))
-
-
 def empty() -> pa.Table:
     """No rows (a store without quarantine.parquet)."""
     return pa.table({c: pa.array([], pa.string()) for c in BASE_COLUMNS})
@@ -191,6 +184,8 @@ def _read(path: Path, columns: Iterable[str] | None = None) -> pa.Table:
 
 def parsed(data: bytes) -> tuple[pa.Table | None, str]:
     """A quarantine.parquet's bytes (a store URL's copy) as a table, or (None, what is wrong): as a local file."""
+    # Arrow's own buffer: through a Python file object Arrow's I/O threads would call back into Python, which at
+    # interpreter exit ends the process from C++ (`terminate called without an active exception`)
     return _load(pa.BufferReader(data))
 
 

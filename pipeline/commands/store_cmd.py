@@ -17,9 +17,6 @@ from pipeline.launched import one_process, rank_0_only
 store_app = typer.Typer(no_args_is_help=True)
 migrate_app = typer.Typer(no_args_is_help=True)
 
-StoreArg = typer.Argument(..., help="Store folder (holds store.json).")
-
-
 StoreOrUrlArg = typer.Argument(..., help="Store folder (holds store.json), or its URL (s3://bucket/prefix).")
 
 

@@ -21,7 +21,6 @@ from store import format as fmt
 NAME = "damaged_samples.jsonl"
 _OLD_NAME = "damaged_samples.json"  # one JSON object {"skipped", "samples"}, written by earlier versions
 _LOCK = ".damaged_samples.lock"
-FILES = (NAME, _OLD_NAME)  # what a run folder holds of its list
 
 
 def path_of(run_dir: Path) -> Path:
