@@ -242,6 +242,8 @@ def _fresh_state() -> dict:
 
 _state: dict = _fresh_state()
 _report_lock = threading.Lock()
+# `silent`: the line of this thread's last store call (`_outcome`) where it went unanswered, else None
+_found = threading.local()
 
 
 def new_run() -> None:
@@ -316,12 +318,16 @@ def _outcome(started: tuple[threading.Thread | None, dict], seconds: float, wher
     if worker is not None:  # (None: run in place, done already)
         worker.join(seconds + 1.0)
     if worker is not None and worker.is_alive():
-        # remembered: a Ctrl-C of a rank waiting for it does not wait for it again to publish its stop
-        _state["store_silent"] = _silent_line(where, seconds)
-        raise StoreSilent(_state["store_silent"])
+        # remembered by the process: a Ctrl-C of a rank waiting for it does not wait for it again to publish its stop
+        # (any thread's finding); and by this thread, whose wait says so (`_read`) whatever another thread's call
+        # met meanwhile (the watch thread's poll answered cleared the process's finding)
+        _state["store_silent"] = _found.silent = _silent_line(where, seconds)
+        raise StoreSilent(_found.silent)
     if isinstance(done.get("error"), StoreSilent):  # not asked (`_in_thread` at shutdown): silent still
+        _found.silent = str(done["error"])
         raise done["error"]
     _state.pop("store_silent", None)  # it answered (again)
+    _found.silent = None
     if "error" in done:
         raise done["error"]
     return done["value"]
@@ -664,7 +670,8 @@ def _read(clients: list, read: Callable, each: bool = False) -> T:
     traceback, and the launch with it. Reads only, or writes that are the same when applied twice (a `set`, a
     compare-and-set): a call that failed may have been applied. A store gone: its failure, as before. Each call is
     bounded (`_call`): against a store whose host stopped answering (SIGSTOP, hung) it blocked for ever, a Ctrl-C
-    ignored; a store still silent after `_reconnect`'s tries ends the wait in one line (`StoreSilent`).
+    ignored; a store still silent after `_reconnect`'s tries ends the wait in one line (`StoreSilent`): those tries'
+    own finding (`_found`, this thread's), not the process's, which the watch thread's poll answered meanwhile clears.
     `each`: `read(call)` makes many calls (one or two per rank), each through `call(op)`, bounded on its own: one
     bound for the whole batch ran out on a busy store of many ranks, and the batch was tried again for ever."""
     while True:
@@ -678,7 +685,7 @@ def _read(clients: list, read: Callable, each: bool = False) -> T:
         except Exception as e:  # noqa: BLE001 - re-raised below when the store does not answer again
             bound = _bound(clients[0])
             if not _reconnect(clients, threading.Event()):
-                if not isinstance(e, StoreSilent) and _state.get("store_silent"):
+                if not isinstance(e, StoreSilent) and getattr(_found, "silent", None):
                     # its tries connected and got no answer: said so, whatever the first call raised (torch's timeout)
                     raise StoreSilent(_silent_line(_where(), bound)) from None
                 raise

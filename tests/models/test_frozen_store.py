@@ -310,3 +310,43 @@ def test_an_exit_after_a_stall_counts_itself_where_the_store_answers_again(monke
         assert live.check([f"{collective._launch_key('exited')}/1"]), "this rank's exit was not counted"
     else:
         assert took < collective.PROBE_SECONDS + 3, f"the exit waited {took:.1f} s for a silent store"
+
+
+def test_a_wait_says_the_store_is_silent_though_the_watch_thread_was_answered_meanwhile(monkeypatch, own_collective):
+    """A main thread's wait (`_read`) whose call failed on torch's timeout, and whose new connection's tries
+    (`_reconnect`) got no answer, ends in the store's one line (`StoreSilent`). The finding was one flag of the
+    process, which the watch thread's poll answered meanwhile cleared: the wait then ended in torch's error. The
+    interleaving is driven in order here: the main thread's silent try, then the watch thread's answered poll."""
+    import threading
+
+    collective = own_collective
+    listener = _silent_store()  # the port answers `_reconnect`'s probe
+    port = listener.getsockname()[1]
+    for name, value in {"RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    never = threading.Event()
+
+    def silent_connect(timeout=10.0):
+        # this (main) thread's try: the store accepted the connection and never answered
+        with pytest.raises(collective.StoreSilent):
+            collective._outcome(collective._in_thread(never.wait), 0.0, f"127.0.0.1:{port}")
+        # then the watch thread's poll, answered
+        watch = threading.Thread(target=collective._outcome, args=(collective._in_thread(lambda: False), 1.0, "h:p"))
+        watch.start()
+        watch.join()
+        raise collective.StoreSilent("still silent")
+
+    class Client:
+        timeout = timedelta(seconds=2)
+
+    monkeypatch.setattr(collective, "store_host_gone", lambda: False)
+    monkeypatch.setattr(collective, "_store_client", silent_connect)
+    monkeypatch.setattr(collective, "STORE_RETRY_SECONDS", 1.0)  # one try (it takes a second), then given up
+    try:
+        with pytest.raises(collective.StoreSilent) as raised:
+            collective._read([Client()], _timed_out)
+    finally:
+        never.set()
+        listener.close()
+    assert str(raised.value) == (f"the launch's store at 127.0.0.1:{port} accepts connections but did not answer "
+                                 "within 1 s (its host is stopped, hung or unreachable)")
