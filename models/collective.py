@@ -664,7 +664,7 @@ def _reconnect(clients: list, stop: threading.Event) -> bool:
     return False
 
 
-def _read(clients: list, read: Callable, each: bool = False) -> T:
+def _read(clients: list, read: Callable[[object], T]) -> T:
     """`read(client)` through `clients[0]` for a main thread's long wait (`arrive_together`, `main_alone`: hours),
     tried again on a new connection after a failed call (`_reconnect`): one hiccup of the store ended the rank in a
     traceback, and the launch with it. Reads only, or writes that are the same when applied twice (a `set`, a
@@ -672,8 +672,9 @@ def _read(clients: list, read: Callable, each: bool = False) -> T:
     bounded (`_call`): against a store whose host stopped answering (SIGSTOP, hung) it blocked for ever, a Ctrl-C
     ignored; a store still silent after `_reconnect`'s tries ends the wait in one line (`StoreSilent`): those tries'
     own finding (`_found`, this thread's), not the process's, which the watch thread's poll answered meanwhile clears.
-    `each`: `read(call)` makes many calls (one or two per rank), each through `call(op)`, bounded on its own: one
-    bound for the whole batch ran out on a busy store of many ranks, and the batch was tried again for ever."""
+    A batch of calls (one or two per rank: `_lost_ranks`) is one `_read` per call, each bounded and tried again on
+    its own: one bound for the whole batch ran out on a busy store of many ranks, and the batch was tried again for
+    ever."""
     while True:
         if store_host_gone():
             import torch.distributed as dist
@@ -681,7 +682,7 @@ def _read(clients: list, read: Callable, each: bool = False) -> T:
             # what the failed call would have raised (its one line: `lost_peer_line`), without torch's C++ warning
             raise dist.DistNetworkError("Connection closed by peer: the launch's store's process ended")
         try:
-            return read(lambda op: _call(clients[0], op)) if each else _call(clients[0], read)
+            return _call(clients[0], read)
         except Exception as e:  # noqa: BLE001 - re-raised below when the store does not answer again
             bound = _bound(clients[0])
             if not _reconnect(clients, threading.Event()):
@@ -840,7 +841,7 @@ def _write_failure(message: str, world: int, timeout: float = 10.0, watching_onl
         # tried again after a hiccup (`_read`; a compare-and-set writes once): unpublished, the line reached no rank,
         # which ended on another (a lost peer's) or, waiting in `arrive_together`, only after LOST_SECONDS
         line = _read(clients, lambda c: c.compare_set(key, "", message)).decode("utf-8", "replace")
-        _known_by_all(clients[0], key, world, _read(clients, lambda call: _watching_ranks(call, world), each=True)
+        _known_by_all(clients[0], key, world, _watching_ranks(lambda op: _read(clients, op), world)
                       if watching_only else None)
         return line
     except StoreSilent as e:  # said: a rank's exit held for ever there before, then nothing said why it took its time
@@ -1259,14 +1260,13 @@ def arrive_together(world: int, what: str) -> None:
     while _read(clients, lambda c: c.add(key, 0)) < world:
         if time.monotonic() >= notice:
             notice += WAIT_NOTICE_SECONDS
-            line = _read(clients, lambda call: _wait_notice(call, key, world, rank, time.monotonic() - began, what),
-                         each=True)
+            line = _wait_notice(lambda op: _read(clients, op), key, world, rank, time.monotonic() - began, what)
             if line:
                 sys.stderr.write(line + "\n")
                 sys.stderr.flush()
         if time.monotonic() >= look:
             look = time.monotonic() + LIVENESS_SECONDS
-            lost = _read(clients, lambda call: _lost_ranks(call, key, world, seen), each=True)
+            lost = _lost_ranks(lambda op: _read(clients, op), key, world, seen)
             if lost:
                 from models.agreement import few
 
