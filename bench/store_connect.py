@@ -1,5 +1,5 @@
 """How long torch's TCPStore client takes to connect to a store served as this project's launches serve it
-(models/collective.py), and why it sometimes takes 5 s: each case vs a baseline measured in the same run.
+(models/collective/), and why it sometimes takes 5 s: each case vs a baseline measured in the same run.
 
 The store: a master `TCPStore(is_master=True, multi_tenant=True, wait_for_workers=False)` in a Python process of
 its own, as torchrun's agent serves it (libuv by default) and rank 0 of a plain env:// launch served it before
@@ -12,7 +12,7 @@ its own, as torchrun's agent serves it (libuv by default) and rank 0 of a plain 
 each under: idle | cpu 2x / 4x (busy-loop processes, 2 and 4 per core) | busy master (Python threads holding
 the GIL in the master's process, as rank 0's own work does), for three servers: torch's two backends as torch
 listens (`libuv`, the default, as torchrun's agent serves; `legacy`, use_libuv=False), and `project`: rank 0's
-store as models/collective.py `_before_group_store` serves it now (libuv, on an IPv4 listener of its own).
+store as models/collective/before_group.py `_before_group_store` serves it now (libuv, on an IPv4 listener of its own).
 Reported per case: p50 / p99 / max ms, how many connects took 1 s or more ("stalls"), and p50 and max over the
 baseline's p50 (the first case: libuv, idle, seq): a stall in units of an ordinary connect.
 
@@ -67,7 +67,7 @@ def _serve(backend: str, busy_threads: int, ports, stop) -> None:
             port = free.getsockname()[1]
         os.environ.update({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": HOST, "MASTER_PORT": str(port)})
         os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        store = collective._before_group_store(TIMEOUT.total_seconds())
+        store = collective.before_group._before_group_store(TIMEOUT.total_seconds())
     else:
         import torch.distributed as dist
 

@@ -5,7 +5,7 @@ same path showed up late and badly: at the first checkpoint, hours in, as a miss
 or, on `--resume`, as ranks that each found another checkpoint (or none) and trained on from different steps. So
 it is checked once at the start, by every rank together: rank 0 writes a probe file with a name all ranks agree on
 (an all-reduced random number), every rank looks for it, and any rank that does not see it stops every rank with
-one line naming itself and its host (models/collective.py)."""
+one line naming itself and its host (models/collective/)."""
 
 from __future__ import annotations
 

@@ -132,7 +132,7 @@ def _terminate(signum, frame) -> None:
         earlier.append(signum)
     peer_failure = _loaded("models.collective", "peer_failure")  # never imported here (a signal may come mid-import)
     if peer_failure is not None and (line := peer_failure()) is not None:
-        # torchrun stops the other ranks once one exits: they print its line too (models/collective.py)
+        # torchrun stops the other ranks once one exits: they print its line too (models/collective/)
         sys.modules["models.collective"].report_once(line)
     raise SystemExit(128 + signum)
 
@@ -146,7 +146,7 @@ def _loaded(module: str, name: str):
 
 def _exiting(signum, frame) -> None:
     # The command has ended (its line printed, its exit status set): what is left is the exit's own work, atexit's
-    # (the process group's close, bounded by models/collective.CLOSE_SECONDS; lease releases). A SIGTERM now -
+    # (the process group's close, bounded by models/collective/timing.py CLOSE_SECONDS; lease releases). A SIGTERM now -
     # torchrun stopping the other ranks once one has exited - raised SystemExit inside an atexit callback: a
     # traceback after the rank's own line, and the rest of the exit's work skipped. Recorded, not raised.
     _signalled.append(signum)
@@ -223,7 +223,7 @@ def _said_by_training() -> bool:
 
 def _publish_uncaught(error: Exception) -> str | None:
     """An error no handler turned into a line (a bug, a broken install on this node) ends this rank in its
-    traceback; a launched rank first publishes it (models/collective.py), so the others - waiting for this one
+    traceback; a launched rank first publishes it (models/collective/), so the others - waiting for this one
     at an agreement before the process group exists, or inside a collective - stop at once naming it, instead of
     waiting out their timeout (30 minutes before the group) saying nothing of this rank. Also when this rank failed
     before it imported the collective: the others may wait for it at their first exchange already. Once: one
@@ -243,7 +243,7 @@ def _publish_uncaught(error: Exception) -> str | None:
 
 
 def _publish_interrupt(error: BaseException) -> None:
-    """A launched rank stopped by one Ctrl-C outside the blocks that publish it themselves (models/collective.py
+    """A launched rank stopped by one Ctrl-C outside the blocks that publish it themselves (models/collective/
     `publish_interrupt`): the ranks waiting for it stop at once with its line. Not a stop the ranks agreed on (the
     training loop's, whose SystemExit no KeyboardInterrupt caused), nor after a second Ctrl-C (the user insists:
     the exit goes on, not held for the store). Its own line and exit status are unchanged."""
@@ -277,7 +277,7 @@ def main() -> None:  # pragma: no cover
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGINT, _interrupt)
     # any thread may ask whether a signal came, before this handler has run (a launched rank's watch thread: a
-    # Ctrl-C on every rank is each rank's own stop, not a peer's line to end on; models/collective.py)
+    # Ctrl-C on every rank is each rank's own stop, not a peer's line to end on; models/collective/)
     record_signals()
     _signalled.clear()  # an earlier in-process run's stop (the training loop reads it: stages/train/stop.py)
     early, _early_signals[:] = _early_signals[:], []  # came while this module was imported

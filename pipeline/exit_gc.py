@@ -13,7 +13,7 @@ teardown still clears every module's dict, which frees the objects those dicts h
 cycle that becomes unreachable during that teardown is no longer collected - memory the process's end returns
 anyway, and finalizers the language does not promise at exit ("It is not guaranteed that __del__() methods are
 called for objects that still exist when the interpreter exits", the data model). No work is skipped: every atexit
-callback the command registers (lease releases, the process group's close in models/collective.py) runs before this
+callback the command registers (lease releases, the process group's close in models/collective/) runs before this
 one, those registered earlier (logging's shutdown) after it, and the standard streams are flushed after it, as
 always.
 """

@@ -1,7 +1,7 @@
 """What a `pipeline` command does when a launcher starts it on several ranks (`pipeline launch`, torchrun,
 accelerate launch: WORLD_SIZE > 1 in every rank's environment). Each command does one of five things:
 
-- shares its work between the ranks, which take their decisions together (models/collective.py): `run
+- shares its work between the ranks, which take their decisions together (models/collective/): `run
   encode-text`, `run encode-vae`, `run train`, `run evaluate --all-checkpoints`, `run all`;
 - runs on rank 0 alone while the other ranks wait for it (`rank_0_alone`, as `run all` runs it): `run
   resize-bucket`, the one writer of the `images` table, so a job script can launch every stage alike;

@@ -3,7 +3,7 @@
 The same as `torchrun [TORCHRUN OPTIONS] -m pipeline.cli COMMAND ...` (torchrun's own parser reads the options
 before the first pipeline command name; from there on, every word is the command's, even one like `--run` that
 torchrun itself would take for an abbreviation of its `--run-path`), except when a rank fails: every rank has
-already printed the same `error: ...` line (models/collective.py), and torchrun would then end in its own
+already printed the same `error: ...` line (models/collective/), and torchrun would then end in its own
 `ChildFailedError` traceback and summary box, which says nothing more. Here the launcher's failure is one line
 (which ranks exited how) and exit status 1; stopped by a signal (a scheduler's SIGTERM, Ctrl-C), it is one line
 too and exit status 128 + the signal, torchrun having stopped every rank (its agent raised SignalException).

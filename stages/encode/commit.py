@@ -1,5 +1,5 @@
 """The end of an encode job: this rank's last shard and quarantine rows, rank 0's commit (all ranks agreeing on
-both, models/collective.py), the check of a version that replaces a damaged one; or giving up without commit."""
+both, models/collective/), the check of a version that replaces a damaged one; or giving up without commit."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 def finish(job: EncodeJob) -> Summary:
     """Quarantine rows, this rank's last shard, rank 0 commits (manifest last). Both parts are agreed on by
-    all ranks (models/collective.py; they are the barriers too): a rank that fails (a full disk, its
+    all ranks (models/collective/; they are the barriers too): a rank that fails (a full disk, its
     damaged-input threshold, in `failed` for a failure in its loop) stops every rank with its one line."""
     from models.collective import together
 
@@ -139,7 +139,7 @@ def close(job: EncodeJob) -> None:
 
 def failed(job: EncodeJob, error: BaseException) -> None:
     """This rank failed in its own part of the work (its loop): the other ranks learn it at their next
-    agreement (`finish`) instead of waiting for this rank there (models/collective.py)."""
+    agreement (`finish`) instead of waiting for this rank there (models/collective/)."""
     from models.collective import share_failure
 
     share_failure(job.ranks.world_size, error, job.summary.stage)

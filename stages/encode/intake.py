@@ -233,7 +233,7 @@ def _damaged_input(job: EncodeJob, key: str, problem: str) -> None:
 
 def check_damaged_total(job: EncodeJob) -> None:
     """Every rank, after its last shard: the damaged inputs summed over the ranks against the table's limit;
-    every rank reaches the same verdict from the same sums (models/collective.py: only integers travel)."""
+    every rank reaches the same verdict from the same sums (models/collective/: only integers travel)."""
     from models.collective import RankFailed, all_sum
 
     if job.ranks.world_size <= 1:

@@ -1,7 +1,7 @@
 """Ranks of an encoder on several nodes, each node with its own cached copy of a store URL: do they share one
 cache (one node, or a shared filesystem: today's way, the cache's commit then pushed back), and which version
 number do they all write (their caches may hold different in-progress versions)? Decided by every rank together
-(models/collective.py: only integers travel)."""
+(models/collective/: only integers travel)."""
 
 from __future__ import annotations
 

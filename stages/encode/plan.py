@@ -74,7 +74,7 @@ def open_job(store_path: str | Path, stage: str, table: str, settings: dict[str,
              fixes: Fixes = NO_FIXES, unread: tuple[str, ...] = (),
              serving_hashes: tuple[str, ...] = (),
              by_controls: Callable[[int, str], Any] | None = None) -> EncodeJob:
-    """`_open_job` on every rank, then agreed on (models/collective.py), for the features of `settings`
+    """`_open_job` on every rank, then agreed on (models/collective/), for the features of `settings`
     (`settings.settings_record`: hashed into the lineage, recorded with the version): a rank that cannot open its inputs
     stops every rank with its line before any model is loaded (the others would wait at the commit). Whether the
     table is up to date is decided by all ranks together too (`_agreed_plan`). `serving_hashes`: feature hashes of
@@ -86,7 +86,7 @@ def open_job(store_path: str | Path, stage: str, table: str, settings: dict[str,
     job = None
     try:
         # uneven: each node hashes its own copy of the model here, once (then cached): a slower disk's node comes
-        # minutes later, waited for through the launcher's store (models/collective.py `arrive_together`)
+        # minutes later, waited for through the launcher's store (models/collective/arrive.py `arrive_together`)
         with together(ranks.world_size, f"{stage}: opening the inputs", uneven=True):
             job, found = _open_job(store_path, stage, table, settings, model, feature_revision, ranks,
                                    components, on_damaged, max_damaged_fraction, earlier_hashes, fixes, unread,

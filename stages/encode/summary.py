@@ -108,7 +108,7 @@ def over_ranks(summary: Summary, world: int) -> Summary:
     encodes its share; rank 0 printed its share alone: `encode-text [rank 0/8]: ... encoded 3` of 24). One
     process, or up to date (every rank counted the whole table): as it is.
 
-    Only integers travel (models/collective.py): each rank writes its names as JSON bytes into its own slot of a
+    Only integers travel (models/collective/): each rank writes its names as JSON bytes into its own slot of a
     zero array, and the sum over ranks is every rank's slot; the times travel as microseconds."""
     from models.collective import all_max, all_sum
 

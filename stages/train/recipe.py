@@ -240,7 +240,7 @@ def run(
 def _lock_run_folder(tc: TrainConfig, accelerator, out: Path) -> list:
     """The run folder's lock, as the first entry of the list `run` releases at the end (None on the other ranks).
     One writer per run folder: a second `train` into the same OUT is refused, naming the holder. Only rank 0
-    locks, so every rank learns of its refusal here (models/collective.py), instead of waiting for it at the
+    locks, so every rank learns of its refusal here (models/collective/), instead of waiting for it at the
     first collective while it exits. The trackers are rank 0's, checked there in the same agreement (alone, a
     node without one stopped, and the others met its closed connection, told of a rank killed without a word)."""
     from stages.train.trackers import tracker_classes
@@ -448,7 +448,7 @@ def step(r: Run) -> StepStats:
     Collectives per step: DDP's gradient all-reduce and the loss sum, nothing else; one host sync (the loss,
     the finite check and the gradient norm read together). This rank's data, forward and backward, and its
     update, run in `fails_alone`: the others may be in DDP's all-reduce, so a failure here (a damaged sample, out of memory)
-    is published to every rank instead of agreed on (models/collective.py)."""
+    is published to every rank instead of agreed on (models/collective/)."""
     tc, t0, c0 = r.cfg, time.perf_counter(), time.process_time()
     micro, data_seconds, n_step, loss_sum, damaged, weightless, step_losses = _accumulate(r, t0)
     loss_sum, damaged, weightless, stop = _summed_over_ranks(r, loss_sum, damaged, weightless)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 def checkpoint(r: Run) -> None:
     """Every rank adds its RNG state; rank 0 writes the rest, the resume record last, and commits the folder
-    (rename) once all are in. Each part is agreed on by all ranks (models/collective.py, also the barriers):
+    (rename) once all are in. Each part is agreed on by all ranks (models/collective/, also the barriers):
     a full disk on rank 0 stops every rank with rank 0's one line, instead of the others waiting for it."""
     epoch, batch = r.position
     # the trackers' state too: a resume off the log cadence or mid-epoch logs the straight run's curve, under another

@@ -266,7 +266,7 @@ class Validator:
             return
         # fails_alone: the sample grid and the writes are the main process's alone, and the other ranks go on to
         # the next step's all-reduce; a failure on any rank (out of memory, a full disk) stops every rank with
-        # its one line instead of a traceback here and a wait there (models/collective.py)
+        # its one line instead of a traceback here and a wait there (models/collective/)
         with fails_alone(r.world, f"the validation of step {step}", VALIDATION_OOM_ADVICE), untouched(r.transformer):
             if do_loss:
                 collective = dict(rank=r.rank, world=r.world, accelerator=r.accelerator)

@@ -18,7 +18,7 @@ def main() -> None:
     from pipeline.cli import app, main as cli
 
     # the bound of the publish's connect (10 s): shorter here, so a fixed exit comes in seconds
-    collective.CONNECT_SECONDS = float(sys.argv[1])
+    collective.timing.CONNECT_SECONDS = float(sys.argv[1])
     exchange = sys.argv[2:] == ["exchange"]
 
     @app.command("wait-for-ctrl-c")

@@ -1,4 +1,4 @@
-"""`collective._lost_ranks`, the arrival's liveness rule (models/collective.py `arrive_together`), on a fake store:
+"""`_lost_ranks`, the arrival's liveness rule (models/collective/arrive.py `arrive_together`), on a fake store:
 a rank not arrived whose watch thread's counter stopped for LOST_SECONDS is lost; one still counting and one arrived
 are not; one that never counted (still starting) only after BEFORE_GROUP_SECONDS. The waits themselves, on two
 processes: tests/stages/test_uneven_ranks.py (and ranks naming their own model paths in the step:
@@ -21,29 +21,30 @@ class FakeStore:
         return self.values[key]
 
     def call(self, op):
-        """One call through this client, as `collective._read` makes each of a batch's calls."""
+        """One call through this client, as `collective.reconnect._read` makes each of a batch's calls."""
         return op(self)
 
 
 def test_a_rank_whose_signs_of_life_stopped_is_lost_and_only_it(monkeypatch) -> None:
     now = [1000.0]
-    monkeypatch.setattr(collective.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(collective.arrive.time, "monotonic", lambda: now[0])
     store, key, seen = FakeStore(), "arrived/x/1", {}
     store.values[f"{key}/0"] = 1  # rank 0 arrived
     for r in (1, 2):  # ranks 1 and 2 alive so far; rank 3 never counted
-        store.add(collective._alive_key(r), 5)
-    assert collective._lost_ranks(store.call, key, 4, seen) == []
-    now[0] += collective.LOST_SECONDS / 2
-    store.add(collective._alive_key(2), 1)  # rank 2 still works
-    assert collective._lost_ranks(store.call, key, 4, seen) == []
-    now[0] += collective.LOST_SECONDS / 2 + 1  # rank 1 silent for longer than LOST_SECONDS, rank 2 not
-    store.add(collective._alive_key(2), 1)
-    assert collective._lost_ranks(store.call, key, 4, seen) == [1]
+        store.add(collective.store_client._alive_key(r), 5)
+    assert collective.arrive._lost_ranks(store.call, key, 4, seen) == []
+    now[0] += collective.timing.LOST_SECONDS / 2
+    store.add(collective.store_client._alive_key(2), 1)  # rank 2 still works
+    assert collective.arrive._lost_ranks(store.call, key, 4, seen) == []
+    now[0] += collective.timing.LOST_SECONDS / 2 + 1  # rank 1 silent for longer than LOST_SECONDS, rank 2 not
+    store.add(collective.store_client._alive_key(2), 1)
+    assert collective.arrive._lost_ranks(store.call, key, 4, seen) == [1]
     store.values[f"{key}/1"] = 1  # arrived after all: never lost
-    now[0] += 10 * collective.LOST_SECONDS
-    assert collective._lost_ranks(store.call, key, 4, seen) == [2]  # now silent too; rank 3 (no count ever) not yet
-    now[0] += collective.BEFORE_GROUP_SECONDS
-    assert collective._lost_ranks(store.call, key, 4, seen) == [2, 3]
+    now[0] += 10 * collective.timing.LOST_SECONDS
+    lost_ranks = collective.arrive._lost_ranks
+    assert lost_ranks(store.call, key, 4, seen) == [2]  # now silent too; rank 3 (no count ever) not yet
+    now[0] += collective.timing.BEFORE_GROUP_SECONDS
+    assert collective.arrive._lost_ranks(store.call, key, 4, seen) == [2, 3]
 
 
 def test_a_long_wait_says_who_it_waits_for_once_by_the_lowest_rank_arrived() -> None:
@@ -52,7 +53,7 @@ def test_a_long_wait_says_who_it_waits_for_once_by_the_lowest_rank_arrived() -> 
     store, key = FakeStore(), "arrived/x/1"
     for r in (1, 2):
         store.values[f"{key}/{r}"] = 1  # ranks 1 and 2 arrived; 0 and 3 still working
-    line = collective._wait_notice(store.call, key, 4, 1, 1260.0, "checkpoint write")
+    line = collective.arrive._wait_notice(store.call, key, 4, 1, 1260.0, "checkpoint write")
     assert line == ("checkpoint write: 2 of 4 ranks have waited 21 min for rank(s) 0, 3, still alive (working, or "
                     "stuck: its node's logs say which)")
-    assert collective._wait_notice(store.call, key, 4, 2, 1260.0, "checkpoint write") is None
+    assert collective.arrive._wait_notice(store.call, key, 4, 2, 1260.0, "checkpoint write") is None

@@ -20,7 +20,7 @@ import torch, torch.distributed as dist
 from models import collective
 dist.init_process_group("gloo")
 collective.close_at_exit()
-collective.CLOSE_SECONDS = float(sys.argv[2])
+collective.timing.CLOSE_SECONDS = float(sys.argv[2])
 if dist.get_rank() == 0:
     works = [dist.all_reduce(torch.ones(4096), async_op=True) for _ in range(20)]
     print("rank 0 leaves", flush=True)

@@ -8,7 +8,7 @@ from models import collective
 
 def test_the_ranks_whose_digest_is_not_rank_0s_are_named_per_digest(monkeypatch) -> None:
     texts = ["aa 11", "aa 11", "ab 11", "aa 12"]  # rank 2 differs in the first digest, rank 3 in the second
-    monkeypatch.setattr(collective, "gather_texts", lambda world, text: texts)
+    monkeypatch.setattr(collective.agree, "gather_texts", lambda world, text: texts)
     assert collective.differing_ranks(4, ["aa", "11"]) == [[2], [3]]
     assert collective.ranks_differ([2]) == "rank 2 differs from rank 0"
     assert collective.ranks_differ([1, 3]) == "ranks 1, 3 differ from rank 0"

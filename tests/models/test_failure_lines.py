@@ -1,4 +1,4 @@
-"""The one line each launched rank ends with when a rank fails (models/collective.py `failure_line`, `report_once`,
+"""The one line each launched rank ends with when a rank fails (models/collective/: `failure_line`, `report_once`,
 the watch thread; the CLI's handlers in pipeline/commands/common.py). This process plays rank 1 of 2 against a
 real TCPStore on 127.0.0.1 that the test serves, as torchrun's agent does (`own_collective`: the collective's
 state is this test's alone, its watch thread stopped at the end)."""
@@ -42,9 +42,9 @@ def test_a_failure_every_rank_met_is_printed_once_on_each(monkeypatch, own_colle
     collective = own_collective
     store = _as_rank_1(monkeypatch)
     exits: list[int] = []
-    monkeypatch.setattr(collective.os, "_exit", exits.append)  # the watch thread ends the process after its line
+    monkeypatch.setattr(collective.watch.os, "_exit", exits.append)  # the watch thread ends the process after its line
     line = "1 of 6 samples of the images table are damaged: run `pipeline store repair`"
-    key = collective._failure_key()
+    key = collective.store_client._failure_key()
     collective.watch_failures(2)
     store.compare_set(key, "", line)  # rank 0 met it first
     store.set(f"{key}/known/0", "1")  # and counts itself among the ranks that read it
@@ -68,7 +68,7 @@ def test_an_error_no_handler_made_a_line_of_is_published_naming_its_rank(monkeyp
 
     collective = own_collective
     store = _as_rank_1(monkeypatch)
-    key = collective._failure_key()
+    key = collective.store_client._failure_key()
     collective.watch_failures(2)
     store.set(f"{key}/known/0", "1")  # rank 0 reads it
     with pytest.raises(RuntimeError):
@@ -89,13 +89,13 @@ def test_an_error_both_top_level_handlers_meet_is_published_once(monkeypatch, ow
 
     collective = own_collective
     store = _as_rank_1(monkeypatch)
-    key = collective._failure_key()
+    key = collective.store_client._failure_key()
     if watching:
         collective.watch_failures(2)
     store.set(f"{key}/known/0", "1")  # rank 0 reads it
     writes: list[str] = []
-    write = collective._write_failure
-    monkeypatch.setattr(collective, "_write_failure", lambda line, *a: writes.append(line) or write(line, *a))
+    write = collective.publish._write_failure
+    monkeypatch.setattr(collective.publish, "_write_failure", lambda line, *a: writes.append(line) or write(line, *a))
     with pytest.raises(RuntimeError):
         try:
             with user_errors():
@@ -121,12 +121,12 @@ def test_the_cli_top_level_names_the_peer_a_collective_error_came_from(monkeypat
 
     collective = own_collective
     store = _as_rank_1(monkeypatch)
-    key = collective._failure_key()
+    key = collective.store_client._failure_key()
     collective.watch_failures(2)
     store.set(f"{key}/known/0", "1")  # rank 0 reads it (or the launcher counted for it)
     peer = "rank 0: 1 of 6 samples of the images table are damaged"
     if published:
-        collective._state["published"] = True  # this rank's watch thread leaves the line to the main thread
+        collective.state.run["published"] = True  # this rank's watch thread leaves the line to the main thread
         store.compare_set(key, "", peer)
     line = _publish_uncaught(RuntimeError(_GLOO_CLOSED))
     expected = peer if published else collective.lost_peer_line(RuntimeError(_GLOO_CLOSED))
@@ -136,7 +136,7 @@ def test_the_cli_top_level_names_the_peer_a_collective_error_came_from(monkeypat
 def test_a_rank_failing_before_its_first_exchange_stops_the_rank_waiting_for_it(monkeypatch, own_collective) -> None:
     """Rank 1 (this process) fails before it ever exchanged through the store (no watch thread yet); rank 0 waits
     for it at the first decision and ends at once with its line. Before: only a watching rank published, and rank
-    0 waited out the before-group bound (models/collective.py BEFORE_GROUP_SECONDS, 30 minutes: here the test's
+    0 waited out the before-group bound (models/collective/timing.py BEFORE_GROUP_SECONDS, 30 minutes: here the test's
     bound fails it)."""
     collective = own_collective
     store = _as_rank_1(monkeypatch)
@@ -200,7 +200,7 @@ def test_a_single_process_publishes_nothing(monkeypatch, own_collective) -> None
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "9")  # nothing serves there: a try would fail only after its timeout
-    assert collective.failure_line(RuntimeError("x"), "x") == "x" and not collective._state["published"]
+    assert collective.failure_line(RuntimeError("x"), "x") == "x" and not collective.state.run["published"]
 
 
 def test_a_rank_that_drew_no_progress_bar_prints_no_blank_line(monkeypatch, own_collective, capsys) -> None:

@@ -1,6 +1,6 @@
 """A launched rank stopped by a Ctrl-C before its first exchange publishes its stop through the launch's store
-(models/collective.py `publish_interrupt`). Where the store's host accepts connections but never answers (stopped
-by SIGSTOP, hung), torch's client ignores its timeout: the rank printed its stop line and then never exited, a
+(models/collective/interrupt.py `publish_interrupt`). Where the store's host accepts connections but never answers
+(stopped by SIGSTOP, hung), torch's client ignores its timeout: the rank printed its stop line and then never exited, a
 second Ctrl-C and a SIGTERM both ignored (the main thread blocked in one C++ call), only SIGKILL ended it. Now the
 connect runs in a thread of its own, waited for within our bound: the rank says in one line that it could not tell
 the others and exits 130; a SIGTERM during that wait ends it at once (143). So does a Ctrl-C of a rank waiting at
@@ -108,8 +108,8 @@ def _timed_out(client):
 
 @pytest.mark.parametrize("read", ["blocks", "times out"])
 def test_a_wait_through_a_store_whose_host_stopped_ends_in_one_line(monkeypatch, own_collective, read) -> None:
-    """A rank waiting through the store (`arrive_together`, `main_alone`: models/collective.py `_read`) when the
-    store's host stops answering mid-run (a Ctrl-Z on rank 0's terminal, a hung node): torch's call blocked for
+    """A rank waiting through the store (`arrive_together`, `main_alone`: models/collective/reconnect.py `_read`) when
+    the store's host stops answering mid-run (a Ctrl-Z on rank 0's terminal, a hung node): torch's call blocked for
     ever, ignoring its timeout (a Ctrl-C too). Now each call is bounded, the store tried again (`_reconnect`), then
     the wait ends in one line (`StoreSilent`, a `UserError`). The host is a real store in a process of its own,
     stopped by SIGSTOP; this process plays rank 1 of 2."""
@@ -126,9 +126,9 @@ def test_a_wait_through_a_store_whose_host_stopped_ends_in_one_line(monkeypatch,
         for name, value in {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1",
                             "MASTER_PORT": str(port)}.items():
             monkeypatch.setenv(name, value)
-        monkeypatch.setattr(collective, "CONNECT_SECONDS", 1.0)  # the bounds, short: an end in seconds
-        monkeypatch.setattr(collective, "STORE_RETRY_SECONDS", 2.0)
-        clients = [collective._store_client(2.0)]
+        monkeypatch.setattr(collective.timing, "CONNECT_SECONDS", 1.0)  # the bounds, short: an end in seconds
+        monkeypatch.setattr(collective.timing, "STORE_RETRY_SECONDS", 2.0)
+        clients = [collective.store_client._store_client(2.0)]
         assert not _call_read(collective, clients, BOUND), "the store answered no call while it ran"
         host.send_signal(signal.SIGSTOP)
         _wait_stopped(host.pid, BOUND)  # (a stop lands when the host's threads are next scheduled: CI saw it answer)
@@ -177,7 +177,7 @@ def _call_read(collective, clients: list, bound: float, read=None):
 
     def wait() -> None:
         try:
-            outcome[0] = collective._read(clients, read or (lambda c: c.check(["never-set"])))
+            outcome[0] = collective.reconnect._read(clients, read or (lambda c: c.check(["never-set"])))
         except Exception as e:  # noqa: BLE001 - the test's outcome
             outcome[0] = e
 
@@ -204,16 +204,17 @@ def test_a_store_call_where_no_thread_can_start_runs_in_place_and_is_tried_again
     import threading
 
     collective = own_collective
+    calls = collective.store_client
 
     def refused(self):
         raise RuntimeError("can't create new thread at interpreter shutdown")
 
     monkeypatch.setattr(threading.Thread, "start", refused)
-    assert collective._outcome(collective._in_thread(lambda: 5), 1.0, "h:p") == 5
-    collective._state["store_silent"] = "silent"  # found silent: no unbounded call in place against it
+    assert calls._outcome(calls._in_thread(lambda: 5), 1.0, "h:p") == 5
+    collective.state.run["store_silent"] = "silent"  # found silent: no unbounded call in place against it
     with pytest.raises(collective.StoreSilent):
-        collective._outcome(collective._in_thread(lambda: pytest.fail("called in place")), 1.0, "h:p")
-    del collective._state["store_silent"]
+        calls._outcome(calls._in_thread(lambda: pytest.fail("called in place")), 1.0, "h:p")
+    del collective.state.run["store_silent"]
     tries, pending = [], []
 
     def connect_once_refused(*a, **k):
@@ -226,8 +227,8 @@ def test_a_store_call_where_no_thread_can_start_runs_in_place_and_is_tried_again
 
     monkeypatch.setattr(dist, "TCPStore", connect_once_refused)
     with pytest.raises(RuntimeError, match="not up yet"):
-        collective._connect("127.0.0.1", 1, 1.0, pending)
-    assert collective._connect("127.0.0.1", 1, 1.0, pending) == "client" and len(tries) == 2
+        calls._connect("127.0.0.1", 1, 1.0, pending)
+    assert calls._connect("127.0.0.1", 1, 1.0, pending) == "client" and len(tries) == 2
 
 
 class SlowStore:
@@ -270,12 +271,12 @@ def test_a_wait_of_many_ranks_on_a_busy_store_bounds_each_call_not_the_batch(mon
         laps.append(1)
         return len(laps) < 3  # a store that answers again, twice: then the wait ends (for ever before)
 
-    monkeypatch.setattr(collective, "watch_failures", lambda world: None)
-    monkeypatch.setattr(collective, "_store_client", lambda timeout=10.0: store)
-    monkeypatch.setattr(collective, "store_host_gone", lambda: False)
-    monkeypatch.setattr(collective, "_reconnect", reconnect)
-    monkeypatch.setattr(collective, "WAIT_NOTICE_SECONDS", 0.0)  # the notice's batch at the first look too
-    monkeypatch.setattr(collective, "POLL_SECONDS", 0.01)
+    monkeypatch.setattr(collective.arrive, "watch_failures", lambda world: None)
+    monkeypatch.setattr(collective.arrive, "_store_client", lambda timeout=10.0: store)
+    monkeypatch.setattr(collective.reconnect, "store_host_gone", lambda: False)  # `_read`'s
+    monkeypatch.setattr(collective.reconnect, "_reconnect", reconnect)
+    monkeypatch.setattr(collective.timing, "WAIT_NOTICE_SECONDS", 0.0)  # the notice's batch at the first look too
+    monkeypatch.setattr(collective.timing, "POLL_SECONDS", 0.01)
     counts = iter([1, world])  # rank 0 alone at the first look, all arrived at the next
     add = store.add
     monkeypatch.setattr(store, "add", lambda key, n: next(counts) if n == 0 and "/arrived/" in key else add(key, n))
@@ -297,16 +298,57 @@ def test_an_exit_after_a_stall_counts_itself_where_the_store_answers_again(monke
     listener = _silent_store()
     if store == "silent":
         monkeypatch.setenv("MASTER_PORT", str(listener.getsockname()[1]))
-    collective._state.update(store_silent="a stall", store_lost=True)
+    collective.state.run.update(store_silent="a stall", store_lost=True)
     began = time.monotonic()
     try:
-        collective._count_exit(None, 2)
+        collective.exit._count_exit(None, 2)
         took = time.monotonic() - began
     finally:
         collective.forget_store_hosts()
         listener.close()
         _answered(BOUND)
     if store == "answers":
-        assert live.check([f"{collective._launch_key('exited')}/1"]), "this rank's exit was not counted"
+        assert live.check([f"{collective.store_client._launch_key('exited')}/1"]), "this rank's exit was not counted"
     else:
-        assert took < collective.PROBE_SECONDS + 3, f"the exit waited {took:.1f} s for a silent store"
+        assert took < collective.timing.PROBE_SECONDS + 3, f"the exit waited {took:.1f} s for a silent store"
+
+
+def test_a_wait_says_the_store_is_silent_though_the_watch_thread_was_answered_meanwhile(monkeypatch, own_collective):
+    """A main thread's wait (`_read`) whose call failed on torch's timeout, and whose new connection's tries
+    (`_reconnect`) got no answer, ends in the store's one line (`StoreSilent`). The finding was one flag of the
+    process, which the watch thread's poll answered meanwhile cleared: the wait then ended in torch's error. The
+    interleaving is driven in order here: the main thread's silent try, then the watch thread's answered poll."""
+    import threading
+
+    collective = own_collective
+    calls = collective.store_client
+    listener = _silent_store()  # the port answers `_reconnect`'s probe
+    port = listener.getsockname()[1]
+    for name, value in {"RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    never = threading.Event()
+
+    def silent_connect(timeout=10.0):
+        # this (main) thread's try: the store accepted the connection and never answered
+        with pytest.raises(collective.StoreSilent):
+            calls._outcome(calls._in_thread(never.wait), 0.0, f"127.0.0.1:{port}")
+        # then the watch thread's poll, answered
+        watch = threading.Thread(target=calls._outcome, args=(calls._in_thread(lambda: False), 1.0, "h:p"))
+        watch.start()
+        watch.join()
+        raise collective.StoreSilent("still silent")
+
+    class Client:
+        timeout = timedelta(seconds=2)
+
+    monkeypatch.setattr(collective.reconnect, "store_host_gone", lambda: False)  # `_read`'s
+    monkeypatch.setattr(collective.reconnect, "_store_client", silent_connect)  # `_reconnect`'s
+    monkeypatch.setattr(collective.timing, "STORE_RETRY_SECONDS", 1.0)  # one try (it takes a second), then given up
+    try:
+        with pytest.raises(collective.StoreSilent) as raised:
+            collective.reconnect._read([Client()], _timed_out)
+    finally:
+        never.set()
+        listener.close()
+    assert str(raised.value) == (f"the launch's store at 127.0.0.1:{port} accepts connections but did not answer "
+                                 "within 1 s (its host is stopped, hung or unreachable)")

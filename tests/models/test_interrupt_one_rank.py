@@ -1,4 +1,4 @@
-"""A Ctrl-C that reached one rank alone (its own terminal, one node's) in the middle of a step (models/collective.py
+"""A Ctrl-C that reached one rank alone (its own terminal, one node's) in the middle of a step (models/collective/
 `fails_alone`, `together`). Before, only an `Exception` was published: the KeyboardInterrupt ended this rank while
 the others waited for it inside a collective (NCCL without torchrun: its 10-minute timeout; gloo: a lost peer,
 named as killed). Now it is published first, so every other rank's watch thread ends its process with the line at
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from own_collective import own_collective  # noqa: F401  (the fixture)
+from own_collective import own_collective, patch_where_used  # noqa: F401  (the fixture)
 from test_failure_lines import _as_rank_1
 
 
@@ -17,11 +17,12 @@ def _rank_1_publishing(monkeypatch, collective) -> tuple:
     """This process as rank 1 of 2 (`_as_rank_1`): the store, the launch's failure key (rank 0 counted as having
     read the line: its watch thread does so, not waited for here) and the lines this rank publishes, in order."""
     store = _as_rank_1(monkeypatch)
-    key = collective._failure_key()
+    key = collective.store_client._failure_key()
     store.set(f"{key}/known/0", "1")
     writes: list[str] = []
     real = collective.publish_failure
-    monkeypatch.setattr(collective, "publish_failure", lambda line, world: writes.append(line) or real(line, world))
+    monkeypatch.setattr(collective.interrupt, "publish_failure",  # a Ctrl-C's (`_tell_interrupt`)
+                        lambda line, world: writes.append(line) or real(line, world))
     return store, key, writes
 
 
@@ -77,7 +78,7 @@ def test_a_ctrl_c_before_the_ranks_first_exchange_is_published_where_the_store_a
     collective = own_collective
     store, key, _ = _rank_1_publishing(monkeypatch, collective)
     monkeypatch.setattr(cli, "_signalled", [signal.SIGINT])
-    assert not collective._state["watching"]
+    assert not collective.state.run["watching"]
     cli._publish_interrupt(KeyboardInterrupt())
     assert store.check([key]), "nothing published"
     assert store.get(key).decode().startswith("rank 1 was stopped by SIGINT (Ctrl-C): what the ranks committed")
@@ -98,11 +99,11 @@ def test_a_ctrl_c_before_the_first_exchange_waits_only_for_the_ranks_watching(mo
 
     collective = own_collective
     store = _as_rank_1(monkeypatch)  # rank 0 counts nothing as read: it is not watching, or not yet
-    key = collective._failure_key()
-    monkeypatch.setattr(collective, "HOST_WAIT_SECONDS", 3600.0)
+    key = collective.store_client._failure_key()
+    monkeypatch.setattr(collective.timing, "HOST_WAIT_SECONDS", 3600.0)
     monkeypatch.setattr(cli, "_signalled", [signal.SIGINT])
     if rank_0 == "watching":
-        store.add(collective._alive_key(0), 1)  # its watch thread's sign of life
+        store.add(collective.store_client._alive_key(0), 1)  # its watch thread's sign of life
     exiting = threading.Thread(target=cli._publish_interrupt, args=(KeyboardInterrupt(),), daemon=True)
     exiting.start()
     if rank_0 == "watching":  # it reads the line: waited for until then
@@ -132,9 +133,9 @@ def test_a_ctrl_c_before_the_first_exchange_on_one_torchrun_node_tells_no_one(mo
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "one-node")
     monkeypatch.setattr(cli, "_signalled", [signal.SIGINT])
     connected: list[float] = []
-    monkeypatch.setattr(collective, "_store_client", lambda timeout=10.0: connected.append(timeout))
+    patch_where_used(monkeypatch, "_store_client", lambda timeout=10.0: connected.append(timeout))
     cli._publish_interrupt(KeyboardInterrupt())
-    assert connected == [] and not store.check([collective._failure_key()])
+    assert connected == [] and not store.check([collective.store_client._failure_key()])
 
 
 @pytest.fixture
@@ -180,8 +181,8 @@ def test_a_rank_the_same_ctrl_c_reached_ends_on_its_own_stop_not_a_peers_line(mo
     collective = own_collective
     store, key, _ = _rank_1_publishing(monkeypatch, collective)
     exits: list[int] = []
-    monkeypatch.setattr(collective.os, "_exit", exits.append)
-    peer = collective._interrupt_line(0, "")
+    monkeypatch.setattr(collective.watch.os, "_exit", exits.append)
+    peer = collective.interrupt._interrupt_line(0, "")
     store.compare_set(key, "", peer)  # rank 0 was first
     collective.watch_failures(2)
     deadline = time.monotonic() + TIMEOUT
@@ -194,5 +195,5 @@ def test_a_rank_the_same_ctrl_c_reached_ends_on_its_own_stop_not_a_peers_line(mo
                 raise RuntimeError("Connection closed by peer (a library's call, stopped by the Ctrl-C)")
         except typer.Exit as e:
             pytest.fail(f"user_errors ended on exit {e.exit_code}")
-    collective._state["stop_watching"]()  # this rank's exit
+    collective.state.run["stop_watching"]()  # this rank's exit
     assert exits == [] and "error:" not in capsys.readouterr().err

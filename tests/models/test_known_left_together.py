@@ -1,4 +1,4 @@
-"""A published failure's end (models/collective.py `_known_by_all`): every rank counts itself among those that
+"""A published failure's end (models/collective/counting.py `_known_by_all`): every rank counts itself among those that
 know the line and waits until all have; the store's host (rank 0 of a plain env:// launch) then ends the store
 with its process. Before, it ended as soon as it saw every rank counted, while another rank still polled to see the
 same: that rank's poll met a reset connection, and torch's client printed a C++ warning and stack after its last
@@ -30,11 +30,12 @@ def _as_rank(monkeypatch, rank: int) -> dist.TCPStore:
 def test_the_host_ends_only_once_every_rank_saw_all_counted(monkeypatch, own_collective) -> None:  # noqa: F811
     collective = own_collective
     store = _as_rank(monkeypatch, 0)  # rank 0 hosts the store
-    key = collective._failure_key()
+    key = collective.store_client._failure_key()
     store.set(f"{key}/known/1", "1")  # rank 1 counted itself and polls to see rank 0 counted
     returned = threading.Event()
-    host = threading.Thread(target=lambda: (collective._known_by_all(collective._store_client(), key, 2),
-                                            returned.set()), daemon=True)
+    client = collective.store_client._store_client()
+    host = threading.Thread(target=lambda: (collective.counting._known_by_all(client, key, 2), returned.set()),
+                            daemon=True)
     host.start()
     # the host counts itself first (a loaded machine took over 2 s to get there: a fixed 2 s look failed), then
     # must still wait for rank 1's words; the look below can only miss a host that went on, never fail one that waits
@@ -47,9 +48,9 @@ def test_the_host_ends_only_once_every_rank_saw_all_counted(monkeypatch, own_col
 def test_a_rank_that_saw_all_counted_says_so_and_returns(monkeypatch, own_collective) -> None:  # noqa: F811
     collective = own_collective
     store = _as_rank(monkeypatch, 1)
-    key = collective._failure_key()
+    key = collective.store_client._failure_key()
     store.set(f"{key}/known/0", "1")  # the host counted
-    collective._known_by_all(collective._store_client(), key, 2)
+    collective.counting._known_by_all(collective.store_client._store_client(), key, 2)
     assert store.check([f"{key}/known/1", f"{key}/known/left/1"])
 
 
@@ -60,9 +61,9 @@ def test_a_rank_ending_on_the_line_stops_its_watch_thread_first(monkeypatch, own
     store = _as_rank(monkeypatch, 1)
     collective.watch_failures(2)
     watcher = next(t for t in threading.enumerate() if t.name == "rank-failure-watch")
-    key = collective._failure_key()
+    key = collective.store_client._failure_key()
     store.set(f"{key}/known/0", "1")
-    collective._known_by_all(collective._store_client(), key, 2)
+    collective.counting._known_by_all(collective.store_client._store_client(), key, 2)
     assert not watcher.is_alive()
 
 
@@ -73,15 +74,15 @@ def test_the_host_waits_for_the_words_of_ranks_counted_at_the_end_of_its_wait(mo
     and 2 say they stopped polling at its third pause, past the 10 s."""
     collective = own_collective
     store = _as_rank(monkeypatch, 0)  # rank 0 hosts the store
-    key = collective._failure_key()
-    client = collective._store_client()
+    key = collective.store_client._failure_key()
+    client = collective.store_client._store_client()
     store.set(f"{key}/known/1", "1")  # rank 1 counted itself and polls to see all counted
     now, pauses = [0.0], []
 
     def pause(_seconds: float) -> None:
         pauses.append(now[0])
         if len(pauses) == 1:  # rank 2 counts at the end of the host's wait
-            now[0] = collective.HOST_WAIT_SECONDS - 0.05
+            now[0] = collective.timing.HOST_WAIT_SECONDS - 0.05
             store.set(f"{key}/known/2", "1")
         else:
             now[0] += 0.1
@@ -89,8 +90,8 @@ def test_the_host_waits_for_the_words_of_ranks_counted_at_the_end_of_its_wait(mo
             store.set(f"{key}/known/left/1", "1")
             store.set(f"{key}/known/left/2", "1")
 
-    monkeypatch.setattr(collective, "time", SimpleNamespace(monotonic=lambda: now[0], sleep=pause))
-    collective._known_by_all(client, key, 3)
+    monkeypatch.setattr(collective.counting, "time", SimpleNamespace(monotonic=lambda: now[0], sleep=pause))
+    collective.counting._known_by_all(client, key, 3)
     assert store.check([f"{key}/known/left/1", f"{key}/known/left/2"]), \
         f"the host ended the store at {now[0]:.2f} s before every rank said it stopped polling"
 
@@ -100,14 +101,14 @@ def test_a_rank_whose_wait_ran_out_says_so_too(monkeypatch, own_collective) -> N
     count later would wait its whole bound for rank 1's word. The test's own clock: 0.1 s a pause."""
     collective = own_collective
     store = _as_rank(monkeypatch, 1)
-    key = collective._failure_key()
-    client = collective._store_client()
+    key = collective.store_client._failure_key()
+    client = collective.store_client._store_client()
     store.set(f"{key}/known/0", "1")  # the host counted
     now = [0.0]
-    monkeypatch.setattr(collective, "time", SimpleNamespace(monotonic=lambda: now[0],
+    monkeypatch.setattr(collective.counting, "time", SimpleNamespace(monotonic=lambda: now[0],
                                                             sleep=lambda _s: now.__setitem__(0, now[0] + 0.1)))
-    collective._known_by_all(client, key, 3)
-    assert now[0] >= collective.HOST_WAIT_SECONDS and store.check([f"{key}/known/left/1"])
+    collective.counting._known_by_all(client, key, 3)
+    assert now[0] >= collective.timing.HOST_WAIT_SECONDS and store.check([f"{key}/known/left/1"])
 
 
 def test_under_an_agent_store_each_rank_waits_until_all_read_a_before_group_decision(monkeypatch,
@@ -123,7 +124,7 @@ def test_under_an_agent_store_each_rank_waits_until_all_read_a_before_group_deci
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     for name, value in _env(0, store.port, agent_store=True).items():  # rank 0; the store is "the agent's"
         monkeypatch.setenv(name, value)
-    key = f"{collective._launch_key('before-group')}/the paths/1"
+    key = f"{collective.store_client._launch_key('before-group')}/the paths/1"
     store.set(f"{key}/1", "rank 1's refusal")
     returned = threading.Event()
     rank0 = threading.Thread(target=lambda: (collective.gather_before_group(2, "the paths", ""), returned.set()),

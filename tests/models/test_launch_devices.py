@@ -178,7 +178,7 @@ def test_a_rank_failing_between_two_decisions_stops_the_rank_waiting_for_it(monk
     """Rank 1 (this process) fails after the first decision, before the second, on an error no handler made a
     line of (the CLI then publishes it: pipeline/cli.py); rank 0, waiting for it at the second, ends at once with
     its line. Before: nothing was published before the process group existed (no rank watched yet), and rank 0
-    waited out the before-group bound (models/collective.py BEFORE_GROUP_SECONDS, 30 minutes: here the test's
+    waited out the before-group bound (models/collective/timing.py BEFORE_GROUP_SECONDS, 30 minutes: here the test's
     bound fails it) to say that rank 1 did not report."""
     collective = own_collective
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
@@ -216,7 +216,7 @@ except KeyboardInterrupt as e:  # raised while the timeout was handled (its cont
 def test_ctrl_c_ends_a_rank_waiting_for_the_others_before_the_group(monkeypatch) -> None:
     """The store's `wait` is one C++ call that no signal ends, on whichever thread it lands (here another one,
     tests/signal_elsewhere.py; on the main thread too): a Ctrl-C while a rank waited for a rank still starting
-    held it for the before-group bound (models/collective.py BEFORE_GROUP_SECONDS, 30 minutes)."""
+    held it for the before-group bound (models/collective/timing.py BEFORE_GROUP_SECONDS, 30 minutes)."""
     from signal_elsewhere import run_script
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
@@ -255,7 +255,7 @@ except KeyboardInterrupt as e:  # raised while the timeout was handled (its cont
 def test_ctrl_c_ends_a_rank_connecting_to_a_store_not_up_yet(monkeypatch, to: str) -> None:
     """torch's client retries a refused connection inside one C++ call that no signal ends, on whichever thread it
     lands: a Ctrl-C (or a launcher's SIGTERM) while a rank waited for rank 0 to start held it for the before-group
-    bound (models/collective.py BEFORE_GROUP_SECONDS, 30 minutes)."""
+    bound (models/collective/timing.py BEFORE_GROUP_SECONDS, 30 minutes)."""
     from signal_elsewhere import run_script
 
     with socket.socket() as held:  # bound, never listening: every connection to it is refused, no one takes it

@@ -23,8 +23,8 @@ def test_no_store_answering_is_one_line_naming_what_to_do(monkeypatch) -> None:
     monkeypatch.setenv("RANK", "0")
     # the client's retries against a closed port for its whole timeout (10 s) are not what is tested, the line
     # after they fail is: 1 s of them
-    real = collective._store_client
-    monkeypatch.setattr(collective, "_store_client", lambda timeout=10.0: real(1.0))
+    real = collective.store_client._store_client
+    monkeypatch.setattr(collective.alone, "_store_client", lambda timeout=10.0: real(1.0))
     ran = []
     with pytest.raises(UserError, match="none answers at 127.0.0.1:.*unset WORLD_SIZE"):
         collective.main_alone(2, "resize-bucket", lambda: ran.append(1))

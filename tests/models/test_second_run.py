@@ -1,5 +1,5 @@
 """A second launched run in the same process (a test's in-process `main()`, a notebook) watches its own peers: the
-CLI's entry point starts each run with the collective's state afresh (models/collective.py `new_run`), as it does
+CLI's entry point starts each run with the collective's state afresh (models/collective/watch.py `new_run`), as it does
 the signal record. Before, `watching` stayed set from the first run: the second started no watch thread, and a
 peer failing in it was never seen (no line, no stop; the rank waited on at its next exchange). This process plays
 rank 1 of 2 in two launches, each against a real TCPStore the test serves (tests/models/test_failure_lines.py)."""
@@ -40,16 +40,16 @@ def _main_running(monkeypatch, work, signalled: tuple[int, ...] = ()) -> None:
 def test_a_second_run_in_the_process_sees_its_failing_peer(monkeypatch, own_collective) -> None:
     collective = own_collective
     exits: list[int] = []
-    monkeypatch.setattr(collective.os, "_exit", exits.append)  # the watch thread ends the process after its line
+    monkeypatch.setattr(collective.watch.os, "_exit", exits.append)  # the watch thread ends the process after its line
     first = _as_rank_1(monkeypatch)  # the first launch's store, serving until the test ends
     _main_running(monkeypatch, lambda: collective.watch_failures(2))  # the first run: its first exchange
-    first_watch = collective._state["watcher"][1]
+    first_watch = collective.state.run["watcher"][1]
     assert first_watch.is_alive()
 
     second = _as_rank_1(monkeypatch)  # the next launch: another store
     _main_running(monkeypatch, lambda: collective.watch_failures(2))
     assert not first_watch.is_alive(), "the first run's watch thread still polls its store"
-    key = collective._failure_key()
+    key = collective.store_client._failure_key()
     second.set(f"{key}/known/0", "1")  # rank 0 counts itself among the ranks that read it
     second.compare_set(key, "", "rank 0 failed: its line")  # rank 0 of the second run fails alone
     deadline = time.monotonic() + TIMEOUT

@@ -36,7 +36,7 @@ def test_a_canary_past_fd_setsize_answers_alive_then_gone(monkeypatch, own_colle
         plain.close()
         canary = socket.socket(fileno=high)
         accepted, _ = listener.accept()
-        collective._state["canaries"] = {("127.0.0.1", str(port)): canary}
+        collective.state.run["canaries"] = {("127.0.0.1", str(port)): canary}
         assert not collective.store_host_gone()  # the store listens and sent nothing: alive
         accepted.close()
         listener.close()  # the store's process ended: its connections closed, its port refuses

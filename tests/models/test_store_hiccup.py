@@ -1,5 +1,5 @@
 """A launch's store that fails a call now and then (a TCPStore busy past the client's timeout, a dropped connection)
-while the store itself lives on: the watch thread (models/collective.py `_watch`), the long waits
+while the store itself lives on: the watch thread (models/collective/watch.py `_watch`), the long waits
 (`arrive_together`, `main_alone`) and a failure's publishing connect again (`_reconnect`) and go on. Before, one
 failed call ended the watch thread for good, and with it this live rank's signs of life: the ranks waiting for it
 stopped the launch after LOST_SECONDS, naming it as killed; a failed read of the wait itself (`arrive_together`,
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from own_collective import own_collective  # noqa: F401  (the fixture)
+from own_collective import own_collective, patch_where_used  # noqa: F401  (the fixture)
 from test_failure_lines import _as_rank_1
 from launch_ports import start_host_first
 from test_launch_devices import TIMEOUT, _env
@@ -48,8 +48,8 @@ class FlakyClient:
 
 def _flaky_clients(monkeypatch, collective, fails, left: int) -> dict:
     budget = {"fails": fails, "left": left}
-    real = collective._store_client
-    monkeypatch.setattr(collective, "_store_client", lambda timeout=10.0: FlakyClient(real(timeout), budget))
+    real = collective.store_client._store_client
+    patch_where_used(monkeypatch, "_store_client", lambda timeout=10.0: FlakyClient(real(timeout), budget))
     return budget
 
 
@@ -63,21 +63,21 @@ def _wait_for(condition, what: str) -> None:
 def test_the_watch_thread_counts_this_rank_alive_on_after_failed_store_calls(monkeypatch, own_collective) -> None:
     collective = own_collective
     store = _as_rank_1(monkeypatch)
-    alive = collective._alive_key(1)
+    alive = collective.store_client._alive_key(1)
     budget = _flaky_clients(monkeypatch, collective, lambda name, key, *_: name == "add" and key == alive, 3)
     exits: list[int] = []
-    monkeypatch.setattr(collective.os, "_exit", exits.append)
+    monkeypatch.setattr(collective.watch.os, "_exit", exits.append)
     collective.watch_failures(2)
     _wait_for(lambda: budget["left"] == 0, "the watch thread stopped calling the store")
     beats = store.add(alive, 0)
     # three signs of life after the third failure: a rank waiting in `arrive_together` sees this one alive (before:
     # none ever, the thread had ended at the first failure)
     _wait_for(lambda: store.add(alive, 0) >= beats + 3, "no sign of life after the store's failed calls")
-    assert not collective._state.get("store_lost")  # its exit counts itself in the store again (`_count_exit`)
+    assert not collective.state.run.get("store_lost")  # its exit counts itself in the store again (`_count_exit`)
     # and it still watches: a failure another rank publishes ends this process with its line
     line = "rank 0 ran out of memory in the forward"
-    store.compare_set(collective._failure_key(), "", line)
-    store.set(f"{collective._failure_key()}/known/0", "1")
+    store.compare_set(collective.store_client._failure_key(), "", line)
+    store.set(f"{collective.store_client._failure_key()}/known/0", "1")
     _wait_for(lambda: exits == [1], "the watch thread missed a published failure after the store's failed calls")
 
 
@@ -88,16 +88,16 @@ def test_a_connection_made_again_waits_for_the_store_as_long_as_the_one_it_repla
     exit) ending early, as if the store were gone."""
     collective = own_collective
     _store = _as_rank_1(monkeypatch)  # held: the server lives with its object
-    for timeout in (10.0, collective.UNWATCHED_STORE_SECONDS):
-        clients = [collective._store_client(timeout)]
-        assert collective._reconnect(clients, threading.Event())
+    for timeout in (10.0, collective.timing.UNWATCHED_STORE_SECONDS):
+        clients = [collective.store_client._store_client(timeout)]
+        assert collective.reconnect._reconnect(clients, threading.Event())
         assert clients[0].timeout == timedelta(seconds=timeout)
 
 
 def test_an_uneven_wait_goes_on_after_a_failed_store_read(monkeypatch, own_collective) -> None:
     collective = own_collective
     store = _as_rank_1(monkeypatch)
-    arrived = f"{collective._launch_key('arrived')}/1"
+    arrived = f"{collective.store_client._launch_key('arrived')}/1"
     budget = _flaky_clients(monkeypatch, collective, lambda name, key, *v: name == "add" and key == arrived
                             and v == (0,), 2)
     store.set(f"{arrived}/0", "1")  # rank 0 is there already
@@ -110,7 +110,7 @@ def test_a_rank_waiting_for_rank_0_alone_goes_on_after_a_failed_store_read(monke
     """`main_alone` (resize-bucket: hours of rank 0's work): the waiting rank's poll of rank 0's mark."""
     collective = own_collective
     store = _as_rank_1(monkeypatch)
-    done = f"{collective._launch_key('done')}/resize-bucket"
+    done = f"{collective.store_client._launch_key('done')}/resize-bucket"
     budget = _flaky_clients(monkeypatch, collective, lambda name, keys, *_: name == "check" and keys == [done], 2)
     store.set(done, "done")  # rank 0's work is over
     store.set(f"{done}/seen/0", "1")
@@ -147,7 +147,7 @@ def test_a_store_slow_to_take_a_new_connection_is_connected_to_quietly(monkeypat
     collective = own_collective
     _as_rank_1(monkeypatch)
     stores, host = _store_up_after_the_probe(monkeypatch, 3.0)
-    client = collective._store_client(20.0)
+    client = collective.store_client._store_client(20.0)
     client.set("reached", "1")
     host.join(TIMEOUT)
     assert stores[0].get("reached") == b"1"
@@ -163,7 +163,8 @@ def test_a_rank_failing_before_its_first_exchange_outwaits_a_slow_connect(monkey
     collective = own_collective
     _as_rank_1(monkeypatch)
     stores, host = _store_up_after_the_probe(monkeypatch, 8.0)
-    client = collective._store_client(collective.UNWATCHED_STORE_SECONDS)  # before: TimeoutError after 5 s
+    # before: TimeoutError after 5 s
+    client = collective.store_client._store_client(collective.timing.UNWATCHED_STORE_SECONDS)
     client.set("published", "1")
     host.join(TIMEOUT)
     assert stores[0].get("published") == b"1"
@@ -176,16 +177,16 @@ def test_a_store_gone_ends_the_watch_at_once_and_quietly(monkeypatch, own_collec
     a rank's last line, where its exit came after the host's)."""
     collective = own_collective
     store = _as_rank_1(monkeypatch)
-    monkeypatch.setattr(collective, "STORE_RETRY_SECONDS", 10 * TIMEOUT)
+    monkeypatch.setattr(collective.timing, "STORE_RETRY_SECONDS", 10 * TIMEOUT)
     collective.watch_failures(2)
-    alive = collective._alive_key(1)
+    alive = collective.store_client._alive_key(1)
     _wait_for(lambda: store.add(alive, 0) >= 1, "the watch thread never counted this rank alive")
     capfd.readouterr()  # what follows the store's end (a slow first connect is the test above's)
     del store  # the store's host ends (the server stops with its object: this test held the only one)
     watcher = next(t for t in threading.enumerate() if t.name == "rank-failure-watch")
     watcher.join(TIMEOUT)
     assert not watcher.is_alive(), "the watch thread kept trying a store that is gone"
-    collective._state["stop_watching"]()  # the exit: nothing more through the store
+    collective.state.run["stop_watching"]()  # the exit: nothing more through the store
     err = capfd.readouterr().err
     assert err.count("frame #0") <= 1 and "failed to connect" not in err, err  # the one failed poll's, at most
 
@@ -200,9 +201,9 @@ from models import collective
 from schemas.errors import UserError
 dist.init_process_group("gloo")
 collective.close_at_exit()
-collective.LOST_SECONDS = 5.0
+collective.timing.LOST_SECONDS = 5.0
 if dist.get_rank() == 1:
-    real, left = collective._store_client, [1]
+    real, left = collective.store_client._store_client, [1]
 
     class Flaky:
         def __init__(self, client):
@@ -214,7 +215,7 @@ if dist.get_rank() == 1:
                 raise dist.DistStoreError("Socket Timeout")
             return getattr(self.client, name)
 
-    collective._store_client = lambda timeout=10.0: Flaky(real(timeout))
+    collective.publish._store_client = lambda timeout=10.0: Flaky(real(timeout))  # the publish's (`_write_failure`)
 try:
     if dist.get_rank() == 1:
         with collective.fails_alone(2, "its share"):
@@ -251,8 +252,8 @@ def test_a_failure_published_through_a_store_hiccup_still_stops_every_rank_with_
 # bound (HOST_WAIT_SECONDS) longer than the test waits: it returns only once rank 1 is counted.
 COUNT_SCRIPT = """
 from models import collective
-collective.HOST_WAIT_SECONDS = {wait}
-collective._count_and_wait(collective._store_client(), "{counter}", 2)
+collective.timing.HOST_WAIT_SECONDS = {wait}
+collective.counting._count_and_wait(collective.store_client._store_client(), "{counter}", 2)
 print("every rank counted", flush=True)
 """
 
@@ -264,11 +265,11 @@ def test_a_rank_counted_through_a_store_hiccup_is_counted_once(monkeypatch, own_
     count twice (a failed call may have been applied): each rank sets its own key instead."""
     collective = own_collective
     store = _as_rank_1(monkeypatch)
-    counter = f"{collective._failure_key()}/known"
+    counter = f"{collective.store_client._failure_key()}/known"
     budget = _flaky_clients(monkeypatch, collective, lambda name, key, *v: name in ("add", "set")
                             and key.startswith(counter) and v != (0,), 1)
     rank0 = WarmProcess([sys.executable, "-c", COUNT_SCRIPT.format(wait=10 * TIMEOUT, counter=counter)],
                         env=_env(0, store.port, agent_store=True))
-    collective._count_and_wait(collective._store_client(), counter, 2, wait=False)
+    collective.counting._count_and_wait(collective.store_client._store_client(), counter, 2, wait=False)
     [(code, out, err)] = outcomes([rank0], TIMEOUT)
     assert budget["left"] == 0 and (code, out) == (0, "every rank counted\n"), err[-3000:]

@@ -29,7 +29,7 @@ try:
 except UserError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
 if dist.get_rank() == 1:
-    time.sleep(3 * collective.POLL_SECONDS + 1)
+    time.sleep(3 * collective.timing.POLL_SECONDS + 1)
 sys.exit(1)
 """
 

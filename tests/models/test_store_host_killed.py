@@ -1,7 +1,7 @@
 """A rank waiting on the launch's store (rank 0's resize-bucket, `main_alone`; the watch thread's polls) when the
 process serving it is killed (rank 0 of a plain env:// launch, `kill -9`): it ends on its one line, without torch's
-C++ warnings (models/collective.py `store_host_gone`). Before, each thread's next call through torch's client on the
-connection the dead host had closed printed c10d's "recvValue failed ... Connection reset by peer" and a C++ stack
+C++ warnings (models/collective/canary.py `store_host_gone`). Before, each thread's next call through torch's client on
+the connection the dead host had closed printed c10d's "recvValue failed ... Connection reset by peer" and a C++ stack
 before it raised: two of them before the rank's line. The host here is a process of its own, killed before either
 call (no call in flight: an ordering, not a timing); this process plays rank 1."""
 
@@ -36,17 +36,18 @@ def test_a_rank_whose_store_host_was_killed_ends_without_torchs_warnings(monkeyp
             monkeypatch.delenv(name, raising=False)
         for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}.items():
             monkeypatch.setenv(name, value)
-        done = f"{collective._launch_key('done')}/resize-bucket"
-        waiting, watching = [collective._store_client()], [collective._store_client()]
-        assert not collective._read(waiting, lambda c: c.check([done]))  # rank 0 still works
+        done = f"{collective.store_client._launch_key('done')}/resize-bucket"
+        waiting, watching = [collective.store_client._store_client()], [collective.store_client._store_client()]
+        assert not collective.reconnect._read(waiting, lambda c: c.check([done]))  # rank 0 still works
         host.kill()
         host.wait(timeout=TIMEOUT)
         with pytest.raises(dist.DistNetworkError) as lost:  # what becomes the rank's one line (`lost_peer_line`)
-            collective._read(waiting, lambda c: c.check([done]))
+            collective.reconnect._read(waiting, lambda c: c.check([done]))
         assert collective.lost_peer_line(lost.value) is not None
         # the watch thread's next round (run here: no call of another thread in flight) ends the watch quietly
-        collective._watch(watching, collective._failure_key(), threading.Event(), collective._alive_key(1))
-        assert collective._state.get("store_lost")  # its exit counts nothing in the store that is gone
+        keys = collective.store_client
+        collective.watch._watch(watching, keys._failure_key(), threading.Event(), keys._alive_key(1))
+        assert collective.state.run.get("store_lost")  # its exit counts nothing in the store that is gone
     finally:
         host.kill()
         host.wait()
@@ -81,12 +82,12 @@ def test_a_store_seen_gone_is_that_runs_alone_and_its_canary_closed_at_the_end(m
     from datetime import timedelta
 
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    collective._before_group_store(TIMEOUT)  # the next run's store, at the same address
+    collective.before_group._before_group_store(TIMEOUT)  # the next run's store, at the same address
     assert not collective.store_host_gone(), "the next run's store was taken for the first one's, gone"
     collective.watch_failures(2)
     assert not collective.store_host_gone()  # its canary made (here, or by the watch thread's first poll)
-    canary = collective._state["canaries"][("127.0.0.1", str(port))]
+    canary = collective.state.run["canaries"][("127.0.0.1", str(port))]
     assert canary and canary.fileno() >= 0
-    collective._state["stop_watching"]()  # the run's end
+    collective.state.run["stop_watching"]()  # the run's end
     assert canary.fileno() == -1, "the canary stayed open after the run"
     del store

@@ -1,5 +1,5 @@
-"""The store rank 0 of a plain env:// launch serves (models/collective.py `_before_group_store`) listens on IPv4
-where the launch names it by an IPv4 address. torch names each connection its store accepts by a reverse DNS
+"""The store rank 0 of a plain env:// launch serves (models/collective/before_group.py `_before_group_store`) listens on
+IPv4 where the launch names it by an IPv4 address. torch names each connection its store accepts by a reverse DNS
 lookup, on the store's one thread; its own listener, IPv6 dual-stack, sees 127.0.0.1 as ::ffff:127.0.0.1, which
 /etc/hosts does not answer: every connection asked the DNS server, and a query left unanswered held every rank's
 connect and calls for the resolver's timeout, 5 s (CI; bench/store_connect.py has the figures)."""
@@ -28,7 +28,7 @@ def test_rank_0s_store_listens_on_ipv4_for_an_ipv4_address(monkeypatch, own_coll
     for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": address, "MASTER_PORT": str(port)}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    store = own_collective._before_group_store(30)
+    store = own_collective.before_group._before_group_store(30)
     # a host name (or an IPv6 address) keeps torch's own listener
     assert _listening_families(port) == [family]
     # it serves as before: another rank's client writes, the host reads; the process group's own store on the
@@ -50,11 +50,11 @@ def test_a_store_hosted_again_in_the_same_process_is_served_by_the_one_still_the
     for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    first = own_collective._before_group_store(30)
+    first = own_collective.before_group._before_group_store(30)
     first.set("first-run", "kept")
     # the next run's start: its own store object, the first one still alive
-    monkeypatch.setattr(own_collective, "_before", {"store": None, "hosted": False, "count": {}})
-    again = own_collective._before_group_store(30)
+    monkeypatch.setattr(own_collective.state, "before", own_collective.state.fresh_before())
+    again = own_collective.before_group._before_group_store(30)
     assert again.get("first-run") == b"kept" and _listening_families(port) == [socket.AF_INET]
 
 
@@ -72,6 +72,6 @@ def test_a_store_that_fails_to_start_leaves_the_port_free(monkeypatch, own_colle
 
     monkeypatch.setattr(dist, "TCPStore", fails)
     with pytest.raises(RuntimeError, match="did not start"):
-        own_collective._before_group_store(30)
+        own_collective.before_group._before_group_store(30)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", port))  # no SO_REUSEADDR: a socket still bound there refuses this

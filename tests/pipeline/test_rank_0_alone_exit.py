@@ -1,6 +1,6 @@
 """`run resize-bucket` on 2 ranks of a plain env:// launch (a platform set WORLD_SIZE, RANK, MASTER_*; no torchrun
-agent), where rank 0 serves the launch's store itself (models/collective.py `gather_before_group`): rank 0 does the
-work alone while rank 1 polls for its done mark (`main_alone`), then the command ends. Before: rank 0 marked it
+agent), where rank 0 serves the launch's store itself (models/collective/before_group.py `gather_before_group`): rank 0
+does the work alone while rank 1 polls for its done mark (`main_alone`), then the command ends. Before: rank 0 marked it
 done and exited at once, its store with it, and rank 1, asleep between two polls, found the store gone and ended
 on "rank 1 lost its connection to another rank ... ended without a word", exit 1, though the images table was
 written (2 of 10 plain launches here). Under `pipeline launch` torchrun's agent serves the store until every rank
@@ -38,8 +38,8 @@ if os.environ.get("RANK") in ("0", "1"):
                 os._exit(97)
             time.sleep(0.05)
     if os.environ["RANK"] == "0":
-        collective.HOST_WAIT_SECONDS = BOUND_SECONDS
-        real_main_alone, real_count_and_wait = collective.main_alone, collective._count_and_wait
+        collective.timing.HOST_WAIT_SECONDS = BOUND_SECONDS
+        real_main_alone, real_count_and_wait = collective.main_alone, collective.counting._count_and_wait
         worked = []
         def main_alone(world, what, work, *args, **kwargs):
             def held():
@@ -52,7 +52,7 @@ if os.environ.get("RANK") in ("0", "1"):
             if worked:  # after the work: rank 0's wait for the others to have seen its done mark
                 (marks / "rank-0-waits").touch()
             return real_count_and_wait(*args, **kwargs)
-        collective.main_alone, collective._count_and_wait = main_alone, count_and_wait
+        collective.main_alone, collective.alone._count_and_wait = main_alone, count_and_wait  # as main_alone calls it
     else:
         host = int(os.environ["TEST_RANK_0_PID"])
         def rank_0_gone():
@@ -73,7 +73,7 @@ if os.environ.get("RANK") in ("0", "1"):
             time.sleep(seconds)
         clock = types.SimpleNamespace(**{name: getattr(time, name) for name in dir(time) if not name.startswith("_")})
         clock.sleep = sleep
-        collective.time = clock
+        collective.alone.time = clock  # main_alone's
 """
 
 

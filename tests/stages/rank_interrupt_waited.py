@@ -1,5 +1,5 @@
 """Run by each of two gloo processes (tests/stages/test_rank_interrupt_waited.py, not a test module itself): rank W
-waits for the other at an arrival (models/collective.py `arrive_together`, as every rank waits for rank 0's
+waits for the other at an arrival (models/collective/arrive.py `arrive_together`, as every rank waits for rank 0's
 checkpoint write), and the other is stopped by a Ctrl-C (SIGINT) outside any `fails_alone` / `together` block once
 W's arrival is in the launch's store (so W surely waits for it: no sleep racing). Through the CLI's own entry point
 (its signal handlers, typer's exit 130, its top-level handler); exit status and output are the test's.
@@ -34,7 +34,8 @@ def main() -> None:
         if RANK == waiting:
             collective.arrive_together(2, "rank 0's checkpoint")  # the other never comes
             return
-        client, key = collective._store_client(), f"{collective._launch_key('arrived')}/1/{waiting}"
+        store_client = collective.store_client
+        client, key = store_client._store_client(), f"{store_client._launch_key('arrived')}/1/{waiting}"
         while not client.check([key]):  # the waiting rank has arrived: it waits for this one
             time.sleep(0.1)
         os.kill(os.getpid(), signal.SIGINT)  # the CLI's handler raises KeyboardInterrupt here, as on a Ctrl-C

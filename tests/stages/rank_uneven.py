@@ -6,7 +6,7 @@ model from a slower disk, end further apart than that). Exit status and output a
 
     rank_uneven.py encode-late STORE MODEL MARKER TIMEOUT DELAY       `run encode-vae`: rank 1 ends its share late
     rank_uneven.py encode-killed STORE MODEL MARKER LOST              ... rank 1 SIGKILLed instead; LOST:
-                                                                      collective.LOST_SECONDS
+                                                                      collective.timing.LOST_SECONDS
     rank_uneven.py train-load STORE MODEL MARKER TIMEOUT DELAY OUT    `run train`: rank 1 loads the model late
 """
 
@@ -55,16 +55,16 @@ def main() -> None:
                 marker.write_text("rank 0 ended its share")
                 if case == "encode-late":
                     _timeout(numbers[0])
-                    agree = collective._agree
+                    agree = collective.agree._agree
 
                     def agree_once(*args, **kwargs):  # the agreement rank 1 comes late to; then the default
                         try:
                             return agree(*args, **kwargs)
                         finally:
-                            collective._agree = agree
+                            collective.agree._agree = agree
                             _timeout(None)
 
-                    collective._agree = agree_once
+                    collective.agree._agree = agree_once
                 return real(job)
             _after_rank_0(marker)
             if case == "encode-killed":
@@ -74,7 +74,7 @@ def main() -> None:
 
         commit.finish = finish
         if case == "encode-killed":
-            collective.LOST_SECONDS = numbers[0]
+            collective.timing.LOST_SECONDS = numbers[0]
         sys.argv = ["pipeline", "run", "encode-vae", "--store", store, "--model", model, "--device", "cpu"]
     else:
         from models import loading

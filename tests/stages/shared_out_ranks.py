@@ -33,7 +33,7 @@ def case(name: str, args: list[str]) -> None:
 
     import models.collective as collective
 
-    collective._report_lock = threading.Lock()
+    collective.state.report_lock = threading.Lock()
 
 
 case("train", ["run", "train", "--store", store, "--model", model, "--out", (out0, out1)[RANK],

@@ -27,7 +27,7 @@ def test_node_configs_that_differ_in_grad_accum_are_refused_as_differing_setting
     mine = load_config(None, {"train.grad_accum": 1}).train
     theirs = load_config(None, {"train.grad_accum": 2}).train
     assert training_revision(mine) != training_revision(theirs)  # the case: the revision follows the config
-    monkeypatch.setattr(collective, "gather_texts",
+    monkeypatch.setattr(collective.agree, "gather_texts",
                         lambda world, text, *a: [text, _digests(_record(theirs))])
     with pytest.raises(UserError, match="the ranks do not train with the same settings"):
         check_same_start(2, _record(mine))
@@ -36,6 +36,6 @@ def test_node_configs_that_differ_in_grad_accum_are_refused_as_differing_setting
 def test_the_same_config_under_another_revision_is_another_install(monkeypatch) -> None:
     tc = load_config(None, {"train.grad_accum": 2}).train
     other = ResumeRecord(**{**_record(tc).__dict__, "training_revision": training_revision(tc) + 1})
-    monkeypatch.setattr(collective, "gather_texts", lambda world, text, *a: [text, _digests(other)])
+    monkeypatch.setattr(collective.agree, "gather_texts", lambda world, text, *a: [text, _digests(other)])
     with pytest.raises(UserError, match="the ranks do not run the same training code"):
         check_same_start(2, _record(tc))

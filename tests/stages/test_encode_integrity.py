@@ -83,7 +83,7 @@ def test_the_version_adopted_is_one_every_rank_can_read(monkeypatch, mine, peers
         looks = [[-1 if f is None else f, -(-1 if f is None else f)] for f in peers]
         return [max(v, *(look[i] for look in looks)) for i, v in enumerate(values)]
 
-    monkeypatch.setattr(collective, "all_max", all_max)
+    monkeypatch.setattr(collective.agree, "all_max", all_max)  # spread's
     assert agreed_found(mine, 2, several_caches) == adopted
 
 

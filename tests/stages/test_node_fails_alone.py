@@ -20,7 +20,7 @@ from train_store import make_train_store, mixed_specs
 # Rank 1 announces (a file) that it is about to hold the GIL for HOLD_SECONDS in its first backward; rank 0 waits
 # for that file, then runs out of memory in its own first backward, so it publishes while rank 1 holds the GIL.
 # HOLD_SECONDS: longer than the failed node's exit took here (2-4 s), shorter than the bound a rank waits for
-# every rank to read the line (models/collective.py HOST_WAIT_SECONDS, 10 s).
+# every rank to read the line (models/collective/timing.py HOST_WAIT_SECONDS, 10 s).
 HOOK = """
 import os, sys, time
 rank, marker = os.environ.get('RANK'), HOLDING_MARKER

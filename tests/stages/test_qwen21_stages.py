@@ -551,7 +551,7 @@ def test_21_extra_prompt_without_images_is_the_stock_text_to_image_call(tiny_21_
 
 def test_a_failure_in_the_21_text_loop_is_shared_with_the_other_ranks(tiny_21_model, store21, monkeypatch):
     """The 2.1 encode-text loop hands its error to `job.failed` (the launcher's store tells the other ranks at
-    once, models/collective.py), as encode-text and encode-vae do. Before: it did not, so the other ranks never
+    once, models/collective/), as encode-text and encode-vae do. Before: it did not, so the other ranks never
     got its line; started without a launcher that tears the group down (tests/stages/two_ranks.py) they encoded
     their whole share and then waited for the failed rank at the commit."""
     import models.qwen21_text

@@ -1,5 +1,5 @@
 """A rank that fails where the others do not wait for it in an agreement still stops every rank: both exit 1
-within the test's timeout with the same one line and no traceback (models/collective.py `fails_alone`, the
+within the test's timeout with the same one line and no traceback (models/collective/alone.py `fails_alone`, the
 watch thread, `open_job`'s agreement). Two gloo processes on the CPU started with the launcher's environment
 (tests/stages/rank_fails_alone.py). Before: in train, rank 1's out-of-memory traceback while rank 0 waited in
 DDP's all-reduce until rank 1's exit broke the connection (NCCL: until the collective timeout); in encode, rank

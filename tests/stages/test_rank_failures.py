@@ -1,5 +1,5 @@
 """One rank fails where only it works; every rank stops together, within the test's timeout, non-zero, with
-the same one line and no traceback (models/collective.py). Two gloo processes on the CPU (started directly with
+the same one line and no traceback (models/collective/). Two gloo processes on the CPU (started directly with
 the launcher's environment, so each one's output is its own), running every case in turn
 (tests/stages/rank_failures.py): rank 0 out of disk space in a train checkpoint, in the final LoRA, in the run
 folder's train_config.yaml and attention.json, and in an encode commit; then rank 1 meets a damaged `images` sample (encode-vae through the CLI). Before: rank 0

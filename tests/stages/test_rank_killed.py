@@ -83,7 +83,7 @@ def test_a_peer_lost_inside_a_ranks_own_step_is_the_lost_peer_line(monkeypatch) 
     from models import collective
     from models.collective import RankFailed, fails_alone
 
-    monkeypatch.setattr(collective, "_state", dict(collective._state))  # its watch state stays this test's
+    monkeypatch.setattr(collective.state, "run", dict(collective.state.run))  # its watch state stays this test's
     monkeypatch.setenv("RANK", "0")
     for name in ("MASTER_ADDR", "MASTER_PORT"):  # no launch's store: the line is not published anywhere
         monkeypatch.delenv(name, raising=False)

@@ -45,7 +45,7 @@ def two_ranks_as_threads(monkeypatch) -> threading.local:
         if failed:
             raise collective.RankFailed(failed[0])
 
-    monkeypatch.setattr(collective, "_all_reduce", reduce)
+    monkeypatch.setattr(collective.agree, "_all_reduce", reduce)  # all_max's, all_sum's
     monkeypatch.setattr(collective, "together", together)
     return local
 

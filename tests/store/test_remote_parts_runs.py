@@ -38,7 +38,7 @@ def ranks_as_threads(monkeypatch):
     def together(world, what=""):
         yield
 
-    monkeypatch.setattr(collective, "_all_reduce", reduce)
+    monkeypatch.setattr(collective.agree, "_all_reduce", reduce)  # all_max's, all_sum's
     monkeypatch.setattr(collective, "together", together)
 
     def place(url: str, caches: list[Path]) -> list[int]:
