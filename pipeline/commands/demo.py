@@ -1,5 +1,8 @@
 """`pipeline demo`: tiny offline model + synthetic data + `run all` with configs/demo.yaml, then a summary.
 
+The tiny model is of the family the config's paths.model names (`demo_variant`): Qwen-Image-Edit-Plus for
+configs/demo.yaml, Qwen-Image-2.1 for configs/qwen-image-2.1.yaml.
+
 With `--store s3://bucket/prefix` every stage works on the store at that URL through a local cache
 (pipeline/store_url.py). Rerunning with the same --workdir reuses everything that is up to date (a killed demo
 continues); any other non-empty folder is refused (pipeline/demo_workdir.py).
@@ -7,6 +10,7 @@ continues); any other non-empty folder is refused (pipeline/demo_workdir.py).
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Optional
@@ -27,14 +31,70 @@ def _add_broken_sample(data: Path) -> None:
     (data / "target" / f"{BROKEN_STEM}.txt").write_text("make the square red\n")
 
 
-def prepare_inputs(model: Path, data: Path, max_controls: int) -> None:
+# The tiny models the demo builds (models/tiny.py), each with the name its summary line gives it. Edit (v1) and
+# Edit-2511 are left out: no shipped config runs them on the demo data.
+DEMO_VARIANTS = {"edit-plus": "Qwen-Image-Edit-Plus", "qwen-image-2.1": "Qwen-Image-2.1"}
+# What a model's name says of its family, first match: hub ids (Qwen/Qwen-Image-Edit-2509, ...) and the tiny
+# models' folders the configs name (demo-workdir/tiny-qwen-image-2.1)
+_NAMED = (("qwen-image-2.1", "qwen-image-2.1"), ("edit-2511", "edit-2511"), ("edit-2509", "edit-plus"),
+          ("edit-plus", "edit-plus"), ("qwen-image-edit", "edit"))
+
+
+def demo_variant(model: str | None, config: Path) -> str:
+    """The tiny model's variant for CONFIG's paths.model: a model folder here by its model_index.json, else by its
+    name; a name that says no family (configs/demo.yaml's demo-workdir/tiny-model) is Edit-Plus. A UserError
+    when that family is one the demo does not build."""
+    from schemas.errors import UserError
+
+    variant = _named_variant(model) if model else "edit-plus"
+    if variant not in DEMO_VARIANTS:
+        raise UserError(f"--config {config}: paths.model {model} is of the {variant} family, and the demo builds tiny "
+                        f"{' and '.join(f'{v} ({name})' for v, name in DEMO_VARIANTS.items())} models only; pass a "
+                        "config for one of those (configs/demo.yaml, configs/qwen-image-2.1.yaml)")
+    return variant
+
+
+def _named_variant(model: str) -> str:
+    """The variant (or, for a model of another family, its name) that MODEL's folder or name says."""
+    index = Path(model).expanduser() / "model_index.json"
+    if index.is_file():  # a model folder here: its pipeline class
+        from models.loading import model_variant
+        from schemas.errors import UserError
+
+        try:
+            return model_variant(model)
+        except UserError:  # a class this package trains none of: named as it is
+            return str(json.loads(index.read_text()).get("_class_name"))
+        except ValueError:  # an index that does not parse: the name tells what it can
+            pass
+    name = model.lower()
+    found = next((variant for part, variant in _NAMED if part in name), None)
+    if found is None and "qwen-image" in name:  # Qwen-Image-Layered, the text-to-image Qwen-Image, ...
+        return model.rstrip("/").rsplit("/", 1)[-1]
+    return found or "edit-plus"
+
+
+def refuse_another_family(model: Path, variant: str) -> None:
+    """A UserError when MODEL (WORKDIR/tiny-model) holds an earlier demo's model of another family: reused, the
+    run would encode and train that model with settings meant for VARIANT."""
+    from models.loading import model_variant
+    from schemas.errors import UserError
+
+    if not (model / "model_index.json").is_file() or (have := model_variant(str(model))) == variant:
+        return
+    workdir = model.parent
+    raise UserError(f"--workdir {workdir} holds an earlier demo's tiny {have} model ({model}), and this config is "
+                    f"for the {variant} family: pass a new or empty --workdir (e.g. --workdir {workdir}-{variant})")
+
+
+def prepare_inputs(model: Path, data: Path, max_controls: int, variant: str = "edit-plus") -> None:
     """The tiny model and the synthetic data, each built once (a rerun reuses them)."""
     from pipeline.commands.tools import write_tiny_model
     from pipeline.demo_data import make_demo_data
 
     if not (model / "model_index.json").is_file():
-        write_tiny_model(model, variant="edit-plus", seed=0)
-        echo(f"== make-tiny-model\nwrote a tiny random-init Qwen-Image-Edit-Plus model to {model}")
+        write_tiny_model(model, variant=variant, seed=0)
+        echo(f"== make-tiny-model\nwrote a tiny random-init {DEMO_VARIANTS[variant]} model to {model}")
     if not (data / "target").is_dir():
         echo("== make-demo-data")
         echo(make_demo_data(data, n=DEMO_SAMPLES, fmt="folder", max_controls=max_controls, seed=0, with_masks=True))
@@ -86,7 +146,8 @@ def summary_lines(cfg, result, store: Path, effective: Path, rerun_flags: str = 
 
 def command(
     workdir: Path = typer.Option(Path("demo-workdir"), "--workdir", help="Where the model, data, store, run and report go."),
-    config: Path = typer.Option(DEMO_CONFIG, "--config", "-c", help="Stage settings (paths.* are set to --workdir)."),
+    config: Path = typer.Option(DEMO_CONFIG, "--config", "-c", help="Stage settings (paths.* are set to --workdir); "
+                                "the tiny model is of the family its paths.model names (Edit-Plus or Qwen-Image-2.1)."),
     set_: list[str] = SetOpt,
     store: Optional[str] = typer.Option(None, "--store", help="The store's folder or URL (s3://bucket/prefix; "
                                         "endpoint and credentials from the AWS_* environment). Default: "
@@ -107,11 +168,14 @@ def command(
 
     paths = {"source": workdir / "data", "store": store or workdir / "store", "model": workdir / "tiny-model",
              "run": workdir / "run", "report": workdir / "report"}
+    named = config_from(config, {}, set_).paths.model  # the family the config is for, before paths.* are replaced
     cfg = config_from(config, {f"paths.{k}": str(v) for k, v in paths.items()}, set_)
     from pipeline.demo_workdir import claim_workdir, refuse_other_folder, write_config
 
-    with usage_errors():  # someone's folder named by --workdir: a mistake on the command line (exit 2), before any work
+    with usage_errors():  # a config or --workdir the demo cannot use: a command-line mistake (exit 2), before any work
+        variant = demo_variant(named, config)
         refuse_other_folder(workdir)
+        refuse_another_family(paths["model"], variant)
     with user_errors():
         claim_workdir(workdir)
         kept = write_config(effective, dump_config(cfg))
@@ -120,7 +184,7 @@ def command(
              f"`pipeline run all --config {kept}`); this demo runs with --config {config}")
 
     with user_errors():
-        prepare_inputs(paths["model"], paths["source"], cfg.resize.max_controls)
+        prepare_inputs(paths["model"], paths["source"], cfg.resize.max_controls, variant)
         from pipeline.store_url import StoreAccess
 
         access = StoreAccess(str(paths["store"]), cache_dir or workdir / "store-cache", cache_gb)

@@ -79,7 +79,7 @@ def command(
     prompt = cleaned_prompt(prompt, "--prompt")  # as a caption is cleaned (the config's prompts: load_config)
     with usage_errors():  # an --out that would destroy an input or cannot be a file: before any loading
         check_out_path(out, images)
-    _check_local_model(model, len(images), out, cfg.predict.steps)
+    _check_local_model(model, len(images), out, cfg.predict.steps, height, width)
     with user_errors(out):
         if lora:  # the LoRA's family from the model's config alone: before anything loads (a processor, below)
             from models.lora import check_family_before_loading
@@ -121,7 +121,8 @@ def save_image(image, out: Path) -> None:
     atomic_write_bytes(Path(out), buf.getvalue())
 
 
-def _check_local_model(model: str, n_images: int, out: Path, steps: int) -> None:
+def _check_local_model(model: str, n_images: int, out: Path, steps: int, height: int | None,
+                       width: int | None) -> None:
     """`check_for_model` right after parsing when MODEL is a folder here: a usage mistake, exit 2, before the LoRA
     is hashed and the model loaded. A hub id is checked by `predict` (exit 1), not downloaded just for this."""
     if not Path(model).expanduser().is_dir():
@@ -131,13 +132,15 @@ def _check_local_model(model: str, n_images: int, out: Path, steps: int) -> None
     with user_errors():  # a folder that is no model, or a damaged one: a failure (exit 1), named as before
         resolve_model(model)
     with usage_errors():
-        check_for_model(model, n_images, out, steps)
+        check_for_model(model, n_images, out, steps, height, width)
 
 
-def check_for_model(model: str, n_images: int, out: Path, steps: int) -> None:
+def check_for_model(model: str, n_images: int, out: Path, steps: int, height: int | None,
+                    width: int | None) -> None:
     """What MODEL's configs alone refuse (model_index.json, the scheduler's; no weights read), in one UserError: a
-    JPEG --out for Qwen-Image-2.1's RGBA edits, more control images than the model family takes, and one denoising
-    step where its scheduler cannot take it."""
+    JPEG --out for Qwen-Image-2.1's RGBA edits, more control images than the model family takes, one denoising
+    step where its scheduler cannot take it, and a --height / --width its pipeline would round down."""
+    from models.control_shapes import check_output_size
     from models.loading import check_sampling_steps, model_variant
     from schemas.errors import UserError
 
@@ -156,6 +159,7 @@ def check_for_model(model: str, n_images: int, out: Path, steps: int) -> None:
         raise UserError(f"--image: {n_images} control images, but Qwen-Image-Edit ({model}) takes exactly one; "
                         "pass one --image, or use an Edit-Plus model (Qwen-Image-Edit-2509 / -2511)")
     check_sampling_steps(steps, "predict.steps", model)
+    check_output_size(model, height, width)
 
 
 def checked_controls(cfg, model: str, images: list[Path], prompt: str, out: Path, height: int | None,
@@ -169,9 +173,9 @@ def checked_controls(cfg, model: str, images: list[Path], prompt: str, out: Path
     check_out_path(out, images)
     check_writable(Path(out).parent, f"--out {out}")  # so is the folder it goes to (before it was found at the save)
     # before minutes of loading and denoising (the CLI: when parsed, and for a model folder here right after)
-    check_for_model(model, len(images), out, cfg.steps)
+    check_for_model(model, len(images), out, cfg.steps, height, width)
     from features.decode import read_image_file
-    from models.control_shapes import check_control_shapes, check_output_size
+    from models.control_shapes import check_control_shapes
 
     # Decoded as resize-bucket decodes the training images (EXIF orientation, CMYK via its ICC profile, 16-bit
     # scaled, transparency over white; 2.1 keeps it, the stock 2.1 pipeline's own handling): a phone photo is not
@@ -189,7 +193,6 @@ def checked_controls(cfg, model: str, images: list[Path], prompt: str, out: Path
 
         check_placeholders_before_loading(model, [("", prompt)],
                                           cfg.negative_prompt if cfg.true_cfg_scale > 1 else None)
-    check_output_size(model, height, width)
     return pil
 
 

@@ -565,11 +565,12 @@ def test_a_control_one_pixel_inside_the_stock_resize_limit_is_edited_one_outside
 def test_a_21_reference_beyond_the_processor_limits_is_one_line_not_the_search_for_a_size(tiny_21_model, tmp_path):
     """A reference within 200:1 but past the processor's pixel limits is refused with an output size to pass; the
     search for that size tried smaller ones at which the reference is past 200:1, and smart_resize's ValueError
-    came out as a traceback (2010x9 at 1200²: its 17920x96 view, 186.7:1, but 219:1 at a smaller output)."""
+    came out as a traceback (2010x9 at 1200²: its 17920x96 view, 186.7:1, but 219:1 at a smaller output; asked
+    at 1216², as 1200 is no multiple of the 2.1 output's 32 px and is refused first)."""
     control = tmp_path / "strip.png"
     Image.new("RGB", (2010, 9), "gray").save(control)
     result = CliRunner().invoke(app, ["predict", "--model", tiny_21_model, "--image", str(control), "--prompt", PROMPT,
-                                      "--steps", "2", "--height", "1200", "--width", "1200",
+                                      "--steps", "2", "--height", "1216", "--width", "1216",
                                       "--out", str(tmp_path / "o.png")])
     assert result.exit_code == 1 and "outside the model's VLM processor limits" in result.output, (
         result.output, result.exception)
@@ -626,7 +627,7 @@ def test_a_21_reference_past_the_processor_limits_is_refused_before_the_loras_ba
     control = tmp_path / "strip.png"
     Image.new("RGB", (2010, 9), "gray").save(control)
     result = CliRunner().invoke(app, ["predict", "--model", tiny_21_model, "--image", str(control), "--prompt", PROMPT,
-                                      "--lora", str(lora), "--steps", "2", "--height", "1200", "--width", "1200",
+                                      "--lora", str(lora), "--steps", "2", "--height", "1216", "--width", "1216",
                                       "--out", str(tmp_path / "o.png")])
     assert result.exit_code == 1 and "outside the model's VLM processor limits" in result.output, (
         result.output, result.exception)
@@ -637,8 +638,9 @@ def test_a_21_reference_past_the_processor_limits_is_refused_before_the_loras_ba
 def test_an_output_size_the_pipeline_would_round_down_is_refused_before_loading(tiny_21_model, tiny_plus_model,
                                                                               tmp_path, variant, multiple):
     """--height 100 was written as 96 px (2.1: a warning in the pipeline's log; Edit-Plus: not a word). Now one
-    line naming the flag, the model's multiple and the sizes to pass, before the transformer loads; a multiple
-    of the model's own is written at that size."""
+    line naming the flag, the model's multiple and the sizes to pass, before the transformer loads: a flag the
+    model folder's configs refuse, exit 2 as README says (it was 1); a multiple of the model's own is written at
+    that size."""
     from models.loading import LOAD_LOG
 
     model = tiny_21_model if variant == "21" else tiny_plus_model
@@ -648,7 +650,7 @@ def test_an_output_size_the_pipeline_would_round_down_is_refused_before_loading(
                                                        PROMPT, "--steps", 2, "--height", 64, "--width", 100,
                                                        "--out", out)])
     down = 100 // multiple * multiple
-    assert result.exit_code == 1 and not out.exists(), result.output
+    assert result.exit_code == 2 and not out.exists(), result.output
     [line] = [x for x in result.output.splitlines() if x.startswith("error:")]
     assert line == (f"error: --width 100: {model} makes images in multiples of {multiple} px, and its pipeline "
                     f"would write {down} px instead; pass --width {down} or {down + multiple}"), line
