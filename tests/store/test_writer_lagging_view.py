@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 import pyarrow.parquet as pq
 import pytest
 
+from schemas import atomic_write
 from schemas.errors import UserError
 
 from store import Store, writer_open
@@ -154,14 +155,14 @@ def test_a_shard_whose_index_is_in_place_is_kept_when_the_folder_fsync_fails(tmp
     monkeypatch.setattr(shards, "drop_done", lambda: None)
     tmp = tmp_path / "x.tar.tmp"
     tmp.write_bytes(b"\0" * 1024)
-    real = fmt.fsync_dir
+    real = atomic_write.fsync_dir
 
     def failing(p: Path) -> None:
         if any(q.name.endswith(".index.parquet") for q in p.iterdir()):
             raise OSError(5, "Input/output error")
         real(p)
 
-    monkeypatch.setattr(fmt, "fsync_dir", failing)
+    monkeypatch.setattr(atomic_write, "fsync_dir", failing)
     with pytest.raises(OSError):
         shards._publish(tmp, lambda name: pa.table({"key": ["a"], "shard": [name]}))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-r00-000000.index.parquet", "shard-r00-000000.tar"]
