@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 from schemas import atomic_write
 from schemas.errors import UserError
+from schemas.view_lag import seen_in_time
 from store import format as fmt
 from store.integrity import write_version_checksums
 from store.io_errors import writing
 from store.manifest import merge_runs
-from store.writer_open import index_paths, seen_in_time
+from store.writer_open import index_paths
 
 if TYPE_CHECKING:
     from store.writer import TableWriter

@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 import pyarrow.parquet as pq
 import pytest
 
-from schemas import atomic_write
+from schemas import atomic_write, view_lag
 from schemas.errors import UserError
 
 from store import Store, writer_open
@@ -179,7 +179,7 @@ def _lagging_clock(monkeypatch, catch_up: Callable[[], None] | None = None) -> l
         if catch_up is not None:
             catch_up()
 
-    monkeypatch.setattr(writer_open, "time", SimpleNamespace(monotonic=lambda: now[0], sleep=wait))
+    monkeypatch.setattr(view_lag, "time", SimpleNamespace(monotonic=lambda: now[0], sleep=wait))
     return waits
 
 
@@ -243,4 +243,4 @@ def test_a_version_folder_whose_schema_never_shows_is_one_line(store: Store, mon
         with pytest.raises(UserError, match=rf"{vdir} holds no schema.json, though the ranks agreed to write table "
                                             rf"'vae' v{v} there \(waited 60 s.*remove that folder and rerun"):
             store.writer("vae", vae_schema(), rank=1, world_size=2, version=v)
-    assert sum(waits) >= writer_open.VIEW_LAG_SECONDS
+    assert sum(waits) >= view_lag.VIEW_LAG_SECONDS
