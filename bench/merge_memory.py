@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from schemas import atomic_write  # noqa: E402
 from schemas.errors import UserError  # noqa: E402
 from store import format as fmt  # noqa: E402
 from store import manifest  # noqa: E402
@@ -152,7 +153,7 @@ def child(vdir: Path, side: str) -> None:
         else:
             merged = manifest.merge_runs(paths)
             rows = merged.num_rows
-            with fmt.atomic_file(out) as f:
+            with atomic_write.atomic_file(out) as f:
                 merged.write(f)
         seconds = time.perf_counter() - t0
         peak_rss = _status("VmHWM") - rss

@@ -23,11 +23,10 @@ now hold the same weights - only the old bytes' hash is recorded. Such a step is
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
-from schemas.temp_files import temp_of
+from schemas import atomic_write
 
 _ALIGN = 8  # the writer pads the header with spaces so the data starts 8-byte aligned
 _MAX_HEADER = 100_000_000  # safetensors' own limit on a header's size
@@ -56,18 +55,12 @@ def canonicalize(path: str | Path, extra: dict[str, str] | None = None) -> None:
     """Rewrite the safetensors file at PATH (just written by the library) with its header `spelled`, `extra`'s
     keys added to its metadata; atomically (a temp file beside it, renamed over it)."""
     path = Path(path)
-    tmp = temp_of(path)  # within the limit on a name's length where `path`'s is (a 250-byte --out)
-    try:
-        with open(path, "rb") as src:
-            header = read_header(src, path)
-            if extra:
-                header["__metadata__"] = {**(header.get("__metadata__") or {}), **extra}
-            with open(tmp, "wb") as dst:
-                dst.write(spelled(header))
-                shutil.copyfileobj(src, dst, 8 * 1024 * 1024)
-                dst.flush()
-                os.fsync(dst.fileno())  # on disk before the rename: a power loss leaves the old file or this one, not empty
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with open(path, "rb") as src:
+        header = read_header(src, path)
+        if extra:
+            header["__metadata__"] = {**(header.get("__metadata__") or {}), **extra}
+        # the one atomic write (a temp name within the limit on a name's length where `path`'s is, fsync, rename,
+        # the folder fsynced): a power loss leaves the old file or this one, and a saved LoRA keeps its name
+        with atomic_write.atomic_file(path) as dst:
+            dst.write(spelled(header))
+            shutil.copyfileobj(src, dst, 8 * 1024 * 1024)

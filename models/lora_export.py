@@ -23,7 +23,6 @@ layout here.
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from safetensors.torch import save_file
 from models.canonical_safetensors import canonicalize
 from models.lora import lora_weight_file, module_scale, provenance, read_lora
 from models.lora_files import EXPORT_FORMATS as FORMATS
+from schemas import atomic_write
 from schemas.errors import UserError
 from schemas.temp_files import check_name_fits, remove_dead_temps, temp_of
 
@@ -127,6 +127,7 @@ def export_lora(lora: str | Path, fmt: str, out: str | Path, overwrite: bool = F
             tmp.replace(out)
         else:
             _link_new(tmp, out)
+        atomic_write.fsync_dir(out.parent)  # OUT's name survives a power loss, as its bytes (`canonicalize`)
     finally:  # a full disk or a kill mid-write: no partial file left beside --out (renamed or linked: gone too)
         shutil.rmtree(folder, ignore_errors=True)
     return out
@@ -139,14 +140,10 @@ def _refuse_existing(out: Path) -> None:
 
 
 def _link_new(tmp: Path, out: Path) -> None:
-    """TMP becomes OUT only where no OUT exists: a hard link fails on an existing name, so a file made at OUT
-    since `_refuse_existing` looked is not replaced either. A file system without hard links: looked at again,
-    then renamed."""
+    """TMP becomes OUT only where no OUT exists (`rename_new`): a file made at OUT since `_refuse_existing` looked
+    is not replaced either."""
     try:
-        os.link(tmp, out)
+        atomic_write.rename_new(tmp, out)
     except FileExistsError:
         _refuse_existing(out)
         raise
-    except OSError:  # no hard links there (some network and FAT file systems)
-        _refuse_existing(out)
-        tmp.replace(out)

@@ -5,19 +5,20 @@ same path showed up late and badly: at the first checkpoint, hours in, as a miss
 or, on `--resume`, as ranks that each found another checkpoint (or none) and trained on from different steps. So
 it is checked once at the start, by every rank together: rank 0 writes a probe file with a name all ranks agree on
 (an all-reduced random number), every rank looks for it, and any rank that does not see it stops every rank with
-one line naming itself and its host (models/collective/)."""
+one line naming itself and its host (models/collective/). A rank looks for the probe as long as the store
+looks for what another node wrote (`schemas.view_lag`): a node whose view of a shared folder lags is not refused
+for it."""
 
 from __future__ import annotations
 
 import secrets
 import socket
-import time
 from pathlib import Path
 
+from schemas import view_lag
 from schemas.errors import UserError
 
 PROBE = ".shared-probe-"
-LOOKS = 5  # a file another NFS client just created may take a moment to appear: look again, briefly
 
 
 def check_shared(folder: Path, world: int, rank: int, what: str, why: str) -> None:
@@ -36,19 +37,13 @@ def check_shared(folder: Path, world: int, rank: int, what: str, why: str) -> No
             probe.write_bytes(b"")
     try:
         with together(world, f"{what} {folder}: the same folder on every node"):
-            if rank != 0 and not _sees(probe):
+            # a file another NFS client just created may take a while to appear: the store's wait for it
+            if rank != 0 and not view_lag.seen_in_time(probe.exists):
                 raise UserError(f"{what} {folder} is not the same folder on every node: rank {rank} (host "
-                                f"{socket.gethostname()}) does not see the file rank 0 wrote there ({probe.name}); "
-                                f"put it on a file system every node mounts at that path ({why})")
+                                f"{socket.gethostname()}) does not see the file rank 0 wrote there ({probe.name}) "
+                                f"within {view_lag.VIEW_LAG_SECONDS:.0f} s; put it on a file system every node mounts "
+                                f"at that path ({why}), or rerun if it is on one (a view that lags longer)")
     finally:
         if rank == 0:
             probe.unlink(missing_ok=True)
 
-
-def _sees(probe: Path) -> bool:
-    for i in range(LOOKS):
-        if probe.exists():
-            return True
-        if i + 1 < LOOKS:
-            time.sleep(0.2 * (i + 1))
-    return False

@@ -1,8 +1,8 @@
 """The names of atomic writes' temp files and folders (`.<name>.tmp-<pid>-h<host>[-n<pid namespace>]`), and whose
 writer is gone.
 
-A rule of names shared by the store's writers (store/format.py `atomic_dir`, `atomic_write_bytes`) and the
-model-side ones that may import nothing but schemas (models/lora_export.py): one rule for "a killed writer's
+A rule of names shared by every atomic write (schemas/atomic_write.py; store/format.py `atomic_dir`) and the
+model-side writers that may import nothing but schemas (models/lora_export.py): one rule for "a killed writer's
 leftover, safe to remove", so no writer removes what a live one is still writing.
 
 The name says whose process wrote it: the pid, the host (a hash of `schemas.host.host_id`, the running kernel's

@@ -1,11 +1,11 @@
-"""The on-disk layout of a store (see docs/store-format.md): names, `store.json`, atomic writes, locks.
+"""The on-disk layout of a store (see docs/store-format.md): names, `store.json`, atomic writes (by the rule of
+schemas/atomic_write.py), locks.
 
 The format name and version are defined here once and checked on every open.
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import hashlib
 import io
@@ -20,13 +20,13 @@ import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas.errors import UserError
-from schemas import interruptible
+from schemas import atomic_write, interruptible
 from schemas.newer import refuse_newer
 from schemas.temp_files import remove_dead_temps, siblings, temp_of, temp_stem
 
@@ -201,14 +201,6 @@ def store_litter(root: Path, tables) -> list[Path]:
 # ---------------------------------------------------------------- atomic writes
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def umask_file_mode() -> int:
     """The mode `open` gives a new file under this process's umask (0o644 under 022), read from /proc (Linux)
     where os.umask would have to set it to read it, racing the threads creating files; 0o644 elsewhere."""
@@ -232,70 +224,14 @@ def widen_private_file(path: Path) -> None:
             pass
 
 
-def named_as_final(e: BaseException, tmp: Path, final: Path) -> BaseException:
-    """`e` with the user's path where it names the temp path of an atomic write (`.NAME.tmp-PID`, or a file in
-    that temp folder: the same path under `final`), the temp path kept as a detail; else `e` itself. The user
-    gave `final` (--out, --store, a folder to write): an error naming a hidden temp path sends them looking for a
-    file that was never theirs, and is gone by the time they read the line."""
-    if not isinstance(e, OSError) or e.filename is None:
-        return e
-    named = Path(os.fsdecode(e.filename))
-    if named != tmp and tmp not in named.parents:
-        return e
-    mapped = final / named.relative_to(tmp)
-    try:
-        new = type(e)(e.errno, f"{e.strerror} (writing it as the temp path {named})", str(mapped),
-                      *((None, e.filename2) if e.filename2 is not None else ()))
-    except TypeError:  # an OSError subclass of another signature: left as it was
-        return e
-    return new
-
-
 def atomic_write_bytes(path: Path, data: bytes, replace: bool = True, sync_dir: bool = True) -> None:
     """Temp file in the same folder, fsync, rename, fsync the folder: readers see the old or the new file.
     A failed write (full disk, ...) removes its temp file and re-raises. `replace=False`: a file already named
     `path` is never replaced (`rename_new`: FileExistsError). `sync_dir=False`: the folder not fsynced here - the
     caller fsyncs it once after many such files, before anything that counts on their names surviving a power
     loss (the file's bytes are durable before its name: a name that survives always has its bytes)."""
-    with atomic_file(path, replace, sync_dir) as f:
+    with atomic_write.atomic_file(path, replace, sync_dir) as f:
         f.write(data)
-
-
-@contextmanager
-def atomic_file(path: Path, replace: bool = True, sync_dir: bool = True) -> Iterator[BinaryIO]:
-    """`atomic_write_bytes` for bytes written in pieces (a manifest streamed row group by row group, never whole
-    in memory): the yielded file is the temp file, renamed to `path` when the block ends without error (what the
-    block does after its last write, e.g. another file that must exist first, happens before the rename)."""
-    tmp = temp_of(path)
-    try:
-        with open(tmp, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path) if replace else rename_new(tmp, path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if (named := named_as_final(e, tmp, path)) is not e:
-            raise named from e
-        raise
-    if sync_dir:
-        fsync_dir(path.parent)
-
-
-def rename_new(src: Path, dst: Path) -> None:
-    """Rename `src` to `dst` in the same folder unless a file is named `dst` there: FileExistsError then, even
-    where this node's cached view of a shared folder does not show that file yet - the name is taken by a hard
-    link, which the file server refuses for a name it holds (NFS LINK), where a rename would replace the file."""
-    try:
-        os.link(src, dst)
-    except FileExistsError:
-        raise
-    except OSError:  # no hard links on this file system: by this node's view, the best it can do
-        if os.path.lexists(dst):
-            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst)) from None
-        os.rename(src, dst)
-        return
-    os.unlink(src)
 
 
 _SWAPPED, _DELETING = ".swapped-", ".deleting-"  # `atomic_dir`'s old folder: whole, then being removed
@@ -310,7 +246,7 @@ def settle_swap(final: Path) -> None:
     if not final.exists():
         for old in sorted(siblings(final, _SWAPPED))[:1]:
             os.rename(old, final)
-            fsync_dir(final.parent)
+            atomic_write.fsync_dir(final.parent)
     for left in [*siblings(final, _SWAPPED), *siblings(final, _DELETING)]:
         shutil.rmtree(left, ignore_errors=True)
 
@@ -336,7 +272,7 @@ def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
     try:
         tmp.mkdir(parents=True)
     except OSError as e:  # e.g. a file on the path: named as the user's folder (`named_as_final`)
-        raise named_as_final(e, tmp, final) from None
+        raise atomic_write.named_as_final(e, tmp, final) from None
     old = None
     try:
         yield tmp
@@ -344,14 +280,15 @@ def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
             for f in (Path(folder, name) for name in names):
                 if f.is_file():
                     widen_private_file(f)  # safetensors' 0600 (a LoRA, checkpoint, merged weights)
-                    fsync_dir(f)  # os.fsync works on a file descriptor of a file or a folder alike
-            fsync_dir(Path(folder))  # its entries (a subfolder's files are not durable through the top's fsync)
+                    atomic_write.fsync_dir(f)  # os.fsync works on a file descriptor of a file or a folder alike
+            # its entries (a subfolder's files are not durable through the top's fsync)
+            atomic_write.fsync_dir(Path(folder))
         if final.exists():
             old = final.with_name(f"{temp_stem(final.name)}{_SWAPPED}{os.getpid()}")
             os.rename(final, old)
             crash_point("atomic_dir_between_renames")
         os.rename(tmp, final)  # the new folder in place before the old one's (maybe long) removal
-        fsync_dir(final.parent)
+        atomic_write.fsync_dir(final.parent)
         if old is not None:  # renamed again before its removal: a `.swapped-` folder is always whole (`settle_swap`)
             deleting = final.with_name(f"{temp_stem(final.name)}{_DELETING}{os.getpid()}")
             os.rename(old, deleting)
@@ -360,7 +297,7 @@ def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and not final.exists():  # failed between the two renames: the old folder back
             os.rename(old, final)
-        if (named := named_as_final(e, tmp, final)) is not e:
+        if (named := atomic_write.named_as_final(e, tmp, final)) is not e:
             raise named from e
         raise
     if old is not None:

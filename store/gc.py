@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from schemas import atomic_write
 from schemas.errors import UserError
 from schemas.newer import WrittenByNewer
 from store import format as fmt
@@ -365,7 +366,7 @@ def _remove(root: Path, p: GcPlan) -> None:
         gone = vdir.with_name(f".{vdir.name}{DELETING_SUFFIX}")
         shutil.rmtree(gone, ignore_errors=True)
         os.rename(vdir, gone)  # the commit: from here on it is no version
-        fmt.fsync_dir(vdir.parent)
+        atomic_write.fsync_dir(vdir.parent)
         doomed.append(gone)
         fmt.crash_point("gc_after_rename")
     for d in doomed:

@@ -64,6 +64,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from schemas import atomic_write
 from store import format as fmt
 from store import loss_chunks
 from store.loss_chunks import WRITE, ChunkMissing
@@ -219,7 +220,7 @@ class LossStore(LossGroup):
                 kept = self._kept_of(fingerprint) if take_back else None
                 if kept is not None:  # a kill between `start_over`'s two renames left no group: take it back now
                     os.rename(kept, self.path)
-                    fmt.fsync_dir(self.path.parent)
+                    atomic_write.fsync_dir(self.path.parent)
                     self.taken_back = kept
                     _remove_killed_writes(self.path)
                 else:
@@ -258,7 +259,7 @@ class LossStore(LossGroup):
         self.kept_aside = aside
         if kept is not None:
             os.rename(kept, self.path)
-            fmt.fsync_dir(self.path.parent)  # both renames durable before any append to the group
+            atomic_write.fsync_dir(self.path.parent)  # both renames durable before any append to the group
             self.taken_back = kept
             _remove_killed_writes(self.path)  # the group taken back was written (and maybe killed) before
         else:
@@ -481,11 +482,11 @@ def _fsync(group: Path, written: list[str]) -> None:
     for rel in written:
         path = group / rel
         if path.is_file():
-            fmt.fsync_dir(path)  # os.fsync works on a file's descriptor as on a folder's
+            atomic_write.fsync_dir(path)  # os.fsync works on a file's descriptor as on a folder's
         folders.update(group / p for p in Path(rel).parents)
     for folder in sorted(folders, key=lambda f: len(f.parts), reverse=True):
         if folder.is_dir():
-            fmt.fsync_dir(folder)
+            atomic_write.fsync_dir(folder)
 
 
 def recorded_setting(folder: str | Path) -> tuple[str, dict] | None:

@@ -19,6 +19,7 @@ from typing import Callable
 
 import pyarrow as pa
 
+from schemas import atomic_write
 from schemas.errors import UserError
 from schemas.img_shapes import img_shapes_from_v1
 from schemas.table import SCHEMA_V1, SCHEMA_V2, FieldSpec, TableSchema
@@ -141,5 +142,5 @@ def _build(old_dir: Path, new_dir: Path, old_version: int) -> None:
     fmt.atomic_write_bytes(tmp / fmt.MANIFEST, manifest_bytes)
     fmt.crash_point("migrate_before_rename")
     os.rename(tmp, new_dir)  # the complete version appears at once
-    fmt.fsync_dir(new_dir.parent)
+    atomic_write.fsync_dir(new_dir.parent)
     fmt.crash_point("migrate_after_rename")

@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from schemas import atomic_write
 from schemas.errors import UserError
 from store import format as fmt
 
@@ -220,5 +221,5 @@ def set_aside(root: Path) -> Path:
             n += 1
             aside = root / f"{fmt.QUARANTINE}.damaged-{n}"
         os.replace(root / fmt.QUARANTINE, aside)
-        fmt.fsync_dir(root)
+        atomic_write.fsync_dir(root)
     return aside

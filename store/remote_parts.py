@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from schemas import atomic_write
 from schemas.errors import UserError
 from store import format as fmt
 from store.checksum import crc_hex, file_crc
@@ -344,7 +345,7 @@ def _manifest(writer: TableWriter, staging: Path, recorded: dict[str, dict[str, 
         raise EmptyVersion(f"table '{table}' v{version} would be empty: every input was rejected (reasons in each "
                         "node's cached quarantine.parquet); fix the inputs or the settings")
     check_rows(table, version, dones, merged.num_rows, required=True)
-    with fmt.atomic_file(staging / fmt.MANIFEST) as f:  # streamed, never whole in memory (as a local commit)
+    with atomic_write.atomic_file(staging / fmt.MANIFEST) as f:  # streamed, never whole in memory (as a local commit)
         written = merged.write(f)
         write_version_checksums(staging, written.shards, written.measured, merged.measured,
                                 counts=written.counts)

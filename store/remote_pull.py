@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from schemas import atomic_write
 from schemas.errors import UserError
 from schemas.temp_files import temp_of
 from store import format as fmt
@@ -348,7 +349,7 @@ def refill(remote: Remote, dst: Path, table: str, version: int, files: list[_Fil
             done(f, how)
         for f in manifest:  # last, as a commit: the version is complete again only with every file back
             done(f, fetch(f))
-    fmt.fsync_dir(vdir)
+    atomic_write.fsync_dir(vdir)
     integrity.clear_damage(vdir, intact)
 
 
@@ -372,10 +373,10 @@ def _pull_version(remote: Remote, dst: Path, table: str, version: int, files: li
             summary.damaged.append(f.rel)
         summary.sent(f)
     for p in tmp.iterdir():
-        fmt.fsync_dir(p)  # os.fsync on a descriptor of the file
-    fmt.fsync_dir(tmp)
+        atomic_write.fsync_dir(p)  # os.fsync on a descriptor of the file
+    atomic_write.fsync_dir(tmp)
     os.rename(tmp, final)
-    fmt.fsync_dir(final.parent)
+    atomic_write.fsync_dir(final.parent)
 
 
 def fetch_checked(remote: Remote, f: _File, path: Path, bar, damaged_ok: bool = False,

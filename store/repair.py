@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 
 import pyarrow as pa
 
+from schemas import atomic_write
 from schemas.errors import UserError
 from schemas.newer import WrittenByNewer
 from schemas.table import TableSchema
@@ -414,7 +415,7 @@ def set_aside(vdir: Path) -> str:
 
             shutil.rmtree(aside)
         os.rename(vdir, aside)
-        fmt.fsync_dir(vdir.parent)
+        atomic_write.fsync_dir(vdir.parent)
     return f"the damaged v{version} was moved to {aside}"
 
 
@@ -525,5 +526,5 @@ def _drop_unfinished(vdir: Path) -> None:
             return
         shutil.rmtree(gone, ignore_errors=True)
         os.rename(vdir, gone)
-        fmt.fsync_dir(vdir.parent)
+        atomic_write.fsync_dir(vdir.parent)
     shutil.rmtree(gone, ignore_errors=True)

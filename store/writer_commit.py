@@ -9,12 +9,14 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from schemas import atomic_write
 from schemas.errors import UserError
+from schemas.view_lag import seen_in_time
 from store import format as fmt
 from store.integrity import write_version_checksums
 from store.io_errors import writing
 from store.manifest import merge_runs
-from store.writer_open import index_paths, seen_in_time
+from store.writer_open import index_paths
 
 if TYPE_CHECKING:
     from store.writer import TableWriter
@@ -77,7 +79,7 @@ def commit_local(writer: TableWriter, allow_empty: bool) -> int:
     with writing(f"the manifest of table '{table}' v{version}", vdir, need=2 * merged.nbytes):
         # streamed row group by row group, never whole in memory; checksums.json before the manifest's rename: a
         # complete version (manifest present) always has its checksums
-        with fmt.atomic_file(vdir / fmt.MANIFEST) as f:
+        with atomic_write.atomic_file(vdir / fmt.MANIFEST) as f:
             written = merged.write(f)
             write_version_checksums(vdir, written.shards, written.measured, merged.measured,
                                     counts=written.counts)
@@ -145,7 +147,7 @@ def discard_version(writer: TableWriter) -> None:
                 os.rename(vdir, gone)
             except OSError as e:
                 raise _not_discarded(writer, e) from e
-            fmt.fsync_dir(vdir.parent)
+            atomic_write.fsync_dir(vdir.parent)
         shutil.rmtree(gone, ignore_errors=True)
     finally:
         writer.close()

@@ -4,7 +4,6 @@ create, and what a resumed folder already holds (committed keys, the next shard 
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -13,6 +12,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from schemas.errors import UserError
+from schemas.view_lag import VIEW_LAG_SECONDS, seen_in_time
 from store import format as fmt
 from store.io_errors import writing
 
@@ -20,13 +20,6 @@ from store.io_errors import writing
 # how many ranks wrote its parts. Rank r's share of the keys depends on that number, and such a rank counts as done,
 # uploads and adopts only its own shards: parts written by another number of ranks are another run.
 WORLD_JSON = "world-size.json"
-
-
-# When a node looks again for what another node wrote a moment ago (seconds between looks): NFS caches a folder's
-# attributes up to acdirmax (60 s by default), and waiting a minute once costs nothing next to a refused open or
-# commit (a rerun)
-VIEW_LAG_WAITS_S = (1, 2, 4, 8, 15, 30)
-VIEW_LAG_SECONDS = sum(VIEW_LAG_WAITS_S)
 
 
 def lock_rank(root: Path, table: str, rank: int) -> fmt.HeldLock:
@@ -113,18 +106,6 @@ def open_version(root: Path, table: str, want: dict[str, Any], version: int | No
             return v, vdir
         raise UserError(f"{vdir} is another writer's version (complete, or another schema), but the ranks "
                         f"agreed to write table '{table}' v{v}; remove that folder and rerun")
-
-
-def seen_in_time(look: Callable[[], bool]) -> bool:
-    """Whether `look()` holds, at once or after one of the waits of VIEW_LAG_WAITS_S (VIEW_LAG_SECONDS in all): what
-    another node wrote a moment ago may not show on this one yet (a shared file system's attribute cache). The one
-    wait for a lagging view: the writer's open, the commit's listing of the ranks' indexes (store/writer_commit.py)."""
-    for wait in (*VIEW_LAG_WAITS_S, None):
-        if look():
-            return True
-        if wait is not None:
-            time.sleep(wait)
-    return False
 
 
 def parts_world(vdir: Path) -> int | None:

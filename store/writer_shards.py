@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import pyarrow as pa
 
+from schemas import atomic_write
 from schemas.errors import UserError
 from schemas.img_shapes import normalize_img_shapes
 from schemas.table import SCHEMA_V2, TableSchema
@@ -58,7 +59,7 @@ class RankShards:
 
     A shard is named only when it is committed, by the first free name from `next_index` on: a name taken - by a
     shard this node's view of a shared folder does not list yet, whose index it may not list either - is never
-    replaced (`fmt.rename_new`), so no committed shard is lost to a lagging view."""
+    replaced (`atomic_write.rename_new`), so no committed shard is lost to a lagging view."""
 
     def __init__(self, vdir: Path, rank: int, next_index: int, shard_bytes: int, label: str) -> None:
         self.dir, self.rank, self.next_index = vdir, rank, next_index
@@ -141,7 +142,7 @@ class RankShards:
         shards' names (tar or index): those samples are not committed, and a resumed writer carries them again."""
         if self._unsynced:
             with writing(f"a shard of {self.label}", self.dir):
-                fmt.fsync_dir(self.dir)
+                atomic_write.fsync_dir(self.dir)
             self._unsynced = False
 
     def _publish(self, tmp: Path, index_of: Callable[[str], pa.Table], sync_dir: bool = True) -> str:
@@ -152,7 +153,7 @@ class RankShards:
             name = fmt.shard_name(self.rank, self.next_index)
             self.next_index += 1
             try:
-                fmt.rename_new(tmp, self.dir / name)
+                atomic_write.rename_new(tmp, self.dir / name)
             except FileExistsError:  # a shard this view does not list (or whose index it does not): kept, skipped
                 continue
             fmt.crash_point("shard_before_index")

@@ -298,7 +298,8 @@ def write_report_files(out: str | Path, metrics: dict, grid: Image.Image, page: 
     metrics.json is removed first (the removal made durable): a run killed, or out of disk, between the files
     leaves no report, never the earlier settings' metrics.json - "up to date" to a rerun of them - beside this
     run's page."""
-    from store.format import atomic_write_bytes, fsync_dir
+    from schemas.atomic_write import fsync_dir
+    from store.format import atomic_write_bytes
     from store.io_errors import writing
 
     out = Path(out)

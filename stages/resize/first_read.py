@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable
 
 from models.file_hashes import FileHashes
+from schemas import atomic_write
 from stages.resize.known_tars import NOTE, PARQUET_NOTE, TABLE
 from stages.resize.shards import is_url, shard_urls
 
@@ -213,7 +214,7 @@ def _reopen(st: Store, vdir: Path, opened: dict) -> None:
         if not fmt.is_complete(vdir) and (vdir / READ_ERRORS_JSON).is_file():
             fmt.atomic_write_json(vdir / fmt.SCHEMA_JSON, opened)
             (vdir / READ_ERRORS_JSON).unlink()
-            fmt.fsync_dir(vdir)
+            atomic_write.fsync_dir(vdir)
     finally:
         lock.release()
 
@@ -246,6 +247,6 @@ def settle_listing(writer: Any, streamed: dict[str, tuple[str, os.stat_result, i
     writer.schema = schema
     fmt.crash_point("listing_rewritten")
     (writer.dir / PENDING_JSON).unlink(missing_ok=True)
-    fmt.fsync_dir(writer.dir)
+    atomic_write.fsync_dir(writer.dir)
     fmt.crash_point("listing_settled")
     return schema

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from schemas import TableSchema, UserError
+from schemas import TableSchema, UserError, atomic_write
 from stages.resize.content import listing_base
 from stages.resize.shards import is_shard_list, is_url
 from stages.resize.sources import printable
@@ -182,11 +182,11 @@ def _second_phase(vdir: Path) -> None:
     to = fmt.read_json(vdir / MOVING, MOVING)["to"]
     for copy in sorted(vdir.glob(f".*{MOVED}")):
         os.replace(copy, copy.with_name(copy.name[1:-len(MOVED)]))
-    fmt.fsync_dir(vdir)
+    atomic_write.fsync_dir(vdir)
     raw = fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json")
     fmt.atomic_write_json(vdir / fmt.SCHEMA_JSON, {**raw, "attrs": {**raw["attrs"], "source": to}})
     (vdir / MOVING).unlink()
-    fmt.fsync_dir(vdir)
+    atomic_write.fsync_dir(vdir)
 
 
 def _renamer(before: str, base_now: str, indexes: list[Path]) -> Callable[[str | None], str | None] | None:

@@ -21,6 +21,7 @@ import shutil
 import time
 from pathlib import Path
 
+from schemas import atomic_write
 from stages.train import state as train_state
 from store import format as fmt
 
@@ -79,8 +80,8 @@ def take_back(run_dir: Path, kept: Path) -> Path | None:
                         f"meanwhile ({e.strerror}; another `train` into it?); both runs are kept"
                         f"{f' ({moved} holds the one it held)' if moved is not None else ''}; rerun once that "
                         "one is done") from None
-    fmt.fsync_dir(root)
-    fmt.fsync_dir(run_dir.parent)
+    atomic_write.fsync_dir(root)
+    atomic_write.fsync_dir(run_dir.parent)
     return moved
 
 
@@ -96,8 +97,8 @@ def keep(run_dir: Path) -> Path:
     dest = root / f"{_next_number(root)}-{stamp}"
     fmt.crash_point("keep_before_rename")
     os.rename(run_dir, dest)  # the commit: the old run is complete under its new name
-    fmt.fsync_dir(root)
-    fmt.fsync_dir(run_dir.parent)
+    atomic_write.fsync_dir(root)
+    atomic_write.fsync_dir(run_dir.parent)
     fmt.crash_point("keep_after_rename")
     run_dir.mkdir()
     return dest

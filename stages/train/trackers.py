@@ -15,7 +15,6 @@ the ranks write theirs at the same step and agree on it (a full disk on one stop
 
 from __future__ import annotations
 
-import os
 import resource
 from pathlib import Path
 from typing import Any, Callable
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from schemas import atomic_write
 from schemas.errors import UserError
 
 TRACE_DIR = "profile"
@@ -184,13 +184,8 @@ class StepProfiler:
         """The trace, whole or not at all; a full disk is one line naming the file and the MB free."""
         from stages.train.guard import one_line_errors, resume_advice
 
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
         with one_line_errors(f"the profiler trace {self.path.name}", self.path.parent,
                              f"{resume_advice(self.rerun)} (or set train.profile=0 to train without a trace)"):
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_write.atomic_path(self.path) as tmp:  # a trace file that exists is whole
                 self.prof.export_chrome_trace(str(tmp))
-                os.replace(tmp, self.path)  # a trace file that exists is whole
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save, save_file
 
+from fsync_record import fsynced
 from lora_writer import write_in_processes
 from models.canonical_safetensors import canonicalize, spelled
 from models.lora import WEIGHT_NAME, lora_sha256
@@ -71,3 +72,14 @@ def test_keys_added_while_canonical_are_in_the_metadata_and_no_temp_file_is_left
     with safe_open(path, framework="pt") as f:
         assert f.metadata() == {"format": "pt", "base_model_class": "X"}
     assert [p.name for p in tmp_path.iterdir()] == ["lora.safetensors"]
+
+
+def test_a_saved_lora_keeps_its_name_after_a_power_loss(tmp_path, monkeypatch):
+    """The rewritten file is fsynced, renamed over the library's, then its folder fsynced: before, the folder was
+    not, and a power loss after a run said its LoRA was saved could leave the folder without that name."""
+    path = tmp_path / "lora.safetensors"
+    save_file({"w": torch.ones(2)}, path, metadata={"format": "pt"})
+    paths = fsynced(monkeypatch)
+    canonicalize(path)
+    assert len(paths) == 2 and paths[0].startswith(str(tmp_path.resolve() / ".lora.safetensors.tmp-"))
+    assert paths[1] == str(tmp_path.resolve())

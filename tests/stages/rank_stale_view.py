@@ -74,20 +74,21 @@ def main() -> None:
             if os.environ["RANK"] == "1":
                 from types import SimpleNamespace
 
-                from store import format as fmt, writer, writer_open
+                from schemas import view_lag
+                from store import format as fmt, writer
 
-                opening, is_dir, is_file, clock = writer.open_version, Path.is_dir, Path.is_file, writer_open.time
+                opening, is_dir, is_file, clock = writer.open_version, Path.is_dir, Path.is_file, view_lag.time
                 waits: list[float] = []
 
                 def hidden(root, table, want, version=None):  # the folder rank 0 just made is not in its view yet
                     vdir = fmt.version_dir(root, table, version)
                     Path.is_dir = lambda p: p != vdir and is_dir(p)
                     Path.is_file = lambda p: (p != vdir / fmt.SCHEMA_JSON or bool(waits)) and is_file(p)
-                    writer_open.time = SimpleNamespace(monotonic=clock.monotonic, sleep=waits.append)
+                    view_lag.time = SimpleNamespace(monotonic=clock.monotonic, sleep=waits.append)
                     try:
                         return opening(root, table, want, version)
                     finally:
-                        Path.is_dir, Path.is_file, writer_open.time = is_dir, is_file, clock
+                        Path.is_dir, Path.is_file, view_lag.time = is_dir, is_file, clock
                         print(f"RESULT waits: {len(waits)}", file=sys.__stdout__, flush=True)  # rank 1: no stdout
 
                 writer.open_version = hidden

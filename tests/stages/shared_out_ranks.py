@@ -14,8 +14,12 @@ import sys
 from typer.testing import CliRunner
 
 from pipeline.cli import app
+from schemas import view_lag
 
 RANK = int(os.environ["RANK"])
+# rank 1 never sees rank 0's probe here (two folders): its refusal after 0.3 s of looking, not the minute a lagging
+# view of a shared folder is given (schemas/view_lag.py)
+view_lag.VIEW_LAG_WAITS_S, view_lag.VIEW_LAG_SECONDS = (0.1, 0.2), 0.3
 store, model, out0, out1, images0, images1 = sys.argv[1:7]
 
 

@@ -543,3 +543,20 @@ def test_export_to_a_name_near_the_limit_is_written_and_one_over_it_refused_up_f
     too_long = tmp_path / "out" / ("ü" * 123 + ".safetensors")  # 258 bytes
     output = " ".join(_cli("lora", "export", src, "--out", too_long, code=2).replace("│", " ").split())
     assert "its name is 258 bytes, over the 255 bytes" in output and "Traceback" not in output, output
+
+
+def test_an_exported_lora_keeps_its_name_after_a_power_loss(tmp_path, monkeypatch):
+    """--out's folder is fsynced once the file is linked in (before: never), so the export it reported survives a
+    power loss; `--overwrite`'s rename too."""
+    from fsync_record import fsynced
+
+    import models.lora_export as lora_export
+
+    q = "transformer.transformer_blocks.0.attn.to_q"
+    lora = tmp_path / "lora.safetensors"
+    save_file({f"{q}.lora_A.weight": torch.ones(2, 8), f"{q}.lora_B.weight": torch.ones(8, 2)}, lora)
+    out = tmp_path / "comfy" / "lora.safetensors"
+    for overwrite in (False, True):
+        paths = fsynced(monkeypatch)
+        lora_export.export_lora(lora, "comfyui", out, overwrite=overwrite)
+        assert paths[-1] == str(out.parent.resolve()), paths

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from fsync_record import fsynced
 from schemas.errors import UserError
 from stages.train.trackers import StepProfiler
 
@@ -34,3 +35,17 @@ def test_a_full_disk_while_writing_the_trace_is_one_line_and_leaves_no_partial_f
     prof.prof.export_chrome_trace = real_export  # space freed: the trace is written whole, a real JSON file
     prof._write()
     assert "traceEvents" in json.loads((tmp_path / "profile" / "trace-rank0.json").read_text())
+
+
+def test_a_written_trace_is_fsynced_and_so_is_its_folder(tmp_path, monkeypatch):
+    """The trace is written under this writer's temp name (`temp_of`: another rank's or a killed writer's temp is
+    told apart), fsynced, renamed, and the folder fsynced: before, a `.NAME.tmp` no writer owned, renamed
+    unsynced (a power loss could leave an empty trace file, or none)."""
+    prof = StepProfiler(1, tmp_path, 0, torch.device("cpu"))
+    torch.ones(4).sum()
+    paths = fsynced(monkeypatch)
+    prof.step()
+    folder = (tmp_path / "profile").resolve()
+    assert len(paths) == 2 and paths[0].startswith(str(folder / ".trace-rank0.json.tmp-")), paths
+    assert paths[1] == str(folder)
+    assert [p.name for p in folder.iterdir()] == ["trace-rank0.json"]

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from schemas import atomic_write
 from store import format as fmt
 
 SWAP = """
@@ -49,8 +50,8 @@ def test_every_folder_inside_is_fsynced_before_the_rename(tmp_path, monkeypatch)
     walk fsynced each file and the top folder, never the subfolders, so a power loss after the rename could leave
     `final/lora/` without its files. Now each walked folder is fsynced too."""
     synced = []
-    real = fmt.fsync_dir
-    monkeypatch.setattr(fmt, "fsync_dir", lambda p: (synced.append(Path(p).name), real(p))[1])
+    real = atomic_write.fsync_dir
+    monkeypatch.setattr(atomic_write, "fsync_dir", lambda p: (synced.append(Path(p).name), real(p))[1])
     final = tmp_path / "ckpt"
     with fmt.atomic_dir(final) as tmp:
         (tmp / "lora" / "deep").mkdir(parents=True)

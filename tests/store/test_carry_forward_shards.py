@@ -4,7 +4,7 @@ per-shard filter was O(shards x rows): 109 s measured for 20,000 shards of 1M ro
 
 from __future__ import annotations
 
-from schemas import FieldSpec, Lineage, TableSchema
+from schemas import FieldSpec, Lineage, TableSchema, atomic_write
 from store import Store
 from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, reusable
 
@@ -67,7 +67,7 @@ def test_linked_shards_fsync_their_folder_once_before_the_rank_done_file(tmp_pat
 
     w = st.writer("t", _schema("two"), shard_size_mb=0.0005)
     events: list[str] = []
-    fsync_dir, atomic_write_bytes = fmt.fsync_dir, fmt.atomic_write_bytes
+    fsync_dir, atomic_write_bytes = atomic_write.fsync_dir, fmt.atomic_write_bytes
 
     def record_fsync(path):
         if path == w.dir:
@@ -78,7 +78,7 @@ def test_linked_shards_fsync_their_folder_once_before_the_rank_done_file(tmp_pat
         events.append("index" if path.name.endswith(".index.parquet") else path.name)
         atomic_write_bytes(path, *args, **kwargs)
 
-    monkeypatch.setattr(fmt, "fsync_dir", record_fsync)
+    monkeypatch.setattr(atomic_write, "fsync_dir", record_fsync)
     monkeypatch.setattr(fmt, "atomic_write_bytes", record_write)
     [(version, rows)] = reusable(st, "t", "features", keys).items()
     assert carry_forward(w, version, rows) == 40

@@ -11,6 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from schemas import atomic_write
 from schemas.errors import UserError
 from store import Store
 from store import format as fmt
@@ -245,7 +246,7 @@ def test_full_disk_writing_the_manifest_leaves_no_temp_file_and_rerun_commits(st
 
     from contextlib import contextmanager
 
-    real = fmt.atomic_file
+    real = atomic_write.atomic_file
 
     class Full:  # the manifest's temp file: a first write lands, the next one finds the disk full
         def __init__(self, f) -> None:
@@ -265,7 +266,7 @@ def test_full_disk_writing_the_manifest_leaves_no_temp_file_and_rerun_commits(st
         with real(path, *args) as f:
             yield Full(f) if path.name == fmt.MANIFEST else f
 
-    monkeypatch.setattr(fmt, "atomic_file", full_for_manifest)
+    monkeypatch.setattr(atomic_write, "atomic_file", full_for_manifest)
     with pytest.raises(DiskFullError, match="disk full while writing the manifest of table 'vae' v1"):
         fill(store, 5)
     assert "vae" not in store.tables() and not fmt.is_complete(store.root / "vae" / "v1")

@@ -11,10 +11,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from schemas import view_lag
 from schemas.errors import UserError
 from store import Store
 from store import format as fmt
-from store import writer_open
 from store.manifest import merge_indexes
 from store.verify import verify_store
 from store_samples import key_of, sample, vae_schema
@@ -23,7 +23,7 @@ from test_writer_lagging_view import _add, _finished_rank, _lagging_view
 
 
 class _Clock:
-    """Stands in for `time` of store/writer_open.py (`seen_in_time`): each wait recorded (and `on_wait` called), none
+    """Stands in for `time` of schemas/view_lag.py (`seen_in_time`): each wait recorded (and `on_wait` called), none
     slept."""
 
     def __init__(self, on_wait=lambda: None) -> None:
@@ -60,12 +60,12 @@ def test_a_commit_whose_view_hides_an_index_a_done_file_names_is_refused(store: 
     w0, vdir = _two_ranks_finished(store)
     hidden = sorted(p.name for p in vdir.glob("shard-r01-*.index.parquet"))[1]
     clock = _Clock()
-    monkeypatch.setattr(writer_open, "time", clock)
+    monkeypatch.setattr(view_lag, "time", clock)
     with _lagging_view(monkeypatch, vdir, {hidden}):
         with pytest.raises(UserError, match=rf"1 committed shard\(s\).*\['{hidden}'\].*Rerun") as e:
             w0.commit()
     assert "\n" not in str(e.value)
-    assert clock.waits == list(writer_open.VIEW_LAG_WAITS_S)  # listed again before refusing
+    assert clock.waits == list(view_lag.VIEW_LAG_WAITS_S)  # listed again before refusing
     assert not (vdir / "manifest.parquet").exists() and store.tables() == {}
     w0 = store.writer("vae", vae_schema(), rank=0, world_size=2)  # the rerun, the view caught up
     assert w0.commit() == 1
@@ -76,7 +76,7 @@ def test_a_view_that_catches_up_while_listed_again_commits_every_row(store: Stor
     w0, vdir = _two_ranks_finished(store)
     hidden = {sorted(p.name for p in vdir.glob("shard-r01-*.index.parquet"))[0]}
     clock = _Clock(on_wait=hidden.clear)  # caught up after the first wait
-    monkeypatch.setattr(writer_open, "time", clock)
+    monkeypatch.setattr(view_lag, "time", clock)
     with _lagging_view(monkeypatch, vdir, hidden):
         assert w0.commit() == 1
     assert len(clock.waits) == 1
@@ -91,7 +91,7 @@ def test_done_files_of_older_code_without_the_record_commit_as_before(store: Sto
     record.pop("indexes", None)
     fmt.atomic_write_json(done, record)
     clock = _Clock()
-    monkeypatch.setattr(writer_open, "time", clock)
+    monkeypatch.setattr(view_lag, "time", clock)
     assert w0.commit() == 1 and clock.waits == []
     assert_exact(store, 8)
 

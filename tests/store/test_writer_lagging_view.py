@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 import pyarrow.parquet as pq
 import pytest
 
+from schemas import atomic_write, view_lag
 from schemas.errors import UserError
 
 from store import Store, writer_open
@@ -154,14 +155,14 @@ def test_a_shard_whose_index_is_in_place_is_kept_when_the_folder_fsync_fails(tmp
     monkeypatch.setattr(shards, "drop_done", lambda: None)
     tmp = tmp_path / "x.tar.tmp"
     tmp.write_bytes(b"\0" * 1024)
-    real = fmt.fsync_dir
+    real = atomic_write.fsync_dir
 
     def failing(p: Path) -> None:
         if any(q.name.endswith(".index.parquet") for q in p.iterdir()):
             raise OSError(5, "Input/output error")
         real(p)
 
-    monkeypatch.setattr(fmt, "fsync_dir", failing)
+    monkeypatch.setattr(atomic_write, "fsync_dir", failing)
     with pytest.raises(OSError):
         shards._publish(tmp, lambda name: pa.table({"key": ["a"], "shard": [name]}))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-r00-000000.index.parquet", "shard-r00-000000.tar"]
@@ -178,7 +179,7 @@ def _lagging_clock(monkeypatch, catch_up: Callable[[], None] | None = None) -> l
         if catch_up is not None:
             catch_up()
 
-    monkeypatch.setattr(writer_open, "time", SimpleNamespace(monotonic=lambda: now[0], sleep=wait))
+    monkeypatch.setattr(view_lag, "time", SimpleNamespace(monotonic=lambda: now[0], sleep=wait))
     return waits
 
 
@@ -242,4 +243,4 @@ def test_a_version_folder_whose_schema_never_shows_is_one_line(store: Store, mon
         with pytest.raises(UserError, match=rf"{vdir} holds no schema.json, though the ranks agreed to write table "
                                             rf"'vae' v{v} there \(waited 60 s.*remove that folder and rerun"):
             store.writer("vae", vae_schema(), rank=1, world_size=2, version=v)
-    assert sum(waits) >= writer_open.VIEW_LAG_SECONDS
+    assert sum(waits) >= view_lag.VIEW_LAG_SECONDS
