@@ -12,9 +12,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from tqdm.auto import tqdm
-
 from models.file_hashes import FileHashes
+from schemas.byte_bar import byte_bar
 from schemas.errors import UserError
 from schemas.model_files import ModelFile, fingerprint_of
 
@@ -220,8 +219,7 @@ def _folder_files(root: Path, components: tuple[str, ...] | None) -> tuple[Model
         known = [(f, _known_digest(f, hashes)) for f in files if f.is_file()]
         todo = sum(f.stat().st_size for f, digest in known if digest is None)
         # bytes read and hashed (rate, ETA): shown by the process that reads them, not by one finding them cached
-        with tqdm(total=todo, desc=f"hash {root.name}", unit="B", unit_scale=True, unit_divisor=1024,
-                  disable=todo == 0, dynamic_ncols=True) as bar:
+        with byte_bar(todo, f"hash {root.name}", disable=todo == 0) as bar:
             for f, digest in known:
                 size = f.stat().st_size
                 if digest is None:

@@ -121,12 +121,6 @@ def version_record(record: bytes, where: str) -> dict[str, Any]:
     return {**obj, "files": files}
 
 
-def _progress(total: int, desc: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, dynamic_ncols=True)
-
-
 def _conflict(table: str, version: int, url: str, local: Path, remote: Remote | None = None) -> UserError:
     if remote is not None and not remote.fs.exists(remote.path(f"{table}/v{version}/{fmt.MANIFEST}")):
         if pushes := _other_pushes(remote, table, version):

@@ -114,7 +114,8 @@ def save_transformer(transformer, folder: Path, max_shard_size: int | str = "10G
 
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
-    from tqdm.auto import tqdm
+
+    from schemas.byte_bar import byte_bar
 
     folder.mkdir(parents=True, exist_ok=True)
     transformer.save_config(folder)
@@ -122,7 +123,7 @@ def save_transformer(transformer, folder: Path, max_shard_size: int | str = "10G
     split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size,
                                                filename_pattern="diffusion_pytorch_model{suffix}.safetensors")
     total = sum(t.numel() * t.element_size() for t in state.values())
-    with tqdm(total=total, desc="write merged transformer", unit="B", unit_scale=True, unit_divisor=1024) as bar:
+    with byte_bar(total, "write merged transformer") as bar:
         for filename, names in split.filename_to_tensors.items():
             shard = {name: state[name].contiguous() for name in names}
             save_file(shard, folder / filename, metadata={"format": "pt"})
