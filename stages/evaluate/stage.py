@@ -39,7 +39,7 @@ from models.attention import use_attention_backend
 from models.collective import together
 from models.multires import install_multires
 from models.qwen21_flow import is_qwen21
-from models.precision import Precision, auto_note, check_loaded_dtype, describe
+from models.precision import Precision, auto_note, check_loaded_dtype
 from models.randomness import eval_noise
 from models.sample import TrainSample, from_features
 from schemas import up_to_date as current
@@ -736,10 +736,10 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     if recorded is not None:
         return recorded
     check_report_folder(out)
-    requested, device_note = cfg.dtype, auto_note(cfg.device)
-    cfg = resolved_config(cfg, model)
-    tqdm.write(describe("evaluate", parse_dtype(cfg.dtype), cfg.device, requested) + device_note
-               + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
+    device_note = auto_note(cfg.device)
+    cfg, precision = agreed_config(cfg, model)
+    tqdm.write(precision.describe("evaluate", cfg.device, device_note
+                                  + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else "")))
     warn_other_base([lora], model)
     from stages.evaluate import trained_val
     from stages.evaluate.val_share import complete
