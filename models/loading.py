@@ -378,8 +378,13 @@ def _damaged_weight_file(folder: Path) -> str | None:
     return None
 
 
-def parse_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
-    """A dtype setting as a torch dtype; `auto` is decided by `device` (models/precision.py)."""
+def parse_dtype(name: str) -> torch.dtype:
+    """A resolved dtype setting (float32, bfloat16, float16) as a torch dtype. `auto` is refused: it depends on the
+    device, and is decided once, before anything loads (models/precision.py `resolve_precision` / `resolve_dtype`);
+    looked up here it would be float32 whatever the device."""
     from models.precision import resolve_dtype
 
-    return resolve_dtype(name, device)
+    if name == "auto":
+        raise ValueError("parse_dtype('auto'): resolve the setting for its device first (models.precision."
+                         "resolve_dtype); a name alone cannot say what auto is")
+    return resolve_dtype(name, "cpu")  # a concrete name: the device plays no part

@@ -75,8 +75,9 @@ def merge_lora(model: str, lora: Path, out: Path, scale: float = 1.0, dtype: str
     loads straight onto `device` (a GPU fuses a 20B model in seconds; host RAM holds no copy)."""
     import json
 
-    from models.loading import parse_dtype, resolve_model
+    from models.loading import resolve_model
     from models.lora import fused_transformer, lora_weight_file
+    from models.precision import resolve_dtype
     from store.format import atomic_dir, link_or_copy
 
     out = Path(out)
@@ -84,7 +85,7 @@ def merge_lora(model: str, lora: Path, out: Path, scale: float = 1.0, dtype: str
     refuse_a_used_folder(out, "--out ", "pass a new folder")
     root = resolve_model(model)
     refuse_inside_model(out, root)
-    transformer = fused_transformer(model, lora, scale, parse_dtype(dtype, device) if dtype else None, device)
+    transformer = fused_transformer(model, lora, scale, resolve_dtype(dtype, device) if dtype else None, device)
     with atomic_dir(out) as tmp:
         for child in root.iterdir():
             if child.name != "transformer":

@@ -242,7 +242,7 @@ def extra_prompt_inputs(model: str, transformer, vae, cfg: EvaluateConfig):
     (title, prompt, controls, target, conditioning, height, width, scheduler config)."""
     from models.edit import load_pipeline, prepare
 
-    pipe = load_pipeline(model, parse_dtype(cfg.dtype, cfg.device), {"text_encoder": cfg.device},
+    pipe = load_pipeline(model, parse_dtype(cfg.dtype), {"text_encoder": cfg.device},
                          transformer=transformer, vae=vae)
     for i, extra in enumerate(cfg.extra_prompts):
         # decoded as resize-bucket decodes the training pictures (EXIF, alpha over white, CMYK, 16-bit)
