@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator
 from schemas.errors import UserError
 from store import format as fmt
 from store import remote_lease
+from store.io_errors import size_text
 from store.remote import open_remote, remote_errors
 from store.remote_cache import default_cache_dir, recount
 
@@ -275,7 +276,7 @@ def collect_work(url: str, cache_dir: str | Path | None, dry_run: bool = False, 
     if left is None:
         return 0
     what = f"the working copy {left.root} of {url}"
-    size = f"{left.nbytes / 1e6:.1f} MB"
+    size = size_text(left.nbytes)
     if left.held_by:
         echo(f"keep {what} ({size}): a store repair / migrate of it is running ({left.held_by})")
         return 0
