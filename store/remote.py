@@ -148,6 +148,7 @@ class SharedBar:
 
 
 def is_url(path: str | Path) -> bool:
+    """A URL (`scheme://...`: a store, a source tar or parquet file), not a local path."""
     return "://" in str(path)
 
 
