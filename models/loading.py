@@ -12,9 +12,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from tqdm.auto import tqdm
-
 from models.file_hashes import FileHashes
+from schemas.byte_bar import byte_bar
 from schemas.errors import UserError
 from schemas.model_files import ModelFile, fingerprint_of
 
@@ -220,8 +219,7 @@ def _folder_files(root: Path, components: tuple[str, ...] | None) -> tuple[Model
         known = [(f, _known_digest(f, hashes)) for f in files if f.is_file()]
         todo = sum(f.stat().st_size for f, digest in known if digest is None)
         # bytes read and hashed (rate, ETA): shown by the process that reads them, not by one finding them cached
-        with tqdm(total=todo, desc=f"hash {root.name}", unit="B", unit_scale=True, unit_divisor=1024,
-                  disable=todo == 0, dynamic_ncols=True) as bar:
+        with byte_bar(todo, f"hash {root.name}", disable=todo == 0) as bar:
             for f, digest in known:
                 size = f.stat().st_size
                 if digest is None:
@@ -380,8 +378,13 @@ def _damaged_weight_file(folder: Path) -> str | None:
     return None
 
 
-def parse_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
-    """A dtype setting as a torch dtype; `auto` is decided by `device` (models/precision.py)."""
+def parse_dtype(name: str) -> torch.dtype:
+    """A resolved dtype setting (float32, bfloat16, float16) as a torch dtype. `auto` is refused: it depends on the
+    device, and is decided once, before anything loads (models/precision.py `resolve_precision` / `resolve_dtype`);
+    looked up here it would be float32 whatever the device."""
     from models.precision import resolve_dtype
 
-    return resolve_dtype(name, device)
+    if name == "auto":
+        raise ValueError("parse_dtype('auto'): resolve the setting for its device first (models.precision."
+                         "resolve_dtype); a name alone cannot say what auto is")
+    return resolve_dtype(name, "cpu")  # a concrete name: the device plays no part

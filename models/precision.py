@@ -121,11 +121,6 @@ def device_for_rank(spec: DeviceSpec, rank: int | None = None, world_size: int |
     return spec
 
 
-def describe(stage: str, dtype: torch.dtype, device: str | torch.device, requested: str) -> str:
-    how = "auto" if requested == "auto" else "set"
-    return f"{stage}: {dtype_name(dtype)} on {device} ({how})"
-
-
 def first_device(spec: DeviceSpec | None) -> str | None:
     """The device a single-process caller would use (for messages and device-type checks); `auto` resolved."""
     spec = resolve_auto(spec) if spec is not None else None

@@ -34,7 +34,9 @@ STORE_MARKERS = (fmt.STORE_JSON, fmt.STORE_LOCK)
 def refuse_a_store_among_other_files(store: str | Path, what: str = "--store") -> None:
     """A new store only in a new or empty folder: `--store` naming the dataset, a run or a report folder (a typo,
     the wrong variable) made a store there, its tables in among those files. A URL is not checked here."""
-    if "://" in str(store):
+    from store.remote import is_url
+
+    if is_url(store):
         return
     root = Path(store)
     if not root.is_dir() or any((root / name).exists() for name in STORE_MARKERS):
@@ -52,9 +54,10 @@ def refuse_inputs_inside(run: Path, inputs: dict[str, str | None]) -> None:
     invocation too: before, a store inside paths.run worked until a kill before train (then 'holds other files')
     or a keep (then the store was gone)."""
     from stages.train.previous import previous_root
+    from store.remote import is_url
 
     for what, where in inputs.items():
-        if where is None or "://" in where:  # a store URL, a hub id: not a folder here
+        if where is None or is_url(where):  # a store URL, a hub id: not a folder here
             continue
         p = Path(where)
         if what != "paths.store" and not p.exists():  # the model may be a hub id, which names no folder

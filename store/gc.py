@@ -52,6 +52,7 @@ from schemas.newer import WrittenByNewer
 from store import format as fmt
 from store import integrity
 from store import lease as leases
+from store.io_errors import size_text
 from store.manifest_files import checked_schema
 from store.version_notes import notes_of
 
@@ -319,10 +320,10 @@ def collect(root: Path, dry_run: bool = False, echo: Callable[[str], None] = pri
         p = plan(root)
         _say_plan(root, p, dry_run, echo)
         if dry_run:
-            echo(f"dry run: {len(p.remove)} version(s){_files_note(p)}, {p.nbytes / 1e6:.1f} MB would be freed")
+            echo(f"dry run: {len(p.remove)} version(s){_files_note(p)}, {size_text(p.nbytes)} would be freed")
             return p
         _remove(root, p)
-        echo(f"gc: removed {len(p.remove)} version(s){_files_note(p)}, freed {p.nbytes / 1e6:.1f} MB; kept "
+        echo(f"gc: removed {len(p.remove)} version(s){_files_note(p)}, freed {size_text(p.nbytes)}; kept "
              + ", ".join(f"{t} v{v}" for t, v in p.keep))
     return p
 
@@ -338,11 +339,11 @@ def _say_plan(root: Path, p: GcPlan, dry_run: bool, echo: Callable[[str], None])
         echo(f"{remove} {f.relative_to(root)} (no file of its version: a shard its writer was killed before "
              "indexing)")
     for d in p.set_aside:
-        echo(f"{remove} {d.relative_to(root)} (a damaged version a repair set aside; {p.freed[d] / 1e6:.1f} MB"
+        echo(f"{remove} {d.relative_to(root)} (a damaged version a repair set aside; {size_text(p.freed[d])}"
              f"{' would be' if dry_run else ''} freed)")
     for d in p.repair_work:
         echo(f"{remove} {d.relative_to(root)} (the working folder of a store repair that was killed; "
-             f"{p.freed[d] / 1e6:.1f} MB{' would be' if dry_run else ''} freed)")
+             f"{size_text(p.freed[d])}{' would be' if dry_run else ''} freed)")
     for d, by in sorted(p.set_aside_held.items()):
         echo(f"keep {d.relative_to(root)}: a damaged version set aside, but its number is read by " + "; ".join(by))
     for (table, v), by in sorted(p.leased.items()):

@@ -148,6 +148,7 @@ class SharedBar:
 
 
 def is_url(path: str | Path) -> bool:
+    """A URL (`scheme://...`: a store, a source tar or parquet file), not a local path."""
     return "://" in str(path)
 
 
@@ -655,7 +656,7 @@ class Remote:
             except OSError as e:  # lost the race (412), or raced it (409 ConditionalRequestConflict): read again
                 if remote_upload.is_conflict(e):  # a write still in flight: at once it would meet it again
                     remote_upload.backoff(attempt)
-                elif not _precondition_failed(e):
+                elif not remote_upload.precondition_failed(e):
                     raise
         raise UserError(f"{self.url}/{rel}: changed by another writer {attempts} times in a row while this one "
                         "tried to update it; rerun")
@@ -682,12 +683,6 @@ def _modified(info: dict[str, Any]) -> float:
     """An fsspec listing entry's modification time as epoch seconds (S3: LastModified; local: mtime)."""
     when = info.get("LastModified", info.get("mtime", info.get("last_modified", info.get("created", 0.0))))
     return when.timestamp() if hasattr(when, "timestamp") else float(when or 0.0)
-
-
-def _precondition_failed(e: OSError) -> bool:
-    """s3fs reports a failed If-Match as a plain OSError; the server's message says which."""
-    text = str(e).lower()
-    return "precondition" in text.replace("-", "") or "412" in text
 
 
 def open_remote(url: str, storage_options: dict[str, Any] | None = None) -> Remote:

@@ -115,10 +115,11 @@ def _opened(url: str, root: Path, cache: Path, limit: int | None, needed: set[tu
     """What an open does last, under the cache lock: the versions' last use, the temp files of killed fetches and
     the lease files of killed readers removed, the limit kept (or, without one, the running total dropped)."""
     from store import remote_shards
+    from store.remote_parts import SOURCE_URL
 
     # which remote this cached store copies: for a human, and store/remote_parts.py finds the URL here (before the
     # walk below: its bytes in the running total it sets)
-    (root / "source-url.txt").write_text(url + "\n")
+    (root / SOURCE_URL).write_text(url + "\n")
     for t, v in needed:
         os.utime(fmt.version_dir(root, t, v))  # last use, for LRU
     # eviction removes them only when over the limit (without one, never): one per killed fetch piled up

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 from schemas.errors import UserError
 from store.checksum import CHUNK
+from store.remote_upload import precondition_failed
 
 # a cut body's resumes: each goes on from the bytes received (s3fs's default tries; store/remote.py sets fewer for
 # a whole request, whose every try against a silent server waits a read timeout)
@@ -43,7 +44,7 @@ def pieces(fs: Any, path: str, piece: int, is_s3: bool, etag: str | None = None)
         try:
             resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kw)
         except OSError as e:
-            if not etag or not ("precondition" in str(e).lower().replace("-", "") or "412" in str(e)):
+            if not etag or not precondition_failed(e):
                 raise
             raise UserError(f"s3://{bucket}/{key} changed while it was read (another object under its name since "
                             "its first bytes came); rerun to read it again") from None

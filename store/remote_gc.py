@@ -41,6 +41,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store import remote_endpoint, remote_lease
 from store.gc import all_current, kept_closure, unknown_lines, unswitched, unswitched_lines
+from store.io_errors import size_text
 from store.lease import Found, live_versions
 from store.manifest_files import checked_schema
 from store.remote import CLOCK_DIR, Remote, open_remote, remote_errors
@@ -373,7 +374,7 @@ def collect(url: str, dry_run: bool = False, grace_s: float = GRACE_SECONDS,
         p = plan(remote, grace_s, _dry_run_clock(remote, echo) if dry_run else None)
         _say_plan(p, dry_run, grace_s, echo)
         if dry_run:
-            echo(f"dry run: {len(p.remove)} version(s), {p.nbytes / 1e6:.1f} MB would be freed")
+            echo(f"dry run: {len(p.remove)} version(s), {size_text(p.nbytes)} would be freed")
             return p
         removed, held = _remove_versions(remote, p, echo)
         gone = {(v.table, v.version) for v in removed} - held  # a held one's lease reads on
@@ -381,7 +382,7 @@ def collect(url: str, dry_run: bool = False, grace_s: float = GRACE_SECONDS,
         remote.delete([str(f.path) for f in dead] + p.leftovers + p.strays)
         _abort_uploads(remote, p.uploads)
         echo(f"gc {url}: {len(removed)} version(s) removed, "
-             f"{sum(v.nbytes for v in removed if (v.table, v.version) not in held) / 1e6:.1f} MB freed")
+             f"{size_text(sum(v.nbytes for v in removed if (v.table, v.version) not in held))} freed")
         p.remove = removed
     return p
 

@@ -41,7 +41,8 @@ from typing import Any, Iterable
 
 from store import format as fmt
 from store import lease as local_lease
-from store.remote import Remote, _modified, _precondition_failed
+from store.remote import Remote, _modified
+from store.remote_upload import precondition_failed
 
 log = logging.getLogger("store")
 
@@ -165,7 +166,7 @@ class RemoteLease:
         except FileNotFoundError:
             return f"was removed ({self.rel})"
         except OSError as e:
-            if _precondition_failed(e):
+            if precondition_failed(e):
                 return f"was removed ({self.rel})"
             raise
 
@@ -184,7 +185,7 @@ class RemoteLease:
                 self.remote.fs.pipe_file(path, local_lease.record_bytes(self.record()), IfMatch=etag)
                 return
             except Exception as e:  # noqa: BLE001
-                if isinstance(e, FileNotFoundError) or (isinstance(e, OSError) and _precondition_failed(e)):
+                if isinstance(e, FileNotFoundError) or precondition_failed(e):
                     raise
                 if not self._warned_unconditional:
                     self._warned_unconditional = True

@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas import atomic_write
+from schemas.byte_bar import byte_bar
 from schemas.errors import UserError
 from store import format as fmt
 from store.checksum import crc_hex, file_crc
@@ -83,12 +84,6 @@ def _entry(path: Path) -> dict[str, Any]:
     return {"nbytes": n, "crc32c": crc}
 
 
-def _progress(total: int, desc: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, dynamic_ncols=True)
-
-
 def _upload(remote, path: Path, rel: str, entry: dict[str, Any], listing: dict[str, int] | None, bar) -> None:
     """Write-once: an object already there must be this very file (a rerun), never overwritten. `listing`: the
     sizes listed where `rel` would be (None: it is looked up alone)."""
@@ -139,7 +134,7 @@ def upload_rank(writer: TableWriter, files: dict[str, dict[str, Any]]) -> None:
                   sorted((n, e) for n, e in files.items() if n.endswith(INDEX_SUFFIX)),
                   [(done, _entry(writer.dir / done))]]
         total = sum(e["nbytes"] for group in groups for _, e in group)
-        with _progress(total, f"upload r{writer.rank} {url}") as progress:
+        with byte_bar(total, f"upload r{writer.rank} {url}") as progress:
             bar = SharedBar(progress)
             for group in groups:  # several at a time within a group: a group ends before the next starts
                 for _ in each_at_once(lambda f: _upload(remote, writer.dir / f[0], f"{base}/{f[0]}", f[1],
@@ -217,7 +212,7 @@ def commit_remote(writer: TableWriter, allow_empty: bool) -> int:
             listing = _listing(remote, table, version)
             recorded, dones = _gather(writer, remote, listing, staging)
             manifest_nbytes = _manifest(writer, staging, recorded, dones, allow_empty)
-            with _progress(manifest_nbytes, f"commit {url}") as bar:
+            with byte_bar(manifest_nbytes, f"commit {url}") as bar:
                 _upload(remote, staging / fmt.CHECKSUMS, f"{base}/{fmt.CHECKSUMS}", _entry(staging / fmt.CHECKSUMS),
                         listing, bar)
                 _still_there(writer, remote, staging)

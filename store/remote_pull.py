@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from schemas import atomic_write
+from schemas.byte_bar import byte_bar
 from schemas.errors import UserError
 from schemas.temp_files import temp_of
 from store import format as fmt
@@ -27,7 +28,7 @@ from store.io_errors import describe, is_not_writable
 from store.lease import process_tag, warn_damaged
 from store.remote import Remote, SharedBar, each_at_once, lost_object, lost_version, open_remote, remote_errors
 from store.remote_shards import is_lazy
-from store.remote_sync import (_MANIFEST_RE, SyncSummary, _conflict, _File, _ordered, _progress, damaged_quarantine,
+from store.remote_sync import (_MANIFEST_RE, SyncSummary, _conflict, _File, _ordered, damaged_quarantine,
                                marker_rel, remote_record, version_files)
 
 log = logging.getLogger("store")
@@ -253,7 +254,7 @@ def _pull_versions(remote: Remote, dst: Path, versions: list[tuple[str, int]], s
             continue
         plan.append((table, version, record, files))
     total = sum(f.nbytes for *_, files in plan for f in files)
-    with _progress(total, f"pull {url}") as bar:
+    with byte_bar(total, f"pull {url}") as bar:
         for table, version, record, files in plan:
             _pull_version(remote, dst, table, version, files, bar, summary, damaged_ok)
             summary.copied.append(f"{table}/v{version}")
@@ -325,7 +326,7 @@ def refill(remote: Remote, dst: Path, table: str, version: int, files: list[_Fil
                     vdir, len(broken), table, version, ", ".join(f.rel.rsplit("/", 1)[1] for f in broken[:5])
                     + (" ..." if len(broken) > 5 else ""), remote.url)
     intact: list[str] = []
-    with _progress(sum(f.nbytes for f in stale), f"refill {table} v{version}") as bar:
+    with byte_bar(sum(f.nbytes for f in stale), f"refill {table} v{version}") as bar:
         bar = SharedBar(bar)
 
         def fetch(f: _File) -> str:

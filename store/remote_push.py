@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from schemas.byte_bar import byte_bar
 from schemas.errors import UserError
 from store import format as fmt
 from store import remote_lease
@@ -26,7 +27,7 @@ from store.checksum import crc_hex, seal
 from store.lease import warn_damaged
 from store.remote import Remote, SharedBar, each_at_once, open_remote, remote_errors
 from store.remote_shards import is_cache_file, is_lazy
-from store.remote_sync import (SyncSummary, _conflict, _File, _ordered, _parse_record, _progress, damaged_quarantine,
+from store.remote_sync import (SyncSummary, _conflict, _File, _ordered, _parse_record, damaged_quarantine,
                                remote_record, version_files)
 from store.remote_upload import Mismatch
 
@@ -178,7 +179,7 @@ def _lost_held_here(remote: Remote, src: Path, table: str, version: int, listing
 
 def _upload(remote: Remote, src: Path, url: str, todo: list[_File], files_of: dict[str, list[_File]],
             summary: SyncSummary) -> None:
-    with _progress(sum(f.nbytes for f in todo), f"push {url}") as progress:
+    with byte_bar(sum(f.nbytes for f in todo), f"push {url}") as progress:
         bar, batch = SharedBar(progress), []
 
         def send_batch() -> None:  # several at a time: only a manifest's order matters

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from schemas import interruptible
+from schemas.byte_bar import byte_bar
 from schemas.errors import UserError
 from store import format as fmt
 from store import remote_download
@@ -431,14 +432,11 @@ def fetch_all(root: Path, versions: set[tuple[str, int]]) -> None:
     cache lock: each fetch takes it only to reserve its bytes (the limit's accounting, eviction first), and
     downloads to its own temp name beside the shard, so the node's other readers fetch and open meanwhile. A shard
     that cannot be fetched (damaged on the server, no room under the limit) is one UserError."""
-    from tqdm import tqdm
-
     todo = [(f, shard) for t, v in sorted(versions) if (f := fetcher_for(fmt.version_dir(root, t, v))) is not None
             for shard in sorted(f.sums) if is_shard(shard) and not (f.vdir / shard).exists()]
     if not todo:
         return
-    with tqdm(total=sum(int(f.sums[shard]["nbytes"]) for f, shard in todo), desc=f"pull {todo[0][0].url}",
-              unit="B", unit_scale=True, unit_divisor=1024, dynamic_ncols=True) as progress:
+    with byte_bar(sum(int(f.sums[shard]["nbytes"]) for f, shard in todo), f"pull {todo[0][0].url}") as progress:
         bar = SharedBar(progress)
 
         def fetch(item: tuple[ShardFetcher, str]) -> None:
@@ -581,16 +579,14 @@ def _fetch_metadata(remote: Remote, root: Path, table: str, version: int, files)
     """A version's files except its shards into `.v<N>.lazy/`, each checked, the marker, and the rename to `v<N>`:
     the local commit, as pull's. Fetched several at a time (`each_at_once`; the rename, not the order, is the
     commit)."""
-    from tqdm import tqdm
-
     from store.remote_pull import fetch_checked
 
     final = fmt.version_dir(root, table, version)
     tmp = final.with_name(f".{final.name}{LAZY_SUFFIX}")
     tmp.mkdir(parents=True, exist_ok=True)
     todo = [f for f in files if not is_shard(f.rel.rsplit("/", 1)[1])]
-    with tqdm(total=sum(f.nbytes for f in todo), desc=f"open {remote.url}/{table}/v{version}", unit="B",
-              unit_scale=True, unit_divisor=1024, dynamic_ncols=True, disable=len(todo) < 100) as progress:
+    with byte_bar(sum(f.nbytes for f in todo), f"open {remote.url}/{table}/v{version}",
+                  disable=len(todo) < 100) as progress:
         bar = SharedBar(progress)
         for _ in each_at_once(lambda f: fetch_checked(remote, f, tmp / f.rel.rsplit("/", 1)[1], bar), todo):
             pass

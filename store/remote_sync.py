@@ -27,6 +27,7 @@ from store import format as fmt
 from store import integrity, remote_endpoint, remote_lease
 from store.checksum import SealError, crc_hex, unseal
 from store.remote import Remote
+from store.remote_parts import SOURCE_URL
 
 _MANIFEST_RE = re.compile(r"([^/]+)/v(\d+)/" + re.escape(fmt.MANIFEST))
 
@@ -121,12 +122,6 @@ def version_record(record: bytes, where: str) -> dict[str, Any]:
     return {**obj, "files": files}
 
 
-def _progress(total: int, desc: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, dynamic_ncols=True)
-
-
 def _conflict(table: str, version: int, url: str, local: Path, remote: Remote | None = None) -> UserError:
     if remote is not None and not remote.fs.exists(remote.path(f"{table}/v{version}/{fmt.MANIFEST}")):
         if pushes := _other_pushes(remote, table, version):
@@ -138,7 +133,7 @@ def _conflict(table: str, version: int, url: str, local: Path, remote: Remote | 
                          f"{local}'s (objects of a push that was killed before its manifest, from another store); "
                          f"`pipeline store gc {url}` removes it once it is an hour old and no push holds it, then "
                          "push again")
-    if (Path(local) / "source-url.txt").is_file():  # a cache of this URL (store/remote_cache.py): stale
+    if (Path(local) / SOURCE_URL).is_file():  # a cache of this URL (store/remote_cache.py): stale
         return UserError(f"{table} v{version} differs between the cache {local} and {url} (another writer committed "
                          f"v{version} there first, or the remote was rebuilt since: a deleted prefix, a restarted "
                          f"in-memory server); remove {local} (a cache) and rerun")

@@ -52,8 +52,10 @@ def check(nbytes: int, crc: str | None, expect: tuple[int, str] | None) -> None:
         raise Mismatch(nbytes, crc)
 
 
-def _exists(e: BaseException) -> bool:
-    """s3fs's report of a failed conditional write (If-None-Match: * on a name that exists)."""
+def precondition_failed(e: BaseException) -> bool:
+    """S3's 412 Precondition Failed, as s3fs reports it: a FileExistsError for If-None-Match (a conditional create
+    of a name that exists), else a plain OSError whose message names it (If-Match: the object changed or is gone;
+    the same code met on a GET or a multipart completion)."""
     if isinstance(e, FileExistsError):
         return True
     text = str(e).lower()
@@ -99,7 +101,7 @@ def s3_create(fs: Any, path: str, local: Path, progress: Any, meta: dict[str, An
                                IfNoneMatch="*", **meta)
                     break
                 except Exception as e:  # noqa: BLE001  the conditional PUT lost: the object exists
-                    if _exists(e):
+                    if precondition_failed(e):
                         return False
                     if not is_conflict(e) or attempt == CONFLICT_ATTEMPTS - 1:
                         raise
@@ -180,10 +182,10 @@ def _multipart(fs: Any, bucket: str, key: str, f, sent: _Sent, meta: dict[str, A
             fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload,
                        MultipartUpload={"Parts": parts}, IfNoneMatch="*")
         except Exception as e:  # noqa: BLE001
-            if not _exists(e) and (last or not is_conflict(e)):
+            if not precondition_failed(e) and (last or not is_conflict(e)):
                 raise
             _abort(fs, bucket, key, upload)
-            return False if _exists(e) else None
+            return False if precondition_failed(e) else None
     except BaseException:
         _abort(fs, bucket, key, upload)
         raise

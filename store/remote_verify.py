@@ -26,8 +26,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
+from schemas.byte_bar import byte_bar
 from schemas.errors import UserError
 from schemas.newer import WrittenByNewer
 from store import format as fmt
@@ -126,7 +125,7 @@ class RemoteObjects:
                                 else f"{rel}: not listed in {fmt.CHECKSUMS}")
         names = sorted(({n for n in (sums or {}) if n not in REMOTE_METADATA} | set(by_shard)))
         total = sum(self.listing.get(prefix + n, 0) for n in names)
-        with tqdm(total=total, desc=f"verify {name}", unit="B", unit_scale=True, disable=not self.progress) as bar:
+        with byte_bar(total, f"verify {name}", disable=not self.progress) as bar:
             shared = SharedBar(bar)
             for found in each_at_once(lambda n: self._part(name, n, sums, by_shard.get(n), shared), names):
                 problems += found

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from schemas.byte_bar import byte_bar
 from schemas.errors import UserError
 from schemas.newer import WrittenByNewer
 from store import format as fmt
@@ -27,7 +28,7 @@ from store.checksum import crc_hex
 from store.integrity import DamagedData
 from store.remote import Remote, lost_object, open_remote, remote_errors
 from store import quarantine, remote_endpoint, version_counts
-from store.remote_sync import _MANIFEST_RE, version_record, _progress, damaged_quarantine, marker_rel
+from store.remote_sync import _MANIFEST_RE, version_record, damaged_quarantine, marker_rel
 
 METADATA = (fmt.SCHEMA_JSON, fmt.MANIFEST)
 
@@ -73,7 +74,7 @@ def metadata_copy(url: str, storage_options: dict[str, Any] | None = None) -> It
         # a manifest of a million samples is tens of MB (fetched only for versions without recorded counts): a bar
         # in bytes, over at most every file fetched
         at_url, damaged = set(), {}
-        with _progress(sum(_listed(listing, base) for base in bases), f"inspect {url}: metadata") as bar:
+        with byte_bar(sum(_listed(listing, base) for base in bases), f"inspect {url}: metadata") as bar:
             for base in bases:
                 fetched, total = bar.n, bar.total
                 try:

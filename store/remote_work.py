@@ -39,8 +39,10 @@ from typing import Any, Callable, Iterator
 from schemas.errors import UserError
 from store import format as fmt
 from store import remote_lease
+from store.io_errors import size_text
 from store.remote import open_remote, remote_errors
 from store.remote_cache import default_cache_dir, recount
+from store.remote_parts import SOURCE_URL
 
 WORK_DIR = ".work"
 BASE = "work-base.json"  # {table: the URL's current version} when the copy was begun
@@ -84,7 +86,7 @@ def work_copy(url: str, cache_dir: str | Path | None, damaged_ok: bool = False,
     root.mkdir(parents=True, exist_ok=True)
     # which URL, and its current versions when the copy was begun, before anything is pulled (a pull killed half-way
     # leaves most of the bytes): `store gc URL` names the URL and tells a copy the URL's store has moved on from
-    (root / "source-url.txt").write_text(url + "\n")  # store/remote_parts.SOURCE_URL
+    (root / SOURCE_URL).write_text(url + "\n")
     record = _record_at(url, storage_options)
     tables = None if record is None else sorted(record["tables"])
     if record is not None and not (root / BASE).is_file():  # a rerun resuming keeps the first run's
@@ -275,7 +277,7 @@ def collect_work(url: str, cache_dir: str | Path | None, dry_run: bool = False, 
     if left is None:
         return 0
     what = f"the working copy {left.root} of {url}"
-    size = f"{left.nbytes / 1e6:.1f} MB"
+    size = size_text(left.nbytes)
     if left.held_by:
         echo(f"keep {what} ({size}): a store repair / migrate of it is running ({left.held_by})")
         return 0

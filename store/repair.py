@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 import pyarrow as pa
 
 from schemas import atomic_write
+from schemas.byte_bar import byte_bar
 from schemas.errors import UserError
 from schemas.newer import WrittenByNewer
 from schemas.table import TableSchema
@@ -207,11 +208,9 @@ def _whole_shards(vdir: Path, name: str, listed: list, as_written: set[str],
     """Each listed shard's whole file against its checksums.json entry (damage between samples too): (the shards
     that differ, the shards whose file matched as written - their samples need no reading). The scan's long part at
     scale (every byte of the version): its own bar, in bytes, as verify's."""
-    from tqdm import tqdm
-
     damaged, read_once = set(), set()
-    with tqdm(total=sum(int(want["nbytes"]) for _, want in listed), desc=f"checksum {name}", unit="B",
-              unit_scale=True, unit_divisor=1024, disable=not progress or not listed, dynamic_ncols=True) as bar:
+    with byte_bar(sum(int(want["nbytes"]) for _, want in listed), f"checksum {name}",
+                  disable=not progress or not listed) as bar:
         for shard, want in listed:
             found = _whole_crc(vdir / shard)
             if found is None:  # a cached shard not fetched whole: its samples are read by range, each checked

@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping
 
 from tqdm import tqdm
 
+from schemas.byte_bar import byte_bar
 from schemas.errors import UserError
 from schemas.img_shapes import normalize_img_shapes
 from schemas.newer import WrittenByNewer
@@ -126,8 +127,7 @@ def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]], shard
                 for s in sorted(shards - sums.keys())]
     # every byte of the version is read here (the per-shard pass then reads again only the samples of shards that
     # fail, and the headers of the others): the long part, its own bar, in bytes
-    with tqdm(total=sum(int(e["nbytes"]) for e in sums.values()), desc=f"checksum {name}", unit="B",
-              unit_scale=True, unit_divisor=1024, disable=not progress, dynamic_ncols=True) as bar:
+    with byte_bar(sum(int(e["nbytes"]) for e in sums.values()), f"checksum {name}", disable=not progress) as bar:
         found, intact = _each_file(vdir, name, sums, bar)
         problems += found
     for p in sorted(vdir.iterdir()):

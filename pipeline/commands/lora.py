@@ -75,8 +75,9 @@ def merge_lora(model: str, lora: Path, out: Path, scale: float = 1.0, dtype: str
     loads straight onto `device` (a GPU fuses a 20B model in seconds; host RAM holds no copy)."""
     import json
 
-    from models.loading import parse_dtype, resolve_model
+    from models.loading import resolve_model
     from models.lora import fused_transformer, lora_weight_file
+    from models.precision import resolve_dtype
     from store.format import atomic_dir, link_or_copy
 
     out = Path(out)
@@ -84,7 +85,7 @@ def merge_lora(model: str, lora: Path, out: Path, scale: float = 1.0, dtype: str
     refuse_a_used_folder(out, "--out ", "pass a new folder")
     root = resolve_model(model)
     refuse_inside_model(out, root)
-    transformer = fused_transformer(model, lora, scale, parse_dtype(dtype, device) if dtype else None, device)
+    transformer = fused_transformer(model, lora, scale, resolve_dtype(dtype, device) if dtype else None, device)
     with atomic_dir(out) as tmp:
         for child in root.iterdir():
             if child.name != "transformer":
@@ -114,7 +115,8 @@ def save_transformer(transformer, folder: Path, max_shard_size: int | str = "10G
 
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
-    from tqdm.auto import tqdm
+
+    from schemas.byte_bar import byte_bar
 
     folder.mkdir(parents=True, exist_ok=True)
     transformer.save_config(folder)
@@ -122,7 +124,7 @@ def save_transformer(transformer, folder: Path, max_shard_size: int | str = "10G
     split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size,
                                                filename_pattern="diffusion_pytorch_model{suffix}.safetensors")
     total = sum(t.numel() * t.element_size() for t in state.values())
-    with tqdm(total=total, desc="write merged transformer", unit="B", unit_scale=True, unit_divisor=1024) as bar:
+    with byte_bar(total, "write merged transformer") as bar:
         for filename, names in split.filename_to_tensors.items():
             shard = {name: state[name].contiguous() for name in names}
             save_file(shard, folder / filename, metadata={"format": "pt"})

@@ -280,7 +280,8 @@ def _recompute(cfg, store: Path):
 
 def _gone(source: str) -> bool:
     """A local source recorded in a schema that no longer exists (a URL is not checked here: the stage says)."""
-    from stages.resize.shards import is_shard_list, is_url
+    from stages.resize.shards import is_shard_list
+    from store.remote import is_url
 
     if is_url(source) or "::" in source:
         return False

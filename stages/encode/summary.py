@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from schemas.stage import few, quarantined_line, summary_record
+from store.io_errors import size_text
 
 DAMAGED_INPUT = "damaged-input"  # quarantine reason of an `images` sample whose bytes fail their checksum
 COUNTS = ("encoded", "reused", "skipped", "quarantined", "bytes_written", "forwards", "forward_items")  # summed
@@ -83,7 +84,7 @@ class Summary:
         line = (
             f"{self.stage}{where}: table '{self.table}' v{self.version}: encoded {self.encoded}, "
             f"reused {self.reused}, skipped (already done) {self.skipped}, quarantined {self.quarantined}, "
-            f"{self.bytes_written / 1e6:.2f} MB written in {self.seconds:.1f} s (encoding {rate:.1f} samples/s)"
+            f"{size_text(self.bytes_written)} written in {self.seconds:.1f} s (encoding {rate:.1f} samples/s)"
         )
         if self.quarantined_by_reason:  # by reason, as resize-bucket's summary says them
             line += "\n" + quarantined_line(self.quarantined_by_reason, self.quarantine_file)

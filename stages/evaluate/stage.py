@@ -39,7 +39,7 @@ from models.attention import use_attention_backend
 from models.collective import together
 from models.multires import install_multires
 from models.qwen21_flow import is_qwen21
-from models.precision import Precision, auto_note, check_loaded_dtype, describe
+from models.precision import Precision, auto_note, check_loaded_dtype
 from models.randomness import eval_noise
 from models.sample import TrainSample, from_features
 from schemas import up_to_date as current
@@ -242,7 +242,7 @@ def extra_prompt_inputs(model: str, transformer, vae, cfg: EvaluateConfig):
     (title, prompt, controls, target, conditioning, height, width, scheduler config)."""
     from models.edit import load_pipeline, prepare
 
-    pipe = load_pipeline(model, parse_dtype(cfg.dtype, cfg.device), {"text_encoder": cfg.device},
+    pipe = load_pipeline(model, parse_dtype(cfg.dtype), {"text_encoder": cfg.device},
                          transformer=transformer, vae=vae)
     for i, extra in enumerate(cfg.extra_prompts):
         # decoded as resize-bucket decodes the training pictures (EXIF, alpha over white, CMYK, 16-bit)
@@ -736,10 +736,10 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     if recorded is not None:
         return recorded
     check_report_folder(out)
-    requested, device_note = cfg.dtype, auto_note(cfg.device)
-    cfg = resolved_config(cfg, model)
-    tqdm.write(describe("evaluate", parse_dtype(cfg.dtype), cfg.device, requested) + device_note
-               + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
+    device_note = auto_note(cfg.device)
+    cfg, precision = agreed_config(cfg, model)
+    tqdm.write(precision.describe("evaluate", cfg.device, device_note
+                                  + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else "")))
     warn_other_base([lora], model)
     from stages.evaluate import trained_val
     from stages.evaluate.val_share import complete

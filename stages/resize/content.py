@@ -25,8 +25,9 @@ from tqdm import tqdm
 from models.file_hashes import FileHashes, file_sha256
 
 from stages.resize.first_read import stamp
-from stages.resize.shards import is_shard_list, is_url, remote_listing, remote_source_files
+from stages.resize.shards import is_shard_list, remote_listing, remote_source_files
 from stages.resize.sources import printable, source_files
+from store.remote import is_url
 
 
 class Listing:

@@ -33,7 +33,8 @@ from typing import IO, TYPE_CHECKING, Any, Callable
 from models.file_hashes import FileHashes
 from schemas import atomic_write
 from stages.resize.known_tars import NOTE, PARQUET_NOTE, TABLE
-from stages.resize.shards import is_url, shard_urls
+from stages.resize.shards import shard_urls
+from store.remote import is_url
 
 if TYPE_CHECKING:
     from schemas.table import TableSchema

@@ -51,7 +51,8 @@ from typing import TYPE_CHECKING, Any
 from models.file_hashes import FileHashes
 from schemas.errors import UserError
 from stages.resize.known_sources import TABLE, Known
-from stages.resize.shards import RemoteTag, is_url
+from stages.resize.shards import RemoteTag
+from store.remote import is_url
 
 if TYPE_CHECKING:
     import pyarrow as pa

@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from schemas import TableSchema, UserError, atomic_write
 from stages.resize.content import listing_base
-from stages.resize.shards import is_shard_list, is_url
+from stages.resize.shards import is_shard_list
 from stages.resize.sources import printable
+from store.remote import is_url
 
 if TYPE_CHECKING:
     from store import Store

@@ -27,12 +27,9 @@ from typing import IO, Any, NamedTuple
 from tqdm import tqdm
 
 from schemas.errors import UserError
+from store.remote import is_url
 
 _REMOTE_TAGS = ("ETag", "Content-MD5", "Last-Modified")
-
-
-def is_url(source: str | Path) -> bool:
-    return "://" in str(source)
 
 
 def is_shard_list(source: str | Path) -> bool:

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from stages.resize import folder_source, jsonl_source, sources, webdataset_source
 from stages.resize.jsonl_text import manifest_lines
+from store.remote import is_url
 
 
 def count_samples(source: str | Path, fmt: str, known: Any = None) -> int | None:
@@ -27,11 +28,11 @@ def count_samples(source: str | Path, fmt: str, known: Any = None) -> int | None
         if fmt == "parquet":
             from stages.resize.parquet_source import count_rows
 
-            return count_rows(source if sources.is_url(source) else Path(source))
+            return count_rows(source if is_url(source) else Path(source))
         if fmt == "webdataset":
             tars = sources.shard_urls(source)
             # a tar at a URL is counted by its record when carried, else not (its headers would be fetched)
-            if any(sources.is_url(t) for t in tars) and (known is None or any(known.count(t) is None for t in tars)):
+            if any(is_url(t) for t in tars) and (known is None or any(known.count(t) is None for t in tars)):
                 return None
             total = 0
             # a header walk per shard: minutes over a million samples, so it has its own bar

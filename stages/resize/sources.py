@@ -44,7 +44,8 @@ from typing import Any, Protocol
 from schemas.errors import UserError
 from stages.resize.folder_listing import _inside
 from stages.resize.jsonl_text import checked_manifest
-from stages.resize.shards import is_shard_list, is_url, shard_urls
+from stages.resize.shards import is_shard_list, shard_urls
+from store.remote import is_url
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".bmp", ".gif")  # = features.decode.ALLOWED_FORMATS
 CONTROL_DIR = re.compile(r"^control(?:_(\d+))?$")

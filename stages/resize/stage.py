@@ -128,7 +128,8 @@ def _refuse_unread_repair(intake: Intake) -> None:
 def _named_source(source: str | Path) -> str | Path:
     """A local path resolved (quarantine rows and schema attrs name the source unambiguously); a URL or a brace
     list of shards as given (a Path would fold `s3://` into `s3:/`)."""
-    from stages.resize.shards import is_shard_list, is_url
+    from stages.resize.shards import is_shard_list
+    from store.remote import is_url
 
     if is_url(source) or "::" in str(source):
         return str(source)

@@ -15,9 +15,10 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
 from schemas.errors import UserError
-from stages.resize.shards import is_url, open_shard, shard_urls
+from stages.resize.shards import open_shard, shard_urls
 from stages.resize.sources import (CONTROL_DIR, DEFAULT_MAX_FILE_BYTES, IMAGE_SUFFIXES, READ_ERROR_HINT, Done,
                                    SourceSample, is_read_error, printable, printable_names, resumed_key)
+from store.remote import is_url
 
 
 def tar_headers(tf: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:

@@ -33,6 +33,17 @@ def nothing_to_resume(run_dir: Path, new_run: bool = False) -> str | None:
             "or leave out --resume to start a new run there")
 
 
+def recorded_train(run_dir: Path) -> dict[str, Any] | None:
+    """The `train` section the run folder's train_config.yaml records ({} for a file without one), or None when
+    the file is missing or unreadable: not UTF-8 (dump_config writes UTF-8), not YAML, not a mapping."""
+    try:
+        before = yaml.safe_load((run_dir / CONFIG_FILE).read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    train = before.get("train") or {} if isinstance(before, dict) else None
+    return train if isinstance(train, dict) else None
+
+
 SHOWN_CHANGES = 5  # the changed settings a refusal lists (a few lines; the rest counted)
 
 
@@ -41,12 +52,10 @@ def changed_settings(run_dir: Path, now: dict[str, Any], ignore: set[str]) -> li
     the run folder's train_config.yaml and `now` (a PipelineConfig dump); `ignore` holds train keys a resume may
     change; past `SHOWN_CHANGES`, one line counts the rest. Empty when the file is missing or unreadable (the
     caller still has the fingerprints)."""
-    path = run_dir / CONFIG_FILE
-    try:
-        before = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError):
+    train = recorded_train(run_dir)
+    if train is None:
         return []
-    recorded, present = _unread_dropped(_as_hashed(before.get("train") or {}), _as_hashed(now.get("train") or {}))
+    recorded, present = _unread_dropped(_as_hashed(train), _as_hashed(now.get("train") or {}))
     changed = up_to_date.changed_settings(recorded, present, "train", ignore)
     if len(changed) <= SHOWN_CHANGES:
         return changed
@@ -96,12 +105,11 @@ def unapplied_settings(run_dir: Path, now: dict[str, Any]) -> list[str]:
     in schemas/config.py) that differs between the finished run's train_config.yaml and `now` (a PipelineConfig
     dump): what an up-to-date skip leaves undone, to be said, not passed over in silence. Empty when the file is
     missing or unreadable."""
-    try:
-        before = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
-    except (OSError, yaml.YAMLError):
+    train = recorded_train(run_dir)
+    if train is None:
         return []
     while_training = while_training_names(TrainConfig)
-    recorded = {k: v for k, v in (before.get("train") or {}).items() if k in while_training}
+    recorded = {k: v for k, v in train.items() if k in while_training}
     # only those the file records: one written before a setting existed says nothing of it (no "(unset) -> 0")
     present = {k: v for k, v in (now.get("train") or {}).items() if k in recorded}
     return up_to_date.changed_settings(recorded, present, "train")

@@ -22,7 +22,7 @@ from schemas.record_formats import EARLIER_FINGERPRINTS, UNRECORDED_BACKEND
 from stages.train import damaged_log, elastic, guard, previous, shorter, state as train_state
 from stages.train.current import damaged_current, nonfinite_current
 from stages.train.data import DataStream, write_data_report
-from stages.train.resume import changed_settings
+from stages.train.resume import CONFIG_FILE, changed_settings
 from stages.train.settings import (check_control_dropout, config_fingerprint, init_lora_sha256, known_fingerprint,
                                    recorded_backend, training_revision)
 from stages.train.state import ResumeRecord
@@ -241,7 +241,7 @@ def _not_resumable(r: Run, resume: bool, cfg: PipelineConfig,
                       then=lambda kept: shorter.seed(kept, r.run_dir, r.cfg.max_steps))
         return resume_point(r, resume, cfg)  # the fresh folder's newest checkpoint, checked as any resume's
     changed = _changed(r, cfg)
-    why = f"{e}\nchanged since {r.run_dir / 'train_config.yaml'}:\n  " + "\n  ".join(changed) if changed else str(e)
+    why = f"{e}\nchanged since {r.run_dir / CONFIG_FILE}:\n  " + "\n  ".join(changed) if changed else str(e)
     if r.new_run:
         return keep_previous(r, "; ".join([e.reason, *changed]))
     raise train_state.ResumeMismatch(
@@ -302,7 +302,7 @@ def _holds_checkpoints(r: Run, latest: Path, cfg: PipelineConfig) -> str:
         return f"{r.run_dir} already holds checkpoints ({latest.name}); pass --resume to continue it, {keep}, " \
                "or use a new --out"
     return (f"{r.run_dir} already holds checkpoints ({latest.name}) trained with other settings "
-            f"({r.run_dir / 'train_config.yaml'} -> now):\n  " + "\n  ".join(changed) + "\n--resume continues it only "
+            f"({r.run_dir / CONFIG_FILE} -> now):\n  " + "\n  ".join(changed) + "\n--resume continues it only "
             f"with the settings it was trained with (set those back); {keep} with these; or use a new --out")
 
 
@@ -370,7 +370,7 @@ def prepare_run_dir(r: Run, cfg: PipelineConfig, fresh: bool) -> None:
         damaged_log.forget(r.run_dir)
         forget_grids(r.run_dir)
         forget_logs(r.run_dir)
-    atomic_write_bytes(r.run_dir / "train_config.yaml", dump_config(cfg).encode())
+    atomic_write_bytes(r.run_dir / CONFIG_FILE, dump_config(cfg).encode())
     if r.precision is not None and r.precision.ranks is not None:
         from models.precision import precision_record
 

@@ -163,3 +163,14 @@ def test_device_auto_on_a_cpu_machine_keeps_the_old_default_hashes(monkeypatch):
     from stages.evaluate.base_images import machine  # the device in evaluate's cache keys: as the old default's
 
     assert machine(cfg.evaluate)["device"] == machine(cfg.evaluate.model_copy(update={"device": "cpu"}))["device"]
+
+
+def test_parse_dtype_looks_up_a_resolved_name_and_refuses_auto():
+    """`auto` depends on the device: parsed by name alone it was float32 even for a bf16 GPU's setting."""
+    from models.loading import parse_dtype
+
+    assert parse_dtype("bfloat16") is torch.bfloat16 and parse_dtype("float32") is torch.float32
+    with pytest.raises(ValueError, match="auto"):
+        parse_dtype("auto")
+    with pytest.raises(UserError, match="unknown dtype"):
+        parse_dtype("fp8")

@@ -31,3 +31,15 @@ def test_a_setting_read_by_either_run_is_still_listed(tmp_path):
     assert _changed(tmp_path, before, now) == ["train.adam_eps: 1e-08 -> 0.5", "train.optimizer: 'adamw' -> 'adafactor'",
                                                "train.sigma.sampling: 'shift' -> 'logit_normal'",
                                                "train.sigma.shift: 5.0 -> 4.0"]
+
+
+def test_an_unreadable_train_config_lists_nothing_and_stops_nothing(tmp_path):
+    """Both readers of the run's train_config.yaml (the refusal's list, the up-to-date skip's unapplied settings)
+    read it through one parse: a file damaged past reading (bytes that are not UTF-8, YAML that is not a mapping,
+    a `train` that is not one) lists nothing, as a missing one does; before, those raised out of the start."""
+    from stages.train.resume import unapplied_settings
+
+    now = load_config(None, {}).model_dump(mode="json")
+    for damaged in (b"train:\n  learning_rate: 0.002 \xff\xfe\n", b"- a\n- b\n", b"train: 3\n"):
+        (tmp_path / "train_config.yaml").write_bytes(damaged)
+        assert changed_settings(tmp_path, now, set()) == [] and unapplied_settings(tmp_path, now) == [], damaged

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from store import Store
 from store import format as fmt
+from store.io_errors import size_text
 from store.lease import LEASES_DIR, process_identity
 from store_samples import fill
 
@@ -43,7 +44,7 @@ def test_gc_removes_a_damaged_version_set_aside_naming_the_bytes_it_frees(store:
     freed = _freed(aside)
     linked = [p for p in aside.iterdir() if p.stat().st_nlink > 1]
     assert linked and 0 < freed < sum(p.stat().st_size for p in aside.iterdir())  # intact shards shared with v2
-    line = f"vae/v1.damaged (a damaged version a repair set aside; {freed / 1e6:.1f} MB"
+    line = f"vae/v1.damaged (a damaged version a repair set aside; {size_text(freed)}"
     dry = _cli("store", "gc", store.root, "--dry-run")
     assert dry.exit_code == 0 and f"would remove {line} would be freed)" in dry.output, dry.output
     assert aside.is_dir()

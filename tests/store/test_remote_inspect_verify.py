@@ -209,6 +209,29 @@ def test_verify_of_a_file_url_streams_it_too(store: Store, tmp_path: Path, monke
     assert res.exit_code == 1 and f"vae/v1/{shard.name}: key " in res.output, res.output
 
 
+def test_verify_of_a_url_counts_bytes_in_1024s_as_the_local_one(store: Store, tmp_path: Path, monkeypatch) -> None:
+    """Every byte bar of `store verify URL` in KiB / MiB (unit_divisor 1024), as the local verify's: before, the URL's
+    counted in 1000s, so the same version showed other figures on the two."""
+    import tqdm
+
+    from store.remote_verify import verify_url
+
+    fill(store, 10)
+    url = f"file://{tmp_path / 'remote'}"
+    push(store.root, url)
+    divisors = []
+    real = tqdm.tqdm.__init__
+
+    def record(self, *a, **kw):
+        if kw.get("unit") == "B":
+            divisors.append(kw.get("unit_divisor", 1000))
+        real(self, *a, **kw)
+
+    monkeypatch.setattr(tqdm.tqdm, "__init__", record)
+    assert verify_url(url, progress=True)[0] == []
+    assert divisors and set(divisors) == {1024}, divisors
+
+
 def test_verify_that_loses_the_server_says_so_in_one_line_not_as_damage(s3_env, store: Store, monkeypatch) -> None:
     """The connection is lost while verify streams the objects: one line naming the URL and what to do (exit 1), not
     a problem line per object nor advice to repair a store nothing is known to be wrong with."""
@@ -269,8 +292,8 @@ def test_inspects_bar_of_a_url_ends_at_its_total_when_a_damaged_version_is_skipp
     push_every_version(store, s3_env.url())
     _flip(s3_env, "store/vae/v2/checksums.json")
     bars = []
-    real = remote_view._progress
-    monkeypatch.setattr(remote_view, "_progress", lambda total, desc: bars.append(real(total, desc)) or bars[-1])
+    real = remote_view.byte_bar
+    monkeypatch.setattr(remote_view, "byte_bar", lambda *a, **kw: bars.append(real(*a, **kw)) or bars[-1])
     res = runner.invoke(app, ["store", "inspect", s3_env.url(), "--json"])
     assert res.exit_code == 0 and "damaged" in json.loads(res.stdout)["tables"]["vae"]["versions"][1], res.output
     fetched = sum((store.version_dir("vae", v) / name).stat().st_size

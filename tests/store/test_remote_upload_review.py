@@ -205,3 +205,20 @@ def test_a_conditional_write_answered_409_conflict_is_sent_again_and_the_412_dec
     assert sorted(answered) == [f"store/x/{n}" for n in ("big", "big-raced", "record", "small", "small-raced")]
     assert [how for how, *_ in proxy.faults] == ["conflict"] * 5
     assert client.list_multipart_uploads(Bucket=s3_env.bucket).get("Uploads", []) == []
+
+
+@pytest.mark.parametrize(("code", "condition", "failed"), [
+    ("PreconditionFailed", "If-None-Match", True),  # a conditional create of a name that exists: FileExistsError
+    ("PreconditionFailed", "If-Match", True),  # a rewrite or a resumed GET of an object changed since
+    ("ConditionalRequestConflict", "", False),  # 409: write again, not "someone else wrote it"
+    ("AccessDenied", "", False),
+])
+def test_every_412_s3fs_reports_is_one_answer(code, condition, failed):
+    """The one reading of a 412 (push's create, the update loop, a lease's rewrite, a resumed download), over the
+    exceptions s3fs makes of the server's answer."""
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    answer = {"Error": {"Code": code, "Message": f"{code} (test)", **({"Condition": condition} if condition else {})}}
+    e = translate_boto_error(ClientError(answer, "PutObject"))
+    assert remote_upload.precondition_failed(e) is failed

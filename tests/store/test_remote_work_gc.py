@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from pipeline.cli import app
 from store import Store
+from store.io_errors import size_text
 from store.remote_work import work_root
 from test_remote_maintenance import KILLED_REPAIR, _pushed_with_a_grown_shard, remote_current
 
@@ -73,7 +74,7 @@ def test_gc_of_a_url_removes_a_killed_repairs_working_copy_once_the_store_moved_
     assert root.is_dir()
     r = _cli("store", "gc", s3_env.url(), "--cache-dir", work)
     line = f"remove the working copy {root} of {s3_env.url()} (left by a killed store repair / migrate; the store " \
-           f"there has moved on: vae v2 is current there; the copy was begun from vae v1; {size / 1e6:.1f} MB freed)"
+           f"there has moved on: vae v2 is current there; the copy was begun from vae v1; {size_text(size)} freed)"
     assert r.exit_code == 0 and line in r.output, r.output
     assert not root.exists() and not any((work / ".work").iterdir())  # nor its lock file
     assert _cli("store", "verify", s3_env.url()).exit_code == 0
@@ -87,7 +88,7 @@ def test_gc_of_a_url_drops_a_killed_repairs_working_copy_when_asked(s3_env, stor
     r = _cli("store", "gc", s3_env.url(), "--cache-dir", work, "--drop-work")
     assert r.exit_code == 0, r.output
     assert (f"remove the working copy {root} of {s3_env.url()} (left by a killed store repair / migrate; "
-            f"--drop-work; {size / 1e6:.1f} MB freed)") in r.output, r.output
+            f"--drop-work; {size_text(size)} freed)") in r.output, r.output
     assert not root.exists() and not any((work / ".work").iterdir())
     # the URL is as the killed repair left it (v1 current, damaged): a repair from scratch still repairs it
     assert remote_current(s3_env) == {"vae": 1}
@@ -133,7 +134,7 @@ def _gc_removes_the_published_copy(s3_env, work: Path, root: Path, size: int) ->
     r = _cli("store", "gc", s3_env.url(), "--cache-dir", work)
     assert r.exit_code == 0, r.output
     assert (f"remove the working copy {root} of {s3_env.url()} (left by a killed store repair / migrate; the store "
-            f"there has moved on: its vae v2 is current there already; {size / 1e6:.1f} MB freed)") in r.output, \
+            f"there has moved on: its vae v2 is current there already; {size_text(size)} freed)") in r.output, \
         r.output
     assert not root.exists()
 
