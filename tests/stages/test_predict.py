@@ -42,7 +42,9 @@ def _extra_prompt_pictures(model: str, path):
     from pipeline.config import load_config
     from stages.evaluate.stage import extra_prompt_inputs
 
-    cfg = load_config(None, {"evaluate.extra_prompts": [{"prompt": PROMPT, "images": [str(path)],
+    # evaluate resolves its dtype for its device before this (agreed_config): the helper does the same
+    cfg = load_config(None, {"evaluate.dtype": "float32",
+                             "evaluate.extra_prompts": [{"prompt": PROMPT, "images": [str(path)],
                                                           "target": str(path)}]}).evaluate
     transformer = load_component(model, "transformer", dtype=torch.float32, device="cpu")
     vae = load_component(model, "vae", dtype=torch.float32, device="cpu")
@@ -383,7 +385,8 @@ def test_21_extra_prompts_keep_a_palette_cutouts_alpha_and_show_targets_over_whi
     target_path = tmp_path / "target.png"
     Image.fromarray(rgba, "RGBA").save(target_path)
     # an output size the tiny model's processor keeps the reference at (its default 1024² is past its 512²)
-    cfg = load_config(None, {"evaluate.extra_prompts": [{"prompt": PROMPT, "images": [str(ref_path)],
+    cfg = load_config(None, {"evaluate.dtype": "float32",  # resolved, as evaluate does before this
+                             "evaluate.extra_prompts": [{"prompt": PROMPT, "images": [str(ref_path)],
                                                           "target": str(target_path),
                                                           "height": 48, "width": 64}]}).evaluate
     transformer = load_component(tiny_21_model, "transformer", dtype=torch.float32, device="cpu")
