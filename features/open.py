@@ -309,6 +309,8 @@ def _encoded_from_other_images(st, table: str, model_fingerprint: str, model: st
     encoder alone would encode the current images instead: their resize settings (reference limit, alpha,
     sizes) are the other run's."""
     current = st.tables().get("images")
+    if current is None:  # no current images (none made current, or removed): nothing to compare with, no hint
+        return None
     for v in reversed(st.versions(table)):
         if not fmt.is_complete(st.version_dir(table, v)):
             continue

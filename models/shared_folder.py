@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import secrets
 import socket
+import sys
 from pathlib import Path
 
 from schemas import view_lag
@@ -38,7 +39,7 @@ def check_shared(folder: Path, world: int, rank: int, what: str, why: str) -> No
     try:
         with together(world, f"{what} {folder}: the same folder on every node"):
             # a file another NFS client just created may take a while to appear: the store's wait for it
-            if rank != 0 and not view_lag.seen_in_time(probe.exists):
+            if rank != 0 and not view_lag.seen_in_time(_saying_so_once(probe, rank)):
                 raise UserError(f"{what} {folder} is not the same folder on every node: rank {rank} (host "
                                 f"{socket.gethostname()}) does not see the file rank 0 wrote there ({probe.name}) "
                                 f"within {view_lag.VIEW_LAG_SECONDS:.0f} s; put it on a file system every node mounts "
@@ -47,3 +48,22 @@ def check_shared(folder: Path, world: int, rank: int, what: str, why: str) -> No
         if rank == 0:
             probe.unlink(missing_ok=True)
 
+
+
+def _saying_so_once(probe: Path, rank: int):
+    """`probe.exists` as a look that, the first time it fails, prints one line: the wait that follows may last a
+    minute (VIEW_LAG_SECONDS), silent on every rank otherwise."""
+    said = False
+
+    def look() -> bool:
+        nonlocal said
+        if probe.exists():
+            return True
+        if not said:
+            said = True
+            sys.stderr.write(f"rank {rank} on {socket.gethostname()}: waiting up to {view_lag.VIEW_LAG_SECONDS:.0f} s "
+                             f"to see rank 0's probe in {probe.parent} (a shared file system's view can lag)\n")
+            sys.stderr.flush()
+        return False
+
+    return look

@@ -26,6 +26,7 @@ def _reconnect(clients: list, stop: threading.Event) -> bool:
     line, where its exit came after the host's). Meanwhile, and for good when False, the exit does not count
     itself in the store (`_count_exit`)."""
     state.run["store_lost"] = True
+    state.found.gone = False
     host, port = os.environ.get("MASTER_ADDR"), int(os.environ.get("MASTER_PORT") or 0)
     if not host or not port:
         return False
@@ -36,7 +37,9 @@ def _reconnect(clients: list, stop: threading.Event) -> bool:
         try:
             socket.create_connection((host, port), timeout=timing.PROBE_SECONDS).close()
         except ConnectionRefusedError:
-            return False  # the store's host ended: the launch is over
+            # the store's host ended: the launch is over, whatever an earlier try met (a silent one: `_read`'s line)
+            state.found.silent, state.found.gone = None, True
+            return False
         except OSError:
             pass  # no answer yet (a loaded host, a network blip)
         else:
@@ -67,16 +70,23 @@ def _read(clients: list, read: Callable[[object], T]) -> T:
     ever."""
     while True:
         if store_host_gone():
-            import torch.distributed as dist
-
-            # what the failed call would have raised (its one line: `lost_peer_line`), without torch's C++ warning
-            raise dist.DistNetworkError("Connection closed by peer: the launch's store's process ended")
+            raise _host_gone()
         try:
             return _call(clients[0], read)
         except Exception as e:  # noqa: BLE001 - re-raised below when the store does not answer again
             bound = _bound(clients[0])
             if not _reconnect(clients, threading.Event()):
+                if getattr(state.found, "gone", False):  # refused after a silent try: the host ended since
+                    raise _host_gone() from None
                 if not isinstance(e, StoreSilent) and getattr(state.found, "silent", None):
                     # its tries connected and got no answer: said so, whatever the first call raised (torch's timeout)
                     raise StoreSilent(_silent_line(_where(), bound)) from None
                 raise
+
+
+def _host_gone() -> Exception:
+    """What a call to a store whose process ended raises (its one line: `lost_peer_line`), without torch's C++
+    warning."""
+    import torch.distributed as dist
+
+    return dist.DistNetworkError("Connection closed by peer: the launch's store's process ended")

@@ -56,22 +56,30 @@ def demo_variant(model: str | None, config: Path) -> str:
 
 def _named_variant(model: str) -> str:
     """The variant (or, for a model of another family, its name) that MODEL's folder or name says."""
-    index = Path(model).expanduser() / "model_index.json"
-    if index.is_file():  # a model folder here: its pipeline class
+    index = _model_index(Path(model).expanduser() / "model_index.json")
+    if index is not None:  # a model folder here: its pipeline class
         from models.loading import model_variant
         from schemas.errors import UserError
 
         try:
             return model_variant(model)
-        except UserError:  # a class this package trains none of: named as it is
-            return str(json.loads(index.read_text()).get("_class_name"))
-        except ValueError:  # an index that does not parse: the name tells what it can
-            pass
+        except UserError:  # a class this package trains none of (or a folder not complete): named as it is
+            return str(index.get("_class_name"))
     name = model.lower()
     found = next((variant for part, variant in _NAMED if part in name), None)
     if found is None and "qwen-image" in name:  # Qwen-Image-Layered, the text-to-image Qwen-Image, ...
         return model.rstrip("/").rsplit("/", 1)[-1]
     return found or "edit-plus"
+
+
+def _model_index(path: Path) -> dict | None:
+    """PATH's model_index.json as a dict; None where there is none, or it does not parse as a JSON object (then the
+    model's name tells what it can)."""
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, ValueError):  # none, unreadable, not UTF-8 or not JSON
+        return None
+    return index if isinstance(index, dict) else None
 
 
 def refuse_another_family(model: Path, variant: str) -> None:

@@ -352,3 +352,43 @@ def test_a_wait_says_the_store_is_silent_though_the_watch_thread_was_answered_me
         listener.close()
     assert str(raised.value) == (f"the launch's store at 127.0.0.1:{port} accepts connections but did not answer "
                                  "within 1 s (its host is stopped, hung or unreachable)")
+
+
+def test_a_wait_whose_store_was_silent_then_refused_says_its_host_ended(monkeypatch, own_collective):
+    """`_reconnect`'s first try met a silent store (this thread's finding set), its next a refused connection (the
+    store's host ended meanwhile): the wait said the store "accepts connections but did not answer", which it no
+    longer did. The tries are driven in order here: the probe answers then is refused, the connect is silent."""
+    import torch.distributed as dist
+
+    collective = own_collective
+    calls = collective.store_client
+    for name, value in {"RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    probes = []
+
+    class Probe:
+        def close(self):
+            pass
+
+    def create_connection(where, timeout=None):
+        probes.append(where)
+        if len(probes) > 1:
+            raise ConnectionRefusedError("the store's host ended")
+        return Probe()
+
+    def silent_connect(timeout=10.0):
+        state = collective.state
+        state.run["store_silent"] = state.found.silent = calls._silent_line("127.0.0.1:1", 1.0)
+        raise collective.StoreSilent(state.found.silent)
+
+    class Client:
+        timeout = timedelta(seconds=2)
+
+    monkeypatch.setattr(collective.reconnect, "store_host_gone", lambda: False)  # `_read`'s first look
+    monkeypatch.setattr(collective.reconnect.socket, "create_connection", create_connection)
+    monkeypatch.setattr(collective.reconnect, "_store_client", silent_connect)
+    monkeypatch.setattr(collective.timing, "POLL_SECONDS", 0.01)
+    with pytest.raises(dist.DistNetworkError) as raised:
+        collective.reconnect._read([Client()], _timed_out)
+    assert len(probes) == 2
+    assert "process ended" in str(raised.value) and "did not answer" not in str(raised.value)

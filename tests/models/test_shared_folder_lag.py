@@ -57,3 +57,21 @@ def test_a_probe_never_seen_is_refused_after_the_whole_wait_saying_so(tmp_path, 
     assert sum(waits) == view_lag.VIEW_LAG_SECONDS
     assert "is not the same folder on every node: rank 1" in line and "(.shared-probe-" in line
     assert f"within {view_lag.VIEW_LAG_SECONDS} s" in line and "rerun" in line and "\n" not in line
+
+
+def test_a_rank_waiting_for_the_probe_says_so_once(tmp_path, rank1, monkeypatch, capsys):
+    """The minute's wait was silent on every rank: one line per rank after the first look fails, not one per look."""
+    _clock(monkeypatch, lambda now: None)
+    with pytest.raises(UserError):
+        check_shared(tmp_path, 2, 1, "--out", "why")
+    lines = [line for line in capsys.readouterr().err.splitlines() if "waiting" in line]
+    assert len(lines) == 1
+    assert lines[0].startswith("rank 1 on ") and f"up to {view_lag.VIEW_LAG_SECONDS} s" in lines[0]
+    assert str(tmp_path) in lines[0]
+
+
+def test_a_probe_seen_at_once_says_nothing(tmp_path, rank1, monkeypatch, capsys):
+    (tmp_path / f"{PROBE}{TOKEN:016x}").touch()
+    _clock(monkeypatch, lambda now: None)
+    check_shared(tmp_path, 2, 1, "--out", "why")
+    assert "waiting" not in capsys.readouterr().err

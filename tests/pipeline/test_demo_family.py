@@ -61,3 +61,15 @@ def test_a_name_that_is_no_folder_here_says_the_family():
     assert _named_variant("Qwen/Qwen-Image-Edit-2511") == "edit-2511"
     assert _named_variant("Qwen/Qwen-Image-Edit") == "edit"
     assert _named_variant("Qwen/Qwen-Image") == "Qwen-Image"
+
+
+def test_a_model_folder_whose_index_does_not_parse_is_named_by_its_name(tmp_path):
+    """A model_index.json that is no JSON object gave a traceback (its json.loads outside the handler's reach, or
+    `.get` on a list): the folder's name says the family instead."""
+    from pipeline.commands.demo import _named_variant
+
+    for i, text in enumerate(["{not json", "[1, 2]", "\"a string\""]):
+        folder = tmp_path / f"tiny-qwen-image-2.1-{i}"
+        folder.mkdir()
+        (folder / "model_index.json").write_text(text)
+        assert _named_variant(str(folder)) == "qwen-image-2.1", text
