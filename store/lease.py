@@ -470,8 +470,9 @@ class Found:
     live: bool
     why: str  # "pid 123 on host, running" / "pid 123 on host is gone" / "refreshed 20 s ago on other-host"
     damaged: bool = False  # its record did not read (`parse_record`): judged by its refresh age alone
-    # which file was read (a local one's `fmt.file_identity`): another file at that path later, or this one written
-    # again, is another lease to a caller that says each once (store/remote_cache.py)
+    # which file was read (a local one's `fmt.file_identity`): another file at that path later (an atomic rewrite:
+    # a new inode) is another lease to a caller that says each once (store/remote_cache.py keys on the inode: a
+    # refresh's os.utime changes only the mtime)
     seen: tuple[int, int, int] | None = None
 
     def describe(self) -> str:

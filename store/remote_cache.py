@@ -350,16 +350,25 @@ def _live_leases(root: Path) -> list[leases.Found]:
     return [f for f in found if f.live]
 
 
-# damaged lease files named already by this process, as (path, `Found.seen`): a walk runs before many fetches, and
-# one damaged again (written whole by its reader, then damaged) or replaced by another damaged file is said again
-_said_damaged: set[tuple[Path, tuple[int, int, int] | None]] = set()
+# damaged lease files named already by this process, as (path, inode): a walk runs before many fetches. A live
+# reader refreshes its lease by `os.utime` (a new mtime, the same file: not said again); it rewrites it atomically
+# (a new inode: a file damaged again is said again). A path seen whole, or gone, is forgotten: damaged again in
+# place, or in a reused inode, it is said again.
+_said_damaged: set[tuple[Path, int | None]] = set()
 
 
 def _say_kept_for_damaged(root: Path, damaged: list[leases.Found]) -> None:
     """One line, once per damaged lease file and process: why no version of `root` is evicted whole meanwhile."""
-    unsaid = [found for found in damaged if (found.path, found.seen) not in _said_damaged]
-    _said_damaged.update((found.path, found.seen) for found in unsaid)
+    folder = Path(root) / leases.LEASES_DIR
+    before = {key for key in _said_damaged if key[0].parent == folder}
+    unsaid = [f for f in damaged if _lease_file(f) not in before]
+    _said_damaged.difference_update(before)
+    _said_damaged.update(_lease_file(f) for f in damaged)
     leases.warn_damaged(root, unsaid, "the store cache keeps every version of this store whole")
+
+
+def _lease_file(found: leases.Found) -> tuple[Path, int | None]:
+    return found.path, found.seen[0] if found.seen else None
 
 
 def _remove_dead_fetches(root: Path) -> None:

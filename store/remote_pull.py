@@ -24,7 +24,7 @@ from schemas.errors import UserError
 from schemas.temp_files import temp_of
 from store import format as fmt
 from store import integrity, remote_checked, remote_endpoint, remote_lease
-from store.io_errors import describe, is_not_writable
+from store.io_errors import is_not_writable
 from store.lease import process_tag, warn_damaged
 from store.remote import Remote, SharedBar, each_at_once, lost_object, lost_version, open_remote, remote_errors
 from store.remote_shards import is_lazy
@@ -98,7 +98,7 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
 @contextmanager
 def _writing_into(dst: Path, url: str) -> Iterator[None]:
     """A pull's write refused in `dst` (a read-only mount: EROFS; another account's folder: EACCES) as one line
-    naming the file and what to do (store/io_errors.py's, as every write's). Errors
+    naming the file (a version's as its final folder: `_pull_version`) and what to do. Errors
     naming no path in `dst` pass: the URL's (S3's access denied names none; a file:// URL's own path), and a full
     disk (its callers' lines: the CLI's, the cache's)."""
     try:
@@ -108,10 +108,9 @@ def _writing_into(dst: Path, url: str) -> Iterator[None]:
         if not is_not_writable(e) or name is None or not Path(os.path.abspath(os.fsdecode(name))).is_relative_to(
                 os.path.abspath(dst)):
             raise
-        err = describe(e, f"the pull of {url} into {dst}", dst)  # (its not-writable line)
-        if err is None:
-            raise
-        raise err from None
+        raise UserError(f"cannot write the pull of {url} into {dst}: {os.fsdecode(name)} is not writable "
+                        f"({e.strerror or e}); make {dst} writable (its permissions, a read-write mount) or pull "
+                        "into another folder") from None
 
 
 def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSummary, damaged_ok: bool,
@@ -359,6 +358,16 @@ def _pull_version(remote: Remote, dst: Path, table: str, version: int, files: li
     """Fetch one version into its pull folder, every file checked (several at a time); the rename is the commit."""
     final = fmt.version_dir(dst, table, version)
     tmp = final.with_name(f".{final.name}{PULL_SUFFIX}")
+    try:
+        _fetch_version(remote, dst, table, version, files, bar, summary, damaged_ok, tmp, final)
+    except OSError as e:  # named by the version folder the user will look for, not its hidden pull folder
+        if (named := atomic_write.named_as_final(e, tmp, final)) is not e:
+            raise named from e
+        raise
+
+
+def _fetch_version(remote: Remote, dst: Path, table: str, version: int, files: list[_File], bar,
+                   summary: SyncSummary, damaged_ok: bool, tmp: Path, final: Path) -> None:
     tmp.mkdir(parents=True, exist_ok=True)
     bar = SharedBar(bar)
 

@@ -53,13 +53,39 @@ def check(nbytes: int, crc: str | None, expect: tuple[int, str] | None) -> None:
 
 
 def precondition_failed(e: BaseException) -> bool:
-    """S3's 412 Precondition Failed, as s3fs reports it: a FileExistsError for If-None-Match (a conditional create
-    of a name that exists), else a plain OSError whose message names it (If-Match: the object changed or is gone;
-    the same code met on a GET or a multipart completion)."""
-    if isinstance(e, FileExistsError):
-        return True
-    text = str(e).lower()
-    return isinstance(e, OSError) and ("precondition" in text.replace("-", "") or "412" in text)
+    """S3's 412 Precondition Failed, read from the server's answer that s3fs converted into `e` (a FileExistsError
+    for If-None-Match: a conditional create of a name that exists; an OSError for If-Match: the object changed or
+    is gone; the same code met on a GET or a multipart completion): botocore's error, kept as the exception's
+    cause or context, says "PreconditionFailed" or HTTP status 412. Never the message's text: an error naming a
+    path such as `shard-000412.tar` is no 412. The nearest server answer in the chain decides (an error raised
+    while handling another request's 412 is not one)."""
+    answer = next((c for c in _chain(e) if _response(c)), None)
+    return answer is not None and (_error_code(answer) in ("PreconditionFailed", "412") or _http_status(answer) == 412)
+
+
+def _chain(e: BaseException):
+    """`e` and the exceptions it was raised from or while handling, each once."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _error_code(e: BaseException) -> str | None:
+    """botocore's error code (a ClientError's `response`), None for any other exception."""
+    error = _response(e).get("Error")
+    return error.get("Code") if isinstance(error, dict) else None
+
+
+def _http_status(e: BaseException) -> int | None:
+    meta = _response(e).get("ResponseMetadata")
+    return meta.get("HTTPStatusCode") if isinstance(meta, dict) else None
+
+
+def _response(e: BaseException) -> dict:
+    response = getattr(e, "response", None)
+    return response if isinstance(response, dict) else {}
 
 
 def is_conflict(e: BaseException) -> bool:

@@ -148,6 +148,15 @@ def test_a_damaged_fresh_lease_in_a_url_cache_keeps_its_store_and_the_open_goes_
     assert len(said) == 1 and str(path) in said[0] and "\n" not in said[0], said
     assert fmt.is_complete(v1) and path.exists()
 
+    # refreshed by its reader (os.utime, as a live reader does every few minutes): the same file, not said again
+    # (it was said after each refresh, its mtime being part of the key)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="store"):
+        for _ in range(2):
+            os.utime(path)
+            assert local_store(url, ["vae"], cache, limit_gb=1.0, lease=False) == root  # a walk, nothing evicted
+    assert not [r for r in caplog.records if "is damaged" in r.getMessage()]
+
     # written whole again (a live lease: nothing said), then damaged again at the same path: said again, once (it
     # was said once per path and process: the second damage went unsaid)
     caplog.clear()
@@ -160,6 +169,15 @@ def test_a_damaged_fresh_lease_in_a_url_cache_keeps_its_store_and_the_open_goes_
     said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
     assert len(said) == 1 and str(path) in said[0], said
     assert fmt.is_complete(v1) and path.exists()
+
+    # rewritten atomically by its reader (a new file), damaged again, with no walk between: said again, once
+    caplog.clear()
+    fmt.atomic_write_bytes(path, _flip_pid(data, os.getpid()))
+    with caplog.at_level("WARNING", logger="store"):
+        for _ in range(2):
+            assert local_store(url, ["vae"], cache, limit_gb=1.0, lease=False) == root
+    said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(said) == 1 and str(path) in said[0], said
 
     long_ago = time.time() - lease.STALE_SECONDS - 60  # its reader never wrote it again: stale, judged dead
     os.utime(path, (long_ago, long_ago))

@@ -222,3 +222,41 @@ def test_every_412_s3fs_reports_is_one_answer(code, condition, failed):
     answer = {"Error": {"Code": code, "Message": f"{code} (test)", **({"Condition": condition} if condition else {})}}
     e = translate_boto_error(ClientError(answer, "PutObject"))
     assert remote_upload.precondition_failed(e) is failed
+
+
+@pytest.mark.parametrize("e", [
+    FileNotFoundError(2, "No such file or directory", "b/vae/v3/shard-000412.tar"),
+    OSError(errno.EIO, "b/vae/v3/shard-000412.tar: read 412 bytes of 1000"),
+    FileExistsError(17, "File exists", "/tmp/store/.lease-412"),
+    OSError(errno.EINVAL, "Precondition Failed"),  # a message alone, no server answer behind it
+], ids=["path", "count", "local-exists", "text-only"])
+def test_an_error_that_only_names_412_is_no_precondition_failure(e):
+    """Before, any error text containing "412" read as S3's 412: a missing shard-000412.tar was taken for an
+    object changed by another writer (a lease "removed", a download "changed while it was read")."""
+    assert remote_upload.precondition_failed(e) is False
+
+
+def test_every_412_the_server_answers_reads_as_one(s3_env):
+    """Real answers of the S3 server, through s3fs: a conditional create of a name that exists, a rewrite and a
+    read of an object changed since its ETag was taken; and a HEAD's bare 412 (no body: code "412")."""
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    remote = remote_mod.open_remote(s3_env.url())
+    fs, path = remote.fs, remote.path("x/shard-000412.tar")
+    bucket, key, _ = fs.split_path(path)
+    fs.pipe_file(path, b"one")
+    seen = []
+    for call in (lambda: fs.call_s3("put_object", Bucket=bucket, Key=key, Body=b"two", IfNoneMatch="*"),
+                 lambda: fs.pipe_file(path, b"two", IfMatch='"0"'),
+                 lambda: fs.call_s3("get_object", Bucket=bucket, Key=key, IfMatch='"0"')):
+        with pytest.raises(OSError) as raised:
+            call()
+        seen.append(remote_upload.precondition_failed(raised.value))
+    assert seen == [True, True, True]
+    head = ClientError({"Error": {"Code": "412", "Message": "Precondition Failed"},
+                        "ResponseMetadata": {"HTTPStatusCode": 412}}, "HeadObject")
+    assert remote_upload.precondition_failed(translate_boto_error(head)) is True
+    with pytest.raises(FileNotFoundError) as missing:
+        fs.cat_file(remote.path("x/shard-000413.tar"))
+    assert remote_upload.precondition_failed(missing.value) is False
