@@ -59,8 +59,13 @@ def precondition_failed(e: BaseException) -> bool:
     cause or context, says "PreconditionFailed" or HTTP status 412. Never the message's text: an error naming a
     path such as `shard-000412.tar` is no 412. The nearest server answer in the chain decides (an error raised
     while handling another request's 412 is not one)."""
-    answer = next((c for c in _chain(e) if _response(c)), None)
+    answer = _answer(e)
     return answer is not None and (_error_code(answer) in ("PreconditionFailed", "412") or _http_status(answer) == 412)
+
+
+def _answer(e: BaseException) -> BaseException | None:
+    """The nearest exception in `e`'s chain carrying a server answer (botocore's `response`), None if none does."""
+    return next((c for c in _chain(e) if _response(c)), None)
 
 
 def _chain(e: BaseException):
@@ -89,9 +94,12 @@ def _response(e: BaseException) -> dict:
 
 
 def is_conflict(e: BaseException) -> bool:
-    """S3's 409 ConditionalRequestConflict: the conditional write raced another operation on the key (s3fs has no
-    type for it: an OSError carrying botocore's message, which names the code)."""
-    return isinstance(e, OSError) and "conditionalrequestconflict" in str(e).lower()
+    """S3's 409 ConditionalRequestConflict: the conditional write raced another operation on the key. s3fs has no
+    type for it (an OSError); botocore's error in the chain says "ConditionalRequestConflict" or HTTP status 409,
+    read as `precondition_failed` reads a 412: the nearest server answer decides, never the message's text."""
+    answer = _answer(e)
+    return answer is not None and (_error_code(answer) in ("ConditionalRequestConflict", "409")
+                                   or _http_status(answer) == 409)
 
 
 def backoff(attempt: int) -> None:

@@ -108,7 +108,7 @@ def test_a_full_disk_is_one_line_naming_the_file_and_the_list_is_left_whole(tmp_
         guard.record_skipped(tmp_path, {"b": "crc b"})
     line = str(e.value)
     assert "\n" not in line and "disk full" in line and damaged_log.NAME in line and str(tmp_path) in line
-    assert "MB free" in line and "--resume" in line
+    assert "B free" in line and "--resume" in line
     assert (tmp_path / damaged_log.NAME).read_bytes() == before
 
 

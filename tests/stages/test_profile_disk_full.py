@@ -1,4 +1,4 @@
-"""train.profile: a full disk while writing the trace is one line naming the file, the MB free and what to do;
+"""train.profile: a full disk while writing the trace is one line naming the file, the space free and what to do;
 no partial trace (nor its temp file) is left."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def test_a_full_disk_while_writing_the_trace_is_one_line_and_leaves_no_partial_f
     with pytest.raises(UserError) as e:
         prof.step()
     line = str(e.value)
-    assert "\n" not in line and "disk full" in line and "trace-rank0.json" in line and "MB free" in line
+    assert "\n" not in line and "disk full" in line and "trace-rank0.json" in line and "B free" in line
     assert "train.profile=0" in line and "--resume" in line
     assert list((tmp_path / "profile").iterdir()) == []
 

@@ -219,7 +219,7 @@ def test_full_disk_in_a_shard_is_one_error_and_rerun_completes_each_sample_once(
 
     _fail_after(monkeypatch, 30_000)
     w = store.writer("vae", vae_schema(), shard_size_mb=0.01)
-    with pytest.raises(DiskFullError, match=r"disk full while writing a shard of table 'vae' v1 in .*MB free"):
+    with pytest.raises(DiskFullError, match=r"disk full while writing a shard of table 'vae' v1 in .*B free"):
         for i in range(12):
             s = sample(i)
             w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
@@ -614,3 +614,16 @@ def test_a_file_size_limit_is_one_line_and_the_rerun_completes(tmp_path: Path) -
     res = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert not verify_store(tmp_path / "store")
+
+
+@pytest.mark.parametrize(("nbytes", "text"), [
+    (30_000, "30 kB"), (99_999, "100 kB"), (100_000, "0.1 MB"), (812_400_000, "812.4 MB"),
+    (9_999_900_000, "9999.9 MB"), (9_999_960_000, "10.0 GB"), (10_000_000_000, "10.0 GB"),
+    (1_234_567_900_000, "1234.6 GB"), (9_999_900_000_000, "9999.9 GB"), (10_000_000_000_000, "10.0 TB"),
+    (123_456_000_000_000, "123.5 TB"),
+])
+def test_size_text_keeps_four_digits_before_the_point(nbytes, text):
+    """gc, encode summaries, inspect and disk-free lines: a 1.2 TB store read "1234567.9 MB" before."""
+    from store.io_errors import size_text
+
+    assert size_text(nbytes) == text

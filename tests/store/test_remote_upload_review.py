@@ -222,6 +222,7 @@ def test_every_412_s3fs_reports_is_one_answer(code, condition, failed):
     answer = {"Error": {"Code": code, "Message": f"{code} (test)", **({"Condition": condition} if condition else {})}}
     e = translate_boto_error(ClientError(answer, "PutObject"))
     assert remote_upload.precondition_failed(e) is failed
+    assert remote_upload.is_conflict(e) is (code == "ConditionalRequestConflict")
 
 
 @pytest.mark.parametrize("e", [
@@ -260,3 +261,39 @@ def test_every_412_the_server_answers_reads_as_one(s3_env):
     with pytest.raises(FileNotFoundError) as missing:
         fs.cat_file(remote.path("x/shard-000413.tar"))
     assert remote_upload.precondition_failed(missing.value) is False
+
+
+@pytest.mark.parametrize("e", [
+    OSError(errno.EIO, "ConditionalRequestConflict"),  # a message alone, no server answer behind it
+    FileNotFoundError(2, "No such file or directory", "b/x/conditionalrequestconflict-409.tar"),
+], ids=["text-only", "path"])
+def test_an_error_that_only_names_409_is_no_conflict(e):
+    """Before, any error text naming ConditionalRequestConflict read as S3's 409 (and was written again)."""
+    assert remote_upload.is_conflict(e) is False
+
+
+def _raised_from(answer):
+    """What s3fs raises for a server answer it has no type for: an OSError raised from botocore's ClientError."""
+    try:
+        try:
+            raise answer
+        except Exception as cause:
+            raise OSError(errno.EIO, "upload failed") from cause
+    except OSError as e:
+        return e
+
+
+def test_every_409_the_server_answers_reads_as_a_conflict():
+    """botocore's answer in the chain decides: code ConditionalRequestConflict, or a bare HTTP 409 (no body); a
+    412 or a 403 is not one."""
+    from botocore.exceptions import ClientError
+
+    def answer(code, status):
+        return ClientError({"Error": {"Code": code, "Message": "(test)"},
+                            "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+    assert remote_upload.is_conflict(_raised_from(answer("ConditionalRequestConflict", 409))) is True
+    assert remote_upload.is_conflict(_raised_from(answer("409", 409))) is True
+    assert remote_upload.is_conflict(answer("ConditionalRequestConflict", 409)) is True
+    assert remote_upload.is_conflict(_raised_from(answer("PreconditionFailed", 412))) is False
+    assert remote_upload.is_conflict(_raised_from(answer("AccessDenied", 403))) is False
