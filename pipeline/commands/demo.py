@@ -82,6 +82,12 @@ def _model_index(path: Path) -> dict | None:
     return index if isinstance(index, dict) else None
 
 
+def default_workdir(variant: str) -> Path:
+    """The workdir without --workdir: one per family, so `pipeline demo` and `pipeline demo --config
+    configs/qwen-image-2.1.yaml` both run without a flag (one workdir holds one family's tiny model)."""
+    return Path("demo-workdir" if variant == "edit-plus" else f"demo-workdir-{variant}")
+
+
 def refuse_another_family(model: Path, variant: str) -> None:
     """A UserError when MODEL (WORKDIR/tiny-model) holds an earlier demo's model of another family: reused, the
     run would encode and train that model with settings meant for VARIANT."""
@@ -153,7 +159,8 @@ def summary_lines(cfg, result, store: Path, effective: Path, rerun_flags: str = 
 
 
 def command(
-    workdir: Path = typer.Option(Path("demo-workdir"), "--workdir", help="Where the model, data, store, run and report go."),
+    workdir: Optional[Path] = typer.Option(None, "--workdir", help="Where the model, data, store, run and report go "
+                                           "(default: demo-workdir; demo-workdir-qwen-image-2.1 for a 2.1 config)."),
     config: Path = typer.Option(DEMO_CONFIG, "--config", "-c", help="Stage settings (paths.* are set to --workdir); "
                                 "the tiny model is of the family its paths.model names (Edit-Plus or Qwen-Image-2.1)."),
     set_: list[str] = SetOpt,
@@ -165,23 +172,25 @@ def command(
     cache_gb: Optional[float] = CacheGbOpt,
 ) -> None:
     t0 = time.perf_counter()
-    workdir = workdir.resolve()
+    from pipeline.commands.common import config_from
+
+    named = config_from(config, {}, set_).paths.model  # the family the config is for, before paths.* are replaced
+    with usage_errors():  # a config the demo cannot use: a command-line mistake (exit 2), before any work
+        variant = demo_variant(named, config)
+    workdir = (workdir or default_workdir(variant)).resolve()
     effective = workdir / "config.yaml"  # what ran, so the user can rerun or edit it
     # every rank would build the same model and data into the workdir; its `run all` is the part that launches
     one_process("demo", f"; then `pipeline launch --nproc-per-node N run all --config {effective}` runs its stages "
                 "on N ranks")
-    from pipeline.commands.common import config_from
     from schemas.config import dump_config
     from pipeline.orchestrate import run_all
 
     paths = {"source": workdir / "data", "store": store or workdir / "store", "model": workdir / "tiny-model",
              "run": workdir / "run", "report": workdir / "report"}
-    named = config_from(config, {}, set_).paths.model  # the family the config is for, before paths.* are replaced
     cfg = config_from(config, {f"paths.{k}": str(v) for k, v in paths.items()}, set_)
     from pipeline.demo_workdir import claim_workdir, refuse_other_folder, write_config
 
-    with usage_errors():  # a config or --workdir the demo cannot use: a command-line mistake (exit 2), before any work
-        variant = demo_variant(named, config)
+    with usage_errors():  # a --workdir the demo cannot use: a command-line mistake (exit 2), before any work
         refuse_other_folder(workdir)
         refuse_another_family(paths["model"], variant)
     with user_errors():

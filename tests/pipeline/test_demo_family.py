@@ -23,9 +23,10 @@ def test_the_demo_with_the_21_config_builds_a_21_model_and_runs_end_to_end(tmp_p
     from pipeline.commands import demo
 
     monkeypatch.setattr(demo, "DEMO_SAMPLES", 10)
-    work = tmp_path / "w"
+    monkeypatch.chdir(tmp_path)
+    work = tmp_path / "demo-workdir-qwen-image-2.1"  # no --workdir: the 2.1 demo's own, beside demo-workdir
     sets = [x for k, v in SHORT.items() for x in ("--set", f"{k}={v}")]
-    res = CliRunner().invoke(app, ["demo", "--workdir", str(work), "--config", str(CONFIG_21), *sets])
+    res = CliRunner().invoke(app, ["demo", "--config", str(CONFIG_21), *sets])
     assert res.exit_code == 0, res.output
     assert f"wrote a tiny random-init Qwen-Image-2.1 model to {work / 'tiny-model'}" in res.output
     assert model_variant(str(work / "tiny-model")) == "qwen-image-2.1"
@@ -52,9 +53,11 @@ def test_a_config_for_a_family_the_demo_cannot_build_is_one_line(tmp_path):
 
 
 def test_a_name_that_is_no_folder_here_says_the_family():
-    from pipeline.commands.demo import _named_variant
+    from pipeline.commands.demo import _named_variant, default_workdir
 
     assert _named_variant("demo-workdir/tiny-model") == "edit-plus"  # configs/demo.yaml: says no family
+    assert (str(default_workdir("edit-plus")), str(default_workdir("qwen-image-2.1"))) == (
+        "demo-workdir", "demo-workdir-qwen-image-2.1")  # one per family: both demos run without --workdir
     assert _named_variant("demo-workdir/tiny-qwen-image-2.1") == "qwen-image-2.1"
     assert _named_variant("Qwen/Qwen-Image-2.1") == "qwen-image-2.1"
     assert _named_variant("Qwen/Qwen-Image-Edit-2509") == "edit-plus"
