@@ -615,14 +615,22 @@ def _remove_dead(found: Found) -> Found:
     try:
         again = _judged_file(aside, named=found.path)
         if again is not None and again.live:
-            try:
-                os.link(aside, found.path)  # never over a file its reader wrote anew since the rename
-            except FileExistsError:
-                pass
+            _link_back(aside, found.path)
             return again
         return found
     finally:
         aside.unlink(missing_ok=True)
+
+
+def _link_back(aside: Path, path: Path) -> None:
+    """A live lease taken aside put back at `path`: linked, never over a file its reader wrote anew since."""
+    try:
+        os.link(aside, path)
+    except FileExistsError:  # its reader wrote it anew: that one stands
+        pass
+    except OSError:  # no hard links here (some FUSE or SMB mounts): renamed back, unless written anew by now
+        if not path.exists():
+            os.rename(aside, path)
 
 
 def _remove_left_aside(folder: Path) -> None:

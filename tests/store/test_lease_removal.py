@@ -68,6 +68,17 @@ def test_the_cache_keeps_a_lease_refreshed_between_its_judgement_and_its_removal
     lease.check_held(v1_reader)
 
 
+def test_a_lease_refreshed_meanwhile_is_put_back_where_hard_links_are_refused(store, v1_reader, monkeypatch):
+    def no_hard_links(src, dst, *a, **k):
+        raise PermissionError(1, "Operation not permitted")
+
+    _refreshed_right_after_its_judgement(monkeypatch, v1_reader, lambda: REFRESHES["utime"](v1_reader))
+    monkeypatch.setattr(os, "link", no_hard_links)
+    assert [f.path for f in _live_leases(store.root)] == [v1_reader.path]
+    assert [p.name for p in v1_reader.path.parent.iterdir()] == [v1_reader.path.name]
+    assert v1_reader._beat() is True
+
+
 def test_gc_keeps_a_lease_and_its_version_refreshed_between_its_judgement_and_its_removal(store, v1_reader,
                                                                                           monkeypatch):
     judged = _refreshed_right_after_its_judgement(monkeypatch, v1_reader, lambda: REFRESHES["utime"](v1_reader))
