@@ -37,7 +37,6 @@ then deleted. A kill leaves either the version intact or a dot-folder that the n
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import os
 import re
@@ -203,16 +202,7 @@ def _tables(root: Path) -> list[str]:
 
 def _writer_active(table_dir: Path) -> bool:
     """True when some process holds a writer lock of this table (it may be filling an incomplete version)."""
-    for lock in table_dir.glob(".write-r*.lock"):
-        fd = os.open(lock, os.O_RDONLY)  # flock needs no write access: a read-only store can be planned
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
-    return False
+    return any(fmt.lock_holder(lock) is not None for lock in table_dir.glob(".write-r*.lock"))
 
 
 def _freed(folder: Path) -> int:
