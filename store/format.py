@@ -503,20 +503,30 @@ def _held_line(path: Path, holder: str, other: str) -> str:
 def refuse_if_held(path: Path, holder: str) -> None:
     """flock's refusal (`blocking=False`) now, where another process holds the lock at `path`, taking nothing: for
     a check before minutes of work (a model load) whose lock is taken later, which still refuses a process that
-    came meanwhile. A shared probe (two probes never refuse each other), of an existing file only (a read-only
-    store is not written here)."""
+    came meanwhile."""
+    other = lock_holder(path)
+    if other is not None:
+        raise UserError(_held_line(path, holder, other))
+
+
+def lock_holder(path: Path) -> str | None:
+    """Who holds the flock at `path` (what it wrote in the file: "pid N on HOST"), None when nobody does; taking
+    nothing for longer than the look. The one probe (an encode's early refusal, gc's look for live writers, the
+    look for a live repair on a URL's working copy): a shared lock, so that two probes never see each other as a
+    holder (every holder takes it exclusively: `flock`), of an existing file only, opened read-only (a read-only
+    store or a dry run writes nothing)."""
     try:
         fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:  # never taken: nobody holds it
-        return
+    except FileNotFoundError:  # never taken, or unlinked by its holder as it let go: nobody holds it
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
     except BlockingIOError:
         try:  # from the file opened: its holder may unlink it as it lets go (read by path: a traceback)
-            other = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
+            return os.read(fd, 4096).decode(errors="replace").strip() or "another process"
         except OSError:
-            other = "another process"
-        raise UserError(_held_line(path, holder, other)) from None
+            return "another process"
     finally:
         os.close(fd)  # lets go of the probe's shared lock
 

@@ -10,7 +10,8 @@ older one (store.json's `was_current`, `fmt.table_entry`) - and incomplete versi
 Carried-forward samples live in hard links inside the version that uses them, so removing an older version
 never takes bytes a kept version needs. Kept as well: every version a live read lease names (a training or an
 encode stage still reading a version that is no longer current, `store/lease.py`), with its upstream; the files
-of dead leases (their process is gone) are removed. The rule is `keep_rule`'s, which push applies too (`not_kept`:
+of dead leases (their process is gone) are removed, first (`lease.remove_dead`: one refreshed since it was
+judged is kept, and gc plans again). The rule is `keep_rule`'s, which push applies too (`not_kept`:
 what gc would remove is never uploaded).
 
 Removed as well: the shard files of a kept complete version that its checksums.json does not list - tars a
@@ -36,7 +37,6 @@ then deleted. A kill leaves either the version intact or a dot-folder that the n
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import os
 import re
@@ -202,16 +202,7 @@ def _tables(root: Path) -> list[str]:
 
 def _writer_active(table_dir: Path) -> bool:
     """True when some process holds a writer lock of this table (it may be filling an incomplete version)."""
-    for lock in table_dir.glob(".write-r*.lock"):
-        fd = os.open(lock, os.O_RDONLY)  # flock needs no write access: a read-only store can be planned
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
-    return False
+    return any(fmt.lock_holder(lock) is not None for lock in table_dir.glob(".write-r*.lock"))
 
 
 def _freed(folder: Path) -> int:
@@ -276,12 +267,14 @@ def keep_rule(root: Path, entries: dict[str, dict], out: GcPlan, every: list[tup
     return keep | set(out.leased), named_by
 
 
-def plan(root: Path) -> GcPlan:
+def plan(root: Path, found: list[leases.Found] | None = None) -> GcPlan:
+    """What gc removes and keeps; `found`: the store's leases as judged (`leases.leases`), when read already."""
     entries = fmt.read_store_record(root)["tables"]
     current = {t: int(e["current"]) for t, e in entries.items()}
     out = GcPlan()
     every = _every_version(root)
-    keep, named_by = keep_rule(root, entries, out, every, _complete_versions(root, every), leases.leases(root))
+    keep, named_by = keep_rule(root, entries, out, every, _complete_versions(root, every),
+                               leases.leases(root) if found is None else found)
     out.keep = sorted(keep)
     for table_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         out.leftovers += sorted(p for p in table_dir.iterdir() if p.name.endswith(DELETING_SUFFIX))
@@ -317,7 +310,10 @@ def collect(root: Path, dry_run: bool = False, echo: Callable[[str], None] = pri
     root = Path(root)
     # a dry run changes nothing, so it needs no store lock (which a read-only store cannot create)
     with (nullcontext() if dry_run else fmt.flock(root / fmt.STORE_LOCK, changes_store=True)):
-        p = plan(root)
+        found = leases.leases(root)
+        p = plan(root, found)
+        if not dry_run and p.dead_leases:
+            p = _dead_leases_removed(root, p, found)
         _say_plan(root, p, dry_run, echo)
         if dry_run:
             echo(f"dry run: {len(p.remove)} version(s){_files_note(p)}, {size_text(p.nbytes)} would be freed")
@@ -385,8 +381,17 @@ def _remove(root: Path, p: GcPlan) -> None:
             _remove_records(root, table, v)
     for f in p.stale_records:  # after the folders: a kill before leaves them for the next gc
         f.unlink(missing_ok=True)
-    for found in p.dead_leases:
-        found.path.unlink(missing_ok=True)
+
+
+def _dead_leases_removed(root: Path, p: GcPlan, found: list[leases.Found]) -> GcPlan:
+    """The files of the dead leases among `found` (what `p` was planned with) removed before anything else
+    (`leases.remove_dead`), and `p` planned again when one was refreshed since it was judged: kept, with what it
+    names. (Removed after the versions it named, such a lease - its reader refreshing it by its own clock, a gc
+    judging it stale by another's - was removed all the same, and its reader stopped.)"""
+    final = leases.remove_dead(root, found)
+    if [f for f in final if f.live] == [f for f in found if f.live]:
+        return p
+    return plan(root, final)
 
 
 def _forget_removed(root: Path, p: GcPlan) -> None:

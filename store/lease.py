@@ -18,6 +18,10 @@ of another container paused past its margin and woken mid-eviction (its lease re
 away) writes its lease again, reads on, and then may fail on a missing file instead of stopping with the lease
 line.
 
+Both remove a dead lease's file in one place, `remove_dead`: renamed aside first (out of its reader's reach: a
+reader refreshes by path), judged again there, and removed only if still dead - so a lease its reader refreshed
+between the judgement and the removal is kept, and so is what it names (unlinked by path, it was lost).
+
 A kill -9 leaves the file behind; it must not block gc for ever. Liveness:
 - same host (the running kernel's boot id, `schemas.host.host_id`: never the host name, which nodes given one
   name share, and the init pid namespace's id is the same on every host) and pid namespace: the pid is running
@@ -28,7 +32,7 @@ A kill -9 leaves the file behind; it must not block gc for ever. Liveness:
   and counts as live until `STALE_SECONDS` after its last refresh (15 min: a margin of several missed refreshes
   and of clock skew between hosts; a reader may record a longer one, `stale_s`, from `LEASE_MINUTES_ENV`: read
   once, when the lease is held, and kept for its life - an environment changed later moves no live lease's margin).
-gc removes the files of dead leases.
+gc removes the files of dead leases (`remove_dead`).
 - a damaged lease (its seal fails: a flipped byte could name another pid or version) says nobody's pid: judged by its
   refresh age alone, at the default margin. While live, which versions it keeps cannot be told, so gc stops with one
   line, removing nothing (the URL cache's eviction, housekeeping, keeps every version of its cached store whole
@@ -558,19 +562,86 @@ def judge(path: Path, record: dict[str, Any], mtime: float, now: float | None = 
 def leases(root: Path) -> list[Found]:
     """Every lease file of the store, judged live or dead (a damaged one - a torn write is impossible with atomic
     writes - by its refresh age: `judge`)."""
-    out = []
     folder = Path(root) / LEASES_DIR
     if not folder.is_dir():
-        return out
-    for p in sorted(folder.glob("*.json")):
-        mtime, seen = 0.0, None  # not even stat'ed: as old as can be
-        try:
-            st = p.stat()
-            mtime, seen = st.st_mtime, fmt.file_identity(st)
-            record, damaged = parse_record(p.read_bytes())
-        except FileNotFoundError:  # released meanwhile
-            continue
-        except OSError as e:  # unreadable here (permissions, I/O): whose it is cannot be told, as a damaged one
-            record, damaged = {}, f"cannot be read: {e.strerror or e}"
-        out.append(replace(judge(p, record, mtime, damaged=damaged), seen=seen))
+        return []
+    return [found for p in sorted(folder.glob("*.json")) if (found := _judged_file(p)) is not None]
+
+
+def _judged_file(p: Path, named: Path | None = None) -> Found | None:
+    """The lease file `p` judged (as the lease `named`, its own path unless given); None once it is gone."""
+    mtime, seen = 0.0, None  # not even stat'ed: as old as can be
+    try:
+        st = p.stat()
+        mtime, seen = st.st_mtime, fmt.file_identity(st)
+        record, damaged = parse_record(p.read_bytes())
+    except FileNotFoundError:  # released meanwhile
+        return None
+    except OSError as e:  # unreadable here (permissions, I/O): whose it is cannot be told, as a damaged one
+        record, damaged = {}, f"cannot be read: {e.strerror or e}"
+    return replace(judge(named or p, record, mtime, damaged=damaged), seen=seen)
+
+
+# `<lease>.json.aside-<process tag>-<random>`: a dead lease's file taken aside by `remove_dead` to be judged again
+# (no `.json`: no judge reads it). One a killed remover left is removed once that remover is gone (`tag_gone`).
+ASIDE = ".aside-"
+
+
+def remove_dead(root: Path, found: list[Found]) -> list[Found]:
+    """`found` (`leases(root)`) with the file of each dead lease removed: the one remover of local lease
+    files (`store gc`, the URL cache's eviction). A reader refreshes its file by path (`os.utime`, or an atomic
+    rename over it), so a removal by path right after the judgement lost a lease refreshed in between: each dead
+    one is first renamed aside, out of every reader's reach, and judged again there - dead, it is removed; live
+    (refreshed before the rename), it is linked back (unless its reader wrote it anew meanwhile) and returned
+    live, so the caller keeps what it names. A refresh after the rename finds no file: its reader looks under the
+    store lock (`Lease._lost_how`: written again while what it names is intact, else lost). Also removes what
+    killed removers left aside."""
+    out = [f if f.live else _remove_dead(f) for f in found]
+    _remove_left_aside(Path(root) / LEASES_DIR)
     return out
+
+
+def _remove_dead(found: Found) -> Found:
+    aside = found.path.with_name(f"{found.path.name}{ASIDE}{process_tag()}-{secrets.token_hex(4)}")
+    try:
+        os.rename(found.path, aside)
+    except FileNotFoundError:
+        # released, or taken aside by another remover (a `store gc` while the URL cache evicts) that may yet link
+        # it back live: what it names is kept this time. Not a damaged one: its reader never refreshes it in
+        # place (it writes it anew, `Lease._intact`), so no remover links it back
+        if found.damaged:
+            return found
+        return replace(found, live=True, why=f"{found.why}; taken aside by another process as this looked")
+    try:
+        again = _judged_file(aside, named=found.path)
+        if again is not None and again.live:
+            _link_back(aside, found.path)
+            return again
+        return found
+    finally:
+        aside.unlink(missing_ok=True)
+
+
+def _link_back(aside: Path, path: Path) -> None:
+    """A live lease taken aside put back at `path`: linked, never over a file its reader wrote anew since."""
+    try:
+        os.link(aside, path)
+    except FileExistsError:  # its reader wrote it anew: that one stands
+        pass
+    except OSError:  # no hard links here (some FUSE or SMB mounts): renamed back, unless written anew by now
+        if not path.exists():
+            os.rename(aside, path)
+
+
+def _remove_left_aside(folder: Path) -> None:
+    """Remove the lease files that removers killed between their rename and their unlink left aside (dead; or live
+    and not linked back yet: its reader finds it removed and writes it again at its next beat, `Lease._lost_how`).
+    Their age is the rename's (`st_ctime`): another pid namespace's remover, judged by age, is not raced mid-look."""
+    for p in folder.glob(f"*.json{ASIDE}*"):
+        try:
+            changed = p.stat().st_ctime
+        except FileNotFoundError:
+            continue
+        tag = p.name.rsplit(ASIDE, 1)[1].rsplit("-", 1)[0]
+        if tag_gone(tag, changed) is not None:
+            p.unlink(missing_ok=True)

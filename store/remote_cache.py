@@ -14,11 +14,12 @@ another process has it open stays readable there (POSIX), and its next miss fetc
 reader holds a read lease on (store/lease.py, written by train's reader inside the cached store) is never evicted
 whole, and the metadata of the versions in use never at all; while a live lease is damaged (which versions it names
 cannot be told), no version of its store is, said once in one line (an open or a read goes on: `store gc`, asked
-for, stops there). Eviction removes the lease files of dead readers it meets (judged as `store gc` judges them; an
-open without a limit, which evicts nothing, those of the store it opens) and, first, the temp files of killed
-fetches (named by pid, start time and pid namespace: containers sharing the cache folder have their own pids, so
-another namespace's is judged by its age, store/lease.tag_gone); every open, with a limit or without, removes those
-of the store it opens by the same rule, over the limit or not.
+for, stops there). Eviction removes the lease files of dead readers it meets (judged and removed as `store gc` does,
+store/lease.remove_dead: one its reader refreshed meanwhile is kept, and its version with it; an open without a
+limit, which evicts nothing, those of the store it opens) and, first, the temp files of killed fetches (named by
+pid, start time and pid namespace: containers sharing the cache folder have their own pids, so another namespace's
+is judged by its age, store/lease.tag_gone); every open, with a limit or without, removes those of the store it
+opens by the same rule, over the limit or not.
 
 A writer (the encoders) works on the cached copy and then pushes it back (`push_back`): the remote commit keeps
 push's guarantees (write-once objects, manifest last, store.json by compare-and-swap), so a killed encoder leaves
@@ -343,11 +344,9 @@ def _live_leases(root: Path) -> list[leases.Found]:
     """The live read leases of the cached store `root`; the files of dead ones are removed here (judged as `store gc`
     judges them: one per killed reader piled up until a gc of the cache's store). A damaged one names versions no
     one can tell (store/lease.py `live_versions`): the caller keeps every version of `root` while it is fresh, never
-    stops (eviction is housekeeping; `store gc`, asked for, stops)."""
-    found = leases.leases(root)
-    for dead in (f for f in found if not f.live):
-        dead.path.unlink(missing_ok=True)
-    return [f for f in found if f.live]
+    stops (eviction is housekeeping; `store gc`, asked for, stops). `leases.remove_dead`: a lease its reader
+    refreshed between the judgement and the removal is kept, and live here."""
+    return [f for f in leases.remove_dead(root, leases.leases(root)) if f.live]
 
 
 # damaged lease files named already by this process, as (path, inode): a walk runs before many fetches. A live

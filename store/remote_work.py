@@ -26,7 +26,6 @@ begun), or on `--drop-work`: without that, nothing removed it, and it can hold w
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -174,26 +173,9 @@ def left_copy(url: str, cache_dir: str | Path | None,
     root = work_root(url, cache_dir)
     if not root.is_dir():
         return None
-    held_by = _holder(lock_of(root))
+    held_by = fmt.lock_holder(lock_of(root))  # a live repair/migrate
     moved_on = None if held_by else _moved_on(url.rstrip("/"), root, storage_options)
     return LeftCopy(root, _whole_bytes(root), held_by, moved_on)
-
-
-def _holder(lock: Path) -> str | None:
-    """Who holds the working copy's flock (a live repair/migrate), probed without taking it for longer than a
-    look (read-only: a dry run writes nothing); None when nobody does."""
-    try:
-        fd = os.open(lock, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    except BlockingIOError:
-        return lock.read_text().strip() or "another process"
-    finally:
-        os.close(fd)
 
 
 def _moved_on(url: str, root: Path, storage_options: dict[str, Any] | None) -> str | None:

@@ -65,3 +65,29 @@ def test_a_writer_that_takes_the_lock_right_after_the_probe_is_still_refused_by_
             lock_rank(tmp_path, "vae", 0)
     finally:
         os.close(fd)
+
+
+def test_a_probe_is_no_holder_to_another_probe(tmp_path):
+    """Every probe of a lock (an encode's early check, gc's look for live writers, the look for a live repair on a
+    URL's working copy) is `fmt.lock_holder`'s shared one: two probes at once never see each other as a holder.
+    Before, gc's look took the lock exclusively: while an encode's check probed a table's lock, gc took it for a
+    live writer (and kept that table's versions past the current one), and an encode's check that came during
+    gc's look was refused as if a writer held it."""
+    from store.gc import _writer_active
+
+    table = tmp_path / "vae"
+    table.mkdir()
+    lock = table / ".write-r00.lock"
+    lock.write_text("pid 4242 on node-a")  # its last holder, long gone
+    probe = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)  # another probe, mid-look
+        assert not _writer_active(table) and fmt.lock_holder(lock) is None
+        fmt.refuse_if_held(lock, "table 'vae'")
+    finally:
+        os.close(probe)
+    fd = _held(lock)  # a writer
+    try:
+        assert _writer_active(table) and fmt.lock_holder(lock) == "pid 4242 on node-a"
+    finally:
+        os.close(fd)
