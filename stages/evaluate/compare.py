@@ -307,10 +307,18 @@ def _measured(settings: dict, attrs: dict, folder: Path | None = None) -> dict |
         return {"precision": evaluate.get("dtype"), "quantize_base": evaluate.get("quantize_base", "none"),
                 "attention_backend": evaluate.get("attention_backend"), "lora_scale": evaluate.get("lora_scale", 1.0)}
     if isinstance(train, dict):
-        autocast = " with bf16 autocast" if train.get("mixed_precision") == "bf16" else ""
-        return {"precision": f"{train.get('dtype')}{autocast}", "quantize_base": train.get("quantize_base", "none"),
+        return {"precision": _validation_precision(train), "quantize_base": train.get("quantize_base", "none"),
                 "attention_backend": train.get("attention_backend") or _run_backend(folder), "lora_scale": 1.0}
     return None
+
+
+def _validation_precision(measured: dict) -> str:
+    """What a validation curve was computed in, from train's `measured` note: validation runs outside the step's
+    autocast (stages/train/validate.py `untouched`), so `mixed_precision` changes none of its numbers. A float32
+    base's curve is evaluate's float32 measurement; a bf16 base's is not evaluate's bf16, its LoRA held in float32
+    (evaluate's adapter is built in the base's dtype)."""
+    dtype = measured.get("dtype")
+    return dtype if dtype == "float32" else f"{dtype} base, float32 LoRA"
 
 
 def _run_backend(run_dir: Path | None) -> str | None:

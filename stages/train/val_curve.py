@@ -124,8 +124,9 @@ def _fingerprint(settings: dict) -> str:
 
 def measured(cfg: TrainConfig, attention_backend: str | None = None) -> dict:
     """How the validation losses are computed besides the setting they are recorded under (`RUN/losses.zarr`'s
-    `measured`, not hashed: the train config fixes it for the run): the resolved precision of the frozen base and
-    its autocast, its quantisation, the attention backend (as resolved: `attention_backend`, else as configured).
+    `measured`, not hashed: the train config fixes it for the run): the resolved precision of the frozen base (and
+    the step's autocast, which validation runs outside of: `compare._validation_precision` reads it so), its
+    quantisation, the attention backend (as resolved: `attention_backend`, else as configured).
     `pipeline compare` refuses two curves measured otherwise, as it refuses evaluate arrays of another
     `evaluate.dtype` etc.: on the same val samples a bf16 or quantised base gives other numbers (tiny model, bf16
     autocast vs float32: up to 1e-3 on a step's mean loss)."""

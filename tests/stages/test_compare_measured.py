@@ -62,3 +62,27 @@ def test_validation_curves_of_another_precision_are_refused_and_a_report_measure
     (tmp_path / "fp32" / "attention.json").unlink()
     with pytest.raises(UserError, match="attention_backend: None vs native"):
         write_compare([str(tmp_path / "fp32"), str(report)], tmp_path / "cmp-unknown")
+
+
+def test_a_float32_runs_curve_under_bf16_autocast_is_evaluates_float32_measurement(tiny_edit_model, tmp_path):
+    """Validation runs outside the step's autocast (stages/train/validate.py `untouched`): a float32 base trained
+    under `mixed_precision: bf16` has its curve computed in float32, the numbers evaluate's float32 gives. It was
+    noted "float32 with bf16 autocast" and compare refused it against that report and a float32 run's curve."""
+    store = tmp_path / "store"
+    make_train_store(store, tiny_edit_model, mixed_specs(4, 3))
+    run(load_config(None, {**SETS, "train.dtype": "float32", "train.mixed_precision": "bf16"}), store,
+        tiny_edit_model, tmp_path / "autocast")
+    report = tmp_path / "report"
+    ev.run(EvaluateConfig(noise_seeds=[0], timesteps=[0.3, 0.7], max_loss_samples=3, num_samples=0, device="cpu",
+                          batch_size=2), store, tiny_edit_model,
+           [(2, tmp_path / "autocast" / "checkpoints" / "step-2" / "lora")], report)
+    curve, evaluated = xr.open_zarr(tmp_path / "autocast" / GROUP), xr.open_zarr(report / GROUP)
+    np.testing.assert_array_equal(curve.loss.values, evaluated.loss.values)  # the same measurement
+    res = write_compare([str(tmp_path / "autocast"), str(report)], tmp_path / "cmp")
+    assert res.runs[0].overall == res.runs[1].overall
+    run(load_config(None, {**SETS, "train.dtype": "float32"}), store, tiny_edit_model, tmp_path / "fp32")
+    write_compare([str(tmp_path / "autocast"), str(tmp_path / "fp32")], tmp_path / "cmp-runs")
+    # a bf16 base's curve (its float32 LoRA) is still no float32 measurement, nor evaluate's bf16 (a bf16 adapter)
+    run(load_config(None, {**SETS, "train.mixed_precision": "bf16"}), store, tiny_edit_model, tmp_path / "bf16")
+    with pytest.raises(UserError, match=r"measured differently \(precision: bfloat16 base, float32 LoRA vs float32"):
+        write_compare([str(tmp_path / "bf16"), str(report)], tmp_path / "cmp-bf16")
