@@ -190,7 +190,7 @@ def verify_version(vdir: Path, name: str, progress: bool = True, objects: Object
             # second pass over the headers after the whole version (TBs at 1M samples) read them back cold, a disk
             # or network read per header (bench/verify_cold_headers.py)
             if fname in by_shard:
-                checked[fname] = _shard_problems(vdir, name, fname, by_shard[fname], sums, intact)
+                checked[fname] = _shard_problems(vdir, name, fname, by_shard, sums, intact)
 
         files, intact = _file_problems(vdir, name, sums, set(by_shard), progress, right_after) \
             if sums is not None else ([], set())
@@ -199,7 +199,7 @@ def verify_version(vdir: Path, name: str, progress: bool = True, objects: Object
         # checked above are only collected here (the problem lines in this order, as they always were)
         for shard in tqdm(by_shard, desc=f"verify {name}", unit="shard", disable=not progress):
             lines = checked.pop(shard, None)
-            problems += lines if lines is not None else _shard_problems(vdir, name, shard, by_shard[shard], sums,
+            problems += lines if lines is not None else _shard_problems(vdir, name, shard, by_shard, sums,
                                                                        shard in intact)
         return problems
     local = {n: e for n, e in (sums or {}).items() if n in REMOTE_METADATA}
@@ -208,13 +208,13 @@ def verify_version(vdir: Path, name: str, progress: bool = True, objects: Object
     return problems + found + objects(name, sums, by_shard)
 
 
-def _shard_problems(vdir: Path, name: str, shard: str, part: ShardPart, sums: dict[str, dict[str, Any]] | None,
-                    intact: bool) -> list[str]:
+def _shard_problems(vdir: Path, name: str, shard: str, by_shard: Mapping[str, ShardPart],
+                    sums: dict[str, dict[str, Any]] | None, intact: bool) -> list[str]:
     """One shard's problem lines: its manifest rows' columns, then the rows against the shard's bytes. `intact`:
     the file matched its checksums.json entry (`sums`: None for a format-1 version, its sha256 checked here)."""
     problems: list[str] = []
     try:
-        srows, bad = shard_rows(part, name)
+        srows, bad = shard_rows(by_shard[shard], name)  # (its group of the manifest read here: a problem line too)
         problems += bad
         problems += _check_shard(vdir / shard, f"{name}/{shard}", srows, whole_file_checked=sums is not None,
                                  as_written=intact and _as_written(srows, sums[shard]))
