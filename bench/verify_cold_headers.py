@@ -12,8 +12,8 @@ only the --cached most recently checksummed files (posix_fadvise DONTNEED on the
 version before each run: what reading TBs does to it). Prints each way's wall time and the bytes it read from the
 disk (/proc/self/io read_bytes), after checking both give the same problem lines (none).
 2-core shared dev machine (load 4-7), ext4 on a local virtio disk, best of 3:
-  defaults (3,000 samples of 64 KB, 24 shards of 8 MB, 195 MB): old 0.88-0.91 s, 217 MB read from the disk; new
-  0.37-0.46 s, 195 MB (the version's bytes, once): 1.95-2.38x
+  defaults (3,000 samples of 64 KB, 24 shards of 8 MB, 195 MB): old 0.67-0.91 s, 217 MB read from the disk; new
+  0.37-0.47 s, 195 MB (the version's bytes, once): 1.41-2.38x over 3 runs
   --samples 1500 --kb 256 --shard-mb 32 (376 MB): old 0.55 s, 387 MB; new 0.45 s, 376 MB: 1.22x
 The old way's extra is a cold read per header page (readahead around it): on a local disk ~0.1 ms each, on a
 network file system a round trip each, for every sample of every table (3 tables x 1M samples at scale).
