@@ -118,17 +118,17 @@ def verify_store(root: Path, progress: bool = True, objects: ObjectCheck | None 
     return problems
 
 
-def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]], shards: set[str],
-                   progress: bool = True) -> tuple[list[str], set[str]]:
+def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]], shards: set[str], progress: bool = True,
+                   then: Callable[[str, bool], None] | None = None) -> tuple[list[str], set[str]]:
     """(problem lines, the listed files that match their entry). `shards`: those the manifest names (each must be
     listed); a shard file of none of them is no file of the version (`integrity.unreferenced_shard_file`: `store
-    gc` removes it)."""
+    gc` removes it). `then(file name, whether it matched)`: called right after each file's check."""
     problems = [f"{name}/{s}: named by the manifest, not listed in {fmt.CHECKSUMS}"
                 for s in sorted(shards - sums.keys())]
-    # every byte of the version is read here (the per-shard pass then reads again only the samples of shards that
+    # every byte of the version is read here (the per-shard checks then read again only the samples of shards that
     # fail, and the headers of the others): the long part, its own bar, in bytes
     with byte_bar(sum(int(e["nbytes"]) for e in sums.values()), f"checksum {name}", disable=not progress) as bar:
-        found, intact = _each_file(vdir, name, sums, bar)
+        found, intact = _each_file(vdir, name, sums, bar, then)
         problems += found
     for p in sorted(vdir.iterdir()):
         if p.name in sums or p.name == fmt.CHECKSUMS or is_cache_file(p.name) or \
@@ -141,9 +141,10 @@ def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]], shard
     return problems, intact
 
 
-def _each_file(vdir: Path, name: str, sums: dict[str, dict[str, Any]], bar: tqdm) -> tuple[list[str], set[str]]:
-    """Each file `sums` lists against its size and CRC32C (the bar advanced by its recorded size): (problem lines,
-    the files that match)."""
+def _each_file(vdir: Path, name: str, sums: dict[str, dict[str, Any]], bar: tqdm,
+               then: Callable[[str, bool], None] | None = None) -> tuple[list[str], set[str]]:
+    """Each file `sums` lists against its size and CRC32C (the bar advanced by its recorded size), `then` called
+    after each: (problem lines, the files that match)."""
     problems: list[str] = []
     intact: set[str] = set()
     for fname, entry in sorted(sums.items()):
@@ -151,6 +152,8 @@ def _each_file(vdir: Path, name: str, sums: dict[str, dict[str, Any]], bar: tqdm
         problems += found
         if not found:
             intact.add(fname)
+        if then is not None:
+            then(fname, not found)
         bar.update(int(entry["nbytes"]))
     return problems, intact
 
@@ -180,22 +183,44 @@ def verify_version(vdir: Path, name: str, progress: bool = True, objects: Object
     sums, counts = (record["files"], record.get("counts")) if record is not None else (None, None)
     if objects is None:
         found, by_shard = read_manifest_pass(vdir, name, sums, counts)
-        files, intact = _file_problems(vdir, name, sums, set(by_shard), progress) if sums is not None else ([], set())
+        checked: dict[str, list[str]] = {}
+
+        def right_after(fname: str, intact: bool) -> None:
+            # a shard's rows checked as soon as its file's CRC was read, while its pages are in the page cache: a
+            # second pass over the headers after the whole version (TBs at 1M samples) read them back cold, a disk
+            # or network read per header (bench/verify_cold_headers.py)
+            if fname in by_shard:
+                checked[fname] = _shard_problems(vdir, name, fname, by_shard, sums, intact)
+
+        files, intact = _file_problems(vdir, name, sums, set(by_shard), progress, right_after) \
+            if sums is not None else ([], set())
         problems += files + found
-        # in name order: `by_shard` reads a group of shards' rows at a time (store/verify_manifest.py)
+        # in name order: `by_shard` reads a group of shards' rows at a time (store/verify_manifest.py); the shards
+        # checked above are only collected here (the problem lines in this order, as they always were)
         for shard in tqdm(by_shard, desc=f"verify {name}", unit="shard", disable=not progress):
-            try:
-                srows, bad = shard_rows(by_shard[shard], name)
-                problems += bad
-                problems += _check_shard(vdir / shard, f"{name}/{shard}", srows, whole_file_checked=sums is not None,
-                                         as_written=shard in intact and _as_written(srows, sums[shard]))
-            except Exception as e:  # noqa: BLE001 - a manifest with nonsense values is a problem line
-                problems.append(f"{name}/{shard}: cannot be checked ({type(e).__name__}: {e})")
+            lines = checked.pop(shard, None)
+            problems += lines if lines is not None else _shard_problems(vdir, name, shard, by_shard, sums,
+                                                                       shard in intact)
         return problems
     local = {n: e for n, e in (sums or {}).items() if n in REMOTE_METADATA}
     found, by_shard = read_manifest_pass(vdir, name, sums, counts)
     problems += _file_problems(vdir, name, local, set(), progress=False)[0] if sums is not None else []
     return problems + found + objects(name, sums, by_shard)
+
+
+def _shard_problems(vdir: Path, name: str, shard: str, by_shard: Mapping[str, ShardPart],
+                    sums: dict[str, dict[str, Any]] | None, intact: bool) -> list[str]:
+    """One shard's problem lines: its manifest rows' columns, then the rows against the shard's bytes. `intact`:
+    the file matched its checksums.json entry (`sums`: None for a format-1 version, its sha256 checked here)."""
+    problems: list[str] = []
+    try:
+        srows, bad = shard_rows(by_shard[shard], name)  # (its group of the manifest read here: a problem line too)
+        problems += bad
+        problems += _check_shard(vdir / shard, f"{name}/{shard}", srows, whole_file_checked=sums is not None,
+                                 as_written=intact and _as_written(srows, sums[shard]))
+    except Exception as e:  # noqa: BLE001 - a manifest with nonsense values is a problem line
+        problems.append(f"{name}/{shard}: cannot be checked ({type(e).__name__}: {e})")
+    return problems
 
 
 def shard_rows(part: ShardPart, name: str) -> tuple[list[dict[str, Any]], list[str]]:

@@ -134,20 +134,20 @@ def _is_file(e: os.DirEntry) -> bool:
 
 def _inside(path: Path, root: Path) -> bool:
     """Does `path`, symlinks and `..` resolved, lie within `root` (itself resolved)?"""
-    real, base = _realpath(path), _real_folder(Path(root))
+    real, base = _realpath(path), _real_folder(root)
     return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
 
 
 def _realpath(path: Path) -> str:
     """`os.path.realpath`, from the folder's remembered real path when `path` is no link (`real_path`: one lstat
     instead of one per path component, ten minutes over a million-line JSONL's three million files)."""
-    return real_path(str(Path(path)), _real_folders)
+    return real_path(os.fspath(path) if isinstance(path, Path) else str(Path(path)), _real_folders)
 
 
 def _real_folder(folder: Path) -> str:
+    key = os.fspath(folder) if isinstance(folder, Path) else str(Path(folder))
     if _real_folders is None:
-        return os.path.realpath(folder)
-    key = str(folder)
+        return os.path.realpath(key)
     if key not in _real_folders:
         _real_folders[key] = os.path.realpath(folder)
     return _real_folders[key]

@@ -20,14 +20,19 @@ from stages.resize.sources import (DEFAULT_MAX_FILE_BYTES, IMAGE_SUFFIXES, Done,
 def jsonl_files(source: Path) -> list[Path]:
     """The files a JSONL source's reader reads (for the listing hash): the manifest and the files it names."""
     manifest = jsonl_path(source)
-    files = {manifest}
+    base = manifest.parent
+    files, refused = {manifest}, set()
     for _, obj, _ in _jsonl_objects(manifest):
         if isinstance(obj, dict):
             for rel in _jsonl_paths(obj):
-                f = _resolve(manifest.parent, rel)
+                f = _resolve(base, rel)
+                if f in files or f in refused:  # a picture many lines name (a shared control): judged once
+                    continue
                 # what the reader would refuse is not hashed either (it is quarantined, never read)
-                if f.is_file() and (Path(rel).is_absolute() or _inside(f, manifest.parent)):
+                if f.is_file() and (os.path.isabs(rel) or _inside(f, base)):
                     files.add(f)
+                else:
+                    refused.add(f)
     return sorted(files, key=lambda f: f.parts)  # Path order, compared in C (Path.__lt__ is Python: minutes)
 
 
@@ -116,8 +121,7 @@ def _jsonl_paths(obj: dict) -> list[str]:
 def _resolve(base: Path, rel: str) -> Path:
     """A line's path: relative to the JSONL file's folder, as its folder spells it (`named_on_disk`: a name written
     in NFC on disk in NFD, or the other way round, was quarantined as "no such file")."""
-    p = Path(rel)
-    return named_on_disk(p if p.is_absolute() else base / p)
+    return named_on_disk(base / rel)  # (an absolute `rel` replaces `base`, as pathlib joins)
 
 
 def iter_jsonl(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,

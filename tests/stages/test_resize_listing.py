@@ -125,6 +125,27 @@ def test_the_jsonl_listing_hash_is_unchanged(tmp_path, monkeypatch):
 PINNED_JSONL_LISTING = "50b0a7cdc04bd995"  # content_listing_hash of _jsonl_source before this change
 
 
+def test_pictures_many_lines_name_are_listed_as_once(tmp_path):
+    """A picture named by several lines (a control shared by many edits), and a refused one named again (outside
+    the folder, missing), is judged once: the listing is the one of each named once."""
+    import json
+
+    from stages.resize.folder_listing import remembered
+    from stages.resize.jsonl_source import jsonl_files
+
+    src = _jsonl_source(tmp_path)
+    with remembered():
+        once = jsonl_files(src)
+    lines = (src / "m.jsonl").read_text()
+    again = [{"target": "a/../z.png", "controls": ["a/b.png", "out.png", "missing.png"], "caption": "again"},
+             {"target": "a-b.png", "controls": ["in.png", str(src / "a" / "b.png")], "caption": "and again"}]
+    (src / "m.jsonl").write_text(lines + "".join(json.dumps(line) + "\n" for line in again))
+    with remembered():
+        assert jsonl_files(src) == once
+    assert jsonl_files(src) == once  # outside a run: no folder's real path remembered
+    assert [p.name for p in once].count("b.png") == 1 and not any(p.name in ("out.png", "missing.png") for p in once)
+
+
 def _old_hash(lines: list[tuple], settled: dict | None = None, unread: frozenset = frozenset()) -> str:
     """Listing.hash as it was, over (path, name, digest) tuples: the settled hash must not move."""
     import hashlib

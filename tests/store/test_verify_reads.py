@@ -59,3 +59,31 @@ def test_a_manifest_that_disagrees_with_intact_shards_is_found(store: Store) -> 
     assert not any(".tar: crc32c" in p or "sample bytes are damaged" in p for p in problems)
     assert any(rows[2]["key"] in p and "disagree with the safetensors header" in p for p in problems), problems
     assert any(rows[5]["key"] in p and "not at its recorded offset/size" in p for p in problems), problems
+
+
+def test_each_shard_is_checked_right_after_its_checksum(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard's headers are read while its bytes are still in the page cache: right after its whole-file CRC, not
+    in a second pass after every file of the version (TBs at 1M samples: every header then a cold read)."""
+    fill(store, 30)
+    vdir = store.version_dir("vae", 1)
+    events: list[tuple[str, str]] = []
+    crc, check = verify.file_crc, verify._check_shard
+
+    def logged_crc(path):
+        events.append(("crc", path.name))
+        return crc(path)
+
+    def logged_check(path, *args, **kwargs):
+        events.append(("headers", path.name))
+        return check(path, *args, **kwargs)
+
+    monkeypatch.setattr(verify, "file_crc", logged_crc)
+    monkeypatch.setattr(verify, "_check_shard", logged_check)
+
+    assert verify.verify_version(vdir, "vae/v1", progress=False) == []
+
+    shards = sorted(p.name for p in vdir.glob("shard-*.tar"))
+    assert len(shards) > 2
+    for s in shards:
+        at = events.index(("crc", s))
+        assert events[at + 1] == ("headers", s), events[at : at + 3]  # before: every file's CRC first
