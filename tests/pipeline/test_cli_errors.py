@@ -247,6 +247,15 @@ def test_a_usage_mistake_found_after_parsing_is_exit_2(tmp_path):
       "train.max_steps=5"], "error: train.warmup_steps (10) exceeds train.max_steps (5)"),
     (["run", "resize-bucket", "--source", "SRC", "--store", "ST", "--multiple", "24"],
      "error: resize.multiple = 24 must be a multiple of 16"),
+    # a bucket past any picture read was a MemoryError traceback per sample, or the out-of-memory killer's SIGKILL
+    (["run", "resize-bucket", "--source", "SRC", "--store", "ST", "--area", "100000000000"],
+     "error: resize.target_area = 100000000000 with resize.multiple 32, min_side 32 and max_aspect 4.0 gives buckets "
+     "of up to 316224x316224"),
+    (["run", "all", "--config", "c.yaml", "--set", "resize.min_side=1000000"],
+     "error: resize.target_area = 1048576 with resize.multiple 32, min_side 1000000"),
+    (["run", "resize-bucket", "--source", "SRC", "--store", "ST", "--set", "resize.max_aspect=1e300"],
+     "error: resize.target_area = 1048576 with resize.multiple 32, min_side 32 and max_aspect 1e+300 gives buckets "
+     "of up to 32x8388608"),
     (["run", "all", "--config", "c.yaml", "--set", "paths.report=null"], "error: `pipeline run all` needs paths.report"),
     (["run", "all", "--config", "c.yaml", "--set", "train.mixed_precision=fp16"],
      "error: train.mixed_precision 'fp16' is not supported"),
