@@ -94,3 +94,13 @@ def test_a_garbage_store_json_is_not_a_store(tmp_path, command):
     (folder / "store.json").write_bytes(b"\x00\xffgarbage{")
     r = _run("store", command, folder)
     assert r.exit_code != 0 and "store.json" in r.output, r.output
+
+
+@pytest.mark.parametrize("command", ["repair", "inspect", "verify", "gc"])
+def test_a_file_as_the_store_is_no_store(tmp_path, command):
+    """`store repair FILE` named `FILE/source-url.txt` (a path the user never gave) as 'a file, not a folder':
+    every store command says there is no store at the path given."""
+    path = tmp_path / "notes.txt"
+    path.write_text("x")
+    r = _run("store", command, path)
+    assert r.exit_code == 1 and f"no store at {path}" in r.output and "source-url" not in r.output, r.output
