@@ -94,10 +94,19 @@ def test_one_inference_step_is_a_valid_config_and_none_is_not():
     ("train.learning_rate", float("inf")), ("train.learning_rate", float("nan")), ("train.lora.alpha", 0),
     ("train.adam_betas", [0.9, 1.0]), ("train.adam_eps", 0), ("train.max_grad_norm", float("inf")),
     ("evaluate.lora_scale", float("nan")), ("resize.max_aspect", float("inf")), ("train.sigma.logit_std", 0),
+    # past torch's generator range: an OverflowError traceback once the model had loaded
+    ("train.seed", 1 << 64), ("evaluate.seed", 10**23), ("predict.seed", -(1 << 63) - 1),
+    ("evaluate.noise_seeds", [0, 1 << 64]), ("train.validate_noise_seeds", [1 << 70]),
 ])
 def test_out_of_range_and_non_finite_settings_are_refused_naming_the_key(key, value):
     with pytest.raises(ConfigError, match=key.split(".")[-1]):
         load_config(None, {key: value})
+
+
+def test_every_seed_torch_takes_is_a_valid_setting():
+    cfg = load_config(None, {"train.seed": (1 << 64) - 1, "evaluate.seed": -(1 << 63), "predict.seed": -5,
+                             "evaluate.noise_seeds": [0, (1 << 64) - 1]})
+    assert (cfg.train.seed, cfg.evaluate.noise_seeds[1]) == ((1 << 64) - 1, (1 << 64) - 1)
 
 
 def test_non_finite_yaml_through_the_cli_is_one_line(tmp_path):
