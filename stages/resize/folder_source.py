@@ -25,6 +25,11 @@ from stages.resize.sources import (CONTROL_DIR, DEFAULT_MAX_FILE_BYTES, IMAGE_SU
 _NEAR_LAYOUT_DIR = re.compile(r"^(control|mask)s?(?:[-_ ]?(\d+))?$", re.IGNORECASE)
 
 
+# Folders a user meant to hold the captions (which are read from target/<stem>.txt): never read, so each of their
+# samples was `missing-caption` with no word of the folder
+_CAPTION_DIR = re.compile(r"^(captions?|texts?|txts?|prompts?|instructions?)$", re.IGNORECASE)
+
+
 def _near_miss(d: Path) -> str | None:
     """The layout folder `d` was surely meant to be (`mask`, `control`, `control_2`), when it is not one itself."""
     m = _NEAR_LAYOUT_DIR.match(d.name)
@@ -115,6 +120,7 @@ class _FolderLayout:
     controls: dict[int, dict[str, list[str]]]
     masks: dict[str, list[str]]
     unsupported: dict[str, list[Path]]  # stem -> files the layout cannot use; they must not vanish
+    caption_dirs: list[str]  # folders named for captions (`captions/`), not read: named by a missing caption's row
 
 
 def folder_layout(root: Path) -> _FolderLayout:
@@ -128,7 +134,20 @@ def folder_layout(root: Path) -> _FolderLayout:
     control_dirs = control_folders(root)
     controls = {i: _images_by_stem(scan(d, root), unsupported) for i, d in control_dirs.items()}
     masks = _images_by_stem(scan(root / "mask", root), unsupported)
-    return _FolderLayout(targets, captions, control_dirs, controls, masks, unsupported)
+    caption_dirs = sorted(d.name for d in root.iterdir() if _CAPTION_DIR.match(d.name) and d.is_dir())
+    return _FolderLayout(targets, captions, control_dirs, controls, masks, unsupported, caption_dirs)
+
+
+def _no_caption(layout: _FolderLayout, stem: str, target: str) -> str:
+    """A missing caption's detail: the file it is read from, and a caption the layout does not read where one is
+    (`target/x.png.txt`, stem `x.png`; a `captions/` folder)."""
+    detail = f"no caption target/{stem}.txt for this sample"
+    if layout.captions.get(target):
+        return f"{detail}: target/{layout.captions[target][0]} is named for the stem {target!r}; rename it {stem}.txt"
+    if layout.caption_dirs:
+        return (f"{detail} (folder {', '.join(d + '/' for d in layout.caption_dirs)} is not read: a caption is the "
+                f".txt beside its target, target/<stem>.txt; move the captions there)")
+    return detail
 
 
 def folder_leftovers(root: Path, layout: _FolderLayout) -> list[SourceSample]:
@@ -188,7 +207,10 @@ def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         if known and _known_folder_sample(s, files, known, max_file_bytes):
             yield s
             continue
-        yield _read_folder_sample(s, files, max_file_bytes)
+        s = _read_folder_sample(s, files, max_file_bytes)
+        if s.problem is None and s.caption is None:
+            s.problem, s.problem_kind = _no_caption(layout, stem, found[0].name), "missing-caption"
+        yield s
     yield from folder_leftovers(root, layout)
 
 
