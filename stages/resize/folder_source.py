@@ -9,7 +9,7 @@ import re
 import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +122,15 @@ class _FolderLayout:
     unsupported: dict[str, list[Path]]  # stem -> files the layout cannot use; they must not vanish
     caption_dirs: list[str]  # folders named for captions (`captions/`), not read: named by a missing caption's row
 
+    @cached_property
+    def captions_by_folded_stem(self) -> dict[str, list[str]]:
+        """Caption file names by their stem's casefold: a missing caption's row names `a.txt` beside `A.png` (the
+        same file on macOS and Windows, two on Linux). Built on the first missing caption only."""
+        out: dict[str, list[str]] = {}
+        for stem, names in self.captions.items():
+            out.setdefault(stem.casefold(), []).extend(names)
+        return out
+
 
 def folder_layout(root: Path) -> _FolderLayout:
     unsupported: dict[str, list[Path]] = {}
@@ -144,6 +153,8 @@ def _no_caption(layout: _FolderLayout, stem: str, target: str) -> str:
     detail = f"no caption target/{stem}.txt for this sample"
     if layout.captions.get(target):
         return f"{detail}: target/{layout.captions[target][0]} is named for the stem {target!r}; rename it {stem}.txt"
+    if near := layout.captions_by_folded_stem.get(stem.casefold()):
+        return f"{detail}: target/{near[0]} differs from it in case only; rename it {stem}.txt"
     if layout.caption_dirs:
         return (f"{detail} (folder {', '.join(d + '/' for d in layout.caption_dirs)} is not read: a caption is the "
                 f".txt beside its target, target/<stem>.txt; move the captions there)")

@@ -419,8 +419,9 @@ def test_hostile_control_caption_and_header_files_each_end_in_one_line_or_are_re
 
 
 def test_a_missing_caption_names_the_caption_the_layout_does_not_read(tmp_path):
-    """A caption saved as `x.png.txt` (stem `x.png`) or in a `captions/` folder was `missing-caption` with no word
-    of where the caption is; the orphan's row, apart, did not say which sample it was meant for."""
+    """A caption saved as `x.png.txt` (stem `x.png`), as `a.txt` beside `A.png` (one file on macOS and Windows, two
+    on Linux) or in a `captions/` folder was `missing-caption` with no word of where the caption is; the orphan's
+    row, apart, did not say which sample it was meant for."""
     src = tmp_path / "src"
     _sample(src, "a", _image(seed=1), caption="fine")
     _sample(src, "b", _image(seed=2))
@@ -428,6 +429,8 @@ def test_a_missing_caption_names_the_caption_the_layout_does_not_read(tmp_path):
     _sample(src, "c", _image(seed=3))
     (src / "captions").mkdir()
     (src / "target" / "c.txt").rename(src / "captions" / "c.txt")
+    _sample(src, "D", _image(seed=4))
+    (src / "target" / "D.txt").rename(src / "target" / "d.txt")
     result = _resize(src, tmp_path / "store")
     assert result.exit_code == 0, result.output
     rows = _quarantine(tmp_path / "store")
@@ -437,4 +440,7 @@ def test_a_missing_caption_names_the_caption_the_layout_does_not_read(tmp_path):
     assert rows[str(src / "target" / "c.png")] == (
         "missing-caption", "no caption target/c.txt for this sample (folder captions/ is not read: a caption is the "
         ".txt beside its target, target/<stem>.txt; move the captions there)")
+    assert rows[str(src / "target" / "D.png")] == (
+        "missing-caption", "no caption target/D.txt for this sample: target/d.txt differs from it in case only; "
+        "rename it D.txt")
     assert _captions(tmp_path / "store") == ["fine"]
