@@ -444,3 +444,23 @@ def test_a_missing_caption_names_the_caption_the_layout_does_not_read(tmp_path):
         "missing-caption", "no caption target/D.txt for this sample: target/d.txt differs from it in case only; "
         "rename it D.txt")
     assert _captions(tmp_path / "store") == ["fine"]
+
+
+def test_a_tar_sample_without_its_txt_names_the_metadata_member_passed_over(tmp_path):
+    """A webdataset shard with the caption in `<key>.json` (a common layout): the member is passed over as
+    metadata and the sample was `missing-caption` with no word of it."""
+    (tmp_path / "src").mkdir()
+    with tarfile.open(tmp_path / "src" / "a.tar", "w") as tf:
+        for name, data in (("x.png", _image(seed=1)), ("x.json", b'{"caption": "make it red"}'),
+                           ("y.png", _image(seed=2)), ("z.png", _image(seed=3)), ("z.txt", b"fine")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    result = _resize(tmp_path / "src", tmp_path / "store")
+    assert result.exit_code == 0, result.output
+    tar = tmp_path / "src" / "a.tar"
+    assert _quarantine(tmp_path / "store") == {
+        f"{tar}:x": ("missing-caption", "no caption member x.txt (member(s) x.json are not read: put the caption "
+                                        "text in x.txt)"),
+        f"{tar}:y": ("missing-caption", "no caption member y.txt")}
+    assert _captions(tmp_path / "store") == ["fine"]
