@@ -288,11 +288,20 @@ def cleaned_prompt(given: str, key: str) -> str:
     return cleaned
 
 
+def empty_prompt(key: str) -> str:
+    """The line refusing an edit instruction that is empty once cleaned (an unset shell variable as `--prompt
+    "$P"`): the LoRA never trained on one (resize-bucket quarantines an empty caption), so its output says nothing."""
+    return (f"{key} is empty (or whitespace / control characters only): pass the edit instruction (training never "
+            f"sees an empty one: resize-bucket quarantines it as empty-caption)")
+
+
 def _clean_prompts(cfg: PipelineConfig) -> None:
     """The prompts a config gives (evaluate's extra prompts, the negative prompts: the file's, --set's or a flag's),
     each `cleaned_prompt`."""
     for i, extra in enumerate(cfg.evaluate.extra_prompts):
         extra.prompt = cleaned_prompt(extra.prompt, f"evaluate.extra_prompts[{i}].prompt")
+        if not extra.prompt.strip():
+            raise ConfigError(empty_prompt(f"evaluate.extra_prompts[{i}].prompt"))
     for section in ("evaluate", "predict"):
         owner = getattr(cfg, section)
         owner.negative_prompt = cleaned_prompt(owner.negative_prompt, f"{section}.negative_prompt")

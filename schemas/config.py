@@ -176,7 +176,10 @@ def _each_once(values: list) -> list:
 
 
 Sigmas = Annotated[list[Sigma], AfterValidator(_each_once)]  # a σ grid of a held-out loss: each σ once
-NoiseSeeds = Annotated[list[int], AfterValidator(_each_once)]  # its noise draws: each seed once
+# a seed torch's generators take (torch.Generator.manual_seed: -2**63 .. 2**64 - 1): a larger one stopped train,
+# evaluate or predict with an OverflowError traceback after the model had loaded
+Seed = Annotated[int, Field(ge=-(1 << 63), le=(1 << 64) - 1)]
+NoiseSeeds = Annotated[list[Seed], AfterValidator(_each_once)]  # its noise draws: each seed once
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPE_HELP = "auto = bfloat16 on a CUDA device that supports it, float32 on the CPU (models/precision.py)"
 
@@ -378,7 +381,7 @@ class TrainConfig(Section):
     device: Annotated[str | list[str] | None, THROUGHPUT] = Field(None, description="None = accelerate's choice; else " + _DEVICE_HELP)
     dtype: Annotated[DType, FEATURES] = Field("auto", description="frozen base weights; " + _DTYPE_HELP + " (auto: "
                                               "bf16 under mixed_precision bf16; float32 stays float32 under bf16 autocast)")
-    seed: Annotated[int, FEATURES] = 0
+    seed: Annotated[Seed, FEATURES] = 0
     batch_size: Annotated[int, _FIXED_BATCHES_ONLY] = Field(4, gt=0)
     grad_accum: Annotated[int, FEATURES] = Field(1, gt=0)
     max_steps: Annotated[int, _DECAYING_LR_ONLY] = Field(100, gt=0)
@@ -484,7 +487,7 @@ class EvaluateConfig(Section):
     device: Annotated[str | list[str], THROUGHPUT] = Field("auto", description=_DEVICE_HELP)
     dtype: Annotated[DType, FEATURES] = Field("auto", description=_DTYPE_HELP)
     quantize_base: Annotated[Quantize, FEATURES] = Field("none", description=_QUANTIZE_HELP)
-    seed: Annotated[int, FEATURES] = Field(1234, description="generation seed (the same for base and LoRA, for every sample)")
+    seed: Annotated[Seed, FEATURES] = Field(1234, description="generation seed (the same for base and LoRA, for every sample)")
     timesteps: Annotated[Sigmas, _A_SET_OF_ROWS] = Field([0.1, 0.3, 0.5, 0.7, 0.9], min_length=1, description="sigma grid of the held-out loss")
     noise_seeds: Annotated[NoiseSeeds, _A_SET_OF_ROWS] = Field([0, 1], min_length=1, description="fixed noise draws of the held-out loss")
     batch_size: Annotated[int, THROUGHPUT] = Field(8, gt=0, description="held-out loss: val samples per forward, at one (seed, sigma) each")
@@ -541,7 +544,7 @@ class PredictConfig(Section):
     steps: Annotated[int, FEATURES] = Field(20, ge=1, description=ONE_STEP)
     true_cfg_scale: Annotated[float, FEATURES] = Field(4.0, description="true CFG scale (<= 1: none); left unset, 1.0 on Qwen-Image-2.1 (its pipeline's default)")
     negative_prompt: Annotated[str, FEATURES] = " "
-    seed: Annotated[int, FEATURES] = 0
+    seed: Annotated[Seed, FEATURES] = 0
 
     @field_validator("devices")
     @classmethod

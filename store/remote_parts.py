@@ -53,7 +53,7 @@ def source_url(root: Path) -> str | None:
     """The URL whose cached copy `root` is; None for a store that is not a cache."""
     try:
         return (Path(root) / SOURCE_URL).read_text().strip() or None
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # a path that is no folder is no cache either
         return None
 
 

@@ -9,7 +9,7 @@ import typer
 
 from pipeline.commands.common import (ConfigOpt, SetOpt, StrictBaseOpt, checked_lora, config_from, echo, finite,
                                      usage_error, usage_errors, user_errors)
-from pipeline.config import cleaned_prompt
+from pipeline.config import cleaned_prompt, empty_prompt
 from pipeline.launched import one_process
 from schemas.img_shapes import PIXELS_PER_PATCH
 
@@ -78,6 +78,10 @@ def command(
     )
     prompt = cleaned_prompt(prompt, "--prompt")  # as a caption is cleaned (the config's prompts: load_config)
     with usage_errors():  # an --out that would destroy an input or cannot be a file: before any loading
+        if not prompt.strip():
+            from schemas.errors import UserError
+
+            raise UserError(empty_prompt("--prompt"))
         check_out_path(out, images)
     _check_local_model(model, len(images), out, cfg.predict.steps, height, width)
     with user_errors(out):

@@ -47,6 +47,17 @@ def bucket_size(width: int, height: int, rule: BucketRule) -> tuple[int, int]:
     return max(floor, round(h / m) * m), max(floor, round(w / m) * m)
 
 
+def largest_bucket(rule: BucketRule, max_pixels: int) -> tuple[int, int] | None:
+    """(height, width) of the largest bucket `rule` gives a picture of at most `max_pixels` pixels (a square one,
+    or the widest or tallest one, 1 pixel across, where `min_side` lifts the short side), or None when a side is
+    too large to compute (an area times a huge ratio overflowing a float)."""
+    try:
+        sizes = [bucket_size(w, h, rule) for w, h in ((1, 1), (max_pixels, 1), (1, max_pixels))]
+    except OverflowError:
+        return None
+    return max(sizes, key=lambda hw: hw[0] * hw[1])
+
+
 def crop_box_for_aspect(width: int, height: int, max_aspect: float) -> tuple[int, int, int, int]:
     """Centred crop (left, top, right, bottom) bringing an image inside the aspect clamp; whole image if inside."""
     ratio = width / height

@@ -9,7 +9,7 @@ import re
 import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,11 @@ from stages.resize.sources import (CONTROL_DIR, DEFAULT_MAX_FILE_BYTES, IMAGE_SU
 # Folders a user meant as control/ or mask/ but named otherwise (masks/, controls/, Control/, control1/,
 # control-2/): never read, so an edit dataset trained text-to-image, or without its masks, with no word about it.
 _NEAR_LAYOUT_DIR = re.compile(r"^(control|mask)s?(?:[-_ ]?(\d+))?$", re.IGNORECASE)
+
+
+# Folders a user meant to hold the captions (which are read from target/<stem>.txt): never read, so each of their
+# samples was `missing-caption` with no word of the folder
+_CAPTION_DIR = re.compile(r"^(captions?|texts?|txts?|prompts?|instructions?)$", re.IGNORECASE)
 
 
 def _near_miss(d: Path) -> str | None:
@@ -115,6 +120,16 @@ class _FolderLayout:
     controls: dict[int, dict[str, list[str]]]
     masks: dict[str, list[str]]
     unsupported: dict[str, list[Path]]  # stem -> files the layout cannot use; they must not vanish
+    caption_dirs: list[str]  # folders named for captions (`captions/`), not read: named by a missing caption's row
+
+    @cached_property
+    def captions_by_folded_stem(self) -> dict[str, list[str]]:
+        """Caption file names by their stem's casefold: a missing caption's row names `a.txt` beside `A.png` (the
+        same file on macOS and Windows, two on Linux). Built on the first missing caption only."""
+        out: dict[str, list[str]] = {}
+        for stem, names in self.captions.items():
+            out.setdefault(stem.casefold(), []).extend(names)
+        return out
 
 
 def folder_layout(root: Path) -> _FolderLayout:
@@ -128,7 +143,22 @@ def folder_layout(root: Path) -> _FolderLayout:
     control_dirs = control_folders(root)
     controls = {i: _images_by_stem(scan(d, root), unsupported) for i, d in control_dirs.items()}
     masks = _images_by_stem(scan(root / "mask", root), unsupported)
-    return _FolderLayout(targets, captions, control_dirs, controls, masks, unsupported)
+    caption_dirs = sorted(d.name for d in root.iterdir() if _CAPTION_DIR.match(d.name) and d.is_dir())
+    return _FolderLayout(targets, captions, control_dirs, controls, masks, unsupported, caption_dirs)
+
+
+def _no_caption(layout: _FolderLayout, stem: str, target: str) -> str:
+    """A missing caption's detail: the file it is read from, and a caption the layout does not read where one is
+    (`target/x.png.txt`, stem `x.png`; a `captions/` folder)."""
+    detail = f"no caption target/{stem}.txt for this sample"
+    if layout.captions.get(target):
+        return f"{detail}: target/{layout.captions[target][0]} is named for the stem {target!r}; rename it {stem}.txt"
+    if near := layout.captions_by_folded_stem.get(stem.casefold()):
+        return f"{detail}: target/{near[0]} differs from it in case only; rename it {stem}.txt"
+    if layout.caption_dirs:
+        return (f"{detail} (folder {', '.join(d + '/' for d in layout.caption_dirs)} is not read: a caption is the "
+                f".txt beside its target, target/<stem>.txt; move the captions there)")
+    return detail
 
 
 def folder_leftovers(root: Path, layout: _FolderLayout) -> list[SourceSample]:
@@ -188,7 +218,10 @@ def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         if known and _known_folder_sample(s, files, known, max_file_bytes):
             yield s
             continue
-        yield _read_folder_sample(s, files, max_file_bytes)
+        s = _read_folder_sample(s, files, max_file_bytes)
+        if s.problem is None and s.caption is None:
+            s.problem, s.problem_kind = _no_caption(layout, stem, found[0].name), "missing-caption"
+        yield s
     yield from folder_leftovers(root, layout)
 
 

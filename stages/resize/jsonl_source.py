@@ -98,6 +98,10 @@ def _jsonl_field_problem(obj: dict, base: Path) -> str | None:
     no file there (`original_filename`: a camera's name, provenance): no image of the line is dropped."""
     if obj.get("controls") is not None and obj.get("control") is not None:  # one of the two would be dropped
         return "both 'controls' and 'control' are given; keep one (controls: a list of paths)"
+    caption, prompt = obj.get("caption"), obj.get("prompt")
+    if caption is not None and prompt is not None and _text(caption) != _text(prompt):  # one was dropped unsaid
+        return (f"both 'caption' ({_clipped(caption)}) and 'prompt' ({_clipped(prompt)}) are given and differ: one "
+                f"would be trained on, the other dropped; keep the edit instruction under one of them")
     read = {os.path.normpath(_resolve(base, p)) for p in _jsonl_paths(obj)}
     for name, value in obj.items():
         paths = value if isinstance(value, list) else [value]
@@ -111,6 +115,26 @@ def _jsonl_field_problem(obj: dict, base: Path) -> str | None:
         return (f"field {name!r} names image file(s) ({paths[0]}) but is not read (a line's fields: "
                 f"{', '.join(_JSONL_FIELDS)}); rename it to {meant!r}, or drop it from the line")
     return None
+
+
+def _text(value: object) -> object:
+    return value.strip() if isinstance(value, str) else value
+
+
+def _clipped(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _no_caption(obj: dict) -> str:
+    """A line without caption or prompt, naming its text fields that are not read (`instruction`, `edit_prompt`:
+    every line of such a manifest was quarantined with no word of the field that holds the text)."""
+    texts = [name for name, v in obj.items() if name not in _JSONL_FIELDS and isinstance(v, str) and v.strip()
+             and not v.lower().endswith(IMAGE_SUFFIXES) and "://" not in v]
+    if not texts:
+        return "no caption (.txt / caption field) for this sample"
+    return (f"no 'caption' or 'prompt' field on this line; its text field(s) {', '.join(map(repr, texts[:4]))} are "
+            f"not read: rename the one holding the edit instruction to 'caption'")
 
 
 def _jsonl_paths(obj: dict) -> list[str]:
@@ -175,6 +199,8 @@ def _read_jsonl_sample(s: SourceSample, obj: dict, line: str, base: Path, max_fi
     text = _jsonl_caption(obj)
     if text is not None and not isinstance(text, str):
         s.problem = f"caption/prompt is not a string (got {type(text).__name__})"
+    elif text is None:
+        s.problem, s.problem_kind = _no_caption(obj), "missing-caption"
     # a JSON "\\udce9" (a lone surrogate) decodes to a str that is no text: its bytes fail the UTF-8 check
     s.caption = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else None
     return s

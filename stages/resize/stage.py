@@ -20,6 +20,7 @@ from schemas.config import PipelineConfig, ResizeConfig
 from schemas import UserError
 from schemas.img_shapes import PIXELS_PER_PATCH
 from schemas.resize_sizes import sizes_in_force
+from stages.resize.bucketing import BucketRule, largest_bucket
 from stages.resize.carried import carry_samples, refuse_a_switch_without_hashes
 from stages.resize.commit import commit_version
 from stages.resize.first_read import record_pending, settle_listing
@@ -146,3 +147,26 @@ def check_config(rc: ResizeConfig) -> None:
         raise UserError(f"resize.multiple = {rc.multiple} must be a multiple of {PIXELS_PER_PATCH} (VAE 8 x patch 2)")
     if rc.min_controls > rc.max_controls:
         raise UserError(f"resize.min_controls = {rc.min_controls} is above resize.max_controls = {rc.max_controls}")
+    _check_bucket_sizes(rc)
+
+
+# the largest bucket a run may render, unless resize.max_image_pixels reads larger pictures: a bucket past it was
+# a typo (an area with zeros too many, a huge multiple or min_side) that every worker met as a MemoryError or the
+# out-of-memory killer, a traceback or a SIGKILL per sample, instead of one line
+BUCKET_PIXELS = 64 * 1024 * 1024
+
+
+def _check_bucket_sizes(rc: ResizeConfig) -> None:
+    cap = max(rc.max_image_pixels, BUCKET_PIXELS)
+    views = {"target_area": rc.target_area, "control_vae_area": rc.control_vae_area}
+    if rc.vl_views:
+        views["control_vl_area"] = rc.control_vl_area
+    for key, area in views.items():
+        hw = largest_bucket(BucketRule(area, rc.multiple, rc.max_aspect, rc.min_side), rc.max_image_pixels)
+        if hw is None or hw[0] * hw[1] > cap:
+            size = "too large to compute" if hw is None else f"{hw[0]}x{hw[1]} = {hw[0] * hw[1]} px"
+            raise UserError(
+                f"resize.{key} = {area} with resize.multiple {rc.multiple}, min_side {rc.min_side} and max_aspect "
+                f"{rc.max_aspect} gives buckets of up to {size}, over the {cap} px a bucket may hold (the larger of "
+                f"resize.max_image_pixels and {BUCKET_PIXELS}): lower those settings (Qwen-Image-Edit trains at "
+                f"~1048576 px), or raise resize.max_image_pixels for larger buckets")

@@ -102,6 +102,11 @@ def sample_from_members(key: str, where: str, members: dict[str, bytes], bad: li
     s.controls = [members[ctrl_ext[i][0]] for i in range(len(ctrl_ext))]
     s.files += [f"{where}.{ctrl_ext[i][0]}" for i in range(len(ctrl_ext))]
     s.caption = members.get("txt")
+    if s.caption is None:  # the caption may sit in a member passed over as metadata (`<key>.json`)
+        meta = sorted(ext for ext in members if ext in WDS_METADATA_MEMBERS)
+        s.problem, s.problem_kind = (f"no caption member {key}.txt" + (
+            f" (member(s) {', '.join(f'{key}.{e}' for e in meta)} are not read: put the caption text in {key}.txt)"
+            if meta else ""), "missing-caption")
     if masks:
         s.mask = members[masks[0]]
         s.files.append(f"{where}.{masks[0]}")

@@ -94,10 +94,19 @@ def test_one_inference_step_is_a_valid_config_and_none_is_not():
     ("train.learning_rate", float("inf")), ("train.learning_rate", float("nan")), ("train.lora.alpha", 0),
     ("train.adam_betas", [0.9, 1.0]), ("train.adam_eps", 0), ("train.max_grad_norm", float("inf")),
     ("evaluate.lora_scale", float("nan")), ("resize.max_aspect", float("inf")), ("train.sigma.logit_std", 0),
+    # past torch's generator range: an OverflowError traceback once the model had loaded
+    ("train.seed", 1 << 64), ("evaluate.seed", 10**23), ("predict.seed", -(1 << 63) - 1),
+    ("evaluate.noise_seeds", [0, 1 << 64]), ("train.validate_noise_seeds", [1 << 70]),
 ])
 def test_out_of_range_and_non_finite_settings_are_refused_naming_the_key(key, value):
     with pytest.raises(ConfigError, match=key.split(".")[-1]):
         load_config(None, {key: value})
+
+
+def test_every_seed_torch_takes_is_a_valid_setting():
+    cfg = load_config(None, {"train.seed": (1 << 64) - 1, "evaluate.seed": -(1 << 63), "predict.seed": -5,
+                             "evaluate.noise_seeds": [0, (1 << 64) - 1]})
+    assert (cfg.train.seed, cfg.evaluate.noise_seeds[1]) == ((1 << 64) - 1, (1 << 64) - 1)
 
 
 def test_non_finite_yaml_through_the_cli_is_one_line(tmp_path):
@@ -247,6 +256,15 @@ def test_a_usage_mistake_found_after_parsing_is_exit_2(tmp_path):
       "train.max_steps=5"], "error: train.warmup_steps (10) exceeds train.max_steps (5)"),
     (["run", "resize-bucket", "--source", "SRC", "--store", "ST", "--multiple", "24"],
      "error: resize.multiple = 24 must be a multiple of 16"),
+    # a bucket past any picture read was a MemoryError traceback per sample, or the out-of-memory killer's SIGKILL
+    (["run", "resize-bucket", "--source", "SRC", "--store", "ST", "--area", "100000000000"],
+     "error: resize.target_area = 100000000000 with resize.multiple 32, min_side 32 and max_aspect 4.0 gives buckets "
+     "of up to 316224x316224"),
+    (["run", "all", "--config", "c.yaml", "--set", "resize.min_side=1000000"],
+     "error: resize.target_area = 1048576 with resize.multiple 32, min_side 1000000"),
+    (["run", "resize-bucket", "--source", "SRC", "--store", "ST", "--set", "resize.max_aspect=1e300"],
+     "error: resize.target_area = 1048576 with resize.multiple 32, min_side 32 and max_aspect 1e+300 gives buckets "
+     "of up to 32x8388608"),
     (["run", "all", "--config", "c.yaml", "--set", "paths.report=null"], "error: `pipeline run all` needs paths.report"),
     (["run", "all", "--config", "c.yaml", "--set", "train.mixed_precision=fp16"],
      "error: train.mixed_precision 'fp16' is not supported"),

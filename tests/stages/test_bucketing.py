@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions as edit_dims
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
     CONDITION_IMAGE_SIZE,
@@ -70,3 +72,20 @@ def test_extreme_aspect_is_clamped_and_cropped():
 def test_img_shape_is_in_patch_units():
     assert img_shape(1024, 768) == (1, 64, 48)
     assert img_shape(64, 96) == (1, 4, 6)
+
+
+def test_every_shipped_config_and_the_largest_legal_bucket_pass_the_bucket_size_check():
+    """The check refusing absurd buckets (stages/resize/stage.py `check_config`) lets every shipped config and a
+    bucket of exactly 64 Mpx through; one pixel-row more is refused unless max_image_pixels reads larger pictures."""
+    from pathlib import Path
+
+    from pipeline.config import load_config
+    from schemas import UserError
+    from stages.resize.stage import check_config
+
+    for path in sorted((Path(__file__).parents[2] / "configs").glob("*.yaml")):
+        check_config(load_config(path).resize)
+    check_config(ResizeConfig(area=8192 * 8192))
+    with pytest.raises(UserError, match="gives buckets of up to 8224x8224 = 67634176 px, over the 67108864 px"):
+        check_config(ResizeConfig(area=8224 * 8224))
+    check_config(ResizeConfig(area=8224 * 8224, max_image_pixels=8224 * 8224))

@@ -3,6 +3,7 @@ nothing is written."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,29 @@ def test_a_garbage_store_json_is_not_a_store(tmp_path, command):
     (folder / "store.json").write_bytes(b"\x00\xffgarbage{")
     r = _run("store", command, folder)
     assert r.exit_code != 0 and "store.json" in r.output, r.output
+
+
+@pytest.mark.parametrize("command", ["repair", "inspect", "verify", "gc"])
+def test_a_file_as_the_store_is_no_store(tmp_path, command):
+    """`store repair FILE` named `FILE/source-url.txt` (a path the user never gave) as 'a file, not a folder':
+    every store command says there is no store at the path given."""
+    path = tmp_path / "notes.txt"
+    path.write_text("x")
+    r = _run("store", command, path)
+    assert r.exit_code == 1 and f"no store at {path}" in r.output and "source-url" not in r.output, r.output
+
+
+@pytest.mark.parametrize("prompt", ["", "   ", "\x1b[31m\x07"], ids=["empty", "spaces", "controls-only"])
+def test_an_empty_prompt_is_refused_before_any_loading(tmp_path, prompt):
+    """`--prompt "$P"` with P unset generated from an empty instruction, which no training sample has (an empty
+    caption is quarantined), and wrote the picture as if asked; an extra prompt of the config likewise."""
+    control = tmp_path / "c.png"
+    Image.new("RGB", (32, 32), (200, 0, 0)).save(control)
+    r = _run("predict", "--model", tmp_path / "no-model", "--image", control, "--prompt", prompt,
+             "--out", tmp_path / "o.png")
+    assert r.exit_code == 2 and "error: --prompt is empty" in r.output, r.output
+    assert not (tmp_path / "o.png").exists()
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"evaluate:\n  extra_prompts:\n    - prompt: {json.dumps(prompt)}\n      images: [{control}]\n")
+    r = _run("config", "show", "--config", cfg)
+    assert r.exit_code == 2 and "evaluate.extra_prompts[0].prompt is empty" in r.output, r.output

@@ -416,3 +416,51 @@ def test_hostile_control_caption_and_header_files_each_end_in_one_line_or_are_re
     assert set(rows) == {"good", "named jpg", "named png", "the same picture"}
     assert r.files(rows["named jpg"]["key"])["target.png"] == r.files(rows["named png"]["key"])["target.png"]
     assert rows["named jpg"]["conversions"] == [] and rows["the same picture"]["num_controls"] == 1
+
+
+def test_a_missing_caption_names_the_caption_the_layout_does_not_read(tmp_path):
+    """A caption saved as `x.png.txt` (stem `x.png`), as `a.txt` beside `A.png` (one file on macOS and Windows, two
+    on Linux) or in a `captions/` folder was `missing-caption` with no word of where the caption is; the orphan's
+    row, apart, did not say which sample it was meant for."""
+    src = tmp_path / "src"
+    _sample(src, "a", _image(seed=1), caption="fine")
+    _sample(src, "b", _image(seed=2))
+    (src / "target" / "b.txt").rename(src / "target" / "b.png.txt")
+    _sample(src, "c", _image(seed=3))
+    (src / "captions").mkdir()
+    (src / "target" / "c.txt").rename(src / "captions" / "c.txt")
+    _sample(src, "D", _image(seed=4))
+    (src / "target" / "D.txt").rename(src / "target" / "d.txt")
+    result = _resize(src, tmp_path / "store")
+    assert result.exit_code == 0, result.output
+    rows = _quarantine(tmp_path / "store")
+    assert rows[str(src / "target" / "b.png")] == (
+        "missing-caption", "no caption target/b.txt for this sample: target/b.png.txt is named for the stem 'b.png'; "
+        "rename it b.txt")
+    assert rows[str(src / "target" / "c.png")] == (
+        "missing-caption", "no caption target/c.txt for this sample (folder captions/ is not read: a caption is the "
+        ".txt beside its target, target/<stem>.txt; move the captions there)")
+    assert rows[str(src / "target" / "D.png")] == (
+        "missing-caption", "no caption target/D.txt for this sample: target/d.txt differs from it in case only; "
+        "rename it D.txt")
+    assert _captions(tmp_path / "store") == ["fine"]
+
+
+def test_a_tar_sample_without_its_txt_names_the_metadata_member_passed_over(tmp_path):
+    """A webdataset shard with the caption in `<key>.json` (a common layout): the member is passed over as
+    metadata and the sample was `missing-caption` with no word of it."""
+    (tmp_path / "src").mkdir()
+    with tarfile.open(tmp_path / "src" / "a.tar", "w") as tf:
+        for name, data in (("x.png", _image(seed=1)), ("x.json", b'{"caption": "make it red"}'),
+                           ("y.png", _image(seed=2)), ("z.png", _image(seed=3)), ("z.txt", b"fine")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    result = _resize(tmp_path / "src", tmp_path / "store")
+    assert result.exit_code == 0, result.output
+    tar = tmp_path / "src" / "a.tar"
+    assert _quarantine(tmp_path / "store") == {
+        f"{tar}:x": ("missing-caption", "no caption member x.txt (member(s) x.json are not read: put the caption "
+                                        "text in x.txt)"),
+        f"{tar}:y": ("missing-caption", "no caption member y.txt")}
+    assert _captions(tmp_path / "store") == ["fine"]

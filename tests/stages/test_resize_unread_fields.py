@@ -66,3 +66,32 @@ def test_a_field_whose_images_are_read_anyway_or_are_no_file_keeps_its_line(tmp_
     assert result.exit_code == 0, result.output
     kept = Store(tmp_path / "store", create=False).reader("images").manifest.to_pylist()
     assert [(r["caption"], r["num_controls"]) for r in kept] == [("a caption tool's line", 1)]
+
+
+def test_a_caption_and_a_prompt_that_differ_or_text_under_another_name_are_said(tmp_path):
+    """`caption` beside a different `prompt` trained on the caption and dropped the prompt unsaid (a manifest whose
+    `caption` describes the target and whose `prompt` is the edit instruction trained on descriptions); a line
+    whose text is under `instruction` was `missing-caption` without naming the field that holds it."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, colour in (("t.png", (200, 0, 0)), ("c.png", (0, 200, 0))):
+        (src / name).write_bytes(_png(colour))
+    rows = [{"target": "t.png", "controls": ["c.png"], "caption": "a red square", "prompt": "make it red"},
+            {"target": "t.png", "controls": ["c.png"], "caption": "the same text", "prompt": "the same text "},
+            {"target": "t.png", "controls": ["c.png"], "instruction": "make it green", "id": "42"},
+            {"target": "t.png", "controls": ["c.png"], "caption": None, "prompt": "make it blue"}]
+    (src / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = CliRunner().invoke(app, ["run", "resize-bucket", "--source", str(src / "m.jsonl"),
+                                      "--store", str(tmp_path / "store"), "--set", "resize.target_area=4096",
+                                      "--set", "resize.multiple=16"])
+    assert result.exit_code == 0, result.output
+    store = Store(tmp_path / "store", create=False)
+    kept = store.reader("images").manifest.to_pylist()
+    assert sorted(r["caption"] for r in kept) == ["make it blue", "the same text"]
+    quarantined = {r["source"].split(":")[1].split(" ")[0]: (r["reason"], r["detail"])
+                   for r in store.quarantine().to_pylist()}
+    assert quarantined == {
+        "1": ("bad-source", "both 'caption' ('a red square') and 'prompt' ('make it red') are given and differ: one "
+                            "would be trained on, the other dropped; keep the edit instruction under one of them"),
+        "3": ("missing-caption", "no 'caption' or 'prompt' field on this line; its text field(s) 'instruction', "
+                                 "'id' are not read: rename the one holding the edit instruction to 'caption'")}
