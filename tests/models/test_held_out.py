@@ -81,7 +81,8 @@ def test_one_forward_per_row_equals_three_flow_loss_passes(transformer, val_samp
 def test_evaluate_summary_matches_the_three_pass_protocol(transformer, val_samples):
     """`held_out_loss` (evaluate's metrics.json numbers) from the one-forward grid equals the old per-region
     means: overall, per bucket and inside / outside, base and LoRA."""
-    from stages.evaluate.stage import held_out_loss, lora_enabled
+    from stages.evaluate.loss_section import held_out_loss
+    from stages.evaluate.lora_attach import lora_enabled
 
     cfg = EvaluateConfig(noise_seeds=[0, 1], timesteps=[0.3, 0.7], batch_size=4)
     loss = held_out_loss(transformer, val_samples, cfg)

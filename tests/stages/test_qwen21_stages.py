@@ -531,7 +531,7 @@ def test_21_extra_prompt_without_images_is_the_stock_text_to_image_call(tiny_21_
     from models.loading import load_component
     from schemas import UserError
     from stages.evaluate.qwen21 import extra_inputs_21
-    from stages.evaluate.stage import for_model
+    from stages.evaluate.settings import for_model
 
     settings = {"evaluate.dtype": "float32", "evaluate.num_samples": 0, "evaluate.num_inference_steps": 2,
                 "evaluate.extra_prompts": [{"prompt": "a red square", "images": [], "height": 64, "width": 96}]}
@@ -731,14 +731,15 @@ def test_21_evaluate_defaults_to_no_guidance_as_predict_does(tiny_21_model, tiny
     import inspect
 
     from stages.evaluate import checkpoints, stage
+    from stages.evaluate.settings import for_model
 
     unset = load_config(None, {}).evaluate
-    assert stage.for_model(unset, tiny_21_model).true_cfg_scale == 1.0
-    assert stage.for_model(unset, tiny_edit_model).true_cfg_scale == 4.0
+    assert for_model(unset, tiny_21_model).true_cfg_scale == 1.0
+    assert for_model(unset, tiny_edit_model).true_cfg_scale == 4.0
     explicit = load_config(None, {"evaluate.true_cfg_scale": 4.0}).evaluate
-    assert stage.for_model(explicit, tiny_21_model).true_cfg_scale == 4.0
-    assert stage.for_model(unset, tiny_21_model).fingerprint() != unset.fingerprint()  # a report made at 4.0 is redone
-    for entry, call in ((stage.run, "cfg = for_model(cfg, model)"), (checkpoints._run, "cfg = single.for_model(cfg, model, check=ranks.main)")):
+    assert for_model(explicit, tiny_21_model).true_cfg_scale == 4.0
+    assert for_model(unset, tiny_21_model).fingerprint() != unset.fingerprint()  # a report made at 4.0 is redone
+    for entry, call in ((stage.run, "cfg = for_model(cfg, model)"), (checkpoints._run, "cfg = for_model(cfg, model, check=ranks.main)")):
         assert call in inspect.getsource(entry)
 
 
