@@ -19,16 +19,16 @@ from models.randomness import eval_noise
 from schemas.config import EvaluateConfig, LoraConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stages"))
-from train_store import make_train_store, mixed_specs  # noqa: E402
+from train_store import make_train_store, mixed_specs, open_split  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def val_samples(tiny_edit_model, tmp_path_factory):
-    from stages.train.data import load, open_inputs
+    from stages.train.data import load
 
     store = tmp_path_factory.mktemp("store")
     make_train_store(store, tiny_edit_model, mixed_specs(1, 6, masks=True))
-    tables = open_inputs(store, tiny_edit_model, split="val")
+    tables = open_split(store, tiny_edit_model, split="val", section="evaluate")
     return [load(tables, k) for k in sorted(tables.keys)]
 
 
