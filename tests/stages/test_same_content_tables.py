@@ -19,7 +19,7 @@ from stages.resize import stage as resize_stage
 from stages.train import state as train_state
 from store import Store
 from store.checksum import seal
-from train_store import Spec, make_train_store, mixed_specs
+from train_store import Spec, make_train_store, mixed_specs, open_split
 
 SETTINGS = {"resize.target_area": 64 * 64, "resize.control_vae_area": 64 * 64, "resize.control_vl_area": 64 * 64,
             "resize.multiple": 16, "resize.min_side": 16, "resize.val_fraction": 0.25, "resize.max_controls": 2,
@@ -103,10 +103,8 @@ ENCODED = {"feature_lineage": "encoded-by-a-stage"}
 
 
 def _contents(root, model, **kw):
-    from stages.train.data import open_inputs
-
     make_train_store(root, model, kw.pop("specs", mixed_specs(6, 2)), attrs=kw.pop("attrs", ENCODED), **kw)
-    with open_inputs(root, model) as tables:
+    with open_split(root, model) as tables:
         return tables.content_ids(), tables.versions()
 
 
@@ -122,9 +120,7 @@ def test_content_ids_name_the_samples_read_not_their_shards(tiny_edit_model, tmp
     moved, _ = _contents(tmp_path / "moved", tiny_edit_model, specs=specs)
     assert moved["text"] != one["text"] and moved["vae"] != one["vae"]
     # the same bytes with other sequence lengths (what orders and batches them) are another run
-    from stages.train.data import open_inputs
-
-    with open_inputs(tmp_path / "one-shard", tiny_edit_model) as tables:
+    with open_split(tmp_path / "one-shard", tiny_edit_model) as tables:
         tables.lengths = tables.lengths[::-1].copy()
         assert tables.content_ids()["text"] != one["text"]
     # tables no encode stage wrote (no feature lineage: a hand-written layout) are named by their versions alone
