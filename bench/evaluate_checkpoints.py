@@ -50,7 +50,8 @@ def timed(fn, repeat: int = 3) -> tuple[float, float]:
 def old_loss_pass(transformer, samples, cfg) -> None:
     """The loss before this change: rows through flow_loss for base and LoRA, then again per mask region."""
     from models.held_out import has_two_regions
-    from stages.evaluate.stage import LossRow, lora_enabled, row_losses
+    from stages.evaluate.loss_section import LossRow, row_losses
+    from stages.evaluate.lora_attach import lora_enabled
 
     rows = [LossRow(s, k, float(t)) for s in samples for k in cfg.noise_seeds for t in cfg.timesteps]
     masked = [r for r in rows if has_two_regions(r.sample)]
@@ -67,6 +68,10 @@ def main(n: int = 4) -> None:
     from models.tiny import make_tiny_model
     from schemas.config import EvaluateConfig, LoraConfig
     from stages.evaluate import checkpoints, stage
+    from stages.evaluate.loss_section import held_out_loss
+    from stages.evaluate.settings import resolved_config
+    from stages.evaluate.transformer_load import load_transformer
+    from stages.evaluate.val_samples import read_val_samples
     from train_store import make_train_store, mixed_specs
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-eval-"))
@@ -96,15 +101,15 @@ def main(n: int = 4) -> None:
             k[0] += 1
             checkpoints.run(cfg, tmp / "store", model, ckpts, tmp / f"all-{k[0]}")
 
-        resolved = stage.resolved_config(cfg, model)
+        resolved = resolved_config(cfg, model)
         from stages.evaluate.val_share import reader
 
-        tables, share = stage.read_val_samples(resolved, tmp / "store", model)
+        tables, share = read_val_samples(resolved, tmp / "store", model)
         samples = [reader(tables, share)(i) for i in range(len(share.samples))]  # in full, as the old pass took
-        tr = stage.load_transformer(resolved, model)
+        tr = load_transformer(resolved, model)
         attach_lora(tr, ckpts[0][1])
         old = timed(lambda: old_loss_pass(tr, samples, resolved))
-        new = timed(lambda: stage.held_out_loss(tr, samples, resolved))
+        new = timed(lambda: held_out_loss(tr, samples, resolved))
         one = timed(single)
         many = timed(all_checkpoints)
         # a rerun into the last report: nothing new (every step skipped), then one more checkpoint (only it runs)

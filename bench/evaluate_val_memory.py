@@ -3,7 +3,7 @@
     python bench/evaluate_val_memory.py [N ...]
 
 On the tiny random model (models/tiny.py), a store of N val samples of mixed sizes (half with an edit mask):
-the bytes of the tensors `stages.evaluate.stage.read_val_samples` hands back (held through both loss passes and
+the bytes of the tensors `stages.evaluate.val_samples.read_val_samples` hands back (held through both loss passes and
 the report), and the most tensor bytes of full samples one loss pass holds at a time (`loss_grid`'s batch).
 Bytes, not RSS: the tiny samples are KBs, lost in an RSS of hundreds of MB; the growth with N is the point.
 `nbytes` does not see a view keeping its whole buffer alive (a float32 mask read from the store is one:
@@ -42,7 +42,7 @@ def main(counts: list[int]) -> None:
     from models.lora import add_lora, save_lora
     from models.tiny import make_tiny_model
     from schemas.config import EvaluateConfig, LoraConfig
-    from stages.evaluate import stage
+    from stages.evaluate import loss_section, stage
     from train_store import make_train_store, mixed_specs
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-evalmem-"))
@@ -69,7 +69,7 @@ def main(counts: list[int]) -> None:
                 return grid(transformer, samples, *a, load=weighed, **k)
             return grid(transformer, samples, *a, **k)
 
-        stage.read_val_samples, stage.loss_grid = read_and_weigh, grid_and_weigh
+        stage.read_val_samples, loss_section.loss_grid = read_and_weigh, grid_and_weigh
         for n in counts:
             make_train_store(tmp / f"store-{n}", model, mixed_specs(1, n, masks=True))
             batch_peak[0] = 0

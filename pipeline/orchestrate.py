@@ -341,7 +341,7 @@ def _check_settings(cfg: PipelineConfig, model: str) -> None:
     resolves them), train.log_with's trackers (installed on rank 0's node), an attention backend a 2.1
     model does not take, a LoHa / LoKr adapter for an NF4 evaluate, and evaluate's extra prompts (their image
     counts and files; evaluate's own check at its start, `for_model`)."""
-    from stages.evaluate.stage import check_sampling as evaluate_steps, for_model as evaluate_settings
+    from stages.evaluate.settings import check_sampling as evaluate_steps, for_model as evaluate_settings
     from stages.train.recipe import check_sampling as train_steps
     from stages.train.settings import sigma_for_model
 

@@ -164,7 +164,8 @@ Sigma = Annotated[float, Field(gt=0.0, le=1.0)]  # a noise level σ of the flow:
 
 def _each_once(values: list) -> list:
     """A noise seed or σ listed twice is every loss of that row computed twice and counted twice in the mean (the
-    summary saying "x 2 seeds"). σ are compared as the float32 the loss is computed at (stages/evaluate/stage.py)."""
+    summary saying "x 2 seeds"). σ are compared as the float32 the loss is computed at
+    (stages/evaluate/loss_section.py)."""
     seen: dict = {}
     for v in values:
         same = struct.unpack("f", struct.pack("f", v))[0] if isinstance(v, float) else v
@@ -476,7 +477,7 @@ class ExtraPrompt(Section):
     """An evaluate sample that is not in the store: control image file(s), an instruction, optional target."""
 
     prompt: Annotated[str, FEATURES]
-    # none: Qwen-Image-2.1's text-to-image (the Edit models refuse it: stages/evaluate/stage.py check_settings)
+    # none: Qwen-Image-2.1's text-to-image (the Edit models refuse it: stages/evaluate/settings.py check_settings)
     images: Annotated[list[str], FEATURES] = Field(..., description="control image files (several for Edit-Plus; none for a Qwen-Image-2.1 text-to-image prompt)")
     target: Annotated[str | None, FEATURES] = Field(None, description="reference image file for PSNR/SSIM (optional)")
     height: Annotated[int | None, FEATURES] = Field(None, gt=0, description="output size; default: the stock pipeline's ~1024² choice")
@@ -501,7 +502,7 @@ class EvaluateConfig(Section):
     negative_prompt: Annotated[str, _EXTRA_PROMPTS_ONLY] = Field(" ", description="extra prompts' negative; val samples use the stored empty prompt")
     lora_scale: Annotated[float, FEATURES] = 1.0
     extra_prompts: Annotated[list[ExtraPrompt], FEATURES] = []
-    # hashed as resolved: `stages.evaluate.stage.agreed_config` sets the backend the run uses (unset: the device's
+    # hashed as resolved: `stages.evaluate.settings.agreed_config` sets the backend the run uses (unset: the device's
     # default) before anything is fingerprinted, so `native` spelled out after an unset CPU run is that run's
     # report, and reports recorded unset are read through `stages.evaluate.backend` (docs/evaluate.md)
     attention_backend: Annotated[str | None, FEATURES] = Field(

@@ -1,6 +1,6 @@
 """Which attention backend a report recorded with `evaluate.attention_backend` unset used.
 
-Settings are hashed with the backend resolved (`stages.evaluate.stage.agreed_config`): unset on a CPU and `native`
+Settings are hashed with the backend resolved (`stages.evaluate.settings.agreed_config`): unset on a CPU and `native`
 spelled out are one report. Reports and loss arrays written before hashed the name as set: `native`, `packed`, ...
 are the backend they name, but an unset one (null) is whatever the default was on that device. Such a record is
 this run's only where the evidence says its default was the backend resolved now (`unset_backend`); else its

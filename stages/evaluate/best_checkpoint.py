@@ -56,13 +56,13 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
 
     `ema`: the EMA group (`ema_curve`): its curve beside the raw one (`checkpoints.ema`), and the best picked among
     both (a tie: the earlier step, then the raw LoRA), `best.weights` saying which ("lora" or "ema")."""
-    from stages.evaluate import stage as single
+    from stages.evaluate.loss_section import finite_samples
 
     steps, paths, grids = losses.losses()
     present = {step: str(Path(path).resolve()) for step, path in checkpoints}
     paths = [present.get(step, p) for step, p in zip(steps, paths)]
     base = losses.base()
-    kept, nonfinite = single.finite_samples(samples, {"base": base}, cfg)
+    kept, nonfinite = finite_samples(samples, {"base": base}, cfg)
     base, grids, samples = base[kept], grids[:, kept], [samples[i] for i in kept]
     per_step = step_summaries(base, grids, [bucket_of(s) for s in samples], [has_two_regions(s) for s in samples])
     alive = [i for i, step in enumerate(steps) if step in present and Path(present[step]).exists()]  # pruned meanwhile
@@ -100,9 +100,9 @@ def _best_of(points: list[dict], candidates: list[int], where: Path) -> int:
 def _loss_section(cfg: EvaluateConfig, samples, base: np.ndarray, best: np.ndarray, nonfinite) -> dict:
     """metrics.json's `loss`, as a single-LoRA report's: the base against the best checkpoint's grid (`best`), over
     the val samples kept, and those left out for a non-finite base loss."""
-    from stages.evaluate import stage as single
+    from stages.evaluate.loss_section import protocol as single_protocol
 
-    protocol = single.protocol(cfg, samples).replace("LoRA off (base) and on", "LoRA off (base) and the best checkpoint")
+    protocol = single_protocol(cfg, samples).replace("LoRA off (base) and on", "LoRA off (base) and the best checkpoint")
     loss = loss_summary({"base": base, "lora": best}, samples, *cfg.loss_axes, protocol)
     loss["nonfinite_samples"] = nonfinite  # left out of every number (evaluate.on_nonfinite=skip)
     return loss

@@ -122,7 +122,8 @@ def kept_column(jobs: list[_Job], transformer, vae, cfg, qwen21: bool, samples, 
     that became the best), copied into `kept`'s. `load()`: run once before the first image is generated (a
     checkpoint's weights), not at all when every image is kept."""
     from stages.evaluate import base_images
-    from stages.evaluate.stage import lora_enabled, pick_samples
+    from stages.evaluate.lora_attach import lora_enabled
+    from stages.evaluate.sample_images import pick_samples
 
     made_of: list[Image.Image | None] = [None] * len(jobs)
     copied: dict[str, Image.Image] = {}
@@ -165,7 +166,8 @@ def _jobs(cfg, model: str, store, tables, transformer, vae, samples, damaged: di
     here, and the images reader closed)."""
     from models.loading import load_component
     from schemas.img_shapes import PIXELS_PER_PATCH
-    from stages.evaluate.stage import conditioning, images_reader, pick_samples, stored_pictures
+    from stages.evaluate.sample_images import conditioning, pick_samples
+    from stages.evaluate.val_pictures import images_reader, stored_pictures
     from store import Store
 
     from models.qwen21_generate import scheduler_config_21
@@ -187,7 +189,7 @@ def _jobs(cfg, model: str, store, tables, transformer, vae, samples, damaged: di
 def extra_jobs(cfg, model: str, transformer, vae, qwen21: bool) -> list[_Job]:
     """The extra prompts' jobs: every prompt encoded before the first image (the text encoder gone by then)."""
     from stages.evaluate.qwen21 import extra_inputs_21
-    from stages.evaluate.stage import extra_prompt_inputs
+    from stages.evaluate.sample_images import extra_prompt_inputs
 
     if not cfg.extra_prompts:
         return []

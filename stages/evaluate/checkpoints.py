@@ -73,21 +73,23 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     """The steps of `run`, every rank taking each collective one together (named in `together`'s lines)."""
     from models.collective import together
     from models.precision import auto_note
-    from stages.evaluate import stage as single, trained_val
+    from stages.evaluate import trained_val
     from stages.evaluate.base_images import machine
+    from stages.evaluate.settings import agreed_config, for_model, say_unused_negative
+    from stages.evaluate.transformer_load import load_transformer
     from stages.evaluate.loss_groups import on_every_rank
     from stages.evaluate.val_share import reader
 
     started = time.perf_counter()
     with together(ranks.world, "evaluate settings"):  # rank 0 makes the images: its node's extra prompt files
-        cfg = single.for_model(cfg, model, check=ranks.main)
+        cfg = for_model(cfg, model, check=ranks.main)
     if ranks.main:
-        single.say_unused_negative(cfg, model)
+        say_unused_negative(cfg, model)
     checkpoints, shas, pruned = _checkpoints_on_disk(ranks, checkpoints, relist)
     # the device and precision every rank computes its share in: one decision of all (a collective, outside
     # `together`): rows of one loss grid in two precisions would be recorded as the one dtype
     device_note = auto_note(cfg.device)  # before the device setting is replaced by the one resolved
-    cfg, precision = single.agreed_config(cfg, model, ranks.world)
+    cfg, precision = agreed_config(cfg, model, ranks.world)
     check_same_settings(ranks.world, cfg)
     ema, ema_shas = ema_checkpoints(cfg, checkpoints, ranks)  # a run trained with train.ema_decay: scored too
     with together(ranks.world, "the ranks' devices"):  # every rank computes rows: each one's device recorded
@@ -114,7 +116,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         ema_losses = _losses_opened(run, share.samples, *ema_settings(settings, earlier), tables,
                                     run.out / EMA_LOSSES) if ema else None
         base_cache = (out, _base_key(run, settings, share.samples))
-        transformer = single.load_transformer(cfg, model, ranks.world)  # the ranks' one attention backend
+        transformer = load_transformer(cfg, model, ranks.world)  # the ranks' one attention backend
         done = _evaluate_while_training(ranks, losses, checkpoints, shas, transformer, share.samples, share.mine,
                                         cfg, load, fingerprint, relist, base_cache, run.computed_on,
                                         (ema_losses, ema_shas) if ema else None)
@@ -209,7 +211,7 @@ def _check_report_folder(run: _Evaluation, checkpoints: list[tuple[int, Path]]) 
     """Rank 0 checks OUT holds nothing but a report's files, names the precision and warns of checkpoints of
     another base model; the others wait (its refusal stops them with its line)."""
     from models.collective import together
-    from stages.evaluate import stage as single
+    from stages.evaluate.other_base import warn_other_base
     from stages.evaluate.report_folder import check_report_folder
 
     ranks, cfg = run.ranks, run.cfg
@@ -218,19 +220,19 @@ def _check_report_folder(run: _Evaluation, checkpoints: list[tuple[int, Path]]) 
             check_report_folder(run.out)
             ranked = f", {ranks.world} ranks" if ranks.world > 1 else ""
             tqdm.write(run.precision.describe("evaluate", cfg.device, run.device_note + ranked))
-            single.warn_other_base([path for _, path in checkpoints], run.model, [step for step, _ in checkpoints])
+            warn_other_base([path for _, path in checkpoints], run.model, [step for step, _ in checkpoints])
 
 
 def _read_val_share(run: _Evaluation):
     """(the val split's tables, the samples this rank computes): with several ranks each reads only its own
     (stages/evaluate/val_share.py); one process reads outlines (the loss passes read the features batch by
     batch)."""
-    from stages.evaluate import stage as single
+    from stages.evaluate.val_samples import read_val_samples
     from stages.evaluate.val_share import read_share
 
     if run.ranks.world > 1:
         return read_share(run.cfg, run.store, run.model, run.ranks)
-    return single.read_val_samples(run.cfg, run.store, run.model)
+    return read_val_samples(run.cfg, run.store, run.model)
 
 
 def _losses_opened(run: _Evaluation, samples, fingerprint: str, settings: dict, earlier: list[dict],
@@ -337,8 +339,9 @@ def _report(run: _Evaluation, tables, share, transformer, done, damaged: dict, s
             settings: dict, pruned: list[int], trained: list[dict] | None = None) -> CheckpointsResult:
     """Rank 0's part once the losses are in: the images of the best and last checkpoints (and the base), the
     run record, metrics.json and index.html (`_rank_0_alone` runs it)."""
-    from stages.evaluate import stage as single
     from stages.evaluate.checkpoint_report import generated_rows, write_checkpoint_report
+    from stages.evaluate.generation_summary import generation_summary
+    from stages.evaluate.sample_images import pick_samples
     from stages.evaluate.val_share import complete
 
     cfg, model, store, out = run.cfg, run.model, run.store, run.out
@@ -349,14 +352,14 @@ def _report(run: _Evaluation, tables, share, transformer, done, damaged: dict, s
     recorded.update({last["path"]: shas.get(last["step"])} if best.get("weights") == "ema" else
                     {best["path"]: shas.get(best["step"]), last["path"]: shas.get(last["step"])})
     with writing("the report", out):  # a full disk: its line, not "rank 0: ... OSError" (`fails_alone`)
-        rows, pictured = [], complete(tables, share, single.pick_samples(share.samples, cfg.num_samples))
+        rows, pictured = [], complete(tables, share, pick_samples(share.samples, cfg.num_samples))
         if cfg.num_samples > 0 or cfg.extra_prompts:
             rows = generated_rows(cfg, model, store, tables, transformer, pictured, best["path"],
                                   best["step"], last["path"], last["step"], attached, damaged, recorded,
                                   base_cache=(out / BASE_IMAGES, settings), held=held)
         write_best_lora(out, transformer, best, cfg.lora_scale, (held or {}).get(best["path"]),
                         recorded.get(best["path"]))
-        metrics["generation"] = single.generation_summary(rows, cfg, model)  # "lora" = the best one
+        metrics["generation"] = generation_summary(rows, cfg, model)  # "lora" = the best one
         metrics["run"] = _run_record(cfg, store, model, tables, pictured, damaged, settings,
                                      run.ranks.world, transformer, run.precision)
         metrics["run"]["trained_val"] = trained  # val samples the runs trained on (`trained_val.check`)

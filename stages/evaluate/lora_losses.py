@@ -27,7 +27,7 @@ STEP = 0  # the LoRA's row (no checkpoint step: the LoRA is named by its bytes)
 
 
 def settings_of(features: dict, lora_sha256: str, machine: dict) -> dict:
-    """The group's settings: `features` (`stage.read_inputs`), the LoRA's sha256 and what computed the numbers
+    """The group's settings: `features` (`report_inputs.read_inputs`), the LoRA's sha256 and what computed the numbers
     (`base_images.machine`: as the base-losses file's key; without it a report on another GPU, or after a library
     or source update, took the earlier grids as its own)."""
     return {**features, "lora_sha256": lora_sha256, "machine": machine}

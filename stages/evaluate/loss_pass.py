@@ -170,7 +170,9 @@ def _base_row(ranks, losses: LossStore | None, transformer, samples, mine: list[
     from contextlib import nullcontext
 
     from models.collective import together
-    from stages.evaluate import base_losses, stage as single
+    from stages.evaluate import base_losses
+    from stages.evaluate.loss_section import finite_samples
+    from stages.evaluate.lora_attach import lora_enabled
 
     seeds, sigmas = cfg.loss_axes
     base, reused = None, False
@@ -180,7 +182,7 @@ def _base_row(ranks, losses: LossStore | None, transformer, samples, mine: list[
     if not recorded and not reused:  # the plain model: a checkpoint's adapter, once loaded, bypassed
         # (the newer checkpoints of another training set the array aside after one was evaluated: that LoRA's
         # losses were recorded as the base, and kept in the base-losses file for later runs)
-        with single.lora_enabled(transformer, False) if attached else nullcontext():
+        with lora_enabled(transformer, False) if attached else nullcontext():
             base = _cells(ranks, transformer, samples, mine, seeds, sigmas, cfg.batch_size, "held-out loss (base)",
                           load, ~known if base_partial else None)
     with together(ranks.world, "the base losses"):
@@ -202,7 +204,7 @@ def _base_row(ranks, losses: LossStore | None, transformer, samples, mine: list[
                     base_losses.write(Path(base_cache[0]) / base_losses.FILE, base_cache[1], base)
             # A non-finite base loss means bad stored features (evaluate.on_nonfinite=stop names them): stop
             # before the checkpoints are evaluated, not after all of them
-            single.finite_samples(samples, {"base": base}, cfg)
+            finite_samples(samples, {"base": base}, cfg)
 
 
 def _record_checkpoint(ranks, losses: LossStore | None, step: int, path: Path, sha: str, computed_on,

@@ -45,7 +45,7 @@ def check_extra_prompts_21(cfg, model: str) -> None:
 
 
 def extra_inputs_21(model: str, transformer, vae, cfg):
-    """`evaluate.extra_prompts` on a 2.1 model, as `stage.extra_prompt_inputs` yields them for the others, with
+    """`evaluate.extra_prompts` on a 2.1 model, as `sample_images.extra_prompt_inputs` yields them for the others, with
     `cond` a function giving the image of the transformer as it is when called (LoRA on, off, or another
     checkpoint): the stock `QwenImage21Pipeline` call predict makes (`models.qwen21_predict.edit_21`) over this
     transformer and VAE. Every prompt (and the negative under true CFG) is encoded once, by the stock

@@ -1,6 +1,6 @@
 """Is OUT's `evaluate --all-checkpoints` report current (`current_metrics`: the same loss array, every checkpoint
 with its present bytes and path, the same settings, `schemas.up_to_date`'s rules), and when it is not: why
-(`differences`, `say_recomputed`) and what is computed again (`redone`). Single-LoRA evaluate (`stage`) reads the
+(`differences`, `say_recomputed`) and what is computed again (`redone`). Single-LoRA evaluate (`report_inputs`) reads the
 same rules for its report: the earlier config fingerprints, the damaged and non-finite samples left out."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def current_metrics(out: Path, fingerprint: str, checkpoints: list[tuple[int, Pa
                     n: int | None = None, ema_shas: dict[int, str] | None = None) -> dict | None:
     """The report's metrics when it is current (`schemas.up_to_date`): the same loss array (`fingerprint`),
     every checkpoint recorded with its present bytes (`shas`) and path (a moved run: the report names the new
-    paths), the same evaluate settings (`stage.same_config`; `n`: the val split's size, which says which caps
+    paths), the same evaluate settings (`config_spellings.same_config`; `n`: the val split's size, which says which caps
     read every sample) and extra prompts' image bytes (pictures only: the array is kept). `why`: filled, when
     OUT holds a report that is not current, with what differs (`differences`; `settings`: the loss array's
     settings of this run, `loss_fingerprint`). `ema_shas`: step -> the sha256 of its EMA file, of the checkpoints
@@ -71,7 +71,7 @@ def current_metrics(out: Path, fingerprint: str, checkpoints: list[tuple[int, Pa
     present["listed_on_disk"] = [step for step in listed if step in dict(checkpoints)]
     recorded_inputs.update(ema_inputs[0])
     present.update(ema_inputs[1])
-    from stages.evaluate.stage import same_config
+    from stages.evaluate.config_spellings import same_config
 
     if same_config(recorded_inputs["config_fingerprint"], cfg, n, metrics):  # the same settings, spelled otherwise
         present["config_fingerprint"] = recorded_inputs["config_fingerprint"]

@@ -66,8 +66,8 @@ from stages.train.prefetch import MicroBatches
 from stages.train.result import TrainResult
 from stages.train.saving import checkpoint, cleanup, finish
 from stages.train.sampler import padded_tokens
-from stages.train.settings import (make_accelerator, resolved_config, run_backend, say_other_shift, sigma_for_model,
-                                   train_device, validate_config, zero_token_weights)
+from stages.train.settings import (make_accelerator, resolved_config, run_backend, say_other_shift, scheduler_config,
+                                   sigma_for_model, train_device, validate_config, zero_token_weights)
 from stages.train.start import check_same_start, open_tables, prepare_run_dir, resume_point, start_record
 from stages.train.state import ResumeRecord
 from stages.train.stop import StopOnSignal
@@ -204,7 +204,8 @@ def run(
     started = time.perf_counter()
     validate_config(cfg.train)
     check_sampling(cfg.train, model)  # every rank alike, before any work
-    cfg = sigma_for_model(cfg, model)  # before the finished-run check and the fingerprint
+    scheduler = scheduler_config(model)  # read once, where the σ settings need it, for both uses below
+    cfg = sigma_for_model(cfg, model, scheduler)  # before the finished-run check and the fingerprint
     world = launched_world_size()
     accelerator = make_accelerator(cfg.train) if world > 1 else None  # the ranks' process group, to decide together
     if skip_if_done and finished_here(cfg, store, model, out, world):
@@ -213,7 +214,7 @@ def run(
                            unapplied=_unapplied(Path(out), cfg))
     accelerator = accelerator or make_accelerator(cfg.train)
     if accelerator.is_main_process:
-        say_other_shift(cfg.train.sigma, model)
+        say_other_shift(cfg.train.sigma, model, scheduler)
     locks = _lock_run_folder(cfg.train, accelerator, Path(out))
     r, moved = None, None
     try:

@@ -300,18 +300,32 @@ def resolved_config(cfg: PipelineConfig, device: torch.device, main: bool,
 SHIFT_SETTINGS = ("base_shift", "max_shift", "base_image_seq_len", "max_image_seq_len")
 
 
-def sigma_for_model(cfg: PipelineConfig, model: str) -> PipelineConfig:
+def scheduler_config(model: str) -> Callable[[], Any]:
+    """The model's scheduler config, read at the first call and kept: train's start asks it for `sigma_for_model`
+    and `say_other_shift`, one read for both (each read builds the diffusers scheduler)."""
+    kept: list = []
+
+    def read():
+        if not kept:
+            from models.loading import load_component
+
+            kept.append(load_component(model, "scheduler").config)
+        return kept[0]
+
+    return read
+
+
+def sigma_for_model(cfg: PipelineConfig, model: str, scheduler: Callable[[], Any] | None = None) -> PipelineConfig:
     """`train.sigma.sampling: dynamic_shift` with any of its shift settings unset: the model's scheduler's value,
     as its pipeline's `calculate_shift` reads it (Qwen-Image-2.1: 0.5 at 256 tokens to 1.15 at 4096; the Edit
     models: 0.5 to 0.9 at 8192, the section's defaults). Before, the defaults (the Edit models') trained a 2.1
-    model without a word. Resolved before anything is fingerprinted, so the run records the numbers it used."""
+    model without a word. Resolved before anything is fingerprinted, so the run records the numbers it used.
+    `scheduler`: the config's reader (`scheduler_config`), where the caller reads it for another use too."""
     sigma = cfg.train.sigma
     unset = [name for name in SHIFT_SETTINGS if name not in sigma.model_fields_set]
     if sigma.sampling != "dynamic_shift" or not unset:
         return cfg
-    from models.loading import load_component
-
-    scheduler = load_component(model, "scheduler").config
+    scheduler = (scheduler or scheduler_config(model))()
     update = {name: scheduler[name] for name in unset if scheduler.get(name) is not None}
     resolved = sigma.model_copy(update=update)
     _check_resolved_sigma(resolved, update, model)
@@ -319,16 +333,15 @@ def sigma_for_model(cfg: PipelineConfig, model: str) -> PipelineConfig:
     return cfg.model_copy(update={"train": tc})
 
 
-def say_other_shift(sigma: SigmaConfig, model: str) -> None:
+def say_other_shift(sigma: SigmaConfig, model: str, scheduler: Callable[[], Any] | None = None) -> None:
     """A note where dynamic_shift's shift settings set in the config differ from the model's scheduler's, which its
     pipeline samples with: an Edit config's 0.5..0.9 at 256..8192 tokens carried to a Qwen-Image-2.1 model (its
     0.5..1.15 at 256..4096: μ 0.69 instead of 1.15 at a 1024² target), or the reverse, trained at the other
-    family's shift without a word. Set on purpose they stay in force: the note only says so."""
+    family's shift without a word. Set on purpose they stay in force: the note only says so. `scheduler`: as
+    `sigma_for_model`'s."""
     if sigma.sampling != "dynamic_shift":
         return
-    from models.loading import load_component
-
-    scheduler = load_component(model, "scheduler").config
+    scheduler = (scheduler or scheduler_config(model))()
     differ = [name for name in SHIFT_SETTINGS if name in sigma.model_fields_set
               and scheduler.get(name) is not None and float(getattr(sigma, name)) != float(scheduler[name])]
     if differ:

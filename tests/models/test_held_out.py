@@ -19,16 +19,16 @@ from models.randomness import eval_noise
 from schemas.config import EvaluateConfig, LoraConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stages"))
-from train_store import make_train_store, mixed_specs  # noqa: E402
+from train_store import make_train_store, mixed_specs, open_split  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def val_samples(tiny_edit_model, tmp_path_factory):
-    from stages.train.data import load, open_inputs
+    from stages.train.data import load
 
     store = tmp_path_factory.mktemp("store")
     make_train_store(store, tiny_edit_model, mixed_specs(1, 6, masks=True))
-    tables = open_inputs(store, tiny_edit_model, split="val")
+    tables = open_split(store, tiny_edit_model, split="val", section="evaluate")
     return [load(tables, k) for k in sorted(tables.keys)]
 
 
@@ -81,7 +81,8 @@ def test_one_forward_per_row_equals_three_flow_loss_passes(transformer, val_samp
 def test_evaluate_summary_matches_the_three_pass_protocol(transformer, val_samples):
     """`held_out_loss` (evaluate's metrics.json numbers) from the one-forward grid equals the old per-region
     means: overall, per bucket and inside / outside, base and LoRA."""
-    from stages.evaluate.stage import held_out_loss, lora_enabled
+    from stages.evaluate.loss_section import held_out_loss
+    from stages.evaluate.lora_attach import lora_enabled
 
     cfg = EvaluateConfig(noise_seeds=[0, 1], timesteps=[0.3, 0.7], batch_size=4)
     loss = held_out_loss(transformer, val_samples, cfg)

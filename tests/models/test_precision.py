@@ -46,7 +46,7 @@ def test_auto_is_bf16_on_a_bf16_gpu_and_float32_on_an_older_one(fake_gpus):
 
 def test_stage_sections_resolve_and_record_a_concrete_dtype(fake_gpus):
     from stages.encode.common import config_hash, resolve_precision
-    from stages.evaluate.stage import resolved_config
+    from stages.evaluate.settings import resolved_config
     from stages.train.settings import resolve_precision as train_precision
 
     cfg = load_config(None)
@@ -151,7 +151,7 @@ def test_device_auto_on_a_cpu_machine_keeps_the_old_default_hashes(monkeypatch):
     """The features hashes and evaluate's resolved settings of the default config, without CUDA, as computed with
     the default `cpu` before `auto` existed: stores and reports made then stay current."""
     from stages.encode.common import Ranks, config_hash, rank_device, resolve_precision
-    from stages.evaluate.stage import resolved_config
+    from stages.evaluate.settings import resolved_config
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = load_config(None)

@@ -124,7 +124,7 @@ def test_the_report_and_predict_name_the_steps_the_images_were_made_with(model_w
 
     from pipeline.cli import app
     from pipeline.config import load_config
-    from stages.evaluate.stage import generation_summary
+    from stages.evaluate.generation_summary import generation_summary
 
     cfg = load_config(None, {"evaluate.num_inference_steps": 2}).evaluate
     settings = generation_summary([], cfg, model_with_sigmas)["settings"]

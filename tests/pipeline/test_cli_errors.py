@@ -446,7 +446,7 @@ def test_an_evaluate_that_fails_before_writing_leaves_no_report_folder(tmp_path)
     there before is kept, lock and all."""
     from schemas.errors import UserError
     from stages.evaluate.report_folder import REPORT_LOCK
-    from stages.evaluate.stage import one_evaluate_per_report
+    from stages.evaluate.report_lock import one_evaluate_per_report
 
     @one_evaluate_per_report
     def refused(cfg, store, model, lora, out):

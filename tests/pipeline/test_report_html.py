@@ -69,7 +69,7 @@ def test_mean_psnr_says_how_many_outputs_were_identical_to_their_target(tmp_path
     """An output identical to its target has an infinite PSNR: the mean was over the finite ones and said
     nothing of it. Now metrics.json and the page both say what each mean is over."""
     from schemas.config import EvaluateConfig
-    from stages.evaluate.stage import generation_summary
+    from stages.evaluate.generation_summary import generation_summary
 
     target, near, far = _img((100, 100, 100)), _img((110, 110, 110)), _img((130, 130, 130))
     rows = [SampleRow(f"k{i}", "c", [], target, base, lora,

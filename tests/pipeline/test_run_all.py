@@ -93,11 +93,14 @@ def _assert_a_base_loss_is_the_trainers_alone(store: Path, model: str, loss: dic
     from models.loading import load_component
     from models.multires import install_multires
     from models.randomness import eval_noise
-    from stages.train.data import load, open_inputs as open_train_tables
+    from features.open import open_configured
+    from models.loading import model_files
+    from schemas.config import EvaluateConfig
+    from stages.train.data import load
 
     per_sample = loss["per_sample"]
     key = sorted(per_sample)[0]
-    sample = load(open_train_tables(store, model, split="val"), key)
+    sample = load(open_configured(EvaluateConfig(), "evaluate", store, model, model_files(model), "val"), key)
     transformer = load_component(model, "transformer")
     install_multires(transformer)
     with torch.no_grad():

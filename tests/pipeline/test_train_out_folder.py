@@ -62,7 +62,7 @@ def test_run_all_refuses_such_a_paths_run_before_its_first_stage(tmp_path):
 
 
 def test_run_all_refuses_a_paths_report_of_other_files_before_its_first_stage(tmp_path):
-    """evaluate refuses a report folder holding other files (`stages.evaluate.stage.check_report_folder`); `run all`
+    """evaluate refuses a report folder holding other files (`stages.evaluate.report_folder.check_report_folder`); `run all`
     found that only when evaluate started, after resize-bucket, both encoders and the whole training. Now the same
     check before its first stage."""
     import yaml

@@ -12,8 +12,7 @@ import torch
 
 from models.lora import read_lora
 from stages.train.budget import make_sampler
-from stages.train.data import open_inputs
-from train_store import make_train_store, mixed_specs
+from train_store import make_train_store, mixed_specs, open_split
 from two_ranks import launch_two
 
 BUDGET = 60
@@ -31,7 +30,7 @@ def _train(store: Path, model: str, out: Path, steps: int, resume: bool = False)
 def test_a_rank_without_a_sample_in_an_epochs_last_step_trains_a_stand_in(tiny_edit_model, tmp_path) -> None:
     store = tmp_path / "store"
     make_train_store(store, tiny_edit_model, mixed_specs(7))
-    tables = open_inputs(store, tiny_edit_model)
+    tables = open_split(store, tiny_edit_model)
     try:
         plan = make_sampler(tables.lengths, 4, BUDGET, 0, 64, 2).global_steps(0)
         assert [[len(b) for b in step] for step in plan][-1] == [1, 0]  # the case under test

@@ -47,7 +47,7 @@ def test_21_evaluate_refuses_an_extra_prompt_with_11_references(tiny_21_model, t
     """Both evaluate entries resolve the config through `for_model` before reading or loading anything."""
     from pipeline.config import load_config
     from schemas.errors import UserError
-    from stages.evaluate.stage import for_model
+    from stages.evaluate.settings import for_model
 
     images = [str(r) for r in _refs(tmp_path, 11)]
     size = {"height": 64, "width": 64}  # within the tiny model's processor (its default 1024² is not)
@@ -75,7 +75,7 @@ def test_edit_predict_refuses_two_controls_before_loading_anything(tiny_edit_mod
 def test_edit_evaluate_refuses_an_extra_prompt_with_two_controls(tiny_edit_model, tiny_plus_model, tmp_path):
     from pipeline.config import load_config
     from schemas.errors import UserError
-    from stages.evaluate.stage import for_model
+    from stages.evaluate.settings import for_model
 
     images = [str(r) for r in _refs(tmp_path, 2)]
     cfg = load_config(None, {"evaluate.extra_prompts": [{"prompt": "q", "images": images}]}).evaluate
@@ -132,7 +132,7 @@ def test_21_evaluate_refuses_an_extra_prompt_past_the_rope_table_before_loading(
     from models.loading import LOAD_LOG
     from pipeline.config import load_config
     from schemas.errors import UserError
-    from stages.evaluate.stage import for_model
+    from stages.evaluate.settings import for_model
 
     ref = str(_refs(tmp_path, 1)[0])
     size = {"height": 64, "width": 64}  # within the tiny model's processor (its default 1024² is not)
@@ -184,7 +184,7 @@ def test_edit_evaluate_refuses_an_extra_prompt_holding_the_processors_placeholde
     loss passes; now `for_model` refuses it first, naming the extra prompt."""
     from pipeline.config import load_config
     from schemas.errors import UserError
-    from stages.evaluate.stage import for_model
+    from stages.evaluate.settings import for_model
 
     image = str(_refs(tmp_path, 1)[0])
     cfg = load_config(None, {"evaluate.extra_prompts": [{"prompt": "p", "images": [image], "height": 64, "width": 64},

@@ -27,7 +27,8 @@ def test_no_control_embeds_and_control_dropout_training(tiny_plus_model, plus_st
     from models.flow import flow_loss
     from models.randomness import draw_caption_dropout, draw_control_dropout, draw_noise, draw_sigma, with_control_dropout
     from pipeline.config import load_config
-    from stages.train.data import load, open_inputs
+    from stages.train.data import load
+    from train_store import open_split
     from stages.train.recipe import run, setup_transformer
 
     f32 = ["--set", "encode_text.dtype=float32"]
@@ -57,7 +58,7 @@ def test_no_control_embeds_and_control_dropout_training(tiny_plus_model, plus_st
             assert text.get(key)["tensors"]["nocontrol_embeds"].shape != text.get(key)["tensors"]["prompt_embeds"].shape
 
     # per-sample draws: deterministic in (seed, step, key), about p of the samples
-    tables = open_inputs(plus_store, tiny_plus_model)
+    tables = open_split(plus_store, tiny_plus_model)
     samples = [load(tables, k) for k in tables.keys]
     draws = [draw_control_dropout(s, 0, step, 0.5) for step in range(40) for s in samples]
     assert draws == [draw_control_dropout(s, 0, step, 0.5) for step in range(40) for s in samples]

@@ -28,7 +28,8 @@ def test_edit_2511_end_to_end(plus_store, tmp_path):
     from models.multires import build_batch, multires_forward, pack_latents
     from models.randomness import draw_noise
     from pipeline.config import load_config
-    from stages.train.data import load, open_inputs
+    from stages.train.data import load
+    from train_store import open_split
     from stages.train.recipe import setup_transformer
 
     model = tmp_path / "tiny-2511"
@@ -53,7 +54,7 @@ def test_edit_2511_end_to_end(plus_store, tmp_path):
 
     # The trainer's prediction on a stored sample with controls == stock Edit-Plus pipeline + the LoRA.
     cfg = load_config(None, {"train.lora.rank": 4})
-    tables = open_inputs(plus_store, str(model))
+    tables = open_split(plus_store, str(model))
     sample = next(s for s in (load(tables, k) for k in tables.keys) if s.controls)
     x_t = pack_latents(sample.target).float() * 0.6 + pack_latents(draw_noise(sample, 0, 0)) * 0.4
     sigma = torch.tensor([0.4])

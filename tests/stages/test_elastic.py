@@ -145,13 +145,12 @@ def _trainable(model: str, tmp_path, n: int):
     gradient, the LoRA parameters), float32 on the CPU."""
     from models.lora import lora_parameters
     from pipeline.config import load_config
-    from stages.train.data import open_inputs
     from stages.train.recipe import setup_transformer
-    from train_store import make_train_store, mixed_specs
+    from train_store import make_train_store, mixed_specs, open_split
 
     make_train_store(tmp_path / "store", model, mixed_specs(n))
     tc = load_config(None, {"train.device": "cpu", "train.dtype": "float32"}).train
-    tables = open_inputs(tmp_path / "store", model)
+    tables = open_split(tmp_path / "store", model)
     transformer = setup_transformer(model, tc, torch.device("cpu"))
     for name, p in transformer.named_parameters():  # lora_B starts at 0: give every LoRA weight a gradient
         if "lora_B" in name:

@@ -16,7 +16,7 @@ from models.lora import add_lora, save_lora
 from models.multires import install_multires
 from schemas.config import EvaluateConfig, LoraConfig
 from stages.evaluate.checkpoint_report import _Job
-from stages.evaluate.stage import conditioning, paired_rows
+from stages.evaluate.sample_images import conditioning, paired_rows
 from models.lora import attach_lora
 from models.sample import TrainSample
 

@@ -279,11 +279,11 @@ def test_single_lora_evaluate_reuses_its_base_losses(run_and_store, tiny_edit_mo
     """The base's held-out loss pass (LoRA off) cost as much as the LoRA's and was run again by every rerun.
     Now it is kept in OUT/base-losses.safetensors under the base images' key over all val samples: another LoRA
     runs one loss pass (the base numbers equal to the bit); another noise seed, or a damaged file, runs both."""
-    from stages.evaluate import base_losses, stage
+    from stages.evaluate import base_losses, loss_section, stage
 
     passes = []
-    grid = stage.loss_grid
-    monkeypatch.setattr(stage, "loss_grid", lambda *a, **k: (passes.append(k.get("desc")), grid(*a, **k))[1])
+    grid = loss_section.loss_grid
+    monkeypatch.setattr(loss_section, "loss_grid", lambda *a, **k: (passes.append(k.get("desc")), grid(*a, **k))[1])
     root, out = run_and_store, tmp_path / "report"
     ckpts = dict(_ckpts(root))
     cfg = EvaluateConfig(**CFG)
@@ -345,15 +345,15 @@ def test_the_base_losses_are_kept_under_the_vae_version_they_were_read_from(run_
     Now the key takes the versions the val samples were read from."""
     import shutil
 
-    from stages.evaluate import stage
+    from stages.evaluate import loss_section, stage
     from store import Store
 
     store, out = tmp_path / "store", tmp_path / "report"
     shutil.copytree(run_and_store / "store", store)
     ckpts = dict(_ckpts(run_and_store))
     passes = []
-    grid, read = stage.loss_grid, stage.read_val_samples
-    monkeypatch.setattr(stage, "loss_grid", lambda *a, **k: (passes.append(k.get("desc")), grid(*a, **k))[1])
+    grid, read = loss_section.loss_grid, stage.read_val_samples
+    monkeypatch.setattr(loss_section, "loss_grid", lambda *a, **k: (passes.append(k.get("desc")), grid(*a, **k))[1])
 
     def read_then_new_version(*a, **k):  # v1 read; then a v2 (a copy: its own identity) becomes current
         result = read(*a, **k)
@@ -380,27 +380,27 @@ def test_the_loss_array_of_all_checkpoints_is_keyed_by_the_versions_read(run_and
     import json
     import shutil
 
-    from stages.evaluate import stage
+    from stages.evaluate import val_samples
     from store import Store
 
     store, out = tmp_path / "store", tmp_path / "report"
     shutil.copytree(run_and_store / "store", store)
     st = Store(store)
     old = st.tables()["vae"]
-    read = stage.read_val_samples
+    read = val_samples.read_val_samples
 
     def new_version_then_read(*a, **k):  # keyed at v1; a v2 (a copy: its own identity) current before the read
         shutil.copytree(st.version_dir("vae", old), st.version_dir("vae", old + 1))
         st.set_current("vae", old + 1)
         return read(*a, **k)
 
-    monkeypatch.setattr(stage, "read_val_samples", new_version_then_read)
+    monkeypatch.setattr(val_samples, "read_val_samples", new_version_then_read)
     ev.run(EvaluateConfig(**CFG), store, tiny_edit_model, _ckpts(run_and_store)[:1], out)
     metrics = json.loads((out / "metrics.json").read_text())
     read_id = st.version_id("vae", old + 1)
     assert metrics["run"]["settings"]["tables"]["vae"] == read_id == metrics["run"]["tables"]["vae"]
 
-    monkeypatch.setattr(stage, "read_val_samples", read)
+    monkeypatch.setattr(val_samples, "read_val_samples", read)
     st.set_current("vae", old)  # v1 again: its losses were never computed, none may be reused
     again = ev.run(EvaluateConfig(**CFG), store, tiny_edit_model, _ckpts(run_and_store)[:1], out)
     assert again.evaluated == 1

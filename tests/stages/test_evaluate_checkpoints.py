@@ -689,16 +689,17 @@ def test_a_second_evaluate_into_the_same_report_folder_stops_at_once(tmp_path: P
 
     from schemas.errors import UserError
     from stages.evaluate import checkpoints as ev, stage as single
+    from stages.evaluate.report_folder import REPORT_LOCK
     from store.format import flock
 
     out = tmp_path / "report"
     out.mkdir()
-    with flock(out / single.REPORT_LOCK):
+    with flock(out / REPORT_LOCK):
         for run, what in ((single.run, tmp_path / "lora"), (ev.run, [(10, tmp_path / "lora")])):
             with pytest.raises(UserError) as e:
                 run(None, tmp_path / "store", "model", what, out)  # nothing is read before the lock
             assert str(out) in str(e.value) and f"pid {os.getpid()}" in str(e.value) and "\n" not in str(e.value)
-    assert [p.name for p in out.iterdir()] == [single.REPORT_LOCK]
+    assert [p.name for p in out.iterdir()] == [REPORT_LOCK]
 
 
 def test_a_run_folder_that_does_not_exist_is_named(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""evaluate's extra prompts (stages/evaluate/qwen21.py, stage.py): each prompt encoded once, the text
+"""evaluate's extra prompts (stages/evaluate/qwen21.py, sample_images.py): each prompt encoded once, the text
 encoder gone before the first image, the images those of the stock pipeline call predict makes."""
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def test_edit_extra_prompts_generate_without_the_text_encoder(tiny_edit_model, t
     from models.generate import generate
     from models.loading import load_component
     from stages.evaluate.checkpoint_report import extra_jobs
-    from stages.evaluate.stage import extra_prompt_inputs, lora_enabled, paired_rows
+    from stages.evaluate.lora_attach import lora_enabled
+    from stages.evaluate.sample_images import extra_prompt_inputs, paired_rows
 
     ref = tmp_path / "ref.png"
     Image.fromarray(np.random.default_rng(3).integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(ref)
@@ -135,7 +136,7 @@ def test_evaluate_refuses_a_too_elongated_extra_prompt_image_at_its_start(tiny_e
     import pytest
 
     from schemas.errors import UserError
-    from stages.evaluate.stage import for_model
+    from stages.evaluate.settings import for_model
 
     square = tmp_path / "square.png"
     Image.new("RGB", (32, 32), "gray").save(square)
@@ -164,7 +165,7 @@ def test_evaluate_refuses_an_extra_prompt_size_the_pipeline_would_round_down(tin
     import pytest
 
     from schemas.errors import UserError
-    from stages.evaluate.stage import for_model
+    from stages.evaluate.settings import for_model
 
     image = tmp_path / "c.png"
     Image.new("RGB", (64, 64), "gray").save(image)

@@ -101,13 +101,13 @@ def test_a_single_lora_report_is_kept_across_caps_that_read_every_sample(run_and
     """Single-LoRA evaluate, as --all-checkpoints: 256 (the default) then null on a 5-sample split read the same
     samples, the same numbers; before, the report's config fingerprint named the cap as set, and the rerun ran the
     LoRA's loss pass again (its base losses reused). A cap below the split's size is another report."""
-    from stages.evaluate import stage
+    from stages.evaluate import loss_section, stage
 
     root, out = run_and_store, tmp_path / "report"
     store, model, lora = root / "store", tiny_edit_model, dict(_ckpts(root))[10]
     first = stage.run(EvaluateConfig(**CFG), store, model, lora, out)
-    passes, real = [], stage.loss_grid
-    monkeypatch.setattr(stage, "loss_grid", lambda *a, **k: (passes.append(k.get("desc")), real(*a, **k))[1])
+    passes, real = [], loss_section.loss_grid
+    monkeypatch.setattr(loss_section, "loss_grid", lambda *a, **k: (passes.append(k.get("desc")), real(*a, **k))[1])
     for cap in (None, 5, 256):
         res = stage.run(EvaluateConfig(**{**CFG, "max_loss_samples": cap}), store, model, lora, out, skip_if_done=True)
         assert res.up_to_date and passes == [], (cap, passes)

@@ -145,15 +145,15 @@ def test_single_lora_stops_on_bad_features_before_the_lora_pass(poisoned, tiny_e
     long as the base pass) and then stopped with the same line."""
     from schemas.config import EvaluateConfig
     from schemas.errors import UserError
-    from stages.evaluate import stage
+    from stages.evaluate import loss_section, stage
 
-    real, passes = stage.loss_grid, []
+    real, passes = loss_section.loss_grid, []
 
     def loss_grid(*a, **k):
         passes.append(k.get("desc"))
         return real(*a, **k)
 
-    monkeypatch.setattr(stage, "loss_grid", loss_grid)
+    monkeypatch.setattr(loss_section, "loss_grid", loss_grid)
     cfg = EvaluateConfig(device="cpu", num_samples=0, noise_seeds=[0], timesteps=[0.5])
     with pytest.raises(UserError, match=key_of(3)) as e:
         stage.run(cfg, poisoned / "store", tiny_edit_model, poisoned / "lora", tmp_path / "report")

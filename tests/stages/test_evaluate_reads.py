@@ -11,7 +11,7 @@ import shutil
 from read_counter import WEIGHTS, count_lora_reads
 from schemas.config import EvaluateConfig
 from stages.evaluate import checkpoints as ev
-from stages.evaluate import stage
+from stages.evaluate import stage, val_pictures
 from stages.evaluate.checkpoint_files import check_and_hash
 from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
 
@@ -137,7 +137,7 @@ def test_the_pictured_samples_captions_are_read_for_their_rows_only(edit_store, 
         picked = [SimpleNamespace(key=k, controls=[None]) for k in (keys[3], keys[0])]
         picked.append(SimpleNamespace(key="0" * 32, controls=[None]))  # not in the table
         monkeypatch.setattr(pq.ParquetFile, "iter_batches", iter_batches)
-        got = stage.stored_pictures(images, picked, "stop", None)
+        got = val_pictures.stored_pictures(images, picked, "stop", None)
         monkeypatch.undo()
         assert passes == [["caption", "files"]]
         assert not set(images.meta_columns()) & images.view.parsed
@@ -148,7 +148,7 @@ def test_the_pictured_samples_captions_are_read_for_their_rows_only(edit_store, 
             assert target.size == (images.meta(s.key)["bucket"][1], images.meta(s.key)["bucket"][0])
             assert len(controls) == 1
         assert got[2][1:] == ([], None)
-    assert stage.stored_pictures(None, picked, "stop", None) == [("", [], None)] * 3
+    assert val_pictures.stored_pictures(None, picked, "stop", None) == [("", [], None)] * 3
 
 
 def test_a_damaged_pictured_sample_is_refused_or_skipped_alone(edit_store):
@@ -168,10 +168,10 @@ def test_a_damaged_pictured_sample_is_refused_or_skipped_alone(edit_store):
     picked = [SimpleNamespace(key=k, controls=[None]) for k in keys[:3]]
     with Store(edit_store, create=False).reader("images", on_damaged="skip") as images:
         with pytest.raises(DamagedData, match="store repair"):
-            stage.stored_pictures(images, picked, "stop", None)
+            val_pictures.stored_pictures(images, picked, "stop", None)
     with Store(edit_store, create=False).reader("images", on_damaged="skip") as images:
         damaged: dict = {}
-        got = stage.stored_pictures(images, picked, "skip", damaged)
+        got = val_pictures.stored_pictures(images, picked, "skip", damaged)
         assert list(damaged) == [f"images:{keys[1]}"] and "crc32c" in damaged[f"images:{keys[1]}"]
         assert got[1][1:] == ([], None) and got[1][0] == images.meta(keys[1])["caption"]
         assert all(target is not None and len(controls) == 1 for _, controls, target in (got[0], got[2]))

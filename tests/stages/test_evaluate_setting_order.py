@@ -101,15 +101,15 @@ def test_a_single_lora_report_is_current_under_reordered_seeds_and_sigmas(run_an
                                                                          monkeypatch):
     """One LoRA's report: the same (its config fingerprint and base losses' key were of the order as set); forced,
     its base losses come from OUT/base-losses.safetensors, in the order they are keyed by."""
-    from stages.evaluate import stage
+    from stages.evaluate import loss_section, stage
 
     root, out, lora = run_and_store, tmp_path / "report", _ckpts(run_and_store)[0][1]
     first = stage.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, lora, out)
     reordered = EvaluateConfig(**{**CFG, "noise_seeds": [1, 0], "timesteps": [0.7, 0.3]})
     assert stage.run(reordered, root / "store", tiny_edit_model, lora, out, skip_if_done=True).up_to_date
     passes = []
-    real = stage.loss_grid
-    monkeypatch.setattr(stage, "loss_grid", lambda *a, **k: (passes.append(k.get("desc")), real(*a, **k))[1])
+    real = loss_section.loss_grid
+    monkeypatch.setattr(loss_section, "loss_grid", lambda *a, **k: (passes.append(k.get("desc")), real(*a, **k))[1])
     forced = stage.run(reordered, root / "store", tiny_edit_model, lora, out)
     assert passes == [], passes  # both grids kept in OUT/lora-losses, by their coordinates
     assert forced.metrics["loss"] == first.metrics["loss"]

@@ -160,7 +160,7 @@ def test_pictures_of_an_images_version_a_repair_replaced_name_the_encoders_to_re
     import pytest
 
     from schemas.errors import UserError
-    from stages.evaluate.stage import images_reader
+    from stages.evaluate.val_pictures import images_reader
 
     images_fixture.write(edit_store, images_fixture.edit_samples(), tag="b")
     st = Store(edit_store)

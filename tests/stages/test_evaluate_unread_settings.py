@@ -21,13 +21,13 @@ def _evaluate(store, run, single, every, model, monkeypatch, skip_if_done: bool,
     from schemas.config import EvaluateConfig
     from stages.evaluate import base_images
     from stages.evaluate import checkpoints as ev
-    from stages.evaluate import loss_pass, stage
+    from stages.evaluate import loss_pass, loss_section, stage
 
     passes, generated = [], []
     grid, write = held_out.loss_grid, base_images.write
     with monkeypatch.context() as m:
         counted = lambda *a, **k: passes.append(1) or grid(*a, **k)  # noqa: E731
-        for module in (held_out, stage, loss_pass):
+        for module in (held_out, loss_section, loss_pass):
             m.setattr(module, "loss_grid", counted)
         m.setattr(base_images, "write", lambda *a, **k: generated.append(1) or write(*a, **k))
         cfg = EvaluateConfig(**{**EVAL, **settings})

@@ -50,7 +50,7 @@ def test_a_lora_of_another_family_is_refused_by_predict_and_merge(loras, tiny_21
     model), and without the base-fingerprint warning first; before, after the whole pipeline had loaded."""
     from models.loading import LOAD_LOG
     from schemas.errors import UserError
-    from stages.evaluate.stage import warn_other_base
+    from stages.evaluate.other_base import warn_other_base
 
     model = {"21": tiny_21_model, "plus": tiny_plus_model}[model]
     ref = tmp_path / "ref.png"

@@ -15,11 +15,10 @@ from features.open import open_configured
 from models.loading import model_files, model_fingerprint
 from pipeline.config import load_config
 from schemas import UserError
-from schemas.config import EvaluateConfig
+from schemas.config import EvaluateConfig, TrainConfig
 from schemas.model_files import MODEL_FILES_ATTR
 from stages.encode import text as encode_text
 from stages.encode import vae as encode_vae
-from stages.train.data import open_inputs
 from store import Store
 from store.manifest_files import read_schema
 from train_store import make_train_store, mixed_specs
@@ -33,7 +32,7 @@ def _why_new(out: str) -> str:
 def _refusal(store, model: str) -> str:
     """What train (its data) and evaluate (its section) say, the same line."""
     with pytest.raises(UserError) as train:
-        open_inputs(store, model)
+        open_configured(TrainConfig(), "train", store, model, model_files(model), "train")
     with pytest.raises(UserError) as evaluate:
         open_configured(EvaluateConfig(), "evaluate", store, model, model_files(model), "val")
     assert str(train.value) == str(evaluate.value)

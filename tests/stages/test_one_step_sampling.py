@@ -59,7 +59,7 @@ def test_predict_refuses_one_step_on_an_edit_model_before_loading(tiny_edit_mode
 
 
 def test_evaluate_and_train_refuse_one_step_on_an_edit_model(tiny_edit_model, tmp_path):
-    from stages.evaluate.stage import for_model
+    from stages.evaluate.settings import for_model
     from stages.train.recipe import run
 
     cfg = load_config(None, {"evaluate.num_inference_steps": 1, "evaluate.num_samples": 1}).evaluate
@@ -76,7 +76,7 @@ def test_evaluate_and_train_refuse_one_step_on_an_edit_model(tiny_edit_model, tm
 
 def test_evaluate_and_train_take_one_step_on_qwen21(tiny_21_model):
     from models.loading import check_sampling_steps
-    from stages.evaluate.stage import for_model
+    from stages.evaluate.settings import for_model
 
     cfg = load_config(None, {"evaluate.num_inference_steps": 1, "evaluate.num_samples": 1}).evaluate
     assert for_model(cfg, tiny_21_model).num_inference_steps == 1

@@ -40,7 +40,7 @@ def _extra_prompt_pictures(model: str, path):
     """The control and target evaluate shows for an extra prompt whose image and target are both `path`."""
     from models.loading import load_component
     from pipeline.config import load_config
-    from stages.evaluate.stage import extra_prompt_inputs
+    from stages.evaluate.sample_images import extra_prompt_inputs
 
     # evaluate resolves its dtype for its device before this (agreed_config): the helper does the same
     cfg = load_config(None, {"evaluate.dtype": "float32",

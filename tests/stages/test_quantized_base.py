@@ -237,7 +237,7 @@ def test_evaluate_loss_on_a_quantized_base(quantize, store_dir, tiny_edit_model,
     from models.multires import install_multires
     from models.sample import TrainSample
     from schemas.config import EvaluateConfig
-    from stages.evaluate.stage import held_out_loss
+    from stages.evaluate.loss_section import held_out_loss
 
     lora = _train(store_dir, tiny_edit_model, tmp_path / "lora", "none").lora_dir
     g = torch.Generator().manual_seed(0)

@@ -123,7 +123,8 @@ def test_train_21_from_the_cli_and_the_stock_pipeline_loads_the_lora(tiny_21_mod
     from models.lora import load_lora
     from models.qwen21_multires import Qwen21Sample, build_batch, joint_image_mask, latent_tokens, qwen21_forward
     from models.randomness import draw_noise
-    from stages.train.data import load, open_inputs
+    from stages.train.data import load
+    from train_store import open_split
     from stages.train.recipe import setup_transformer
 
     mixed = SAMPLES[:3] + [("make it blue", (32, 64, "RGBA"), [(64, 32, "RGB"), (32, 32, "RGBA")]),
@@ -138,7 +139,7 @@ def test_train_21_from_the_cli_and_the_stock_pipeline_loads_the_lora(tiny_21_mod
     assert (run_dir / "lora" / "pytorch_lora_weights.safetensors").is_file()
 
     # The trainer's prediction on a stored sample with references == the stock 2.1 transformer + the LoRA.
-    tables = open_inputs(store, tiny_21_model)
+    tables = open_split(store, tiny_21_model)
     sample = next(s for s in (load(tables, k) for k in tables.keys) if len(s.controls) > 1)
     x_t = latent_tokens(sample.target).float() * 0.6 + latent_tokens(draw_noise(sample, 0, 0)) * 0.4
     sigma = torch.tensor([0.4])
@@ -248,7 +249,8 @@ def test_21_reference_dropout_trains_on_the_text_to_image_prompt(tiny_21_model, 
 
     from models.flow import prepare_flow_batch
     from models.randomness import with_control_dropout
-    from stages.train.data import load, open_inputs
+    from stages.train.data import load
+    from train_store import open_split
     from stages.train.recipe import run
 
     store = write_store21(tmp_path / "s", MIXED)
@@ -256,7 +258,7 @@ def test_21_reference_dropout_trains_on_the_text_to_image_prompt(tiny_21_model, 
     encode_text.run(cfg, store, tiny_21_model)
     encode_vae.run(cfg, store, tiny_21_model)
     pipe = QwenImage21Pipeline.from_pretrained(tiny_21_model)
-    tables = open_inputs(store, tiny_21_model)
+    tables = open_split(store, tiny_21_model)
     sample = next(s for s in (load(tables, k) for k in tables.keys) if s.controls)
     caption = Store(store).reader("images").meta(sample.key)["caption"]
     want, _, _ = pipe.encode_prompt(prompt=caption, image=None, device="cpu")  # the text-to-image template
@@ -531,7 +533,7 @@ def test_21_extra_prompt_without_images_is_the_stock_text_to_image_call(tiny_21_
     from models.loading import load_component
     from schemas import UserError
     from stages.evaluate.qwen21 import extra_inputs_21
-    from stages.evaluate.stage import for_model
+    from stages.evaluate.settings import for_model
 
     settings = {"evaluate.dtype": "float32", "evaluate.num_samples": 0, "evaluate.num_inference_steps": 2,
                 "evaluate.extra_prompts": [{"prompt": "a red square", "images": [], "height": 64, "width": 96}]}
@@ -731,14 +733,15 @@ def test_21_evaluate_defaults_to_no_guidance_as_predict_does(tiny_21_model, tiny
     import inspect
 
     from stages.evaluate import checkpoints, stage
+    from stages.evaluate.settings import for_model
 
     unset = load_config(None, {}).evaluate
-    assert stage.for_model(unset, tiny_21_model).true_cfg_scale == 1.0
-    assert stage.for_model(unset, tiny_edit_model).true_cfg_scale == 4.0
+    assert for_model(unset, tiny_21_model).true_cfg_scale == 1.0
+    assert for_model(unset, tiny_edit_model).true_cfg_scale == 4.0
     explicit = load_config(None, {"evaluate.true_cfg_scale": 4.0}).evaluate
-    assert stage.for_model(explicit, tiny_21_model).true_cfg_scale == 4.0
-    assert stage.for_model(unset, tiny_21_model).fingerprint() != unset.fingerprint()  # a report made at 4.0 is redone
-    for entry, call in ((stage.run, "cfg = for_model(cfg, model)"), (checkpoints._run, "cfg = single.for_model(cfg, model, check=ranks.main)")):
+    assert for_model(explicit, tiny_21_model).true_cfg_scale == 4.0
+    assert for_model(unset, tiny_21_model).fingerprint() != unset.fingerprint()  # a report made at 4.0 is redone
+    for entry, call in ((stage.run, "cfg = for_model(cfg, model)"), (checkpoints._run, "cfg = for_model(cfg, model, check=ranks.main)")):
         assert call in inspect.getsource(entry)
 
 
@@ -819,9 +822,10 @@ def test_21_trainer_loss_is_the_stock_transformers_with_the_saved_lora(tiny_21_m
     from models.lora import add_lora, save_lora
     from models.qwen21_multires import joint_image_mask, latent_tokens
     from models.randomness import draw_noise
-    from stages.train.data import load, open_inputs
+    from stages.train.data import load
+    from train_store import open_split
 
-    tables = open_inputs(encoded21, tiny_21_model)
+    tables = open_split(encoded21, tiny_21_model)
     samples = sorted((load(tables, k) for k in tables.keys), key=lambda s: len(s.controls))
     assert [len(s.controls) for s in samples] == [0, 1, 1, 2, 3]
     ours = load_component(tiny_21_model, "transformer").float().eval()

@@ -229,12 +229,12 @@ def test_the_damaged_sample_limit_counts_the_steps_before_a_resume(tiny_edit_mod
     used to count from the resume (1 of 8: under the limit) and trained on past the step the straight run
     refused; the checkpoint now keeps the counts and the resumed run stops where the straight one did."""
     from damage import flip_bit, sample_byte
-    from stages.train.data import open_inputs
+    from train_store import open_split
     from stages.train.sampler import LengthAwareBatchSampler
 
     store = tmp_path / "store"
     make_train_store(store, tiny_edit_model, mixed_specs(8))
-    tables = open_inputs(store, tiny_edit_model)
+    tables = open_split(store, tiny_edit_model)
     plan = LengthAwareBatchSampler(tables.lengths, 2, seed=0, window=64).global_steps(0)
     keys = [tables.keys[plan[k][0][0]] for k in (0, 2)]  # a sample of step 1 and one of step 3
     tables.close()
@@ -278,7 +278,7 @@ def test_epochs_ending_in_one_step_are_one_epoch_point(tiny_edit_model, tmp_path
     both in step 2. epoch/padding_efficiency is a point per step an epoch ended in, of the tokens of the epochs
     ended there; before, step 2 held two points (0.962 and 0.785), and a reader could not tell which epoch's."""
     from stages.train.budget import make_sampler
-    from stages.train.data import open_inputs
+    from train_store import open_split
     from stages.train.sampler import padding_efficiency
 
     store = tmp_path / "store"
@@ -286,7 +286,7 @@ def test_epochs_ending_in_one_step_are_one_epoch_point(tiny_edit_model, tmp_path
     cfg = cfg_of(max_steps=2, grad_accum=3)
     result = run(cfg, store, tiny_edit_model, tmp_path / "run")
     assert logged_steps(tmp_path / "run", "epoch/padding_efficiency") == [1, 2]
-    tables = open_inputs(store, tiny_edit_model)
+    tables = open_split(store, tiny_edit_model)
     try:
         tc = cfg.train
         sampler = make_sampler(tables.lengths, tc.batch_size, None, tc.seed, tc.sampler_window, 1)

@@ -19,7 +19,7 @@ from stages.resize import stage as resize_stage
 from stages.train import state as train_state
 from store import Store
 from store.checksum import seal
-from train_store import Spec, make_train_store, mixed_specs
+from train_store import Spec, make_train_store, mixed_specs, open_split
 
 SETTINGS = {"resize.target_area": 64 * 64, "resize.control_vae_area": 64 * 64, "resize.control_vl_area": 64 * 64,
             "resize.multiple": 16, "resize.min_side": 16, "resize.val_fraction": 0.25, "resize.max_controls": 2,
@@ -103,10 +103,8 @@ ENCODED = {"feature_lineage": "encoded-by-a-stage"}
 
 
 def _contents(root, model, **kw):
-    from stages.train.data import open_inputs
-
     make_train_store(root, model, kw.pop("specs", mixed_specs(6, 2)), attrs=kw.pop("attrs", ENCODED), **kw)
-    with open_inputs(root, model) as tables:
+    with open_split(root, model) as tables:
         return tables.content_ids(), tables.versions()
 
 
@@ -122,9 +120,7 @@ def test_content_ids_name_the_samples_read_not_their_shards(tiny_edit_model, tmp
     moved, _ = _contents(tmp_path / "moved", tiny_edit_model, specs=specs)
     assert moved["text"] != one["text"] and moved["vae"] != one["vae"]
     # the same bytes with other sequence lengths (what orders and batches them) are another run
-    from stages.train.data import open_inputs
-
-    with open_inputs(tmp_path / "one-shard", tiny_edit_model) as tables:
+    with open_split(tmp_path / "one-shard", tiny_edit_model) as tables:
         tables.lengths = tables.lengths[::-1].copy()
         assert tables.content_ids()["text"] != one["text"]
     # tables no encode stage wrote (no feature lineage: a hand-written layout) are named by their versions alone
@@ -206,12 +202,12 @@ def _reevaluate(store, run, single, every, model, monkeypatch):
     from models import held_out
     from schemas.config import EvaluateConfig
     from stages.evaluate import checkpoints as ev
-    from stages.evaluate import loss_pass, stage
+    from stages.evaluate import loss_pass, loss_section, stage
 
     passes = []
     grid = held_out.loss_grid
     monkeypatch.setattr(held_out, "loss_grid", lambda *a, **k: passes.append(1) or grid(*a, **k))
-    monkeypatch.setattr(stage, "loss_grid", held_out.loss_grid)
+    monkeypatch.setattr(loss_section, "loss_grid", held_out.loss_grid)
     monkeypatch.setattr(loss_pass, "loss_grid", held_out.loss_grid)
     one = stage.run(EvaluateConfig(**EVAL), store, model, run / "lora", single, skip_if_done=True)
     every_ = ev.run(EvaluateConfig(**EVAL), store, model, _steps(run), every, skip_if_done=True)
@@ -248,7 +244,8 @@ def test_another_sample_under_the_same_keys_is_evaluated_again(trained, tiny_plu
 
 def test_a_changed_caption_is_another_report(trained, tiny_plus_model, tmp_path):
     """The pictures' rows are named too: a caption (shown in the report) changed under the same features."""
-    from stages.evaluate.stage import PICTURE_COLUMNS, read_table_ids
+    from stages.evaluate.table_ids import read_table_ids
+    from stages.evaluate.val_pictures import PICTURE_COLUMNS
 
     from schemas.config import EvaluateConfig
 
@@ -281,16 +278,16 @@ def test_reports_and_arrays_recorded_under_version_ids_stay_current(trained, tin
 
     from schemas.config import EvaluateConfig
     from stages.evaluate import checkpoints as ev
-    from stages.evaluate import loss_fingerprint, stage
+    from stages.evaluate import loss_fingerprint, loss_section, stage, table_ids
 
     with monkeypatch.context() as old_release:  # every table named by its version id, as before
         old_release.setattr(loss_fingerprint, "read_tables", lambda tables, cap: tables.versions())
-        old_release.setattr(stage, "images_rows_id", lambda st, tables, first=None: None)
+        old_release.setattr(table_ids, "images_rows_id", lambda st, tables, first=None: None)
         store, run, single, every = _evaluated(trained, tiny_plus_model, tmp_path)
     import json
 
     assert json.loads((single / "metrics.json").read_text())["run"]["inputs"]["tables"] == \
-        stage.version_table_ids(store)  # the earlier release's spelling, exactly
+        table_ids.version_table_ids(store)  # the earlier release's spelling, exactly
     old = zarr.open_group(every / "losses.zarr", mode="r", use_consolidated=True).attrs["fingerprint"]
 
     with monkeypatch.context() as m:
@@ -298,8 +295,8 @@ def test_reports_and_arrays_recorded_under_version_ids_stay_current(trained, tin
     assert one.up_to_date and every_.up_to_date and passes == 0
     with monkeypatch.context() as m:  # forced: recorded again, under content
         passes = []
-        grid = stage.loss_grid
-        m.setattr(stage, "loss_grid", lambda *a, **k: passes.append(1) or grid(*a, **k))
+        grid = loss_section.loss_grid
+        m.setattr(loss_section, "loss_grid", lambda *a, **k: passes.append(1) or grid(*a, **k))
         stage.run(EvaluateConfig(**EVAL), store, tiny_plus_model, run / "lora", single)
         assert passes == [1, 1]  # the base's too: no fallback to a base cache keyed by version ids
     assert ev.run(EvaluateConfig(**EVAL), store, tiny_plus_model, _steps(run), every).evaluated == 0

@@ -72,3 +72,32 @@ def test_run_all_refuses_a_scheduler_shift_train_would_refuse_before_any_stage(t
     assert lines[0].startswith("error: train.sigma (dynamic_shift): ") and str(conf) in lines[0], lines[0]
     assert "base_image_seq_len 8192" in lines[0] and "max_image_seq_len 8192" in lines[0], lines[0]
     assert not store.exists() and not (tmp_path / "run").exists()  # nothing resized, encoded or trained
+
+
+def test_train_start_reads_the_scheduler_once_for_both_uses(monkeypatch, tmp_path, capsys):
+    """Train's start read the model's scheduler twice (each read builds the diffusers scheduler): once to resolve
+    the shift settings left unset (`sigma_for_model`), once for the note on those set otherwise (`say_other_shift`).
+    Now one read serves both: the same numbers resolved, the same note."""
+    from stages.train import recipe
+
+    reads, stopped = [], []
+    config = {"base_shift": 0.5, "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096}
+    monkeypatch.setattr(models.loading, "load_component",
+                        lambda model, component: reads.append(component) or SimpleNamespace(config=config))
+
+    class Stop(Exception):
+        pass
+
+    def stop(tc, *a):  # the run folder's lock: the start is over, nothing else is needed here
+        stopped.append(tc.sigma)
+        raise Stop
+
+    monkeypatch.setattr(recipe, "_lock_run_folder", stop)
+    cfg = load_config(None, {**_DYNAMIC, "train.device": "cpu", "train.sigma.max_shift": 0.9})
+    with pytest.raises(Stop):
+        recipe.run(cfg, tmp_path / "store", "m", tmp_path / "run")
+    assert reads == ["scheduler"]
+    [sigma] = stopped
+    assert (sigma.base_shift, sigma.max_shift, sigma.base_image_seq_len, sigma.max_image_seq_len) == (0.5, 0.9, 256, 4096)
+    [note] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note: train.sigma")]
+    assert "max_shift 0.9, as set" in note and "max_shift 1.15" in note, note

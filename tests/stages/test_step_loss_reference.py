@@ -15,9 +15,8 @@ from models.lora import lora_parameters
 from pipeline.config import load_config
 from stages.train.budget import make_sampler
 from stages.train.build import setup_transformer
-from stages.train.data import open_inputs
 from stages.train.prefetch import prepare
-from train_store import make_train_store, mixed_specs
+from train_store import make_train_store, mixed_specs, open_split
 from two_ranks import launch_two
 
 BUDGET, ACCUM = 80, 2
@@ -33,7 +32,7 @@ def test_the_logged_and_optimised_loss_is_the_mean_per_sample_loss(tiny_edit_mod
 
     cfg = load_config(None, {"train.device": "cpu", "train.lora.rank": 4, "train.max_tokens_per_batch": BUDGET,
                              "train.grad_accum": ACCUM, "train.sigma.sampling": "uniform"}).train
-    tables = open_inputs(store, tiny_edit_model)
+    tables = open_split(store, tiny_edit_model)
     try:
         plan = make_sampler(tables.lengths, cfg.batch_size, BUDGET, cfg.seed, cfg.sampler_window, 2).global_steps(0)
         micro = [plan[k] for k in range(ACCUM)]  # step 1: the first ACCUM global micro-batches, both ranks' batches

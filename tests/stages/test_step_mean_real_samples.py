@@ -15,9 +15,8 @@ from models.lora import lora_parameters
 from pipeline.config import load_config
 from stages.train import recipe
 from stages.train.build import setup_transformer
-from stages.train.data import open_inputs
 from stages.train.prefetch import prepare
-from train_store import key_of, make_train_store, mixed_specs
+from train_store import key_of, make_train_store, mixed_specs, open_split
 
 ACCUM = 4
 TRAIN = {"train.device": "cpu", "train.lora.rank": 4, "train.batch_size": 1, "train.grad_accum": ACCUM,
@@ -54,7 +53,7 @@ def _recorded_step(monkeypatch, cfg, store, model, out) -> dict:
 
 def _reference(cfg, store, model, keys: list[str]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The samples' losses, each run alone (step 0's draws), their mean and its LoRA gradient."""
-    tables = open_inputs(store, model)
+    tables = open_split(store, model)
     try:
         samples = [tables.keys.array.to_pylist().index(k) for k in keys]
         transformer = setup_transformer(model, cfg, torch.device("cpu")).to(torch.float64)

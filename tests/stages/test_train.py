@@ -23,9 +23,9 @@ from stages.train.recipe import run, setup_transformer
 from stages.train.schedule import lr_factor
 from models.flow import flow_loss
 from models.randomness import draw_noise
-from stages.train.data import load, open_inputs as open_train_tables
+from stages.train.data import load
 from store import Store
-from train_store import assert_close_lora, make_train_store, mixed_specs
+from train_store import assert_close_lora, make_train_store, mixed_specs, open_split as open_train_tables
 from warm_start import WarmProcess
 
 REPO = Path(__file__).resolve().parents[2]

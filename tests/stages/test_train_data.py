@@ -14,9 +14,9 @@ from schemas import UserError
 from models.flow import flow_loss
 from models.randomness import draw_caption_dropout, draw_noise, draw_sigma
 from models.sample import from_features
-from stages.train.data import load, open_inputs as open_train_tables
+from stages.train.data import load
 from store import TableReader
-from train_store import Spec, key_of, make_train_store, mixed_specs
+from train_store import Spec, key_of, make_train_store, mixed_specs, open_split as open_train_tables
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,7 @@ from stages.train.recipe import run
 from store import Store
 from store.integrity import DamagedData
 from damage import flip_bit, key_at, sample_byte
-from stages.train.data import open_inputs as open_train_tables
-from train_store import make_train_store, mixed_specs
+from train_store import make_train_store, mixed_specs, open_split as open_train_tables
 
 runner = CliRunner()
 BASE = {"train.device": "cpu", "train.batch_size": 2, "train.learning_rate": 2e-3, "train.lora.rank": 4,
@@ -150,7 +149,7 @@ def test_a_share_all_damaged_runs_a_zero_weight_stand_in(damaged_store, tiny_edi
 
 
 def test_evaluate_refuses_a_damaged_val_sample(tmp_path, tiny_edit_model):
-    from stages.train.data import load, open_inputs as open_train_tables
+    from stages.train.data import load
 
     root = tmp_path / "store"
     make_train_store(root, tiny_edit_model, mixed_specs(4, 4))
@@ -158,7 +157,7 @@ def test_evaluate_refuses_a_damaged_val_sample(tmp_path, tiny_edit_model):
     val = sorted(k for k, s in zip(r.keys(), r.manifest.column("split").to_pylist()) if s == "val")
     key = val[0]
     flip_bit(*sample_byte(root, "text", key, "prompt_embeds"), 6)
-    tables = open_train_tables(root, tiny_edit_model, split="val")  # what evaluate reads
+    tables = open_train_tables(root, tiny_edit_model, split="val", section="evaluate")  # what evaluate reads
     with pytest.raises(DamagedData, match=f"table 'text' v1 .*sample {key}"):
         [load(tables, k) for k in tables.keys]
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from pipeline.config import load_config
 from stages.train.recipe import run
-from train_store import make_train_store, mixed_specs
+from train_store import make_train_store, mixed_specs, open_split
 
 SETS = {"train.device": "cpu", "train.batch_size": 2, "train.learning_rate": 5e-3, "train.lora.rank": 4,
         "train.lora.dropout": 0.2, "train.sigma.sampling": "uniform", "train.checkpoint_every": 2}
@@ -31,7 +31,7 @@ def test_validation_logs_samples_and_does_not_change_training(tiny_edit_model, t
     from models.flow import flow_loss
     from models.lora import load_lora
     from models.randomness import eval_noise
-    from stages.train.data import load, open_inputs
+    from stages.train.data import load
     from stages.train.recipe import setup_transformer
 
     store = tmp_path / "store"
@@ -58,7 +58,7 @@ def test_validation_logs_samples_and_does_not_change_training(tiny_edit_model, t
     assert [e.step for e in val] == [1, 2, 3, 4]
     assert [e.step for e in ea.Images("samples/grid")] == [2, 4]
     # the logged value at step 4 is the held-out loss of the final LoRA on the first 2 val keys (one batch here)
-    tables = open_inputs(store, tiny_edit_model, split="val")
+    tables = open_split(store, tiny_edit_model, split="val")  # as the validator opens it
     samples = [load(tables, k) for k in sorted(tables.keys)[:2]]
     cfg = load_config(None, SETS).train
     model = setup_transformer(tiny_edit_model, cfg, torch.device("cpu")).eval()

@@ -53,7 +53,8 @@ def test_train_reuses_on_a_device_change_and_recomputes_on_a_hashed_one(trained,
 
 def test_evaluate_report_reuses_on_a_device_change_and_recomputes_on_a_hashed_one(trained, tiny_edit_model,
                                                                                    tmp_path, monkeypatch):
-    from stages.evaluate.stage import report_up_to_date, run
+    from stages.evaluate.report_inputs import report_up_to_date
+    from stages.evaluate.stage import run
 
     store, lora, out = trained / "store", trained / "run" / "lora", tmp_path / "report"
     run(EvaluateConfig(**EVAL), store, tiny_edit_model, lora, out)
@@ -216,9 +217,10 @@ def test_evaluate_report_is_stale_when_an_extra_prompt_image_is_replaced(trained
     """Before: the report recorded the extra prompts' paths only, so a picture replaced at probe/cat.png kept a
     report of the old one up to date."""
     import models.edit
-    from stages.evaluate.stage import report_up_to_date, run
+    from stages.evaluate.report_inputs import report_up_to_date
 
     # the controls' view at 256² rather than the stock ~1024² (as tests/stages/test_predict.py): the text and VAE
+    from stages.evaluate.stage import run
     # encoding of each extra prompt's control took seconds of CPU; nothing asserted here depends on its size
     monkeypatch.setattr(models.edit, "VAE_AREA", 256 * 256)
     store, lora, out = trained / "store", trained / "run" / "lora", tmp_path / "report"
@@ -310,7 +312,8 @@ def test_an_evaluate_report_of_another_evaluation_revision_is_recomputed(trained
     import json
 
     from stages.evaluate import loss_fingerprint
-    from stages.evaluate.stage import report_up_to_date, run
+    from stages.evaluate.report_inputs import report_up_to_date
+    from stages.evaluate.stage import run
 
     store, lora, out = trained / "store", trained / "run" / "lora", tmp_path / "report"
     cfg = EvaluateConfig(**EVAL)

@@ -53,7 +53,7 @@ def test_every_val_sample_damaged_is_refused_before_any_step(tiny_edit_model, tm
 def test_evaluate_refuses_when_every_val_sample_is_damaged(tiny_edit_model, tmp_path) -> None:
     """Both readers: one process's (`read_val_samples`) and the ranks' shares (`read_share`, one rank here)."""
     from stages.evaluate.ranks import Ranks
-    from stages.evaluate.stage import read_val_samples
+    from stages.evaluate.val_samples import read_val_samples
     from stages.evaluate.val_share import read_share
 
     store = damaged_val_store(tmp_path, tiny_edit_model)

@@ -130,9 +130,9 @@ def trainer_vs_stock(model: str, store: Path, ours_model, lora_for_stock: Path):
 
     from models.multires import build_batch, multires_forward, pack_latents
     from models.randomness import draw_noise
-    from stages.train.data import load, open_inputs
+    from stages.train.data import load
 
-    tables = open_inputs(store, model)
+    tables = open_split(store, model)
     sample = next(s for s in (load(tables, k) for k in tables.keys) if s.controls)
     x_t = pack_latents(sample.target).float() * 0.6 + pack_latents(draw_noise(sample, 0, 0)) * 0.4
     sigma = torch.tensor([0.4])
@@ -178,3 +178,14 @@ def assert_same_training(a, b) -> None:
     for k in la:
         assert torch.equal(la[k], lb[k]), k
     assert a.losses == b.losses
+
+
+def open_split(store, model: str, split: str = "train", section: str = "train", **settings):
+    """`text` + `vae` of one split as the product opens them (`features.open.open_configured`): with the reading
+    settings of `section` (train: training and its validator; evaluate), their defaults or those given."""
+    from features.open import open_configured
+    from models.loading import model_files
+    from schemas.config import EvaluateConfig, TrainConfig
+
+    cfg = (TrainConfig if section == "train" else EvaluateConfig)(**settings)
+    return open_configured(cfg, section, store, model, model_files(model), split)
