@@ -94,6 +94,7 @@ def add_lora(transformer, cfg: LoraSettings) -> None:
     names = _linear_names(transformer)  # before peft wraps them (base_layer, lora_A.default, ...)
     config = adapter_config(cfg)
     refuse_lycoris_on_nf4(transformer, config, f"train.lora.kind {getattr(cfg, 'kind', 'lora')}")
+    refuse_rank_above_width(transformer, cfg)
     try:
         with _no_torchao_merge_warning():
             transformer.add_adapter(config, adapter_name=ADAPTER)
@@ -112,6 +113,20 @@ def add_lora(transformer, cfg: LoraSettings) -> None:
     # LoRA weights train in float32 even when the frozen base is bf16 (optimizer states stay exact).
     for p in lora_parameters(transformer):
         p.data = p.data.float()
+
+
+def refuse_rank_above_width(transformer, cfg: LoraSettings) -> None:
+    """A rank above the smallest adapted layer's width (min of its in and out features), refused in one line before
+    any adapter weight is allocated: B @ A cannot exceed that rank, so the rest is memory and compute that trains
+    nothing (the config's static cap, schemas/config.py `Rank`, cannot know the model's widths)."""
+    widths = {n: min(m.in_features, m.out_features) for n, m in transformer.named_modules()
+              if isinstance(m, torch.nn.Linear) and any(n == t or n.endswith("." + t) for t in cfg.target_modules)}
+    if not widths or cfg.rank <= min(widths.values()):
+        return
+    name = min(widths, key=widths.get)
+    raise UserError(f"train.lora.rank {cfg.rank} is above the width of the adapted layer {name} ({widths[name]}, the "
+                    f"smaller of its in and out features): a LoRA's update cannot have a higher rank; set "
+                    f"train.lora.rank to at most {widths[name]}, or leave that layer out of train.lora.target_modules")
 
 
 def _linear_names(transformer) -> list[str]:

@@ -13,7 +13,8 @@ import struct
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, WrapValidator, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from schemas.lineage import FEATURES, IDENTITY, THROUGHPUT, WHILE_TRAINING, Role, added_later, adds_columns, section_fingerprint
 
@@ -71,6 +72,62 @@ def _boolean_words(annotation: Any) -> list[str]:
     return [w for a in get_args(annotation) for w in _boolean_words(a)]
 
 
+class IntRange:
+    """The range `lo .. hi` of an integer setting, checked at config load (a pydantic wrap validator): every int
+    setting is one of the `Annotated` families below, so none reaches a stage past what fits an int64 or what a
+    real run could use (tests/schemas/test_int_ranges.py walks the schema). Unbounded, `train.batch_size 1e20`
+    stopped train with an OverflowError after setup, `train.lora.rank 1e12` failed allocating and
+    `train.grad_accum 1e23` made a step that never ended. An integral float beyond it (YAML `1.0e+23`) is
+    refused with the range too, before pydantic's int conversion says only "exceeded maximum size"."""
+
+    def __init__(self, lo: int, hi: int, what: str) -> None:
+        self.lo, self.hi, self.what = lo, hi, what
+
+    def __call__(self, value: Any, handler: Any) -> Any:
+        if isinstance(value, float) and value.is_integer() and not self.lo <= value <= self.hi:
+            raise self._refused()
+        value = handler(value)
+        if not self.lo <= value <= self.hi:
+            raise self._refused()
+        return value
+
+    def _refused(self) -> PydanticCustomError:
+        # one line with the key and the value (pipeline/config.py `_format_errors` adds both)
+        return PydanticCustomError("int_range", "should be {lo} .. {hi}, {what}",
+                                   {"lo": self.lo, "hi": self.hi, "what": self.what})
+
+
+def _ints(lo: int, hi: int, what: str) -> Any:
+    """An integer setting of range lo .. hi (`IntRange`)."""
+    return Annotated[int, WrapValidator(IntRange(lo, hi, what))]
+
+
+#: generous but finite bounds: a product of a few of them (steps x batch x accumulation) still fits an int64
+_STEPS, _SAMPLES, _PER_BATCH, _AREA = 10**9, 1 << 32, 1 << 16, 1 << 40
+# a seed torch's generators take (torch.Generator.manual_seed: -2**63 .. 2**64 - 1): a larger one stopped train,
+# evaluate or predict with an OverflowError traceback after the model had loaded
+Seed = _ints(-(1 << 63), (1 << 64) - 1, "torch's generator range")
+BatchSize = _ints(1, _PER_BATCH, "samples per batch")
+Accumulation = _ints(1, _PER_BATCH, "micro-batches per optimizer step")
+# static: above the model's smallest adapted width it is refused once the model is known (models/lora.py `add_lora`)
+Rank = _ints(1, 1 << 16, "an adapter rank")
+Steps = _ints(1, _STEPS, "optimizer steps")
+StepsOrZero = _ints(0, _STEPS, "optimizer steps")
+DenoisingSteps = _ints(1, 10_000, "denoising steps")
+Samples = _ints(1, _SAMPLES, "samples")
+SamplesOrZero = _ints(0, _SAMPLES, "samples")
+Workers = _ints(0, 1024, "workers / threads / batches ahead")
+Blocks = _ints(0, 1024, "transformer blocks")
+Controls = _ints(0, 1024, "control images")
+Side = _ints(1, 1 << 20, "pixels of a side")
+Area = _ints(1, _AREA, "pixels")
+Frames = _ints(1, 1 << 31, "frames")
+FileBytes = _ints(1, 1 << 62, "bytes")
+OpenFiles = _ints(1, 1 << 20, "files / batches kept")
+Tokens = _ints(1, 1 << 40, "tokens")
+TokensOrZero = _ints(0, 1 << 40, "tokens")
+
+
 class Paths(Section):
     source: Annotated[str | None, IDENTITY] = None
     store: Annotated[str | None, IDENTITY] = None
@@ -121,23 +178,23 @@ class ResizeConfig(Section):
         data["target_area"] = data["control_vae_area"] = area
         return data
 
-    target_area: Annotated[int, FEATURES] = Field(1024 * 1024, gt=0, description="target pixel area of a bucket")
-    multiple: Annotated[int, FEATURES] = Field(32, gt=0, description="bucket sides are multiples of this")
-    min_side: Annotated[int, FEATURES] = Field(32, gt=0)
+    target_area: Annotated[Area, FEATURES] = Field(1024 * 1024, description="target pixel area of a bucket")
+    multiple: Annotated[Side, FEATURES] = Field(32, description="bucket sides are multiples of this")
+    min_side: Annotated[Side, FEATURES] = 32
     max_aspect: Annotated[float, FEATURES] = Field(4.0, gt=1.0, description="buckets are clamped to this aspect ratio")
     # read only while VL views are rendered (`vl_views`, stages/resize/rendering.py `_render`): under false it enters
     # every hash as its default (changing it there re-rendered every picture into the same bytes)
-    control_vl_area: Annotated[int, Role("features", read_if=lambda rc: rc.vl_views)] = Field(
-        384 * 384, gt=0, description="VL view of each control (Edit-Plus CONDITION_IMAGE_SIZE)")
-    control_vae_area: Annotated[int, FEATURES] = Field(1024 * 1024, gt=0, description="VAE view of each control (Edit-Plus VAE_IMAGE_SIZE)")
-    max_controls: Annotated[int, IDENTITY] = Field(3, ge=0)
-    min_controls: Annotated[int, IDENTITY] = Field(0, ge=0)
-    max_image_pixels: Annotated[int, IDENTITY] = Field(64 * 1024 * 1024, gt=0, description="larger images are rejected (decompression bombs)")
-    max_image_frames: Annotated[int, added_later("identity")] = Field(
-        10_000, gt=0, description="animated GIFs / multi-page TIFFs of more frames are rejected (counting them walks "
+    control_vl_area: Annotated[Area, Role("features", read_if=lambda rc: rc.vl_views)] = Field(
+        384 * 384, description="VL view of each control (Edit-Plus CONDITION_IMAGE_SIZE)")
+    control_vae_area: Annotated[Area, FEATURES] = Field(1024 * 1024, description="VAE view of each control (Edit-Plus VAE_IMAGE_SIZE)")
+    max_controls: Annotated[Controls, IDENTITY] = 3
+    min_controls: Annotated[Controls, IDENTITY] = 0
+    max_image_pixels: Annotated[Area, IDENTITY] = Field(64 * 1024 * 1024, description="larger images are rejected (decompression bombs)")
+    max_image_frames: Annotated[Frames, added_later("identity")] = Field(
+        10_000, description="animated GIFs / multi-page TIFFs of more frames are rejected (counting them walks "
         "every frame: a hostile file of millions held a worker for half an hour)")
-    max_file_bytes: Annotated[int, added_later("identity")] = Field(
-        1 << 30, gt=0, description="larger source files are quarantined unread (only regular files are read at all)")
+    max_file_bytes: Annotated[FileBytes, added_later("identity")] = Field(
+        1 << 30, description="larger source files are quarantined unread (only regular files are read at all)")
     keep_alpha: Annotated[bool, added_later()] = Field(
         False, description="store images with transparency as RGBA instead of composited over white (Qwen-Image-2.1: "
         "its VAE reads the alpha channel)")
@@ -153,7 +210,7 @@ class ResizeConfig(Section):
         "one split), key = target + controls + caption (stores made before this setting); None = the store's "
         "recorded rule, pictures for a new store (stages/resize/split_rule.py)")
     shard_size_mb: Annotated[float, THROUGHPUT] = Field(256, gt=0, description="images table shard size (fractions allowed, e.g. for tests)")
-    workers: Annotated[int, THROUGHPUT] = Field(0, ge=0, description="processes decoding/resizing/encoding PNGs (0 = in the main process)")
+    workers: Annotated[Workers, THROUGHPUT] = Field(0, description="processes decoding/resizing/encoding PNGs (0 = in the main process)")
     # which bytes are the target, controls, caption: changes which samples a table holds (keys are content hashes)
     columns: Annotated[ParquetColumns, added_later("identity")] = Field(
         ParquetColumns(), description="parquet sources: the column mapping")
@@ -177,9 +234,6 @@ def _each_once(values: list) -> list:
 
 
 Sigmas = Annotated[list[Sigma], AfterValidator(_each_once)]  # a σ grid of a held-out loss: each σ once
-# a seed torch's generators take (torch.Generator.manual_seed: -2**63 .. 2**64 - 1): a larger one stopped train,
-# evaluate or predict with an OverflowError traceback after the model had loaded
-Seed = Annotated[int, Field(ge=-(1 << 63), le=(1 << 64) - 1)]
 NoiseSeeds = Annotated[list[Seed], AfterValidator(_each_once)]  # its noise draws: each seed once
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPE_HELP = "auto = bfloat16 on a CUDA device that supports it, float32 on the CPU (models/precision.py)"
@@ -202,14 +256,14 @@ _DEVICE_HELP = ("auto (CUDA when there is one, else the CPU), cpu, cuda, cuda:N,
 class EncodeTextConfig(Section):
     device: Annotated[str | list[str], THROUGHPUT] = Field("auto", description=_DEVICE_HELP)
     dtype: Annotated[DType, FEATURES] = Field("auto", description=_DTYPE_HELP)
-    batch_size: Annotated[int, THROUGHPUT] = Field(8, gt=0)
+    batch_size: Annotated[BatchSize, THROUGHPUT] = 8
     prompt_template: Annotated[str | None, FEATURES] = Field(None, description="None = the model's own diffusers template")
-    prompt_template_start_idx: Annotated[int | None, FEATURES] = None
+    prompt_template_start_idx: Annotated[TokensOrZero | None, FEATURES] = None
     batching: Annotated[Literal["exact", "padded"], FEATURES] = Field(
         "exact", description="exact: batch only identical input shapes (bit-exact, small batches on mixed data); "
         "padded: any requests per batch, text right-padded (float32 within ~1e-6 of exact; full batches, use on GPUs)")
     shard_size_mb: Annotated[float, THROUGHPUT] = Field(256, gt=0, description="shard file size target (fractions allowed)")
-    num_workers: Annotated[int, THROUGHPUT] = Field(2, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
+    num_workers: Annotated[Workers, THROUGHPUT] = Field(2, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
     # true only adds `nocontrol_embeds`: a table encoded with it serves a run with it false (nothing re-encoded).
     # The other embeddings are bit for bit the same under `exact` batching (a request's result does not depend on
     # what else its batch holds); under `padded` the extra requests change the batches, which moves them by
@@ -225,9 +279,9 @@ class EncodeTextConfig(Section):
 class EncodeVaeConfig(Section):
     device: Annotated[str | list[str], THROUGHPUT] = Field("auto", description=_DEVICE_HELP)
     dtype: Annotated[DType, FEATURES] = Field("auto", description=_DTYPE_HELP)
-    batch_size: Annotated[int, THROUGHPUT] = Field(8, gt=0)
+    batch_size: Annotated[BatchSize, THROUGHPUT] = 8
     shard_size_mb: Annotated[float, THROUGHPUT] = Field(256, gt=0, description="shard file size target (fractions allowed)")
-    num_workers: Annotated[int, THROUGHPUT] = Field(2, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
+    num_workers: Annotated[Workers, THROUGHPUT] = Field(2, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
     on_damaged: Annotated[Literal["stop", "skip"], THROUGHPUT] = _on_damaged(
         "`images` sample", "skip it (quarantined as damaged-input, named in the summary)")
     max_damaged_fraction: Annotated[float, THROUGHPUT] = _max_damaged_fraction("the samples")
@@ -244,7 +298,7 @@ _A_SET_OF_LAYERS = Role("features", hashed_as=lambda names: sorted(
 
 
 class LoraConfig(Section):
-    rank: Annotated[int, FEATURES] = Field(16, gt=0)
+    rank: Annotated[Rank, FEATURES] = 16
     alpha: Annotated[float | None, FEATURES] = Field(None, gt=0, description="None = rank")
     dropout: Annotated[float, FEATURES] = Field(0.0, ge=0.0, lt=1.0)
     target_modules: Annotated[list[str], _A_SET_OF_LAYERS] = list(_DEFAULT_TARGETS)
@@ -269,8 +323,8 @@ class SigmaConfig(Section):
     shift: Annotated[float, _read_under("shift")] = Field(3.0, gt=0)
     base_shift: Annotated[float, _read_under("dynamic_shift")] = 0.5
     max_shift: Annotated[float, _read_under("dynamic_shift")] = 0.9
-    base_image_seq_len: Annotated[int, _read_under("dynamic_shift")] = 256
-    max_image_seq_len: Annotated[int, _read_under("dynamic_shift")] = 8192
+    base_image_seq_len: Annotated[TokensOrZero, _read_under("dynamic_shift")] = 256
+    max_image_seq_len: Annotated[TokensOrZero, _read_under("dynamic_shift")] = 8192
 
     @model_validator(mode="after")
     def _a_sequence_range(self) -> SigmaConfig:
@@ -383,38 +437,38 @@ class TrainConfig(Section):
     dtype: Annotated[DType, FEATURES] = Field("auto", description="frozen base weights; " + _DTYPE_HELP + " (auto: "
                                               "bf16 under mixed_precision bf16; float32 stays float32 under bf16 autocast)")
     seed: Annotated[Seed, FEATURES] = 0
-    batch_size: Annotated[int, _FIXED_BATCHES_ONLY] = Field(4, gt=0)
-    grad_accum: Annotated[int, FEATURES] = Field(1, gt=0)
-    max_steps: Annotated[int, _DECAYING_LR_ONLY] = Field(100, gt=0)
+    batch_size: Annotated[BatchSize, _FIXED_BATCHES_ONLY] = 4
+    grad_accum: Annotated[Accumulation, FEATURES] = 1
+    max_steps: Annotated[Steps, _DECAYING_LR_ONLY] = 100
     learning_rate: Annotated[float, FEATURES] = Field(1e-4, gt=0)
     weight_decay: Annotated[float, FEATURES] = Field(0.0, ge=0)
     adam_betas: Annotated[tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]], _ADAM_ONLY] = (0.9, 0.999)
     adam_eps: Annotated[float, _ADAM_ONLY] = Field(1e-8, gt=0)
-    warmup_steps: Annotated[int, FEATURES] = Field(0, ge=0)
+    warmup_steps: Annotated[StepsOrZero, FEATURES] = 0
     lr_schedule: Annotated[Literal["constant", "cosine", "linear"], FEATURES] = "constant"
     max_grad_norm: Annotated[float | None, FEATURES] = Field(1.0, gt=0)
     mixed_precision: Annotated[Literal["no", "bf16", "fp16"], FEATURES] = "no"
     # memory settings: the same weights (tests/stages/test_train.py, test_qwen21_stages.py), so a resume may change
     # them (OOM advice); runs fingerprinted with them resume (stages/train/settings.py `earlier_config_fingerprints`)
     gradient_checkpointing: Annotated[bool, THROUGHPUT] = False
-    uncheckpointed_blocks: Annotated[int, THROUGHPUT] = Field(
-        0, ge=0, description="with gradient checkpointing (or offload): the first N transformer blocks keep their "
+    uncheckpointed_blocks: Annotated[Blocks, THROUGHPUT] = Field(
+        0, description="with gradient checkpointing (or offload): the first N transformer blocks keep their "
         "activations instead (not run again in the backward: N/blocks less recompute, N blocks' activations more "
         "memory; `pipeline plan --gpu-memory G` prints the largest N that fits); 0 = every block checkpointed")
     quantize_base: Annotated[Quantize, FEATURES] = Field("none", description=_QUANTIZE_HELP)
     offload: Annotated[Literal["none", "blocks"], THROUGHPUT] = Field(
         "none", description="blocks: frozen transformer blocks live in (pinned) host memory and stream to the device")
-    offload_blocks_on_device: Annotated[int, THROUGHPUT] = Field(0, ge=0, description="offload=blocks: leading blocks kept on the device")
+    offload_blocks_on_device: Annotated[Blocks, THROUGHPUT] = Field(0, description="offload=blocks: leading blocks kept on the device")
     caption_dropout: Annotated[float, FEATURES] = Field(0.0, ge=0.0, le=1.0)
-    checkpoint_every: Annotated[int, WHILE_TRAINING] = Field(50, gt=0)
-    keep_checkpoints: Annotated[int, WHILE_TRAINING] = Field(3, gt=0)
-    log_every: Annotated[int, WHILE_TRAINING] = Field(1, gt=0, description="tracker scalars every N steps (train/loss: the mean of those N steps)")
+    checkpoint_every: Annotated[Steps, WHILE_TRAINING] = 50
+    keep_checkpoints: Annotated[OpenFiles, WHILE_TRAINING] = 3
+    log_every: Annotated[Steps, WHILE_TRAINING] = Field(1, description="tracker scalars every N steps (train/loss: the mean of those N steps)")
     log_with: Annotated[list[str], WHILE_TRAINING] = Field(["tensorboard"], description="metric trackers (accelerate's): tensorboard, wandb, "
                                 "mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio; all but tensorboard are "
                                 "optional packages")
-    profile: Annotated[int, WHILE_TRAINING] = Field(0, ge=0, description="record the first N optimizer steps of a start with torch.profiler -> "
+    profile: Annotated[StepsOrZero, WHILE_TRAINING] = Field(0, description="record the first N optimizer steps of a start with torch.profiler -> "
                          "RUN/profile/trace-rank{R}.json (Chrome trace); 0 = off")
-    sampler_window: Annotated[int, FEATURES] = Field(64, gt=0, description="length-aware sampler: batches per sorting window")
+    sampler_window: Annotated[OpenFiles, FEATURES] = Field(64, description="length-aware sampler: batches per sorting window")
     on_damaged: Annotated[Literal["stop", "skip"], THROUGHPUT] = _on_damaged(
         "store sample", "leave it out of its batch where it is read (no pass before step 0), listed in "
         "RUN/damaged_samples.jsonl (one JSON line per sample)")
@@ -428,7 +482,7 @@ class TrainConfig(Section):
     max_dropped_fraction: Annotated[float, THROUGHPUT] = Field(0.05, ge=0.0, le=1.0, description="train/evaluate use the samples both the "
                                         "text and vae tables hold; fail when more than this share of the split is "
                                         "missing from either (reasons in STORE/quarantine.parquet)")
-    max_open_shards: Annotated[int, THROUGHPUT] = Field(256, gt=0, description="shard files kept open per table (LRU; descriptors for "
+    max_open_shards: Annotated[OpenFiles, THROUGHPUT] = Field(256, description="shard files kept open per table (LRU; descriptors for "
                                  "random reads, maps for scans)")
     init_lora: Annotated[str | None, _BYTES_RECORDED] = Field(None, description="start from this LoRA (diffusers, kohya lora_unet_*, ComfyUI "
                                   "diffusion_model.*); rank and targets must match train.lora")
@@ -439,23 +493,23 @@ class TrainConfig(Section):
                                    "warmed up as diffusers' EMAModel: decay min(d, n / (n + 9)) at step n")
     control_dropout: Annotated[float, added_later()] = Field(0.0, ge=0.0, le=1.0, description="per-sample probability of training on the "
                                    "instruction encoded without its control images (needs encode_text.no_control_embeds)")
-    validate_every: Annotated[int | None, WHILE_TRAINING] = Field(None, gt=0, description="held-out loss on the val split every N steps")
-    validate_max_samples: Annotated[int, WHILE_TRAINING] = Field(8, gt=0, description="validation: first N val samples (by key)")
+    validate_every: Annotated[Steps | None, WHILE_TRAINING] = Field(None, description="held-out loss on the val split every N steps")
+    validate_max_samples: Annotated[Samples, WHILE_TRAINING] = Field(8, description="validation: first N val samples (by key)")
     validate_timesteps: Annotated[Sigmas, WHILE_TRAINING] = Field([0.25, 0.5, 0.75], min_length=1, description="validation σ grid")
     validate_noise_seeds: Annotated[NoiseSeeds, WHILE_TRAINING] = Field([0], min_length=1, description="validation noise seeds")
-    sample_every: Annotated[int | None, WHILE_TRAINING] = Field(None, gt=0, description="generate val samples every N steps -> RUN/samples")
-    sample_count: Annotated[int, WHILE_TRAINING] = Field(2, gt=0, description="val samples per sample grid")
-    sample_steps: Annotated[int, WHILE_TRAINING] = Field(4, ge=1, description="denoising steps of the sample grid; " + ONE_STEP)
-    max_tokens_per_batch: Annotated[int | None, FEATURES] = Field(
-        None, gt=0, description="None = fixed batch_size batches; else each batch holds as many samples as fit in "
+    sample_every: Annotated[Steps | None, WHILE_TRAINING] = Field(None, description="generate val samples every N steps -> RUN/samples")
+    sample_count: Annotated[Samples, WHILE_TRAINING] = Field(2, description="val samples per sample grid")
+    sample_steps: Annotated[DenoisingSteps, WHILE_TRAINING] = Field(4, description="denoising steps of the sample grid; " + ONE_STEP)
+    max_tokens_per_batch: Annotated[Tokens | None, FEATURES] = Field(
+        None, description="None = fixed batch_size batches; else each batch holds as many samples as fit in "
         "this many computed tokens (batch size x longest sequence), see stages/train/budget.py")
-    prefetch: Annotated[int, THROUGHPUT] = Field(0, ge=0, description="micro-batches read, drawn and copied to the device ahead by a "
+    prefetch: Annotated[Workers, THROUGHPUT] = Field(0, description="micro-batches read, drawn and copied to the device ahead by a "
                           "background thread (0 = inline)")
     attention_backend: Annotated[str | None, _BACKEND_RECORDED] = Field(
         None, description="diffusers attention backend for padded batches (models/attention.py); None = the "
         "fastest correct one available (CUDA) / native (CPU)")
     compile: Annotated[bool, THROUGHPUT] = Field(False, description="torch.compile each transformer block (regional compilation)")
-    check_ahead: Annotated[int, THROUGHPUT] = Field(32, ge=0, description="samples whose checksums a background thread verifies ahead of "
+    check_ahead: Annotated[SamplesOrZero, THROUGHPUT] = Field(32, description="samples whose checksums a background thread verifies ahead of "
                              "the reads, in the sampler's order (0 = check each sample inline on its first read)")
 
     @model_validator(mode="after")
@@ -480,8 +534,8 @@ class ExtraPrompt(Section):
     # none: Qwen-Image-2.1's text-to-image (the Edit models refuse it: stages/evaluate/settings.py check_settings)
     images: Annotated[list[str], FEATURES] = Field(..., description="control image files (several for Edit-Plus; none for a Qwen-Image-2.1 text-to-image prompt)")
     target: Annotated[str | None, FEATURES] = Field(None, description="reference image file for PSNR/SSIM (optional)")
-    height: Annotated[int | None, FEATURES] = Field(None, gt=0, description="output size; default: the stock pipeline's ~1024² choice")
-    width: Annotated[int | None, FEATURES] = Field(None, gt=0)
+    height: Annotated[Side | None, FEATURES] = Field(None, description="output size; default: the stock pipeline's ~1024² choice")
+    width: Annotated[Side | None, FEATURES] = None
 
 
 class EvaluateConfig(Section):
@@ -491,13 +545,13 @@ class EvaluateConfig(Section):
     seed: Annotated[Seed, FEATURES] = Field(1234, description="generation seed (the same for base and LoRA, for every sample)")
     timesteps: Annotated[Sigmas, _A_SET_OF_ROWS] = Field([0.1, 0.3, 0.5, 0.7, 0.9], min_length=1, description="sigma grid of the held-out loss")
     noise_seeds: Annotated[NoiseSeeds, _A_SET_OF_ROWS] = Field([0, 1], min_length=1, description="fixed noise draws of the held-out loss")
-    batch_size: Annotated[int, THROUGHPUT] = Field(8, gt=0, description="held-out loss: val samples per forward, at one (seed, sigma) each")
-    max_loss_samples: Annotated[int | None, FEATURES] = Field(256, gt=0, description="cap on val samples for the held-out loss (the "
+    batch_size: Annotated[BatchSize, THROUGHPUT] = Field(8, description="held-out loss: val samples per forward, at one (seed, sigma) each")
+    max_loss_samples: Annotated[Samples | None, FEATURES] = Field(256, description="cap on val samples for the held-out loss (the "
                                          "first N keys of the val split, a content hash: a fixed, unbiased subset; "
                                          "None = all, which for a 5% val split of 1M samples is 50k x seeds x σ "
                                          "forwards per model)")
-    num_samples: Annotated[int, FEATURES] = Field(4, ge=0, description="val samples to generate images for")
-    num_inference_steps: Annotated[int, FEATURES] = Field(8, ge=1, description=ONE_STEP)
+    num_samples: Annotated[SamplesOrZero, FEATURES] = Field(4, description="val samples to generate images for")
+    num_inference_steps: Annotated[DenoisingSteps, FEATURES] = Field(8, description=ONE_STEP)
     true_cfg_scale: Annotated[float, FEATURES] = Field(4.0, description="true CFG scale (<= 1: none); left unset, 1.0 on Qwen-Image-2.1 (its pipeline's default)")
     negative_prompt: Annotated[str, _EXTRA_PROMPTS_ONLY] = Field(" ", description="extra prompts' negative; val samples use the stored empty prompt")
     lora_scale: Annotated[float, FEATURES] = 1.0
@@ -519,7 +573,7 @@ class EvaluateConfig(Section):
     max_dropped_fraction: Annotated[float, THROUGHPUT] = Field(
         0.05, ge=0.0, le=1.0, description="fail when more than this share of the val split is missing from the "
         "text or vae table (as train.max_dropped_fraction for the train split)")
-    max_open_shards: Annotated[int, THROUGHPUT] = Field(256, gt=0, description="shard files kept open per table "
+    max_open_shards: Annotated[OpenFiles, THROUGHPUT] = Field(256, description="shard files kept open per table "
                                                         "(as train.max_open_shards)")
     # on by default: a run trained with train.ema_decay asks whether its EMA is the better LoRA; hashed only when
     # off (added later: the reports made before stay current)
@@ -542,7 +596,7 @@ class PredictConfig(Section):
     devices: Annotated[dict[str, str], THROUGHPUT] = {"transformer": "auto", "text_encoder": "auto", "vae": "auto"}
     dtype: Annotated[DType, FEATURES] = Field("auto", description=_DTYPE_HELP + " (decided by the transformer's device)")
     quantize_base: Annotated[Quantize, FEATURES] = Field("none", description=_QUANTIZE_HELP)
-    steps: Annotated[int, FEATURES] = Field(20, ge=1, description=ONE_STEP)
+    steps: Annotated[DenoisingSteps, FEATURES] = Field(20, description=ONE_STEP)
     true_cfg_scale: Annotated[float, FEATURES] = Field(4.0, description="true CFG scale (<= 1: none); left unset, 1.0 on Qwen-Image-2.1 (its pipeline's default)")
     negative_prompt: Annotated[str, FEATURES] = " "
     seed: Annotated[Seed, FEATURES] = 0

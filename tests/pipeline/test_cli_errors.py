@@ -366,7 +366,7 @@ def test_resize_bucket_refuses_a_zero_area_flag_rather_than_taking_the_default(f
     sized every bucket at the default 1024² and exited 0. Now a usage error naming the key, nothing written."""
     monkeypatch.chdir(tmp_path)
     r = _run(["run", "resize-bucket", "--source", "SRC", "--store", "ST", *flags])
-    assert r.exit_code == 2 and f"'{key}': Input should be greater than 0 (got 0)" in r.output, r.output
+    assert r.exit_code == 2 and f"'{key}': should be 1 .. {1 << 40}, pixels (got 0)" in r.output, r.output
     assert "Traceback" not in r.output and list(tmp_path.iterdir()) == []
 
 
