@@ -18,6 +18,7 @@ import socket
 import stat
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -475,7 +476,7 @@ def flock(path: Path, *, blocking: bool = True, holder: str = "", changes_store:
             if blocking:
                 interruptible.flock(fd)
             else:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _take_now(fd)
         except BaseException as e:
             os.close(fd)
             if not isinstance(e, BlockingIOError):
@@ -494,6 +495,24 @@ def flock(path: Path, *, blocking: bool = True, holder: str = "", changes_store:
         yield
     finally:
         os.close(fd)
+
+
+# a probe (`lock_holder`) holds a lock for one look: microseconds, a lock request's round trip on NFS
+PROBE_PAUSES_S = (0.001, 0.004, 0.015, 0.03)
+
+
+def _take_now(fd: int) -> None:
+    """The lock taken without waiting for a holder (BlockingIOError while one holds it), tried again over
+    `PROBE_PAUSES_S` (~50 ms) first: a probe's shared lock held for its look (gc's look for live writers, an
+    encode's early check, the look for a live repair) is no holder, and refused a writer taking its lock right
+    then, naming the lock's last holder (long gone)."""
+    for pause in PROBE_PAUSES_S:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            time.sleep(pause)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def _held_line(path: Path, holder: str, other: str) -> str:

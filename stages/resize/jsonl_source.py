@@ -26,13 +26,17 @@ def jsonl_files(source: Path) -> list[Path]:
         if isinstance(obj, dict):
             for rel in _jsonl_paths(obj):
                 f = _resolve(base, rel)
-                if f in files or f in refused:  # a picture many lines name (a shared control): judged once
+                # a picture many lines name (a shared control): judged once. A refusal is remembered with how it
+                # was named: a relative path leaving the folder (a symlink out) is refused, the same file named
+                # absolutely is read, and must be hashed
+                judged = (f, os.path.isabs(rel))
+                if f in files or judged in refused:
                     continue
                 # what the reader would refuse is not hashed either (it is quarantined, never read)
-                if f.is_file() and (os.path.isabs(rel) or _inside(f, base)):
+                if f.is_file() and (judged[1] or _inside(f, base)):
                     files.add(f)
                 else:
-                    refused.add(f)
+                    refused.add(judged)
     return sorted(files, key=lambda f: f.parts)  # Path order, compared in C (Path.__lt__ is Python: minutes)
 
 

@@ -146,6 +146,28 @@ def test_pictures_many_lines_name_are_listed_as_once(tmp_path):
     assert [p.name for p in once].count("b.png") == 1 and not any(p.name in ("out.png", "missing.png") for p in once)
 
 
+def test_a_picture_refused_by_a_relative_path_and_read_by_an_absolute_one_is_listed(tmp_path):
+    """The reader refuses a relative path that leaves the folder (a symlink out) but reads the same file named by
+    an absolute path: listed, so a change to it changes the listing (judged once per name, it was left out when
+    the refused line came first, and a resize run after an edit of that picture could reuse what it made of it)."""
+    import json
+
+    from stages.resize.jsonl_source import jsonl_files
+
+    src, outside = tmp_path / "src", tmp_path / "outside"
+    src.mkdir()
+    outside.mkdir()
+    for f in (src / "t.png", src / "t2.png", outside / "x.png"):
+        f.write_bytes(b"png")
+    (src / "link").symlink_to(outside)
+    lines = [{"target": "t.png", "controls": ["link/x.png"], "caption": "refused: leaves the folder"},
+             {"target": "t2.png", "controls": [str(src / "link" / "x.png")], "caption": "read where it points"}]
+    (src / "m.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert src / "link" / "x.png" in jsonl_files(src)
+    (src / "m.jsonl").write_text(json.dumps(lines[0]) + "\n")
+    assert src / "link" / "x.png" not in jsonl_files(src)  # named relatively alone: refused, not listed
+
+
 def _old_hash(lines: list[tuple], settled: dict | None = None, unread: frozenset = frozenset()) -> str:
     """Listing.hash as it was, over (path, name, digest) tuples: the settled hash must not move."""
     import hashlib

@@ -91,3 +91,28 @@ def test_a_probe_is_no_holder_to_another_probe(tmp_path):
         assert _writer_active(table) and fmt.lock_holder(lock) == "pid 4242 on node-a"
     finally:
         os.close(fd)
+
+
+def test_a_writer_taking_its_lock_during_a_probe_is_not_refused(tmp_path, monkeypatch):
+    """A probe (gc's look for live writers, another rank's early check) holds a table's writer lock shared for its
+    look; a writer taking that lock right then was refused, naming the lock's last holder (long gone). It tries
+    again for a moment: the look is over by then (here: the probe lets go at the writer's first pause)."""
+    from types import SimpleNamespace
+
+    from store.writer_open import lock_rank
+
+    (tmp_path / "vae").mkdir()
+    lock = tmp_path / "vae" / ".write-r00.lock"
+    lock.write_text("pid 4242 on node-a")  # its last holder, long gone
+    probe = [os.open(lock, os.O_RDONLY)]
+    fcntl.flock(probe[0], fcntl.LOCK_SH | fcntl.LOCK_NB)  # gc's look, mid-probe
+
+    def look_over(seconds):
+        while probe:
+            os.close(probe.pop())
+
+    monkeypatch.setattr(fmt, "time", SimpleNamespace(sleep=look_over), raising=False)
+    try:
+        lock_rank(tmp_path, "vae", 0).release()
+    finally:
+        look_over(0)
