@@ -234,7 +234,10 @@ def _each_once(values: list) -> list:
 
 
 Sigmas = Annotated[list[Sigma], AfterValidator(_each_once)]  # a σ grid of a held-out loss: each σ once
-NoiseSeeds = Annotated[list[Seed], AfterValidator(_each_once)]  # its noise draws: each seed once
+# a held-out loss's noise draws: each seed once, within int64 (the losses file stores them as int64,
+# store/loss_array.py: 2**63 passed torch's range and stopped the first validation with an OverflowError)
+NoiseSeeds = Annotated[list[_ints(-(1 << 63), (1 << 63) - 1, "int64, as the losses file stores seeds")],
+                       AfterValidator(_each_once)]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPE_HELP = "auto = bfloat16 on a CUDA device that supports it, float32 on the CPU (models/precision.py)"
 

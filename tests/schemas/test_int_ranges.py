@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, get_args, get_origin
 
+import numpy as np
 import pytest
 import torch
 from pydantic import BaseModel
@@ -97,3 +98,15 @@ def test_a_rank_above_the_smallest_adapted_width_is_refused_before_the_adapter_i
         block = _Block()
         add_lora(block, LoraConfig(rank=rank, target_modules=targets))
         assert block.to_q.lora_A["default"].weight.shape == (rank, 32)
+
+
+@pytest.mark.parametrize("key", ["evaluate.noise_seeds", "train.validate_noise_seeds"])
+def test_a_noise_seed_past_int64_is_refused_as_the_losses_file_stores_int64(key):
+    # 2**63 is inside torch's generator range, but the losses file's seed column is int64 (store/loss_array.py):
+    # it stopped the first validation (or evaluate's losses) with an OverflowError
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {key: [0, 1 << 63]})
+    assert "int64" in str(e.value) and str(1 << 63) in str(e.value)
+    cfg = load_config(None, {key: [-(1 << 63), (1 << 63) - 1]})
+    seeds = cfg.evaluate.noise_seeds if key.startswith("evaluate") else cfg.train.validate_noise_seeds
+    assert np.asarray(seeds, dtype="int64").tolist() == [-(1 << 63), (1 << 63) - 1]
