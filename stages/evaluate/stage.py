@@ -543,10 +543,12 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
     metrics = Path(out) / "metrics.json"
     if not metrics.is_file() or not (Path(out) / "index.html").is_file():
         return False
+    from stages.evaluate.report import read_metrics
+
     try:
-        metrics_of = json.loads(metrics.read_text())
+        metrics_of = read_metrics(out)
         recorded = metrics_of.get("run", {}).get("inputs")
-    except (OSError, json.JSONDecodeError, AttributeError):
+    except AttributeError:  # None (damaged, unreadable) or other JSON than a report's
         return False
     if not isinstance(recorded, dict):
         return False
