@@ -44,6 +44,7 @@ class TableReader(ReaderManifest):
             self.view.sums)
         self.view.forget("shard_nbytes")  # only the open-time size check reads it
         self.checks = SampleCheck(self.view, bad_shards, records_damage)
+        self.salvages = False  # `store repair`'s: the intact samples of a cut (or grown) shard are served
         self._ahead: CheckAhead | None = None
         if bad_shards and records_damage:
             integrity.record_damage(vdir, self.checks.shard_damage(), shards=bad_shards)
@@ -116,10 +117,11 @@ class TableReader(ReaderManifest):
         return got, None
 
     def _intact_bytes(self, i: int) -> tuple[Any, int]:
-        """Checked bytes of a sample in a shard that is whole (a bad shard's samples are not served)."""
+        """Checked bytes of a sample in a shard that is whole (a bad shard's samples are not served, but by a
+        `salvages` reader: its own bytes, each sample checked against its checksum)."""
         got = self._checked_bytes(i)
         shard = self.view.samples.shard_of(i)
-        if shard in self.checks.bad_shards:
+        if shard in self.checks.bad_shards and not self.salvages:
             raise self.checks.refuse_shard(shard)
         return got
 

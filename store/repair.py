@@ -287,8 +287,12 @@ def _grown_intact(path: Path, want: dict) -> bool:
 
 
 def _reader_on(vdir: Path, table: str, version: int, manifest: pa.Table) -> TableReader:
-    """A reader that skips damage, over a given (possibly rebuilt) manifest."""
-    return TableReader.over_manifest(vdir, table, version, manifest)
+    """A reader that skips damage, over a given (possibly rebuilt) manifest, serving the intact samples of a shard
+    cut short (each checked against its checksum): the plan copies them, and a plain reader refused every sample
+    of such a shard, so a truncated shard was "not repaired", the line advising `store repair` again."""
+    reader = TableReader.over_manifest(vdir, table, version, manifest)
+    reader.salvages = True
+    return reader
 
 
 def scan(root: Path, progress: bool = True, order: Sequence[str] = ()) -> RepairPlan:

@@ -289,6 +289,7 @@ def _copy_samples(writer: TableWriter, src_dir: Path, src_version: int, rows: pa
     from store.reader import TableReader
 
     reader = TableReader(src_dir, writer.table, src_version, on_damaged="skip")
+    reader.salvages = True  # the intact samples of a shard cut short too (a plain reader refuses the whole shard)
     try:
         for row in rows.to_pylist():
             s = reader.get(row["key"])

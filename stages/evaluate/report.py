@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
+from tqdm.auto import tqdm
 
 from features.pictures import rgb_over_white
 
@@ -299,6 +300,7 @@ def write_report_files(out: str | Path, metrics: dict, grid: Image.Image, page: 
     leaves no report, never the earlier settings' metrics.json - "up to date" to a rerun of them - beside this
     run's page."""
     from schemas.atomic_write import fsync_dir
+    from store.checksum import seal
     from store.format import atomic_write_bytes
     from store.io_errors import writing
 
@@ -314,5 +316,26 @@ def write_report_files(out: str | Path, metrics: dict, grid: Image.Image, page: 
             pass
         atomic_write_bytes(out / "grid.png", buf.getvalue())
         atomic_write_bytes(out / "index.html", page.encode("utf-8"))
-        atomic_write_bytes(out / "metrics.json", (json.dumps(_json_safe(metrics), indent=2) + "\n").encode())
+        atomic_write_bytes(out / "metrics.json", seal(_json_safe(metrics)))
     return out / "index.html"
+
+
+def read_metrics(out: str | Path) -> Any:
+    """REPORT/metrics.json's object, checked against the checksum `write_report_files` sealed into it (a report
+    from before it was sealed: plain JSON). The up-to-date checks read the report's numbers and best checkpoint
+    from it: a flipped bit there passed as "up to date" and was printed. A damaged file is said in one line and
+    read as no report (None), so the rerun writes the report again (from its loss array); an unreadable one too."""
+    import os
+
+    from store.checksum import SealError, is_sealed, unseal
+
+    path = Path(out) / "metrics.json"
+    try:
+        data = path.read_bytes()
+        return unseal(data) if is_sealed(data) else json.loads(data)
+    except SealError as e:
+        if os.environ.get("RANK", "0") == "0":  # every rank checks; one says it
+            tqdm.write(f"{path} is damaged ({e}): the report is written again")
+    except (OSError, ValueError):
+        pass
+    return None

@@ -5,7 +5,6 @@ same rules for its report: the earlier config fingerprints, the damaged and non-
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -17,6 +16,7 @@ from stages.evaluate.base_images import extra_prompt_bytes
 from stages.evaluate.ema_curve import best_lora_input
 from stages.evaluate.loss_fingerprint import spelled_as
 from stages.evaluate.loss_groups import cells_line
+from stages.evaluate.report import read_metrics
 from stages.evaluate.whose_losses import other_weights, this_runs, this_runs_kept
 from store.loss_array import GROUP, Axes, LossGroup, cell_donor, kept_groups, recorded_steps
 
@@ -35,9 +35,8 @@ def current_metrics(out: Path, fingerprint: str, checkpoints: list[tuple[int, Pa
     metrics_file = out / "metrics.json"
     if not metrics_file.is_file() or not (out / "index.html").is_file():
         return None
-    try:
-        metrics = json.loads(metrics_file.read_text())
-    except (OSError, json.JSONDecodeError):
+    metrics = read_metrics(out)
+    if metrics is None:
         return None
     recorded = recorded_steps(out, fingerprint)  # None: no loss array of these settings
     try:  # a metrics.json damaged into other valid JSON (a list, a number for a section) is no report either

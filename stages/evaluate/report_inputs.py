@@ -4,7 +4,6 @@ report is current for them (`report_up_to_date`), and the inputs the kept loss g
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from features.open import open_configured
@@ -57,10 +56,12 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
     metrics = Path(out) / "metrics.json"
     if not metrics.is_file() or not (Path(out) / "index.html").is_file():
         return False
+    from stages.evaluate.report import read_metrics
+
     try:
-        metrics_of = json.loads(metrics.read_text())
+        metrics_of = read_metrics(out)
         recorded = metrics_of.get("run", {}).get("inputs")
-    except (OSError, json.JSONDecodeError, AttributeError):
+    except AttributeError:  # None (damaged, unreadable) or other JSON than a report's
         return False
     if not isinstance(recorded, dict):
         return False

@@ -3,8 +3,11 @@ up-to-date rule (`schemas/up_to_date.py`)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
+
+from tqdm.auto import tqdm
 
 from features.open import open_configured
 from models.lora import WEIGHT_NAME
@@ -35,7 +38,23 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
         record = ResumeRecord.read(latest / train_state.RESUME_JSON)
     except train_state.CheckpointDamaged:  # no finished run to stand on: the start names it (or keeps it aside)
         return False
-    return _same_run(record, cfg, store, model, out, train, backend, step=True)
+    return _same_run(record, cfg, store, model, out, train, backend, step=True) and _intact(weights)
+
+
+def _intact(weights: Path) -> bool:
+    """The final LoRA's bytes are those train sealed in its checksums.json. A flipped bit or a cut file is not
+    the run's LoRA: said in one line, and the run is not up to date, so the resume from its last checkpoint
+    writes the file again (up to date, `run all` passed the damage on to whoever loads it)."""
+    from schemas.errors import UserError
+    from store.checksum import check_recorded
+
+    try:
+        check_recorded(weights, levels=1)
+    except UserError as e:
+        if os.environ.get("RANK", "0") == "0":  # every rank checks; one says it
+            tqdm.write(f"{e}: written again from the run's last checkpoint")
+        return False
+    return True
 
 
 def resumable_step(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path,

@@ -13,6 +13,8 @@ import json
 import threading
 from pathlib import Path
 
+import pyarrow.parquet as pq
+import torch
 import yaml
 from typer.testing import CliRunner
 
@@ -76,6 +78,33 @@ def test_rerun_of_encode_text_recomputes_exactly_the_damaged_sample(tiny_edit_mo
     res = invoke(*train_args(edit_store, tiny_edit_model, tmp_path / "run2"))
     assert res.exit_code == 0, res.output
     assert no_check_ahead_threads()
+
+
+def test_rerun_of_encode_text_after_a_truncated_shard_recomputes_only_the_samples_past_the_cut(tiny_edit_model,
+                                                                                               edit_store):
+    """A text shard cut short: the encode that meets it stops and records it; its rerun carries the samples before
+    the cut forward (checked) and encodes those past it. Before, the carry refused every sample of the shard: the
+    rerun stopped with the same "truncated; run `pipeline store repair`" line, every time."""
+    encode_json("encode-text", edit_store, tiny_edit_model)
+    clean = {k: Store(edit_store).reader("text").tensors(k) for k in Store(edit_store).reader("text").keys()}
+    rows = pq.read_table(edit_store / "text" / "v1" / "manifest.parquet", columns=["shard", "sample_offset"])
+    starts: dict[str, list[int]] = {}
+    for name, at in zip(rows.column("shard").to_pylist(), rows.column("sample_offset").to_pylist()):
+        starts.setdefault(name, []).append(at)
+    name, at = next((n, sorted(a)) for n, a in sorted(starts.items()) if len(a) > 1)
+    shard = edit_store / "text" / "v1" / name  # cut inside its last sample: the ones before it stay intact
+    shard.write_bytes(shard.read_bytes()[: at[-1] + 16])
+    res = invoke("run", "encode-text", "--store", edit_store, "--model", tiny_edit_model, "--device", "cpu",
+                 *SMALL_SHARDS)
+    assert res.exit_code == 1 and "truncated" in res.output  # met and recorded
+    rec = encode_json("encode-text", edit_store, tiny_edit_model)
+    assert rec["version"] == 2 and rec["encoded"] == 1 and rec["reused"] == len(clean) - 1
+    r = Store(edit_store).reader("text")
+    assert sorted(r.keys()) == sorted(clean)
+    for k in clean:  # the same tensors (encoded alone now: within float32 rounding, stored bf16)
+        for n, t in r.tensors(k).items():
+            assert torch.allclose(t.float(), clean[k][n].float(), rtol=1e-2, atol=1e-3), (k, n)
+    assert invoke("store", "verify", edit_store).exit_code == 0
 
 
 def test_encoders_skip_and_report_damaged_images_up_to_a_threshold(tiny_edit_model, edit_store, tmp_path):

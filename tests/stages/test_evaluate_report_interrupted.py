@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 
 import pytest
 
@@ -58,3 +59,27 @@ def test_a_report_cut_off_before_metrics_json_is_no_report(trained, tiny_plus_mo
     for out in (single, every):
         assert json.loads((out / "metrics.json").read_text())  # A's report again, complete
         assert (out / "index.html").read_text() == pages_a[out]
+
+
+def test_a_flipped_bit_in_metrics_json_is_no_report_and_the_rerun_writes_it_again(trained, tiny_plus_model, tmp_path,
+                                                                                    capsys):
+    """metrics.json holds the numbers and the best checkpoint that `run all` prints when the report is up to date.
+    A bit flipped there (a loss 1.02 -> 1.03, a step 50 -> 40) passed as "up to date" and was printed and used.
+    Now the file is sealed (its own CRC32C): a damaged one is named in one line and the report written again."""
+    store, run = _copy(trained, tmp_path)
+    single, every = tmp_path / "report", tmp_path / "checkpoints"
+    _both(store, run, single, every, tiny_plus_model)
+    clean = {out: (out / "metrics.json").read_bytes() for out in (single, every)}
+    for out in (single, every):
+        data = bytearray(clean[out])
+        data[re.search(rb'": \d\.\d{4}', data).end() - 1] ^= 0x01  # the 4th decimal of a figure
+        (out / "metrics.json").write_bytes(bytes(data))
+    capsys.readouterr()
+    one, all_ = _both(store, run, single, every, tiny_plus_model, skip_if_done=True)
+    assert not one.up_to_date and not all_.up_to_date
+    said = capsys.readouterr().out
+    for out in (single, every):
+        assert f"{out / 'metrics.json'} is damaged (checksum mismatch" in said
+        assert (out / "metrics.json").read_bytes() == clean[out]
+    again = _both(store, run, single, every, tiny_plus_model, skip_if_done=True)
+    assert all(r.up_to_date for r in again)

@@ -207,3 +207,20 @@ def test_repair_of_images_names_the_encoders_to_rerun(tiny_edit_model, tmp_path)
         "table 'text' v1 and table 'vae' v1 were encoded from images v1, which this repair replaced by v2: run "
         "`pipeline run encode-text` and `pipeline run encode-vae` to encode from images v2 (samples whose pictures "
         "did not change are carried forward, not encoded again); until then evaluate cannot read their pictures")
+
+
+def test_repair_of_a_truncated_shard_copies_its_intact_samples_and_recomputes_the_rest(tmp_path):
+    """A shard cut short (a full disk at copy time, a damaged file system): the samples before the cut are intact
+    and copied, those past it recomputed. Before, every sample of the shard was refused to the copy, and repair
+    ended "not repaired: ... truncated; run `pipeline store repair`" - the command just run."""
+    store, config = demo_store(tmp_path)
+    clean = Path(shutil.copytree(store, tmp_path / "clean"))
+    shard = sorted((store / "images" / "v1").glob("shard-*.tar"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    res = runner.invoke(app, ["store", "repair", str(store), "--config", str(config)])
+    assert res.exit_code == 0, res.output
+    assert "intact sample(s) of damaged shards copied" in res.output and "ok:" in res.output
+    a, b = Store(clean).reader("images"), Store(store).reader("images")
+    assert b.version == 2 and a.keys() == b.keys()
+    assert all(a.files(k) == b.files(k) for k in a.keys())  # copied and re-rendered bytes equal the clean ones
+    assert verify_store(store, progress=False) == []

@@ -499,6 +499,26 @@ def test_a_kill_between_the_final_loras_never_leaves_a_run_that_passes_for_finis
     assert up_to_date(cfg, root, tiny_edit_model, out)
 
 
+def test_a_damaged_final_lora_is_not_up_to_date_and_the_rerun_writes_it_again(tmp_path, tiny_edit_model, capsys):
+    """RUN/lora is what users load (predict, merge, export). A bit flipped there after training used to leave the
+    run "up to date" (the check read only the last checkpoint's record): `run all` passed the damage on. Now the
+    file is checked against its sealed checksums.json, the line names it, and the resume from the last checkpoint
+    writes the same bytes again."""
+    from stages.train.current import up_to_date
+
+    root = tmp_path / "store"
+    make_train_store(root, tiny_edit_model, mixed_specs(4))
+    out, cfg = tmp_path / "run", cfg_of(max_steps=2, checkpoint_every=2)
+    run(cfg, root, tiny_edit_model, out)
+    weights = out / "lora" / "pytorch_lora_weights.safetensors"
+    clean = flip_bit(weights, weights.stat().st_size - 8, 2)
+    assert not up_to_date(cfg, root, tiny_edit_model, out)
+    assert f"{weights.name} is damaged" in capsys.readouterr().out
+    run(cfg, root, tiny_edit_model, out, resume=True, skip_if_done=True)
+    assert weights.read_bytes() == clean
+    assert up_to_date(cfg, root, tiny_edit_model, out)
+
+
 def test_a_run_that_skipped_damaged_samples_is_current_under_skip_only(damaged_store, tiny_edit_model, tmp_path):
     """on_damaged is in no hash (a resume may switch it), but a finished run that left a damaged sample out was
     trained on fewer samples: under "stop" `run all` used to reuse it as up to date; now it is stale there (the
