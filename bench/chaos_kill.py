@@ -241,7 +241,9 @@ def outcome(workdir: Path, stage: str) -> dict:
         return out
     if stage == "train":
         return {"lora_sha": lora_sha(workdir / "run")}
-    return {"metrics": numbers(json.loads((workdir / "report" / "metrics.json").read_text()))}
+    from stages.evaluate.report import checked_metrics
+
+    return {"metrics": numbers(checked_metrics(workdir / "report", "run the bench again"))}
 
 
 def committed_rows(workdir: Path, stage: str) -> int:

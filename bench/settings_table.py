@@ -117,7 +117,9 @@ def output_of(stage: str, work: Path) -> Any:
         from models.lora import read_lora
 
         return {n: t.float() for n, t in read_lora(work / "run" / "lora")[0].items()}
-    metrics = json.loads((work / "report" / "metrics.json").read_text())
+    from stages.evaluate.report import checked_metrics
+
+    metrics = checked_metrics(work / "report", "run the bench again")
     return {"loss": numbers(metrics.get("loss")), "generation": numbers(metrics.get("generation"))}
 
 

@@ -28,7 +28,6 @@ the same cache): its stages are launched one by one instead.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,8 +178,10 @@ def report_of_kept_run(run: Path) -> Callable[[Path], str | None]:
         from models.lora import WEIGHT_NAME
         from stages.train.previous import kept_runs
 
-        try:  # a report that does not read as one says nothing here (evaluate names what differs itself)
-            c = json.loads((Path(report) / "metrics.json").read_text())["checkpoints"]
+        from stages.evaluate.report import read_metrics
+
+        try:  # a report that does not read as one (damaged: None) says nothing here (evaluate names it itself)
+            c = read_metrics(report, say=False)["checkpoints"]
             step, sha = max(zip(c["steps"], c["lora_sha256"]))
             for kept in kept_runs(Path(run)):
                 weights = kept / "checkpoints" / f"step-{step}" / "lora" / WEIGHT_NAME
@@ -308,8 +309,10 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
     result = AllResult(report=paths.report / "index.html")
     with stdout_of_rank_0(main):  # pipeline/rank_output.py
         _run_stages(cfg, paths, access, log, result)
-    if main:  # rank 0 wrote the report (the others may finish first)
-        result.metrics = json.loads((paths.report / "metrics.json").read_text())
+    if main:  # rank 0 wrote the report (the others may finish first); its closing line prints these numbers
+        from stages.evaluate.report import checked_metrics
+
+        result.metrics = checked_metrics(paths.report, "rerun the same command")
     return result
 
 

@@ -9,9 +9,6 @@ numbers are computed again (never taken for another backend's).
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 HALF = ("bfloat16", "float16")  # the only dtypes the default took packed in (models/attention.py `choose`)
 
 
@@ -35,19 +32,11 @@ def unset_backend(dtype: str | None, metrics: dict | None = None, settings: dict
     return None
 
 
-def report_metrics(folder: Path) -> dict | None:
-    """FOLDER/metrics.json, or None where there is none to read."""
-    try:
-        metrics = json.loads((Path(folder) / "metrics.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return metrics if isinstance(metrics, dict) else None
-
-
-def as_resolved(evaluate: dict, folder: Path | None, settings: dict | None) -> dict:
+def as_resolved(evaluate: dict, metrics: dict | None, settings: dict | None) -> dict:
     """An array's recorded evaluate loss settings with an unset backend read as the one it used (`unset_backend`;
-    FOLDER: the report folder holding the array and its metrics.json), left unset where that is unknown."""
+    `metrics`: the metrics.json of the report folder holding the array, None where there is none), left unset
+    where that is unknown."""
     if not isinstance(evaluate, dict) or "attention_backend" not in evaluate or evaluate["attention_backend"]:
         return evaluate
-    used = unset_backend(evaluate.get("dtype"), report_metrics(folder) if folder is not None else None, settings)
+    used = unset_backend(evaluate.get("dtype"), metrics, settings)
     return {**evaluate, "attention_backend": used} if used else evaluate

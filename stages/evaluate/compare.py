@@ -130,19 +130,21 @@ def _on_disk(checkpoints: list[str]) -> list[bool | None]:
     return [Path(c).exists() if Path(c).is_absolute() else None for c in checkpoints]
 
 
-def _ema_curve(group: Path, samples: list[str], kept: np.ndarray, two: np.ndarray, r: dict) -> EmaCurve | None:
+def _ema_curve(group: Path, samples: list[str], kept: np.ndarray, two: np.ndarray, r: dict,
+               report: dict | None) -> EmaCurve | None:
     """The EMA group beside a report's raw one (REPORT/ema-losses/losses.zarr), over the raw curve's samples (its
     base is the raw array's: `best_checkpoint._ema_curve` keeps the raw summary's samples); None where there is none,
-    or where the report beside it scores no EMA (`metrics.json` `checkpoints.ema`): a report written again with
-    evaluate.score_ema off, or of a run without EMA into the folder of one with, leaves the group on disk."""
+    or where the report beside it (`report`, its metrics.json) scores no EMA (`checkpoints.ema`): a report written
+    again with evaluate.score_ema off, or of a run without EMA into the folder of one with, leaves the group on
+    disk."""
     from tqdm.auto import tqdm
 
     from stages.evaluate.ema_curve import FOLDER
 
     path = group.parent / FOLDER / GROUP
     try:
-        scored = "ema" in json.loads((group.parent / "metrics.json").read_text())["checkpoints"]
-    except (OSError, ValueError, KeyError, TypeError):  # no report beside the array (a validation curve): none
+        scored = "ema" in report["checkpoints"]
+    except (KeyError, TypeError):  # no report beside the array (a validation curve): none
         scored = False
     if not scored or not (path / "zarr.json").is_file():
         return None
@@ -165,9 +167,10 @@ def read_curves(path: str | Path, label: str) -> RunCurves:
     from tqdm.auto import tqdm
 
     ds = open_dataset(group, say=tqdm.write)  # in step order; an array of an earlier release lacking a chunk: a line
+    report = _report_beside(group)
     settings = dict(ds.attrs.get("settings", {}))
     if isinstance(settings.get("evaluate"), dict):  # an unset backend recorded before it was hashed as resolved
-        settings["evaluate"] = as_resolved(settings["evaluate"], group.parent, dict(ds.attrs.get("settings", {})))
+        settings["evaluate"] = as_resolved(settings["evaluate"], report, dict(ds.attrs.get("settings", {})))
         # seeds and σ are sets of rows (schemas/config.py `_A_SET_OF_ROWS`): recorded in another order, the same
         settings["evaluate"] = {k: sorted(v) if k in ("noise_seeds", "timesteps") and isinstance(v, list) else v
                                 for k, v in settings["evaluate"].items()}
@@ -206,11 +209,21 @@ def read_curves(path: str | Path, label: str) -> RunCurves:
         },
         table_versions=_table_versions(settings, dict(ds.attrs)),
         measured=_measured(settings, dict(ds.attrs), group.parent),
-        ema=_ema_curve(group, [str(k) for k in ds.sample.values], kept, two, r),
+        ema=_ema_curve(group, [str(k) for k in ds.sample.values], kept, two, r, report),
         per_sample=_per_sample(loss, r), kept=kept, sha256=[str(h) for h in ds.lora_sha256.values],
     )
     _best_on_disk(curves)
     return curves
+
+
+def _report_beside(group: Path) -> dict | None:
+    """The metrics.json of the report holding GROUP (None for a validation curve: no report beside it): which
+    backend an unset one was and whether an EMA curve is the report's. A damaged one is refused in one line, not
+    read as absent (its EMA curve silently left out) nor taken as it reads."""
+    from stages.evaluate.report import checked_metrics
+
+    return checked_metrics(group.parent, "evaluate its run again (`pipeline run evaluate --all-checkpoints "
+                           f"--out {group.parent}`)", missing_ok=True)
 
 
 def _in_run(group: Path, steps: list[int], checkpoints: list[str]) -> list[str]:

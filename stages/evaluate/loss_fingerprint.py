@@ -6,7 +6,6 @@ earlier spellings of those settings an array or a report recorded under stays cu
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from schemas.config import EvaluateConfig
@@ -108,10 +107,13 @@ def content_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str, sett
 
 def damaged_read(out: Path) -> dict[str, str]:
     """The val samples OUT's report records the loss passes' read left out as damaged (`run.damaged_samples`; not
-    the pictures' `images:` rows); none when there is no such record."""
+    the pictures' `images:` rows); none when there is no such record, or no intact report to hold one (the
+    up-to-date check says a damaged one, and the report is written again)."""
+    from stages.evaluate.report import read_metrics
+
     try:
-        damaged = (json.loads((out / "metrics.json").read_text()).get("run") or {}).get("damaged_samples")
-    except (OSError, ValueError, AttributeError):
+        damaged = (read_metrics(out, say=False).get("run") or {}).get("damaged_samples")
+    except AttributeError:  # None (no intact report) or other JSON than a report's
         return {}
     if not isinstance(damaged, dict):
         return {}
@@ -173,13 +175,14 @@ def unset_array_backend(out: Path) -> str | None:
     """The backend OUT's loss array was computed with when it records the attention backend unset (recorded before
     it was hashed as resolved): `stages.evaluate.backend.unset_backend` of its dtype and OUT's report of it; None
     when the array records another or none, or that is unknown."""
-    from stages.evaluate.backend import report_metrics, unset_backend
+    from stages.evaluate.backend import unset_backend
+    from stages.evaluate.report import read_metrics
 
     recorded = recorded_setting(out)
     evaluate = recorded[1].get("evaluate") if recorded is not None and isinstance(recorded[1], dict) else None
     if not isinstance(evaluate, dict) or "attention_backend" not in evaluate or evaluate["attention_backend"]:
         return None
-    return unset_backend(evaluate.get("dtype"), report_metrics(out), recorded[1])
+    return unset_backend(evaluate.get("dtype"), read_metrics(out, say=False), recorded[1])  # damaged: unknown
 
 
 def known_fingerprint(out: Path, fingerprint: str, settings: dict, earlier: list[dict] = ()) -> str:

@@ -320,22 +320,55 @@ def write_report_files(out: str | Path, metrics: dict, grid: Image.Image, page: 
     return out / "index.html"
 
 
-def read_metrics(out: str | Path) -> Any:
-    """REPORT/metrics.json's object, checked against the checksum `write_report_files` sealed into it (a report
-    from before it was sealed: plain JSON). The up-to-date checks read the report's numbers and best checkpoint
-    from it: a flipped bit there passed as "up to date" and was printed. A damaged file is said in one line and
-    read as no report (None), so the rerun writes the report again (from its loss array); an unreadable one too."""
+def _load_metrics(path: Path) -> Any:
+    """PATH's object, checked against the checksum `write_report_files` sealed into it (a report from before it
+    was sealed: plain JSON); SealError when damaged, OSError / ValueError when unreadable."""
+    from store.checksum import is_sealed, unseal
+
+    data = path.read_bytes()
+    return unseal(data) if is_sealed(data) else json.loads(data)
+
+
+def read_metrics(out: str | Path, say: bool = True) -> Any:
+    """REPORT/metrics.json's object, checked (`_load_metrics`), for a caller that rebuilds what a damaged report
+    held: the up-to-date checks read the report's numbers and best checkpoint from it (a flipped bit there passed
+    as "up to date" and was printed). A damaged file is read as no report (None), and said in one line (`say`;
+    one caller says it, the others of the same check read quietly), so the rerun writes the report again (from
+    its loss array); an unreadable or missing one is None too."""
     import os
 
-    from store.checksum import SealError, is_sealed, unseal
+    from store.checksum import SealError
 
     path = Path(out) / "metrics.json"
     try:
-        data = path.read_bytes()
-        return unseal(data) if is_sealed(data) else json.loads(data)
+        return _load_metrics(path)
     except SealError as e:
-        if os.environ.get("RANK", "0") == "0":  # every rank checks; one says it
+        if say and os.environ.get("RANK", "0") == "0":  # every rank checks; one says it
             tqdm.write(f"{path} is damaged ({e}): the report is written again")
     except (OSError, ValueError):
         pass
     return None
+
+
+def checked_metrics(out: str | Path, rerun: str, missing_ok: bool = False) -> dict | None:
+    """REPORT/metrics.json's object for a caller that takes its numbers as they are (`pipeline compare`, `run
+    all`'s closing line): a damaged, unreadable or missing one (None where `missing_ok`) is refused in one line
+    naming the file and `rerun`, the command that writes it again."""
+    from schemas.errors import UserError
+    from store.checksum import SealError
+
+    path = Path(out) / "metrics.json"
+    if missing_ok and not path.exists():
+        return None
+    try:
+        metrics = _load_metrics(path)
+    except SealError as e:
+        raise UserError(f"{path} is damaged ({e}): its numbers cannot be trusted; {rerun} to write the report "
+                        "again") from None
+    except FileNotFoundError:
+        raise UserError(f"{path} is missing: {rerun} to write the report") from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} cannot be read ({e}); {rerun} to write the report again") from None
+    if not isinstance(metrics, dict):
+        raise UserError(f"{path} is not a report's metrics (no JSON object); {rerun} to write the report again")
+    return metrics

@@ -21,7 +21,6 @@ and the result (`result`).
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -112,11 +111,13 @@ def _recorded_report(cfg: EvaluateConfig, store: str | Path, model: str, lora: s
 
     why: list[str] = []
     if skip_if_done and report_up_to_date(cfg, store, model, lora, out, lora_sha256, why):
+        from stages.evaluate.report import read_metrics
         from stages.evaluate.trained_val import say_recorded
 
-        metrics = json.loads((out / "metrics.json").read_text())
-        say_recorded(metrics)  # the figures are the same, and so is what makes them not held out
-        return EvaluateResult(metrics, out / "index.html", up_to_date=True)
+        metrics = read_metrics(out)  # as the check read it; damaged since (None, said): written again
+        if isinstance(metrics, dict):
+            say_recorded(metrics)  # the figures are the same, and so is what makes them not held out
+            return EvaluateResult(metrics, out / "index.html", up_to_date=True)
     say_recomputed(out, why)
     return None
 

@@ -3,7 +3,6 @@ up-to-date rule (`schemas/up_to_date.py`)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +21,12 @@ from store.join import JoinedTables
 
 
 def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path,
-               train: TrainConfig | None = None, backend: str | None = None) -> bool:
+               train: TrainConfig | None = None, backend: str | None = None, check_bytes: bool = True) -> bool:
     """OUT/lora is the final LoRA of a run on the same tables, model, train config and init LoRA bytes, trained to
     max_steps under this code's training revision (`schemas.up_to_date`: the last checkpoint's record against
-    `run_inputs`). `train`: the train section as resolved already (`resolved_train`; several ranks: agreed);
-    `backend`: the attention backend as resolved already (`run_backend`; several ranks: agreed)."""
+    `run_inputs`), its bytes and the checkpoint's those train sealed (`_intact`, `ResumeRecord.read`;
+    `check_bytes` False: left to another rank, whose answer the ranks share). `train`: the train section as resolved already (`resolved_train`; several ranks:
+    agreed); `backend`: the attention backend as resolved already (`run_backend`; several ranks: agreed)."""
     weights = Path(out) / "lora" / WEIGHT_NAME
     latest = train_state.latest_checkpoint(Path(out) / "checkpoints")
     if not weights.is_file() or latest is None:
@@ -35,24 +35,25 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
     if weights.stat().st_mtime < (latest / train_state.RESUME_JSON).stat().st_mtime:
         return False
     try:
-        record = ResumeRecord.read(latest / train_state.RESUME_JSON)
+        record = ResumeRecord.read(latest / train_state.RESUME_JSON, files=check_bytes)
     except train_state.CheckpointDamaged:  # no finished run to stand on: the start names it (or keeps it aside)
         return False
-    return _same_run(record, cfg, store, model, out, train, backend, step=True) and _intact(weights)
+    return _same_run(record, cfg, store, model, out, train, backend, step=True) and \
+        (not check_bytes or _intact(weights, Path(out)))
 
 
-def _intact(weights: Path) -> bool:
+def _intact(weights: Path, out: Path) -> bool:
     """The final LoRA's bytes are those train sealed in its checksums.json. A flipped bit or a cut file is not
-    the run's LoRA: said in one line, and the run is not up to date, so the resume from its last checkpoint
-    writes the file again (up to date, `run all` passed the damage on to whoever loads it)."""
+    the run's LoRA: said in one line, and the run is not up to date (up to date, `run all` passed the damage on
+    to whoever loads it); what follows says itself (a resume writes the file again; a kept run is left as it
+    is)."""
     from schemas.errors import UserError
     from store.checksum import check_recorded
 
     try:
         check_recorded(weights, levels=1)
     except UserError as e:
-        if os.environ.get("RANK", "0") == "0":  # every rank checks; one says it
-            tqdm.write(f"{e}: written again from the run's last checkpoint")
+        tqdm.write(f"{e}; so the run in {out} is not up to date")
         return False
     return True
 

@@ -208,7 +208,8 @@ def run(
     cfg = sigma_for_model(cfg, model, scheduler)  # before the finished-run check and the fingerprint
     world = launched_world_size()
     accelerator = make_accelerator(cfg.train) if world > 1 else None  # the ranks' process group, to decide together
-    if skip_if_done and finished_here(cfg, store, model, out, world):
+    main = accelerator is None or accelerator.is_main_process
+    if skip_if_done and finished_here(cfg, store, model, out, world, main):
         lora = Path(out) / "lora"
         return TrainResult(Path(out), lora, cfg.train.max_steps, cfg.train.max_steps, up_to_date=True,
                            unapplied=_unapplied(Path(out), cfg))
@@ -291,10 +292,13 @@ def _unapplied(out: Path, cfg: PipelineConfig) -> list[str]:
     return unapplied_settings(out, cfg.model_dump(mode="json"))  # as train_config.yaml records it (dump_config)
 
 
-def finished_here(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, world: int) -> bool:
+def finished_here(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, world: int,
+                  main: bool = True) -> bool:
     """`up_to_date`, decided by every rank together: done only where every rank sees the finished run. Each rank
-    reads OUT and the store itself; one that returned while the others trained would leave them waiting for it
-    in their first collective (a lagging view of OUT on one node)."""
+    reads OUT's records and the store itself; one that returned while the others trained would leave them waiting
+    for it in their first collective (a lagging view of OUT on one node). The final LoRA's bytes are read by the
+    `main` rank alone (its CRC against checksums.json: the whole file, once, not once per rank from the shared
+    folder); its answer reaches every rank through the same agreement."""
     from models.collective import all_max
 
     # the precision the ranks would train in: agreed (a collective) outside `together`; one process: as before
@@ -305,7 +309,7 @@ def finished_here(cfg: PipelineConfig, store: str | Path, model: str, out: str |
 
         backend = run_backend(train, model, planned_device(train), world)
     with together(world, "is the run up to date"):
-        done = up_to_date(cfg, store, model, out, train, backend)
+        done = up_to_date(cfg, store, model, out, train, backend, check_bytes=main)
     return not all_max(world, [int(not done)])[0]
 
 

@@ -200,9 +200,10 @@ class ResumeRecord:
         return self.plan_shuffle or PYTHON_SHUFFLE
 
     @classmethod
-    def read(cls, path: Path, keep: dict[str, bytes] | None = None) -> "ResumeRecord":
+    def read(cls, path: Path, keep: dict[str, bytes] | None = None, files: bool = True) -> "ResumeRecord":
         """The record of a checkpoint whose every file matches the sizes and CRC32Cs recorded at commit
-        (checkpoints written before checksums carry none and are read as they are). `keep`: filled with the
+        (checkpoints written before checksums carry none and are read as they are; `files` False: the record
+        alone, its files' check left to another rank, whose answer the ranks share). `keep`: filled with the
         checked files' bytes (relative path -> bytes) for the load (`check_files`)."""
         from store.checksum import SealError, is_sealed, unseal
 
@@ -218,12 +219,12 @@ class ResumeRecord:
                          known={f.name for f in fields(ResumeRecord)} | {"files"})
             if d.get("format") != RESUME_FORMAT:
                 raise UserError(f"{path}: resume format {d.get('format')!r}, this code reads {RESUME_FORMAT}")
-            files = d.pop("files", None)
+            recorded = d.pop("files", None)
             record = cls(**d)
         except (OSError, json.JSONDecodeError, UnicodeDecodeError, TypeError, SealError) as e:
             raise damaged(path.parent, f"{path.name} is damaged or unreadable ({e})") from None
-        if files is not None:
-            check_files(path.parent, files, keep)
+        if recorded is not None and files:
+            check_files(path.parent, recorded, keep)
         return record
 
     def inputs(self) -> dict[str, Any]:

@@ -200,7 +200,7 @@ def main() -> None:
         from stages.train import recipe
 
         if os.environ["RANK"] == "1":
-            recipe.up_to_date = lambda *a: False  # OUT/lora not listed yet on this node
+            recipe.up_to_date = lambda *a, **k: False  # OUT/lora not listed yet on this node
         cfg = load_config(None, {"train.device": "cpu", "train.batch_size": 2, "train.lora.rank": 4,
                                  "train.max_steps": 2, "train.checkpoint_every": 2})
         result = recipe.run(cfg, store, model, out, resume=True, skip_if_done=True)

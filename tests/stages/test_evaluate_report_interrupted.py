@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import re
+import shutil
 
 import pytest
 
@@ -83,3 +84,26 @@ def test_a_flipped_bit_in_metrics_json_is_no_report_and_the_rerun_writes_it_agai
         assert (out / "metrics.json").read_bytes() == clean[out]
     again = _both(store, run, single, every, tiny_plus_model, skip_if_done=True)
     assert all(r.up_to_date for r in again)
+
+
+def test_pipeline_compare_refuses_a_damaged_metrics_json_naming_it(trained, tiny_plus_model, tmp_path):
+    """`pipeline compare` reads the report beside each loss array (whether its EMA curve is the report's, which
+    backend an unset one was): it parsed metrics.json unchecked, so a flipped figure there was taken as it read.
+    Now a damaged one is refused in one line naming the file and the evaluate that writes it again."""
+    from schemas.errors import UserError
+    from stages.evaluate.compare import write_compare
+
+    store, run = _copy(trained, tmp_path)
+    single, every = tmp_path / "report", tmp_path / "checkpoints"
+    _both(store, run, single, every, tiny_plus_model)
+    other = tmp_path / "copy"  # a second report of the same held-out set, intact
+    shutil.copytree(every, other)
+    write_compare([str(other), str(every)], tmp_path / "cmp")  # intact: compared
+    data = bytearray((every / "metrics.json").read_bytes())
+    data[re.search(rb'": \d\.\d{4}', data).end() - 1] ^= 0x01  # the 4th decimal of a figure: still valid JSON
+    (every / "metrics.json").write_bytes(bytes(data))
+    with pytest.raises(UserError) as e:
+        write_compare([str(other), str(every)], tmp_path / "cmp-damaged")
+    assert str(e.value).startswith(f"{every / 'metrics.json'} is damaged (checksum mismatch")
+    assert "pipeline run evaluate --all-checkpoints" in str(e.value)
+    assert not (tmp_path / "cmp-damaged").exists()

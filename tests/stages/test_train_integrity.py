@@ -519,6 +519,49 @@ def test_a_damaged_final_lora_is_not_up_to_date_and_the_rerun_writes_it_again(tm
     assert up_to_date(cfg, root, tiny_edit_model, out)
 
 
+def test_the_main_rank_alone_reads_the_final_lora_and_every_rank_takes_its_answer(tmp_path, tiny_edit_model,
+                                                                                     monkeypatch, capsys):
+    """The up-to-date check reads the whole final LoRA and the last checkpoint's files (LoRA, optimizer state:
+    their CRCs against checksums.json and resume.json). Every rank ran it: with 64 ranks each file was read 64
+    times from the shared run folder at every `run all` start. Now the main rank alone reads them; the ranks'
+    agreement (`all_max` of "not done", as for every other look) carries its answer, so a damaged LoRA is not up
+    to date on any rank. Two ranks here, their collectives played in one process."""
+    from contextlib import nullcontext
+
+    import models.collective
+    from stages.train import current, recipe
+    from store import checksum
+
+    root = tmp_path / "store"
+    make_train_store(root, tiny_edit_model, mixed_specs(4))
+    out, cfg = tmp_path / "run", cfg_of(max_steps=2, checkpoint_every=2)
+    run(cfg, root, tiny_edit_model, out)
+    weights = out / "lora" / "pytorch_lora_weights.safetensors"
+    read, crc = [], checksum.file_crc
+    monkeypatch.setattr(checksum, "file_crc", lambda p: (read.append(Path(p)), crc(p))[1])
+    answers = []  # each rank's "not done", which the all-reduce takes the maximum of
+    monkeypatch.setattr(models.collective, "all_max", lambda world, values: answers.append(values[0]) or values)
+    monkeypatch.setattr(recipe, "together", lambda world, what="": nullcontext())
+    monkeypatch.setattr(recipe, "resolved_train", lambda c, world=1: current.resolved_train(c))
+    backend = recipe.run_backend
+    monkeypatch.setattr(recipe, "run_backend", lambda train, model, device, world=1: backend(train, model, device))
+
+    def ranks_done() -> bool:
+        answers.clear()
+        for main in (True, False):
+            read.clear()
+            recipe.finished_here(cfg, root, tiny_edit_model, out, 2, main)
+            assert (weights in read and len(read) > 1) if main else not read  # rank 1 takes no file's CRC
+        return not max(answers)
+
+    assert ranks_done()
+    flip_bit(weights, weights.stat().st_size - 8, 2)
+    capsys.readouterr()
+    assert not ranks_done()  # rank 0 found it damaged: no rank skips training
+    said = capsys.readouterr().out
+    assert said.count(f"{weights.name} is damaged") == 1 and f"the run in {out} is not up to date" in said
+
+
 def test_a_run_that_skipped_damaged_samples_is_current_under_skip_only(damaged_store, tiny_edit_model, tmp_path):
     """on_damaged is in no hash (a resume may switch it), but a finished run that left a damaged sample out was
     trained on fewer samples: under "stop" `run all` used to reuse it as up to date; now it is stale there (the
