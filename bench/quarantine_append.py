@@ -93,7 +93,7 @@ def main() -> None:
     t_append = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        fmt.atomic_write_parquet(root / "existing.parquet", old)
+        fmt.atomic_write_bytes(root / "existing.parquet", quarantine.to_bytes(old))  # sealed, as the product writes
         for name, rule in (("old", old_merged_rows), ("new", quarantine.merged_rows)):
             times = []
             for _ in range(a.repeat):

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from store import format as fmt  # noqa: E402
+from store import quarantine  # noqa: E402
 
 READS = {"report": ["key", "stage", "reason"], "encode": ["key", "reason", "table_version"]}
 
@@ -62,7 +63,7 @@ def main() -> None:
         root = args.dir / f"q{n}"
         root.mkdir(parents=True, exist_ok=True)
         if not (root / fmt.QUARANTINE).is_file():
-            fmt.atomic_write_parquet(root / fmt.QUARANTINE, rows(n, 8, 1, np.random.default_rng(0)))
+            fmt.atomic_write_bytes(root / fmt.QUARANTINE, quarantine.to_bytes(rows(n, 8, 1, np.random.default_rng(0))))
         mb = (root / fmt.QUARANTINE).stat().st_size / 1e6
         for what, columns in READS.items():
             old, new = best_interleaved(args.repeat, lambda way: child_json(CHILD, str(root), way, json.dumps(columns)))

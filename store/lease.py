@@ -9,7 +9,7 @@ written with `store.format.atomic_write_bytes` under the store lock, the lock
 versions are kept) or is written after gc is done (and then names versions that exist, which `hold` checks). It is
 removed when the reader is done or garbage collected, and at interpreter exit, on error too.
 
-The other remover, the URL cache's eviction (store/remote_cache.py: dead lease files of its cached stores, and at
+Another remover, the URL cache's eviction (store/remote_cache.py: dead lease files of its cached stores, and at
 open whole versions no live lease names), judges leases under the cache lock only, never the store lock (taking it
 there would risk a lock-order inversion, or a process blocking on its own flock, wherever a fetch, and so an
 eviction, runs while its process holds a store lock). A lease of this boot and pid namespace it judges by its pid
@@ -18,7 +18,7 @@ of another container paused past its margin and woken mid-eviction (its lease re
 away) writes its lease again, reads on, and then may fail on a missing file instead of stopping with the lease
 line.
 
-Both remove a dead lease's file in one place, `remove_dead`: renamed aside first (out of its reader's reach: a
+All remove a dead lease's file in one place, `remove_dead`: renamed aside first (out of its reader's reach: a
 reader refreshes by path), judged again there, and removed only if still dead - so a lease its reader refreshed
 between the judgement and the removal is kept, and so is what it names (unlinked by path, it was lost).
 
@@ -32,7 +32,7 @@ A kill -9 leaves the file behind; it must not block gc for ever. Liveness:
   and counts as live until `STALE_SECONDS` after its last refresh (15 min: a margin of several missed refreshes
   and of clock skew between hosts; a reader may record a longer one, `stale_s`, from `LEASE_MINUTES_ENV`: read
   once, when the lease is held, and kept for its life - an environment changed later moves no live lease's margin).
-gc removes the files of dead leases (`remove_dead`).
+gc removes the files of dead leases (`remove_dead`), and so does every lease's start (`_remove_dead_met`).
 - a damaged lease (its seal fails: a flipped byte could name another pid or version) says nobody's pid: judged by its
   refresh age alone, at the default margin. While live, which versions it keeps cannot be told, so gc stops with one
   line, removing nothing (the URL cache's eviction, housekeeping, keeps every version of its cached store whole
@@ -450,6 +450,7 @@ def hold(root: str | Path, tables: dict[str, int | None], what: str, owner: obje
                 if ident is not None:
                     lease.versions[table] = [v]
                     lease.ids[(table, v)] = ident
+            _remove_dead_met(root)
             lease.path = root / LEASES_DIR / f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}.json"
             lease._put(lease.path)
     except OSError as e:  # a read-only store: reading goes on without a lease
@@ -462,6 +463,36 @@ def hold(root: str | Path, tables: dict[str, int | None], what: str, owner: obje
         return lease
     threading.Thread(target=lease._refresh, name="store-lease-refresh", daemon=True).start()
     return lease
+
+
+def _remove_dead_met(root: Path) -> None:
+    """At a lease's start, under the store lock: remove the files of the dead leases in .leases/ (a killed
+    reader's stayed until the next `store gc`), through `remove_dead`. Cheap: one listing; a file is read and
+    judged only where its name's pid is gone on this host or it was not refreshed for `STALE_SECONDS` (a live
+    reader refreshes every `REFRESH_SECONDS`). A failure here (a read-only folder) leaves them to gc."""
+    dead, asides, now, me = [], False, time.time(), socket.gethostname()
+    try:
+        with os.scandir(root / LEASES_DIR) as listing:
+            for entry in listing:
+                asides |= ASIDE in entry.name  # a killed remover's leftover: remove_dead removes it too
+                if entry.name.endswith(".json") and _maybe_dead(entry, me, now):
+                    found = _judged_file(Path(entry.path))
+                    dead += [found] if found is not None and not found.live else []
+        if dead or asides:
+            remove_dead(root, dead)
+    except OSError as e:
+        log.debug("store %s: dead leases left for gc (%s)", root, e.strerror or e)
+
+
+def _maybe_dead(entry: os.DirEntry, me: str, now: float) -> bool:
+    """Whether the lease file `entry` may be dead, by its name (`<host>-<pid>-<random>.json`) and age alone."""
+    host, pid, _ = (entry.name[:-len(".json")].rsplit("-", 2) + ["", ""])[:3]
+    if host == me and pid.isdigit() and (len(pid) > 9 or pid_gone(int(pid), None) is not None):
+        return True  # (no pid has 10 digits: judged, as a name not of this host's reader)
+    try:
+        return entry.stat().st_mtime < now - STALE_SECONDS
+    except FileNotFoundError:  # released meanwhile
+        return False
 
 
 # ---------------------------------------------------------------- what gc reads
@@ -589,13 +620,13 @@ ASIDE = ".aside-"
 
 def remove_dead(root: Path, found: list[Found]) -> list[Found]:
     """`found` (`leases(root)`) with the file of each dead lease removed: the one remover of local lease
-    files (`store gc`, the URL cache's eviction). A reader refreshes its file by path (`os.utime`, or an atomic
-    rename over it), so a removal by path right after the judgement lost a lease refreshed in between: each dead
-    one is first renamed aside, out of every reader's reach, and judged again there - dead, it is removed; live
-    (refreshed before the rename), it is linked back (unless its reader wrote it anew meanwhile) and returned
-    live, so the caller keeps what it names. A refresh after the rename finds no file: its reader looks under the
-    store lock (`Lease._lost_how`: written again while what it names is intact, else lost). Also removes what
-    killed removers left aside."""
+    files (`store gc`, the URL cache's eviction, a lease's start). A reader refreshes its file by path
+    (`os.utime`, or an atomic rename over it), so a removal by path right after the judgement lost a lease
+    refreshed in between: each dead one is first renamed aside, out of every reader's reach, and judged again
+    there - dead, it is removed; live (refreshed before the rename), it is linked back (unless its reader wrote
+    it anew meanwhile) and returned live, so the caller keeps what it names. A refresh after the rename finds
+    no file: its reader looks under the store lock (`Lease._lost_how`: written again while what it names is
+    intact, else lost). Also removes what killed removers left aside."""
     out = [f if f.live else _remove_dead(f) for f in found]
     _remove_left_aside(Path(root) / LEASES_DIR)
     return out

@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
+import crc32c
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -31,6 +32,13 @@ SAMPLES = "samples"
 # of what makes a row new: a rerun after an upgrade adds them to a rejected sample's row recorded without, and that
 # sample was counted twice by `store inspect` (the first copy kept, as for every equal row).
 DERIVED = ("pictures",)
+# The file's seal: in its parquet key-value metadata, {column: crc32c of its values} (`_column_crc`), checked on
+# every read of that column. Over the decoded values rather than pyarrow's page CRCs (`write_page_checksum`): those
+# cover data pages only, and a flipped byte in the footer renamed a column (`samples` -> `sampHes`: every range's
+# inputs counted as one) and still read; the values, names included, are what a reader uses. A flip that leaves the
+# values as written (a statistic, an unused header field) is harmless and passes. A file written before the seal has
+# none and reads as before; its next append seals it.
+SEAL = b"pipeline.quarantine.crc32c"
 
 
 def samples_by_reason(table: pa.Table) -> dict[str, int]:
@@ -115,7 +123,7 @@ def merge_into(root: Path, rows: pa.Table) -> int:
         old = _read(path) if path.is_file() else None
         merged, added = merged_rows(old, rows)
         if added:
-            fmt.atomic_write_parquet(path, merged)
+            fmt.atomic_write_bytes(path, to_bytes(merged))
     return added
 
 
@@ -156,6 +164,52 @@ def _first_unseen(old: pa.Table | None, rows: pa.Table, identity: list[str]) -> 
     firsts = pa.table(both).group_by(list(both)[:-1], use_threads=False).aggregate([("row", "min")])
     firsts = firsts.column("row_min").to_numpy()
     return np.sort(firsts[firsts >= m]) - m
+
+
+def to_bytes(table: pa.Table) -> bytes:
+    """The file's bytes for `table`, sealed (`SEAL`): the one writer of a local and a remote quarantine.parquet."""
+    seal = {c: _column_crc(table.column(c)) for c in table.column_names}
+    return fmt.parquet_bytes(table.replace_schema_metadata({SEAL: json.dumps(seal).encode()}))
+
+
+def _column_crc(col: pa.ChunkedArray) -> str:
+    """crc32c of a column's values, the same however written or read (chunks, string or large_string): each
+    value's length (-1: null) as little-endian int64, then the values' UTF-8 bytes end to end."""
+    a = col.combine_chunks()
+    if not pa.types.is_large_string(a.type):
+        a = a.cast(pa.string())
+    nulls = a.is_null().to_numpy(zero_copy_only=False) if a.null_count else None
+    if nulls is not None:
+        a = pc.fill_null(a, "")  # a null's slot may hold bytes: none counted
+    width = np.dtype("<i8" if pa.types.is_large_string(a.type) else "<i4")
+    offsets = np.zeros(1, width) if not len(a) else \
+        np.frombuffer(a.buffers()[1], width, len(a) + 1, a.offset * width.itemsize)
+    lengths = np.diff(offsets).astype("<i8")
+    if nulls is not None:
+        lengths[nulls] = -1
+    data = memoryview(a.buffers()[2] or b"")[int(offsets[0]):int(offsets[-1])]
+    return f"{crc32c.crc32c(data, crc32c.crc32c(lengths.tobytes())):08x}"
+
+
+def _seal_problem(table: pa.Table, meta: dict[bytes, bytes] | None, whole: bool) -> str:
+    """What about `table`'s columns (all of the file's when `whole`) its seal does not match; '' when none, or
+    when the file has no seal (written before it)."""
+    if not meta or SEAL not in meta:
+        return ""
+    try:
+        seal = json.loads(meta[SEAL])
+    except ValueError:
+        return "its crc32c seal is not valid JSON"
+    if unsealed := [c for c in table.column_names if c not in seal]:
+        return f"column {unsealed[0]!r} is not in its crc32c seal {sorted(seal)}"
+    if whole and (lost := sorted(set(seal) - set(table.column_names))):
+        return f"sealed column {lost[0]!r} is missing"
+    for c in table.column_names:
+        if not pa.types.is_string(table.column(c).type):  # every column is text: the same bytes as binary are not
+            return f"column {c!r} reads as {table.column(c).type}, not text"
+        if (got := _column_crc(table.column(c))) != seal[c]:
+            return f"column {c!r} has crc32c {got}, sealed {seal[c]}"
+    return ""
 
 
 def empty() -> pa.Table:
@@ -200,10 +254,26 @@ def _load(path: Path | pa.BufferReader, columns: Iterable[str] | None = None) ->
                 if missing := sorted({"key", *REQUIRED} - set(names)):
                     return None, f"missing columns {missing}"
                 table = f.read([c for c in dict.fromkeys(columns) if c in names], use_threads=False)
+                if lost := _sealed_missing(f.schema_arrow.metadata, names, columns):
+                    return None, lost
+        meta = table.schema.metadata
+        table = table.replace_schema_metadata({k: v for k, v in (meta or {}).items() if k != SEAL} or None)
+        if why := _seal_problem(table, meta, whole=columns is None):
+            return None, why
     except (pa.ArrowException, OSError, ValueError) as e:
         return None, " ".join(str(e).splitlines()) or type(e).__name__
     missing = sorted({"key", *REQUIRED} - set(table.column_names)) if columns is None else []
     return (table, "") if not missing else (None, f"missing columns {missing}")
+
+
+def _sealed_missing(meta: dict[bytes, bytes] | None, names: list[str], columns: Iterable[str]) -> str:
+    """A column asked for that the seal names and the file lacks (a damaged name), as a problem; else ''."""
+    try:
+        seal = json.loads(meta[SEAL]) if meta and SEAL in meta else {}
+    except ValueError:
+        return "its crc32c seal is not valid JSON"
+    lost = [c for c in columns if c in seal and c not in names]
+    return f"sealed column {lost[0]!r} is missing" if lost else ""
 
 
 def problem(root: Path) -> str | None:

@@ -272,7 +272,7 @@ def push_quarantine(remote: Remote, src: Path, set_aside: bool = False, aside: l
             if aside is not None and name not in aside:
                 aside.append(name)
         merged, added[0] = quarantine.merged_rows(rows, mine)
-        return fmt.parquet_bytes(merged) if added[0] or (old is not None and rows is None) else None
+        return quarantine.to_bytes(merged) if added[0] or (old is not None and rows is None) else None
 
     remote.swap(fmt.QUARANTINE, update, attempts=64)  # every node of a job may merge at once
     return added[0]

@@ -291,3 +291,27 @@ def test_gc_of_a_url_reads_each_versions_schema_once_however_many_leases_name_it
     p = remote_gc.plan(open_remote(url))
     assert sorted(p.leased) == [("vae", 1)] and len(p.leased[("vae", 1)]) == 8 and not p.remove
     assert sorted(read) == ["v1", "v2"], read
+
+
+def test_a_new_lease_removes_the_dead_lease_files_it_meets(store):
+    """A killed reader's lease file stayed in .leases/ until a `store gc`; a lease taken now removes the dead ones
+    (one listing, under the store lock, through `lease.remove_dead`) and keeps every live one."""
+    two_versions(store)
+    live = lease.hold(store.root, {"vae": 1}, "a live reader")
+    mine = live.record()
+    dead_here = 2**22 + 12345  # above pid_max: no process of this host has it
+    killed = store.root / lease.LEASES_DIR / f"{mine['host']}-{dead_here}-0badf00d.json"
+    killed.write_bytes(lease.record_bytes({**mine, "pid": dead_here}))
+    other = {**mine, "host": "another-host", "boot_id": "another-kernel", "pid": 7}
+    stale = store.root / lease.LEASES_DIR / "another-host-7-0badcafe.json"
+    stale.write_bytes(lease.record_bytes(other))
+    long_ago = time.time() - lease.STALE_SECONDS - 120
+    os.utime(stale, (long_ago, long_ago))
+    fresh = store.root / lease.LEASES_DIR / "another-host-8-0badbeef.json"  # another host's, refreshed: live
+    fresh.write_bytes(lease.record_bytes({**other, "pid": 8}))
+    new = lease.hold(store.root, {"vae": 2}, "a new reader")
+    try:
+        assert set(lease_files(store)) == {live.path, fresh, new.path}
+    finally:
+        new.release()
+        live.release()
