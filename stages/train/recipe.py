@@ -15,7 +15,8 @@ their own: `settings.py` (config checks, fingerprint, precision, devices), `star
 start begins: fresh, resumed or the previous run kept), `build.py` (transformer, adapter, optimizer, sampler,
 data stream), `schedule.py` (optimizer + LR schedule), `saving.py` (checkpoint, final LoRA, cleanup),
 `result.py` (`TrainResult`), `current.py` (the up-to-date check of `skip_if_done`) and `stop.py` (a SIGTERM
-finishes and checkpoints the step under way, on every rank alike). Only the transformer is
+finishes and checkpoints the step under way, on every rank alike; under grad_accum > 1 it drops the partial step at
+the next micro-batch boundary and stops with the last completed step's checkpoint). Only the transformer is
 loaded, never the text encoder or the VAE: the store already holds their outputs.
 
 RUN/
@@ -135,7 +136,8 @@ class Run:
     kept_previous: Path | None = None
     run_lock: Any = None  # the lock of the fresh RUN after a keep (the first one moved with the kept run)
     damage: DamageTally | None = None  # train.on_damaged=skip: samples left out, the agreed limit
-    stop: StopOnSignal | None = None  # a SIGTERM seen by this rank, agreed at the next step (stages/train/stop.py)
+    # a SIGTERM seen by this rank, agreed at the next step or micro-batch boundary (stages/train/stop.py)
+    stop: StopOnSignal | None = None
     rerun: str = "rerun with --resume"  # how the user continues this run (`run all`: the same command)
     resume_bytes: dict[str, bytes] | None = None  # the resumed checkpoint's files, read once by its check (restore)
     precision: Any = None  # models.precision.Precision: what the base loads and computes in, and why (agreed)
@@ -257,17 +259,23 @@ def _lock_run_folder(tc: TrainConfig, accelerator, out: Path) -> list:
 
 def train_steps(r: Run) -> None:
     """The steps from where `setup` left the run to max_steps, each logged, checkpointed when due and validated
-    when due; a stop signal ends them after the checkpoint it asks for (`_stop_after_checkpoint`)."""
+    when due; a stop signal ends them after the checkpoint it asks for (`_stop_after_checkpoint`), or drops the
+    step under way at a micro-batch boundary and ends them at the last completed step's (`_stop_mid_step`)."""
     if r.validator is not None and r.step > 0:  # a validation due at the resumed step (a failure there came
         r.validator(r)  # after its checkpoint): the validator runs only what it left unrecorded
+    saved_at, stats = r.step, None  # the last step with a checkpoint (a resumed start's; 0: none)
     with StopOnSignal() as r.stop:
         while r.step < r.cfg.max_steps:
-            stats = step(r)
+            done = step(r)
+            if done is None:  # a signal agreed at a micro-batch boundary: the partial step was dropped
+                _stop_mid_step(r, stats, saved_at)
+            stats = done
             log(r, stats)
             # checkpoint first: a validation that fails (out of memory generating samples) loses no training
             saved = r.step % r.cfg.checkpoint_every == 0 or r.step == r.cfg.max_steps or stats.stop
             if saved:
                 checkpoint(r)
+                saved_at = r.step
             _stop_after_checkpoint(r, stats, saved)
             if r.validator is not None:
                 r.validator(r)
@@ -282,6 +290,23 @@ def _stop_after_checkpoint(r: Run, stats: StepStats, saved: bool) -> None:
         r.stop.stop_now(f"stopped by a signal after optimizer step {r.step}: its checkpoint "
                         f"{r.checkpoints / f'step-{r.step}'} is written; {r.rerun} to continue from it"
                         if r.main else None)
+
+
+def _stop_mid_step(r: Run, last: StepStats | None, saved_at: int) -> None:
+    """Every rank stops here alike after dropping a partial step (`step`): the last completed step's checkpoint
+    is the resume point, written now unless it exists (a due one, or the resumed one); none before the first."""
+    if r.step > saved_at:
+        checkpoint(r)
+    if last is not None:
+        log_point(r, last)  # this start's curve ends where its checkpoint does
+    if r.step == 0:
+        line = (f"stopped by a signal during optimizer step 1, before any step completed: nothing is kept; "
+                f"{r.rerun} to start again")
+    else:
+        line = (f"stopped by a signal during optimizer step {r.step + 1} (its partial gradients dropped): the "
+                f"checkpoint of optimizer step {r.step}, {r.checkpoints / f'step-{r.step}'}, is written; "
+                f"{r.rerun} to continue from it")
+    r.stop.stop_now(line if r.main else None)
 
 
 def _unapplied(out: Path, cfg: PipelineConfig) -> list[str]:
@@ -446,16 +471,22 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     return r
 
 
-def step(r: Run) -> StepStats:
+def step(r: Run) -> StepStats | None:
     """One optimizer step: grad_accum global micro-batches, this rank's share of each (DDP all-reduces the
-    gradients during the last backward), then the update.
+    gradients during the last backward), then the update. None, the step dropped and the run's state put back to
+    its start, where a stop signal was agreed at a micro-batch boundary (grad_accum > 1: stages/train/stop.py).
 
-    Collectives per step: DDP's gradient all-reduce and the loss sum, nothing else; one host sync (the loss,
+    Collectives per step: DDP's gradient all-reduce and the loss sum, and under grad_accum > 1 the stop flag's CPU
+    all-reduce at each micro-batch boundary but the last (`StopOnSignal.at_micro_batch`); one host sync (the loss,
     the finite check and the gradient norm read together). This rank's data, forward and backward, and its
     update, run in `fails_alone`: the others may be in DDP's all-reduce, so a failure here (a damaged sample, out of memory)
     is published to every rank instead of agreed on (models/collective/)."""
     tc, t0, c0 = r.cfg, time.perf_counter(), time.process_time()
+    begun = _StepStart.of(r) if tc.grad_accum > 1 and r.stop is not None else None
     micro, data_seconds, n_step, loss_sum, damaged, weightless, step_losses = _accumulate(r, t0)
+    if len(micro) < tc.grad_accum:  # stopped at a micro-batch boundary (`_accumulate`)
+        begun.put_back(r)
+        return None
     loss_sum, damaged, weightless, stop = _summed_over_ranks(r, loss_sum, damaged, weightless)
     if r.damage is not None or zero_token_weights(tc):  # DDP averaged with the planned count: rescaled to the
         # samples trained on (exactly 1.0 when none was left out)
@@ -490,6 +521,30 @@ def step(r: Run) -> StepStats:
     loss = total / trained if trained else float("nan")
     return StepStats(loss, micro[0].epoch, intact, grad_norm, time.perf_counter() - t0, data_seconds, t0, c0, lr=lr,
                      stop=stop > 0)
+
+
+@dataclass
+class _StepStart:
+    """What a step changes before its update, as it was at the step's start: a step dropped part-way (a stop
+    signal) is checkpointed as the last completed step, which the resume then continues bit for bit."""
+
+    position: tuple[int, int]
+    epoch_tokens: list[int]
+    ended_tokens: list[int]
+    rng: list[torch.Tensor]  # the CPU generator's state, then each CUDA device's (LoRA dropout draws from them)
+
+    @classmethod
+    def of(cls, r: Run) -> "_StepStart":
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        return cls(r.position, list(r.epoch_tokens), list(r.ended_tokens), [torch.get_rng_state(), *cuda])
+
+    def put_back(self, r: Run) -> None:
+        r.optimizer.zero_grad(set_to_none=True)  # the partial step's gradients
+        r.position, r.epoch_tokens, r.ended_tokens = self.position, self.epoch_tokens, self.ended_tokens
+        r.step_running_tokens = [0, 0]
+        torch.set_rng_state(self.rng[0])
+        if len(self.rng) > 1:
+            torch.cuda.set_rng_state_all(self.rng[1:])
 
 
 def _summed_over_ranks(r: Run, loss_sum: torch.Tensor, damaged: int,
@@ -550,6 +605,8 @@ def _accumulate(r: Run, t0: float) -> tuple[list, float, int, torch.Tensor, int,
             if m.damaged:
                 damaged += len(m.damaged)
                 r.damage.record(r.tables, m.damaged, r.step + 1)
+            if k < tc.grad_accum - 1 and r.stop is not None and r.stop.at_micro_batch(r.world):
+                break  # every rank alike: the step is dropped (`step`), the stop follows (`_stop_mid_step`)
     return micro, data_seconds, n_step, loss_sum, damaged, weightless, step_losses
 
 

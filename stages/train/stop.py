@@ -8,6 +8,12 @@ then stops as the signal would have stopped it (the handler it replaced: the CLI
 A SIGTERM that comes while a checkpoint is written stops right after it, without another step (the checkpoint
 just written is the resume point; one more step would spend the scheduler's grace period on work the resume
 redoes): the ranks agree on it in one all-reduce after each checkpoint (`pending`).
+With gradient accumulation (`train.grad_accum` > 1) a step can outlast the grace period (the real model at 1 MP:
+1-2 s a micro-batch, 32-64 of them): the ranks also agree at each micro-batch boundary (`at_micro_batch`, one
+all-reduce of one integer per micro-batch, on the CPU: gloo, a group of its own under NCCL, so the GPU queue is
+not drained), and a signal there drops the partial step (weights, optimizer and schedule are untouched until the
+update; the data position, token counts and RNG are put back to the step's start) and stops with the last
+completed step's checkpoint (written unless it exists already): the resume trains the straight run's LoRA.
 A SIGTERM after the request has gone into a step's all-reduce stops at once, as before. Not simply the second
 one: under SLURM (`scancel`, preemption) every process of the job step is sent SIGTERM, and torchrun's agent
 passes its own on to the ranks, so each rank gets two at once. Schedulers send SIGKILL after a grace period
@@ -49,6 +55,7 @@ class StopOnSignal:
         self._passed_on = False  # the request went into a step's all-reduce: another SIGTERM insists
         self._previous: Any = None
         self._installed = False
+        self._group: Any = None  # the CPU (gloo) process group of `at_micro_batch`, made at its first call
 
     def __enter__(self) -> "StopOnSignal":
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
@@ -86,6 +93,21 @@ class StopOnSignal:
             EARLIER.clear()
         self._passed_on = self.signum is not None
         return 0.0 if self.signum is None else 1.0
+
+    def at_micro_batch(self, world: int) -> bool:
+        """Whether a signal reached any rank, agreed at a micro-batch boundary (every rank calls this after the
+        same micro-batch): a CPU all-reduce, so the GPU's queue of the next micro-batch's work is not waited for."""
+        asked = self.requested() > 0
+        if world <= 1:
+            return asked
+        import torch
+        import torch.distributed as dist
+
+        if self._group is None:  # every rank gets here first at the same boundary: the group is made together
+            self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        flag = torch.tensor([int(asked)], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())
 
     def pending(self, world: int) -> bool:
         """Whether a signal reached any rank (after a checkpoint: every rank calls this, one all-reduce)."""

@@ -186,8 +186,11 @@ def test_a_stop_logs_its_last_step_once_and_the_resume_the_straight_runs_points(
 @pytest.mark.parametrize("batching", [{}, {"max_tokens_per_batch": 80}], ids=["batch", "token-budget"])
 def test_a_stop_inside_an_accumulation_cycle_resumes_every_state_and_the_curve(store_dir, tiny_edit_model, tmp_path,
                                                                               monkeypatch, batching):
-    """Validation every 3 steps: the one due at the stop's step runs after the resume (from the restored state,
-    its RNG forked) and logs what the straight run logged."""
+    """A SIGTERM during step 3's second micro-batch (of 3) is agreed at that micro-batch's end: the partial step is
+    dropped (no third micro-batch, no update) and step 2 is checkpointed with the state at step 3's start (data
+    position, RNG: LoRA dropout, token counts), so the resume trains every state and logs the curve of the straight
+    run. Before, the step was finished first (a step of 32-64 micro-batches outlasts a scheduler's 30 s grace).
+    Validation every 3 steps: the one due at step 3 runs in the resumed start and logs what the straight run logged."""
     from stages.train import recipe
 
     sets = dict(max_steps=6, checkpoint_every=4, keep_checkpoints=10, grad_accum=3, warmup_steps=2,
@@ -207,8 +210,12 @@ def test_a_stop_inside_an_accumulation_cycle_resumes_every_state_and_the_curve(s
     with monkeypatch.context() as m:
         m.setattr(recipe, "backward_of", signalled_in_step_3)
         assert _stopped_by_sigterm(lambda: run(cfg_of(**sets), store_dir, tiny_edit_model, out))
+    assert len(calls) == 8  # not one micro-batch more
+    from stages.train import state as train_state
+
+    assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [2]
     resumed = run(cfg_of(**sets), store_dir, tiny_edit_model, out, resume=True)
-    assert resumed.start_step == 3
+    assert resumed.start_step == 2
     s, r = tmp_path / "straight", out
     for name in ("lora/pytorch_lora_weights.safetensors", "optimizer.safetensors", "ema.safetensors"):
         same_file(s / "checkpoints" / "step-6" / name, r / "checkpoints" / "step-6" / name)
@@ -216,7 +223,7 @@ def test_a_stop_inside_an_accumulation_cycle_resumes_every_state_and_the_curve(s
         assert (s / "checkpoints" / "step-6" / name).read_text() == (r / "checkpoints" / "step-6" / name).read_text()
     same_file(s / "lora" / "pytorch_lora_weights.safetensors", r / "lora" / "pytorch_lora_weights.safetensors")
     same_file(s / "lora_ema" / "pytorch_lora_weights.safetensors", r / "lora_ema" / "pytorch_lora_weights.safetensors")
-    assert list(resumed.losses) == list(straight.losses)[3:]  # bit for bit, step by step
+    assert list(resumed.losses) == list(straight.losses)[2:]  # bit for bit, step by step
     curves = scalars(s)
     assert [step for step, _ in curves["val/loss"]] == [3, 6] and "val/loss_ema" in curves
     assert curves == scalars(r)

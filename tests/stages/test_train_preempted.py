@@ -207,3 +207,94 @@ def test_a_sigterm_during_a_step_checkpoints_that_step_and_stops(tiny_edit_model
     assert _stopped_by_sigterm(lambda: run(load_config(None, {**SETS, "train.max_steps": 5}), store,
                                            tiny_edit_model, out))
     assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [2] and len(calls) == 2
+
+
+def _signalled_at_call(monkeypatch, n: int) -> list[int]:
+    """recipe.backward_of sends this process SIGTERM as its `n`-th call begins (one call per micro-batch here);
+    the calls so far, counted."""
+    from stages.train import recipe
+
+    real, calls = recipe.backward_of, []
+
+    def signalled(*a, **k):
+        calls.append(1)
+        if len(calls) == n:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+
+    monkeypatch.setattr(recipe, "backward_of", signalled)
+    return calls
+
+
+ACCUMULATED = {**SETS, "train.grad_accum": 4, "train.lora.dropout": 0.1}  # dropout: the global RNG goes on too
+
+
+def test_a_sigterm_mid_accumulation_stops_before_the_update_and_resumes_bit_for_bit(tiny_edit_model, tmp_path,
+                                                                                   monkeypatch, capsys) -> None:
+    """grad_accum 4, a SIGTERM during micro-batch 2 of step 2: the ranks agree at that micro-batch's end, the
+    partial step is dropped (no micro-batch 3, no update) and step 1, the last completed one, is checkpointed with
+    the state at step 2's start; the resume trains the straight run's LoRA bit for bit. Before, the step was
+    finished first: a step of the real model (32-64 micro-batches of 1-2 s) outlasts SLURM's 30 s grace."""
+    store, out = tmp_path / "store", tmp_path / "run"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    calls = _signalled_at_call(monkeypatch, 4 + 2)
+    assert _stopped_by_sigterm(lambda: run(load_config(None, {**ACCUMULATED, "train.max_steps": 5}), store,
+                                           tiny_edit_model, out))
+    assert len(calls) == 6  # not one micro-batch more
+    assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [1]
+    said = capsys.readouterr()
+    assert (f"stopped by a signal during optimizer step 2 (its partial gradients dropped): the checkpoint of "
+            f"optimizer step 1, {out / 'checkpoints' / 'step-1'}, is written") in said.out + said.err
+    monkeypatch.undo()
+    cfg = load_config(None, {**ACCUMULATED, "train.max_steps": 5})
+    assert run(cfg, store, tiny_edit_model, out, resume=True).start_step == 1
+    run(cfg, store, tiny_edit_model, tmp_path / "straight")
+    a, b = read_lora(out / "lora")[0], read_lora(tmp_path / "straight" / "lora")[0]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_sigterm_mid_accumulation_after_a_due_checkpoint_writes_nothing_new(tiny_edit_model, tmp_path,
+                                                                             monkeypatch) -> None:
+    """The step before the dropped one was checkpointed already (checkpoint_every 3, a signal in step 4): that
+    checkpoint is the resume point, written once; a signal in step 1 keeps nothing (no step completed)."""
+    from stages.train import recipe
+
+    store, out = tmp_path / "store", tmp_path / "run"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    real, written = recipe.checkpoint, []
+    monkeypatch.setattr(recipe, "checkpoint", lambda r: (written.append(r.step), real(r)))
+    calls = _signalled_at_call(monkeypatch, 3 * 4 + 2)
+    assert _stopped_by_sigterm(lambda: run(load_config(None, {**ACCUMULATED, "train.max_steps": 5}), store,
+                                           tiny_edit_model, out))
+    assert len(calls) == 14 and written == [3]
+    assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [3]
+
+    first = _signalled_at_call(monkeypatch, 2)
+    assert _stopped_by_sigterm(lambda: run(load_config(None, {**ACCUMULATED, "train.max_steps": 5}), store,
+                                           tiny_edit_model, tmp_path / "first"))
+    assert len(first) == 2 and written == [3] and not (tmp_path / "first" / "checkpoints" / "step-0").exists()
+    monkeypatch.undo()  # the line's advice, --resume, starts that run again
+    assert run(load_config(None, {**ACCUMULATED, "train.max_steps": 1}), store, tiny_edit_model, tmp_path / "first",
+               resume=True).start_step == 0
+
+
+def test_a_sigterm_mid_accumulation_on_one_rank_stops_every_rank_at_that_micro_batch(tiny_edit_model,
+                                                                                     tmp_path) -> None:
+    """Two gloo processes, grad_accum 4; only rank 1 is sent SIGTERM, during its micro-batch 2 of step 2: both
+    ranks agree at that micro-batch's end, run no micro-batch more, write step 1's checkpoint together (every
+    rank's RNG state in it) and stop with 143."""
+    from two_ranks import launch_two, results
+
+    store, out = tmp_path / "store", tmp_path / "run"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    sets = [a for k, v in ACCUMULATED.items() for a in ("--set", f"{k}={v}")]
+    outs = launch_two("rank_stop_mid_step.py", "6", "run", "train", "--store", str(store), "--model",
+                      tiny_edit_model, "--out", str(out), "--max-steps", "1000", *sets)
+    for code, stdout, stderr in outs:
+        assert code == 128 + signal.SIGTERM, (code, stderr[-3000:])
+        assert "Traceback" not in stdout + stderr, stderr[-3000:]
+        assert results(stdout)["micro-batches"] == "6", stdout[-2000:]
+    assert "stopped by a signal during optimizer step 2" in outs[0][1], outs[0]
+    assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [1]
+    step1 = out / "checkpoints" / "step-1"
+    assert {p.name for p in step1.glob("rng-rank*")} == {"rng-rank00.safetensors", "rng-rank01.safetensors"}
