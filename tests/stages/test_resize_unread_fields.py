@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 from PIL import Image
 from typer.testing import CliRunner
@@ -31,12 +32,7 @@ def test_a_jsonl_field_naming_images_that_is_not_read_quarantines_its_line(tmp_p
             {"target": "t.png", "controls": [], "control": "c.png", "caption": "controls given twice"},
             {"target": "t.png", "controls": ["c.png"], "mask": "m.png", "caption": "read whole", "id": "x.png.1",
              "width": 32, "tags": [], "url": "https://example.com/t.png"}]
-    (src / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    result = CliRunner().invoke(app, ["run", "resize-bucket", "--source", str(src / "m.jsonl"),
-                                      "--store", str(tmp_path / "store"), "--set", "resize.target_area=4096",
-                                      "--set", "resize.multiple=16"])
-    assert result.exit_code == 0, result.output
-    store = Store(tmp_path / "store", create=False)
+    store = _resized(tmp_path, rows)
     kept = store.reader("images").manifest.to_pylist()
     assert [(r["caption"], r["num_controls"], r["has_mask"]) for r in kept] == [("read whole", 1, True)]
     quarantined = {r["source"].rsplit(":", 1)[1]: (r["reason"], r["detail"]) for r in store.quarantine().to_pylist()}
@@ -80,12 +76,7 @@ def test_a_caption_and_a_prompt_that_differ_or_text_under_another_name_are_said(
             {"target": "t.png", "controls": ["c.png"], "caption": "the same text", "prompt": "the same text "},
             {"target": "t.png", "controls": ["c.png"], "instruction": "make it green", "id": "42"},
             {"target": "t.png", "controls": ["c.png"], "caption": None, "prompt": "make it blue"}]
-    (src / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    result = CliRunner().invoke(app, ["run", "resize-bucket", "--source", str(src / "m.jsonl"),
-                                      "--store", str(tmp_path / "store"), "--set", "resize.target_area=4096",
-                                      "--set", "resize.multiple=16"])
-    assert result.exit_code == 0, result.output
-    store = Store(tmp_path / "store", create=False)
+    store = _resized(tmp_path, rows)
     kept = store.reader("images").manifest.to_pylist()
     assert sorted(r["caption"] for r in kept) == ["make it blue", "the same text"]
     quarantined = {r["source"].split(":")[1].split(" ")[0]: (r["reason"], r["detail"])
@@ -95,3 +86,14 @@ def test_a_caption_and_a_prompt_that_differ_or_text_under_another_name_are_said(
                             "would be trained on, the other dropped; keep the edit instruction under one of them"),
         "3": ("missing-caption", "no 'caption' or 'prompt' field on this line; its text field(s) 'instruction', "
                                  "'id' are not read: rename the one holding the edit instruction to 'caption'")}
+
+
+def _resized(tmp_path: Path, rows: list[dict]) -> Store:
+    """The store resize-bucket makes of `rows` as a JSONL source beside the pictures in tmp_path/src."""
+    src = tmp_path / "src"
+    (src / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = CliRunner().invoke(app, ["run", "resize-bucket", "--source", str(src / "m.jsonl"),
+                                      "--store", str(tmp_path / "store"), "--set", "resize.target_area=4096",
+                                      "--set", "resize.multiple=16"])
+    assert result.exit_code == 0, result.output
+    return Store(tmp_path / "store", create=False)
