@@ -88,16 +88,22 @@ class StopOnSignal:
 
     def requested(self) -> float:
         """1.0 once a signal came (a number for the step's all-reduce), else 0.0."""
+        self._passed_on = self._asked()
+        return 1.0 if self._passed_on else 0.0
+
+    def _asked(self) -> bool:
+        """Whether a signal came (this rank's), one the CLI recorded in EARLIER too."""
         if self.signum is None and EARLIER:  # a Ctrl-C whose KeyboardInterrupt a finalizer swallowed (EARLIER)
             self.signum = EARLIER[0]
             EARLIER.clear()
-        self._passed_on = self.signum is not None
-        return 0.0 if self.signum is None else 1.0
+        return self.signum is not None
 
     def at_micro_batch(self, world: int) -> bool:
         """Whether a signal reached any rank, agreed at a micro-batch boundary (every rank calls this after the
-        same micro-batch): a CPU all-reduce, so the GPU's queue of the next micro-batch's work is not waited for."""
-        asked = self.requested() > 0
+        same micro-batch): a CPU all-reduce, so the GPU's queue of the next micro-batch's work is not waited for.
+        Not passed on (`requested`): SLURM's SIGTERM and torchrun's copy come milliseconds apart and a boundary
+        (every 1-2 s) can fall between them; the second is held, as the stop it belongs to writes its checkpoint."""
+        asked = self._asked()
         if world <= 1:
             return asked
         import torch

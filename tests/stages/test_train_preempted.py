@@ -298,3 +298,27 @@ def test_a_sigterm_mid_accumulation_on_one_rank_stops_every_rank_at_that_micro_b
     assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [1]
     step1 = out / "checkpoints" / "step-1"
     assert {p.name for p in step1.glob("rng-rank*")} == {"rng-rank00.safetensors", "rng-rank01.safetensors"}
+
+
+def test_a_second_sigterm_just_after_the_micro_batch_agreement_still_gets_the_checkpoint(tiny_edit_model, tmp_path,
+                                                                                        monkeypatch) -> None:
+    """SLURM's SIGTERM and the one torchrun's agent passes on come milliseconds apart; a micro-batch boundary
+    (every 1-2 s, grad_accum times a step) can fall between them. The second one, arriving while the stop writes
+    step 1's checkpoint, stopped the process at once: no checkpoint, every step since the last one lost. It is
+    held: the stop it belongs to is already under way."""
+    from stages.train import recipe
+
+    store, out = tmp_path / "store", tmp_path / "run"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    real = recipe.checkpoint
+
+    def second_signal_first(r):
+        os.kill(os.getpid(), signal.SIGTERM)  # torchrun's copy, just after the boundary agreed on the first
+        real(r)
+
+    monkeypatch.setattr(recipe, "checkpoint", second_signal_first)
+    calls = _signalled_at_call(monkeypatch, 4 + 2)
+    assert _stopped_by_sigterm(lambda: run(load_config(None, {**ACCUMULATED, "train.max_steps": 5}), store,
+                                           tiny_edit_model, out))
+    assert len(calls) == 6
+    assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [1]
