@@ -476,9 +476,9 @@ def step(r: Run) -> StepStats | None:
     gradients during the last backward), then the update. None, the step dropped and the run's state put back to
     its start, where a stop signal was agreed at a micro-batch boundary (grad_accum > 1: stages/train/stop.py).
 
-    Collectives per step: DDP's gradient all-reduce and the loss sum, and under grad_accum > 1 the stop flag's CPU
-    all-reduce at each micro-batch boundary but the last (`StopOnSignal.at_micro_batch`); one host sync (the loss,
-    the finite check and the gradient norm read together). This rank's data, forward and backward, and its
+    Collectives per step: DDP's gradient all-reduce and the loss sum, and under grad_accum > 1 the stop flag's
+    all-reduce at each micro-batch boundary but the last (`StopOnSignal.at_micro_batch`, a host sync each); one
+    more host sync (the loss, the finite check and the gradient norm read together). This rank's data, forward and backward, and its
     update, run in `fails_alone`: the others may be in DDP's all-reduce, so a failure here (a damaged sample, out of memory)
     is published to every rank instead of agreed on (models/collective/)."""
     tc, t0, c0 = r.cfg, time.perf_counter(), time.process_time()

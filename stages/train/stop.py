@@ -10,8 +10,8 @@ just written is the resume point; one more step would spend the scheduler's grac
 redoes): the ranks agree on it in one all-reduce after each checkpoint (`pending`).
 With gradient accumulation (`train.grad_accum` > 1) a step can outlast the grace period (the real model at 1 MP:
 1-2 s a micro-batch, 32-64 of them): the ranks also agree at each micro-batch boundary (`at_micro_batch`, one
-all-reduce of one integer per micro-batch, on the CPU: gloo, a group of its own under NCCL, so the GPU queue is
-not drained), and a signal there drops the partial step (weights, optimizer and schedule are untouched until the
+all-reduce of one integer per micro-batch on the run's group: under NCCL a host sync each, the GPU idle only until
+the next micro-batch's first kernel), and a signal there drops the partial step (weights, optimizer and schedule are untouched until the
 update; the data position, token counts and RNG are put back to the step's start) and stops with the last
 completed step's checkpoint (written unless it exists already): the resume trains the straight run's LoRA.
 A SIGTERM after the request has gone into a step's all-reduce stops at once, as before. Not simply the second
@@ -55,7 +55,6 @@ class StopOnSignal:
         self._passed_on = False  # the request went into a step's all-reduce: another SIGTERM insists
         self._previous: Any = None
         self._installed = False
-        self._group: Any = None  # the CPU (gloo) process group of `at_micro_batch`, made at its first call
 
     def __enter__(self) -> "StopOnSignal":
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
@@ -100,20 +99,16 @@ class StopOnSignal:
 
     def at_micro_batch(self, world: int) -> bool:
         """Whether a signal reached any rank, agreed at a micro-batch boundary (every rank calls this after the
-        same micro-batch): a CPU all-reduce, so the GPU's queue of the next micro-batch's work is not waited for.
-        Not passed on (`requested`): SLURM's SIGTERM and torchrun's copy come milliseconds apart and a boundary
-        (every 1-2 s) can fall between them; the second is held, as the stop it belongs to writes its checkpoint."""
-        asked = self._asked()
-        if world <= 1:
-            return asked
-        import torch
-        import torch.distributed as dist
+        same micro-batch): one all-reduce of one integer on the run's own group (`all_max`). Under NCCL it is a
+        host sync per micro-batch: the GPU then waits only for the next micro-batch's first kernel (under a
+        millisecond against 1-2 s a micro-batch), where a CPU group of its own (gloo) would need gloo to reach
+        every node, which a cluster whose host names resolve to an unroutable address (Debian's 127.0.1.1) denies,
+        failing runs that trained before. Not passed on (`requested`): SLURM's SIGTERM and torchrun's copy come
+        milliseconds apart and a boundary can fall between them; the second is held while its stop's checkpoint
+        is written."""
+        from models.collective import all_max
 
-        if self._group is None:  # every rank gets here first at the same boundary: the group is made together
-            self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        flag = torch.tensor([int(asked)], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(flag.item())
+        return bool(all_max(world, [int(self._asked())])[0])
 
     def pending(self, world: int) -> bool:
         """Whether a signal reached any rank (after a checkpoint: every rank calls this, one all-reduce)."""
