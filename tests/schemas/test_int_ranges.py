@@ -100,6 +100,14 @@ def test_a_rank_above_the_smallest_adapted_width_is_refused_before_the_adapter_i
         assert block.to_q.lora_A["default"].weight.shape == (rank, 32)
 
 
+def test_a_lokr_rank_above_the_width_builds_its_full_kronecker_factor():
+    # peft's LoKr takes a rank at or above half its second factor's larger side as "that factor whole" (LyCORIS's
+    # full-matrix idiom: a rank of 10000): no low-rank pair is allocated, so the width cap does not apply
+    block = _Block()
+    add_lora(block, LoraConfig(kind="lokr", rank=64, target_modules=["to_q", "to_out"]))
+    assert block.to_out.lokr_w2["default"].shape == (4, 8)  # the factor whole, no lokr_w2_a / _b pair
+
+
 @pytest.mark.parametrize("key", ["evaluate.noise_seeds", "train.validate_noise_seeds"])
 def test_a_noise_seed_past_int64_is_refused_as_the_losses_file_stores_int64(key):
     # 2**63 is inside torch's generator range, but the losses file's seed column is int64 (store/loss_array.py):
