@@ -49,6 +49,17 @@ def test_every_integer_setting_has_a_finite_range():
     assert not unbounded, f"integer settings without an IntRange family (schemas/config.py): {unbounded}"
 
 
+def test_the_json_schema_shows_each_integer_setting_s_range():
+    # what a user's editor validates a config against: the ranges, as the bounds before them were shown
+    defs = PipelineConfig.model_json_schema()["$defs"]
+    assert {k: defs["LoraConfig"]["properties"]["rank"].get(k) for k in ("minimum", "maximum")} == \
+        {"minimum": 1, "maximum": 1 << 16}
+    tokens = defs["TrainConfig"]["properties"]["max_tokens_per_batch"]["anyOf"]
+    assert {"type": "integer", "minimum": 1, "maximum": 1 << 40} in tokens and {"type": "null"} in tokens
+    seeds = defs["EvaluateConfig"]["properties"]["noise_seeds"]["items"]
+    assert (seeds["minimum"], seeds["maximum"]) == (-(1 << 63), (1 << 63) - 1)
+
+
 @pytest.mark.parametrize("key, value, bounds", [
     ("train.batch_size", 10**20, "1 .. 65536"),  # an OverflowError in the sampler after setup
     ("evaluate.batch_size", 1 << 17, "1 .. 65536"),
