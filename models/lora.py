@@ -118,7 +118,11 @@ def add_lora(transformer, cfg: LoraSettings) -> None:
 def refuse_rank_above_width(transformer, cfg: LoraSettings) -> None:
     """A rank above the smallest adapted layer's width (min of its in and out features), refused in one line before
     any adapter weight is allocated: B @ A cannot exceed that rank, so the rest is memory and compute that trains
-    nothing (the config's static cap, schemas/config.py `Rank`, cannot know the model's widths)."""
+    nothing (the config's static cap, schemas/config.py `Rank`, cannot know the model's widths). Not for LoKr:
+    peft's rank there sizes the low-rank pair of a Kronecker factor smaller than the layer, and a rank at or above
+    half that factor's larger side makes it a full matrix instead (LyCORIS's full-matrix idiom, a rank of 10000)."""
+    if getattr(cfg, "kind", "lora") == "lokr":
+        return
     widths = {n: min(m.in_features, m.out_features) for n, m in transformer.named_modules()
               if isinstance(m, torch.nn.Linear) and any(n == t or n.endswith("." + t) for t in cfg.target_modules)}
     if not widths or cfg.rank <= min(widths.values()):

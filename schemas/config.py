@@ -91,6 +91,10 @@ class IntRange:
             raise self._refused()
         return value
 
+    def __get_pydantic_json_schema__(self, schema: Any, handler: Any) -> dict[str, Any]:
+        # a wrap validator's bounds are invisible to pydantic: the JSON schema a user's editor reads shows them
+        return {**handler(schema), "minimum": self.lo, "maximum": self.hi}
+
     def _refused(self) -> PydanticCustomError:
         # one line with the key and the value (pipeline/config.py `_format_errors` adds both)
         return PydanticCustomError("int_range", "should be {lo} .. {hi}, {what}",
@@ -98,8 +102,9 @@ class IntRange:
 
 
 def _ints(lo: int, hi: int, what: str) -> Any:
-    """An integer setting of range lo .. hi (`IntRange`)."""
-    return Annotated[int, WrapValidator(IntRange(lo, hi, what))]
+    """An integer setting of range lo .. hi (`IntRange`: the check, and the range in the JSON schema)."""
+    rule = IntRange(lo, hi, what)
+    return Annotated[int, WrapValidator(rule), rule]
 
 
 #: generous but finite bounds: a product of a few of them (steps x batch x accumulation) still fits an int64

@@ -39,6 +39,10 @@ DERIVED = ("pictures",)
 # values as written (a statistic, an unused header field) is harmless and passes. A file written before the seal has
 # none and reads as before; its next append seals it.
 SEAL = b"pipeline.quarantine.crc32c"
+# How many rows the seal covers: a release before the seal appends by reading the table, its metadata (the seal)
+# included, and writing it back with its rows after the old ones; the rows past this count read unchecked, as a
+# file written before the seal does, and the next append seals them. A flip to a smaller count fails the seal.
+SEALED_ROWS = b"pipeline.quarantine.rows"
 
 
 def samples_by_reason(table: pa.Table) -> dict[str, int]:
@@ -169,7 +173,14 @@ def _first_unseen(old: pa.Table | None, rows: pa.Table, identity: list[str]) -> 
 def to_bytes(table: pa.Table) -> bytes:
     """The file's bytes for `table`, sealed (`SEAL`): the one writer of a local and a remote quarantine.parquet."""
     seal = {c: _column_crc(table.column(c)) for c in table.column_names}
-    return fmt.parquet_bytes(table.replace_schema_metadata({SEAL: json.dumps(seal).encode()}))
+    meta = {SEAL: json.dumps(seal).encode(), SEALED_ROWS: str(table.num_rows).encode()}
+    return fmt.parquet_bytes(table.replace_schema_metadata(meta))
+
+
+def _sealed_part(table: pa.Table, meta: dict[bytes, bytes] | None) -> pa.Table:
+    """The rows of `table` its seal covers (`SEALED_ROWS`): all, where it does not count them."""
+    rows = (meta or {}).get(SEALED_ROWS, b"")
+    return table.slice(0, int(rows)) if rows.isdigit() and table.num_rows > int(rows) else table
 
 
 def _column_crc(col: pa.ChunkedArray) -> str:
@@ -257,8 +268,9 @@ def _load(path: Path | pa.BufferReader, columns: Iterable[str] | None = None) ->
                 if lost := _sealed_missing(f.schema_arrow.metadata, names, columns):
                     return None, lost
         meta = table.schema.metadata
-        table = table.replace_schema_metadata({k: v for k, v in (meta or {}).items() if k != SEAL} or None)
-        if why := _seal_problem(table, meta, whole=columns is None):
+        table = table.replace_schema_metadata(
+            {k: v for k, v in (meta or {}).items() if k not in (SEAL, SEALED_ROWS)} or None)
+        if why := _seal_problem(_sealed_part(table, meta), meta, whole=columns is None):
             return None, why
     except (pa.ArrowException, OSError, ValueError) as e:
         return None, " ".join(str(e).splitlines()) or type(e).__name__

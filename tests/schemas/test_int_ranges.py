@@ -49,6 +49,17 @@ def test_every_integer_setting_has_a_finite_range():
     assert not unbounded, f"integer settings without an IntRange family (schemas/config.py): {unbounded}"
 
 
+def test_the_json_schema_shows_each_integer_setting_s_range():
+    # what a user's editor validates a config against: the ranges, as the bounds before them were shown
+    defs = PipelineConfig.model_json_schema()["$defs"]
+    assert {k: defs["LoraConfig"]["properties"]["rank"].get(k) for k in ("minimum", "maximum")} == \
+        {"minimum": 1, "maximum": 1 << 16}
+    tokens = defs["TrainConfig"]["properties"]["max_tokens_per_batch"]["anyOf"]
+    assert {"type": "integer", "minimum": 1, "maximum": 1 << 40} in tokens and {"type": "null"} in tokens
+    seeds = defs["EvaluateConfig"]["properties"]["noise_seeds"]["items"]
+    assert (seeds["minimum"], seeds["maximum"]) == (-(1 << 63), (1 << 63) - 1)
+
+
 @pytest.mark.parametrize("key, value, bounds", [
     ("train.batch_size", 10**20, "1 .. 65536"),  # an OverflowError in the sampler after setup
     ("evaluate.batch_size", 1 << 17, "1 .. 65536"),
@@ -98,6 +109,14 @@ def test_a_rank_above_the_smallest_adapted_width_is_refused_before_the_adapter_i
         block = _Block()
         add_lora(block, LoraConfig(rank=rank, target_modules=targets))
         assert block.to_q.lora_A["default"].weight.shape == (rank, 32)
+
+
+def test_a_lokr_rank_above_the_width_builds_its_full_kronecker_factor():
+    # peft's LoKr takes a rank at or above half its second factor's larger side as "that factor whole" (LyCORIS's
+    # full-matrix idiom: a rank of 10000): no low-rank pair is allocated, so the width cap does not apply
+    block = _Block()
+    add_lora(block, LoraConfig(kind="lokr", rank=64, target_modules=["to_q", "to_out"]))
+    assert block.to_out.lokr_w2["default"].shape == (4, 8)  # the factor whole, no lokr_w2_a / _b pair
 
 
 @pytest.mark.parametrize("key", ["evaluate.noise_seeds", "train.validate_noise_seeds"])

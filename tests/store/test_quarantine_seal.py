@@ -114,3 +114,22 @@ def test_a_store_urls_copy_is_sealed_and_a_flipped_byte_there_refused(s3_env, st
     remote.write(fmt.QUARANTINE, _flipped(data, at + 3, ord("r") ^ ord("s")))
     with pytest.raises(UserError, match=r"quarantine.parquet is damaged \(column 'reason' has crc32c"):
         pull(s3_env.url(), tmp_path / "pulled")
+
+
+def test_rows_an_older_release_appended_to_a_sealed_file_read_and_the_sealed_ones_are_still_checked(
+        store: Store) -> None:
+    """A release before the seal appends by reading the table (its key-value metadata, the seal, comes along),
+    adding rows and writing it back: the stale seal made the whole file read as damaged. The rows the seal counts
+    are checked, those after it read as a file written before the seal does."""
+    store.add_quarantine(ROWS[:4])
+    path = store.root / fmt.QUARANTINE
+    older = pq.read_table(path)  # as the older release's append reads it, metadata kept
+    added = pa.table({c: pa.array([r.get(c) for r in ROWS[4:]], pa.string()) for c in older.column_names})
+    fmt.atomic_write_parquet(path, pa.concat_tables([older, added], promote_options="permissive"))
+    assert store.quarantine().num_rows == len(ROWS)
+    assert _cli("store", "verify", store.root).exit_code == 0
+    data = path.read_bytes()
+    at = data.index(b"unreadable-image")
+    path.write_bytes(_flipped(data, at + 3, ord("r") ^ ord("s")))  # the sealed rows' reason, damaged
+    with pytest.raises(UserError, match=r"quarantine.parquet is damaged \(column 'reason'"):
+        store.quarantine()
