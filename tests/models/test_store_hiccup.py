@@ -127,10 +127,23 @@ def _store_up_after_the_probe(monkeypatch, delay: float) -> tuple[list, threadin
     port = listener.getsockname()[1]
     monkeypatch.setenv("MASTER_PORT", str(port))
     stores: list = []
+    closed = threading.Event()
+    probe = socket.create_connection
+
+    def probe_then_closed(*args, **kwargs):
+        # the probe's connection is made in the kernel's backlog before this thread's accept: torch's client,
+        # right after it, could land there too and be reset by the close below (a c10d warning, once in a
+        # loaded CI run); it connects only once the port refuses, as a store coming up later refuses
+        conn = probe(*args, **kwargs)
+        closed.wait(TIMEOUT)
+        return conn
+
+    monkeypatch.setattr(socket, "create_connection", probe_then_closed)
 
     def up_later() -> None:
         listener.accept()[0].close()
         listener.close()
+        closed.set()
         time.sleep(delay)
         stores.append(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=60)))
