@@ -130,13 +130,14 @@ def _clipped(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _no_caption(obj: dict) -> str:
+def _no_caption(obj: dict) -> str | None:
     """A line without caption or prompt, naming its text fields that are not read (`instruction`, `edit_prompt`:
-    every line of such a manifest was quarantined with no word of the field that holds the text)."""
+    every line of such a manifest was quarantined with no word of the field that holds the text); None without
+    any (then the missing caption is judged as every source's, stages/resize/judge.py)."""
     texts = [name for name, v in obj.items() if name not in _JSONL_FIELDS and isinstance(v, str) and v.strip()
              and not v.lower().endswith(IMAGE_SUFFIXES) and "://" not in v]
     if not texts:
-        return "no caption (.txt / caption field) for this sample"
+        return None
     return (f"no 'caption' or 'prompt' field on this line; its text field(s) {', '.join(map(repr, texts[:4]))} are "
             f"not read: rename the one holding the edit instruction to 'caption'")
 
@@ -203,8 +204,8 @@ def _read_jsonl_sample(s: SourceSample, obj: dict, line: str, base: Path, max_fi
     text = _jsonl_caption(obj)
     if text is not None and not isinstance(text, str):
         s.problem = f"caption/prompt is not a string (got {type(text).__name__})"
-    elif text is None:
-        s.problem, s.problem_kind = _no_caption(obj), "missing-caption"
+    elif text is None and (unread := _no_caption(obj)) is not None:
+        s.problem, s.problem_kind = unread, "missing-caption"
     # a JSON "\\udce9" (a lone surrogate) decodes to a str that is no text: its bytes fail the UTF-8 check
     s.caption = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else None
     return s
