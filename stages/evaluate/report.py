@@ -350,12 +350,14 @@ def read_metrics(out: str | Path, say: bool = True) -> Any:
 
 
 def report_metrics(out: str | Path) -> Any:
-    """OUT's report as an up-to-date check reads it, once (`read_metrics`, a damaged one said): None unless
-    metrics.json and index.html are both there (metrics.json is written last: a report is whole or absent)."""
-    out = Path(out)
-    if not (out / "metrics.json").is_file() or not (out / "index.html").is_file():
-        return None
-    return read_metrics(out)
+    """OUT's metrics.json as an up-to-date check reads it, once (`read_metrics`, a damaged one said; None: none).
+    The check passes it to all that it takes from it; whether the report is whole (`report_whole`) is its own."""
+    return read_metrics(out) if (Path(out) / "metrics.json").is_file() else None
+
+
+def report_whole(out: str | Path) -> bool:
+    """Are metrics.json and index.html both in OUT (metrics.json is written last: a report is whole or absent)?"""
+    return (Path(out) / "metrics.json").is_file() and (Path(out) / "index.html").is_file()
 
 
 def checked_metrics(out: str | Path, rerun: str, missing_ok: bool = False) -> dict | None:

@@ -33,7 +33,9 @@ def current_metrics(metrics: dict | None, out: Path, fingerprint: str, checkpoin
     settings of this run, `loss_fingerprint`). `ema_shas`: step -> the sha256 of its EMA file, of the checkpoints
     whose EMA is scored (`ema_curve`): a report of a run without EMA records none and needs none (it stays
     current); one that scored no EMA where there is one now (made before EMA was scored) is not current."""
-    if metrics is None:
+    from stages.evaluate.report import report_whole
+
+    if metrics is None or not report_whole(out):
         return None
     recorded = recorded_steps(out, fingerprint)  # None: no loss array of these settings
     try:  # a metrics.json damaged into other valid JSON (a list, a number for a section) is no report either

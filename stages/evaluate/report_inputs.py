@@ -57,8 +57,10 @@ def current_report(cfg: EvaluateConfig, store: str | Path, model: str, lora: str
                    lora_sha256: str | None = None, why: list[str] | None = None) -> dict | None:
     """OUT's metrics.json object when its report is this run's (`report_up_to_date`), read and checked once
     (`report.report_metrics`: a damaged one said, and None); else None."""
-    from stages.evaluate.report import report_metrics
+    from stages.evaluate.report import report_metrics, report_whole
 
+    if not report_whole(out):
+        return None
     metrics_of = report_metrics(out)
     try:
         recorded = metrics_of.get("run", {}).get("inputs")
