@@ -99,3 +99,63 @@ def test_held_out_losses_equal_a_hand_loop_over_the_stock_transformer_and_peft(s
     d = lora[..., 0].mean(axis=(1, 2)) - base[..., 0].mean(axis=(1, 2))  # paired per sample
     np.testing.assert_allclose(loss["lora_minus_base"]["difference"], d.mean(), rtol=1e-4)
     np.testing.assert_allclose(loss["lora_minus_base"]["standard_error"], d.std(ddof=1) / np.sqrt(d.size), rtol=1e-3)
+
+
+def test_qwen21_held_out_losses_equal_a_hand_loop_over_the_stock_21_transformer(tiny_21_model, tmp_path):
+    """The same on Qwen-Image-2.1: 0..3 references of different sizes, the stock `QwenImage21Pipeline.transformer`
+    one sample per forward (references first, then the noised target, σ as the timestep) with the LoRA loaded by
+    its own `load_lora_weights`."""
+    from diffusers import QwenImage21Pipeline
+
+    from models.loading import load_component, model_fingerprint
+    from models.lora import add_lora, save_lora
+    from models.qwen21_multires import joint_image_mask, latent_tokens
+    from pipeline.config import load_config
+    from stages.encode import text as encode_text
+    from stages.encode import vae as encode_vae
+    from stages.evaluate.stage import run
+    from stages.train.data import load
+    from test_qwen21_stages import F32, MIXED, write_store21
+
+    store = write_store21(tmp_path / "store", MIXED, val=range(len(MIXED)))
+    encode_text.run(load_config(None, F32), store, tiny_21_model)
+    encode_vae.run(load_config(None, F32), store, tiny_21_model)
+    transformer = load_component(tiny_21_model, "transformer").float()
+    add_lora(transformer, LoraConfig(rank=4, alpha=8.0))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in transformer.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    save_lora(transformer, tmp_path / "lora", base_fingerprint=model_fingerprint(tiny_21_model))
+
+    cfg = EvaluateConfig(noise_seeds=SEEDS, timesteps=SIGMAS, batch_size=3, num_samples=0, device="cpu",
+                         dtype="float32")
+    loss = run(cfg, store, tiny_21_model, tmp_path / "lora", tmp_path / "report").metrics["loss"]
+    tables = open_split(store, tiny_21_model, split="val", section="evaluate")
+    samples = [load(tables, k) for k in tables.keys]
+    assert sorted(len(s.controls) for s in samples) == [0, 1, 1, 2, 3]
+    pipe = QwenImage21Pipeline.from_pretrained(tiny_21_model, torch_dtype=torch.float32)
+
+    def row(s, seed: int, sigma: float) -> float:
+        x0, eps = latent_tokens(s.target).float(), latent_tokens(eval_noise(s, seed))
+        x_t = (1 - sigma) * x0 + sigma * eps
+        slots, _ = joint_image_mask(s.slot_mask, x_t.shape[0])
+        hw = tuple(int(v) for v in s.img_shapes[0][1:])
+        out = pipe.transformer(
+            hidden_states=torch.cat([latent_tokens(c).float() for c in s.controls] + [x_t])[None],
+            encoder_hidden_states=s.prompt_embeds.float()[None], timestep=torch.tensor([sigma]), img_mask=slots[None],
+            img_shapes=[[(1, c.shape[-2], c.shape[-1]) for c in s.controls] + [(1, *hw)]], return_dict=False)[0]
+        return float((out[0, -x_t.shape[0]:] - (eps - x0)).pow(2).mean())
+
+    grids = {}
+    with torch.no_grad():
+        for name in ("base", "lora"):
+            if name == "lora":
+                pipe.load_lora_weights(tmp_path / "lora")
+            grids[name] = np.array([[[row(s, k, t) for t in SIGMAS] for k in SEEDS] for s in samples])
+    assert np.abs(grids["lora"] - grids["base"]).max() > 1e-3
+    for name, grid in grids.items():
+        for i, s in enumerate(samples):
+            np.testing.assert_allclose(loss["per_sample"][s.key][name], grid[i].mean(), rtol=2e-5)
+        np.testing.assert_allclose(loss["overall"][name], grid.mean(), rtol=2e-5)
