@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from models.canonical_safetensors import canonicalize
 from models.lora import lora_weight_file, module_scale, provenance, read_lora
 from models.lora_files import EXPORT_FORMATS as FORMATS
+from models.lora_files import check_export_out, refuse_existing_out
 from schemas import atomic_write
 from schemas.errors import UserError
 from schemas.temp_files import check_name_fits, remove_dead_temps, temp_of
@@ -99,14 +100,7 @@ def export_lora(lora: str | Path, fmt: str, out: str | Path, overwrite: bool = F
     if out.suffix != ".safetensors":
         raise UserError(f"--out {out}: the export is one .safetensors file; name it *.safetensors")
     check_name_fits(out, "--out")
-    source = lora_weight_file(lora)
-    if out.resolve() == source.resolve() or (out.exists() and out.samefile(source)):
-        raise UserError(f"--out {out} is the LoRA being exported ({source}): the export would replace it; pass "
-                        "another --out")
-    if out.is_dir():  # --overwrite too: it names a file to replace, not a folder (a traceback at the rename)
-        raise UserError(f"--out {out} is a folder; pass the file to write, e.g. {out / 'lora-comfyui.safetensors'}")
-    if not overwrite:
-        _refuse_existing(out)  # before the LoRA is read
+    check_export_out(lora_weight_file(lora), out, overwrite)  # the CLI's usage check too; other callers here
     state = comfyui_state_dict(lora)
     out.parent.mkdir(parents=True, exist_ok=True)
     # A folder of its own, the file in it: safetensors writes its own temp file (`.tmpXXXXXX`) beside the path it
@@ -133,17 +127,11 @@ def export_lora(lora: str | Path, fmt: str, out: str | Path, overwrite: bool = F
     return out
 
 
-def _refuse_existing(out: Path) -> None:
-    if out.exists() or out.is_symlink():
-        raise UserError(f"--out {out} exists (it is not the LoRA being exported): the export would replace it; "
-                        "pass another --out, or --overwrite to replace it")
-
-
 def _link_new(tmp: Path, out: Path) -> None:
-    """TMP becomes OUT only where no OUT exists (`rename_new`): a file made at OUT since `_refuse_existing` looked
+    """TMP becomes OUT only where no OUT exists (`rename_new`): a file made at OUT since `check_export_out` looked
     is not replaced either."""
     try:
         atomic_write.rename_new(tmp, out)
     except FileExistsError:
-        _refuse_existing(out)
+        refuse_existing_out(out)
         raise

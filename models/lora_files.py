@@ -42,3 +42,22 @@ def weight_file_name(lora: str | Path) -> Path:
     beside a training: pruned while loading is not damaged)."""
     given = Path(lora)
     return given if given.suffix == ".safetensors" else given / WEIGHT_NAME
+
+
+def check_export_out(lora: str | Path, out: str | Path, overwrite: bool) -> None:
+    """`lora export`'s --out as the command line names it, before the LoRA is read: not the LoRA being exported
+    (even with `overwrite`), not a folder, and no file there unless `overwrite`. UserError naming what to pass."""
+    out, source = Path(out), weight_file_name(lora)  # the name, not looked up: a missing --lora is told after
+    if out.resolve() == source.resolve() or (out.exists() and source.exists() and out.samefile(source)):
+        raise UserError(f"--out {out} is the LoRA being exported ({source}): the export would replace it; pass "
+                        "another --out")
+    if out.is_dir():  # --overwrite too: it names a file to replace, not a folder (a traceback at the rename)
+        raise UserError(f"--out {out} is a folder; pass the file to write, e.g. {out / 'lora-comfyui.safetensors'}")
+    if not overwrite:
+        refuse_existing_out(out)
+
+
+def refuse_existing_out(out: Path) -> None:
+    if out.exists() or out.is_symlink():
+        raise UserError(f"--out {out} exists (it is not the LoRA being exported): the export would replace it; "
+                        "pass another --out, or --overwrite to replace it")

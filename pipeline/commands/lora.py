@@ -146,8 +146,12 @@ def export(
     one_process("lora export")  # every rank would write the same --out
     from store.format import widen_private_file
 
-    with user_errors(out):
+    from models.lora_files import check_export_out
+
+    with usage_errors():  # --out named on the command line: a mistake there (exit 2, as merge's), before any read
         refuse_a_recorded_file(out, lora)
+        check_export_out(lora, out, overwrite)
+    with user_errors(out):
         checked_lora(lora)  # before torch's import: a mistyped --lora is told at once
         from models.lora_export import export_lora
 

@@ -187,10 +187,14 @@ def _recorded_if_up_to_date(run: _Evaluation, settings: dict, checkpoints: list[
     ranks, out = run.ranks, run.out
     done = None
     if skip_if_done and ranks.main:  # the val split named by content, as the array records it (`read_tables`)
-        now, now_settings, earlier, keys, n = content_fingerprint(run.cfg, run.store, run.model, settings, run.out)
+        from stages.evaluate.report import report_metrics
+
+        metrics = report_metrics(out)  # read and checked once; damaged: said, None
+        now, now_settings, earlier, keys, n = content_fingerprint(run.cfg, run.store, run.model, settings, run.out,
+                                                                  metrics)
         why: list[str] = []
         known = known_fingerprint(out, now, now_settings, earlier)
-        done = current_metrics(out, known, checkpoints, shas, run.cfg, now_settings, why, n, ema_shas)
+        done = current_metrics(metrics, out, known, checkpoints, shas, run.cfg, now_settings, why, n, ema_shas)
         if done is None:
             whose = whose_report(out) if why and whose_report is not None else None
             if whose:

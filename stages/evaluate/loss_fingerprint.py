@@ -89,10 +89,11 @@ def samples_read(evaluate: dict, n: int) -> dict:
 
 
 def content_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str, settings: dict,
-                        out: Path | None = None) -> tuple[str, dict, list, list[str], int]:
+                        out: Path | None = None, metrics=None) -> tuple[str, dict, list, list[str], int]:
     """`read_fingerprint` of the val split as evaluate would read it now (opened and closed here: the up-to-date
     check before anything is loaded), its `earlier_settings`, the keys of the val samples the loss passes
-    will read (`val_share.loss_keys`: the loss array's sample axis) and the split's size."""
+    will read (`val_share.loss_keys`: the loss array's sample axis) and the split's size. `metrics`: OUT's report
+    as the check read it (`report.report_metrics`; None: none, or damaged)."""
     from features.open import open_configured
     from models.loading import model_files
     from stages.evaluate.val_share import loss_keys
@@ -100,19 +101,19 @@ def content_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str, sett
     with open_configured(cfg, "evaluate", store, model, model_files(model), "val") as tables:
         # the samples OUT's report left out as damaged (on_damaged=skip): its read took as many rows more
         # (`features.damaged.rows_read`), as a read now would where they are still damaged
-        tables.damaged.update(damaged_read(out) if out is not None else {})
+        tables.damaged.update(damaged_read(metrics))
         fingerprint, settings = read_fingerprint(settings, tables)
-        return fingerprint, settings, earlier_settings(settings, tables, cfg, out), loss_keys(cfg, tables), len(tables)
+        return (fingerprint, settings, earlier_settings(settings, tables, cfg, out, metrics), loss_keys(cfg, tables),
+                len(tables))
 
 
-def damaged_read(out: Path) -> dict[str, str]:
-    """The val samples OUT's report records the loss passes' read left out as damaged (`run.damaged_samples`; not
-    the pictures' `images:` rows); none when there is no such record, or no intact report to hold one (the
-    up-to-date check says a damaged one, and the report is written again)."""
-    from stages.evaluate.report import read_metrics
-
+def damaged_read(metrics) -> dict[str, str]:
+    """The val samples a report (`metrics`, its metrics.json as the up-to-date check read it) records the loss
+    passes' read left out as damaged (`run.damaged_samples`; not the pictures' `images:` rows); none when there is
+    no such record, or no intact report to hold one (None: the check says a damaged one, and the report is
+    written again)."""
     try:
-        damaged = (read_metrics(out, say=False).get("run") or {}).get("damaged_samples")
+        damaged = (metrics.get("run") or {}).get("damaged_samples")
     except AttributeError:  # None (no intact report) or other JSON than a report's
         return {}
     if not isinstance(damaged, dict):
@@ -120,7 +121,13 @@ def damaged_read(out: Path) -> dict[str, str]:
     return {str(k): str(v) for k, v in damaged.items() if not str(k).startswith("images:")}
 
 
-def earlier_settings(settings: dict, tables, cfg: EvaluateConfig, out: Path | None = None) -> list[dict]:
+# `earlier_settings`' and `unset_array_backend`'s `metrics` when the caller has not read OUT's report: read there,
+# and only where needed (an array that records its attention backend unset)
+UNREAD = object()
+
+
+def earlier_settings(settings: dict, tables, cfg: EvaluateConfig, out: Path | None = None,
+                     metrics=UNREAD) -> list[dict]:
     """`read_fingerprint`'s settings as spelled before: the tables named by the version ids read (before they
     were named by content) or by the whole split's content (before the rows read; both only where a group in OUT
     records other tables: `_other_tables_recorded`), the evaluate settings with max_loss_samples as set (before
@@ -129,7 +136,7 @@ def earlier_settings(settings: dict, tables, cfg: EvaluateConfig, out: Path | No
     was hashed as resolved) where OUT's loss array records it unset and its evidence says that was this backend
     (`unset_array_backend`); none that is the present spelling: an array or a report recorded so is still
     current. Not the base caches (`base_images`): their keys hold the source digest, which the release that
-    spelled them so had another of."""
+    spelled them so had another of. `metrics`: OUT's report as the caller read it (`UNREAD`: read if needed)."""
     n = len(tables)
     evaluates = [settings["evaluate"], *(e for as_set in (False, True) for e in
                                          (_loss_settings(cfg, as_set), samples_read(_loss_settings(cfg, as_set), n)))]
@@ -142,7 +149,7 @@ def earlier_settings(settings: dict, tables, cfg: EvaluateConfig, out: Path | No
     if out is None or _other_tables_recorded(out, settings["tables"]):
         named += [tables.content_names(), tables.versions()]
     spellings = [{**settings, "tables": t, "evaluate": e} for e in evaluates for t in named]
-    used = unset_array_backend(out) if out is not None else None
+    used = unset_array_backend(out, metrics) if out is not None else None
     if used is not None and used == settings["evaluate"].get("attention_backend"):
         spellings += [{**s, "evaluate": {**s["evaluate"], "attention_backend": None}} for s in spellings]
     return [s for i, s in enumerate(spellings) if s != settings and s not in spellings[:i]]
@@ -171,10 +178,11 @@ def _recorded_cap(out: Path) -> int | None:
     return cap if isinstance(cap, int) and not isinstance(cap, bool) else None
 
 
-def unset_array_backend(out: Path) -> str | None:
+def unset_array_backend(out: Path, metrics=UNREAD) -> str | None:
     """The backend OUT's loss array was computed with when it records the attention backend unset (recorded before
     it was hashed as resolved): `stages.evaluate.backend.unset_backend` of its dtype and OUT's report of it; None
-    when the array records another or none, or that is unknown."""
+    when the array records another or none, or that is unknown. `metrics`: OUT's report as the caller read it
+    (`UNREAD`: read here, quietly, where the array needs it)."""
     from stages.evaluate.backend import unset_backend
     from stages.evaluate.report import read_metrics
 
@@ -182,7 +190,9 @@ def unset_array_backend(out: Path) -> str | None:
     evaluate = recorded[1].get("evaluate") if recorded is not None and isinstance(recorded[1], dict) else None
     if not isinstance(evaluate, dict) or "attention_backend" not in evaluate or evaluate["attention_backend"]:
         return None
-    return unset_backend(evaluate.get("dtype"), read_metrics(out, say=False), recorded[1])  # damaged: unknown
+    if metrics is UNREAD:
+        metrics = read_metrics(out, say=False)
+    return unset_backend(evaluate.get("dtype"), metrics, recorded[1])  # damaged (None): unknown
 
 
 def known_fingerprint(out: Path, fingerprint: str, settings: dict, earlier: list[dict] = ()) -> str:

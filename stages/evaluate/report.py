@@ -332,22 +332,32 @@ def _load_metrics(path: Path) -> Any:
 def read_metrics(out: str | Path, say: bool = True) -> Any:
     """REPORT/metrics.json's object, checked (`_load_metrics`), for a caller that rebuilds what a damaged report
     held: the up-to-date checks read the report's numbers and best checkpoint from it (a flipped bit there passed
-    as "up to date" and was printed). A damaged file is read as no report (None), and said in one line (`say`;
-    one caller says it, the others of the same check read quietly), so the rerun writes the report again (from
-    its loss array); an unreadable or missing one is None too."""
-    import os
-
+    as "up to date" and was printed). A damaged file is read as no report (None), and said in one line (`say`:
+    by a caller where the report is written, a single-LoRA evaluate or rank 0 of --all-checkpoints, `Ranks.main`;
+    each check reads it once, `report_metrics`), so the rerun writes the report again (from its loss array); an
+    unreadable or missing one is None too."""
     from store.checksum import SealError
 
     path = Path(out) / "metrics.json"
     try:
         return _load_metrics(path)
     except SealError as e:
-        if say and os.environ.get("RANK", "0") == "0":  # every rank checks; one says it
+        if say:
             tqdm.write(f"{path} is damaged ({e}): the report is written again")
     except (OSError, ValueError):
         pass
     return None
+
+
+def report_metrics(out: str | Path) -> Any:
+    """OUT's metrics.json as an up-to-date check reads it, once (`read_metrics`, a damaged one said; None: none).
+    The check passes it to all that it takes from it; whether the report is whole (`report_whole`) is its own."""
+    return read_metrics(out) if (Path(out) / "metrics.json").is_file() else None
+
+
+def report_whole(out: str | Path) -> bool:
+    """Are metrics.json and index.html both in OUT (metrics.json is written last: a report is whole or absent)?"""
+    return (Path(out) / "metrics.json").is_file() and (Path(out) / "index.html").is_file()
 
 
 def checked_metrics(out: str | Path, rerun: str, missing_ok: bool = False) -> dict | None:

@@ -16,15 +16,16 @@ from stages.evaluate.base_images import extra_prompt_bytes
 from stages.evaluate.ema_curve import best_lora_input
 from stages.evaluate.loss_fingerprint import spelled_as
 from stages.evaluate.loss_groups import cells_line
-from stages.evaluate.report import read_metrics
 from stages.evaluate.whose_losses import other_weights, this_runs, this_runs_kept
 from store.loss_array import GROUP, Axes, LossGroup, cell_donor, kept_groups, recorded_steps
 
 
-def current_metrics(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
-                    cfg: EvaluateConfig, settings: dict | None = None, why: list[str] | None = None,
-                    n: int | None = None, ema_shas: dict[int, str] | None = None) -> dict | None:
-    """The report's metrics when it is current (`schemas.up_to_date`): the same loss array (`fingerprint`),
+def current_metrics(metrics: dict | None, out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]],
+                    shas: dict[int, str], cfg: EvaluateConfig, settings: dict | None = None,
+                    why: list[str] | None = None, n: int | None = None,
+                    ema_shas: dict[int, str] | None = None) -> dict | None:
+    """OUT's report (`metrics`, as the check read it once: `report.report_metrics`; None: no intact report) when it
+    is current (`schemas.up_to_date`): the same loss array (`fingerprint`),
     every checkpoint recorded with its present bytes (`shas`) and path (a moved run: the report names the new
     paths), the same evaluate settings (`config_spellings.same_config`; `n`: the val split's size, which says which caps
     read every sample) and extra prompts' image bytes (pictures only: the array is kept). `why`: filled, when
@@ -32,11 +33,9 @@ def current_metrics(out: Path, fingerprint: str, checkpoints: list[tuple[int, Pa
     settings of this run, `loss_fingerprint`). `ema_shas`: step -> the sha256 of its EMA file, of the checkpoints
     whose EMA is scored (`ema_curve`): a report of a run without EMA records none and needs none (it stays
     current); one that scored no EMA where there is one now (made before EMA was scored) is not current."""
-    metrics_file = out / "metrics.json"
-    if not metrics_file.is_file() or not (out / "index.html").is_file():
-        return None
-    metrics = read_metrics(out)
-    if metrics is None:
+    from stages.evaluate.report import report_whole
+
+    if metrics is None or not report_whole(out):
         return None
     recorded = recorded_steps(out, fingerprint)  # None: no loss array of these settings
     try:  # a metrics.json damaged into other valid JSON (a list, a number for a section) is no report either

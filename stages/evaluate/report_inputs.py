@@ -50,21 +50,32 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
                       lora_sha256: str | None = None, why: list[str] | None = None) -> bool:
     """Is OUT's report this run's (`schemas.up_to_date`)? `why`: filled, when it holds one that is not, with what
     differs (`report_current.differences`)."""
+    return current_report(cfg, store, model, lora, out, lora_sha256, why) is not None
+
+
+def current_report(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path,
+                   lora_sha256: str | None = None, why: list[str] | None = None) -> dict | None:
+    """OUT's metrics.json object when its report is this run's (`report_up_to_date`), read and checked once
+    (`report.report_metrics`: a damaged one said, and None); else None."""
+    from stages.evaluate.report import report_metrics, report_whole
+
+    if not report_whole(out):
+        return None
+    metrics_of = report_metrics(out)
+    try:
+        recorded = metrics_of.get("run", {}).get("inputs")
+    except AttributeError:  # None (none, damaged, unreadable) or other JSON than a report's
+        return None
+    if not isinstance(recorded, dict):
+        return None
+    return metrics_of if _same_inputs(cfg, store, model, lora, out, lora_sha256, why, metrics_of, recorded) else None
+
+
+def _same_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path,
+                 lora_sha256: str | None, why: list[str] | None, metrics_of: dict, recorded: dict) -> bool:
+    """Are a report's `recorded` inputs (`metrics_of`, its metrics.json) this run's (`current_report`)?"""
     from stages.evaluate.report_current import damaged_current, differences, nonfinite_current
     from stages.evaluate.loss_fingerprint import damaged_read
-
-    metrics = Path(out) / "metrics.json"
-    if not metrics.is_file() or not (Path(out) / "index.html").is_file():
-        return False
-    from stages.evaluate.report import read_metrics
-
-    try:
-        metrics_of = read_metrics(out)
-        recorded = metrics_of.get("run", {}).get("inputs")
-    except AttributeError:  # None (damaged, unreadable) or other JSON than a report's
-        return False
-    if not isinstance(recorded, dict):
-        return False
     # recorded before the path left the inputs, or before the evaluation revision was recorded
     recorded = {"evaluation_revision": current.UNRECORDED_REVISION,
                 **{k: v for k, v in recorded.items() if k != "store"}}
@@ -76,7 +87,7 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
     from models.loading import model_files
 
     with open_configured(cfg, "evaluate", store, model, model_files(model), "val") as tables:  # its size: the cap
-        tables.damaged.update(damaged_read(Path(out)))  # its read went as many rows further (`rows_read`)
+        tables.damaged.update(damaged_read(metrics_of))  # its read went as many rows further (`rows_read`)
         present = evaluate_inputs(cfg, store, model, lora, lora_sha256, tables, table_ids)
         n = len(tables)
     resolved = resolved_config(cfg, model)

@@ -37,7 +37,7 @@ from stages.evaluate.lora_bytes import checked_hashes, known_or_checked
 from stages.evaluate.other_base import warn_other_base
 from stages.evaluate.report import SampleRow, write_report
 from stages.evaluate.report_folder import check_report_folder
-from stages.evaluate.report_inputs import evaluate_inputs, read_inputs, report_up_to_date
+from stages.evaluate.report_inputs import evaluate_inputs, read_inputs, current_report
 from stages.evaluate.report_lock import one_evaluate_per_report
 from stages.evaluate.result import EvaluateResult
 from stages.evaluate.sample_images import pick_samples, sample_rows
@@ -110,14 +110,11 @@ def _recorded_report(cfg: EvaluateConfig, store: str | Path, model: str, lora: s
     from stages.evaluate.report_current import say_recomputed
 
     why: list[str] = []
-    if skip_if_done and report_up_to_date(cfg, store, model, lora, out, lora_sha256, why):
-        from stages.evaluate.report import read_metrics
+    if skip_if_done and (metrics := current_report(cfg, store, model, lora, out, lora_sha256, why)) is not None:
         from stages.evaluate.trained_val import say_recorded
 
-        metrics = read_metrics(out)  # as the check read it; damaged since (None, said): written again
-        if isinstance(metrics, dict):
-            say_recorded(metrics)  # the figures are the same, and so is what makes them not held out
-            return EvaluateResult(metrics, out / "index.html", up_to_date=True)
+        say_recorded(metrics)  # the figures are the same, and so is what makes them not held out
+        return EvaluateResult(metrics, out / "index.html", up_to_date=True)
     say_recomputed(out, why)
     return None
 

@@ -387,3 +387,39 @@ def test_a_revision_retrains_only_the_configs_whose_weights_it_changes() -> None
     assert training_revision(TrainConfig(caption_dropout=0.5, control_dropout=0.5)) == 1
     assert training_revision(TrainConfig(ema_decay=0.999)) == 3
     assert training_revision(TrainConfig(ema_decay=0.999, grad_accum=2)) == 3
+
+
+def test_an_up_to_date_check_reads_the_report_once_and_says_a_damaged_one_in_one_process(
+        trained, tiny_edit_model, tmp_path, monkeypatch, capsys):
+    """An up-to-date check read and verified metrics.json three times (the inputs it records, the damaged samples
+    it left out, then the report returned), where once is enough; and a damaged one was said only where the RANK
+    variable read "0": a one-process evaluate under a platform that sets RANK for the job (WORLD_SIZE unset: rank
+    0 of 1, `Ranks`) wrote the report again without saying why."""
+    from stages.evaluate import checkpoints as ev
+    from stages.evaluate import report, stage
+
+    store, cfg = trained / "store", EvaluateConfig(**EVAL)
+    reads: list = []
+    real = report._load_metrics
+    monkeypatch.setattr(report, "_load_metrics", lambda path: reads.append(path) or real(path))
+    ckpts = [(2, trained / "run" / "checkpoints" / "step-2" / "lora")]
+    paths = {"lora": (tmp_path / "lora-report", lambda out: stage.run(cfg, store, tiny_edit_model,
+                                                                       trained / "run" / "lora", out, skip_if_done=True)),
+             "checkpoints": (tmp_path / "ckpt-report", lambda out: ev.run(cfg, store, tiny_edit_model, ckpts, out,
+                                                                         skip_if_done=True))}
+    for name, (out, evaluate) in paths.items():
+        evaluate(out)
+        reads.clear()
+        assert evaluate(out).up_to_date and reads == [out / "metrics.json"], (name, reads)
+        data = (out / "metrics.json").read_bytes()
+        at = re.search(rb'"val_samples": (\d)', data).start(1)  # a flipped digit: still JSON, not the sealed bytes
+        (out / "metrics.json").write_bytes(data[:at] + str((int(data[at:at + 1]) + 1) % 10).encode() + data[at + 1:])
+        monkeypatch.setenv("RANK", "1")
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+        capsys.readouterr()
+        reads.clear()
+        assert not evaluate(out).up_to_date
+        said = [line for line in capsys.readouterr().out.splitlines() if "is damaged" in line]
+        assert len(said) == 1 and str(out / "metrics.json") in said[0], (name, said)
+        assert reads.count(out / "metrics.json") == 1, (name, reads)
+        monkeypatch.delenv("RANK")
