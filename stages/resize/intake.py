@@ -63,7 +63,7 @@ class Intake:
         n = self.rejects.add(row)
         self.summary.quarantined[r.reason] += rec.samples
         if r.reason == "duplicate" and r.key in self.first_source:
-            self.summary.duplicates.append((self.first_source[r.key], rec.source))
+            self.summary.add_duplicate(self.first_source[r.key], rec.source)
         return n
 
     def first_kept(self, writer: Any, key: str, carry: dict[str, Any]) -> bool:
@@ -136,13 +136,14 @@ class Intake:
         for rec, row in later:
             self.rejects.set_detail(row, f"same content (target, controls, caption) as {kept.source}")
             self.pairs_gone[(self.first_source[key], rec.source)] += 1
-            self.summary.duplicates.append((kept.source, rec.source))
+            self.summary.add_duplicate(kept.source, rec.source)
 
     def settle_revivals(self) -> None:
         """Drop the pairs `take_back` and `kept_instead` let go, in one pass over the list (as one `list.remove`
-        each: an equal pair's first occurrence goes)."""
+        each: an equal pair's first occurrence goes); those past the pairs listed from the count only."""
         if self.pairs_gone:
             gone, kept = self.pairs_gone, []
+            self.summary.duplicate_pairs -= sum(gone.values())
             for pair in self.summary.duplicates:
                 if gone.get(pair, 0) > 0:
                     gone[pair] -= 1

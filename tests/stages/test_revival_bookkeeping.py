@@ -42,3 +42,21 @@ def test_revived_copies_leave_the_rows_and_pairs_a_removal_each_left():
     assert not intake.pairs_gone  # settled: a second settle changes nothing
     intake.settle_revivals()
     assert len(intake.rejects) == 5 and len(intake.summary.duplicates) == 3
+
+
+def test_a_source_of_many_duplicates_lists_the_first_pairs_and_counts_them_all():
+    """A pair each (~140 B) was ~140 MB for 1M duplicates: the summary names 5 and counts the rest; a revival's
+    pair past the listed ones leaves the count."""
+    intake = Intake(ResizeSummary(version=1, quarantine_file="q.parquet"))
+    for i in range(1000):
+        intake.first_source[f"k{i}"] = f"first{i}"
+    copies = [_dup(intake, f"k{i}", f"copy{i}") for i in range(1000)]
+    intake.take_back("k999", *copies[999])  # rendered after all: its pair goes, though not listed
+    intake.take_back("k0", *copies[0])  # a listed one
+    intake.settle_revivals()
+    s = intake.summary
+    assert len(s.duplicates) <= 100 and s.duplicates[:2] == [("first1", "copy1"), ("first2", "copy2")]
+    assert s.duplicate_pairs == 998 == s.quarantined["duplicate"]
+    lines = [line for line in str(s).splitlines() if line.startswith("duplicate:")]
+    assert lines[0] == "duplicate: kept first1, dropped copy1 (same target, controls and caption)" and len(lines) == 6
+    assert lines[-1].startswith("duplicate: 993 more pairs")
