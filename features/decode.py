@@ -197,20 +197,20 @@ def _open_oriented(data: bytes, max_pixels: int, max_frames: int) -> tuple[Image
 
 
 def _text_chunks_too_large(e: Exception) -> ImageRejected | None:
-    """A PNG whose text chunks (metadata: a compressed zTXt / iTXt over 1 MB decompressed, or over 64 MB of text in
-    all) are past Pillow's guards against decompression bombs, which refuse the file with their constant's name
-    only ("Decompressed data too large for PngImagePlugin.MAX_TEXT_CHUNK"): what it is and what to do, as
-    `unreadable-image` (before or after its pixel data alike: the pixels are not what is wrong). None for any other
-    error."""
+    """A PNG whose metadata is past Pillow's guards against decompression bombs - a compressed chunk (zTXt / iTXt
+    text, an iCCP colour profile) over 1 MB decompressed, or over 64 MB of text in all - which refuse the file with
+    their constant's name only ("Decompressed data too large for PngImagePlugin.MAX_TEXT_CHUNK"): what it is and
+    what to do, as `unreadable-image` (before or after its pixel data alike: the pixels are not what is wrong).
+    None for any other error."""
     text = str(e)
     if not isinstance(e, ValueError) or ("MAX_TEXT_CHUNK" not in text and "MAX_TEXT_MEMORY" not in text):
         return None
-    what = ("a compressed text chunk (zTXt / iTXt metadata) that decompresses to over "
+    what = ("a compressed metadata chunk (zTXt / iTXt text or an iCCP colour profile) that decompresses to over "
             f"{PngImagePlugin.MAX_TEXT_CHUNK // 2**20} MiB" if "MAX_TEXT_CHUNK" in text else
             f"text chunks (metadata) of over {PngImagePlugin.MAX_TEXT_MEMORY // 2**20} MiB in all")
     return ImageRejected("unreadable-image", f"the PNG holds {what}, more than Pillow reads (a guard against "
-                         "decompression bombs); strip its metadata (e.g. `exiftool -all= FILE`, `mogrify -strip "
-                         "FILE`, or re-save the picture) and rerun")
+                         "decompression bombs); strip its metadata (e.g. `exiftool -all= FILE`, `mogrify -strip FILE`; a colour "
+                         "profile: convert the picture to sRGB first) and rerun")
 
 
 def _orientation_before_load(im: Image.Image) -> object:
