@@ -3,8 +3,8 @@ rejected (a bad mask) has its next copy taken back from the quarantine (`take_ba
 copies named as that copy's duplicates (`kept_instead`). Before, each revived copy searched the quarantine rows for
 its own (`next(i for ... if r is row)`) and `summary.duplicates.remove`d its pair: both lists grow with the
 source, so a source with many rejected first copies (a mask folder of the wrong aspect: every sample) was
-quadratic. Now the rows and pairs let go are marked (a set of row ids, a Counter of pairs) and both lists are
-filtered once (`settle_revivals`).
+quadratic. Now the rows and pairs let go are marked (row numbers, stages/resize/reject_rows.py; a Counter of
+pairs) and dropped once (the rows when read at the commit, the pairs at `settle_revivals`).
 Synthetic: --keys keys, each a first copy rejected then 2 held duplicates (the first revived, the second its
 duplicate), after --others other quarantine rows; old and new checked to leave the same rows and pairs.
 
@@ -29,8 +29,18 @@ from stages.resize.intake import Intake
 from stages.resize.summary import ResizeSummary
 
 
-def intake_with_held(keys: int, others: int) -> tuple[Intake, list[tuple[str, list]]]:
+class OldRows(list):
+    """The former `Intake.rejects`: a list of row dicts, each row its own handle (`add` gives it back)."""
+
+    def add(self, row: dict) -> dict:
+        self.append(row)
+        return row
+
+
+def intake_with_held(keys: int, others: int, old: bool = False) -> tuple[Intake, list[tuple[str, list]]]:
     intake = Intake(ResizeSummary(version=1))
+    if old:
+        intake.rejects = OldRows()
     for i in range(others):
         intake.reject(SourceSample(name=f"o{i}", source=f"other/{i}"), Rejected("bad-caption", "x", key=None))
     held = []
@@ -81,9 +91,11 @@ def main() -> None:
     for n in args.keys:
         results = {}
         for old in (True, False):
-            intake, held = intake_with_held(n, args.others)
+            intake, held = intake_with_held(n, args.others, old)
             seconds = revive(intake, held, old)
-            results[old] = (seconds, [dict(r) for r in intake.rejects], list(intake.summary.duplicates),
+            rows = intake.rejects if old else intake.rejects.table().to_pylist()
+            results[old] = (seconds, [{k: v for k, v in r.items() if v is not None} for r in rows],
+                            list(intake.summary.duplicates),
                             Counter(intake.summary.quarantined))
         assert results[True][1:] == results[False][1:], "old and new leave different rows"
         print(f"keys={n:>7}  old {results[True][0]:8.2f} s   new {results[False][0]:6.3f} s")

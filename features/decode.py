@@ -153,7 +153,8 @@ def _open_oriented(data: bytes, max_pixels: int, max_frames: int) -> tuple[Image
         except UnidentifiedImageError:
             raise ImageRejected("unreadable-image", f"not a readable image (formats accepted: {', '.join(ALLOWED_FORMATS)})") from None
         except Exception as e:  # noqa: BLE001 - any header parse failure is a property of the input
-            raise ImageRejected("unreadable-image", f"cannot read image header: {e}") from None
+            raise _text_chunks_too_large(e) or ImageRejected("unreadable-image", f"cannot read image header: {e}") \
+                from None
         w, h = im.size
         if w <= 0 or h <= 0:
             raise ImageRejected("unreadable-image", f"image has no pixels ({w}x{h})")
@@ -173,7 +174,8 @@ def _open_oriented(data: bytes, max_pixels: int, max_frames: int) -> tuple[Image
             named_before_load = _orientation_before_load(im)  # load() may turn the pixels and drop the tag
             im.load()
         except Exception as e:  # noqa: BLE001 - truncated/corrupt data raise OSError, ValueError, SyntaxError...
-            raise ImageRejected("corrupt-image", f"truncated or corrupt image data: {e}") from None
+            raise _text_chunks_too_large(e) or ImageRejected("corrupt-image", f"truncated or corrupt image data: {e}") \
+                from None
         if frames > max_frames:
             raise ImageRejected(
                 "image-too-large", f"{im.format} of more than {max_frames} frames (pages), over "
@@ -192,6 +194,23 @@ def _open_oriented(data: bytes, max_pixels: int, max_frames: int) -> tuple[Image
         notes.append(f"first frame of {frames} used")
     im, applied = _oriented(im, notes, named_before_load)
     return im, notes, applied
+
+
+def _text_chunks_too_large(e: Exception) -> ImageRejected | None:
+    """A PNG whose metadata is past Pillow's guards against decompression bombs - a compressed chunk (zTXt / iTXt
+    text, an iCCP colour profile) over 1 MB decompressed, or over 64 MB of text in all - which refuse the file with
+    their constant's name only ("Decompressed data too large for PngImagePlugin.MAX_TEXT_CHUNK"): what it is and
+    what to do, as `unreadable-image` (before or after its pixel data alike: the pixels are not what is wrong).
+    None for any other error."""
+    text = str(e)
+    if not isinstance(e, ValueError) or ("MAX_TEXT_CHUNK" not in text and "MAX_TEXT_MEMORY" not in text):
+        return None
+    what = ("a compressed metadata chunk (zTXt / iTXt text or an iCCP colour profile) that decompresses to over "
+            f"{PngImagePlugin.MAX_TEXT_CHUNK // 2**20} MiB" if "MAX_TEXT_CHUNK" in text else
+            f"text chunks (metadata) of over {PngImagePlugin.MAX_TEXT_MEMORY // 2**20} MiB in all")
+    return ImageRejected("unreadable-image", f"the PNG holds {what}, more than Pillow reads (a guard against "
+                         "decompression bombs); strip its metadata (e.g. `exiftool -all= FILE`, `mogrify -strip FILE`; a colour "
+                         "profile: convert the picture to sRGB first) and rerun")
 
 
 def _orientation_before_load(im: Image.Image) -> object:

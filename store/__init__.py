@@ -13,6 +13,7 @@
         # a stage: `v = st.find_version(t, lin); if v is not None: st.set_current(t, v); return` (up to date),
         # else open a writer (an incomplete version with the same schema+lineage is resumed, else v<N+1>)
     st.add_quarantine(rows: Iterable[dict]) -> int     # needs source, stage, reason; key/detail/any more optional
+    st.add_quarantine_table(rows: pyarrow.Table) -> int  # the same rows as text columns (quarantine.text_column)
     st.quarantine() -> pyarrow.Table
 
     schema = TableSchema(name="vae", lineage=Lineage(stage, config_hash, model_fingerprint, upstream={"images": 1},

@@ -113,10 +113,33 @@ def add_rows(root: Path, rows: Iterable[dict[str, Any]]) -> int:
         if missing:
             raise UserError(f"quarantine row {i} lacks {missing}: {r!r}")
         cols.update(dict.fromkeys(r))
-    # Every column is text, so appends from different stages never clash on types.
-    table = pa.table({c: pa.array([_as_text(r.get(c, now if c == "time" else None)) for r in rows], pa.string())
-                      for c in cols})
+    table = pa.table({c: text_column([r.get(c, now if c == "time" else None) for r in rows]) for c in cols})
     return merge_into(root, table)
+
+
+def text_column(values: list[Any]) -> pa.Array:
+    """Values as a quarantine column: every column is text (a number or a list as JSON), so appends from
+    different stages never clash on types."""
+    return pa.array([_as_text(v) for v in values], pa.string())
+
+
+def add_table(root: Path, table: pa.Table) -> int:
+    """`add_rows` for rows already as text columns (`text_column`; resize-bucket's, held as such until its commit):
+    the columns in the same order, `time` now where the table has none."""
+    if not table.num_rows:
+        return 0
+    for c in REQUIRED:  # as add_rows: null or ''
+        values = table.column(c) if c in table.column_names else pa.nulls(table.num_rows, pa.string())
+        lacking = pc.equal(pc.fill_null(values, ""), "").to_numpy(zero_copy_only=False)
+        if lacking.any():
+            i = int(np.flatnonzero(lacking)[0])
+            raise UserError(f"quarantine row {i} lacks [{c!r}]: {table.slice(i, 1).to_pylist()[0]!r}")
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    n = table.num_rows
+    lacking = {"time": pa.array([now] * n, pa.string())}  # a base column the rows lack: null, `time` now
+    return merge_into(root, pa.table({
+        c: table.column(c) if c in table.column_names else lacking.get(c, pa.nulls(n, pa.string()))
+        for c in dict.fromkeys([*BASE_COLUMNS, *table.column_names])}))
 
 
 def merge_into(root: Path, rows: pa.Table) -> int:

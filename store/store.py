@@ -197,6 +197,10 @@ class Store:
     def add_quarantine(self, rows: Iterable[dict[str, Any]]) -> int:
         return quarantine.add_rows(self.root, rows)
 
+    def add_quarantine_table(self, rows: pa.Table) -> int:
+        """`add_quarantine` for rows already as text columns (`quarantine.add_table`)."""
+        return quarantine.add_table(self.root, rows)
+
     def quarantine(self, columns: Iterable[str] | None = None) -> pa.Table:
         """STORE/quarantine.parquet's rows (`columns`: only those; `quarantine.read`)."""
         return quarantine.read(self.root, columns)

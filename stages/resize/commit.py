@@ -19,13 +19,13 @@ def commit_version(st: Store, writer: Any, source: str | Path, intake: Intake) -
     """Quarantine rows first, then the version (an empty result is the user's to fix, not a table: its in-progress
     version is removed, so the next run's takes this number, not the one after)."""
     summary = intake.summary
-    st.add_quarantine(intake.rejects)
+    st.add_quarantine_table(intake.rejects.table())
     if summary.written + summary.resumed + summary.reused == 0:
         discard_version(writer)  # it holds no sample: a schema.json only, and the records this run wrote
         if not intake.rejects:  # nothing read at all (e.g. a target/ holding only .DS_Store): no quarantine to see
             raise UserError(f"no sample found in source {source} (dotfiles such as .DS_Store are ignored); add the "
                             "samples and rerun (the layouts: docs/resize-bucket.md, 'Sources')")
-        first = intake.rejects[0]  # every one is alike often enough (a nested layout, no captions): the line says why
+        first = intake.rejects.first()  # every one is alike often enough (a nested layout, no captions): the line says why
         raise UserError(
             f"no usable sample in source {source}: {len(intake.rejects)} quarantined, e.g. {first['reason']}"
             f"{': ' + first['detail'] if first['detail'] else ''} (all in {summary.quarantine_file}); fix the source "

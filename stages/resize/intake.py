@@ -9,6 +9,7 @@ from typing import Any
 
 from schemas.errors import Rejected
 from stages.resize.images_table import STAGE, mask_bits, pictures_of
+from stages.resize.reject_rows import RejectRows
 from stages.resize.rendering import Rendered
 from stages.resize.sources import SourceSample
 from stages.resize.summary import ResizeSummary
@@ -23,7 +24,7 @@ class Intake:
     key's first occurrence (a duplicate names it)."""
 
     summary: ResizeSummary
-    rejects: list[dict[str, Any]] = field(default_factory=list)
+    rejects: RejectRows = field(default_factory=RejectRows)
     first_source: dict[str, str] = field(default_factory=dict)
     # key -> the first copy's mask, for first copies with one: 64 bits of its hash (36 B, the hex string 113 B per
     # masked sample; a collision only leaves a duplicate dropped, as before)
@@ -31,14 +32,14 @@ class Intake:
     # Duplicates with another mask than their first copy, while that copy's rendering is not known to succeed:
     # if it is rejected (a bad mask), the first of these is rendered instead (`revivals`), not lost as a
     # "duplicate" of a sample the table does not hold. A few per key: bounded whatever the source.
-    held: dict[str, list[tuple[SourceSample, dict[str, Any]]]] = field(default_factory=dict)
+    held: dict[str, list[tuple[SourceSample, int]]] = field(default_factory=dict)  # each with its row's number
     failed: set[str] = field(default_factory=set)  # keys whose (first) copy was rejected while rendering
     # A resumed run's keys that the interrupted run kept under a later copy than their first (the first's
     # rendering failed there, a copy held for it was revived): judged as then, up to that copy (`holds`)
     revived_before: set[str] = field(default_factory=set)
     # key -> copies rendered now that failed in the interrupted run (a worker that died): their key is held by
     # the copy it revived instead, which their rows name once it is met
-    superseded: dict[str, list[tuple[SourceSample, dict[str, Any]]]] = field(default_factory=dict)
+    superseded: dict[str, list[tuple[SourceSample, int]]] = field(default_factory=dict)
     masks: Any = None  # resumed_sources.ResumedMasks of the resumed version, read when first needed
     tars: Any = None  # known_tars.KnownTars of a webdataset or parquet source: its files' record, with the version
     max_file_bytes: int = 0  # resize.max_file_bytes the tars were read under (recorded with them)
@@ -46,12 +47,12 @@ class Intake:
     # local files a read error kept from being read whole (`read-error`): the version's listing does not count
     # them as read (first_read.settle_listing), so a rerun reads them again
     unread: set[str] = field(default_factory=set)
-    # what the revivals let go, dropped from `rejects` and `summary.duplicates` at once by `settle_revivals`: ids
-    # of the quarantine rows taken back, and the count of each (kept, dropped) pair gone
-    taken_back: set[int] = field(default_factory=set)
+    # the (kept, dropped) pairs the revivals let go, dropped from `summary.duplicates` at once by
+    # `settle_revivals`: the count of each
     pairs_gone: Counter = field(default_factory=Counter)
 
-    def reject(self, rec: SourceSample, r: Rejected) -> dict[str, Any]:
+    def reject(self, rec: SourceSample, r: Rejected) -> int:
+        """The quarantine row of `rec`, counted; its number in `rejects`."""
         row = {"key": r.key, "source": rec.source, "stage": STAGE, "reason": r.reason, "detail": r.detail}
         if rec.samples > 1:  # one row for a range of unread rows: the column only there (older rows lack it)
             row["samples"] = rec.samples
@@ -59,11 +60,11 @@ class Intake:
             row["pictures"] = pictures  # rule (`run all`'s val check: pipeline/val_split.py); older rows lack it
         if rec.unread is not None:
             self.unread.add(rec.unread)
-        self.rejects.append(row)
+        n = self.rejects.add(row)
         self.summary.quarantined[r.reason] += rec.samples
         if r.reason == "duplicate" and r.key in self.first_source:
-            self.summary.duplicates.append((self.first_source[r.key], rec.source))
-        return row
+            self.summary.add_duplicate(self.first_source[r.key], rec.source)
+        return n
 
     def first_kept(self, writer: Any, key: str, carry: dict[str, Any]) -> bool:
         """The first copy of `key` is in the table: written, carried forward, or resumed (unless the resumed
@@ -116,35 +117,33 @@ class Intake:
         s.conversions.update(out.notes)
         return True
 
-    def revivals(self) -> dict[str, list[tuple[SourceSample, dict[str, Any]]]]:
+    def revivals(self) -> dict[str, list[tuple[SourceSample, int]]]:
         """key -> its held duplicates (source order, each with its quarantine row), for each first copy the
         rendering rejected."""
         return {k: self.held.pop(k) for k in [k for k in self.held if k in self.failed]}
 
-    def take_back(self, key: str, rec: SourceSample, row: dict[str, Any]) -> None:
-        """A held duplicate is rendered after all, and judged on its own: its "duplicate" row goes (at
-        `settle_revivals`: a search of the lists per revived copy made 1M samples' revivals quadratic)."""
-        self.taken_back.add(id(row))  # the row stays referenced by `rejects` until settled: its id is its own
+    def take_back(self, key: str, rec: SourceSample, row: int) -> None:
+        """A held duplicate is rendered after all, and judged on its own: its "duplicate" row goes (its pair at
+        `settle_revivals`: a search of the list per revived copy made 1M samples' revivals quadratic)."""
+        self.rejects.drop(row)
         self.summary.quarantined["duplicate"] -= 1
         if not self.summary.quarantined["duplicate"]:  # not "duplicate 0" in the summary and --json
             del self.summary.quarantined["duplicate"]
         self.pairs_gone[(self.first_source[key], rec.source)] += 1
 
-    def kept_instead(self, key: str, kept: SourceSample, later: list[tuple[SourceSample, dict[str, Any]]]) -> None:
+    def kept_instead(self, key: str, kept: SourceSample, later: list[tuple[SourceSample, int]]) -> None:
         """The revived copy `kept` is in the table: the later held copies are its duplicates."""
         for rec, row in later:
-            row["detail"] = f"same content (target, controls, caption) as {kept.source}"
+            self.rejects.set_detail(row, f"same content (target, controls, caption) as {kept.source}")
             self.pairs_gone[(self.first_source[key], rec.source)] += 1
-            self.summary.duplicates.append((kept.source, rec.source))
+            self.summary.add_duplicate(kept.source, rec.source)
 
     def settle_revivals(self) -> None:
-        """Drop the rows and pairs `take_back` and `kept_instead` let go, in one pass over each list (as one
-        `list.remove` each: an equal pair's first occurrence goes)."""
-        if self.taken_back:
-            self.rejects[:] = [r for r in self.rejects if id(r) not in self.taken_back]
-            self.taken_back.clear()
+        """Drop the pairs `take_back` and `kept_instead` let go, in one pass over the list (as one `list.remove`
+        each: an equal pair's first occurrence goes); those past the pairs listed from the count only."""
         if self.pairs_gone:
             gone, kept = self.pairs_gone, []
+            self.summary.duplicate_pairs -= sum(gone.values())
             for pair in self.summary.duplicates:
                 if gone.get(pair, 0) > 0:
                     gone[pair] -= 1

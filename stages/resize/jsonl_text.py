@@ -14,6 +14,9 @@ from schemas.errors import UserError
 from stages.resize.caption_text import WIDE_BOMS
 
 _HEAD = 1 << 16  # the bytes of a manifest looked at before it is read (encoding, line endings, layout)
+# a compressed manifest under a .jsonl name (pandas' to_json(compression="gzip"), a download saved still encoded):
+# read as text, every line of its bytes was a bad-source row ("not valid UTF-8"), never naming the cause
+_COMPRESSED = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz"}  # magic -> tool
 
 
 def checked_manifest(path: Path) -> str:
@@ -26,6 +29,10 @@ def checked_manifest(path: Path) -> str:
     if head.startswith(WIDE_BOMS):
         raise UserError(f"manifest {path} is UTF-16/UTF-32 (its byte order mark); save it as UTF-8 (PowerShell: "
                         "Out-File -Encoding utf8; Python: open(..., 'w', encoding='utf-8'))")
+    for magic, tool in _COMPRESSED.items():
+        if head.startswith(magic):
+            raise UserError(f"manifest {path} is {tool}-compressed, not text; decompress it (e.g. `{tool} -dc {path} > "
+                            f"{path.with_name(path.stem + '.plain.jsonl')}`) and pass that file")
     whole = _whole_file_json(head, complete=len(head) < _HEAD)
     if whole:
         convert = "jq -c '.[]' in.json > out.jsonl" if whole == "a JSON array" else "jq -c . in.json > out.jsonl"

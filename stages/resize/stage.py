@@ -108,7 +108,7 @@ def _fill_and_commit(cfg: PipelineConfig, st: Store, writer: Any, intake: Intake
                        lambda hashed: lineage_schema(rc, hashed, source, fmt), frozenset(intake.unread))
         if intake.unread and (kept := _same_version(st, writer)) is not None:
             # the unread files read again fail alike, nothing else changed: no new version (still_unreadable.py)
-            st.add_quarantine(intake.rejects)  # equal rows are not repeated; another OS error is recorded
+            st.add_quarantine_table(intake.rejects.table())  # equal rows are not repeated; another OS error is recorded
             discard_version(writer)
             return kept_summary(st, kept, intake.summary, sorted(intake.unread), started)
     commit_version(st, writer, source, intake)

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from store import Store
 
 
+PAIRS_LISTED = 100  # duplicate pairs a summary lists: 5 named, the rest spare for those the revivals take back
+
+
 @dataclass
 class ResizeSummary:
     version: int
@@ -40,7 +43,10 @@ class ResizeSummary:
     buckets: Counter = field(default_factory=Counter)  # (h, w) of targets
     controls: Counter = field(default_factory=Counter)  # control images per sample -> samples (written, reused)
     quarantine_file: str = ""
-    duplicates: list[tuple[str, str]] = field(default_factory=list)  # (kept source, dropped source)
+    # (kept source, dropped source): the first PAIRS_LISTED pairs met (the summary names 5; every pair is a
+    # quarantine row), and how many pairs in all (a pair each was ~140 B: 140 MB for 1M duplicates)
+    duplicates: list[tuple[str, str]] = field(default_factory=list)
+    duplicate_pairs: int = 0
     sizes: str = ""  # the sizes in force (schemas.resize_sizes)
     store: str = ""
     repaired_from: int | None = None  # the version recorded as damaged whose damaged samples this run re-rendered
@@ -59,6 +65,12 @@ class ResizeSummary:
     split_by: str = ""  # the rule the version was split by (split_rule.py)
     # what the reader read that no setting named, and what it left unread (a parquet source: run_lineage.py `_source_notes`)
     source_notes: list[str] = field(default_factory=list)
+
+    def add_duplicate(self, kept: str, dropped: str) -> None:
+        """A (kept, dropped) pair, listed while every pair met so far is (`duplicates`: a prefix of them all)."""
+        if len(self.duplicates) == self.duplicate_pairs < PAIRS_LISTED:
+            self.duplicates.append((kept, dropped))
+        self.duplicate_pairs += 1
 
     def to_json(self) -> dict[str, Any]:
         from schemas.stage import summary_record
@@ -138,11 +150,11 @@ class ResizeSummary:
             lines.append(f"could not read {self.quarantined['read-error']} sample(s) (reason read-error: a disk, "
                          "network or permission error, not bad data); this version does not count their files as "
                          "read: rerun once they read again to add them (the rest is carried, not re-rendered)")
-        shown = 5  # every pair is in the quarantine file; the summary names the first few
-        for kept, dropped in self.duplicates[:shown]:
+        shown = self.duplicates[:5]  # every pair is in the quarantine file; the summary names the first few
+        for kept, dropped in shown:
             lines.append(f"duplicate: kept {kept}, dropped {dropped} (same target, controls and caption)")
-        if len(self.duplicates) > shown:
-            lines.append(f"duplicate: {len(self.duplicates) - shown} more pairs (reason 'duplicate' in {self.quarantine_file}; "
+        if self.duplicate_pairs > len(shown):
+            lines.append(f"duplicate: {self.duplicate_pairs - len(shown)} more pairs (reason 'duplicate' in {self.quarantine_file}; "
                          "the detail names the kept file)")
         # a control file missing from an edit pair makes a 0-control sample, a control folder left behind makes
         # every sample one: shown, not silent

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import io
 import os
+import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -123,6 +125,37 @@ def test_hostile_image_files_each_end_deliberately(tmp_path):
     assert s.conversions["target upscaled more than 4x per side (a small source image)"] == 1  # 1x1 only
     sliver = t["sliver.png"][0]
     assert sliver["source_size"] == [10, 100000] and sliver["bucket"] == [32, 128]
+
+
+def _png_chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def test_a_png_whose_metadata_is_past_pillows_guards_says_to_strip_it(tmp_path):
+    """Pillow refuses a compressed text chunk or colour profile decompressing to over 1 MB (before or after the pixel
+    data) and over 64 MB of text in all with its constant's name only; the row says what it is and what to do,
+    counted as any."""
+    root, store = tmp_path / "src", tmp_path / "store"
+    png = encoded(quadrants())
+    ztxt = _png_chunk(b"zTXt", b"Comment\0\0" + zlib.compress(b"x" * 2_000_000))
+    put(root, "good.png", png)
+    put(root, "ztxt_first.png", png[:33] + ztxt + png[33:])  # after IHDR: read while opening
+    put(root, "ztxt_last.png", png[:-12] + ztxt + png[-12:])  # before IEND: read while loading
+    icc = _png_chunk(b"iCCP", b"wide\0\0" + zlib.compress(b"\0" * 2_000_000))
+    put(root, "iccp_first.png", png[:33] + icc + png[33:], caption=b"make it red")
+    put(root, "text_70mb.png", png[:33] + _png_chunk(b"tEXt", b"Comment\0" + b"y" * 1_000_000) * 70 + png[33:],
+        caption=b"make it green")
+    s = run(cfg(), root, store)
+
+    q = quarantined(store)
+    assert {n: r["reason"] for n, r in q.items()} == dict.fromkeys(
+        ("ztxt_first.png", "ztxt_last.png", "iccp_first.png", "text_70mb.png"), "unreadable-image")
+    for name in ("ztxt_first.png", "ztxt_last.png", "iccp_first.png"):
+        assert "a compressed metadata chunk (zTXt / iTXt text or an iCCP colour profile) that decompresses to over " \
+            "1 MiB" in q[name]["detail"]
+    assert "text chunks (metadata) of over 64 MiB in all" in q["text_70mb.png"]["detail"]
+    assert all("strip its metadata" in r["detail"] and "MAX_TEXT" not in r["detail"] for r in q.values())
+    assert s.quarantined == {"unreadable-image": 4} and s.written == 1
 
 
 def test_an_image_beyond_the_aspect_clamp_is_counted_as_cropped(tmp_path):

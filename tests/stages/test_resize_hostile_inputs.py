@@ -238,6 +238,25 @@ def test_a_utf16_manifest_is_one_line_naming_its_encoding(tmp_path):
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "store").exists()
 
 
+@pytest.mark.parametrize("packed", ["gzip", "bz2", "lzma"])
+def test_a_compressed_manifest_under_a_jsonl_name_is_one_line_saying_to_decompress_it(tmp_path, packed):
+    """pandas' `to_json(..., compression="gzip")` or a download saved still encoded, named .jsonl: every line of its
+    bytes was quarantined as 'not valid UTF-8' (~400k rows for a 100 MB file), then 'no usable sample'."""
+    import importlib
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.png").write_bytes(_image())
+    rows = "".join(json.dumps({"target": "a.png", "caption": f"edit {i}"}) + "\n" for i in range(200)).encode()
+    (src / "data.jsonl").write_bytes(importlib.import_module(packed).compress(rows))
+    result = _resize(src, tmp_path / "store")
+    tool = {"gzip": "gzip", "bz2": "bzip2", "lzma": "xz"}[packed]
+    assert result.exit_code != 0
+    assert f"manifest {src / 'data.jsonl'} is {tool}-compressed, not text; decompress it (e.g. `{tool} -dc" \
+        in " ".join(result.output.split())
+    assert not (tmp_path / "store").exists()
+
+
 @pytest.mark.parametrize("layout", ["pretty array", "one-line array", "pretty object"])
 def test_a_json_array_saved_as_jsonl_is_one_line_saying_how_to_convert(tmp_path, layout):
     """`json.dump(rows, f, indent=2)` (or one object spread over lines) saved as .jsonl: each of its lines was
