@@ -93,20 +93,7 @@ def export_lora(lora: str | Path, fmt: str, out: str | Path, overwrite: bool = F
     """Write LORA in format FMT to OUT, whole or not at all (temp file + rename). An existing OUT is refused unless
     `overwrite` (it may be another LoRA of the user's: it was replaced without a word); OUT naming the LoRA being
     exported is refused even then (the export would replace its own input)."""
-    if fmt not in FORMATS:
-        raise UserError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
-    out = Path(out)
-    if out.suffix != ".safetensors":
-        raise UserError(f"--out {out}: the export is one .safetensors file; name it *.safetensors")
-    check_name_fits(out, "--out")
-    source = lora_weight_file(lora)
-    if out.resolve() == source.resolve() or (out.exists() and out.samefile(source)):
-        raise UserError(f"--out {out} is the LoRA being exported ({source}): the export would replace it; pass "
-                        "another --out")
-    if out.is_dir():  # --overwrite too: it names a file to replace, not a folder (a traceback at the rename)
-        raise UserError(f"--out {out} is a folder; pass the file to write, e.g. {out / 'lora-comfyui.safetensors'}")
-    if not overwrite:
-        _refuse_existing(out)  # before the LoRA is read
+    out = refuse_out(lora, fmt, out, overwrite)
     state = comfyui_state_dict(lora)
     out.parent.mkdir(parents=True, exist_ok=True)
     # A folder of its own, the file in it: safetensors writes its own temp file (`.tmpXXXXXX`) beside the path it
@@ -130,6 +117,26 @@ def export_lora(lora: str | Path, fmt: str, out: str | Path, overwrite: bool = F
         atomic_write.fsync_dir(out.parent)  # OUT's name survives a power loss, as its bytes (`canonicalize`)
     finally:  # a full disk or a kill mid-write: no partial file left beside --out (renamed or linked: gone too)
         shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
+def refuse_out(lora: str | Path, fmt: str, out: str | Path, overwrite: bool = False) -> Path:
+    """OUT as a Path once the export may write it, before the LoRA is read; a UserError for an unknown FMT, an OUT
+    that is no .safetensors name, the LoRA being exported, a folder, or (without `overwrite`) an existing file."""
+    if fmt not in FORMATS:
+        raise UserError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
+    out = Path(out)
+    if out.suffix != ".safetensors":
+        raise UserError(f"--out {out}: the export is one .safetensors file; name it *.safetensors")
+    check_name_fits(out, "--out")
+    source = lora_weight_file(lora)
+    if out.resolve() == source.resolve() or (out.exists() and out.samefile(source)):
+        raise UserError(f"--out {out} is the LoRA being exported ({source}): the export would replace it; pass "
+                        "another --out")
+    if out.is_dir():  # --overwrite too: it names a file to replace, not a folder (a traceback at the rename)
+        raise UserError(f"--out {out} is a folder; pass the file to write, e.g. {out / 'lora-comfyui.safetensors'}")
+    if not overwrite:
+        _refuse_existing(out)
     return out
 
 

@@ -147,8 +147,12 @@ def export(
     from store.format import widen_private_file
 
     with user_errors(out):
-        refuse_a_recorded_file(out, lora)
         checked_lora(lora)  # before torch's import: a mistyped --lora is told at once
+        with usage_errors():  # --out refused before anything is written: exit 2, as `lora merge --out`'s
+            refuse_a_recorded_file(out, lora)
+            from models.lora_export import refuse_out
+
+            refuse_out(lora, format, out, overwrite)
         from models.lora_export import export_lora
 
         path = export_lora(lora, format, out, overwrite=overwrite)

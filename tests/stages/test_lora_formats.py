@@ -234,7 +234,7 @@ def test_export_refuses_a_cut_lora_and_an_out_that_is_the_lora(tmp_path):
     before = src.read_bytes()
     for out in (src, tmp_path / "." / "whole.safetensors"):
         result = CliRunner().invoke(app, ["lora", "export", str(src), "--out", str(out)])
-        assert result.exit_code == 1 and "is the LoRA being exported" in result.output, result.output
+        assert result.exit_code == 2 and "is the LoRA being exported" in result.output, result.output
     assert src.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == [
         "lone-A.safetensors", "lone-B.safetensors", "ranks.safetensors", "whole.safetensors"]
 
@@ -295,8 +295,8 @@ def test_export_keeps_an_existing_out_file_unless_told_and_never_replaces_a_runs
 
     other = tmp_path / "my-other-lora.safetensors"
     other.write_bytes(b"the user's other LoRA")
-    result = export(other)
-    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    result = export(other)  # refused before anything is written: a usage mistake, exit 2 as `lora merge --out`'s
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     line = " ".join(result.output.split())
     assert f"--out {other} exists" in line and "--overwrite" in line, result.output
     assert other.read_bytes() == b"the user's other LoRA"
@@ -309,13 +309,13 @@ def test_export_keeps_an_existing_out_file_unless_told_and_never_replaces_a_runs
     folder = tmp_path / "folder.safetensors"
     folder.mkdir()
     result = export(folder, "--overwrite")
-    assert result.exit_code == 1 and "is a folder" in result.output and "Traceback" not in result.output, result.output
+    assert result.exit_code == 2 and "is a folder" in result.output and "Traceback" not in result.output, result.output
     folder.rmdir()
 
     # the LoRA being exported, and a run's own weights (a final LoRA's checksums.json, a checkpoint's resume.json)
     before = src.read_bytes()
     result = export(src, "--overwrite")
-    assert result.exit_code == 1 and "is the LoRA being exported" in result.output and src.read_bytes() == before
+    assert result.exit_code == 2 and "is the LoRA being exported" in result.output and src.read_bytes() == before
     final, step = tmp_path / "run" / "lora", tmp_path / "run" / "checkpoints" / "step-2"
     for folder in (final, step / "lora"):
         folder.mkdir(parents=True)
@@ -324,7 +324,7 @@ def test_export_keeps_an_existing_out_file_unless_told_and_never_replaces_a_runs
     (step / "resume.json").write_bytes(seal({"files": folder_checksums(step)}))
     for weights in (final / WEIGHT_NAME, step / "lora" / WEIGHT_NAME):
         result = export(weights, "--overwrite")
-        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
         assert "is a run's own file" in " ".join(result.output.split()) and weights.read_bytes() == b"a run's weights"
 
     # a file made at --out after the export looked (another process): kept, and no temp file left
@@ -336,7 +336,7 @@ def test_export_keeps_an_existing_out_file_unless_told_and_never_replaces_a_runs
         late.write_bytes(b"written meanwhile")
 
     monkeypatch.setattr(lora_export, "canonicalize", another_writer_meanwhile)
-    result = export(late)
+    result = export(late)  # found while writing: exit 1
     assert result.exit_code == 1 and f"--out {late} exists" in " ".join(result.output.split()), result.output
     assert late.read_bytes() == b"written meanwhile" and [p.name for p in late.parent.iterdir()] == [late.name]
 
@@ -365,7 +365,7 @@ def test_a_runs_own_file_is_found_by_a_relative_out_and_a_relative_lora_too(tmp_
 
     monkeypatch.chdir(step / "lora")
     result = CliRunner().invoke(app, ["lora", "export", str(other), "--out", WEIGHT_NAME, "--overwrite"])
-    assert result.exit_code == 1 and "is a run's own file" in " ".join(result.output.split()), (
+    assert result.exit_code == 2 and "is a run's own file" in " ".join(result.output.split()), (
         result.output, result.exception)
     assert (step / "lora" / WEIGHT_NAME).read_bytes() == weights and os.listdir(".") == [WEIGHT_NAME]
     (step / "lora" / WEIGHT_NAME).write_bytes(weights[:-1] + bytes([weights[-1] ^ 1]))
