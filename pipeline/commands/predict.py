@@ -24,8 +24,8 @@ def image_format(out: Path) -> str:
     check_name_fits(out, "--out")  # PIL's save would fail after the minutes of denoising
     out_format = Image.registered_extensions().get(Path(out).suffix.lower())
     if out_format is None:
-        raise UserError(f"--out {out}: {Path(out).suffix or 'no extension'} is not an image type; name it .png "
-                        "(or .webp, .jpg)")
+        what = f"{Path(out).suffix} is not an image type" if Path(out).suffix else "the name has no image extension"
+        raise UserError(f"--out {out}: {what}; name it .png (or .webp, .jpg)")
     return out_format
 
 
