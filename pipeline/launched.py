@@ -27,6 +27,27 @@ from typing import Callable, TypeVar
 T = TypeVar("T")
 
 
+# The commands that run on several ranks (they share their work, run on rank 0 while the others wait, or read and
+# print): `pipeline launch` refuses any other before a rank starts (`refused_launch`), in one line rather than one
+# per rank (`one_process`) and then the launcher's. `run evaluate` of one LoRA is left to its own refusal.
+LAUNCHABLE = frozenset({"run encode-text", "run encode-vae", "run train", "run all", "run evaluate",
+                        "run resize-bucket", "config show", "plan", "store inspect"})
+
+
+def refused_launch(words: list[str], root) -> str | None:
+    """The line refusing `pipeline launch ... WORDS` (WORDS: the pipeline command and its arguments; `root`: the
+    CLI's click group), or None where the command runs on several ranks or is no command (its own error says)."""
+    group = root.commands.get(words[0]) if words else None
+    subcommands = getattr(group, "commands", None)
+    if group is None or subcommands is not None and (len(words) < 2 or words[1] not in subcommands):
+        return None
+    path = " ".join(words[:2]) if subcommands is not None else words[0]
+    if path in LAUNCHABLE:
+        return None
+    return (f"`pipeline {path}` runs in one process (it shares no work between ranks): run it without "
+            "`pipeline launch`")
+
+
 def launched() -> tuple[int, bool]:
     """(processes the launcher started, whether this is rank 0); a plain run is (1, True)."""
     return int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("RANK", "0") == "0"

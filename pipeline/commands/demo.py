@@ -107,8 +107,9 @@ def prepare_inputs(model: Path, data: Path, max_controls: int, variant: str = "e
     from pipeline.demo_data import make_demo_data
 
     if not (model / "model_index.json").is_file():
+        echo("== make-tiny-model")  # before the write: the bar of its shards' write goes under its header
         write_tiny_model(model, variant=variant, seed=0)
-        echo(f"== make-tiny-model\nwrote a tiny random-init {DEMO_VARIANTS[variant]} model to {model}")
+        echo(f"wrote a tiny random-init {DEMO_VARIANTS[variant]} model to {model}")
     if not (data / "target").is_dir():
         echo("== make-demo-data")
         echo(make_demo_data(data, n=DEMO_SAMPLES, fmt="folder", max_controls=max_controls, seed=0, with_masks=True))

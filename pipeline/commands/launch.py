@@ -44,6 +44,12 @@ def command(ctx: typer.Context) -> None:
     else:  # no known command word: torchrun read the first non-option as its script (the command's error says)
         args.training_script_args = [args.training_script, *args.training_script_args]
     args.training_script, args.module = "pipeline.cli", True
+    if split is not None and ctx.parent is not None:
+        from pipeline.launched import refused_launch
+
+        if (line := refused_launch(words[split:], ctx.parent.command)) is not None:
+            typer.secho(f"error: {line}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(2)
     if str(args.nproc_per_node).isdigit() and int(args.nproc_per_node) < 1:  # torchrun: a bare AssertionError
         _refused(f"--nproc-per-node {args.nproc_per_node}: at least 1 process per node")
     try:
@@ -127,7 +133,8 @@ DESCRIPTION = """\
 Run `pipeline COMMAND [ARGS]...` in several processes under torchrun (one per GPU; on a machine without GPUs, CPU
 processes over gloo). COMMAND is a pipeline command that splits its work by rank: `run train`, `run encode-text`,
 `run encode-vae`, `run evaluate --all-checkpoints`, `run all`; `run resize-bucket` runs on rank 0 while the others
-wait, and a command that runs in one process (`store gc`, `predict`, ...) is refused. The options before it are
+wait, and a command that runs in one process (`store gc`, `predict`, ...) is refused in one line before any rank
+starts (exit status 2). The options before it are
 torchrun's (below). A failed rank ends the launch in one line (which ranks exited how), exit status 1; SIGTERM
 stops every rank, exit status 143."""
 EPILOG = """\

@@ -24,8 +24,8 @@ def image_format(out: Path) -> str:
     check_name_fits(out, "--out")  # PIL's save would fail after the minutes of denoising
     out_format = Image.registered_extensions().get(Path(out).suffix.lower())
     if out_format is None:
-        raise UserError(f"--out {out}: {Path(out).suffix or 'no extension'} is not an image type; name it .png "
-                        "(or .webp, .jpg)")
+        what = f"{Path(out).suffix} is not an image type" if Path(out).suffix else "the name has no image extension"
+        raise UserError(f"--out {out}: {what}; name it .png (or .webp, .jpg)")
     return out_format
 
 
@@ -52,8 +52,8 @@ def command(
     cfg_scale: Optional[float] = typer.Option(None, "--cfg", help="true_cfg_scale; <= 1 disables CFG (predict.true_cfg_scale)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Generation seed (predict.seed)."),
     height: Optional[int] = typer.Option(None, "--height", min=PIXELS_PER_PATCH,
-                                         help="Output height (default: the control's ~1024² size)."),
-    width: Optional[int] = typer.Option(None, "--width", min=PIXELS_PER_PATCH, help="Output width."),
+                                         help="Output height in pixels (default: the control's ~1024² size)."),
+    width: Optional[int] = typer.Option(None, "--width", min=PIXELS_PER_PATCH, help="Output width in pixels."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto | float32 | bfloat16 | float16 (predict.dtype; auto = bf16 on a bf16 GPU, float32 on CPU)."),
     transformer_device: Optional[str] = typer.Option(None, "--transformer-device", help="Device of the transformer: auto, cpu, cuda:N (predict.devices.transformer)."),
     text_encoder_device: Optional[str] = typer.Option(None, "--text-encoder-device", help="Device of the text encoder (predict.devices.text_encoder)."),

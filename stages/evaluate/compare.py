@@ -108,6 +108,9 @@ def find_group(path: str | Path) -> Path:
     for candidate in (p / GROUP, p / KEPT_REPORT / GROUP, p if p.name.endswith(".zarr") else None):
         if candidate is not None and (candidate / "zarr.json").is_file():
             return candidate
+    if not p.exists():  # a mistyped path: said as such, not as a folder missing its losses
+        raise UserError(f"{p} does not exist; pass a report folder written by `pipeline run evaluate "
+                        "--all-checkpoints` or `pipeline run all`, or a run folder holding one")
     raise UserError(f"{p}: no {GROUP} there (nor in {p / KEPT_REPORT}); pass a report folder written by "
                     "`pipeline run evaluate --all-checkpoints` or `pipeline run all`, or a run folder holding one")
 

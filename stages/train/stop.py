@@ -121,8 +121,10 @@ class StopOnSignal:
         `line`: what the main process says of the stop (printed here, in place of the CLI's own line)."""
         signum = self.signum or signal.SIGTERM
         if line is not None:
-            from tqdm.auto import tqdm
+            from tqdm.std import tqdm
 
+            for bar in list(tqdm._instances):  # left as they stand: tqdm.write redrew the train bar under the line
+                bar.close()
             tqdm.write(line)
             ANNOUNCED.append(signum)
         self.__exit__()

@@ -158,7 +158,7 @@ def test_a_flag_value_out_of_its_range_is_a_usage_error_before_any_work(args, fl
      "error: --out OUT: the export is one .safetensors file; name it *.safetensors"),
     (["lora", "export", "L", "--out", "ü" * 128 + ".safetensors"], "error: --out "),
     (["predict", "--model", "M", "--image", "I.png", "--prompt", "x", "--out", "OUT"],
-     "error: --out OUT: no extension is not an image type"),
+     "error: --out OUT: the name has no image extension; name it .png"),
     (["make-tiny-model", "OUT", "--variant", "edit-3000"],
      "error: --variant 'edit-3000': use 'edit', 'edit-plus', 'edit-2511' or 'qwen-image-2.1'"),
     (["make-tiny-model", "OUT", "--layers", "2"], "error: --layers needs --full-width"),

@@ -112,3 +112,18 @@ def test_a_demo_rerun_keeps_a_config_yaml_edited_since(tmp_path, monkeypatch):
     assert f"kept as {workdir / 'config.previous.yaml'}" in res.output
     assert sorted(p.name for p in workdir.glob("config*")) == ["config.previous.2.yaml", "config.previous.yaml",
                                                                "config.yaml"]
+
+
+def test_the_demo_names_its_first_step_before_that_step_prints(tmp_path, monkeypatch, capsys):
+    """The tiny model's write draws a bar ("Writing model shards"); the demo's `== make-tiny-model` header came
+    after it, so its first lines showed a bar under no header, above the header of a step that had finished."""
+    import pipeline.commands.tools as tools
+    from pipeline.commands import demo
+
+    monkeypatch.setattr(tools, "write_tiny_model", lambda *a, **k: print("the model's write"))
+    data = tmp_path / "data"
+    (data / "target").mkdir(parents=True)
+    (data / "target" / f"{demo.BROKEN_STEM}.txt").write_text("x")  # data there: only the model is built
+    demo.prepare_inputs(tmp_path / "model", data, max_controls=1)
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == ["== make-tiny-model", "the model's write"], out

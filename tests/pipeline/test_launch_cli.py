@@ -143,7 +143,7 @@ def test_the_command_after_torchruns_options_keeps_every_option_of_its_own(monke
          {"nproc_per_node": "2"}, ["run", "evaluate", "--all-checkpoints", "--run", "R", "--store", "S"]),
         (["--rdzv-id", "run", "--nnodes", "1", "run", "train", "--out", "O"],
          {"rdzv_id": "run", "nnodes": "1"}, ["run", "train", "--out", "O"]),
-        (["--standalone", "store", "gc", "--store", "S"], {"standalone": True}, ["store", "gc", "--store", "S"]),
+        (["--standalone", "store", "inspect", "--json", "S"], {"standalone": True}, ["store", "inspect", "--json", "S"]),
     ):
         seen.clear()
         r = CliRunner().invoke(app, ["launch", *words])

@@ -81,6 +81,31 @@ def test_every_command_has_its_behaviour_under_a_launcher_decided():
     assert _command_paths(typer.main.get_command(app)) == decided
 
 
+def test_pipeline_launch_starts_the_commands_that_run_on_several_ranks_and_no_other():
+    from pipeline.launched import LAUNCHABLE
+
+    assert LAUNCHABLE == SHARES | RANK_0_ALONE | READS_AND_PRINTS | RANK_0_PRINTS
+
+
+@pytest.mark.parametrize("command", sorted(REFUSED) + ["launch"])
+def test_pipeline_launch_refuses_a_command_that_runs_in_one_process_in_one_line(command, tmp_path, monkeypatch):
+    """`pipeline launch ... store gc S` started every rank, each refused with the same line, then the launcher
+    said they failed: N + 1 lines and exit 1 for a usage mistake. Now one line before any rank starts, exit 2."""
+    import torch.distributed.run
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    monkeypatch.setattr(torch.distributed.run, "run", lambda args: pytest.fail("torchrun started the ranks"))
+    monkeypatch.chdir(tmp_path)
+    words = REFUSED.get(command, ["launch", "--nproc-per-node", "2", "run", "train"])
+    r = CliRunner().invoke(app, ["launch", "--nproc-per-node", "2", *[a.format(tmp=tmp_path) for a in words]])
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and lines == [f"error: `pipeline {command}` runs in one process (it shares no work "
+                                          "between ranks): run it without `pipeline launch`"], r.output
+    assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("command", sorted(REFUSED))
 def test_a_command_that_runs_in_one_process_is_refused_on_every_rank(command, tmp_path, monkeypatch):
     from typer.testing import CliRunner

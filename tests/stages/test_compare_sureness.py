@@ -100,3 +100,15 @@ def test_a_sample_left_out_of_one_run_is_left_out_of_the_pairing(tmp_path):
     vs = write_compare([str(b), str(a)], tmp_path / "cmp").to_json()["runs"][0]["vs_best_run"]
     d = (_per_sample(b_best) - _per_sample(a_best))[1:]
     assert vs["n"] == 5 and vs["difference"] == pytest.approx(d.mean(), rel=1e-6)
+
+
+def test_a_path_that_does_not_exist_is_named_as_such(tmp_path):
+    """A mistyped report path was told as a folder holding no losses.zarr ("no losses.zarr there (nor in
+    X/evaluate-report)"), as if the folder were there."""
+    from stages.evaluate.compare import find_group
+
+    with pytest.raises(UserError, match=f"^{tmp_path / 'typo'} does not exist; pass a report folder"):
+        find_group(tmp_path / "typo")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no losses.zarr there"):
+        find_group(tmp_path / "empty")

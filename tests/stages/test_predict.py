@@ -132,7 +132,7 @@ def test_predict_refuses_an_output_name_it_cannot_write_before_any_work(tiny_edi
     # a name that is no image type is a usage mistake (exit 2, at parsing); JPEG for 2.1 too, judged from its
     # model folder's model_index.json right after parsing (it was exit 1), before any weights load
     # a name over the 255 bytes a file system allows in one name: PIL's save failed after the work too
-    for model, out, why, code in ((tiny_edit_model, tmp_path / "edited", "is not an image type", 2),
+    for model, out, why, code in ((tiny_edit_model, tmp_path / "edited", "the name has no image extension", 2),
                                   (tiny_21_model, tmp_path / "edited.jpg", "JPEG has no alpha", 2),
                                   (tiny_edit_model, tmp_path / ("ü" * 128 + ".png"), "260 bytes, over the 255", 2)):
         LOAD_LOG.clear()

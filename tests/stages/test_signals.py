@@ -346,3 +346,28 @@ def test_a_sigterm_while_the_collective_module_is_imported_stops_with_the_line(t
     assert p.stderr.splitlines()[-1] == ("stopped by SIGTERM: what it committed is kept; rerun the same command "
                                          "to continue from there"), p.stderr[-2000:]
     assert not (tmp_path / "store").exists()  # stopped before it wrote anything
+
+
+def test_the_training_stop_line_comes_after_the_training_bar(monkeypatch):
+    """The trainer's stop line (the checkpoint written, how to go on) was written with the train bar still open:
+    tqdm drew the bar again under it, so a terminal's last line was the bar, the stop's line above it."""
+    import io
+
+    from tqdm.std import tqdm
+
+    from stages.train import stop
+
+    screen = io.StringIO()  # stdout and stderr on one terminal
+    monkeypatch.setattr(sys, "stdout", screen)
+    monkeypatch.setattr(sys, "stderr", screen)
+    monkeypatch.setattr(stop, "ANNOUNCED", [])
+    bar = tqdm(total=10, desc="train", file=screen)
+    bar.update(3)
+    line = "stopped by a signal after optimizer step 3: its checkpoint RUN/checkpoints/step-3 is written"
+    try:
+        with pytest.raises(SystemExit) as e:
+            stop.StopOnSignal().stop_now(line)
+    finally:
+        bar.close()
+    assert e.value.code == 128 + signal.SIGTERM
+    assert screen.getvalue().endswith(f"\n{line}\n"), repr(screen.getvalue()[-300:])

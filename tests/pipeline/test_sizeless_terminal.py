@@ -1,0 +1,49 @@
+"""Progress bars on a terminal that reports no size (0 columns: a pty opened without one, as `ssh -t host cmd`
+from a script or `script` without a terminal make): tqdm drew every bar trimmed to nothing."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import tqdm.std
+
+from pipeline.cli import bars_on_a_terminal_without_size
+
+
+def test_a_bar_on_a_terminal_of_zero_columns_shows_its_counts(monkeypatch):
+    monkeypatch.setattr(tqdm.std, "_screen_shape_wrapper", tqdm.std._screen_shape_wrapper)  # put back after
+    main, side = os.openpty()  # a new pty has no size: 0 x 0
+    terminal = os.fdopen(side, "w")
+    try:
+        assert os.get_terminal_size(side).columns == 0
+        monkeypatch.setattr(sys, "stderr", terminal)
+        bars_on_a_terminal_without_size()
+        bar = tqdm.std.tqdm(total=10, desc="train", unit="step", file=terminal, dynamic_ncols=True)
+        bar.update(3)
+        bar.close()
+        terminal.flush()
+        drawn = os.read(main, 65536).decode()
+    finally:
+        terminal.close()
+        os.close(main)
+    assert "train:  30%" in drawn and "3/10" in drawn and "step/s" in drawn, repr(drawn)
+
+
+def test_a_terminal_with_a_size_is_left_to_tqdm(monkeypatch):
+    monkeypatch.setattr(tqdm.std, "_screen_shape_wrapper", tqdm.std._screen_shape_wrapper)
+    before = tqdm.std._screen_shape_wrapper
+    main, side = os.openpty()
+    import fcntl
+    import struct
+    import termios
+
+    fcntl.ioctl(side, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    terminal = os.fdopen(side, "w")
+    try:
+        monkeypatch.setattr(sys, "stderr", terminal)
+        bars_on_a_terminal_without_size()
+    finally:
+        terminal.close()
+        os.close(main)
+    assert tqdm.std._screen_shape_wrapper is before
