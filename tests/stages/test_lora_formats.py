@@ -459,7 +459,9 @@ def test_a_killed_exports_temp_is_removed_by_the_next_export_and_a_live_ones_kep
     save_file({f"{q}.lora_A.weight": torch.rand(4, 64), f"{q}.lora_B.weight": torch.rand(64, 4)}, src)
     out, ready = tmp_path / "comfy" / "lora.safetensors", tmp_path / "ready"
     stuck = ("import sys, time, pathlib\nimport models.lora_export as e\n"
-             "def stuck(path, *a, **k):\n    pathlib.Path(sys.argv[3]).write_text(str(path))\n    time.sleep(600)\n"
+             "def stuck(path, *a, **k):\n    ready = pathlib.Path(sys.argv[3])\n"
+             "    ready.with_suffix('.part').write_text(str(path))\n    ready.with_suffix('.part').rename(ready)\n"
+             "    time.sleep(600)\n"
              "e.canonicalize = stuck\ne.export_lora(sys.argv[1], 'comfyui', sys.argv[2])\n")
     # started warm (tests/warm_start.py: models.lora_export imports torch cold); a process and pid of its own
     killed = warm_start.WarmProcess([sys.executable, "-c", stuck, str(src), str(out), str(ready)],
@@ -467,7 +469,9 @@ def test_a_killed_exports_temp_is_removed_by_the_next_export_and_a_live_ones_kep
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # imports nothing heavy
     try:
         deadline = time.monotonic() + 120
-        while not ready.exists():  # the killed one's file is written, in its temp folder
+        # the killed one's file is written, in its temp folder; `ready` appears whole (renamed in: a file seen
+        # between its creation and its write read as '' once under load)
+        while not ready.exists():
             assert killed.poll() is None and time.monotonic() < deadline, killed.returncode
             time.sleep(0.01)
         killed.send_signal(signal.SIGKILL)
