@@ -18,7 +18,8 @@ folder; its shard files (store/shard_io.py) call back here, through `fetcher_for
 A check-ahead thread (a pread-only `ShardFiles`) keeps the ranges it fetched for the consumer's read of the same
 sample (`_memo`, bounded): the check-ahead window is then the remote prefetch, and no range is fetched twice.
 Space is made before a whole fetch by evicting least recently used shards (store/remote_cache.evict, under the
-cache lock); when the cache cannot make room the shard is read by range instead, never an error mid-run.
+cache lock); when the cache cannot make room, or its disk is full, the shard is read by range instead, never an
+error mid-run.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store import remote_download
 from store.checksum import RunningCrc
-from store.io_errors import CACHE_FULL, writing
+from store.io_errors import CACHE_FULL, DiskFullError, writing
 from store.lease import process_tag
 from store.remote import READ_PIECE, Remote, SharedBar, each_at_once, lost_object, open_remote, remote_errors
 
@@ -65,6 +66,10 @@ FETCH_TAG = ".fetch-"
 RANGED = FETCH_TAG + "ranged"  # `.<shard>.fetch-ranged`: bytes this node's processes read from the shard by range
 FETCH_LOCK = ".fetch.lock"  # `.<shard>.fetch.lock`: held by the one process of the node fetching the shard whole
 NO_ROOM = "no room in the store cache"  # `fetch_whole`'s answer when the cache limit leaves no room for the shard
+DISK_FULL = "the store cache's disk is full"  # `fetch_whole`'s answer meanwhile (the error: `ShardFetcher.full`)
+# After a whole fetch met a full disk, this process reads by range for this long before it tries one again: each
+# try starts a GET, and the reads of a full node would each pay one for nothing.
+FULL_RETRY_S = 60.0
 WHOLE_AFTER = 0.5  # fraction of a shard read by range after which it is fetched whole
 MEMO_BYTES = 256 * 2**20  # ranges fetched by a check-ahead thread, kept for the consumer's read
 
@@ -226,6 +231,8 @@ class ShardFetcher:
         self._ranged: dict[str, int] = {}  # shard -> bytes fetched by range so far
         self._uncacheable: dict[str, str] = {}  # shard -> why its whole fetch failed (read by range instead)
         self._whole_answers = False  # the server answered a range read with the whole object (it ignores Range)
+        self.full: DiskFullError | None = None  # the last whole fetch's full disk (read by range till `_full_until`)
+        self._full_until = 0.0
         self._memo: OrderedDict[tuple[str, int, int], np.ndarray] = OrderedDict()
         self._memo_bytes = 0
         self.stats = {"shards": 0, "shard_bytes": 0, "ranges": 0, "range_bytes": 0}
@@ -257,7 +264,8 @@ class ShardFetcher:
 
     def fetch_whole(self, shard: str, wait: bool = True) -> str | None:
         """Make the shard file present; None when it is, else why it cannot be (damaged on the server, not
-        listed, no room in the cache, or - `wait=False` - another process of the node fetching it now)."""
+        listed, no room in the cache, its disk full, or - `wait=False` - another process of the node fetching it
+        now)."""
         path = self.vdir / shard
         if path.exists():
             return None
@@ -283,13 +291,18 @@ class ShardFetcher:
                 return f"shard {shard} is being fetched by another process"
             if path.exists():
                 return None
+            if time.monotonic() < self._full_until:
+                return DISK_FULL
             part = self.vdir / f".{shard}{FETCH_TAG}{process_tag()}-{threading.get_ident()}"
             if not self._reserve(part, int(entry["nbytes"])):
                 return NO_ROOM  # not kept: a later read may find room
             try:
-                with writing("the store cache", self.cache, instead=CACHE_FULL), \
-                        self._connection(f"fetch {self.base}/{shard}", shard):
-                    n, crc = _download(self.remote, f"{self.base}/{shard}", part)
+                try:
+                    with writing("the store cache", self.cache, instead=CACHE_FULL), \
+                            self._connection(f"fetch {self.base}/{shard}", shard):
+                        n, crc = _download(self.remote, f"{self.base}/{shard}", part)
+                except DiskFullError as e:
+                    return self._disk_full(shard, e)
                 if (n, crc) != (int(entry["nbytes"]), entry["crc32c"]):
                     problem = (f"{self.url}/{self.base}/{shard} is damaged ({n} bytes, crc32c {crc}; "
                                f"{fmt.CHECKSUMS} records {entry['nbytes']} bytes, crc32c {entry['crc32c']})")
@@ -307,6 +320,17 @@ class ShardFetcher:
             self.stats["shards"] += 1
             self.stats["shard_bytes"] += n
         return None
+
+    def _disk_full(self, shard: str, e: DiskFullError) -> str:
+        """A whole fetch met a full disk (filled by other files than the cache's: its limit counts only its own):
+        the reads go on by range, as when the limit leaves no room (a node's full disk stopped every rank of the job
+        mid-run, and its rerun met the same disk); said once per full spell. A whole open re-raises `self.full`."""
+        if time.monotonic() >= self._full_until + FULL_RETRY_S:  # not said in the spell just before
+            log.warning("%s/%s/%s: not cached, the disk of the store cache %s is full: its samples, and those of "
+                        "the other shards not cached, are read by byte range meanwhile (slower); free space there",
+                        self.url, self.base, shard, self.cache)
+        self.full, self._full_until = e, time.monotonic() + FULL_RETRY_S
+        return DISK_FULL
 
     def _reserve(self, part: Path, nbytes: int) -> bool:
         """Under the cache lock: evict least recently used shards until `nbytes` more fit under the limit, then
@@ -447,6 +471,8 @@ def fetch_all(root: Path, versions: set[tuple[str, int]]) -> None:
                 raise UserError(f"the store cache {f.cache} has no room for {f.base}/{shard} "
                                 f"({int(f.sums[shard]['nbytes']) / 1e9:.2f} GB) under its limit of {limit / 1e9:.2f} "
                                 "GB; raise the limit (--cache-gb) or use a bigger --cache-dir")
+            if problem == DISK_FULL and f.full is not None:
+                raise f.full
             if problem is not None:
                 raise UserError(f"{f.vdir / shard}: cannot be fetched ({problem}); rerun, or repair the store at "
                                 f"{f.url}")
@@ -458,9 +484,14 @@ def fetch_all(root: Path, versions: set[tuple[str, int]]) -> None:
 
 def fetch_problem(path: Path) -> str | None:
     """A file of a lazily cached version not in the cache (not fetched yet, or evicted since) is fetched whole and
-    checked; what the fetch could not do, else None (also for any other folder's file)."""
+    checked; what the fetch could not do, else None (also for any other folder's file). A full disk is raised (its
+    one line): verify and repair need the whole file, and would report it as the store's damage."""
     f = fetcher_for(path.parent)
-    return f.fetch_whole(path.name) if f is not None and not path.exists() else None
+    if f is None or path.exists():
+        return None
+    if (problem := f.fetch_whole(path.name)) == DISK_FULL and f.full is not None:
+        raise f.full
+    return problem
 
 
 def ensure_local(path: Path) -> Path:
