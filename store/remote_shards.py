@@ -116,8 +116,7 @@ def refetch_metadata(vdir: Path) -> bool:
 
     if not is_lazy(vdir):
         return False
-    source = json.loads((vdir / MARKER).read_text())
-    url, base = source["url"], f"{source['table']}/v{int(source['version'])}"
+    url, base = source_of(vdir)
     fixed: list[str] = []
     try:
         intact = _refetch_metadata(vdir, url, base, fixed)
@@ -171,6 +170,19 @@ def _refetch_metadata(vdir: Path, url: str, base: str, fixed: list[str]) -> bool
     return True
 
 
+def source_of(vdir: Path) -> tuple[str, str]:
+    """(the store URL, `<table>/v<N>` there) a lazily cached version copies, from its marker; one line when the
+    marker cannot be read (this node's disk damaged it: json's traceback in every reader of the node before), which
+    the next open of the URL writes again (`_open_version`)."""
+    try:
+        source = json.loads((Path(vdir) / MARKER).read_text())
+        return str(source["url"]), f"{source['table']}/v{int(source['version'])}"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{Path(vdir) / MARKER} is damaged ({type(e).__name__}: {e}): it names where this cached "
+                        f"version lives; rerun (the next open of the store URL writes it again), or remove "
+                        f"{Path(vdir).parent.parent} (a cache)") from None
+
+
 def is_cache_file(name: str) -> bool:
     """What the cache keeps beside a lazily cached version's own files (the marker, fetches in progress, the range
     counts, the fetch locks): never part of the version (verify skips them)."""
@@ -221,8 +233,7 @@ class ShardFetcher:
         from store import integrity
 
         self.vdir = vdir
-        source = json.loads((vdir / MARKER).read_text())
-        self.url, self.base = source["url"], f"{source['table']}/v{int(source['version'])}"
+        self.url, self.base = source_of(vdir)
         self.sums = integrity.read_version_checksums(vdir) or {}
         self.cache = vdir.parent.parent.parent  # <cache>/<store hash>/<table>/v<N>
         self._remote: Remote | None = None
@@ -579,9 +590,23 @@ def _open_version(remote: Remote, root: Path, table: str, version: int) -> bool:
     if vdir.exists():
         if not fmt.is_complete(vdir) or known_crc(vdir / fmt.MANIFEST)[0] != files[-1].crc:
             raise _conflict(table, version, remote.url, root)
+        _mark_again_if_damaged(vdir, remote.url, table, version)
         return False
     _fetch_metadata(remote, root, table, version, files)
     return True
+
+
+def _mark_again_if_damaged(vdir: Path, url: str, table: str, version: int) -> None:
+    """A cached copy of the URL's version (its manifest just checked to be the URL's) whose marker cannot be read
+    (this node's disk): written again, so its readers find where it lives. `pushed_here` is not known any more:
+    left out, which only keeps an older version this cache committed (`remote_cache._not_kept_here`)."""
+    if not is_lazy(vdir):
+        return
+    try:
+        source_of(vdir)
+    except UserError:
+        log.warning("%s: damaged on this node: written again", vdir / MARKER)
+        mark(vdir, url, table, version)
 
 
 def _set_aside_if_dead(root: Path, table: str, vdir: Path) -> None:
