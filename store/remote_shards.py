@@ -395,8 +395,15 @@ class ShardFetcher:
                 self.fetch_whole(shard, wait=False) is None:
             return None
         with self._connection(f"read {self.base}/{shard}", shard):
-            data = self.remote.fs.cat_file(self.remote.path(f"{self.base}/{shard}"),
-                                            start=start, end=start + n)  # an HTTP Range GET
+            try:
+                data = self.remote.fs.cat_file(self.remote.path(f"{self.base}/{shard}"),
+                                                start=start, end=start + n)  # an HTTP Range GET
+            except OSError as e:
+                if not past_the_end(e):
+                    raise
+                # the object ends before the sample starts (cut short on the server): no bytes, which the sample's
+                # check names as damaged, as any short read (before: "answered ...; rerun", failing for ever)
+                data = b""
         if len(data) > n:
             data = self._asked_bytes(shard, start, n, data)
         buf = np.frombuffer(bytearray(data), np.uint8)  # writable, as a pread buffer
@@ -445,6 +452,18 @@ class ShardFetcher:
         except OSError:
             return 0
         return int(np.frombuffer(data[: len(data) // 8 * 8], "<i8").sum())
+
+
+def past_the_end(e: BaseException | None) -> bool:
+    """Is this S3's answer to a Range that starts past the object's end (416 InvalidRange; s3fs raises it as
+    OSError EINVAL, the server's answer its cause)?"""
+    while e is not None:
+        answer = getattr(e, "response", None)
+        if isinstance(answer, dict) and ((answer.get("Error") or {}).get("Code") == "InvalidRange" or
+                                         (answer.get("ResponseMetadata") or {}).get("HTTPStatusCode") == 416):
+            return True
+        e = e.__cause__
+    return False
 
 
 def _download(remote: Remote, rel: str, part: Path) -> tuple[int, str]:
