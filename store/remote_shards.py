@@ -562,6 +562,7 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
         # open lists nothing)
         listing = remote.listing() if tables is None else None
         rec, tables, wanted = wanted_versions(rec, url, tables, optional, listing)
+        _renew_damaged_record(root)
         store = Store(root)
         fetched = False
         wanted = {(t, v) for t, v in wanted if skip is None or not skip(t, v)}
@@ -581,6 +582,26 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
             if (tables is None or t in tables) and fmt.is_complete(fmt.version_dir(root, t, int(entry["current"]))):
                 store.set_current(t, int(entry["current"]))
     return wanted
+
+
+def _renew_damaged_record(root: Path) -> None:
+    """The cached store's store.json damaged on this node's disk: replaced by a fresh record, in which the open then
+    makes the URL's current versions current (what it records is the URL's, set again by every open; a table
+    committed only here and never pushed loses its entry, and its writer's rerun adopts its version by lineage).
+    Before, every open on the node said to run `pipeline store repair` on the cache folder, which is refused there."""
+    from schemas.newer import WrittenByNewer
+
+    if not (root / fmt.STORE_JSON).is_file():
+        return
+    try:
+        fmt.read_store_record(root)
+    except WrittenByNewer:  # a newer release's cache: never rewritten
+        raise
+    except UserError:
+        log.warning("%s is damaged on this node (a copy of the store URL's record): written again",
+                    root / fmt.STORE_JSON)
+        with fmt.flock(root / fmt.STORE_LOCK):
+            fmt.write_store_record(root, fmt.new_store_record())
 
 
 def open_version(url: str, root: Path, table: str, version: int,

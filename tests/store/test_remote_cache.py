@@ -209,3 +209,27 @@ def test_a_damaged_cache_marker_is_one_line_and_the_next_open_writes_it_again(s3
         for k in local.keys():
             a, b = cached.tensors(k), local.tensors(k)
             assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_a_cached_store_json_damaged_on_the_node_is_written_again_by_the_next_open(s3_env, store: Store,
+                                                                                  tmp_path: Path, caplog) -> None:
+    """The cache's store.json (a copy of the URL's current versions, set by every open) torn on this node's disk:
+    every open on the node said to run `pipeline store repair` on the cache folder, which refuses a cache. Now the
+    open writes it again and the readers read."""
+    import logging
+
+    import torch
+
+    fill(store, 8)
+    push(store.root, s3_env.url())
+    cache = tmp_path / "cache"
+    root = local_store(s3_env.url(), ["vae"], cache, lease=False)
+    (root / "store.json").write_text('{"tabl')
+    with caplog.at_level(logging.WARNING, logger="store"):
+        assert local_store(s3_env.url(), ["vae"], cache, lease=False) == root
+    assert any("store.json is damaged on this node" in r.getMessage() for r in caplog.records)
+    assert Store(root, create=False).tables() == {"vae": 1}
+    with store.reader("vae") as local, Store(root, create=False).reader("vae") as cached:
+        for k in local.keys():
+            a, b = cached.tensors(k), local.tensors(k)
+            assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
