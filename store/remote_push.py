@@ -120,8 +120,8 @@ def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int] | No
             summary.garbage.append(f"{table}/v{version}")
             continue
         if manifest.rel in listing:
-            if not _same(remote, listing, manifest):
-                raise _conflict(table, version, url, src)
+            if (damaged := _damaged_there(remote, url, src, listing, files)) is not None:
+                raise damaged
             summary.present.append(f"{table}/v{version}")
             # objects of the committed version deleted behind the tool's back (pull, inspect and the readers say
             # to push the version again from an intact store): sent again, from the listing made anyway
@@ -138,6 +138,30 @@ def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int] | No
         else:
             todo.append(f)
     return todo, files_of
+
+
+def _damaged_there(remote: Remote, url: str, src: Path, listing: dict[str, int],
+                   files: list[_File]) -> UserError | None:
+    """The line for a version committed at the URL (its manifest listed) that is not the pushed store's version:
+    another store's of that number (its manifest and checksums.json both other), or damaged at the URL - the
+    manifest alone other (one HEAD for checksums.json), or an object listed at another size than the record (cut
+    short, replaced by another tool: from the listing, no request). Push said "already there" of such a version, or
+    that the stores grew apart; write-once, it never overwrites them: they are named, with the fix. None: intact."""
+    manifest, record = files[-1], files[-2]
+    bad = [f for f in files[:-1] if f.rel in listing and listing[f.rel] != f.nbytes]
+    if not _same(remote, listing, manifest):
+        if record.rel not in listing or record in bad or not _same(remote, listing, record):
+            table, version = manifest.rel.split("/")[:2]
+            return _conflict(table, int(version[1:]), url, src)
+        bad.append(manifest)
+    if not bad:
+        return None
+    named = ", ".join(f"{url}/{f.rel} ({listing[f.rel]} bytes, recorded {f.nbytes})" if listing[f.rel] != f.nbytes
+                      else f"{url}/{f.rel} (crc32c not the recorded {f.crc})" for f in bad[:3])
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    return UserError(f"{named}{more}: damaged at the URL (not what the version's {fmt.CHECKSUMS} records); refused: "
+                     "objects are never overwritten, so delete those objects, then push again (they are sent from "
+                     "this store)")
 
 
 def _same(remote: Remote, listing: dict[str, int], f: _File) -> bool:
