@@ -305,31 +305,36 @@ class ShardFetcher:
             if time.monotonic() < self._full_until:
                 return DISK_FULL
             part = self.vdir / f".{shard}{FETCH_TAG}{process_tag()}-{threading.get_ident()}"
-            if not self._reserve(part, int(entry["nbytes"])):
-                return NO_ROOM  # not kept: a later read may find room
             try:
-                try:
-                    with writing("the store cache", self.cache, instead=CACHE_FULL), \
-                            self._connection(f"fetch {self.base}/{shard}", shard):
-                        n, crc = _download(self.remote, f"{self.base}/{shard}", part)
-                except DiskFullError as e:
-                    return self._disk_full(shard, e)
-                if (n, crc) != (int(entry["nbytes"]), entry["crc32c"]):
-                    problem = (f"{self.url}/{self.base}/{shard} is damaged ({n} bytes, crc32c {crc}; "
-                               f"{fmt.CHECKSUMS} records {entry['nbytes']} bytes, crc32c {entry['crc32c']})")
-                    self._uncacheable[shard] = problem
-                    log.warning("%s: not cached, its samples are read by range (each checked)", problem)
-                    return problem
-                try:
-                    os.replace(part, path)  # atomic: readers see the whole checked file or none
-                except FileNotFoundError:  # evicted as a killed fetch's (paused past the margin): read by range
-                    return f"shard {shard}'s fetch was taken for a killed one's and its temp file removed"
-                Path(self.vdir / f".{shard}{RANGED}").unlink(missing_ok=True)  # cached whole: no count needed
+                with writing("the store cache", self.cache, instead=CACHE_FULL):
+                    reserved = self._reserve(part, int(entry["nbytes"]))  # (its running total written too)
+                if not reserved:
+                    return NO_ROOM  # not kept: a later read may find room
+                return self._fetch_into(part, shard, entry)
+            except DiskFullError as e:
+                return self._disk_full(shard, e)
             finally:
                 if part.exists():
                     part.unlink()
-            self.stats["shards"] += 1
-            self.stats["shard_bytes"] += n
+
+    def _fetch_into(self, part: Path, shard: str, entry: dict[str, Any]) -> str | None:
+        """`fetch_whole`'s download of the shard into its reserved temp file `part`, checked, renamed into place."""
+        with writing("the store cache", self.cache, instead=CACHE_FULL), \
+                self._connection(f"fetch {self.base}/{shard}", shard):
+            n, crc = _download(self.remote, f"{self.base}/{shard}", part)
+        if (n, crc) != (int(entry["nbytes"]), entry["crc32c"]):
+            problem = (f"{self.url}/{self.base}/{shard} is damaged ({n} bytes, crc32c {crc}; "
+                       f"{fmt.CHECKSUMS} records {entry['nbytes']} bytes, crc32c {entry['crc32c']})")
+            self._uncacheable[shard] = problem
+            log.warning("%s: not cached, its samples are read by range (each checked)", problem)
+            return problem
+        try:
+            os.replace(part, self.vdir / shard)  # atomic: readers see the whole checked file or none
+        except FileNotFoundError:  # evicted as a killed fetch's (paused past the margin): read by range
+            return f"shard {shard}'s fetch was taken for a killed one's and its temp file removed"
+        Path(self.vdir / f".{shard}{RANGED}").unlink(missing_ok=True)  # cached whole: no count needed
+        self.stats["shards"] += 1
+        self.stats["shard_bytes"] += n
         return None
 
     def _disk_full(self, shard: str, e: DiskFullError) -> str:

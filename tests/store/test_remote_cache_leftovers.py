@@ -225,19 +225,21 @@ def test_a_fetch_whose_temp_file_was_evicted_meanwhile_reads_by_range(s3_env, st
                 and not p.name.endswith("ranged")]  # nothing cached, nothing left behind
 
 
+@pytest.mark.parametrize("where", ["download", "running total"])
 def test_a_full_disk_under_a_scan_reads_by_range_and_caches_again_once_there_is_room(s3_env, store: Store,
                                                                                      tmp_path: Path, monkeypatch,
-                                                                                     caplog) -> None:
+                                                                                     caplog, where: str) -> None:
     """The cache's disk filled by other files (its limit counts only its own): a scan's whole fetch meets ENOSPC,
-    and the samples are read by range, checked, with one warning and one try per `FULL_RETRY_S` (before, a
-    DiskFullError stopped every rank of the node mid-run, and its rerun met the same disk); once there is room the
-    scan caches whole shards again. A whole open, which promises every shard, still stops on the full disk."""
+    writing the shard or the node's running total, and the samples are read by range, checked, with one warning and
+    one try per `FULL_RETRY_S` (before, a DiskFullError - or the bare OSError of the total - stopped every rank of
+    the node mid-run, and its rerun met the same disk); once there is room the scan caches whole shards again. A
+    whole open, which promises every shard, still stops on the full disk."""
     import errno
     import logging
 
     import torch
 
-    from store import remote_shards
+    from store import remote_cache, remote_shards
     from store.io_errors import DiskFullError
 
     fill(store, 24, shard_size_mb=0.02)
@@ -249,8 +251,16 @@ def test_a_full_disk_under_a_scan_reads_by_range_and_caches_again_once_there_is_
         part.write_bytes(b"x" * 100)  # what fitted before the disk was full
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(remote_shards, "_download", disk_full)
+    def total_on_full_disk(cache, total):
+        tries.append(total)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    real_total = remote_cache._write_usage
     root = local_store(s3_env.url(), ["vae"], tmp_path / "cache", limit_gb=1.0, lease=False)
+    if where == "download":
+        monkeypatch.setattr(remote_shards, "_download", disk_full)
+    else:
+        monkeypatch.setattr(remote_cache, "_write_usage", total_on_full_disk)
     vdir = fmt.version_dir(root, "vae", 1)
 
     def scan() -> None:
@@ -269,6 +279,7 @@ def test_a_full_disk_under_a_scan_reads_by_range_and_caches_again_once_there_is_
         local_store(s3_env.url(), ["vae"], tmp_path / "cache", whole=True, lease=False)
 
     monkeypatch.setattr(remote_shards, "_download", real)  # room again, and the spell over
+    monkeypatch.setattr(remote_cache, "_write_usage", real_total)
     monkeypatch.setattr(remote_shards, "FULL_RETRY_S", 0.0)
     remote_shards.fetcher_for(vdir)._full_until = 0.0
     scan()
