@@ -7,7 +7,8 @@ version's data objects (schema, shards, indexes, rank-done files), then `checksu
 objects are all there (one listing: a gc may have taken a killed push's leftovers meanwhile), then
 `manifest.parquet` LAST, and rewrites the remote `store.json` only after every version is complete (never to an
 older current version than the remote's): a reader of the remote never sees a version whose files are not all
-there. A rerun after a failure lists the remote once and skips every object already there with the same size and
+there. A rerun after a failure lists its versions at the remote once (each version's folder, never the whole
+prefix) and skips every object already there with the same size and
 CRC32C (recorded as object metadata at upload; the values are those of the version's `checksums.json`), so it
 sends only the rest. The local rows of `quarantine.parquet` the remote's lacks are merged into it by
 compare-and-swap (`push_quarantine`).
@@ -54,8 +55,8 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
         try:
             # the listing only when there is something to send: a stage of `run all` found up to date pushes its
             # cached copy back, and a whole prefix (~200k objects at 1M samples) was listed for nothing
-            listing = remote.listing() if pushing else None
-            remote_record(remote, listing)  # a newer format (or a damaged record): refused
+            listing = _listing_of(remote, versions) if pushing else None
+            remote_record(remote, None)  # a newer format (or a damaged record): refused
             todo, files_of = _plan_push(remote, src, url, listing, versions, summary, local_rec["tables"])
             if not set_aside_quarantine:  # refused before any upload, not after the versions are there
                 check_quarantine(remote, src)
@@ -74,6 +75,18 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
             if lease is not None:
                 lease.release()
     return summary
+
+
+def _listing_of(remote: Remote, versions: list[tuple[str, int]]) -> dict[str, int]:
+    """What the URL holds of these versions: one listing of each version's folder, several at a time. The whole
+    prefix listed cost a request per 1000 objects of every version there - other tables', and the old versions no
+    gc removed yet (~40k objects each at 1M samples) - on every push and every stage's push back."""
+    listing: dict[str, int] = {}
+    # as a prefix below the table's folder: the server lists `<table>/v<N>/` alone, and an empty one costs no more
+    # requests (s3fs probes a folder it found empty once more, as a file)
+    for part in each_at_once(lambda tv: remote.listing(tv[0], prefix=f"v{tv[1]}/"), versions):
+        listing.update(part)
+    return listing
 
 
 def _local_versions(root: Path, tables: dict[str, dict]) -> list[tuple[str, int]]:
@@ -120,8 +133,8 @@ def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int] | No
             summary.garbage.append(f"{table}/v{version}")
             continue
         if manifest.rel in listing:
-            if not _same(remote, listing, manifest):
-                raise _conflict(table, version, url, src)
+            if (damaged := _damaged_there(remote, url, src, listing, files)) is not None:
+                raise damaged
             summary.present.append(f"{table}/v{version}")
             # objects of the committed version deleted behind the tool's back (pull, inspect and the readers say
             # to push the version again from an intact store): sent again, from the listing made anyway
@@ -138,6 +151,30 @@ def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int] | No
         else:
             todo.append(f)
     return todo, files_of
+
+
+def _damaged_there(remote: Remote, url: str, src: Path, listing: dict[str, int],
+                   files: list[_File]) -> UserError | None:
+    """The line for a version committed at the URL (its manifest listed) that is not the pushed store's version:
+    another store's of that number (its manifest and checksums.json both other), or damaged at the URL - the
+    manifest alone other (one HEAD for checksums.json), or an object listed at another size than the record (cut
+    short, replaced by another tool: from the listing, no request). Push said "already there" of such a version, or
+    that the stores grew apart; write-once, it never overwrites them: they are named, with the fix. None: intact."""
+    manifest, record = files[-1], files[-2]
+    bad = [f for f in files[:-1] if f.rel in listing and listing[f.rel] != f.nbytes]
+    if not _same(remote, listing, manifest):
+        if record.rel not in listing or record in bad or not _same(remote, listing, record):
+            table, version = manifest.rel.split("/")[:2]
+            return _conflict(table, int(version[1:]), url, src)
+        bad.append(manifest)
+    if not bad:
+        return None
+    named = ", ".join(f"{url}/{f.rel} ({listing[f.rel]} bytes, recorded {f.nbytes})" if listing[f.rel] != f.nbytes
+                      else f"{url}/{f.rel} (crc32c not the recorded {f.crc})" for f in bad[:3])
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    return UserError(f"{named}{more}: damaged at the URL (not what the version's {fmt.CHECKSUMS} records); refused: "
+                     "objects are never overwritten, so delete those objects, then push again (they are sent from "
+                     "this store)")
 
 
 def _same(remote: Remote, listing: dict[str, int], f: _File) -> bool:

@@ -18,7 +18,8 @@ folder; its shard files (store/shard_io.py) call back here, through `fetcher_for
 A check-ahead thread (a pread-only `ShardFiles`) keeps the ranges it fetched for the consumer's read of the same
 sample (`_memo`, bounded): the check-ahead window is then the remote prefetch, and no range is fetched twice.
 Space is made before a whole fetch by evicting least recently used shards (store/remote_cache.evict, under the
-cache lock); when the cache cannot make room the shard is read by range instead, never an error mid-run.
+cache lock); when the cache cannot make room, or its disk is full, the shard is read by range instead, never an
+error mid-run.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store import remote_download
 from store.checksum import RunningCrc
-from store.io_errors import CACHE_FULL, writing
+from store.io_errors import CACHE_FULL, DiskFullError, writing
 from store.lease import process_tag
 from store.remote import READ_PIECE, Remote, SharedBar, each_at_once, lost_object, open_remote, remote_errors
 
@@ -65,6 +66,10 @@ FETCH_TAG = ".fetch-"
 RANGED = FETCH_TAG + "ranged"  # `.<shard>.fetch-ranged`: bytes this node's processes read from the shard by range
 FETCH_LOCK = ".fetch.lock"  # `.<shard>.fetch.lock`: held by the one process of the node fetching the shard whole
 NO_ROOM = "no room in the store cache"  # `fetch_whole`'s answer when the cache limit leaves no room for the shard
+DISK_FULL = "the store cache's disk is full"  # `fetch_whole`'s answer meanwhile (the error: `ShardFetcher.full`)
+# After a whole fetch met a full disk, this process reads by range for this long before it tries one again: each
+# try starts a GET, and the reads of a full node would each pay one for nothing.
+FULL_RETRY_S = 60.0
 WHOLE_AFTER = 0.5  # fraction of a shard read by range after which it is fetched whole
 MEMO_BYTES = 256 * 2**20  # ranges fetched by a check-ahead thread, kept for the consumer's read
 
@@ -111,8 +116,7 @@ def refetch_metadata(vdir: Path) -> bool:
 
     if not is_lazy(vdir):
         return False
-    source = json.loads((vdir / MARKER).read_text())
-    url, base = source["url"], f"{source['table']}/v{int(source['version'])}"
+    url, base = source_of(vdir)
     fixed: list[str] = []
     try:
         intact = _refetch_metadata(vdir, url, base, fixed)
@@ -166,6 +170,19 @@ def _refetch_metadata(vdir: Path, url: str, base: str, fixed: list[str]) -> bool
     return True
 
 
+def source_of(vdir: Path) -> tuple[str, str]:
+    """(the store URL, `<table>/v<N>` there) a lazily cached version copies, from its marker; one line when the
+    marker cannot be read (this node's disk damaged it: json's traceback in every reader of the node before), which
+    the next open of the URL writes again (`_open_version`)."""
+    try:
+        source = json.loads((Path(vdir) / MARKER).read_text())
+        return str(source["url"]), f"{source['table']}/v{int(source['version'])}"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{Path(vdir) / MARKER} is damaged ({type(e).__name__}: {e}): it names where this cached "
+                        f"version lives; rerun (the next open of the store URL writes it again), or remove "
+                        f"{Path(vdir).parent.parent} (a cache)") from None
+
+
 def is_cache_file(name: str) -> bool:
     """What the cache keeps beside a lazily cached version's own files (the marker, fetches in progress, the range
     counts, the fetch locks): never part of the version (verify skips them)."""
@@ -216,8 +233,7 @@ class ShardFetcher:
         from store import integrity
 
         self.vdir = vdir
-        source = json.loads((vdir / MARKER).read_text())
-        self.url, self.base = source["url"], f"{source['table']}/v{int(source['version'])}"
+        self.url, self.base = source_of(vdir)
         self.sums = integrity.read_version_checksums(vdir) or {}
         self.cache = vdir.parent.parent.parent  # <cache>/<store hash>/<table>/v<N>
         self._remote: Remote | None = None
@@ -226,6 +242,8 @@ class ShardFetcher:
         self._ranged: dict[str, int] = {}  # shard -> bytes fetched by range so far
         self._uncacheable: dict[str, str] = {}  # shard -> why its whole fetch failed (read by range instead)
         self._whole_answers = False  # the server answered a range read with the whole object (it ignores Range)
+        self.full: DiskFullError | None = None  # the last whole fetch's full disk (read by range till `_full_until`)
+        self._full_until = 0.0
         self._memo: OrderedDict[tuple[str, int, int], np.ndarray] = OrderedDict()
         self._memo_bytes = 0
         self.stats = {"shards": 0, "shard_bytes": 0, "ranges": 0, "range_bytes": 0}
@@ -257,7 +275,8 @@ class ShardFetcher:
 
     def fetch_whole(self, shard: str, wait: bool = True) -> str | None:
         """Make the shard file present; None when it is, else why it cannot be (damaged on the server, not
-        listed, no room in the cache, or - `wait=False` - another process of the node fetching it now)."""
+        listed, no room in the cache, its disk full, or - `wait=False` - another process of the node fetching it
+        now)."""
         path = self.vdir / shard
         if path.exists():
             return None
@@ -283,30 +302,51 @@ class ShardFetcher:
                 return f"shard {shard} is being fetched by another process"
             if path.exists():
                 return None
+            if time.monotonic() < self._full_until:
+                return DISK_FULL
             part = self.vdir / f".{shard}{FETCH_TAG}{process_tag()}-{threading.get_ident()}"
-            if not self._reserve(part, int(entry["nbytes"])):
-                return NO_ROOM  # not kept: a later read may find room
             try:
-                with writing("the store cache", self.cache, instead=CACHE_FULL), \
-                        self._connection(f"fetch {self.base}/{shard}", shard):
-                    n, crc = _download(self.remote, f"{self.base}/{shard}", part)
-                if (n, crc) != (int(entry["nbytes"]), entry["crc32c"]):
-                    problem = (f"{self.url}/{self.base}/{shard} is damaged ({n} bytes, crc32c {crc}; "
-                               f"{fmt.CHECKSUMS} records {entry['nbytes']} bytes, crc32c {entry['crc32c']})")
-                    self._uncacheable[shard] = problem
-                    log.warning("%s: not cached, its samples are read by range (each checked)", problem)
-                    return problem
-                try:
-                    os.replace(part, path)  # atomic: readers see the whole checked file or none
-                except FileNotFoundError:  # evicted as a killed fetch's (paused past the margin): read by range
-                    return f"shard {shard}'s fetch was taken for a killed one's and its temp file removed"
-                Path(self.vdir / f".{shard}{RANGED}").unlink(missing_ok=True)  # cached whole: no count needed
+                with writing("the store cache", self.cache, instead=CACHE_FULL):
+                    reserved = self._reserve(part, int(entry["nbytes"]))  # (its running total written too)
+                if not reserved:
+                    return NO_ROOM  # not kept: a later read may find room
+                return self._fetch_into(part, shard, entry)
+            except DiskFullError as e:
+                return self._disk_full(shard, e)
             finally:
                 if part.exists():
                     part.unlink()
-            self.stats["shards"] += 1
-            self.stats["shard_bytes"] += n
+
+    def _fetch_into(self, part: Path, shard: str, entry: dict[str, Any]) -> str | None:
+        """`fetch_whole`'s download of the shard into its reserved temp file `part`, checked, renamed into place."""
+        with writing("the store cache", self.cache, instead=CACHE_FULL), \
+                self._connection(f"fetch {self.base}/{shard}", shard):
+            n, crc = _download(self.remote, f"{self.base}/{shard}", part)
+        if (n, crc) != (int(entry["nbytes"]), entry["crc32c"]):
+            problem = (f"{self.url}/{self.base}/{shard} is damaged ({n} bytes, crc32c {crc}; "
+                       f"{fmt.CHECKSUMS} records {entry['nbytes']} bytes, crc32c {entry['crc32c']})")
+            self._uncacheable[shard] = problem
+            log.warning("%s: not cached, its samples are read by range (each checked)", problem)
+            return problem
+        try:
+            os.replace(part, self.vdir / shard)  # atomic: readers see the whole checked file or none
+        except FileNotFoundError:  # evicted as a killed fetch's (paused past the margin): read by range
+            return f"shard {shard}'s fetch was taken for a killed one's and its temp file removed"
+        Path(self.vdir / f".{shard}{RANGED}").unlink(missing_ok=True)  # cached whole: no count needed
+        self.stats["shards"] += 1
+        self.stats["shard_bytes"] += n
         return None
+
+    def _disk_full(self, shard: str, e: DiskFullError) -> str:
+        """A whole fetch met a full disk (filled by other files than the cache's: its limit counts only its own):
+        the reads go on by range, as when the limit leaves no room (a node's full disk stopped every rank of the job
+        mid-run, and its rerun met the same disk); said once per full spell. A whole open re-raises `self.full`."""
+        if time.monotonic() >= self._full_until + FULL_RETRY_S:  # not said in the spell just before
+            log.warning("%s/%s/%s: not cached, the disk of the store cache %s is full: its samples, and those of "
+                        "the other shards not cached, are read by byte range meanwhile (slower); free space there",
+                        self.url, self.base, shard, self.cache)
+        self.full, self._full_until = e, time.monotonic() + FULL_RETRY_S
+        return DISK_FULL
 
     def _reserve(self, part: Path, nbytes: int) -> bool:
         """Under the cache lock: evict least recently used shards until `nbytes` more fit under the limit, then
@@ -360,8 +400,15 @@ class ShardFetcher:
                 self.fetch_whole(shard, wait=False) is None:
             return None
         with self._connection(f"read {self.base}/{shard}", shard):
-            data = self.remote.fs.cat_file(self.remote.path(f"{self.base}/{shard}"),
-                                            start=start, end=start + n)  # an HTTP Range GET
+            try:
+                data = self.remote.fs.cat_file(self.remote.path(f"{self.base}/{shard}"),
+                                                start=start, end=start + n)  # an HTTP Range GET
+            except OSError as e:
+                if not past_the_end(e):
+                    raise
+                # the object ends before the sample starts (cut short on the server): no bytes, which the sample's
+                # check names as damaged, as any short read (before: "answered ...; rerun", failing for ever)
+                data = b""
         if len(data) > n:
             data = self._asked_bytes(shard, start, n, data)
         buf = np.frombuffer(bytearray(data), np.uint8)  # writable, as a pread buffer
@@ -412,6 +459,18 @@ class ShardFetcher:
         return int(np.frombuffer(data[: len(data) // 8 * 8], "<i8").sum())
 
 
+def past_the_end(e: BaseException | None) -> bool:
+    """Is this S3's answer to a Range that starts past the object's end (416 InvalidRange; s3fs raises it as
+    OSError EINVAL, the server's answer its cause)?"""
+    while e is not None:
+        answer = getattr(e, "response", None)
+        if isinstance(answer, dict) and ((answer.get("Error") or {}).get("Code") == "InvalidRange" or
+                                         (answer.get("ResponseMetadata") or {}).get("HTTPStatusCode") == 416):
+            return True
+        e = e.__cause__
+    return False
+
+
 def _download(remote: Remote, rel: str, part: Path) -> tuple[int, str]:
     """Stream one object into `part` (created, maybe at its reserved size); (bytes written, their CRC32C). The one
     streamed-GET path of pull and verify (store/remote_download.py: one GET, a cut body resumed by a Range GET
@@ -447,6 +506,8 @@ def fetch_all(root: Path, versions: set[tuple[str, int]]) -> None:
                 raise UserError(f"the store cache {f.cache} has no room for {f.base}/{shard} "
                                 f"({int(f.sums[shard]['nbytes']) / 1e9:.2f} GB) under its limit of {limit / 1e9:.2f} "
                                 "GB; raise the limit (--cache-gb) or use a bigger --cache-dir")
+            if problem == DISK_FULL and f.full is not None:
+                raise f.full
             if problem is not None:
                 raise UserError(f"{f.vdir / shard}: cannot be fetched ({problem}); rerun, or repair the store at "
                                 f"{f.url}")
@@ -458,9 +519,14 @@ def fetch_all(root: Path, versions: set[tuple[str, int]]) -> None:
 
 def fetch_problem(path: Path) -> str | None:
     """A file of a lazily cached version not in the cache (not fetched yet, or evicted since) is fetched whole and
-    checked; what the fetch could not do, else None (also for any other folder's file)."""
+    checked; what the fetch could not do, else None (also for any other folder's file). A full disk is raised (its
+    one line): verify and repair need the whole file, and would report it as the store's damage."""
     f = fetcher_for(path.parent)
-    return f.fetch_whole(path.name) if f is not None and not path.exists() else None
+    if f is None or path.exists():
+        return None
+    if (problem := f.fetch_whole(path.name)) == DISK_FULL and f.full is not None:
+        raise f.full
+    return problem
 
 
 def ensure_local(path: Path) -> Path:
@@ -501,6 +567,7 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
         # open lists nothing)
         listing = remote.listing() if tables is None else None
         rec, tables, wanted = wanted_versions(rec, url, tables, optional, listing)
+        _renew_damaged_record(root)
         store = Store(root)
         fetched = False
         wanted = {(t, v) for t, v in wanted if skip is None or not skip(t, v)}
@@ -520,6 +587,26 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
             if (tables is None or t in tables) and fmt.is_complete(fmt.version_dir(root, t, int(entry["current"]))):
                 store.set_current(t, int(entry["current"]))
     return wanted
+
+
+def _renew_damaged_record(root: Path) -> None:
+    """The cached store's store.json damaged on this node's disk: replaced by a fresh record, in which the open then
+    makes the URL's current versions current (what it records is the URL's, set again by every open; a table
+    committed only here and never pushed loses its entry, and its writer's rerun adopts its version by lineage).
+    Before, every open on the node said to run `pipeline store repair` on the cache folder, which is refused there."""
+    from schemas.newer import WrittenByNewer
+
+    if not (root / fmt.STORE_JSON).is_file():
+        return
+    try:
+        fmt.read_store_record(root)
+    except WrittenByNewer:  # a newer release's cache: never rewritten
+        raise
+    except UserError:
+        log.warning("%s is damaged on this node (a copy of the store URL's record): written again",
+                    root / fmt.STORE_JSON)
+        with fmt.flock(root / fmt.STORE_LOCK):
+            fmt.write_store_record(root, fmt.new_store_record())
 
 
 def open_version(url: str, root: Path, table: str, version: int,
@@ -548,9 +635,23 @@ def _open_version(remote: Remote, root: Path, table: str, version: int) -> bool:
     if vdir.exists():
         if not fmt.is_complete(vdir) or known_crc(vdir / fmt.MANIFEST)[0] != files[-1].crc:
             raise _conflict(table, version, remote.url, root)
+        _mark_again_if_damaged(vdir, remote.url, table, version)
         return False
     _fetch_metadata(remote, root, table, version, files)
     return True
+
+
+def _mark_again_if_damaged(vdir: Path, url: str, table: str, version: int) -> None:
+    """A cached copy of the URL's version (its manifest just checked to be the URL's) whose marker cannot be read
+    (this node's disk): written again, so its readers find where it lives. `pushed_here` is not known any more:
+    left out, which only keeps an older version this cache committed (`remote_cache._not_kept_here`)."""
+    if not is_lazy(vdir):
+        return
+    try:
+        source_of(vdir)
+    except UserError:
+        log.warning("%s: damaged on this node: written again", vdir / MARKER)
+        mark(vdir, url, table, version)
 
 
 def _set_aside_if_dead(root: Path, table: str, vdir: Path) -> None:

@@ -179,3 +179,57 @@ def test_a_version_an_older_cache_pulled_whole_is_still_evicted(s3_env, tmp_path
     with caplog.at_level("WARNING", logger="store"):
         local_store(url, ["vae"], cache, limit_gb=size / 2 / 1e9, lease=False)
     assert not old.exists() and "never pushed" not in caplog.text
+
+
+def test_a_damaged_cache_marker_is_one_line_and_the_next_open_writes_it_again(s3_env, store: Store, tmp_path: Path,
+                                                                            caplog) -> None:
+    """The marker of a cached version (`.remote.json`: where its shards are fetched from) damaged on this node's
+    disk: a reader is refused in one line naming it (before, json's traceback in every reader of the node, for
+    ever), and the next open of the URL, which checks the cached version is the URL's, writes it again."""
+    import logging
+
+    import torch
+
+    from store import format as fmt
+    from store import remote_shards
+
+    fill(store, 8)
+    push(store.root, s3_env.url())
+    cache = tmp_path / "cache"
+    root = local_store(s3_env.url(), ["vae"], cache, lease=False)
+    vdir = fmt.version_dir(root, "vae", 1)
+    (vdir / remote_shards.MARKER).write_text('{"url": "s3://')  # torn
+    remote_shards._fetchers.pop(str(vdir), None)  # as in a new process: no fetcher made before the damage
+    with pytest.raises(UserError, match=r"\.remote\.json is damaged .*rerun"):
+        Store(root, create=False).reader("vae")
+    with caplog.at_level(logging.WARNING, logger="store"):
+        assert local_store(s3_env.url(), ["vae"], cache, lease=False) == root
+    assert any(".remote.json: damaged on this node" in r.getMessage() for r in caplog.records)
+    with store.reader("vae") as local, Store(root, create=False).reader("vae") as cached:
+        for k in local.keys():
+            a, b = cached.tensors(k), local.tensors(k)
+            assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_a_cached_store_json_damaged_on_the_node_is_written_again_by_the_next_open(s3_env, store: Store,
+                                                                                  tmp_path: Path, caplog) -> None:
+    """The cache's store.json (a copy of the URL's current versions, set by every open) torn on this node's disk:
+    every open on the node said to run `pipeline store repair` on the cache folder, which refuses a cache. Now the
+    open writes it again and the readers read."""
+    import logging
+
+    import torch
+
+    fill(store, 8)
+    push(store.root, s3_env.url())
+    cache = tmp_path / "cache"
+    root = local_store(s3_env.url(), ["vae"], cache, lease=False)
+    (root / "store.json").write_text('{"tabl')
+    with caplog.at_level(logging.WARNING, logger="store"):
+        assert local_store(s3_env.url(), ["vae"], cache, lease=False) == root
+    assert any("store.json is damaged on this node" in r.getMessage() for r in caplog.records)
+    assert Store(root, create=False).tables() == {"vae": 1}
+    with store.reader("vae") as local, Store(root, create=False).reader("vae") as cached:
+        for k in local.keys():
+            a, b = cached.tensors(k), local.tensors(k)
+            assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)

@@ -225,6 +225,68 @@ def test_a_fetch_whose_temp_file_was_evicted_meanwhile_reads_by_range(s3_env, st
                 and not p.name.endswith("ranged")]  # nothing cached, nothing left behind
 
 
+@pytest.mark.parametrize("where", ["download", "running total"])
+def test_a_full_disk_under_a_scan_reads_by_range_and_caches_again_once_there_is_room(s3_env, store: Store,
+                                                                                     tmp_path: Path, monkeypatch,
+                                                                                     caplog, where: str) -> None:
+    """The cache's disk filled by other files (its limit counts only its own): a scan's whole fetch meets ENOSPC,
+    writing the shard or the node's running total, and the samples are read by range, checked, with one warning and
+    one try per `FULL_RETRY_S` (before, a DiskFullError - or the bare OSError of the total - stopped every rank of
+    the node mid-run, and its rerun met the same disk); once there is room the scan caches whole shards again. A
+    whole open, which promises every shard, still stops on the full disk."""
+    import errno
+    import logging
+
+    import torch
+
+    from store import remote_cache, remote_shards
+    from store.io_errors import DiskFullError
+
+    fill(store, 24, shard_size_mb=0.02)
+    push(store.root, s3_env.url())
+    real, tries = remote_shards._download, []
+
+    def disk_full(remote, rel, part):
+        tries.append(rel)
+        part.write_bytes(b"x" * 100)  # what fitted before the disk was full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def total_on_full_disk(cache, total):
+        tries.append(total)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    real_total = remote_cache._write_usage
+    root = local_store(s3_env.url(), ["vae"], tmp_path / "cache", limit_gb=1.0, lease=False)
+    if where == "download":
+        monkeypatch.setattr(remote_shards, "_download", disk_full)
+    else:
+        monkeypatch.setattr(remote_cache, "_write_usage", total_on_full_disk)
+    vdir = fmt.version_dir(root, "vae", 1)
+
+    def scan() -> None:
+        with store.reader("vae") as local, Store(root, create=False).reader("vae") as cached:
+            for group in local.shard_groups():
+                for k in group:
+                    a, b = cached.tensors(k), local.tensors(k)
+                    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+    with caplog.at_level(logging.WARNING, logger="store"):
+        scan()
+    assert len(tries) == 1 and len([r for r in caplog.records if "the disk of the store cache" in r.getMessage()]) == 1
+    assert not [p for p in vdir.iterdir() if fmt.SHARD_RE.fullmatch(p.name) or FETCH_TAG in p.name
+                and not p.name.endswith("ranged")]  # nothing cached, no temp file left
+    with pytest.raises(DiskFullError, match="disk full while writing the store cache"):
+        local_store(s3_env.url(), ["vae"], tmp_path / "cache", whole=True, lease=False)
+
+    monkeypatch.setattr(remote_shards, "_download", real)  # room again, and the spell over
+    monkeypatch.setattr(remote_cache, "_write_usage", real_total)
+    monkeypatch.setattr(remote_shards, "FULL_RETRY_S", 0.0)
+    remote_shards.fetcher_for(vdir)._full_until = 0.0
+    scan()
+    assert sorted(p.name for p in vdir.iterdir() if fmt.SHARD_RE.fullmatch(p.name)) == \
+        sorted(p.name for p in fmt.version_dir(store.root, "vae", 1).iterdir() if fmt.SHARD_RE.fullmatch(p.name))
+
+
 KILLED_FETCHER = """
 import sys
 from pathlib import Path

@@ -288,6 +288,40 @@ def test_a_current_version_deleted_behind_the_tools_back_is_named_not_rerun_for_
     assert "rerun" not in line and "\n" not in line
 
 
+@pytest.mark.parametrize("damage", ["shard cut short", "another version's record"])
+def test_push_names_the_objects_of_a_version_there_that_are_damaged_at_the_url(s3_env, store: Store, tmp_path: Path,
+                                                                               damage: str) -> None:
+    """A committed version whose shard was cut short at the URL, or whose checksums.json was replaced by another
+    version's (a copy by hand), its manifest intact: pull and the readers refuse it, but push of the intact store
+    said "already there" (exit 0, the URL still broken). Now push names the objects (their listed sizes: no request)
+    with the fix, and after they are deleted as it says, sends them again; the pull then completes."""
+    from store.verify import verify_store
+
+    url = s3_env.url()
+    client = s3_env.client()
+    fill(store, 12, shard_size_mb=0.02)
+    push(store.root, url)
+    fill(store, 20, shard_size_mb=0.02, tag="b")
+    push(store.root, url)  # vae v2 current
+    if damage == "shard cut short":
+        key = "store/vae/v2/shard-r00-000001.tar"
+        data = client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()
+        client.put_object(Bucket=s3_env.bucket, Key=key, Body=data[: len(data) // 2])
+    else:
+        key = "store/vae/v2/checksums.json"
+        client.copy_object(Bucket=s3_env.bucket, Key=key,
+                           CopySource={"Bucket": s3_env.bucket, "Key": "store/vae/v1/checksums.json"})
+    with pytest.raises(UserError) as e:
+        push(store.root, url)
+    line = str(e.value)
+    assert "\n" not in line and f"{url}/{key[len('store/'):]} (" in line and "damaged at the URL" in line, line
+    assert "delete those objects, then push again" in line
+    client.delete_object(Bucket=s3_env.bucket, Key=key)  # as the line says
+    assert push(store.root, url).objects_sent == 1
+    pull(url, tmp_path / "pulled")
+    assert verify_store(tmp_path / "pulled") == []
+
+
 def test_push_from_an_intact_store_refills_what_was_deleted_or_damaged_on_the_url(s3_env, store: Store,
                                                                                     tmp_path: Path) -> None:
     """Pull, inspect and a reader advise "push that version again from an intact store" for an object of a

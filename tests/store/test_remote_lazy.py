@@ -291,6 +291,37 @@ def test_a_shard_deleted_on_the_server_is_named_not_rerun_for_ever(s3_env, store
     assert "meanwhile" not in str(e.value)
 
 
+@pytest.mark.parametrize("how", ["random", "scan"])
+def test_a_shard_cut_short_on_the_server_is_damaged_data_not_rerun_for_ever(s3_env, store: Store, tmp_path: Path,
+                                                                           how: str) -> None:
+    """A shard object replaced by its first half behind the tool's back: a sample starting past the new end was
+    read by a Range the server answers 416, and the reader said "answered: The requested range is not
+    satisfiable; rerun" (every rerun alike, on_damaged=skip stopping too). Now it is the sample's damage, named
+    as a cut-off read is: one DamagedData line with repair as the fix; the samples before the cut still read."""
+    url = _pushed(s3_env, store)
+    with store.reader("vae") as local:
+        group = local.shard_groups()[1]
+        shard = local.view.samples.locate(local.row_of(group[0]))[0]
+        key = f"store/vae/v1/{shard}"
+        client = s3_env.client()
+        data = client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()
+        client.put_object(Bucket=s3_env.bucket, Key=key, Body=data[: len(data) // 2])
+        root = local_store(url, ["vae"], tmp_path / "cache")
+        ends = {k: sum(local.view.samples.locate(local.row_of(k))[1:]) for k in group}
+        past = [k for k in group if local.view.samples.locate(local.row_of(k))[1] >= len(data) // 2]
+        assert past  # a sample that starts past the cut: the server answers its Range 416
+        with Store(root, create=False).reader("vae") as cached:
+            for k in group if how == "scan" else [group[0], past[-1]]:
+                if ends[k] <= len(data) // 2:
+                    assert _same(cached.tensors(k), local.tensors(k))
+                    continue
+                with pytest.raises(DamagedData) as e:
+                    cached.tensors(k)
+                assert "\n" not in str(e.value) and k in str(e.value) and "the shard ends" in str(e.value)
+                assert f"pipeline store repair {url}" in str(e.value)
+    assert not (fmt.version_dir(root, "vae", 1) / shard).exists()  # nothing of the cut object cached
+
+
 def test_a_read_of_a_store_bigger_than_the_cache_stays_under_its_limit(pushed: tuple[str, Store], tmp_path: Path,
                                                                        monkeypatch) -> None:
     from store import remote_shards

@@ -104,3 +104,36 @@ def test_a_node_that_lost_its_cache_adopts_its_uploaded_indexes_several_at_a_tim
     fresh.close()
     assert reads.overlapped and reads.calls > 2
     assert f"rank 1: its uploaded indexes from {url}" in capfd.readouterr().err
+
+
+def test_push_lists_only_the_versions_it_pushes_not_the_whole_prefix(s3_env, store: Store, tmp_path,
+                                                                     monkeypatch) -> None:
+    """A URL holding other tables and old versions no gc removed (~40k objects a version at 1M samples, thousands
+    of versions): push listed the whole prefix, a request per 1000 objects of all of them, on every push and every
+    stage's push back. Now it lists each version of its own store (`<table>/v<N>/`, one request per 1000 objects
+    of that version): the requests do not grow with what else the URL holds."""
+    from urllib.parse import parse_qs, urlsplit
+
+    from fault_proxy import FaultProxy
+
+    client = s3_env.client()
+    for v in range(1, 21):  # another table's versions, never gc'd
+        client.put_object(Bucket=s3_env.bucket, Key=f"store/old/v{v}/manifest.parquet", Body=b"x")
+    fill(store, 12)
+    listed: list[str] = []
+
+    def record(method: str, path: str) -> None:
+        query = parse_qs(urlsplit(path).query)
+        if "list-type" in query:
+            listed.append(query.get("prefix", [""])[0])
+
+    proxy = FaultProxy(s3_env.endpoint, record)
+    try:
+        with monkeypatch.context() as m:
+            m.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+            push(store.root, s3_env.url())
+    finally:
+        proxy.stop()
+    assert listed and all(p.startswith(("store/vae/v1/", "store/store.json/")) for p in listed), listed
+    pull(s3_env.url(), tmp_path / "pulled", tables=["vae"])
+    assert verify_store(tmp_path / "pulled", progress=False) == []

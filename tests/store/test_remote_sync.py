@@ -180,9 +180,9 @@ def test_two_pushers_racing_for_one_version_never_both_commit(s3_env, tmp_path: 
     real_listing = remote_mod.Remote.listing
     calls = []
 
-    def stale_first_listing(self):
+    def stale_first_listing(self, *args, **kwargs):
         calls.append(1)
-        return {} if len(calls) == 1 else real_listing(self)
+        return {} if len(calls) == 1 else real_listing(self, *args, **kwargs)
 
     monkeypatch.setattr(remote_mod.Remote, "listing", stale_first_listing)
     with pytest.raises(UserError, match="differs between"):
