@@ -118,3 +118,10 @@ def alpha_flattened(images_row: dict[str, Any]) -> bool:
     """An `images` row one of whose pictures had transparency that resize-bucket composited over white
     (resize.keep_alpha off): a Qwen-Image-2.1 VAE, which reads RGBA, sees it opaque."""
     return any(n.endswith(OVER_WHITE) for n in _notes(images_row) or ())
+
+
+def transparency_noted(images_row: dict[str, Any]) -> bool:
+    """An `images` row one of whose pictures had transparency (kept as RGBA, or composited over white: what
+    resize.keep_alpha decides), or that records no notes (cannot tell). Any other row renders the same bytes under
+    either keep_alpha."""
+    return _notes(images_row) is None or has_alpha_picture(images_row) or alpha_flattened(images_row)

@@ -65,6 +65,20 @@ def read_lineage(resize: Any, recorded: str | None, code_version: str | None, un
     return pictures_lineage(rc, code_version, unread)
 
 
+def other_alpha_lineages(resize: Any, recorded: str | None, code_version: str | None,
+                         unread: tuple[str, ...]) -> tuple[str, ...]:
+    """The lineages (as an encoder reads them, `unread` left out, and whole) of the pictures of an `images` version
+    (`read_lineage`'s arguments) rendered under the other resize.keep_alpha; () where they cannot be derived. An
+    opaque picture renders the same bytes under either (features/decode.py `decode_keeping_alpha` gives what
+    `decode_image` gives), so features encoded from it under the other value stay current; which pictures had
+    transparency the images' conversion notes tell (schemas/fixes.py `transparency_noted`)."""
+    if read_lineage(resize, recorded, code_version, ()) is None:
+        return ()
+    rc = ResizeConfig.model_validate(resize)
+    other = rc.model_copy(update={"keep_alpha": not rc.keep_alpha})
+    return tuple(dict.fromkeys((pictures_lineage(other, code_version, unread), pictures_lineage(other, code_version))))
+
+
 def images_code_version(revision: int) -> str:
     """The code version resize-bucket's `revision` records (its pictures' lineage is hashed with it)."""
     return code_version(f"images.{revision}")

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from schemas.errors import UserError
-from schemas.fixes import made_since, revisions_before
+from schemas.fixes import made_since, revisions_before, transparency_noted
 from schemas.lineage import Lineage, code_version, feature_lineage
 from store import Store, repair_context
 from store import format as fmt
@@ -65,6 +65,9 @@ def own_revisions(fixes: Fixes, feature_revision: str) -> list[tuple[str, int]]:
 
 
 NO_FIXES = Fixes()
+# resize.keep_alpha changes only the pictures with transparency: a sample encoded from pictures rendered under the
+# other value is carried unless its images row notes transparency (`_lineages_other_alpha`)
+OTHER_ALPHA = Fixes(by_images=((0, lambda meta, row: transparency_noted(meta)),), reads=("conversions",))
 ROW_COLUMNS = ("length", "empty_length")  # what a stored row gives the rules (text's; vae has neither)
 
 
@@ -265,6 +268,8 @@ def _job_lineages(store: Store, images, images_id: str, stage: str, table: str, 
                        (whole, tuple((whole_b, r) for _, whole_b, r in befores))}:  # stored under either scheme
         changed.update(_lineages_before_fixes(images, fixes, stage, (feature_hash, *earlier_hashes), fingerprint,
                                               feature_revision, up, before))
+    changed.update(_lineages_other_alpha(images, stage, (feature_hash, *earlier_hashes), fingerprint,
+                                         feature_revision, unread))
     return JobLineages(lineage=lineage, feature=fl, earlier=tuple(dict.fromkeys((*earlier, *same_reads, *changed))),
                        changed_by_fixes=changed, hashed_before=[old for old, _ in hashed_before],
                        serving=tuple(serving), model_files=files)
@@ -353,6 +358,24 @@ def _lineages_before_fixes(images, fixes: Fixes, stage: str, feature_hashes: tup
     return {feature_lineage(stage, h, fingerprint, code_version(rev), up): changed_by(own_since, images_since)
             for h in feature_hashes for rev, own_since in revisions for up, images_since in upstreams
             if own_since is not None or images_since is not None}
+
+
+def _lineages_other_alpha(images, stage: str, feature_hashes: tuple[str, ...], fingerprint: str, revision: str,
+                          unread: tuple[str, ...]) -> dict[str, Callable[[pa.Table], np.ndarray]]:
+    """feature lineage of samples encoded from these pictures rendered under the other resize.keep_alpha -> stored
+    rows -> "changed?" (those whose images row notes transparency): a flip re-encodes only the samples with a
+    transparent picture, not every sample (hours at 1M for the same features)."""
+    from schemas.pictures_lineage import other_alpha_lineages
+
+    attrs = images.schema.attrs
+    ups = other_alpha_lineages(attrs.get("resize"), attrs.get(FEATURE_LINEAGE_ATTR), images.schema.lineage.code_version,
+                               unread)
+
+    def changed(rows: pa.Table) -> np.ndarray:
+        return changed_rows(images, OTHER_ALPHA, rows, own_since=None, images_since=0)
+
+    return {feature_lineage(stage, h, fingerprint, code_version(revision), up): changed
+            for h in feature_hashes for up in ups}
 
 
 def _images_fixes_since(fixes: Fixes, revision: int | None) -> list[Rule]:

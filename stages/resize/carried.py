@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from schemas import TableSchema, UserError
 from schemas.config import ResizeConfig
-from stages.resize.images_table import TABLE, fixed_since, pictures_before_fixes
+from stages.resize.images_table import (TABLE, TRANSPARENCY_NOTED, fixed_since, pictures_before_fixes,
+                                        pictures_other_alpha)
 from stages.resize.split_rule import pictures_id, split_for
 from stages.resize.summary import ResizeSummary
 
@@ -23,10 +24,12 @@ def carry_samples(st: Store, writer: Any, schema: TableSchema, now: tuple[str, .
     source_hashes)."""
     from store.reuse import carry_forward, reusable
 
-    befores = pictures_before_fixes(schema)
+    befores, other_alpha = pictures_before_fixes(schema), pictures_other_alpha(schema)
+    changed = {**{h: fixed_since(r, by_rows=True) for r, h in befores},
+               **dict.fromkeys(other_alpha, TRANSPARENCY_NOTED)}  # a picture with transparency: rendered again
     # the rows the source's headers settled (`TOLD_BY_SOURCE`) are in `carry` only where they said unchanged
-    for version, rows in reusable(st, TABLE, (*now, *(h for _, h in befores)), carry,
-                                  changed={h: fixed_since(r, by_rows=True) for r, h in befores} or None).items():
+    for version, rows in reusable(st, TABLE, (*now, *(h for _, h in befores), *other_alpha), carry,
+                                  changed=changed or None).items():
         keys = rows.column("key").to_pylist()
         # a version written before source_hashes was recorded lacks them: split by key they are not needed
         hashes = rows.column("source_hashes").to_pylist() if "source_hashes" in rows.column_names else [None] * len(keys)
@@ -61,7 +64,7 @@ def refuse_a_switch_without_hashes(st: Store, rc: ResizeConfig, schema: TableSch
     vdir = st.version_dir(TABLE, current)
     try:  # checked: a flipped bit that still parses is no old release's version to refuse the switch for
         attrs = checked_schema(vdir).attrs
-        befores = [h for _, h in pictures_before_fixes(schema)]
+        befores = [h for _, h in pictures_before_fixes(schema)] + list(pictures_other_alpha(schema))
         if recorded_rule(attrs) == "pictures" or not same_features(attrs, (*now, *befores)):
             return
         rows = checked_manifest(vdir, ["source_hashes"])

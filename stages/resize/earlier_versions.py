@@ -12,8 +12,8 @@ from tqdm import tqdm
 
 from schemas import TableSchema, UserError
 from schemas.up_to_date import is_current
-from stages.resize.images_table import (STAGE, TABLE, fixed_since, lineages_before_fixes, pictures_before_fixes,
-                                        told_by_source_since)
+from stages.resize.images_table import (STAGE, TABLE, TRANSPARENCY_NOTED, fixed_since, lineages_before_fixes,
+                                        pictures_before_fixes, pictures_other_alpha, told_by_source_since)
 from stages.resize.moved_source import Moved
 
 if TYPE_CHECKING:
@@ -180,8 +180,13 @@ def reusable_renders(st: Store, schema: TableSchema, now: tuple[str, ...]) -> tu
             checked.update(keys)
         else:
             checked.difference_update(keys)
+    for lineage in pictures_other_alpha(schema):  # rendered under the other keep_alpha: the opaque samples are these
+        keys = reusable_keys(st, TABLE, lineage, "mask_sha256", changed=TRANSPARENCY_NOTED)
+        fixed.update(keys)
+        checked.difference_update(keys)
     same: dict[str, str] = {}
     for lineage in reversed(now):  # this run's own spelling last: its row wins
         same.update(reusable_keys(st, TABLE, lineage, "mask_sha256"))
     checked.difference_update(same)
     return {**fixed, **same}, checked
+

@@ -14,7 +14,7 @@ import pyarrow.compute as pc
 from schemas import FieldSpec, Lineage, TableSchema
 from schemas.config import ResizeConfig
 from schemas.fixes import (UNCLEANED_CAPTION, made_since, mask_may_misfit, mask_orientation_changes,
-                           revisions_before)
+                           revisions_before, transparency_noted)
 from stages.resize.sources import SourceSample
 from stages.resize.split_rule import pictures_id
 from store.row_rule import AnyOf, ColumnRule, RowRule
@@ -102,6 +102,20 @@ def pictures_now(schema: TableSchema) -> tuple[str, ...]:
     earlier = earlier_pictures_lineage(ResizeConfig.model_validate(schema.attrs["resize"]),
                                        schema.lineage.code_version)
     return (schema.attrs[FEATURE_LINEAGE_ATTR], *filter(None, [earlier]))
+
+
+# a row whose picture had transparency renders otherwise under the other resize.keep_alpha (schemas/fixes.py)
+TRANSPARENCY_NOTED = RowRule(transparency_noted, ("conversions",))
+
+
+def pictures_other_alpha(schema: TableSchema) -> tuple[str, ...]:
+    """The pictures' feature lineage of this run's settings but resize.keep_alpha (`other_alpha_lineages`): an
+    earlier version's samples of it are this run's but for the rows `TRANSPARENCY_NOTED` selects."""
+    from schemas.pictures_lineage import other_alpha_lineages
+    from store.reuse import FEATURE_LINEAGE_ATTR
+
+    return other_alpha_lineages(schema.attrs.get("resize"), schema.attrs.get(FEATURE_LINEAGE_ATTR),
+                                schema.lineage.code_version, ())
 
 
 def images_schema(rc: ResizeConfig, listing: str, source: str = "", source_format: str = "") -> TableSchema:

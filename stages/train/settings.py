@@ -93,8 +93,9 @@ def check_control_dropout(cfg: TrainConfig, has_nocontrol_embeds: bool, text_tab
     the line names it ("... which TEXT_TABLE without")."""
     if cfg.control_dropout > 0 and not has_nocontrol_embeds:
         raise UserError(f"train.control_dropout {cfg.control_dropout} needs the text table's nocontrol_embeds, which "
-                        f"{text_table} without: set encode_text.no_control_embeds: true and re-run encode-text (it "
-                        "adds them, reusing the rest of the table), or set train.control_dropout: 0")
+                        f"{text_table} without: set encode_text.no_control_embeds: true and re-run encode-text (a "
+                        "new text version: every sample encoded again, also without its control images; the vae "
+                        "table is kept), or set train.control_dropout: 0")
 
 
 def check_checkpointing(cfg: TrainConfig) -> None:
