@@ -122,6 +122,9 @@ class Run:
     result: TrainResult | None = None
     epoch_tokens: list[int] = field(default_factory=lambda: [0, 0])  # valid, computed of the current epoch
     ended_tokens: list[int] = field(default_factory=lambda: [0, 0])  # of the epochs ended in this step (main process)
+    # the padding lines of the epochs ended in this step, said when it completes (`_log_ended_epochs`): a step
+    # dropped at a stop is run again by the resume, which says them then (main process)
+    ended_lines: list[str] = field(default_factory=list)
     carried_losses: list[float] = field(default_factory=list)  # the last step losses before this start (its checkpoint's)
     # [valid, computed] tokens of each of the last steps, the checkpoint's before this start's: a log point's window
     step_tokens: list[tuple[int, int]] = field(default_factory=list)
@@ -541,7 +544,7 @@ class _StepStart:
     def put_back(self, r: Run) -> None:
         r.optimizer.zero_grad(set_to_none=True)  # the partial step's gradients
         r.position, r.epoch_tokens, r.ended_tokens = self.position, self.epoch_tokens, self.ended_tokens
-        r.step_running_tokens = [0, 0]
+        r.step_running_tokens, r.ended_lines = [0, 0], []
         torch.set_rng_state(self.rng[0])
         if len(self.rng) > 1:
             torch.cuda.set_rng_state_all(self.rng[1:])
@@ -733,14 +736,18 @@ def _count_epoch_tokens(r: Run, m) -> None:
     r.result.epoch_padding[m.epoch] = eff
     if r.writer is not None:  # logged at the step's end (`_log_ended_epochs`)
         r.ended_tokens = [a + b for a, b in zip(r.ended_tokens, r.epoch_tokens)]
-        r.bar.write(f"epoch {m.epoch}: padding efficiency {eff:.3f} (valid / computed tokens)")
+        r.ended_lines.append(f"epoch {m.epoch}: padding efficiency {eff:.3f} (valid / computed tokens)")
     r.epoch_tokens = [0, 0]
 
 
 def _log_ended_epochs(r: Run) -> None:
     """epoch/padding_efficiency at the step an epoch ended in, once a step: with epochs shorter than a step (a tiny
     split, grad_accum) several end in one, and each was a point of its own at the same step (0.962 and 0.785 at
-    step 2: which epoch's, a reader cannot tell); now one, of their tokens together."""
+    step 2: which epoch's, a reader cannot tell); now one, of their tokens together. Their lines are said here
+    too, once the step completed (a step a stop dropped is run again, and said, by the resume)."""
+    for line in r.ended_lines:
+        r.bar.write(line)
+    r.ended_lines.clear()
     if r.writer is None or not r.ended_tokens[1]:
         return
     r.writer.add_scalar("epoch/padding_efficiency", r.ended_tokens[0] / r.ended_tokens[1], r.step)

@@ -322,3 +322,19 @@ def test_a_second_sigterm_just_after_the_micro_batch_agreement_still_gets_the_ch
                                            tiny_edit_model, out))
     assert len(calls) == 6
     assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [1]
+
+
+def test_an_epoch_ended_inside_a_dropped_step_is_said_once(tiny_edit_model, tmp_path, monkeypatch, capsys) -> None:
+    """6 samples, batch 2, grad_accum 4: epoch 1 ends at micro-batch 2 of step 2, where a SIGTERM drops that step.
+    The epoch's padding line was printed by the stopped start, then again by the resume that runs the step anew;
+    it is said once, by the step that completes."""
+    store, out = tmp_path / "store", tmp_path / "run"
+    make_train_store(store, tiny_edit_model, mixed_specs(6))
+    _signalled_at_call(monkeypatch, 4 + 2)
+    cfg = load_config(None, {**ACCUMULATED, "train.max_steps": 3})
+    assert _stopped_by_sigterm(lambda: run(cfg, store, tiny_edit_model, out))
+    monkeypatch.undo()
+    run(cfg, store, tiny_edit_model, out, resume=True)
+    said = capsys.readouterr()
+    lines = [line for line in (said.out + said.err).splitlines() if "padding efficiency" in line]
+    assert [line.split(":")[0] for line in lines] == ["epoch 0", "epoch 1", "epoch 2", "epoch 3"], lines
