@@ -534,20 +534,18 @@ class _StepStart:
     position: tuple[int, int]
     epoch_tokens: list[int]
     ended_tokens: list[int]
-    rng: list[torch.Tensor]  # the CPU generator's state, then each CUDA device's (LoRA dropout draws from them)
+    rng: dict[str, torch.Tensor]  # `state.rng_states`: LoRA dropout draws from them
 
     @classmethod
     def of(cls, r: Run) -> "_StepStart":
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-        return cls(r.position, list(r.epoch_tokens), list(r.ended_tokens), [torch.get_rng_state(), *cuda])
+        rng = train_state.rng_states(cuda=r.device.type == "cuda")
+        return cls(r.position, list(r.epoch_tokens), list(r.ended_tokens), rng)
 
     def put_back(self, r: Run) -> None:
         r.optimizer.zero_grad(set_to_none=True)  # the partial step's gradients
         r.position, r.epoch_tokens, r.ended_tokens = self.position, self.epoch_tokens, self.ended_tokens
         r.step_running_tokens, r.ended_lines = [0, 0], []
-        torch.set_rng_state(self.rng[0])
-        if len(self.rng) > 1:
-            torch.cuda.set_rng_state_all(self.rng[1:])
+        train_state.set_rng_states(self.rng, cuda=r.device.type == "cuda")
 
 
 def _summed_over_ranks(r: Run, loss_sum: torch.Tensor, damaged: int,
