@@ -120,7 +120,7 @@ def _why_exited(failures: dict, rerun: str) -> str:
     """What the ranks' exit statuses say: a rank's error is its line above; a rank that only exited as the CLI
     does for a stop signal (143, 130) was sent it alone, not through the launcher (`kill PID`, a scheduler
     signalling the ranks), and a launched rank leaves its stop line to the launcher: nothing was said above."""
-    stops = {128 + s: s for s in _STOPS}
+    stops = {code: s for s in _STOPS for code in (128 + s, -s)}  # the CLI's stop, or the signal's default
     signals = {stops.get(f.exitcode) for f in failures.values()}
     if None in signals:
         return " (the ranks' own error is the line above)"

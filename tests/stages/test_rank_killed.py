@@ -76,6 +76,8 @@ def test_the_launchers_line_tells_a_rank_that_failed_from_one_that_was_killed() 
     assert said == ("rank 0 exit 143, rank 1 exit 143: stopped by SIGTERM sent to the ranks, not to the launcher "
                     "(`kill` of a rank's process, a scheduler signalling the processes); what they committed stays: "
                     "rerun with --resume to continue"), said
+    said = failed_line({0: fail(-signal.SIGTERM), 1: fail(143)}, "rerun the same command")
+    assert said.startswith("rank 0 killed by SIGTERM, rank 1 exit 143: stopped by SIGTERM sent to the ranks"), said
     said = failed_line({0: fail(-signal.SIGTERM), 1: fail(-signal.SIGSEGV)}, "rerun the same command")
     assert said.startswith("rank 0 killed by SIGTERM, rank 1 killed by SIGSEGV; rank 1 printed nothing of its own: "
                            "a crash in native code"), said
