@@ -54,6 +54,7 @@ import torch
 from tqdm.auto import tqdm
 
 from models.collective import fails_alone, together
+from models.collective.frozen import lockstep, progressed
 from models.flow import FlowBatch, flow_loss_of
 from schemas.config import PipelineConfig, TrainConfig
 from schemas.errors import UserError
@@ -267,9 +268,10 @@ def train_steps(r: Run) -> None:
     if r.validator is not None and r.step > 0:  # a validation due at the resumed step (a failure there came
         r.validator(r)  # after its checkpoint): the validator runs only what it left unrecorded
     saved_at, stats = r.step, None  # the last step with a checkpoint (a resumed start's; 0: none)
-    with StopOnSignal() as r.stop:
+    with StopOnSignal() as r.stop, lockstep():  # a frozen peer stops every rank (models/collective/frozen.py)
         while r.step < r.cfg.max_steps:
             done = step(r)
+            progressed()
             if done is None:  # a signal agreed at a micro-batch boundary: the partial step was dropped
                 _stop_mid_step(r, stats, saved_at)
             stats = done
@@ -602,6 +604,7 @@ def _accumulate(r: Run, t0: float) -> tuple[list, float, int, torch.Tensor, int,
             step_losses.append((share, losses))
             _count_epoch_tokens(r, m)
             r.position = m.position
+            progressed()
             m.flows = flow = []  # its inputs freed now (the step keeps its rows: the figures, a non-finite line)
             if m.damaged:
                 damaged += len(m.damaged)
