@@ -24,12 +24,13 @@ fails alone before the group (the CLI publishes an error no handler made a line 
 the ranks waiting for it at their next exchange, instead of after BEFORE_GROUP_SECONDS (30 minutes); one that
 fails before its own first exchange publishes too, where the store is surely up (`_publish_unwatched`).
 
-The modules: `agree` (the agreements through the process group), `errors` (`RankFailed`, an error every rank
-knows), `store_client` (the launch's store, every connect and call bounded), `reconnect` (a long use of it that
-outlives a hiccup), `canary` (its host gone), `watch` (the watch thread), `publish` and `interrupt` (a failure or a
-Ctrl-C told to every rank), `report` (a rank's own lines), `counting` (ranks counting themselves in the store),
-`exit` (a process's exit), `alone` (`fails_alone`, `main_alone`), `arrive` (`arrive_together`), `before_group`
-(exchanges before any process group), `state` (what they share per run) and `timing` (every bound).
+The modules: `agree` (the agreements through the process group), `errors` (`RankFailed`, an error every rank knows),
+`store_client` (the launch's store, every connect and call bounded), `reconnect` (a long use of it that outlives a
+hiccup), `canary` (its host gone), `watch` (the watch thread), `publish` and `interrupt` (a failure or a Ctrl-C told
+to every rank), `report` (a rank's own lines), `counting` (ranks counting themselves in the store), `exit` (a
+process's exit), `alone` (`fails_alone`, `main_alone`), `arrive` (`arrive_together`), `frozen` (a peer frozen in a
+training step), `before_group` (exchanges before any process group), `state` (what they share per run) and `timing`
+(every bound).
 
 torch is imported in the functions that exchange tensors or reach the launcher's store, not at import: one
 process never calls them, and every command's error line comes through here (pipeline/commands/common.py

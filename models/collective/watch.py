@@ -1,6 +1,7 @@
 """The watch thread (`watch_failures`, `_watch`): when another rank publishes a failure (`fails_alone`), it prints that
 line and ends this process with status 1, wherever the main thread is (a collective included), and it counts this
-rank alive in the store every HEARTBEAT_SECONDS. `new_run` forgets what an earlier run in this process left."""
+rank alive in the store every HEARTBEAT_SECONDS; while the ranks train in lockstep, it also ends them on a peer
+frozen there (`_frozen`, models/collective/frozen.py). `new_run` forgets what an earlier run in this process left."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 import threading
 import time
 
-from models.collective import state, timing
+from models.collective import frozen, state, timing
 from models.collective.canary import forget_store_hosts, store_host_gone
 from models.collective.counting import _known_by_all
 from models.collective.exit import _count_exit
@@ -88,7 +89,7 @@ def _watch(clients: list, key: str, stop: threading.Event, alive: str | None = N
         if not stop.is_set():
             _unwatched_warning()
         return
-    beat = 0.0
+    beat, look, seen = 0.0, 0.0, {}  # `_frozen`'s next look and what it saw of the peers' signs of life
     while not stop.is_set():
         client = clients[0]
         if store_host_gone():  # no call: torch's client would print a C++ warning and stack for it
@@ -102,6 +103,9 @@ def _watch(clients: list, key: str, stop: threading.Event, alive: str | None = N
                 beat = time.monotonic() + timing.HEARTBEAT_SECONDS
             if _call(client, lambda c: c.check([key])):
                 break
+            if time.monotonic() >= look:
+                look = time.monotonic() + timing.LIVENESS_SECONDS
+                _frozen(client, key, seen)
         except Exception:  # noqa: BLE001 - a hiccup, the store gone (its host ended: the launch is over) or silent
             if not _reconnect(clients, stop):
                 return
@@ -122,6 +126,25 @@ def _watch(clients: list, key: str, stop: threading.Event, alive: str | None = N
         return
     if report_once(message):
         os._exit(1)  # the main thread may be inside a collective that never returns
+
+
+def _frozen(client, key: str, seen: dict[int, tuple[int, float]]) -> None:
+    """While this rank trains in lockstep and has waited longer than a step's parts take (LIVENESS_SECONDS): the
+    peers' signs of life watched (`frozen.frozen_peers`); once it has waited LOST_SECONDS with a peer silent as
+    long, that peer's line is published and this process ends on it (its main thread waits in a collective the
+    frozen peer never joins). Otherwise what was seen is forgotten: a later wait judges afresh."""
+    if not frozen.stalled(timing.LIVENESS_SECONDS):
+        seen.clear()
+        return
+    world, me = state.run["world"], int(os.environ.get("RANK", "0"))
+    lost = frozen.frozen_peers(lambda op: _call(client, op), world, me, seen)
+    if not lost or not frozen.stalled(timing.LOST_SECONDS):
+        return
+    line = _call(client, lambda c: c.compare_set(key, "", frozen.frozen_line(lost, world))).decode("utf-8", "replace")
+    state.run["published"] = True
+    _known_by_all(client, key, world, [r for r in range(world) if r not in lost])
+    report_once(line)
+    os._exit(1)  # the main thread waits in a collective that never returns
 
 
 def _stopped_here(stop: threading.Event) -> None:

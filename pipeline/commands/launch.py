@@ -114,12 +114,25 @@ def failed_line(failures: dict, rerun: str) -> str:
         if sig not in _STOPS:
             killed.append((rank, name))
     if not killed:
-        return f"{', '.join(parts)} (the ranks' own error is the line above)"
+        return f"{', '.join(parts)}{_why_exited(failures, rerun)}"
     rank, name = killed[0]
     why = ("printed nothing: a `kill -9`, or the kernel's out-of-memory killer (`dmesg` on its node says which)"
            if name == "SIGKILL" else "printed nothing of its own: a crash in native code (a driver, a library)")
     return (f"{', '.join(parts)}; rank {rank} {why}, and the launcher stopped the others. What they committed "
             f"stays: {rerun} to continue")
+
+
+def _why_exited(failures: dict, rerun: str) -> str:
+    """What the ranks' exit statuses say: a rank's error is its line above; a rank that only exited as the CLI
+    does for a stop signal (143, 130) was sent it alone, not through the launcher (`kill PID`, a scheduler
+    signalling the ranks), and a launched rank leaves its stop line to the launcher: nothing was said above."""
+    stops = {code: s for s in _STOPS for code in (128 + s, -s)}  # the CLI's stop, or the signal's default
+    signals = {stops.get(f.exitcode) for f in failures.values()}
+    if None in signals:
+        return " (the ranks' own error is the line above)"
+    name = " / ".join(sorted(signal.Signals(s).name for s in signals))
+    return (f": stopped by {name} sent to the ranks, not to the launcher (`kill` of a rank's process, a scheduler "
+            f"signalling the processes); what they committed stays: {rerun} to continue")
 
 
 def _refused(why: str) -> None:

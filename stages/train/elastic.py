@@ -173,13 +173,13 @@ def change_line(before: int, now: int, canonical: int, lora_dropout: float = 0.0
 
 
 def restore_rng(folder: Path, rank: int, same_world: bool, seed: int, step: int,
-                kept: dict[str, bytes] | None = None) -> None:
+                kept: dict[str, bytes] | None = None, cuda: bool = False) -> None:
     """This rank's torch RNG: its own saved state on the same world size; after a change, seeded from
-    (seed, step, rank) (the saved states belong to the old ranks)."""
+    (seed, step, rank) (the saved states belong to the old ranks). `cuda`: training on CUDA (`state.rng_states`)."""
     from stages.train import state as train_state
 
     if same_world:
-        train_state.load_rng(folder, rank, kept)
+        train_state.load_rng(folder, rank, cuda, kept)
         return
     seed_rank_rng(seed, step, rank)
 

@@ -54,6 +54,7 @@ import torch
 from tqdm.auto import tqdm
 
 from models.collective import fails_alone, together
+from models.collective.frozen import lockstep, progressed
 from models.flow import FlowBatch, flow_loss_of
 from schemas.config import PipelineConfig, TrainConfig
 from schemas.errors import UserError
@@ -122,6 +123,9 @@ class Run:
     result: TrainResult | None = None
     epoch_tokens: list[int] = field(default_factory=lambda: [0, 0])  # valid, computed of the current epoch
     ended_tokens: list[int] = field(default_factory=lambda: [0, 0])  # of the epochs ended in this step (main process)
+    # the padding lines of the epochs ended in this step, said when it completes (`_log_ended_epochs`): a step
+    # dropped at a stop is run again by the resume, which says them then (main process)
+    ended_lines: list[str] = field(default_factory=list)
     carried_losses: list[float] = field(default_factory=list)  # the last step losses before this start (its checkpoint's)
     # [valid, computed] tokens of each of the last steps, the checkpoint's before this start's: a log point's window
     step_tokens: list[tuple[int, int]] = field(default_factory=list)
@@ -264,9 +268,10 @@ def train_steps(r: Run) -> None:
     if r.validator is not None and r.step > 0:  # a validation due at the resumed step (a failure there came
         r.validator(r)  # after its checkpoint): the validator runs only what it left unrecorded
     saved_at, stats = r.step, None  # the last step with a checkpoint (a resumed start's; 0: none)
-    with StopOnSignal() as r.stop:
+    with StopOnSignal() as r.stop, lockstep():  # a frozen peer stops every rank (models/collective/frozen.py)
         while r.step < r.cfg.max_steps:
             done = step(r)
+            progressed()
             if done is None:  # a signal agreed at a micro-batch boundary: the partial step was dropped
                 _stop_mid_step(r, stats, saved_at)
             stats = done
@@ -531,20 +536,18 @@ class _StepStart:
     position: tuple[int, int]
     epoch_tokens: list[int]
     ended_tokens: list[int]
-    rng: list[torch.Tensor]  # the CPU generator's state, then each CUDA device's (LoRA dropout draws from them)
+    rng: dict[str, torch.Tensor]  # `state.rng_states`: LoRA dropout draws from them
 
     @classmethod
     def of(cls, r: Run) -> "_StepStart":
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-        return cls(r.position, list(r.epoch_tokens), list(r.ended_tokens), [torch.get_rng_state(), *cuda])
+        rng = train_state.rng_states(cuda=r.device.type == "cuda")
+        return cls(r.position, list(r.epoch_tokens), list(r.ended_tokens), rng)
 
     def put_back(self, r: Run) -> None:
         r.optimizer.zero_grad(set_to_none=True)  # the partial step's gradients
         r.position, r.epoch_tokens, r.ended_tokens = self.position, self.epoch_tokens, self.ended_tokens
-        r.step_running_tokens = [0, 0]
-        torch.set_rng_state(self.rng[0])
-        if len(self.rng) > 1:
-            torch.cuda.set_rng_state_all(self.rng[1:])
+        r.step_running_tokens, r.ended_lines = [0, 0], []
+        train_state.set_rng_states(self.rng, cuda=r.device.type == "cuda")
 
 
 def _summed_over_ranks(r: Run, loss_sum: torch.Tensor, damaged: int,
@@ -601,6 +604,7 @@ def _accumulate(r: Run, t0: float) -> tuple[list, float, int, torch.Tensor, int,
             step_losses.append((share, losses))
             _count_epoch_tokens(r, m)
             r.position = m.position
+            progressed()
             m.flows = flow = []  # its inputs freed now (the step keeps its rows: the figures, a non-finite line)
             if m.damaged:
                 damaged += len(m.damaged)
@@ -733,14 +737,18 @@ def _count_epoch_tokens(r: Run, m) -> None:
     r.result.epoch_padding[m.epoch] = eff
     if r.writer is not None:  # logged at the step's end (`_log_ended_epochs`)
         r.ended_tokens = [a + b for a, b in zip(r.ended_tokens, r.epoch_tokens)]
-        r.bar.write(f"epoch {m.epoch}: padding efficiency {eff:.3f} (valid / computed tokens)")
+        r.ended_lines.append(f"epoch {m.epoch}: padding efficiency {eff:.3f} (valid / computed tokens)")
     r.epoch_tokens = [0, 0]
 
 
 def _log_ended_epochs(r: Run) -> None:
     """epoch/padding_efficiency at the step an epoch ended in, once a step: with epochs shorter than a step (a tiny
     split, grad_accum) several end in one, and each was a point of its own at the same step (0.962 and 0.785 at
-    step 2: which epoch's, a reader cannot tell); now one, of their tokens together."""
+    step 2: which epoch's, a reader cannot tell); now one, of their tokens together. Their lines are said here
+    too, once the step completed (a step a stop dropped is run again, and said, by the resume)."""
+    for line in r.ended_lines:
+        r.bar.write(line)
+    r.ended_lines.clear()
     if r.writer is None or not r.ended_tokens[1]:
         return
     r.writer.add_scalar("epoch/padding_efficiency", r.ended_tokens[0] / r.ended_tokens[1], r.step)

@@ -48,7 +48,7 @@ def checkpoint(r: Run) -> None:
                 guard.check_lora_finite(r.params, final)
                 folder.enter_context(atomic_dir(final, tmp))
         with step_of_all("RNG state"), guard.one_line_errors(what, r.checkpoints, guard.resume_advice(r.rerun)):
-            train_state.save_rng(tmp, acc.process_index)
+            train_state.save_rng(tmp, acc.process_index, cuda=r.device.type == "cuda")
         # uneven: rank 0 writes alone (GBs of a large LoRA's optimizer state and EMA, fsynced) while the others wait
         with step_of_all("write", uneven=True), guard.one_line_errors(what, r.checkpoints,
                                                                       guard.resume_advice(r.rerun)):

@@ -387,7 +387,8 @@ def restore(r: Run, latest: Path, record: ResumeRecord) -> None:
     load_lora(r.transformer, latest / "lora", data=kept.pop(f"lora/{WEIGHT_NAME}", None))
     train_state.load_optimizer(r.optimizer, latest, kept)
     train_state.load_scheduler(r.scheduler, latest, kept)
-    elastic.restore_rng(latest, r.rank, record.world_size == r.world, r.cfg.seed, record.step, kept)
+    elastic.restore_rng(latest, r.rank, record.world_size == r.world, r.cfg.seed, record.step, kept,
+                        cuda=r.device.type == "cuda")
     if r.ema is not None:
         r.ema.load(latest, kept)
     kept.clear()  # other ranks' RNG states

@@ -468,25 +468,40 @@ def _rng_file(folder: Path, rank: int) -> Path:
 _RNG_NAME = re.compile(r"rng-rank\d+\.safetensors")  # `_rng_file`'s names
 
 
-def save_rng(folder: Path, rank: int) -> None:
+def rng_states(cuda: bool) -> dict:
+    """The torch RNG states LoRA dropout draws from: the CPU generator's, and each CUDA device's only when
+    training on CUDA (`cuda`): reading them initializes CUDA, which a run with train.device=cpu on a GPU host
+    (its GPUs busy or failing) must leave alone."""
     import torch
-    from safetensors.torch import save_file
 
     states = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if cuda:
         states.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    save_file(states, _rng_file(folder, rank))
+    return states
 
 
-def load_rng(folder: Path, rank: int, kept: dict[str, bytes] | None = None) -> None:
+def set_rng_states(states: dict, cuda: bool) -> None:
+    """`rng_states`' states put back; the CUDA ones only when training on CUDA (a checkpoint of a CUDA run
+    resumed with train.device=cpu leaves CUDA alone)."""
+    import torch
+
+    torch.set_rng_state(states["cpu"])
+    devices = [states[f"cuda{i}"] for i in range(sum(k.startswith("cuda") for k in states))]
+    if cuda and devices:
+        torch.cuda.set_rng_state_all(devices)
+
+
+def save_rng(folder: Path, rank: int, cuda: bool) -> None:
+    """This rank's RNG states (`rng_states`) into a checkpoint's folder."""
+    from safetensors.torch import save_file
+
+    save_file(rng_states(cuda), _rng_file(folder, rank))
+
+
+def load_rng(folder: Path, rank: int, cuda: bool, kept: dict[str, bytes] | None = None) -> None:
     path = _rng_file(folder, rank)
     if not (kept and path.name in kept) and not path.is_file():
         raise UserError(f"{folder} has no RNG state for rank {rank}: the checkpoint is incomplete")
-    import torch
     from safetensors.torch import load as load_bytes
 
-    states = load_bytes(kept_bytes(folder, path.name, kept))
-    torch.set_rng_state(states["cpu"])
-    cuda = [states[f"cuda{i}"] for i in range(sum(k.startswith("cuda") for k in states))]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
+    set_rng_states(load_bytes(kept_bytes(folder, path.name, kept)), cuda)

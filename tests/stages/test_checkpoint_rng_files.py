@@ -24,7 +24,7 @@ def test_every_ranks_rng_file_is_checksummed_by_name_not_as_listed(tmp_path, mon
     folder.mkdir()
     (folder / "scheduler.json").write_text("{}")  # rank 0's own file
     for rank in (0, 1):
-        train_state.save_rng(folder, rank)
+        train_state.save_rng(folder, rank, cuda=False)
     listed = store.checksum.folder_checksums
     monkeypatch.setattr(store.checksum, "folder_checksums", lambda f, skip=(): {
         k: v for k, v in listed(f, skip).items() if k != "rng-rank01.safetensors"})  # a stale listing

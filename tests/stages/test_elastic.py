@@ -102,7 +102,7 @@ def test_record_allows_another_process_count_and_keeps_the_canonical_one(tmp_pat
     with pytest.raises(train_state.ResumeMismatch, match="config fingerprint"):
         saved.check_matches(_record(world_size=2, config_fingerprint="d"), tmp_path)
     for rank in (0, 1):  # a checkpoint holds each rank's RNG state, checksummed by name
-        train_state.save_rng(tmp_path, rank)
+        train_state.save_rng(tmp_path, rank, cuda=False)
     train_state.write_record(tmp_path, _record(world_size=2, canonical_world_size=4))
     assert train_state.ResumeRecord.read(tmp_path / train_state.RESUME_JSON).canonical == 4
     # A checkpoint written before elastic resume: its order was planned for the processes that wrote it.

@@ -45,6 +45,33 @@ def test_a_launch_whose_rank_is_killed_ends_in_lines_that_name_it(tiny_edit_mode
     assert last.endswith("rerun with --resume to continue"), last
 
 
+def test_a_rank_frozen_in_a_training_step_stops_every_rank_with_a_line_naming_it(tiny_edit_model, tmp_path) -> None:
+    """Rank 1 freezes (SIGSTOP: a hung node, one that lost its network) in its second step's backward; rank 0 waits
+    for it in DDP's gradient all-reduce, which only the process group's timeout ended before (gloo: 30 minutes,
+    NCCL: 10, then a watchdog's abort naming no rank). Rank 0's watch thread sees its own steps stalled and rank 1
+    silent for LOST_SECONDS (5 s here) and ends the launch with one line naming rank 1."""
+    store = tmp_path / "store"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    p = launch_with_hook(tmp_path, (
+        "import os\n"
+        "from models.collective import timing\n"
+        "timing.LOST_SECONDS, timing.LIVENESS_SECONDS = 5.0, 1.0\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import signal, torch\n"
+        "    real, calls = torch.Tensor.backward, []\n"
+        "    def backward(*a, **k):\n"
+        "        calls.append(1)\n"
+        "        if len(calls) == 2:\n"
+        "            os.kill(os.getpid(), signal.SIGSTOP)\n"
+        "        return real(*a, **k)\n"
+        "    torch.Tensor.backward = backward\n"),
+        ["run", "train", "--store", str(store), "--model", tiny_edit_model, "--out", str(tmp_path / "run"),
+         "--device", "cpu", "--max-steps", "4", "--batch-size", "2"], timeout=600)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr + p.stdout, p.stderr[-4000:]
+    assert ("error: rank(s) 1 of 2 gave no sign of life for 5 s while the others waited for them in a training "
+            "step") in p.stderr, p.stderr[-3000:]
+
 def test_a_rank_that_lost_a_killed_peer_says_so_in_one_line(monkeypatch, capsys) -> None:
     """The surviving rank's side (whether gloo's error or torchrun's SIGTERM reaches it first is a race, so the
     launch above may not show it): gloo's connection error becomes one line, exit 1."""
@@ -71,6 +98,13 @@ def test_the_launchers_line_tells_a_rank_that_failed_from_one_that_was_killed() 
 
     said = failed_line({0: fail(1), 1: fail(143)}, "rerun the same command")
     assert said == "rank 0 exit 1, rank 1 exit 143 (the ranks' own error is the line above)", said
+    # a SIGTERM sent to a rank alone (its stop line is the launcher's to say): no line above says why
+    said = failed_line({0: fail(143), 1: fail(143)}, "rerun with --resume")
+    assert said == ("rank 0 exit 143, rank 1 exit 143: stopped by SIGTERM sent to the ranks, not to the launcher "
+                    "(`kill` of a rank's process, a scheduler signalling the processes); what they committed stays: "
+                    "rerun with --resume to continue"), said
+    said = failed_line({0: fail(-signal.SIGTERM), 1: fail(143)}, "rerun the same command")
+    assert said.startswith("rank 0 killed by SIGTERM, rank 1 exit 143: stopped by SIGTERM sent to the ranks"), said
     said = failed_line({0: fail(-signal.SIGTERM), 1: fail(-signal.SIGSEGV)}, "rerun the same command")
     assert said.startswith("rank 0 killed by SIGTERM, rank 1 killed by SIGSEGV; rank 1 printed nothing of its own: "
                            "a crash in native code"), said

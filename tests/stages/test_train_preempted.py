@@ -322,3 +322,50 @@ def test_a_second_sigterm_just_after_the_micro_batch_agreement_still_gets_the_ch
                                            tiny_edit_model, out))
     assert len(calls) == 6
     assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [1]
+
+
+def test_an_epoch_ended_inside_a_dropped_step_is_said_once(tiny_edit_model, tmp_path, monkeypatch, capsys) -> None:
+    """6 samples, batch 2, grad_accum 4: epoch 1 ends at micro-batch 2 of step 2, where a SIGTERM drops that step.
+    The epoch's padding line was printed by the stopped start, then again by the resume that runs the step anew;
+    it is said once, by the step that completes."""
+    store, out = tmp_path / "store", tmp_path / "run"
+    make_train_store(store, tiny_edit_model, mixed_specs(6))
+    _signalled_at_call(monkeypatch, 4 + 2)
+    cfg = load_config(None, {**ACCUMULATED, "train.max_steps": 3})
+    assert _stopped_by_sigterm(lambda: run(cfg, store, tiny_edit_model, out))
+    monkeypatch.undo()
+    run(cfg, store, tiny_edit_model, out, resume=True)
+    said = capsys.readouterr()
+    lines = [line for line in (said.out + said.err).splitlines() if "padding efficiency" in line]
+    assert [line.split(":")[0] for line in lines] == ["epoch 0", "epoch 1", "epoch 2", "epoch 3"], lines
+
+
+
+def test_a_cpu_run_on_a_gpu_host_reads_no_cuda_rng(tmp_path, monkeypatch) -> None:
+    """train.device=cpu where CUDA is available (its GPUs busy or failing: the reason to train on the CPU): the
+    step start kept for a stop at a micro-batch boundary and the checkpoint's RNG file read and set only the CPU
+    generator's state; reading the CUDA generators initializes CUDA (here: fails). On CUDA they are kept too."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+
+    from stages.train.recipe import _StepStart
+
+    def no_cuda(*a, **k):
+        raise RuntimeError("CUDA touched by a run on the CPU")
+
+    for name in ("get_rng_state_all", "set_rng_state_all"):
+        monkeypatch.setattr(torch.cuda, name, no_cuda)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    r = SimpleNamespace(device=torch.device("cpu"), position=(0, 0), epoch_tokens=[0, 0], ended_tokens=[0, 0],
+                        optimizer=torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0))
+    begun = _StepStart.of(r)
+    torch.rand(3)
+    begun.put_back(r)
+    assert list(begun.rng) == ["cpu"] and torch.equal(torch.get_rng_state(), begun.rng["cpu"])
+    train_state.save_rng(tmp_path, 0, cuda=False)
+    assert list(load_file(tmp_path / "rng-rank00.safetensors")) == ["cpu"]
+    train_state.load_rng(tmp_path, 0, cuda=False)
+
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.zeros(16, dtype=torch.uint8)])
+    assert list(train_state.rng_states(cuda=True)) == ["cpu", "cuda0"]
