@@ -31,6 +31,7 @@ from schemas.fixes import alpha_flattened, mask_was_turned, prompt_was_emptied, 
 from schemas.pictures_lineage import TEXT_UNREAD
 from schemas.table import FieldSpec, TableSchema
 from stages.encode.common import (
+    MemoryBoundForward,
     Ranks,
     Summary,
     settings_record,
@@ -289,20 +290,22 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
         nocontrol = section.no_control_embeds  # reference dropout: the text-to-image prompt, no references
         schema = text_schema(job, text_encoder.config.text_config.hidden_size, section.dtype, nocontrol)
         encodings = SampleEncodings(encoder)
+        forward = MemoryBoundForward(lambda items: [encodings.of(items[0], nocontrol)], "encode-text",
+                                     lambda item: f"sample {item.key}", target, "encode_text.batch_size")
         todo = job.open_writer(schema, section.shard_size_mb)
         samples = prefetched(job.read_inputs(todo, references_rule),
                              job.unless_rejected(lambda item: prepare_text(*item, processor)),
                              workers=section.num_workers)
         with job.progress(len(todo)) as bar:
             for item in job.accepted(samples, bar):
-                _encode_text(job, item, processor, encodings, nocontrol, bar)
+                _encode_text(job, item, processor, forward, nocontrol, bar)
         return job.finish()
 
 
 # ---------------------------------------------------------------- encode-vae
 
 
-def _encode_text(job, item, processor, encodings: SampleEncodings, nocontrol: bool, bar) -> None:
+def _encode_text(job, item, processor, forward: MemoryBoundForward, nocontrol: bool, bar) -> None:
     """One sample: quarantined (its caption too long for the transformer's frames, before or after the encoder;
     a VLM grid other than the VAE's) or encoded and added."""
     from models.qwen21_text import grid_mismatch
@@ -322,7 +325,7 @@ def _encode_text(job, item, processor, encodings: SampleEncodings, nocontrol: bo
         return
     # One sample per forward: the stock encoder takes one reference set per call.
     with job.timed_forward(3 if nocontrol else 2):
-        prompt, slots, empty, empty_slots, alone = encodings.of(item, nocontrol)
+        prompt, slots, empty, empty_slots, alone = forward([item])[0]  # SampleEncodings.of, one line on OOM
     problem = grid_mismatch(slots, [(im.height, im.width) for im in item.references])
     if problem is not None:
         job.quarantine(item.key, "VLM grid differs from the VAE grid", problem)

@@ -25,6 +25,7 @@ from schemas.table import FieldSpec, TableSchema
 from schemas.errors import Rejected
 from stages.encode.common import (
     EncodeJob,
+    MemoryBoundForward,
     Ranks,
     Summary,
     batches_by_shape,
@@ -187,11 +188,14 @@ def run(
         samples = prefetched(job.read_inputs(todo, rule),
                              job.unless_rejected(lambda item: prep(*item, image_processor, variant)), workers=section.num_workers)
         done: dict[str, dict[str, torch.Tensor]] = {}  # key -> image name -> latent, until the sample is complete
+        forward = MemoryBoundForward(lambda part: encode_batch(vae, part, latents_mean, latents_std), STAGE,
+                                     lambda r: f"sample {r.key}'s {r.name} ({r.shape[1]}x{r.shape[0]} pixels)",
+                                     target, "encode_vae.batch_size")
         with job.progress(len(todo)) as bar:
             requests = (r for prepared in job.accepted(samples, bar) for r in prepared.requests)
             for batch in batches_by_shape(requests, lambda r: r.shape, section.batch_size):
                 with job.timed_forward(len(batch)):
-                    latents = encode_batch(vae, batch, latents_mean, latents_std)
+                    latents = forward(batch)
                 for req, lat in zip(batch, latents):
                     parts = done.setdefault(req.key, {})
                     parts[req.name] = lat.to("cpu", torch.bfloat16)
