@@ -58,13 +58,15 @@ def batches_by_shape(items: Iterable[T], shape_of: Callable[[T], Hashable | None
 
 
 def out_of_memory(error: BaseException) -> bool:
-    """A device allocation that failed: CUDA's own error, or the RuntimeError other backends raise (MPS, the CPU)."""
+    """A device allocation that failed: CUDA's own error, the RuntimeError other backends raise (MPS, the CPU), or
+    cuBLAS / cuDNN failing to allocate their workspace (`CUBLAS_STATUS_ALLOC_FAILED`)."""
     import torch
 
     if isinstance(error, torch.OutOfMemoryError):
         return True
     text = str(error)
-    return isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+    return isinstance(error, RuntimeError) and any(m in text for m in ("out of memory", "can't allocate memory",
+                                                                      "STATUS_ALLOC_FAILED"))
 
 
 class MemoryBoundForward:

@@ -73,6 +73,7 @@ def test_other_errors_are_not_taken_for_out_of_memory():
     from stages.encode.batching import MemoryBoundForward, out_of_memory
 
     assert out_of_memory(RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"))
+    assert out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
     assert not out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     forward = MemoryBoundForward(lambda part: 1 / 0, "encode-vae", str, "cpu", "encode_vae.batch_size")
     with pytest.raises(ZeroDivisionError):
