@@ -1,4 +1,4 @@
-"""encode-text / encode-vae of an Edit-2511 model (the Plus pipeline over a `zero_cond_t` transformer) against the
+"""encode-text / encode-vae of Edit, Edit-2511 and Qwen-Image-2.1 models; first an Edit-2511 model (the Plus pipeline over a `zero_cond_t` transformer) against the
 unmodified `QwenImageEditPlusPipeline`, one sample per call, on the inputs the other reference tests leave out:
 unicode captions, a caption past the 1024 tokens of the pipeline's `max_sequence_length` (which it never applies),
 0..3 controls of mixed sizes, batch 8 (exact and padded text, same-size VAE batches) against each sample alone."""
@@ -98,4 +98,66 @@ def test_2511_text_and_latents_equal_the_stock_pipeline_per_sample(model_2511, t
                 im = _pil(s["files"][f"{n}.png"])
                 want = pipe._encode_vae_image(pipe.image_processor.preprocess(im, im.height, im.width).unsqueeze(2),
                                               generator=None)[0]
+                assert ((got[n].float() - want).abs() <= want.abs() * 2**-8 + 1e-6).all(), (key, n)
+
+
+def test_edit_text_equals_the_stock_pipeline_on_unicode_and_long_captions(tiny_edit_model, tmp_path, images_fixture):
+    """Edit (one control, the VL model sees the VAE view): exact batches of 8, bit for bit per sample."""
+    from diffusers import QwenImageEditPipeline
+
+    fx = images_fixture
+    sizes = [(160, 160), (128, 192), (160, 160), (192, 128), (160, 160), (160, 160)]
+    samples = [fx.Sample(CAPTIONS[i % len(CAPTIONS)], (64, 64), [s], [s]) for i, s in enumerate(sizes)]
+    store = tmp_path / "s"
+    fx.write(store, samples)
+    pipe = QwenImageEditPipeline.from_pretrained(tiny_edit_model, torch_dtype=torch.float32)
+    encode_text.run(load_config(None, {"encode_text.dtype": "float32"}), store, tiny_edit_model, batch_size=8)
+    images, text = Store(store).reader("images"), Store(store).reader("text")
+    assert sorted(text.keys()) == sorted(images.keys())
+    for key in images.keys():
+        s = images.get(key)
+        control = _pil(s["files"]["control_0.png"])
+        got = text.get(key)["tensors"]
+        for name, caption in (("prompt_embeds", s["meta"]["caption"]), ("empty_embeds", "")):
+            embeds, mask = pipe.encode_prompt(caption, image=control, device="cpu")
+            want = embeds[0] if mask is None else embeds[0][mask[0].bool()]  # (None: every token valid)
+            assert torch.equal(got[name], want.to(torch.bfloat16)), (key, name)
+
+
+def test_21_text_and_latents_equal_the_stock_pipeline_on_unicode_and_long_captions(tiny_21_model, tmp_path, images_fixture):
+    """Qwen-Image-2.1 (text: one sample per call): prompt and empty prompt with 0..3 references of mixed sizes;
+    latents in batches of 8."""
+    from diffusers import QwenImage21Pipeline
+
+    fx = images_fixture
+    refs = [[], [(64, 96)], [(64, 64), (96, 32), (32, 64)], [(96, 64), (64, 64)], [(32, 32)]]
+    samples = [fx.Sample(c, (64, 96), r, r) for c, r in zip(CAPTIONS, refs)]
+    store = tmp_path / "s"
+    fx.write(store, samples)
+    pipe = QwenImage21Pipeline.from_pretrained(tiny_21_model)
+    summary = encode_text.run(load_config(None, {"encode_text.dtype": "float32"}), store, tiny_21_model)
+    assert (summary.encoded, summary.quarantined) == (len(samples), 0)
+    images, text = Store(store).reader("images"), Store(store).reader("text")
+    for key in images.keys():
+        s = images.get(key)
+        pictures = [Image.open(io.BytesIO(s["files"][f"control_{i}.png"])).convert("RGBA")
+                    for i in range(s["meta"]["num_controls"])] or None
+        got = text.get(key)["tensors"]
+        for e, m, caption in (("prompt_embeds", "slot_mask", s["meta"]["caption"]),
+                              ("empty_embeds", "empty_slot_mask", "")):
+            want, _, slots = pipe.encode_prompt(prompt=caption, image=pictures, device="cpu")
+            assert torch.equal(got[e], want[0].to(torch.bfloat16)), (key, e)
+            assert torch.equal(got[m], slots[0].bool())
+
+    # encode-vae, batch 8 (same-size pictures share a forward): within a bf16 step of the stock latent alone
+    v = encode_vae.run(load_config(None, {"encode_vae.dtype": "float32"}), store, tiny_21_model, batch_size=8)
+    assert v.encoded == len(samples) and v.forward_items / v.forwards > 1
+    vae = Store(store).reader("vae")
+    with torch.no_grad():
+        for key in images.keys():
+            s, got = images.get(key), vae.get(key)["tensors"]
+            for n in ["target"] + [f"control_{i}" for i in range(s["meta"]["num_controls"])]:
+                im = Image.open(io.BytesIO(s["files"][f"{n}.png"])).convert("RGBA")
+                pixels = pipe.image_processor.preprocess(im, width=im.width, height=im.height).unsqueeze(2)
+                want = pipe._encode_vae_image(pixels, None)[0]
                 assert ((got[n].float() - want).abs() <= want.abs() * 2**-8 + 1e-6).all(), (key, n)
