@@ -1,7 +1,8 @@
-"""encode-text / encode-vae of Edit, Edit-2511 and Qwen-Image-2.1 models; first an Edit-2511 model (the Plus pipeline over a `zero_cond_t` transformer) against the
-unmodified `QwenImageEditPlusPipeline`, one sample per call, on the inputs the other reference tests leave out:
-unicode captions, a caption past the 1024 tokens of the pipeline's `max_sequence_length` (which it never applies),
-0..3 controls of mixed sizes, batch 8 (exact and padded text, same-size VAE batches) against each sample alone."""
+"""encode-text / encode-vae of Edit, Edit-2511 (the Plus pipeline over a `zero_cond_t` transformer) and
+Qwen-Image-2.1 models against their unmodified diffusers pipelines, one sample per call, on the inputs the other
+reference tests leave out: unicode captions, a caption past the 1024 tokens of the pipelines' `max_sequence_length`
+(which they never apply), 0..3 controls of mixed sizes, batch 8 (exact and padded text, same-size VAE batches)
+against each sample alone."""
 
 from __future__ import annotations
 
