@@ -74,7 +74,8 @@ class MemoryBoundForward:
 
     A batch that runs out of memory is halved and its parts run in turn; the smaller size holds for the rest of
     the run (said once per halving), so the next batches do not fail first. A single item that does not fit stops
-    with one line naming it: the samples written so far stay in their shards and a rerun resumes after them.
+    with one line naming it: the shards written so far are kept (the open one, up to `shard_size_mb`, is not) and a
+    rerun resumes from them.
     Before, one batch too large (a few big images together) stopped the stage with a traceback, and the rerun
     failed on the same batch. A smaller batch changes the last float32 bits of the VAE latents (within one bf16
     step, docs/encode.md) and, on a GPU, of the text embeddings.
@@ -99,8 +100,8 @@ class MemoryBoundForward:
 
                 raise UserError(f"{self.stage}: {self.device} ran out of memory encoding {self.name_of(part[0])} "
                                 "alone: free the device (another process on it?), use one with more memory, or a "
-                                "lower-precision dtype; the samples encoded so far are kept and a rerun resumes "
-                                "after them")
+                                "lower-precision dtype; the shards written so far are kept and a rerun resumes "
+                                "from them")
             size = self.cap = (len(part) + 1) // 2
             from tqdm import tqdm
 
