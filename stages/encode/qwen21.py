@@ -34,6 +34,7 @@ from stages.encode.common import (
     MemoryBoundForward,
     Ranks,
     Summary,
+    nonfinite_rejection,
     settings_record,
     open_job,
     open_png,
@@ -335,18 +336,20 @@ def _encode_text(job, item, processor, forward: MemoryBoundForward, nocontrol: b
         job.quarantine(item.key, too_long.reason, too_long.detail)
         bar.skipped()
         return
+    embeds = {"prompt_embeds": prompt, "empty_embeds": empty, **({"nocontrol_embeds": alone} if nocontrol else {})}
+    embeds = {name: e.to("cpu", torch.bfloat16).contiguous() for name, e in embeds.items()}
+    bar.encoded(1)
+    if (bad := nonfinite_rejection(item.key, embeds, f"encode_text.dtype {str(prompt.dtype)[6:]}")) is not None:
+        job.quarantine(item.key, bad.reason, bad.detail)
+        return
     job.writer.add(item.key, tensors={
-        "prompt_embeds": prompt.to("cpu", torch.bfloat16).contiguous(),
-        "empty_embeds": empty.to("cpu", torch.bfloat16).contiguous(),
-        "slot_mask": slots.cpu().contiguous(), "empty_slot_mask": empty_slots.cpu().contiguous(),
-        **({"nocontrol_embeds": alone.to("cpu", torch.bfloat16).contiguous()} if nocontrol else {}),
+        **embeds, "slot_mask": slots.cpu().contiguous(), "empty_slot_mask": empty_slots.cpu().contiguous(),
     }, meta={"split": meta.get("split", "train"), "img_shapes": meta["img_shapes"],
              # text tokens of the joint sequence: + the image tokens (img_shapes) = its exact length,
              # which the join hands the length-aware sampler
              "length": int((~slots).sum()), "empty_length": int((~empty_slots).sum()),
              "num_controls": len(item.references)})
     job.summary.encoded += 1
-    bar.encoded(1)
 
 
 def preprocess_rgba(image_processor, im) -> torch.Tensor:

@@ -40,6 +40,7 @@ from stages.encode.common import (
     config_hash,
     earlier_config_hashes,
     control_count_rejection,
+    nonfinite_rejection,
     open_job,
     open_png,
     placed,
@@ -449,11 +450,14 @@ def _encode(job, section, fmt, model: str, target, by_controls) -> Summary:
                 parts[req.kind] = emb.to("cpu", torch.bfloat16)
                 bar.encoded(len(kinds))
                 if len(parts) == len(kinds):
-                    _write(job, req.key, done.pop(req.key))
+                    _write(job, req.key, done.pop(req.key), f"encode_text.dtype {section.dtype}")
     return job.finish()
 
 
-def _write(job: EncodeJob, key: str, parts: dict[str, torch.Tensor]) -> None:
+def _write(job: EncodeJob, key: str, parts: dict[str, torch.Tensor], dtype_setting: str) -> None:
+    if (rejected := nonfinite_rejection(key, {f"{k}_embeds": t for k, t in parts.items()}, dtype_setting)):
+        job.quarantine(key, rejected.reason, rejected.detail)
+        return
     meta = job.images.cells(key, ("split", "img_shapes", "num_controls"))
     job.writer.add(
         key,

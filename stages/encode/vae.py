@@ -32,6 +32,7 @@ from stages.encode.common import (
     settings_record,
     earlier_config_hashes,
     control_count_rejection,
+    nonfinite_rejection,
     open_job,
     open_png,
     placed,
@@ -201,7 +202,7 @@ def run(
                     parts[req.name] = lat.to("cpu", torch.bfloat16)
                     bar.encoded(len(req.sample.names))
                     if len(parts) == len(req.sample.names):
-                        _write(job, req.sample, done.pop(req.key))
+                        _write(job, req.sample, done.pop(req.key), f"encode_vae.dtype {section.dtype}")
         return job.finish()
 
 
@@ -227,7 +228,10 @@ def _preparation(variant: str) -> tuple[Any, Callable, Callable]:
             prepare, lambda n, key: control_count_rejection(variant, n, key))
 
 
-def _write(job: EncodeJob, prepared: Prepared, latents: dict[str, torch.Tensor]) -> None:
+def _write(job: EncodeJob, prepared: Prepared, latents: dict[str, torch.Tensor], dtype_setting: str) -> None:
+    if (rejected := nonfinite_rejection(prepared.key, latents, dtype_setting)) is not None:
+        job.quarantine(prepared.key, rejected.reason, rejected.detail)
+        return
     meta = job.images.cells(prepared.key, ("split", "img_shapes", "mask_sha256"))
     names = prepared.names  # target first, then control_0, control_1, ...
     tensors = {n: latents[n].contiguous() for n in names}

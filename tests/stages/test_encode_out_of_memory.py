@@ -1,5 +1,6 @@
 """A batch that runs the device out of memory: encode-text and encode-vae halve it and go on (the table equals the
-one a run at the halved batch size writes); a single sample that does not fit stops with one line naming it, and the rerun resumes."""
+one a run at the halved batch size writes); a single sample that does not fit stops with one line naming it, and
+the rerun resumes."""
 
 from __future__ import annotations
 

@@ -125,7 +125,8 @@ def test_edit_text_equals_the_stock_pipeline_on_unicode_and_long_captions(tiny_e
             assert torch.equal(got[name], want.to(torch.bfloat16)), (key, name)
 
 
-def test_21_text_and_latents_equal_the_stock_pipeline_on_unicode_and_long_captions(tiny_21_model, tmp_path, images_fixture):
+def test_21_text_and_latents_equal_the_stock_pipeline_on_unicode_and_long_captions(tiny_21_model, tmp_path,
+                                                                                   images_fixture):
     """Qwen-Image-2.1 (text: one sample per call): prompt and empty prompt with 0..3 references of mixed sizes;
     latents in batches of 8."""
     from diffusers import QwenImage21Pipeline
