@@ -55,3 +55,70 @@ def batches_by_shape(items: Iterable[T], shape_of: Callable[[T], Hashable | None
             yield batch
     for batch in groups.values():
         yield batch
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """A device allocation that failed: CUDA's own error, the RuntimeError other backends raise (MPS, the CPU), or
+    cuBLAS / cuDNN failing to allocate their workspace (`CUBLAS_STATUS_ALLOC_FAILED`)."""
+    import torch
+
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(m in text for m in ("out of memory", "can't allocate memory",
+                                                                      "STATUS_ALLOC_FAILED"))
+
+
+class MemoryBoundForward:
+    """`forward(batch) -> one result per item`, run on parts of the batch small enough for the device's memory.
+
+    A batch that runs out of memory is halved and its parts run in turn; the smaller size holds for the rest of
+    the run (said once per halving), so the next batches do not fail first. A single item that does not fit stops
+    with one line naming it: the shards written so far are kept (the open one, up to `shard_size_mb`, is not) and a
+    rerun resumes from them.
+    Before, one batch too large (a few big images together) stopped the stage with a traceback, and the rerun
+    failed on the same batch. A smaller batch changes the last float32 bits of the VAE latents (within one bf16
+    step, docs/encode.md) and, on a GPU, of the text embeddings.
+    """
+
+    def __init__(self, forward: Callable[[list[T]], Iterable[R]], stage: str, name_of: Callable[[T], str],
+                 device: object, setting: str) -> None:
+        self.forward, self.stage, self.name_of, self.device, self.setting = forward, stage, name_of, device, setting
+        self.cap: int | None = None  # the largest part that may run, after an out-of-memory
+
+    def __call__(self, batch: list[T]) -> list[R]:
+        results: list[R] = []
+        size = len(batch) if self.cap is None else min(len(batch), self.cap)
+        while len(results) < len(batch):
+            part = batch[len(results) : len(results) + size]
+            done = self._try(part)
+            if done is not None:
+                results.extend(done)
+                continue
+            if len(part) == 1:
+                from schemas.errors import UserError
+
+                raise UserError(f"{self.stage}: {self.device} ran out of memory encoding {self.name_of(part[0])} "
+                                "alone: free the device (another process on it?), use one with more memory, or a "
+                                "lower-precision dtype; the shards written so far are kept and a rerun resumes "
+                                "from them")
+            size = self.cap = (len(part) + 1) // 2
+            from tqdm import tqdm
+
+            tqdm.write(f"{self.stage}: {self.device} ran out of memory on a batch of {len(part)}: batches of at "
+                       f"most {size} from now on (set {self.setting} to {size} to start there)")
+        return results
+
+    def _try(self, part: list[T]) -> list[R] | None:
+        """The part's results, or None when the device ran out of memory (its memory freed: the error and its
+        frames are dropped before the smaller retry)."""
+        try:
+            return list(self.forward(part))
+        except Exception as e:  # noqa: BLE001 - re-raised unless it is an out-of-memory
+            if not out_of_memory(e):
+                raise
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        return None

@@ -7,14 +7,16 @@ A stage reads top to bottom as: `open_job` (lineage, up to date?) -> load its on
 
 Where each part lives: `ranks.py` (processes and devices), `settings.py` (features hash, overrides, precision),
 `summary.py`, `plan.py` (`open_job`), `job.py` (`EncodeJob`), `output.py` (writer, carry forward), `intake.py`
-(checked reads, quarantine), `commit.py` (finish, close), `batching.py` (prefetch, shape-grouped batches).
+(checked reads, quarantine), `commit.py` (finish, close), `batching.py` (prefetch, shape-grouped batches, halved
+on out-of-memory).
 """
 
 from __future__ import annotations
 
 from features.pictures import open_png
-from stages.encode.batching import batches_by_shape, prefetched
-from stages.encode.intake import caption_hopeless, control_count_rejection, placeholder_rejection
+from stages.encode.batching import MemoryBoundForward, batches_by_shape, prefetched
+from stages.encode.intake import (caption_hopeless, control_count_rejection, nonfinite_rejection,
+                                  placeholder_rejection)
 from stages.encode.job import EncodeJob
 from stages.encode.plan import IMAGES_TABLE, open_job
 from stages.encode.ranks import Ranks, current_ranks, rank_device
@@ -23,9 +25,11 @@ from stages.encode.settings import (config_hash, earlier_config_hashes, placed, 
 from stages.encode.summary import DAMAGED_INPUT, Summary
 
 __all__ = [
-    "DAMAGED_INPUT", "IMAGES_TABLE", "EncodeJob", "Ranks", "Summary", "batches_by_shape", "caption_hopeless",
+    "DAMAGED_INPUT", "IMAGES_TABLE", "EncodeJob", "MemoryBoundForward", "Ranks", "Summary", "batches_by_shape",
+    "caption_hopeless",
     "config_hash",
-    "control_count_rejection", "current_ranks", "earlier_config_hashes", "open_job", "open_png", "placed",
+    "control_count_rejection", "current_ranks", "earlier_config_hashes", "nonfinite_rejection", "open_job", "open_png",
+    "placed",
     "prefetched", "placeholder_rejection", "rank_device", "resolve_precision", "serving_config_hashes",
     "settings_record", "with_overrides",
 ]

@@ -277,3 +277,17 @@ def placeholder_rejection(caption: str, processor, key: str) -> Rejected | None:
     return Rejected("prompt does not fit the template",
                     f"the caption holds {', '.join(held)}, a placeholder the model's processor reserves for a "
                     "picture or video (the stock pipeline refuses such a prompt); remove it from the caption", key=key)
+
+
+def nonfinite_rejection(key: str, tensors: dict[str, Any], dtype_setting: str) -> Rejected | None:
+    """A sample whose features hold NaN or inf (float16 overflowing the encoder, a damaged weight, inf from rounding
+    to bf16): quarantined, not stored. Stored, it passed for features until train's first step on it stopped with a
+    non-finite loss (hours in, `encode` then up to date), or evaluate reported NaN losses."""
+    import torch
+
+    bad = [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if not bad:
+        return None
+    return Rejected("non-finite features", f"{', '.join(bad)} hold NaN or inf, encoded with {dtype_setting}; "
+                    "float16 can overflow these encoders: use bfloat16 or float32, or check the model's weights",
+                    key=key)

@@ -31,8 +31,10 @@ from schemas.fixes import alpha_flattened, mask_was_turned, prompt_was_emptied, 
 from schemas.pictures_lineage import TEXT_UNREAD
 from schemas.table import FieldSpec, TableSchema
 from stages.encode.common import (
+    MemoryBoundForward,
     Ranks,
     Summary,
+    nonfinite_rejection,
     settings_record,
     open_job,
     open_png,
@@ -289,20 +291,22 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
         nocontrol = section.no_control_embeds  # reference dropout: the text-to-image prompt, no references
         schema = text_schema(job, text_encoder.config.text_config.hidden_size, section.dtype, nocontrol)
         encodings = SampleEncodings(encoder)
+        forward = MemoryBoundForward(lambda items: [encodings.of(items[0], nocontrol)], "encode-text",
+                                     lambda item: f"sample {item.key}", target, "encode_text.batch_size")
         todo = job.open_writer(schema, section.shard_size_mb)
         samples = prefetched(job.read_inputs(todo, references_rule),
                              job.unless_rejected(lambda item: prepare_text(*item, processor)),
                              workers=section.num_workers)
         with job.progress(len(todo)) as bar:
             for item in job.accepted(samples, bar):
-                _encode_text(job, item, processor, encodings, nocontrol, bar)
+                _encode_text(job, item, processor, forward, nocontrol, bar)
         return job.finish()
 
 
 # ---------------------------------------------------------------- encode-vae
 
 
-def _encode_text(job, item, processor, encodings: SampleEncodings, nocontrol: bool, bar) -> None:
+def _encode_text(job, item, processor, forward: MemoryBoundForward, nocontrol: bool, bar) -> None:
     """One sample: quarantined (its caption too long for the transformer's frames, before or after the encoder;
     a VLM grid other than the VAE's) or encoded and added."""
     from models.qwen21_text import grid_mismatch
@@ -322,7 +326,7 @@ def _encode_text(job, item, processor, encodings: SampleEncodings, nocontrol: bo
         return
     # One sample per forward: the stock encoder takes one reference set per call.
     with job.timed_forward(3 if nocontrol else 2):
-        prompt, slots, empty, empty_slots, alone = encodings.of(item, nocontrol)
+        prompt, slots, empty, empty_slots, alone = forward([item])[0]  # SampleEncodings.of, one line on OOM
     problem = grid_mismatch(slots, [(im.height, im.width) for im in item.references])
     if problem is not None:
         job.quarantine(item.key, "VLM grid differs from the VAE grid", problem)
@@ -332,18 +336,20 @@ def _encode_text(job, item, processor, encodings: SampleEncodings, nocontrol: bo
         job.quarantine(item.key, too_long.reason, too_long.detail)
         bar.skipped()
         return
+    embeds = {"prompt_embeds": prompt, "empty_embeds": empty, **({"nocontrol_embeds": alone} if nocontrol else {})}
+    embeds = {name: e.to("cpu", torch.bfloat16).contiguous() for name, e in embeds.items()}
+    bar.encoded(1)
+    if (bad := nonfinite_rejection(item.key, embeds, f"encode_text.dtype {str(prompt.dtype)[6:]}")) is not None:
+        job.quarantine(item.key, bad.reason, bad.detail)
+        return
     job.writer.add(item.key, tensors={
-        "prompt_embeds": prompt.to("cpu", torch.bfloat16).contiguous(),
-        "empty_embeds": empty.to("cpu", torch.bfloat16).contiguous(),
-        "slot_mask": slots.cpu().contiguous(), "empty_slot_mask": empty_slots.cpu().contiguous(),
-        **({"nocontrol_embeds": alone.to("cpu", torch.bfloat16).contiguous()} if nocontrol else {}),
+        **embeds, "slot_mask": slots.cpu().contiguous(), "empty_slot_mask": empty_slots.cpu().contiguous(),
     }, meta={"split": meta.get("split", "train"), "img_shapes": meta["img_shapes"],
              # text tokens of the joint sequence: + the image tokens (img_shapes) = its exact length,
              # which the join hands the length-aware sampler
              "length": int((~slots).sum()), "empty_length": int((~empty_slots).sum()),
              "num_controls": len(item.references)})
     job.summary.encoded += 1
-    bar.encoded(1)
 
 
 def preprocess_rgba(image_processor, im) -> torch.Tensor:

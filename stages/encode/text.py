@@ -32,6 +32,7 @@ from schemas.table import FieldSpec, TableSchema
 from schemas.errors import Rejected
 from stages.encode.common import (
     EncodeJob,
+    MemoryBoundForward,
     Ranks,
     Summary,
     batches_by_shape,
@@ -39,6 +40,7 @@ from stages.encode.common import (
     config_hash,
     earlier_config_hashes,
     control_count_rejection,
+    nonfinite_rejection,
     open_job,
     open_png,
     placed,
@@ -435,21 +437,27 @@ def _encode(job, section, fmt, model: str, target, by_controls) -> Summary:
                          job.unless_rejected(lambda item: prepare(*item, fmt, processor, lock, nocontrol)),
                          workers=section.num_workers)
     done: dict[str, dict[str, torch.Tensor]] = {}  # key -> kind -> embeds, until both kinds are in
+    forward = MemoryBoundForward(
+        lambda part: encode_batch(text_encoder, part, fmt.start_idx, processor.tokenizer.pad_token_id), STAGE,
+        lambda r: f"sample {r.key} ({r.num_tokens} tokens)", target, "encode_text.batch_size")
     with job.progress(len(todo)) as bar:
         requests = (r for pair in job.accepted(samples, bar) for r in pair)
         for batch in batches(requests, section.batching, section.batch_size):
             with job.timed_forward(len(batch)):
-                embeds = encode_batch(text_encoder, batch, fmt.start_idx, processor.tokenizer.pad_token_id)
+                embeds = forward(batch)
             for req, emb in zip(batch, embeds):
                 parts = done.setdefault(req.key, {})
                 parts[req.kind] = emb.to("cpu", torch.bfloat16)
                 bar.encoded(len(kinds))
                 if len(parts) == len(kinds):
-                    _write(job, req.key, done.pop(req.key))
+                    _write(job, req.key, done.pop(req.key), f"encode_text.dtype {section.dtype}")
     return job.finish()
 
 
-def _write(job: EncodeJob, key: str, parts: dict[str, torch.Tensor]) -> None:
+def _write(job: EncodeJob, key: str, parts: dict[str, torch.Tensor], dtype_setting: str) -> None:
+    if (rejected := nonfinite_rejection(key, {f"{k}_embeds": t for k, t in parts.items()}, dtype_setting)):
+        job.quarantine(key, rejected.reason, rejected.detail)
+        return
     meta = job.images.cells(key, ("split", "img_shapes", "num_controls"))
     job.writer.add(
         key,

@@ -25,12 +25,14 @@ from schemas.table import FieldSpec, TableSchema
 from schemas.errors import Rejected
 from stages.encode.common import (
     EncodeJob,
+    MemoryBoundForward,
     Ranks,
     Summary,
     batches_by_shape,
     settings_record,
     earlier_config_hashes,
     control_count_rejection,
+    nonfinite_rejection,
     open_job,
     open_png,
     placed,
@@ -187,17 +189,20 @@ def run(
         samples = prefetched(job.read_inputs(todo, rule),
                              job.unless_rejected(lambda item: prep(*item, image_processor, variant)), workers=section.num_workers)
         done: dict[str, dict[str, torch.Tensor]] = {}  # key -> image name -> latent, until the sample is complete
+        forward = MemoryBoundForward(lambda part: encode_batch(vae, part, latents_mean, latents_std), STAGE,
+                                     lambda r: f"sample {r.key}'s {r.name} ({r.shape[1]}x{r.shape[0]} pixels)",
+                                     target, "encode_vae.batch_size")
         with job.progress(len(todo)) as bar:
             requests = (r for prepared in job.accepted(samples, bar) for r in prepared.requests)
             for batch in batches_by_shape(requests, lambda r: r.shape, section.batch_size):
                 with job.timed_forward(len(batch)):
-                    latents = encode_batch(vae, batch, latents_mean, latents_std)
+                    latents = forward(batch)
                 for req, lat in zip(batch, latents):
                     parts = done.setdefault(req.key, {})
                     parts[req.name] = lat.to("cpu", torch.bfloat16)
                     bar.encoded(len(req.sample.names))
                     if len(parts) == len(req.sample.names):
-                        _write(job, req.sample, done.pop(req.key))
+                        _write(job, req.sample, done.pop(req.key), f"encode_vae.dtype {section.dtype}")
         return job.finish()
 
 
@@ -223,7 +228,10 @@ def _preparation(variant: str) -> tuple[Any, Callable, Callable]:
             prepare, lambda n, key: control_count_rejection(variant, n, key))
 
 
-def _write(job: EncodeJob, prepared: Prepared, latents: dict[str, torch.Tensor]) -> None:
+def _write(job: EncodeJob, prepared: Prepared, latents: dict[str, torch.Tensor], dtype_setting: str) -> None:
+    if (rejected := nonfinite_rejection(prepared.key, latents, dtype_setting)) is not None:
+        job.quarantine(prepared.key, rejected.reason, rejected.detail)
+        return
     meta = job.images.cells(prepared.key, ("split", "img_shapes", "mask_sha256"))
     names = prepared.names  # target first, then control_0, control_1, ...
     tensors = {n: latents[n].contiguous() for n in names}
