@@ -174,17 +174,18 @@ def merged_rows(old: pa.Table | None, rows: pa.Table) -> tuple[pa.Table, int]:
 
 def _first_unseen(old: pa.Table | None, rows: pa.Table, identity: list[str]) -> np.ndarray:
     """Row numbers of `rows` equal (on `identity`; a column `old` lacks is null there, and null equals null) to no
-    row of `old` and to no earlier row of `rows`. Column by column, each column's values ranked (`pc.rank`, dense:
-    equal values one rank, null one of them) and folded into one int64 code a row: one column's ranks at a time and
-    no copy of the new rows' texts (a group_by over every column at once holds ~1 KB a row: ~1 GB at a commit of 1M
-    rejects, a source's bad batch). Of `old` (every version's rejects, ~1M rows) only the rows that share the first
-    column's value with a new row take part, and fewer after each column."""
+    row of `old` and to no earlier row of `rows`. Column by column, each column's values coded (equal values one
+    code, null one of them: the first column hashed, the others ranked by `pc.rank`, which copies no text) and
+    folded into one int64 code a row: one column at a time and no copy of the new rows' texts (a group_by over every
+    column at once holds ~1 KB a row: ~1 GB at a commit of 1M rejects, a source's bad batch). Of `old` (every
+    version's rejects, ~1M rows) only the rows that share the first column's value with a new row take part, and
+    fewer after each column."""
     n = rows.num_rows
     if not n:
         return np.zeros(0, np.int64)
-    at = _candidates(old, rows, identity[0])  # old rows that may equal a new one; their codes come first
-    code, bound = np.zeros(len(at) + n, np.int64), 1  # code < bound
-    for c in identity:
+    at, code = _first_column(old, rows, identity[0])  # at: the old rows that may equal a new one, coded first
+    bound = n  # code < bound
+    for c in identity[1:]:
         values = _text(rows, c)
         if len(at):
             values = pa.chunked_array(_text(old, c).take(pa.array(at)).chunks + values.chunks)
@@ -214,12 +215,22 @@ def _among(values: np.ndarray, of: np.ndarray) -> np.ndarray:
     return pc.is_in(pa.array(values), value_set=pa.array(of)).to_numpy(zero_copy_only=False)
 
 
-def _candidates(old: pa.Table | None, rows: pa.Table, c: str) -> np.ndarray:
-    """Row numbers of `old` whose `c` a row of `rows` has too (null: a null)."""
+def _first_column(old: pa.Table | None, rows: pa.Table, c: str) -> tuple[np.ndarray, np.ndarray]:
+    """(Row numbers of `old` whose `c` a row of `rows` has too (null: a null); the codes of those rows, then of
+    `rows`): a value's code is the row number of its first new row. Hashed, not ranked: the first column is the key,
+    random hex a sort is slowest on, and only hashing finds the few old rows that can match among ~1M."""
+    values = _text(rows, c)
+    code = _index_in(values, values)
     if old is None:
-        return np.zeros(0, np.int64)
-    found = pc.is_in(_text(old, c), value_set=_text(rows, c))
-    return np.flatnonzero(found.to_numpy(zero_copy_only=False))
+        return np.zeros(0, np.int64), code.to_numpy().astype(np.int64)
+    found = _index_in(_text(old, c), values)
+    at = np.flatnonzero(found.is_valid().to_numpy(zero_copy_only=False))
+    return at, np.concatenate([found.drop_null().to_numpy(), code.to_numpy()]).astype(np.int64)
+
+
+def _index_in(values: pa.ChunkedArray, among: pa.ChunkedArray) -> pa.Array:
+    """Each value's position in `among` (its first; null where none; null finds null), as one int32 array."""
+    return pc.index_in(values, value_set=among, skip_nulls=False).combine_chunks()
 
 
 def to_bytes(table: pa.Table) -> bytes:
