@@ -161,16 +161,19 @@ def main() -> None:
             old, new = best_interleaved(a.repeat, lambda way: child_json(CHILD, str(folder), way), least)
             if (old["digest"], old["added"]) != (new["digest"], new["added"]):
                 raise SystemExit(f"{case}: old and new merge different rows")
-            print(f"{case:5s} {a.new:,} new rows" + (f" into {a.existing:,}" if case == "rerun" else "") +
-                  f", {new['added']:,} added" + (" (an Arrow peak is at most: the inputs' read peaked higher)"
-                                                 if old["unsure"] or new["unsure"] else ""))
-            for way, r in (("old", old), ("new", new)):
-                print(f"  {way}: {r['seconds']:.2f} s, Arrow +{r['arrow_mb']:.0f} MB, Python +{r['py_mb']:.0f} MB, "
-                      f"RSS peak +{r['peak_mb']:.0f} MB ({r['peak_mb'] * 1e6 / a.new:.0f} B a new row)")
-            print(f"  old/new: time {old['seconds'] / new['seconds']:.1f}x, Arrow peak "
-                  f"{old['arrow_mb'] / max(new['arrow_mb'], 1):.1f}x, RSS peak {old['peak_mb'] / max(new['peak_mb'], 1):.1f}x",
-                  flush=True)
+            report(case, a, old, new)
 
+
+def report(case: str, a: argparse.Namespace, old: dict, new: dict) -> None:
+    print(f"{case:5s} {a.new:,} new rows" + (f" into {a.existing:,}" if case == "rerun" else "") +
+          f", {new['added']:,} added" + (" (an Arrow peak is at most: the inputs' read peaked higher)"
+                                         if old["unsure"] or new["unsure"] else ""))
+    for way, r in (("old", old), ("new", new)):
+        print(f"  {way}: {r['seconds']:.2f} s, Arrow +{r['arrow_mb']:.0f} MB, Python +{r['py_mb']:.0f} MB, "
+              f"RSS peak +{r['peak_mb']:.0f} MB ({r['peak_mb'] * 1e6 / a.new:.0f} B a new row)")
+    print(f"  old/new: time {old['seconds'] / new['seconds']:.1f}x, Arrow peak "
+          f"{old['arrow_mb'] / max(new['arrow_mb'], 1):.1f}x, RSS peak {old['peak_mb'] / max(new['peak_mb'], 1):.1f}x",
+          flush=True)
 
 if __name__ == "__main__":
     main()

@@ -189,7 +189,8 @@ def _first_unseen(old: pa.Table | None, rows: pa.Table, identity: list[str]) -> 
         values = _text(rows, c)
         if len(at):
             values = pa.chunked_array(_text(old, c).take(pa.array(at)).chunks + values.chunks)
-        rank = pc.rank(values, tiebreaker="dense").to_numpy().astype(np.int64) - 1
+        rank = pc.rank(values, tiebreaker="dense").to_numpy().astype(np.int64)  # 1..distinct
+        rank -= 1
         card = int(rank.max()) + 1
         if bound * card >= _CODE_LIMIT:  # the fold would overflow int64: renumber the codes 0..distinct-1 first
             distinct, code = np.unique(code, return_inverse=True)
