@@ -12,10 +12,11 @@
     PYTHONPATH=. python bench/resize_reject_memory.py --rows 1000000 --samples 0
 
 2-core machine shared with 5 other jobs, one run (24 s CPU, ~2 min wall under that load), default sizes:
-  rows 100000: old  held 68.2 MiB (715 B a row), commit 1.31 s, RSS peak +191.0 MiB over its start
-               new  held  7.2 MiB ( 75 B a row), commit 0.42 s, RSS peak +139.4 MiB over its start
-    (1M bad samples: ~700 MB held for the whole run before, ~72 MB now; the commit's peak is the store's merge
-    of the rows into quarantine.parquet, store/quarantine.py `merged_rows`, ~1.4 KB a row either way)
+  rows 100000 (this part rerun alone, --samples 0, with the column-by-column merge of bench/quarantine_merge.py):
+               old  held 68.2 MiB (715 B a row), commit 1.31 s, RSS peak +117.4 MiB over its start
+               new  held  7.2 MiB ( 75 B a row), commit 0.28 s, RSS peak  +59.4 MiB over its start
+    (1M bad samples: ~700 MB held for the whole run before, ~72 MB now; the commit's peak: the file's bytes and
+    the merge of the rows into it, store/quarantine.py `merged_rows`, ~130 B a new row: bench/quarantine_merge.py)
   stage 10000 bad samples: old  rows 8.3 MiB; traced + arrow at the commit +11.3 MiB over the run's start
                            new  rows 1.9 MiB (2 chunks, 1808 rows still dicts);                +9.3 MiB
     (in a run the rows' key and source texts are shared with `Intake.first_source`, which keeps them anyway)

@@ -167,30 +167,71 @@ def merged_rows(old: pa.Table | None, rows: pa.Table) -> tuple[pa.Table, int]:
         keep = _first_unseen(old, rows, identity)
     if not len(keep):
         return (old if old is not None else rows.slice(0, 0)), 0
-    fresh = rows.take(pa.array(keep, pa.int64()))
+    # every row new (a batch of fresh rejects): the rows as they are, no copy of them
+    fresh = rows if len(keep) == rows.num_rows else rows.take(pa.array(keep, pa.int64()))
     return (fresh if old is None else pa.concat_tables([old, fresh], promote_options="permissive")), len(keep)
 
 
 def _first_unseen(old: pa.Table | None, rows: pa.Table, identity: list[str]) -> np.ndarray:
     """Row numbers of `rows` equal (on `identity`; a column `old` lacks is null there, and null equals null) to no
-    row of `old` and to no earlier row of `rows`. Vectorised: the file holds every version's rejects (~1M rows),
-    and per-row Python tuples of it cost seconds on every append, each rank's in turn under the store lock."""
+    row of `old` and to no earlier row of `rows`. Column by column, each column's values coded (equal values one
+    code, null one of them: the first column hashed, the others ranked by `pc.rank`, which copies no text) and
+    folded into one int64 code a row: one column at a time and no copy of the new rows' texts (a group_by over every
+    column at once holds ~1 KB a row: ~1 GB at a commit of 1M rejects, a source's bad batch). Of `old` (every
+    version's rejects, ~1M rows) only the rows that share the first column's value with a new row take part, and
+    fewer after each column."""
     n = rows.num_rows
+    if not n:
+        return np.zeros(0, np.int64)
+    at, code = _first_column(old, rows, identity[0])  # at: the old rows that may equal a new one, coded first
+    bound = n  # code < bound
+    for c in identity[1:]:
+        values = _text(rows, c)
+        if len(at):
+            values = pa.chunked_array(_text(old, c).take(pa.array(at)).chunks + values.chunks)
+        rank = pc.rank(values, tiebreaker="dense").to_numpy().astype(np.int64)  # 1..distinct
+        rank -= 1
+        card = int(rank.max()) + 1
+        if bound * card >= _CODE_LIMIT:  # the fold would overflow int64: renumber the codes 0..distinct-1 first
+            distinct, code = np.unique(code, return_inverse=True)
+            bound = len(distinct)
+        code, bound = code * card + rank, bound * card
+        if len(at) and not (held := _among(code[:len(at)], code[len(at):])).all():  # equal to no new row so far
+            at, code = at[held], np.concatenate([code[:len(at)][held], code[len(at):]])
+    codes, first = np.unique(code[len(at):], return_index=True)  # first: each distinct row's first new one
+    return np.sort(first[~_among(codes, code[:len(at)])])
 
-    def col(t: pa.Table, c: str) -> pa.Array:  # every column is text (add_rows); a lacking one is null
-        a = t.column(c).combine_chunks() if c in t.column_names else pa.nulls(t.num_rows)
-        return a.cast(pa.string())
 
-    if old is not None:  # only old rows sharing the first identity value can match (is_in: null matches null)
-        first = col(rows, identity[0])
-        old = old.filter(pc.is_in(col(old, identity[0]), value_set=first.unique()))
-    m = 0 if old is None else old.num_rows
-    both = {f"c{i}": pa.concat_arrays(([col(old, c)] if m else []) + [col(rows, c)]) for i, c in enumerate(identity)}
-    both["row"] = pa.array(np.arange(m + n))
-    # the first row of each group of equal rows (group_by: null is a value like any other), the old ones first
-    firsts = pa.table(both).group_by(list(both)[:-1], use_threads=False).aggregate([("row", "min")])
-    firsts = firsts.column("row_min").to_numpy()
-    return np.sort(firsts[firsts >= m]) - m
+_CODE_LIMIT = 2 ** 62  # folded codes stay below it: int64
+
+
+def _text(t: pa.Table, c: str) -> pa.ChunkedArray:
+    """Column `c` of `t` as text (every column is, `add_rows`); null where `t` lacks it."""
+    values = t.column(c) if c in t.column_names else pa.chunked_array([pa.nulls(t.num_rows)])
+    return values.cast(pa.string())
+
+
+def _among(values: np.ndarray, of: np.ndarray) -> np.ndarray:
+    """Whether each of `values` is one of `of` (hashed: np.isin sorts both)."""
+    return pc.is_in(pa.array(values), value_set=pa.array(of)).to_numpy(zero_copy_only=False)
+
+
+def _first_column(old: pa.Table | None, rows: pa.Table, c: str) -> tuple[np.ndarray, np.ndarray]:
+    """(Row numbers of `old` whose `c` a row of `rows` has too (null: a null); the codes of those rows, then of
+    `rows`): a value's code is the row number of its first new row. Hashed, not ranked: the first column is the key,
+    random hex a sort is slowest on, and only hashing finds the few old rows that can match among ~1M."""
+    values = _text(rows, c)
+    code = _index_in(values, values)
+    if old is None:
+        return np.zeros(0, np.int64), code.to_numpy().astype(np.int64)
+    found = _index_in(_text(old, c), values)
+    at = np.flatnonzero(found.is_valid().to_numpy(zero_copy_only=False))
+    return at, np.concatenate([found.drop_null().to_numpy(), code.to_numpy()]).astype(np.int64)
+
+
+def _index_in(values: pa.ChunkedArray, among: pa.ChunkedArray) -> pa.Array:
+    """Each value's position in `among` (its first; null where none; null finds null), as one int32 array."""
+    return pc.index_in(values, value_set=among, skip_nulls=False).combine_chunks()
 
 
 def to_bytes(table: pa.Table) -> bytes:
