@@ -1,7 +1,7 @@
 """The launch's store, reached through connections of our own, every connect and call bounded: the launch's keys
 (`_launch_key`), who serves the store (`_hosts_store`, `_agent_store`), the connection (`_store_client`), and the
 bounded call (`_call`: `_in_thread`, `_outcome`), which says `StoreSilent` where the store's host accepts
-connections but never answers."""
+connections but never answers; and every rank's signs of life read at once (`signs_of_life`)."""
 
 from __future__ import annotations
 
