@@ -13,7 +13,7 @@ from models.collective import state, timing
 from models.collective.errors import RankFailed, _first_line
 from models.collective.publish import publish_failure
 from models.collective.reconnect import _read
-from models.collective.store_client import _alive_key, _call, _launch_key, _store_client
+from models.collective.store_client import _call, _launch_key, _store_client, signs_of_life
 from models.collective.watch import watch_failures
 from schemas.errors import UserError
 
@@ -73,28 +73,29 @@ def _wait_notice(call: Callable, key: str, world: int, rank: int, waited: float,
     """The line a long wait prints (every WAIT_NOTICE_SECONDS), by the lowest rank arrived only (one line, not one
     per rank): a rank alive but stuck (a hung network file system read) keeps counting signs of life, so the
     others wait on without an end; the line says who they wait for, so a user sees it and can stop the job.
-    `call(op)`: one store call (`_read`)."""
-    arrived = [r for r in range(world) if call(lambda c: c.check([f"{key}/{r}"]))]
-    if not arrived or arrived[0] != rank:
-        return None
+    `call(op)`: one store call (`_read`): one per rank below this one, up to the first arrived, and the lowest
+    arrived asks the rest (every waiting rank asks at once: all of them each, 512 ranks would be 262,144 calls)."""
+    for r in range(rank):
+        if call(lambda c: c.check([f"{key}/{r}"])):
+            return None  # a lower rank arrived: it says it
     from models.agreement import few
 
-    missing = [r for r in range(world) if r not in arrived]
-    return (f"{what}: {len(arrived)} of {world} ranks have waited {waited / 60:.0f} min for rank(s) {few(missing)}, "
+    missing = list(range(rank)) + [r for r in range(rank + 1, world) if not call(lambda c: c.check([f"{key}/{r}"]))]
+    arrived = world - len(missing)
+    return (f"{what}: {arrived} of {world} ranks have waited {waited / 60:.0f} min for rank(s) {few(missing)}, "
             "still alive (working, or stuck: its node's logs say which)")
 
 
 def _lost_ranks(call: Callable, key: str, world: int, seen: dict[int, tuple[int, float]]) -> list[int]:
     """The ranks not arrived at `key` whose signs of life have not changed for LOST_SECONDS; a rank that never gave
     any (its watch thread not started yet, or unable to reach the store) only after BEFORE_GROUP_SECONDS: a rank
-    still starting is no lost one, but no wait is for ever. `call(op)`: one store call (`_read`)."""
+    still starting is no lost one, but no wait is for ever. `call(op)`: one store call (`_read`): two for every
+    rank's signs of life (`signs_of_life`), and one more for each silent one: whether it arrived (not waited for)."""
     now, lost = time.monotonic(), []
-    for r in range(world):
-        if call(lambda c: c.check([f"{key}/{r}"])):
-            continue
-        beats = call(lambda c: c.add(_alive_key(r), 0))
+    for r, beats in enumerate(signs_of_life(call, list(range(world)))):
         if r not in seen or seen[r][0] != beats:
             seen[r] = (beats, now)
-        elif now - seen[r][1] > (timing.LOST_SECONDS if beats else timing.BEFORE_GROUP_SECONDS):
+        elif (now - seen[r][1] > (timing.LOST_SECONDS if beats else timing.BEFORE_GROUP_SECONDS)
+              and not call(lambda c: c.check([f"{key}/{r}"]))):
             lost.append(r)
     return lost

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from models.collective import state, timing
-from models.collective.store_client import _alive_key
+from models.collective.store_client import signs_of_life
 
 
 @contextmanager
@@ -39,13 +39,11 @@ def stalled(seconds: float) -> bool:
 
 
 def frozen_peers(call: Callable, world: int, me: int, seen: dict[int, tuple[int, float]]) -> list[int]:
-    """The other ranks whose signs of life (`_alive_key`) have not changed for LOST_SECONDS, as this watch thread
-    has seen them (`seen`: rank -> (count, when it last changed)). `call(op)`: one store call."""
+    """The other ranks whose signs of life (`signs_of_life`: two store calls) have not changed for LOST_SECONDS, as
+    this watch thread has seen them (`seen`: rank -> (count, when it last changed)). `call(op)`: one store call."""
     now, frozen = time.monotonic(), []
-    for r in range(world):
-        if r == me:
-            continue
-        beats = call(lambda c: c.add(_alive_key(r), 0))
+    others = [r for r in range(world) if r != me]
+    for r, beats in zip(others, signs_of_life(call, others)):
         if r not in seen or seen[r][0] != beats:
             seen[r] = (beats, now)
         elif now - seen[r][1] > timing.LOST_SECONDS:

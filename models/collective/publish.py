@@ -12,8 +12,8 @@ from models.collective.counting import _known_by_all
 from models.collective.errors import _mark, agreed
 from models.collective.reconnect import _read
 from models.collective.report import _untold_warning
-from models.collective.store_client import (StoreSilent, _again_timeout, _alive_key, _call, _failure_key, _hosts_store,
-                                            _store_client)
+from models.collective.store_client import (StoreSilent, _again_timeout, _call, _failure_key, _hosts_store,
+                                            _store_client, signs_of_life)
 
 
 def publish_failure(message: str, world: int) -> str:
@@ -55,12 +55,13 @@ def _write_failure(message: str, world: int, timeout: float = 10.0, watching_onl
 
 
 def _watching_ranks(call: Callable, world: int) -> list[int]:
-    """The other ranks whose watch thread has counted a sign of life (`_alive_key`): those that may wait for this
+    """The other ranks whose watch thread has counted a sign of life (`signs_of_life`): those that may wait for this
     one (a rank waiting at an exchange or an arrival watches from its first exchange on) and read a line it
     publishes within POLL_SECONDS. A rank with none is still starting: it reads the line at its first exchange, if
     the store is still up, and no wait here would make it read sooner. `call(op)`: one store call (`_read`)."""
     me = int(os.environ.get("RANK", "0"))
-    return [r for r in range(world) if r != me and call(lambda c: c.add(_alive_key(r), 0)) > 0]
+    others = [r for r in range(world) if r != me]
+    return [r for r, beats in zip(others, signs_of_life(call, others)) if beats > 0]
 
 
 def peer_failure() -> str | None:

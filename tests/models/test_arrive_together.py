@@ -20,6 +20,9 @@ class FakeStore:
         self.values[key] = self.values.get(key, 0) + n
         return self.values[key]
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [str(self.values[k]).encode() for k in keys]  # a missing key: KeyError (torch's waits for it)
+
     def call(self, op):
         """One call through this client, as `collective.reconnect._read` makes each of a batch's calls."""
         return op(self)
@@ -57,3 +60,18 @@ def test_a_long_wait_says_who_it_waits_for_once_by_the_lowest_rank_arrived() -> 
     assert line == ("checkpoint write: 2 of 4 ranks have waited 21 min for rank(s) 0, 3, still alive (working, or "
                     "stuck: its node's logs say which)")
     assert collective.arrive._wait_notice(store.call, key, 4, 2, 1260.0, "checkpoint write") is None
+
+
+def test_a_long_waits_notice_asks_the_store_only_up_to_the_lowest_arrived() -> None:
+    """Every waiting rank asks at the same time: each one asking for every rank's arrival would be 262,144 calls on
+    the one store at 512 ranks; a rank above the lowest arrived stops at it."""
+    store, key, world, calls = FakeStore(), "arrived/x/1", 512, []
+    for r in range(1, world):
+        store.values[f"{key}/{r}"] = 1  # rank 0 still writes its checkpoint
+
+    def call(op):
+        calls.append(1)
+        return op(store)
+
+    assert collective.arrive._wait_notice(call, key, world, 300, 1260.0, "checkpoint write") is None
+    assert len(calls) == 2, len(calls)

@@ -254,6 +254,10 @@ class SlowStore:
         self.values[key] = self.values.get(key, 0) + n
         return self.values[key]
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._op()
+        return [str(self.values[k]).encode() for k in keys]
+
 
 def test_a_wait_of_many_ranks_on_a_busy_store_bounds_each_call_not_the_batch(monkeypatch, own_collective) -> None:
     """`arrive_together` looks at every rank not arrived (`_lost_ranks`: two calls per rank; `_wait_notice`: one)
