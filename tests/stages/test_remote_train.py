@@ -96,8 +96,9 @@ def Store_versions(root: Path) -> dict[str, list[int]]:
 
 
 def test_a_full_cache_disk_is_one_line_and_shows_nothing(s3_env, tiny_edit_model, tmp_path: Path, monkeypatch) -> None:
-    """On open (a version's metadata) and on a read (a shard fetched whole): one line, no partial file, naming
-    --cache-gb (before, only "free space and rerun": without a limit the rerun fills the disk at the same point)."""
+    """On open (a version's metadata): one line, no partial file, naming --cache-gb (before, only "free space and
+    rerun": without a limit the rerun fills the disk at the same point). On a read (a shard fetched whole): the
+    samples are read by byte range instead (tests/store/test_remote_cache_leftovers.py), no partial file left."""
     import errno
 
     from schemas.errors import UserError
@@ -132,11 +133,9 @@ def test_a_full_cache_disk_is_one_line_and_shows_nothing(s3_env, tiny_edit_model
     (root,) = [p for p in cache.iterdir() if p.is_dir()]
     assert Store_versions(root) == {"text": [], "vae": []}
     assert Store_versions(local_store(s3_env.url("full"), ["text", "vae"], cache)) == {"text": [1], "vae": [1]}
-    with Store(root, create=False).reader("vae") as r, pytest.raises(UserError, match="disk full while writing "
-                                                                                        "the store cache") as full:
-        for k in r.keys():  # a scan: the shard is fetched whole
-            r.tensors(k)
-    assert "--cache-gb G: the shards that do not fit are then read by byte range" in str(full.value), full.value
+    with Store(root, create=False).reader("vae") as r:  # a scan: its whole fetch meets the full disk
+        read = sum(1 for k in r.keys() if r.tensors(k))
+    assert read == 4  # every sample read by byte range (each checked), the run goes on
     assert not [p for p in root.rglob("*")
                 if remote_shards.FETCH_TAG in p.name and not p.name.endswith(remote_shards.RANGED)]
     assert not [p for p in root.rglob("*.tar")]

@@ -34,4 +34,4 @@ def test_a_store_command_on_a_wrong_path_says_so_without_the_model_stack(tmp_pat
     stderr = proc.stderr
     assert added == {" ".join(c[:2]): [1, []] for c in commands}, stderr[-3000:]
     assert stderr.count(f"error: no store at {nowhere} (no store.json)") == 6, stderr  # inspect ... push
-    assert f"error: no store at file://{nowhere}" in stderr and f"error: {nowhere}: no losses.zarr" in stderr, stderr
+    assert f"error: no store at file://{nowhere}" in stderr and f"error: {nowhere} does not exist; pass a report folder" in stderr, stderr
