@@ -136,3 +136,39 @@ def test_a_bad_progress_seconds_is_a_usage_error():
                           timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "error: PIPELINE_PROGRESS_SECONDS='often' is not a number of seconds; set it to e.g. 30" in proc.stderr
+
+
+def _cli_stderr(args: list[str], stderr, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], env=env, stdout=subprocess.DEVNULL,
+                          stderr=stderr, timeout=120, cwd=tmp_path)
+
+
+def test_the_cli_draws_bars_on_a_terminal_and_lines_into_a_file(tmp_path):
+    """The same command: on a terminal (a pty with a size) tqdm's frames; into a file one plain line."""
+    import fcntl
+    import struct
+    import termios
+
+    main, side = os.openpty()
+    fcntl.ioctl(side, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    try:
+        proc = _cli_stderr(["make-demo-data", str(tmp_path / "a"), "--n", "5"], side, tmp_path)
+        os.close(side)
+        drawn = b""
+        while chunk := _read_some(main):
+            drawn += chunk
+    finally:
+        os.close(main)
+    assert proc.returncode == 0 and b"\rdemo samples: 100%|" in drawn, drawn
+    with open(tmp_path / "log", "w") as log:
+        assert _cli_stderr(["make-demo-data", str(tmp_path / "b"), "--n", "5"], log, tmp_path).returncode == 0
+    text = (tmp_path / "log").read_text()
+    assert _bar_lines(text, "demo samples") == [text.strip()] and text.startswith("demo samples: 100% 5/5 ["), text
+
+
+def _read_some(fd: int) -> bytes:
+    try:
+        return os.read(fd, 65536)
+    except OSError:  # the pty's other side closed (EIO): all read
+        return b""
