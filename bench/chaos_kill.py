@@ -76,8 +76,9 @@ SHORTER = {  # the demo's settings, shortened so that a trial costs seconds; sma
 
 
 def env() -> dict[str, str]:
+    # PIPELINE_PROGRESS_SECONDS=0: a bar's line at each redraw, its start included (a pipe's default is one per 30 s)
     return {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "PYTHONUNBUFFERED": "1"}
+            "PYTHONUNBUFFERED": "1", "PIPELINE_PROGRESS_SECONDS": "0"}
 
 
 def command(stage: str, resume: bool = False) -> list[str]:
@@ -106,8 +107,9 @@ class Watched:
                                      stderr=subprocess.PIPE, start_new_session=True)
         self.chunks = {"out": [], "err": []}
         self.work_began: float | None = None
-        self.bar = re.compile(rb"(?:^|[\r\n])" + re.escape(MAIN_BAR[stage]).encode()
-                              + rb"[^|]*\|[^|]*\|\s*([\d.]+)/([\d.]+)")  # at a line's start: not "check and hash checkpoints:"
+        # a bar's log line (pipeline/bars.py), `train:  50% 30/60 [...]`, at a line's start: not "check and hash
+        # checkpoints:"
+        self.bar = re.compile(rb"(?:^|\n)" + re.escape(MAIN_BAR[stage]).encode() + rb"[^\n]*?\d% ([\d.]+)/([\d.]+)")
         self.done = 0.0  # the share of the stage's main progress bar done, as last drawn
         self.readers = [threading.Thread(target=self._read, args=(pipe, name), daemon=True)
                         for pipe, name in ((self.proc.stdout, "out"), (self.proc.stderr, "err"))]
@@ -117,7 +119,7 @@ class Watched:
     def _read(self, pipe, name: str) -> None:
         for chunk in iter(lambda: os.read(pipe.fileno(), 65536), b""):
             self.chunks[name].append(chunk)
-            if self.work_began is None and b"%|" in chunk:
+            if self.work_began is None and re.search(rb"\d% [\d.]+/", chunk):
                 self.work_began = time.perf_counter() - self.start
             if name == "err" and (drawn := self.bar.findall(chunk)):
                 self.done = float(drawn[-1][0]) / max(float(drawn[-1][1]), 1e-9)

@@ -272,34 +272,21 @@ def _interrupted(error: BaseException) -> BaseException | None:
     return None
 
 
-def bars_on_a_terminal_without_size() -> None:
-    """A terminal that reports 0 columns (a pty opened with no size: `ssh -t host cmd` from a script, `script`
-    without a terminal, some CI runners) made tqdm trim every progress bar to nothing (it draws in columns - 1,
-    here -1): such a size is taken as unknown, as on a pipe (a short bar with its counts, rate and ETA)."""
+def _set_up_bars() -> None:
+    """Progress bars for what stderr is (pipeline/bars.py); a bad PIPELINE_PROGRESS_SECONDS is a usage error."""
+    from pipeline import bars
+    from schemas.errors import UserError
+
     try:
-        if os.get_terminal_size(sys.stderr.fileno()).columns > 0:
-            return
-    except (OSError, ValueError, AttributeError):  # no terminal (a pipe, a file, a closed stderr): tqdm asks none
-        return
-    import tqdm.std
-
-    measure = tqdm.std._screen_shape_wrapper
-
-    def known_sizes_only():
-        shape = measure()
-
-        def sizes(fp):
-            cols, rows = shape(fp)
-            return (cols if cols is not None and cols > 0 else None, rows if rows is not None and rows > 0 else None)
-
-        return sizes
-
-    tqdm.std._screen_shape_wrapper = known_sizes_only
+        bars.for_this_stderr()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def main() -> None:  # pragma: no cover
     exit_gc.collect_once_at_exit()  # first: it must run after the atexit work the command registers
-    bars_on_a_terminal_without_size()
+    _set_up_bars()
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGINT, _interrupt)
     # any thread may ask whether a signal came, before this handler has run (a launched rank's watch thread: a

@@ -8,7 +8,7 @@ import sys
 
 import tqdm.std
 
-from pipeline.cli import bars_on_a_terminal_without_size
+from pipeline.bars import for_this_stderr
 
 
 def test_a_bar_on_a_terminal_of_zero_columns_shows_its_counts(monkeypatch):
@@ -18,7 +18,7 @@ def test_a_bar_on_a_terminal_of_zero_columns_shows_its_counts(monkeypatch):
     try:
         assert os.get_terminal_size(side).columns == 0
         monkeypatch.setattr(sys, "stderr", terminal)
-        bars_on_a_terminal_without_size()
+        for_this_stderr()
         bar = tqdm.std.tqdm(total=10, desc="train", unit="step", file=terminal, dynamic_ncols=True)
         bar.update(3)
         bar.close()
@@ -42,7 +42,7 @@ def test_a_terminal_with_a_size_is_left_to_tqdm(monkeypatch):
     terminal = os.fdopen(side, "w")
     try:
         monkeypatch.setattr(sys, "stderr", terminal)
-        bars_on_a_terminal_without_size()
+        for_this_stderr()
     finally:
         terminal.close()
         os.close(main)

@@ -29,7 +29,7 @@ def _env() -> dict[str, str]:
     """The launcher's environment, taken when it starts: the session's TMPDIR and caches (tests/conftest.py) and
     so the warm parent of the other tests (one taken at import had its own: ~9 s of CPU importing torch again)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests' / 'stages'}",
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "PIPELINE_PROGRESS_SECONDS": "0"}  # every bar's start a line (pipeline/bars.py)
     env.pop("WORLD_SIZE", None)
     return env
 

@@ -68,6 +68,8 @@ def _main_of(monkeypatch, app) -> int:
 
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     monkeypatch.setattr(cli, "app", app)
+    # tqdm's class left as it is: the log-line bars main() sets up for a captured stderr would stay process-wide
+    monkeypatch.setattr(cli, "_set_up_bars", lambda: None)
     monkeypatch.setattr(cli, "_signalled", [])
     # the handler records a SIGTERM for a training loop yet to come (stages/train/stop.EARLIER): in a real process
     # the exit ends it with the process; here it would stop a later test's training in this worker after step 1

@@ -1,0 +1,174 @@
+"""Progress bars in a log (stderr to a file or a pipe: a SLURM log, `nohup ... > log`, CI, kubectl logs): plain
+lines at most every PIPELINE_PROGRESS_SECONDS plus each bar's final state, no `\\r` frames, no cursor codes; on a
+terminal tqdm draws as before."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tqdm.std
+
+from pipeline import bars
+
+REPO = Path(__file__).resolve().parents[2]
+PATCHED = ("__init__", "display", "clear", "close")
+
+
+class Clock:
+    """tqdm's clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def log_lines(monkeypatch):
+    """`bars.as_log_lines` for one test; tqdm's class as it was afterwards. tqdm's clock is the test's."""
+    cls = tqdm.std.tqdm
+    for name in PATCHED:
+        monkeypatch.setattr(cls, name, vars(cls)[name])
+    monkeypatch.setattr(bars._Lines, "seconds", bars._Lines.seconds)
+    monkeypatch.setattr(cls, "monitor_interval", 0)  # no monitor thread drawing on its own clock
+    clock = Clock()
+    monkeypatch.setattr(tqdm.std, "time", clock)
+    yield clock
+    for name in PATCHED:
+        if "_terminal_" + name.strip("_") in vars(cls):
+            delattr(cls, "_terminal_" + name.strip("_"))
+
+
+def _bar_lines(text: str, desc: str) -> list[str]:
+    return [line for line in text.split("\n") if line.startswith(desc + ":")]
+
+
+def test_a_bar_in_a_log_writes_a_line_at_most_every_n_seconds_and_its_final_state(log_lines):
+    """10 minutes of a bar updated 10 times a second: 20 lines at 30 s, the last its final state (before: a
+    `\\r` frame every 0.1 s, ~6,000 of them)."""
+    bars.as_log_lines(30)
+    log = io.StringIO()
+    bar = tqdm.std.tqdm(total=6000, desc="encode-vae", unit="sample", file=log)
+    for i in range(6000):
+        log_lines.now = 1000 + (i + 1) / 10
+        bar.update()
+    bar.close()
+    text = log.getvalue()
+    assert "\r" not in text and "\x1b" not in text, repr(text[:300])
+    lines = _bar_lines(text, "encode-vae")
+    assert 18 <= len(lines) <= 21 and len(lines) == text.count("\n"), text
+    assert lines[0].startswith("encode-vae:   5% 30") and "sample/s" in lines[0] and "<" in lines[0], lines[0]
+    assert lines[-1].startswith("encode-vae: 100% 6000/6000 [10:00<00:00"), lines[-1]
+
+
+def test_nested_bars_in_a_log_have_no_cursor_codes_and_short_inner_bars_say_nothing(log_lines):
+    """evaluate's bars: an outer one over checkpoints, an inner one per checkpoint that a terminal clears
+    (leave=False), and lines written between them (tqdm.write). Before: `ESC[A` and `\\r` in the file."""
+    bars.as_log_lines(30)
+    log = io.StringIO()
+    outer = tqdm.std.tqdm(total=4, desc="checkpoints", unit="ckpt", file=log)
+    for step in range(4):
+        for _ in tqdm.std.tqdm(range(5), desc="generate (base)", unit="image", leave=False, file=log):
+            log_lines.now += 1
+        tqdm.std.tqdm.write(f"checkpoint {step}: done", file=log)
+        outer.update()
+    long = tqdm.std.tqdm(range(100), desc="held-out loss", unit="batch", leave=False, file=log)
+    for _ in long:
+        log_lines.now += 1
+    outer.close()
+    text = log.getvalue()
+    assert "\r" not in text and "\x1b" not in text, repr(text)
+    assert _bar_lines(text, "generate (base)") == [] and text.count("checkpoint 3: done\n") == 1, text
+    # a cleared bar that lasted long enough to say something ends with its final state
+    assert len(_bar_lines(text, "held-out loss")) == 4 and "100/100" in _bar_lines(text, "held-out loss")[-1]
+    assert _bar_lines(text, "checkpoints") == [_bar_lines(text, "checkpoints")[-1]] and "4/4" in text, text
+
+
+def test_the_encode_bar_in_a_log_keeps_its_own_fields(log_lines):
+    from stages.encode.progress import SampleProgress
+
+    bars.as_log_lines(0)
+    log = io.StringIO()
+    with SampleProgress(3, "encode-vae", file=log) as progress:
+        for _ in range(3):
+            log_lines.now += 1
+            progress.sample_read()
+        log_lines.now += 1
+        progress.encoded(2)
+    lines = _bar_lines(log.getvalue(), "encode-vae")
+    assert lines[-1].startswith("encode-vae:  17% 0.5/3 samples [00:04<") and lines[-1].endswith("read 3]"), lines
+
+
+def test_a_bar_on_a_terminal_still_draws_frames(log_lines, monkeypatch):
+    """The rule is per stream: a bar on a terminal (a pty here) is tqdm's, `\\r` frames included."""
+    import fcntl
+    import struct
+    import termios
+
+    main, side = os.openpty()
+    fcntl.ioctl(side, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    terminal = os.fdopen(side, "w")
+    try:
+        monkeypatch.setattr(sys, "stderr", terminal)
+        bars.as_log_lines(30)
+        bar = tqdm.std.tqdm(total=10, desc="train", unit="step", file=terminal, mininterval=0)
+        for _ in range(3):
+            log_lines.now += 1
+            bar.update()
+        bar.close()
+        terminal.flush()
+        drawn = os.read(main, 65536).decode()
+    finally:
+        terminal.close()
+        os.close(main)
+    assert drawn.count("\r") >= 4 and "train:  30%|" in drawn and "3/10" in drawn, repr(drawn)
+
+
+def test_a_bad_progress_seconds_is_a_usage_error():
+    env = {**os.environ, "PYTHONPATH": str(REPO), bars.SECONDS_ENV: "often"}
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "--help"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "error: PIPELINE_PROGRESS_SECONDS='often' is not a number of seconds; set it to e.g. 30" in proc.stderr
+
+
+def _cli_stderr(args: list[str], stderr, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], env=env, stdout=subprocess.DEVNULL,
+                          stderr=stderr, timeout=120, cwd=tmp_path)
+
+
+def test_the_cli_draws_bars_on_a_terminal_and_lines_into_a_file(tmp_path):
+    """The same command: on a terminal (a pty with a size) tqdm's frames; into a file one plain line."""
+    import fcntl
+    import struct
+    import termios
+
+    main, side = os.openpty()
+    fcntl.ioctl(side, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    try:
+        proc = _cli_stderr(["make-demo-data", str(tmp_path / "a"), "--n", "5"], side, tmp_path)
+        os.close(side)
+        drawn = b""
+        while chunk := _read_some(main):
+            drawn += chunk
+    finally:
+        os.close(main)
+    assert proc.returncode == 0 and b"\rdemo samples: 100%|" in drawn, drawn
+    with open(tmp_path / "log", "w") as log:
+        assert _cli_stderr(["make-demo-data", str(tmp_path / "b"), "--n", "5"], log, tmp_path).returncode == 0
+    text = (tmp_path / "log").read_text()
+    assert _bar_lines(text, "demo samples") == [text.strip()] and text.startswith("demo samples: 100% 5/5 ["), text
+
+
+def _read_some(fd: int) -> bytes:
+    try:
+        return os.read(fd, 65536)
+    except OSError:  # the pty's other side closed (EIO): all read
+        return b""
