@@ -33,7 +33,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store.checksum import crc_hex, file_crc
 from store.manifest import read_indexes
-from store.remote import SharedBar, _first_line, each_at_once, open_remote, remote_errors
+from store.remote import SharedBar, _first_line, each_at_once, no_bucket, open_remote, remote_errors
 from store.remote_upload import Mismatch
 from store.writer_open import WORLD_JSON
 
@@ -404,57 +404,95 @@ class OnRemote(NamedTuple):
 
 def on_remote(url: str, table: str, want: dict, world: int,
               same: Callable[[Any], bool] | None = None) -> OnRemote:
-    """What the remote holds of `table`, from one listing: the version numbers `world` ranks with schema `want`
-    cannot write - complete ones, and parts of another run (its schema.json differs or is missing, or they were
-    written by another number of ranks, or that number is not recorded); parts of this very run are resumed - and
-    the newest complete version of this very schema other than the current one (which the rerun's own look at its
-    cache finds): a commit whose manifest was written and whose store.json swap failed (a lost connection, a
-    kill), or one that lost the swap to another writer's newer version, or simply an older one another run's
-    settings replaced. Its rerun adopts it (only the swap is redone, `make_current` over the current one, as a
-    local store's rerun makes the version of its lineage current: store/store.py `find_version`) instead of
-    encoding everything again into the next number; its nodes' caches dropped their parts after the commit.
+    """What the remote holds of `table`: the version numbers `world` ranks with schema `want` cannot write -
+    complete ones, and parts of another run (its schema.json differs or is missing, or they were written by another
+    number of ranks, or that number is not recorded); parts of this very run are resumed - and the newest complete
+    version of this very schema other than the current one (which the rerun's own look at its cache finds): a
+    commit whose manifest was written and whose store.json swap failed (a lost connection, a kill), or one that
+    lost the swap to another writer's newer version, or simply an older one another run's settings replaced. Its
+    rerun adopts it (only the swap is redone, `make_current` over the current one, as a local store's rerun makes
+    the version of its lineage current: store/store.py `find_version`) instead of encoding everything again into
+    the next number; its nodes' caches dropped their parts after the commit.
     `same`: which complete version's schema.json (parsed JSON, None when unreadable) serves this run; default
     equal to `want` (resize-bucket compares lineages only, as its cache's `find_version` does; encode accepts
-    settings that only add columns too, `serving_schemas`). Parts are resumed only of `want` itself."""
+    settings that only add columns too, `serving_schemas`). Parts are resumed only of `want` itself.
+    Requests: one listing of the table's folder level (`_version_folders`), then a few lookups per version, 16
+    versions at a time (`_judged`): never a listing of the versions' own objects (~40k each at 1M samples)."""
     same = same or (lambda found: found == want)
     remote = open_remote(url)
     with remote_errors(url, f"listing table '{table}'"):
-        names, versions = _table_listing(remote, table)
-        schemas = {v: _json_of(remote.read(f"{table}/v{v}/{fmt.SCHEMA_JSON}"))
-                   for v, files in versions.items() if fmt.SCHEMA_JSON in files}
-        taken = set()
-        for v, files in versions.items():
-            if fmt.MANIFEST in files or schemas.get(v) != want or WORLD_JSON not in files or \
-                    _world_of(remote.read(f"{table}/v{v}/{WORLD_JSON}")) != world:
-                taken.add(v)
+        numbers, beside = _version_folders(remote, table)
+        judged = dict(zip(numbers, each_at_once(lambda v: _judged(remote, table, v, want, world), numbers)))
+        taken = {v for v, (_, resumable) in judged.items() if not resumable}
         current = _current_of(remote, table)
-        if v := _newest_committed(table, names, versions, current, same, schemas.get):
+        candidates = _candidates(table, numbers, beside, current)
+        if v := _newest_committed(remote, table, candidates, same, lambda v: judged[v][0]):
             return OnRemote(taken, v, _rows(remote, f"{table}/v{v}/{fmt.MANIFEST}"), current)
     return OnRemote(taken, current=current)
 
 
 def committed_on_remote(url: str, table: str, same: Callable[[Any], bool]) -> int:
-    """Only `on_remote`'s `committed` (0: none), from one listing: no part judged for a writer (`taken`), no row
-    count read, and schema.json read only of complete versions, newest first, until one serves."""
+    """Only `on_remote`'s `committed` (0: none): no part judged for a writer (`taken`), no row count read; each
+    version's manifest looked up and schema.json read only of complete ones, newest first, until one serves."""
     remote = open_remote(url)
     with remote_errors(url, f"listing table '{table}'"):
-        names, versions = _table_listing(remote, table)
-        return _newest_committed(table, names, versions, _current_of(remote, table), same,
-                                 lambda v: _json_of(remote.read(f"{table}/v{v}/{fmt.SCHEMA_JSON}"))
-                                 if fmt.SCHEMA_JSON in versions[v] else None)
+        numbers, beside = _version_folders(remote, table)
+        candidates = _candidates(table, numbers, beside, _current_of(remote, table))
+        return _newest_committed(remote, table, candidates, same,
+                                 lambda v: remote.exists(f"{table}/v{v}/{fmt.MANIFEST}"))
 
 
-def _table_listing(remote, table: str) -> tuple[dict[str, int], dict[int, set[str]]]:
-    """One listing of `table` on the remote: {path below the table's folder: size}, and each version's file names."""
-    from store.remote import Remote
+def _version_folders(remote, table: str) -> tuple[list[int], set[str]]:
+    """One listing of the table's folder level (S3: a `/`-delimited listing, one request per 1,000 entries, not per
+    1,000 objects of every version): the numbers of its version folders, and the names of the files beside them
+    (`v<N>.damaged.json`: `store repair`'s markers)."""
+    remote.fs.invalidate_cache()
+    try:
+        entries = remote.fs.ls(remote.path(table), detail=True)
+    except FileNotFoundError as e:
+        if no_bucket(e):
+            raise
+        return [], set()
+    numbers, beside = [], set()
+    for entry in entries:
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        if entry.get("type") != "directory":
+            beside.add(name)
+        elif m := fmt.VERSION_RE.fullmatch(name):
+            numbers.append(int(m.group(1)))
+    return sorted(numbers), beside
 
-    names = Remote(remote.url, remote.fs, remote.path(table)).listing()
-    versions: dict[int, set[str]] = {}
-    for rel in names:
-        head, _, name = rel.partition("/")
-        if (m := fmt.VERSION_RE.fullmatch(head)) and name:
-            versions.setdefault(int(m.group(1)), set()).add(name)
-    return names, versions
+
+def _judged(remote, table: str, v: int, want: dict, world: int) -> tuple[bool, bool]:
+    """(complete, resumable) of the version folder `v` for `world` ranks writing schema `want`: complete when its
+    manifest is there; resumable, a part of this very run, when incomplete, its schema.json is `want` and its
+    world-size.json `world` ranks. A HEAD, then a GET or two of an incomplete one."""
+    base = f"{table}/v{v}"
+    if remote.exists(f"{base}/{fmt.MANIFEST}"):
+        return True, False
+    try:
+        schema = _json_of(remote.read(f"{base}/{fmt.SCHEMA_JSON}", small=True))
+    except FileNotFoundError:
+        return False, not _holds_objects(remote, base)  # a folder with nothing in it is no version
+    try:
+        return False, schema == want and _world_of(remote.read(f"{base}/{WORLD_JSON}", small=True)) == world
+    except FileNotFoundError:
+        return False, False
+
+
+def _holds_objects(remote, base: str) -> bool:
+    """Does the folder `base` hold any object? On S3 a listed folder does (it is its objects' common prefix); a
+    file system keeps empty folders (a gc removed their files), listed here."""
+    return remote.is_s3 or bool(remote.listing(base))
+
+
+def _candidates(table: str, numbers: list[int], beside: set[str], current: int) -> list[int]:
+    """The versions, newest first, that a run may adopt if complete and of its schema: not `current`, and not
+    retired by `store repair` (its marker beside them)."""
+    from store.remote_sync import marker_rel
+
+    return [v for v in sorted(numbers, reverse=True)
+            if v != current and marker_rel(table, v).rsplit("/", 1)[1] not in beside]
 
 
 def _current_of(remote, table: str) -> int:
@@ -462,23 +500,31 @@ def _current_of(remote, table: str) -> int:
     from store.remote_sync import _parse_record
 
     try:
-        entry = _parse_record(remote.read(fmt.STORE_JSON), remote.url)["tables"].get(table)
+        entry = _parse_record(remote.read(fmt.STORE_JSON, small=True), remote.url)["tables"].get(table)
     except FileNotFoundError:  # the first commit of the store lost its swap
         entry = None
     return 0 if entry is None else int(entry["current"])
 
 
-def _newest_committed(table: str, names: dict[str, int], versions: dict[int, set[str]], current: int,
-                      same: Callable[[Any], bool], schema_of: Callable[[int], Any]) -> int:
-    """The newest complete version of `table` but `current` whose schema.json (`schema_of`: parsed, None when
-    missing or unreadable) `same` accepts and that `store repair` did not retire (its marker); 0: none."""
-    from store.remote_sync import marker_rel
+def _newest_committed(remote, table: str, candidates: list[int], same: Callable[[Any], bool],
+                      complete: Callable[[int], bool]) -> int:
+    """The first of `candidates` (newest first) that is `complete` and whose schema.json (parsed, None when missing
+    or unreadable) `same` accepts; 0: none. Looked at 16 at a time, in order; none started past the one found."""
+    def serves(v: int) -> bool:
+        return complete(v) and same(_schema_of(remote, table, v))
 
-    for v in sorted(versions, reverse=True):
-        if v != current and fmt.MANIFEST in versions[v] and marker_rel(table, v).split("/", 1)[1] not in names \
-                and same(schema_of(v)):
-            return v
-    return 0
+    found = each_at_once(serves, candidates)
+    try:
+        return next((v for v, ok in zip(candidates, found) if ok), 0)
+    finally:
+        found.close()  # the lookups still running are not waited for
+
+
+def _schema_of(remote, table: str, v: int) -> Any:
+    try:
+        return _json_of(remote.read(f"{table}/v{v}/{fmt.SCHEMA_JSON}", small=True))
+    except FileNotFoundError:
+        return None
 
 
 def adopt_version(store: "Store", table: str, version: int, on_remote: bool = True) -> int | None:
