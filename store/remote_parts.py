@@ -416,17 +416,19 @@ def on_remote(url: str, table: str, want: dict, world: int,
     `same`: which complete version's schema.json (parsed JSON, None when unreadable) serves this run; default
     equal to `want` (resize-bucket compares lineages only, as its cache's `find_version` does; encode accepts
     settings that only add columns too, `serving_schemas`). Parts are resumed only of `want` itself.
-    Requests: one listing of the table's folder level (`_version_folders`), then a few lookups per version, 16
+    Requests: one listing of the table's folder level (`_version_folders`), then a lookup or a few per version, 16
     versions at a time (`_judged`): never a listing of the versions' own objects (~40k each at 1M samples)."""
     same = same or (lambda found: found == want)
     remote = open_remote(url)
     with remote_errors(url, f"listing table '{table}'"):
         numbers, beside = _version_folders(remote, table)
-        judged = dict(zip(numbers, each_at_once(lambda v: _judged(remote, table, v, want, world), numbers)))
-        taken = {v for v, (_, resumable) in judged.items() if not resumable}
         current = _current_of(remote, table)
         candidates = _candidates(table, numbers, beside, current)
-        if v := _newest_committed(remote, table, candidates, same, lambda v: judged[v][0]):
+        adoptable = set(candidates)
+        judged = dict(zip(numbers, each_at_once(
+            lambda v: _judged(remote, f"{table}/v{v}", want, world, same if v in adoptable else None), numbers)))
+        taken = {v for v, (resumable, _) in judged.items() if not resumable}
+        if v := next((v for v in candidates if judged[v][1]), 0):
             return OnRemote(taken, v, _rows(remote, f"{table}/v{v}/{fmt.MANIFEST}"), current)
     return OnRemote(taken, current=current)
 
@@ -438,8 +440,7 @@ def committed_on_remote(url: str, table: str, same: Callable[[Any], bool]) -> in
     with remote_errors(url, f"listing table '{table}'"):
         numbers, beside = _version_folders(remote, table)
         candidates = _candidates(table, numbers, beside, _current_of(remote, table))
-        return _newest_committed(remote, table, candidates, same,
-                                 lambda v: remote.exists(f"{table}/v{v}/{fmt.MANIFEST}"))
+        return _newest_committed(remote, table, candidates, same)
 
 
 def _version_folders(remote, table: str) -> tuple[list[int], set[str]]:
@@ -463,19 +464,23 @@ def _version_folders(remote, table: str) -> tuple[list[int], set[str]]:
     return sorted(numbers), beside
 
 
-def _judged(remote, table: str, v: int, want: dict, world: int) -> tuple[bool, bool]:
-    """(complete, resumable) of the version folder `v` for `world` ranks writing schema `want`: complete when its
-    manifest is there; resumable, a part of this very run, when incomplete, its schema.json is `want` and its
-    world-size.json `world` ranks. A HEAD, then a GET or two of an incomplete one."""
-    base = f"{table}/v{v}"
-    if remote.exists(f"{base}/{fmt.MANIFEST}"):
+def _judged(remote, base: str, want: dict, world: int, same: Callable[[Any], bool] | None) -> tuple[bool, bool]:
+    """(resumable, adoptable) of the version folder `base` for `world` ranks writing schema `want`: resumable, a
+    part of this very run, when its schema.json is `want`, its world-size.json `world` ranks and its manifest is not
+    there (a folder holding nothing is no version: resumable too); adoptable when complete and `same` (None: never)
+    accepts its schema.json. Its schema.json read (a GET), and only when it may be resumed or adopted its manifest
+    looked up (a HEAD) and its world-size.json read."""
+    schema, there = _schema_of(remote, base)
+    if not there and not _holds_objects(remote, base):
         return True, False
+    serves = same is not None and same(schema)
+    if schema != want and not serves:
+        return False, False
+    complete = remote.exists(f"{base}/{fmt.MANIFEST}")
+    if complete or schema != want:
+        return False, complete and serves
     try:
-        schema = _json_of(remote.read(f"{base}/{fmt.SCHEMA_JSON}", small=True))
-    except FileNotFoundError:
-        return False, not _holds_objects(remote, base)  # a folder with nothing in it is no version
-    try:
-        return False, schema == want and _world_of(remote.read(f"{base}/{WORLD_JSON}", small=True)) == world
+        return _world_of(remote.read(f"{base}/{WORLD_JSON}", small=True)) == world, False
     except FileNotFoundError:
         return False, False
 
@@ -506,12 +511,12 @@ def _current_of(remote, table: str) -> int:
     return 0 if entry is None else int(entry["current"])
 
 
-def _newest_committed(remote, table: str, candidates: list[int], same: Callable[[Any], bool],
-                      complete: Callable[[int], bool]) -> int:
-    """The first of `candidates` (newest first) that is `complete` and whose schema.json (parsed, None when missing
+def _newest_committed(remote, table: str, candidates: list[int], same: Callable[[Any], bool]) -> int:
+    """The first of `candidates` (newest first) that is complete and whose schema.json (parsed, None when missing
     or unreadable) `same` accepts; 0: none. Looked at 16 at a time, in order; none started past the one found."""
     def serves(v: int) -> bool:
-        return complete(v) and same(_schema_of(remote, table, v))
+        base = f"{table}/v{v}"
+        return remote.exists(f"{base}/{fmt.MANIFEST}") and same(_schema_of(remote, base)[0])
 
     found = each_at_once(serves, candidates)
     try:
@@ -520,11 +525,12 @@ def _newest_committed(remote, table: str, candidates: list[int], same: Callable[
         found.close()  # the lookups still running are not waited for
 
 
-def _schema_of(remote, table: str, v: int) -> Any:
+def _schema_of(remote, base: str) -> tuple[Any, bool]:
+    """The version folder's schema.json, parsed (None when unreadable), and whether it is there."""
     try:
-        return _json_of(remote.read(f"{table}/v{v}/{fmt.SCHEMA_JSON}", small=True))
+        return _json_of(remote.read(f"{base}/{fmt.SCHEMA_JSON}", small=True)), True
     except FileNotFoundError:
-        return None
+        return None, False
 
 
 def adopt_version(store: "Store", table: str, version: int, on_remote: bool = True) -> int | None:
@@ -555,9 +561,9 @@ def serving_schemas(want: dict, serving: list[dict]) -> Callable[[Any], bool]:
 def open_committed(root: Path, table: str, same: Callable[[Any], bool]) -> int | None:
     """In a store URL's cache `root`, which opens only the remote's current versions (a new machine, an emptied
     cache): the newest complete version of `table` on the remote, other than its current one, whose schema.json
-    `same` accepts and that `store repair` did not retire (`committed_on_remote`: one listing), opened in the cache
-    lazily (its metadata) for the caller's own look (`Store.find_version`) to find it, and `adopt_version` to make
-    it current, on the remote too. Its number; None when there is none or `root` is no cache."""
+    `same` accepts and that `store repair` did not retire (`committed_on_remote`: its version folders listed, then
+    looked up), opened in the cache lazily (its metadata) for the caller's own look (`Store.find_version`) to find
+    it, and `adopt_version` to make it current, on the remote too. Its number; None when there is none or `root` is no cache."""
     from store.remote_cache import open_beside
 
     url = source_url(root)
