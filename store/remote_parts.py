@@ -563,7 +563,8 @@ def open_committed(root: Path, table: str, same: Callable[[Any], bool]) -> int |
     cache): the newest complete version of `table` on the remote, other than its current one, whose schema.json
     `same` accepts and that `store repair` did not retire (`committed_on_remote`: its version folders listed, then
     looked up), opened in the cache lazily (its metadata) for the caller's own look (`Store.find_version`) to find
-    it, and `adopt_version` to make it current, on the remote too. Its number; None when there is none or `root` is no cache."""
+    it, and `adopt_version` to make it current, on the remote too. Its number; None when there is none or `root` is
+    no cache."""
     from store.remote_cache import open_beside
 
     url = source_url(root)
