@@ -509,12 +509,15 @@ class Remote:
             except FileNotFoundError:
                 pass
 
-    def read(self, rel: str) -> bytes:
+    def read(self, rel: str, small: bool = False) -> bytes:
         """The whole object; read again once when it arrived other than the server's checksum of it (botocore's
-        FlexibleChecksumError: damaged on the way), then refused in one line naming it (damaged on the server)."""
+        FlexibleChecksumError: damaged on the way), then refused in one line naming it (damaged on the server).
+        `small`: one GET on S3 (s3fs first asks the size, a HEAD - and a listing when there is no such object -
+        to split a large object into parallel reads)."""
+        one_get = {"max_concurrency": 1} if small and self.is_s3 else {}
         for attempt in range(2):
             try:
-                return self.fs.cat_file(self.path(rel))
+                return self.fs.cat_file(self.path(rel), **one_get)
             except Exception as e:  # noqa: BLE001
                 if not remote_download.differs_from_server_checksum(e):
                     raise
@@ -591,7 +594,10 @@ class Remote:
                                            PART, PARTS_AT_ONCE)
 
     def exists(self, rel: str) -> bool:
-        """Is object `rel` there (one request, no listing)?"""
+        """Is object `rel` there (one request, no listing: on S3 a HEAD)?"""
+        if self.is_s3:
+            bucket, key, _ = self.fs.split_path(self.path(rel))
+            return remote_upload.object_there(self.fs, bucket, key)
         self.fs.invalidate_cache()
         return bool(self.fs.exists(self.path(rel)))
 

@@ -33,7 +33,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store.checksum import crc_hex, file_crc
 from store.manifest import read_indexes
-from store.remote import SharedBar, _first_line, each_at_once, open_remote, remote_errors
+from store.remote import SharedBar, _first_line, each_at_once, no_bucket, open_remote, remote_errors
 from store.remote_upload import Mismatch
 from store.writer_open import WORLD_JSON
 
@@ -404,57 +404,100 @@ class OnRemote(NamedTuple):
 
 def on_remote(url: str, table: str, want: dict, world: int,
               same: Callable[[Any], bool] | None = None) -> OnRemote:
-    """What the remote holds of `table`, from one listing: the version numbers `world` ranks with schema `want`
-    cannot write - complete ones, and parts of another run (its schema.json differs or is missing, or they were
-    written by another number of ranks, or that number is not recorded); parts of this very run are resumed - and
-    the newest complete version of this very schema other than the current one (which the rerun's own look at its
-    cache finds): a commit whose manifest was written and whose store.json swap failed (a lost connection, a
-    kill), or one that lost the swap to another writer's newer version, or simply an older one another run's
-    settings replaced. Its rerun adopts it (only the swap is redone, `make_current` over the current one, as a
-    local store's rerun makes the version of its lineage current: store/store.py `find_version`) instead of
-    encoding everything again into the next number; its nodes' caches dropped their parts after the commit.
+    """What the remote holds of `table`: the version numbers `world` ranks with schema `want` cannot write -
+    complete ones, and parts of another run (its schema.json differs or is missing, or they were written by another
+    number of ranks, or that number is not recorded); parts of this very run are resumed - and the newest complete
+    version of this very schema other than the current one (which the rerun's own look at its cache finds): a
+    commit whose manifest was written and whose store.json swap failed (a lost connection, a kill), or one that
+    lost the swap to another writer's newer version, or simply an older one another run's settings replaced. Its
+    rerun adopts it (only the swap is redone, `make_current` over the current one, as a local store's rerun makes
+    the version of its lineage current: store/store.py `find_version`) instead of encoding everything again into
+    the next number; its nodes' caches dropped their parts after the commit.
     `same`: which complete version's schema.json (parsed JSON, None when unreadable) serves this run; default
     equal to `want` (resize-bucket compares lineages only, as its cache's `find_version` does; encode accepts
-    settings that only add columns too, `serving_schemas`). Parts are resumed only of `want` itself."""
+    settings that only add columns too, `serving_schemas`). Parts are resumed only of `want` itself.
+    Requests: one listing of the table's folder level (`_version_folders`), then a lookup or a few per version, 16
+    versions at a time (`_judged`): never a listing of the versions' own objects (~40k each at 1M samples)."""
     same = same or (lambda found: found == want)
     remote = open_remote(url)
     with remote_errors(url, f"listing table '{table}'"):
-        names, versions = _table_listing(remote, table)
-        schemas = {v: _json_of(remote.read(f"{table}/v{v}/{fmt.SCHEMA_JSON}"))
-                   for v, files in versions.items() if fmt.SCHEMA_JSON in files}
-        taken = set()
-        for v, files in versions.items():
-            if fmt.MANIFEST in files or schemas.get(v) != want or WORLD_JSON not in files or \
-                    _world_of(remote.read(f"{table}/v{v}/{WORLD_JSON}")) != world:
-                taken.add(v)
+        numbers, beside = _version_folders(remote, table)
         current = _current_of(remote, table)
-        if v := _newest_committed(table, names, versions, current, same, schemas.get):
+        candidates = _candidates(table, numbers, beside, current)
+        adoptable = set(candidates)
+        judged = dict(zip(numbers, each_at_once(
+            lambda v: _judged(remote, f"{table}/v{v}", want, world, same if v in adoptable else None), numbers)))
+        taken = {v for v, (resumable, _) in judged.items() if not resumable}
+        if v := next((v for v in candidates if judged[v][1]), 0):
             return OnRemote(taken, v, _rows(remote, f"{table}/v{v}/{fmt.MANIFEST}"), current)
     return OnRemote(taken, current=current)
 
 
 def committed_on_remote(url: str, table: str, same: Callable[[Any], bool]) -> int:
-    """Only `on_remote`'s `committed` (0: none), from one listing: no part judged for a writer (`taken`), no row
-    count read, and schema.json read only of complete versions, newest first, until one serves."""
+    """Only `on_remote`'s `committed` (0: none): no part judged for a writer (`taken`), no row count read; each
+    version's manifest looked up and schema.json read only of complete ones, newest first, until one serves."""
     remote = open_remote(url)
     with remote_errors(url, f"listing table '{table}'"):
-        names, versions = _table_listing(remote, table)
-        return _newest_committed(table, names, versions, _current_of(remote, table), same,
-                                 lambda v: _json_of(remote.read(f"{table}/v{v}/{fmt.SCHEMA_JSON}"))
-                                 if fmt.SCHEMA_JSON in versions[v] else None)
+        numbers, beside = _version_folders(remote, table)
+        candidates = _candidates(table, numbers, beside, _current_of(remote, table))
+        return _newest_committed(remote, table, candidates, same)
 
 
-def _table_listing(remote, table: str) -> tuple[dict[str, int], dict[int, set[str]]]:
-    """One listing of `table` on the remote: {path below the table's folder: size}, and each version's file names."""
-    from store.remote import Remote
+def _version_folders(remote, table: str) -> tuple[list[int], set[str]]:
+    """One listing of the table's folder level (S3: a `/`-delimited listing, one request per 1,000 entries, not per
+    1,000 objects of every version): the numbers of its version folders, and the names of the files beside them
+    (`v<N>.damaged.json`: `store repair`'s markers)."""
+    remote.fs.invalidate_cache()
+    try:
+        entries = remote.fs.ls(remote.path(table), detail=True)
+    except FileNotFoundError as e:
+        if no_bucket(e):
+            raise
+        return [], set()
+    numbers, beside = [], set()
+    for entry in entries:
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        if entry.get("type") != "directory":
+            beside.add(name)
+        elif m := fmt.VERSION_RE.fullmatch(name):
+            numbers.append(int(m.group(1)))
+    return sorted(numbers), beside
 
-    names = Remote(remote.url, remote.fs, remote.path(table)).listing()
-    versions: dict[int, set[str]] = {}
-    for rel in names:
-        head, _, name = rel.partition("/")
-        if (m := fmt.VERSION_RE.fullmatch(head)) and name:
-            versions.setdefault(int(m.group(1)), set()).add(name)
-    return names, versions
+
+def _judged(remote, base: str, want: dict, world: int, same: Callable[[Any], bool] | None) -> tuple[bool, bool]:
+    """(resumable, adoptable) of the version folder `base` for `world` ranks writing schema `want`: resumable, a
+    part of this very run, when its schema.json is `want`, its world-size.json `world` ranks and its manifest is not
+    there (a folder holding nothing is no version: resumable too); adoptable when complete and `same` (None: never)
+    accepts its schema.json. Its schema.json read (a GET), and only when it may be resumed or adopted its manifest
+    looked up (a HEAD) and its world-size.json read."""
+    schema, there = _schema_of(remote, base)
+    if not there and not _holds_objects(remote, base):
+        return True, False
+    serves = same is not None and same(schema)
+    if schema != want and not serves:
+        return False, False
+    complete = remote.exists(f"{base}/{fmt.MANIFEST}")
+    if complete or schema != want:
+        return False, complete and serves
+    try:
+        return _world_of(remote.read(f"{base}/{WORLD_JSON}", small=True)) == world, False
+    except FileNotFoundError:
+        return False, False
+
+
+def _holds_objects(remote, base: str) -> bool:
+    """Does the folder `base` hold any object? On S3 a listed folder does (it is its objects' common prefix); a
+    file system keeps empty folders (a gc removed their files), listed here."""
+    return remote.is_s3 or bool(remote.listing(base))
+
+
+def _candidates(table: str, numbers: list[int], beside: set[str], current: int) -> list[int]:
+    """The versions, newest first, that a run may adopt if complete and of its schema: not `current`, and not
+    retired by `store repair` (its marker beside them)."""
+    from store.remote_sync import marker_rel
+
+    return [v for v in sorted(numbers, reverse=True)
+            if v != current and marker_rel(table, v).rsplit("/", 1)[1] not in beside]
 
 
 def _current_of(remote, table: str) -> int:
@@ -462,23 +505,32 @@ def _current_of(remote, table: str) -> int:
     from store.remote_sync import _parse_record
 
     try:
-        entry = _parse_record(remote.read(fmt.STORE_JSON), remote.url)["tables"].get(table)
+        entry = _parse_record(remote.read(fmt.STORE_JSON, small=True), remote.url)["tables"].get(table)
     except FileNotFoundError:  # the first commit of the store lost its swap
         entry = None
     return 0 if entry is None else int(entry["current"])
 
 
-def _newest_committed(table: str, names: dict[str, int], versions: dict[int, set[str]], current: int,
-                      same: Callable[[Any], bool], schema_of: Callable[[int], Any]) -> int:
-    """The newest complete version of `table` but `current` whose schema.json (`schema_of`: parsed, None when
-    missing or unreadable) `same` accepts and that `store repair` did not retire (its marker); 0: none."""
-    from store.remote_sync import marker_rel
+def _newest_committed(remote, table: str, candidates: list[int], same: Callable[[Any], bool]) -> int:
+    """The first of `candidates` (newest first) that is complete and whose schema.json (parsed, None when missing
+    or unreadable) `same` accepts; 0: none. Looked at 16 at a time, in order; none started past the one found."""
+    def serves(v: int) -> bool:
+        base = f"{table}/v{v}"
+        return remote.exists(f"{base}/{fmt.MANIFEST}") and same(_schema_of(remote, base)[0])
 
-    for v in sorted(versions, reverse=True):
-        if v != current and fmt.MANIFEST in versions[v] and marker_rel(table, v).split("/", 1)[1] not in names \
-                and same(schema_of(v)):
-            return v
-    return 0
+    found = each_at_once(serves, candidates)
+    try:
+        return next((v for v, ok in zip(candidates, found) if ok), 0)
+    finally:
+        found.close()  # the lookups still running are not waited for
+
+
+def _schema_of(remote, base: str) -> tuple[Any, bool]:
+    """The version folder's schema.json, parsed (None when unreadable), and whether it is there."""
+    try:
+        return _json_of(remote.read(f"{base}/{fmt.SCHEMA_JSON}", small=True)), True
+    except FileNotFoundError:
+        return None, False
 
 
 def adopt_version(store: "Store", table: str, version: int, on_remote: bool = True) -> int | None:
@@ -509,9 +561,10 @@ def serving_schemas(want: dict, serving: list[dict]) -> Callable[[Any], bool]:
 def open_committed(root: Path, table: str, same: Callable[[Any], bool]) -> int | None:
     """In a store URL's cache `root`, which opens only the remote's current versions (a new machine, an emptied
     cache): the newest complete version of `table` on the remote, other than its current one, whose schema.json
-    `same` accepts and that `store repair` did not retire (`committed_on_remote`: one listing), opened in the cache
-    lazily (its metadata) for the caller's own look (`Store.find_version`) to find it, and `adopt_version` to make
-    it current, on the remote too. Its number; None when there is none or `root` is no cache."""
+    `same` accepts and that `store repair` did not retire (`committed_on_remote`: its version folders listed, then
+    looked up), opened in the cache lazily (its metadata) for the caller's own look (`Store.find_version`) to find
+    it, and `adopt_version` to make it current, on the remote too. Its number; None when there is none or `root` is
+    no cache."""
     from store.remote_cache import open_beside
 
     url = source_url(root)

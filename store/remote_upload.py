@@ -150,7 +150,7 @@ def s3_create(fs: Any, path: str, local: Path, progress: Any, meta: dict[str, An
                                  last=attempt == CONFLICT_ATTEMPTS - 1)
             if created is not None:
                 return created
-            if _head(fs, bucket, key):  # the racing writer created it: what the 412 would have said
+            if object_there(fs, bucket, key):  # the racing writer created it: what the 412 would have said
                 return False
             backoff(attempt)
     return True  # not reached: the last attempt raises on a conflict
@@ -196,7 +196,8 @@ def _rewind_on_every_try(fs: Any, bucket: str) -> None:
         events.register(f"before-parameter-build.s3.{operation}", _rewind_body, unique_id=f"rewind-{operation}")
 
 
-def _head(fs: Any, bucket: str, key: str) -> bool:
+def object_there(fs: Any, bucket: str, key: str) -> bool:
+    """Is there an object `key` (one HEAD; s3fs's `exists` also lists `key` as a folder when there is none)?"""
     try:
         fs.call_s3("head_object", Bucket=bucket, Key=key)
     except FileNotFoundError:

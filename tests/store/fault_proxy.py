@@ -66,7 +66,9 @@ class FaultProxy:
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                # a HEAD's answer has no body: its length is the object's, as the server said
+                head = resp.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", head if head is not None else str(len(data)))
                 if how == "cut" and len(data) > 1:
                     proxy.faults.append((how, self.command, self.path))
                     self.end_headers()
