@@ -1,0 +1,66 @@
+"""Turning `encode_text.no_control_embeds` on over a `text` table encoded without it completes that table's
+samples: their stored prompt and empty embeddings are carried and only the nocontrol ones computed (before, every
+sample went through the VL encoder again, images and all), the table equal to a fresh encode's bit for bit."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from pipeline.config import load_config
+from stages.encode import text as encode_text
+from stages.encode.output import PART_LINEAGES_ATTR
+from store import Store
+
+F32 = {"encode_text.dtype": "float32"}
+ON = {**F32, "encode_text.no_control_embeds": True}
+META = ("split", "img_shapes", "length", "empty_length", "num_controls")
+
+
+def _same_tables(a_store: Path, b_store: Path) -> None:
+    a, b = Store(a_store).reader("text"), Store(b_store).reader("text")
+    assert sorted(a.keys()) == sorted(b.keys())
+    for key in a.keys():
+        ta, tb = a.tensors(key), b.tensors(key)
+        assert ta.keys() == tb.keys() == {"prompt_embeds", "empty_embeds", "nocontrol_embeds"}
+        assert all(ta[t].dtype == tb[t].dtype and torch.equal(ta[t], tb[t]) for t in ta), key
+        assert a.cells(key, META) == b.cells(key, META), key
+
+
+def test_turning_it_on_computes_only_the_nocontrol_embeds_and_equals_a_fresh_encode(
+        tiny_plus_model, plus_store, tmp_path):
+    fresh = Path(shutil.copytree(plus_store, tmp_path / "fresh"))
+    off = encode_text.run(load_config(None, F32), plus_store, tiny_plus_model)
+    n = off.encoded
+    assert n > 0
+
+    on = encode_text.run(load_config(None, ON), plus_store, tiny_plus_model)
+    assert (on.version, on.encoded, on.reused, on.quarantined) == (off.version + 1, 0, 0, 0)
+    assert on.completed == n
+    assert on.to_json()["completed"] == n and f"completed {n}" in str(on)
+    # one forward item per sample (its nocontrol prompt); a full encode puts three through per sample
+    assert on.forward_items == n
+    st = Store(plus_store)
+    off_lineage = st.reader("text", off.version).schema.attrs["feature_lineage"]
+    part = st.reader("text", on.version).schema.attrs[PART_LINEAGES_ATTR]
+    assert off_lineage in part["feature_lineages"] and "prompt_embeds" in part["columns"]
+
+    whole = encode_text.run(load_config(None, ON), fresh, tiny_plus_model)
+    assert (whole.encoded, whole.completed) == (n, 0) and whole.forward_items == 3 * n
+    _same_tables(plus_store, fresh)
+
+    # on again: up to date; on -> off: the table with them serves, nothing computed
+    assert encode_text.run(load_config(None, ON), plus_store, tiny_plus_model).up_to_date
+    back = encode_text.run(load_config(None, F32), plus_store, tiny_plus_model)
+    assert back.up_to_date and (back.encoded, back.completed, back.version) == (0, 0, on.version)
+
+
+def test_other_settings_with_it_on_encode_every_sample_whole(tiny_plus_model, plus_store):
+    """Only a table of the very same settings but it is completed: another template (a changed start index)
+    encodes every sample again, nothing of the old table is taken."""
+    off = encode_text.run(load_config(None, F32), plus_store, tiny_plus_model)
+    other = encode_text.run(load_config(None, {**ON, "encode_text.prompt_template_start_idx": 63}), plus_store,
+                            tiny_plus_model)
+    assert (other.encoded, other.completed, other.reused) == (off.encoded, 0, 0)
