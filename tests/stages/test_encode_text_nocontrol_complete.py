@@ -64,3 +64,18 @@ def test_other_settings_with_it_on_encode_every_sample_whole(tiny_plus_model, pl
     other = encode_text.run(load_config(None, {**ON, "encode_text.prompt_template_start_idx": 63}), plus_store,
                             tiny_plus_model)
     assert (other.encoded, other.completed, other.reused) == (off.encoded, 0, 0)
+
+
+def test_a_damaged_stored_sample_is_encoded_whole_not_completed(tiny_plus_model, plus_store, tmp_path):
+    """A stored sample whose bytes fail their checksum when read for completion is not copied: encoded whole, the
+    table still a fresh encode's."""
+    from damage import flip_bit, key_at, sample_byte
+
+    fresh = Path(shutil.copytree(plus_store, tmp_path / "fresh"))
+    n = encode_text.run(load_config(None, F32), plus_store, tiny_plus_model).encoded
+    bad = key_at(plus_store, "text", 1)
+    flip_bit(*sample_byte(plus_store, "text", bad, "prompt_embeds"), 3)
+    on = encode_text.run(load_config(None, ON), plus_store, tiny_plus_model)
+    assert (on.encoded, on.completed, on.reused) == (1, n - 1, 0)
+    encode_text.run(load_config(None, ON), fresh, tiny_plus_model)
+    _same_tables(plus_store, fresh)
