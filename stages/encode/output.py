@@ -101,6 +101,36 @@ def _completed(job: EncodeJob, keys: list[str]) -> set[str]:
     return done
 
 
+def completing(job: EncodeJob, version: int, keys: list[str], step: int,
+               complete_some: Callable[[Any, list[str]], set[str]]) -> set[str]:
+    """`complete_some(reader, part)` (-> the keys of `part` it did) over `keys`, `step` at a time (the stored
+    tensors of that many samples held at once), with `version` of the job's table open checked (a damaged sample
+    raises `DamagedData` when read: the stage leaves it to be encoded whole) under a read lease; the keys done."""
+    from tqdm.auto import tqdm
+
+    from store import format as fmt
+    from store.lease import hold
+    from store.reader import TableReader
+
+    table, done = job.summary.table, set()
+    # a read lease while reading: a `store gc` meanwhile keeps the source version (store/lease.py)
+    lease = hold(job.store.root, {table: version}, f"complete samples of '{table}' v{version}")
+    try:
+        if lease.version(table) is None:
+            raise UserError(f"table '{table}' v{version} was removed (`store gc`) while this stage chose samples to "
+                            "complete from it; rerun the stage (it resumes)")
+        reader = TableReader(fmt.version_dir(job.store.root, table, version), table, version, on_damaged="skip")
+        try:
+            for i in tqdm(range(0, len(keys), max(1, step)), desc=f"{job.summary.stage}: completing samples of "
+                          f"'{table}' v{version}", unit="part", leave=False):
+                done |= complete_some(reader, keys[i : i + max(1, step)])
+        finally:
+            reader.close()
+    finally:
+        lease.release()
+    return done
+
+
 def _left(todo: list[str], at: np.ndarray | None, carried) -> tuple[list[str], np.ndarray | None]:
     """The keys of `todo` not in `carried`, and their rows `at` (kept aligned)."""
     keep = [k not in carried for k in todo]

@@ -486,30 +486,10 @@ def _complete_nocontrol(job: EncodeJob, version: int, rows, inputs, forward, sec
     processor's inputs; the forward and batching a full encode uses, so the table is the one it makes). Returns
     the keys done (written, or quarantined as a full encode quarantines them); a stored sample found damaged is
     left out (encoded whole)."""
-    from tqdm.auto import tqdm
+    from stages.encode.output import completing
 
-    from store import format as fmt
-    from store.lease import hold
-    from store.reader import TableReader
-
-    keys, done = rows.column("key").to_pylist(), set()
-    # a read lease while reading: a `store gc` meanwhile keeps the source version (store/lease.py)
-    lease = hold(job.store.root, {TABLE: version}, f"complete samples of '{TABLE}' v{version}")
-    try:
-        if lease.version(TABLE) is None:
-            raise UserError(f"table '{TABLE}' v{version} was removed (`store gc`) while this stage chose samples to "
-                            "complete from it; rerun the stage (it resumes)")
-        reader = TableReader(fmt.version_dir(job.store.root, TABLE, version), TABLE, version, on_damaged="skip")
-        step = PADDED_WINDOW * section.batch_size  # the stored embeddings of this many samples held at once
-        try:
-            for i in tqdm(range(0, len(keys), step), desc=f"{STAGE}: nocontrol_embeds of carried samples",
-                          unit="batch", leave=False):
-                done |= _complete_some(job, reader, keys[i : i + step], inputs, forward, section)
-        finally:
-            reader.close()
-    finally:
-        lease.release()
-    return done
+    return completing(job, version, rows.column("key").to_pylist(), PADDED_WINDOW * section.batch_size,
+                      lambda reader, keys: _complete_some(job, reader, keys, inputs, forward, section))
 
 
 def _complete_some(job: EncodeJob, reader, keys: list[str], inputs, forward, section: EncodeTextConfig) -> set[str]:

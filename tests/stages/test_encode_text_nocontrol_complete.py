@@ -19,12 +19,12 @@ ON = {**F32, "encode_text.no_control_embeds": True}
 META = ("split", "img_shapes", "length", "empty_length", "num_controls")
 
 
-def _same_tables(a_store: Path, b_store: Path) -> None:
+def _same_tables(a_store: Path, b_store: Path, tensors=("prompt_embeds", "empty_embeds", "nocontrol_embeds")) -> None:
     a, b = Store(a_store).reader("text"), Store(b_store).reader("text")
-    assert sorted(a.keys()) == sorted(b.keys())
+    assert sorted(a.keys()) == sorted(b.keys()) and a.keys()
     for key in a.keys():
         ta, tb = a.tensors(key), b.tensors(key)
-        assert ta.keys() == tb.keys() == {"prompt_embeds", "empty_embeds", "nocontrol_embeds"}
+        assert ta.keys() == tb.keys() == set(tensors)
         assert all(ta[t].dtype == tb[t].dtype and torch.equal(ta[t], tb[t]) for t in ta), key
         assert a.cells(key, META) == b.cells(key, META), key
 
@@ -79,3 +79,17 @@ def test_a_damaged_stored_sample_is_encoded_whole_not_completed(tiny_plus_model,
     assert (on.encoded, on.completed, on.reused) == (1, n - 1, 0)
     encode_text.run(load_config(None, ON), fresh, tiny_plus_model)
     _same_tables(plus_store, fresh)
+
+
+def test_a_21_table_is_completed_too(tiny_21_model, tmp_path):
+    """Qwen-Image-2.1: the stored embeddings and slot masks carried, the instruction alone encoded for the samples
+    with references (one without has its prompt as it), bit for bit a fresh encode's table."""
+    from test_qwen21_stages import write_store21
+
+    store, fresh = write_store21(tmp_path / "s"), write_store21(tmp_path / "fresh")
+    n = encode_text.run(load_config(None, F32), store, tiny_21_model).encoded
+    on = encode_text.run(load_config(None, ON), store, tiny_21_model)
+    assert (on.encoded, on.reused, on.completed) == (0, 0, n) and n > 0
+    assert on.forward_items < n * 3  # a full encode: prompt, empty and alone per sample
+    assert encode_text.run(load_config(None, ON), fresh, tiny_21_model).encoded == n
+    _same_tables(store, fresh, ("prompt_embeds", "empty_embeds", "nocontrol_embeds", "slot_mask", "empty_slot_mask"))

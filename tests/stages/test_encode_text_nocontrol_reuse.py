@@ -78,7 +78,7 @@ def test_a_21_table_with_reference_dropout_embeds_serves_a_run_without(tiny_21_m
     other = write_store21(tmp_path / "other")
     first = encode_text.run(load_config(None, F32), other, tiny_21_model)
     turned_on = encode_text.run(load_config(None, ON), other, tiny_21_model)
-    assert not turned_on.up_to_date and turned_on.encoded == first.encoded and turned_on.version == 2
+    assert not turned_on.up_to_date and turned_on.completed == first.encoded and turned_on.version == 2
 
 
 def test_on_a_store_url_a_version_encoded_with_it_on_serves_from_the_cache_and_from_the_remote(
