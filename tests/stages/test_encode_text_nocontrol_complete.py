@@ -93,3 +93,19 @@ def test_a_21_table_is_completed_too(tiny_21_model, tmp_path):
     assert on.forward_items < n * 3  # a full encode: prompt, empty and alone per sample
     assert encode_text.run(load_config(None, ON), fresh, tiny_21_model).encoded == n
     _same_tables(store, fresh, ("prompt_embeds", "empty_embeds", "nocontrol_embeds", "slot_mask", "empty_slot_mask"))
+
+
+def test_two_launched_ranks_complete_their_shares(tiny_edit_model, edit_store, tmp_path):
+    """Each rank completes its share of the stored samples (an Edit model: its template's one vision slot
+    removed); the summed line counts them, and the table is a fresh single-process encode's."""
+    from two_ranks import launch_two
+
+    fresh = Path(shutil.copytree(edit_store, tmp_path / "fresh"))
+    n = encode_text.run(load_config(None), edit_store, tiny_edit_model, device="cpu").encoded
+    (rc0, out0, err0), (rc1, _, err1) = launch_two(
+        "rank_cli.py", "run", "encode-text", "--store", str(edit_store), "--model", tiny_edit_model, "--device", "cpu",
+        "--set", "encode_text.no_control_embeds=true", timeout=300)
+    assert rc0 == rc1 == 0, (err0[-3000:], err1[-3000:])
+    assert f"encode-text [2 ranks]: table 'text' v2: encoded 0, reused 0, completed {n} " in out0, out0
+    encode_text.run(load_config(None, {"encode_text.no_control_embeds": True}), fresh, tiny_edit_model, device="cpu")
+    _same_tables(edit_store, fresh)
