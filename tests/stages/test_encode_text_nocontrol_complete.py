@@ -57,13 +57,18 @@ def test_turning_it_on_computes_only_the_nocontrol_embeds_and_equals_a_fresh_enc
     assert back.up_to_date and (back.encoded, back.completed, back.version) == (0, 0, on.version)
 
 
-def test_other_settings_with_it_on_encode_every_sample_whole(tiny_plus_model, plus_store):
-    """Only a table of the very same settings but it is completed: another template (a changed start index)
-    encodes every sample again, nothing of the old table is taken."""
+def test_other_settings_or_model_files_with_it_on_encode_every_sample_whole(tiny_plus_model, plus_store, tmp_path):
+    """Only a table of the very same settings and component files but it is completed: another template (a changed
+    start index), or a changed tokenizer file, encodes every sample again, nothing of the old table is taken."""
     off = encode_text.run(load_config(None, F32), plus_store, tiny_plus_model)
     other = encode_text.run(load_config(None, {**ON, "encode_text.prompt_template_start_idx": 63}), plus_store,
                             tiny_plus_model)
     assert (other.encoded, other.completed, other.reused) == (off.encoded, 0, 0)
+    model = Path(shutil.copytree(tiny_plus_model, tmp_path / "model"))
+    config = next((model / "tokenizer").glob("tokenizer_config.json"))
+    config.write_text(config.read_text() + "\n")  # the same tokenizer, other bytes: another fingerprint
+    changed = encode_text.run(load_config(None, ON), plus_store, str(model))
+    assert (changed.encoded, changed.completed, changed.reused) == (off.encoded, 0, 0)
 
 
 def test_a_damaged_stored_sample_is_encoded_whole_not_completed(tiny_plus_model, plus_store, tmp_path):
