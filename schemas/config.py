@@ -278,7 +278,8 @@ class EncodeTextConfig(Section):
     # float32 rounding only, as a batch size change does (not hashed either)
     no_control_embeds: Annotated[bool, adds_columns()] = Field(False, description="also store the instruction encoded without its control "
                                     "images (`nocontrol_embeds`, for train.control_dropout); a table encoded with "
-                                    "it stays up to date when it is turned off")
+                                    "it stays up to date when it is turned off, and turned on over a table "
+                                    "without it only those embeddings are computed (the rest carried)")
     on_damaged: Annotated[Literal["stop", "skip"], THROUGHPUT] = _on_damaged(
         "`images` sample", "skip it (quarantined as damaged-input, named in the summary)")
     max_damaged_fraction: Annotated[float, THROUGHPUT] = _max_damaged_fraction("the samples")

@@ -48,6 +48,11 @@ class EncodeJob:
     match_columns: tuple[str, ...] = ()  # images columns a carried row must still match (vae: mask_sha256)
     # a key not carried is carried from an earlier row of the same pictures under another key (vae: a recaption)
     same_inputs_carry: bool = False
+    # feature lineages of samples holding part of this run's columns (encode-text: encoded without
+    # no_control_embeds), and how the stage completes such rows: (version, its stored rows) -> the keys it wrote,
+    # each with its stored part and the missing one computed now (stages/encode/output.py `_completed`)
+    partial_lineages: tuple[str, ...] = ()
+    complete_rows: Callable[[int, Any], set[str]] | None = None
     # encode-text: (stored length, img_shapes now) -> does the prompt fit next to the images now? Set, a
     # carried row takes the images' img_shapes now (its encoder does not read the target: a new target size
     # carries it), and one whose img_shapes changed is carried only if it still fits (else it is read again and

@@ -20,6 +20,11 @@ from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, reusable
 if TYPE_CHECKING:
     from stages.encode.job import EncodeJob
 
+# schema attr: the feature lineages whose stored samples the version's rows may hold a part of, the rest computed by
+# this run (`_completed`; encode-text: {"columns": [...], "feature_lineages": [...]}), as `feature_lineage` names
+# the one its rows carried whole were stored under
+PART_LINEAGES_ATTR = "part_lineages"
+
 
 def open_writer(job: EncodeJob, schema: TableSchema, shard_size_mb: float) -> Todo:
     """Open (or resume) the output version, carry forward every key an earlier version with the same feature
@@ -68,6 +73,11 @@ def _carried_forward(job: EncodeJob, todo: list[str]) -> tuple[list[str], np.nda
     if job.summary.reused:
         todo, at = _left(todo, at, job.writer.carried_keys)
         carriable = [k for k in carriable if k not in job.writer.carried_keys]
+    # (a resumed version begun without the record - `store repair`'s copy of an older one - completes none)
+    if job.complete_rows is not None and PART_LINEAGES_ATTR in job.writer.schema.attrs and carriable:
+        completed = _completed(job, carriable)
+        todo, at = _left(todo, at, completed)
+        carriable = [k for k in carriable if k not in completed]
     if job.same_inputs_carry and carriable:  # encode-vae: a recaptioned sample's latents (stages/encode/same_inputs.py)
         from stages.encode.same_inputs import carry_same_inputs
 
@@ -75,6 +85,50 @@ def _carried_forward(job: EncodeJob, todo: list[str]) -> tuple[list[str], np.nda
         job.summary.reused += len(same)
         todo, at = _left(todo, at, same)
     return todo, at
+
+
+def _completed(job: EncodeJob, keys: list[str]) -> set[str]:
+    """Complete the `keys` a version of `job.partial_lineages` holds (its rows as `carried_rows` keeps them):
+    their stored part is copied and only the missing columns computed (`job.complete_rows`), instead of encoding
+    the whole sample again. Returns the keys done (written or quarantined); a stored sample found damaged is encoded
+    whole instead."""
+    done: set[str] = set()
+    for version, rows in reusable(job.store, job.summary.table, job.partial_lineages, keys,
+                                  changed=job.changed_by_fixes).items():
+        rows = carried_rows(job, rows)
+        if rows.num_rows:
+            done |= job.complete_rows(version, rows)
+    return done
+
+
+def completing(job: EncodeJob, version: int, keys: list[str], step: int,
+               complete_some: Callable[[Any, list[str]], set[str]]) -> set[str]:
+    """`complete_some(reader, part)` (-> the keys of `part` it did) over `keys`, `step` at a time (the stored
+    tensors of that many samples held at once), with `version` of the job's table open checked (a damaged sample
+    raises `DamagedData` when read: the stage leaves it to be encoded whole) under a read lease; the keys done."""
+    from tqdm.auto import tqdm
+
+    from store import format as fmt
+    from store.lease import hold
+    from store.reader import TableReader
+
+    table, done = job.summary.table, set()
+    # a read lease while reading: a `store gc` meanwhile keeps the source version (store/lease.py)
+    lease = hold(job.store.root, {table: version}, f"complete samples of '{table}' v{version}")
+    try:
+        if lease.version(table) is None:
+            raise UserError(f"table '{table}' v{version} was removed (`store gc`) while this stage chose samples to "
+                            "complete from it; rerun the stage (it resumes)")
+        reader = TableReader(fmt.version_dir(job.store.root, table, version), table, version, on_damaged="skip")
+        try:
+            for i in tqdm(range(0, len(keys), max(1, step)), desc=f"{job.summary.stage}: completing samples of "
+                          f"'{table}' v{version}", unit="part", leave=False):
+                done |= complete_some(reader, keys[i : i + max(1, step)])
+        finally:
+            reader.close()
+    finally:
+        lease.release()
+    return done
 
 
 def _left(todo: list[str], at: np.ndarray | None, carried) -> tuple[list[str], np.ndarray | None]:
@@ -288,7 +342,7 @@ def _with_settings(job: EncodeJob, schema: TableSchema) -> TableSchema:
 
     def without(d: dict[str, Any]) -> dict[str, Any]:
         return {**d, "attrs": {k: v for k, v in (d.get("attrs") or {}).items()
-                               if k not in (SETTINGS_ATTR, MODEL_FILES_ATTR)}}
+                               if k not in (SETTINGS_ATTR, MODEL_FILES_ATTR, PART_LINEAGES_ATTR)}}
 
     want = without(schema.to_dict())
     store, table = job.store, job.summary.table

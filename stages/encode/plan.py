@@ -76,14 +76,17 @@ def open_job(store_path: str | Path, stage: str, table: str, settings: dict[str,
              max_damaged_fraction: float = 0.0, earlier_hashes: tuple[str, ...] = (),
              fixes: Fixes = NO_FIXES, unread: tuple[str, ...] = (),
              serving_hashes: tuple[str, ...] = (),
-             by_controls: Callable[[int, str], Any] | None = None) -> EncodeJob:
+             by_controls: Callable[[int, str], Any] | None = None,
+             partial_hashes: tuple[str, ...] = ()) -> EncodeJob:
     """`_open_job` on every rank, then agreed on (models/collective/), for the features of `settings`
     (`settings.settings_record`: hashed into the lineage, recorded with the version): a rank that cannot open its inputs
     stops every rank with its line before any model is loaded (the others would wait at the commit). Whether the
     table is up to date is decided by all ranks together too (`_agreed_plan`). `serving_hashes`: feature hashes of
     settings whose tables hold all this run's would and more (`settings.serving_config_hashes`): a complete
     version of one is up to date as well. `by_controls`: the model's rule on a sample's control count
-    (`intake.read_inputs`): a table it refuses whole stops every rank here, before any model loads."""
+    (`intake.read_inputs`): a table it refuses whole stops every rank here, before any model loads.
+    `partial_hashes`: feature hashes of settings whose tables hold part of this run's columns (encode-text without
+    no_control_embeds): their samples are completed, not encoded whole (`EncodeJob.partial_lineages`)."""
     from models.collective import together
 
     job = None
@@ -93,7 +96,7 @@ def open_job(store_path: str | Path, stage: str, table: str, settings: dict[str,
         with together(ranks.world_size, f"{stage}: opening the inputs", uneven=True):
             job, found = _open_job(store_path, stage, table, settings, model, feature_revision, ranks,
                                    components, on_damaged, max_damaged_fraction, earlier_hashes, fixes, unread,
-                                   serving_hashes)
+                                   serving_hashes, partial_hashes)
         found = _agreed_plan(job, found)
         if found is not None:
             from stages.encode.commit import push_node_rows
@@ -158,7 +161,8 @@ def _open_job(store_path: str | Path, stage: str, table: str, settings: dict[str
               feature_revision: str, ranks: Ranks, components: tuple[str, ...] = (), on_damaged: str = "stop",
               max_damaged_fraction: float = 0.0, earlier_hashes: tuple[str, ...] = (),
               fixes: Fixes = NO_FIXES, unread: tuple[str, ...] = (),
-              serving_hashes: tuple[str, ...] = ()) -> tuple[EncodeJob, int | None]:
+              serving_hashes: tuple[str, ...] = (),
+              partial_hashes: tuple[str, ...] = ()) -> tuple[EncodeJob, int | None]:
     """Read the `images` table, build the lineages (`_job_lineages`), and find out whether an identical version
     already exists (this rank's look: `open_job` agrees on it). `unread`: render settings this stage does not read
     (schemas/pictures_lineage.py): its samples' lineage leaves them out.
@@ -183,7 +187,7 @@ def _open_job(store_path: str | Path, stage: str, table: str, settings: dict[str
         # table restarts at v1 with other contents, and must not match features encoded from the old one.
         images_id = images.view.version_id()
         lineages = _job_lineages(store, images, images_id, stage, table, settings_hash(settings), model, components,
-                                 feature_revision, earlier_hashes, fixes, unread, serving_hashes)
+                                 feature_revision, earlier_hashes, fixes, unread, serving_hashes, partial_hashes)
         repair_context.check(lineages.lineage, table)
         summary = Summary(stage=stage, table=table, rank=ranks.rank, world_size=ranks.world_size, store=str(path),
                           quarantine_file=str(store.root / "quarantine.parquet"))
@@ -191,7 +195,8 @@ def _open_job(store_path: str | Path, stage: str, table: str, settings: dict[str
                         summary=summary, feature_lineage=lineages.feature, earlier_lineages=lineages.earlier,
                         lease=lease, on_damaged=on_damaged, settings=settings,
                         max_damaged_fraction=max_damaged_fraction, changed_by_fixes=lineages.changed_by_fixes,
-                        serving=lineages.serving, model_files=lineages.model_files)
+                        serving=lineages.serving, model_files=lineages.model_files,
+                        partial_lineages=lineages.partial)
         weakref.finalize(job, lease.release)
         found = _reusable_version(job, lineages.hashed_before, fixes, feature_revision)
         if found is None and ranks.rank == 0 and not repair_context.active():
@@ -219,15 +224,18 @@ class JobLineages(NamedTuple):
     hashed_before: list[Lineage]  # the version's lineage as hashed before the declared scheme
     serving: tuple[Lineage, ...]  # versions of settings that store more (extra columns): they serve this run too
     model_files: tuple  # the model's files (schemas/model_files.py), recorded in the version's schema
+    partial: tuple[str, ...] = ()  # feature lineages of samples holding part of this run's columns (completed)
 
 
 def _job_lineages(store: Store, images, images_id: str, stage: str, table: str, feature_hash: str, model: str,
                   components: tuple[str, ...], feature_revision: str, earlier_hashes: tuple[str, ...], fixes: Fixes,
-                  unread: tuple[str, ...], serving_hashes: tuple[str, ...]) -> JobLineages:
+                  unread: tuple[str, ...], serving_hashes: tuple[str, ...],
+                  partial_hashes: tuple[str, ...] = ()) -> JobLineages:
     """The lineages of a job encoding `images` (its version's identity: `images_id`) with the settings hashed as
     `feature_hash` (the other arguments: `open_job`'s): of the version, of its samples (over the part of the
     pictures the stage reads), and those of earlier samples it carries forward (hashed before the declared scheme,
-    over the whole pictures, stored before a fix). Under `store repair`, those of the version repaired."""
+    over the whole pictures, stored before a fix) or completes (`partial_hashes`, looked up the same ways). Under
+    `store repair`, those of the version repaired."""
     from models.loading import component_fingerprint, model_files
     from schemas.model_files import fingerprint_of
 
@@ -248,12 +256,9 @@ def _job_lineages(store: Store, images, images_id: str, stage: str, table: str, 
             for h in (feature_hash, *earlier_hashes)
             for rev in (feature_revision, *(r for r, _ in own_revisions(fixes, feature_revision)))}):
         upstream = whole  # `store repair` of a version encoded before `unread`: completed under its own lineage
-    fl, *earlier = (feature_lineage(stage, h, fingerprint, code_version(feature_revision), upstream)
-                    for h in (feature_hash, *earlier_hashes))
-    # samples encoded from pictures whose read part was the same (stored under their whole lineage, as every
-    # sample was before `unread`): carried forward too
-    same_reads = [feature_lineage(stage, h, fingerprint, code_version(feature_revision), w)
-                  for w in _same_read_lineages(store, reads, unread) for h in (feature_hash, *earlier_hashes)]
+    samples = _SampleLineages(store, images, stage, fingerprint, feature_revision, upstream, whole, reads, unread,
+                              fixes)
+    (fl, *earlier), same_reads, changed = samples.of((feature_hash, *earlier_hashes))
     # The same features as hashed before the declared lineage scheme (tables encoded then stay current, and
     # `store repair` of such a table resumes its repair version under its own lineage).
     hashed_before = [(replace(lineage, config_hash=f"{h}-images:{images_id}"), e) for h, e in zip(earlier_hashes, earlier)]
@@ -262,17 +267,44 @@ def _job_lineages(store: Store, images, images_id: str, stage: str, table: str, 
     serving = [] if repair_context.active() else \
         [replace(lineage, config_hash=f"{h}-images:{images_id}") for h in serving_hashes]
     lineage, fl = next(((old, e) for old, e in hashed_before if repair_context.expected() == old), (lineage, fl))
-    changed = {}
-    befores = _pictures_before_fixes(images.schema, unread)
-    for up, before in {(upstream, tuple((read or whole_b, r) for read, whole_b, r in befores)),
-                       (whole, tuple((whole_b, r) for _, whole_b, r in befores))}:  # stored under either scheme
-        changed.update(_lineages_before_fixes(images, fixes, stage, (feature_hash, *earlier_hashes), fingerprint,
-                                              feature_revision, up, before))
-    changed.update(_lineages_other_alpha(images, stage, (feature_hash, *earlier_hashes), fingerprint,
-                                         feature_revision, unread))
+    partial, partial_reads, partial_changed = samples.of(partial_hashes) if partial_hashes else ([], [], {})
     return JobLineages(lineage=lineage, feature=fl, earlier=tuple(dict.fromkeys((*earlier, *same_reads, *changed))),
-                       changed_by_fixes=changed, hashed_before=[old for old, _ in hashed_before],
-                       serving=tuple(serving), model_files=files)
+                       changed_by_fixes={**partial_changed, **changed}, hashed_before=[old for old, _ in hashed_before],
+                       serving=tuple(serving), model_files=files,
+                       partial=tuple(dict.fromkeys((*partial, *partial_reads, *partial_changed))))
+
+
+@dataclass(frozen=True)
+class _SampleLineages:
+    """What the feature lineages of a job's samples are hashed from, but the settings' hash (`of`)."""
+
+    store: Store
+    images: Any
+    stage: str
+    fingerprint: str
+    revision: str
+    upstream: str  # the images' read lineage, else their whole one
+    whole: str
+    reads: str | None
+    unread: tuple[str, ...]
+    fixes: Fixes
+
+    def of(self, hashes: tuple[str, ...]) -> tuple[list[str], list[str], dict[str, Callable[[pa.Table], np.ndarray]]]:
+        """For these settings' hashes: (their samples' lineage each, in order; those of samples encoded from
+        pictures whose read part was the same, stored under their whole lineage as every sample was before
+        `unread`; those of samples stored before a fix or under the other keep_alpha -> "changed?")."""
+        stage, fp, code = self.stage, self.fingerprint, code_version(self.revision)
+        own = [feature_lineage(stage, h, fp, code, self.upstream) for h in hashes]
+        same_reads = [feature_lineage(stage, h, fp, code, w)
+                      for w in _same_read_lineages(self.store, self.reads, self.unread) for h in hashes]
+        changed = {}
+        befores = _pictures_before_fixes(self.images.schema, self.unread)
+        for up, before in {(self.upstream, tuple((read or whole_b, r) for read, whole_b, r in befores)),
+                           (self.whole, tuple((whole_b, r) for _, whole_b, r in befores))}:  # under either scheme
+            changed.update(_lineages_before_fixes(self.images, self.fixes, stage, hashes, fp, self.revision, up,
+                                                  before))
+        changed.update(_lineages_other_alpha(self.images, stage, hashes, fp, self.revision, self.unread))
+        return own, same_reads, changed
 
 
 def _supersedes_repaired(lineage: Lineage, images_id: str, earlier_hashes: tuple[str, ...], fixes: Fixes,

@@ -34,6 +34,7 @@ from stages.encode.common import (
     MemoryBoundForward,
     Ranks,
     Summary,
+    config_hash,
     nonfinite_rejection,
     settings_record,
     open_job,
@@ -199,19 +200,25 @@ def prompt_format_record() -> dict[str, Any]:
             "diffusers": diffusers.__version__}
 
 
+# every field but nocontrol_embeds: what a row completed from a table without it holds of the stored sample
+CARRIED_PART = (
+    FieldSpec("prompt_embeds", "bfloat16", rank=2),
+    FieldSpec("empty_embeds", "bfloat16", rank=2),
+    FieldSpec("slot_mask", "bool", rank=1),
+    FieldSpec("empty_slot_mask", "bool", rank=1),
+    FieldSpec("length", "int64", kind="column"),
+    FieldSpec("empty_length", "int64", kind="column"),
+    FieldSpec("num_controls", "int64", kind="column"),
+)
+
+
 def text_schema(job, hidden_size: int, dtype: str, nocontrol: bool = False) -> TableSchema:
+    from stages.encode.output import PART_LINEAGES_ATTR
+
     return TableSchema(
         name="text",
         lineage=job.lineage,
-        fields=[
-            FieldSpec("prompt_embeds", "bfloat16", rank=2),
-            FieldSpec("empty_embeds", "bfloat16", rank=2),
-            FieldSpec("slot_mask", "bool", rank=1),
-            FieldSpec("empty_slot_mask", "bool", rank=1),
-            FieldSpec("length", "int64", kind="column"),
-            FieldSpec("empty_length", "int64", kind="column"),
-            FieldSpec("num_controls", "int64", kind="column"),
-        ] + ([FieldSpec("nocontrol_embeds", "bfloat16", rank=2)] if nocontrol else []),
+        fields=[*CARRIED_PART] + ([FieldSpec("nocontrol_embeds", "bfloat16", rank=2)] if nocontrol else []),
         attrs={
             "prompt_format": prompt_format_record(),
             "hidden_size": hidden_size,
@@ -221,6 +228,9 @@ def text_schema(job, hidden_size: int, dtype: str, nocontrol: bool = False) -> T
                       "latent tokens of its reference, in order)",
             "length": "text tokens of the joint sequence (prompt rows minus image slots): with the image tokens "
                       "of img_shapes, the sample's exact joint sequence length",
+            # rows may hold the stored part of a sample encoded under one of these (`_complete_nocontrol`)
+            **({PART_LINEAGES_ATTR: {"columns": [f.name for f in CARRIED_PART], "feature_lineages":
+                                     list(job.partial_lineages)}} if nocontrol and job.partial_lineages else {}),
         },
     )
 
@@ -254,10 +264,12 @@ class SampleEncodings:
             empty, empty_slots = prompt, slots
         else:
             empty, empty_slots = self._empty_alone() if not refs else self._encode("", refs)
-        alone = None
-        if nocontrol:  # the instruction without the references
-            alone = prompt if not refs else self._empty_alone()[0] if not caption else self._encode(caption, [])[0]
+        alone = (prompt if not refs else self.alone(caption)) if nocontrol else None
         return prompt, slots, empty, empty_slots, alone
+
+    def alone(self, caption: str) -> torch.Tensor:
+        """The instruction without the references of a sample that has some (one without: its prompt)."""
+        return self._empty_alone()[0] if not caption else self._encode(caption, [])[0]
 
 
 def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | None = None,
@@ -278,7 +290,10 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
                    ranks, components=("text_encoder", "processor", "tokenizer"),
                    on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction, fixes=TEXT_FIXES,
                    serving_hashes=serving_config_hashes(section, prompt_format=record),
-                   unread=TEXT_UNREAD["qwen-image-2.1"], by_controls=references_rule)
+                   unread=TEXT_UNREAD["qwen-image-2.1"], by_controls=references_rule,
+                   # a table of these settings without no_control_embeds: its samples completed, not encoded again
+                   partial_hashes=(config_hash(section.model_copy(update={"no_control_embeds": False}),
+                                               prompt_format=record),) if section.no_control_embeds else ())
     job.prompt_fits = lambda tokens, shapes: caption_length_rejection_21("", tokens, shapes) is None
     say_alpha_flattened(job, cfg, model)
     say_other_images(job, cfg)
@@ -293,6 +308,8 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
         encodings = SampleEncodings(encoder)
         forward = MemoryBoundForward(lambda items: [encodings.of(items[0], nocontrol)], "encode-text",
                                      lambda item: f"sample {item.key}", target, "encode_text.batch_size")
+        if nocontrol:
+            _complete_nocontrol(job, encodings, target, section.dtype)
         todo = job.open_writer(schema, section.shard_size_mb)
         samples = prefetched(job.read_inputs(todo, references_rule),
                              job.unless_rejected(lambda item: prepare_text(*item, processor)),
@@ -301,6 +318,54 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
             for item in job.accepted(samples, bar):
                 _encode_text(job, item, processor, forward, nocontrol, bar)
         return job.finish()
+
+
+def _complete_nocontrol(job, encodings: SampleEncodings, target, dtype: str) -> None:
+    """`job.complete_rows` for a table encoded without no_control_embeds: each stored sample written with its
+    stored embeddings and slot masks, its instruction without the references encoded now (one with none: its
+    prompt, as a full encode stores it), bit for bit a full encode's row (one sample per forward either way)."""
+    from stages.encode.output import completing
+
+    forward = MemoryBoundForward(lambda captions: [encodings.alone(captions[0])], "encode-text",
+                                 lambda caption: "a caption alone", target, "encode_text.batch_size")
+
+    def some(reader, keys: list[str]) -> set[str]:
+        from store.integrity import DamagedData
+
+        done = set()
+        for key in keys:
+            try:
+                stored = reader.tensors(key)
+            except DamagedData:  # encoded whole instead
+                continue
+            row = reader.cells(key, ("length", "empty_length", "num_controls"))
+            if row["num_controls"]:
+                with job.timed_forward(1):
+                    alone = forward([str(job.images.cells(key, ("caption",)).get("caption") or "")])[0]
+            else:
+                alone = stored["prompt_embeds"]
+            _add_completed(job, key, stored, alone.to("cpu", torch.bfloat16).contiguous(), row, dtype)
+            done.add(key)
+        return done
+
+    job.complete_rows = lambda version, rows: completing(job, version, rows.column("key").to_pylist(), 64, some)
+
+
+def _add_completed(job, key: str, stored: dict[str, torch.Tensor], alone: torch.Tensor, row: dict[str, Any],
+                   dtype: str) -> None:
+    """A completed sample added (or quarantined for a non-finite embedding, as a full encode does)."""
+    embeds = {"prompt_embeds": stored["prompt_embeds"], "empty_embeds": stored["empty_embeds"],
+              "nocontrol_embeds": alone}
+    if (bad := nonfinite_rejection(key, embeds, f"encode_text.dtype {dtype}")) is not None:
+        job.quarantine(key, bad.reason, bad.detail)
+        return
+    meta = job.images.cells(key, ("split", "img_shapes"))
+    job.writer.add(key, tensors={**{n: t.contiguous() for n, t in embeds.items()},
+                                 "slot_mask": stored["slot_mask"].contiguous(),
+                                 "empty_slot_mask": stored["empty_slot_mask"].contiguous()},
+                   meta={"split": meta.get("split", "train"), "img_shapes": meta["img_shapes"], "length": row["length"],
+                         "empty_length": row["empty_length"], "num_controls": row["num_controls"]})
+    job.summary.completed += 1
 
 
 # ---------------------------------------------------------------- encode-vae

@@ -11,9 +11,9 @@ from schemas.stage import few, quarantined_line, summary_record
 from store.io_errors import size_text
 
 DAMAGED_INPUT = "damaged-input"  # quarantine reason of an `images` sample whose bytes fail their checksum
-COUNTS = ("encoded", "reused", "skipped", "quarantined", "bytes_written", "forwards", "forward_items")  # summed
-# over the ranks; the ranks run side by side, so the summed line's times are the slowest rank's (its wall time):
+# summed over the ranks; the ranks run side by side, so the summed line's times are the slowest rank's (its wall time):
 # the rate over ranks is every rank's samples / that time, not rank 0's share / rank 0's time
+COUNTS = ("encoded", "reused", "completed", "skipped", "quarantined", "bytes_written", "forwards", "forward_items")
 SLOWEST = ("seconds", "loop_seconds", "forward_seconds")
 NAMED_PER_RANK = 10  # damaged samples each rank names in the summed summary (the count is every one)
 NAMES_BYTES = 4096  # room for those names per rank (JSON, UTF-8) in the integer all-reduce that carries them
@@ -27,6 +27,9 @@ class Summary:
     up_to_date: bool = False
     encoded: int = 0
     reused: int = 0  # carried forward from an earlier version with the same feature lineage (not recomputed)
+    # its stored part carried from a version of settings that store less (encode-text without no_control_embeds),
+    # only the missing columns computed now (not in `encoded`)
+    completed: int = 0
     skipped: int = 0  # already in committed shards (resume) or the whole table when up to date
     quarantined: int = 0
     quarantined_by_reason: dict[str, int] = field(default_factory=dict)  # reason -> samples (the line lists them)
@@ -57,7 +60,8 @@ class Summary:
                               **({} if self.summed else {"rank": self.rank}), world_size=self.world_size,
                               damaged_inputs=sorted(self.damaged), damaged_input_count=self.damaged_count,
                               repaired_from=self.repaired_from, newer_current=self.newer_current,
-                              quarantined_by_reason=dict(self.quarantined_by_reason))
+                              quarantined_by_reason=dict(self.quarantined_by_reason),
+                              **({"completed": self.completed} if self.completed else {}))
 
     def committed_line(self) -> str:
         """Rank 0's line after a commit on a store URL (`committed_to`): which version is current there now."""
@@ -83,7 +87,9 @@ class Summary:
         rate = self.encoded / self.loop_seconds if self.loop_seconds > 0 else 0.0
         line = (
             f"{self.stage}{where}: table '{self.table}' v{self.version}: encoded {self.encoded}, "
-            f"reused {self.reused}, skipped (already done) {self.skipped}, quarantined {self.quarantined}, "
+            f"reused {self.reused}, " + (f"completed {self.completed} (stored part carried, only the missing "
+                                         "columns computed), " if self.completed else "") +
+            f"skipped (already done) {self.skipped}, quarantined {self.quarantined}, "
             f"{size_text(self.bytes_written)} written in {self.seconds:.1f} s (encoding {rate:.1f} samples/s)"
         )
         if self.quarantined_by_reason:  # by reason, as resize-bucket's summary says them

@@ -54,6 +54,7 @@ from stages.encode.common import (
 from schemas.fixes import has_alpha_picture, prompt_was_emptied, took_transparent_colour
 from schemas.pictures_lineage import TEXT_UNREAD
 from stages.encode.other_images import say_other_images
+from stages.encode.output import PART_LINEAGES_ATTR
 from stages.encode.plan import Fixes
 
 STAGE = "encode-text"
@@ -76,6 +77,8 @@ PLUS_IMAGE_PROMPT = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 KINDS = ("prompt", "empty")  # the instruction, and "" for caption dropout, both with the sample's images
 # with encode_text.no_control_embeds: the instruction without the control images (train.control_dropout)
 NOCONTROL = "nocontrol"
+# what the rows of a version with no_control_embeds may hold of a sample stored without it (`PART_LINEAGES_ATTR`)
+CARRIED_PART = ("prompt_embeds", "empty_embeds", "length", "empty_length", "num_controls")
 VISION_SLOT = "<|vision_start|><|image_pad|><|vision_end|>"
 PADDED_WINDOW = 8  # padded batching: this many batches' worth of requests are sorted by length together
 # Even same-shape batches are not bit-exact when a matmul has few rows: MKL's sgemm takes another kernel for
@@ -158,6 +161,18 @@ def feature_hashes(section: EncodeTextConfig, fmt: PromptFormat) -> tuple[dict[s
     serving = [h for s in (hashed, *spellings) for h in serving_config_hashes(s, earlier=True, prompt_format=record)]
     return (settings_record(hashed, prompt_format=record), tuple(dict.fromkeys(earlier)),
             tuple(dict.fromkeys(serving)))
+
+
+def without_nocontrol_hashes(section: EncodeTextConfig, fmt: PromptFormat) -> tuple[str, ...]:
+    """With no_control_embeds on: the feature hashes (`feature_hashes`: the settings' and the earlier ones) of the
+    same settings with it off, whose tables hold every column but `nocontrol_embeds`, bit for bit as this run
+    encodes them (the prompt and empty requests do not depend on it: `prepare`); else none."""
+    from schemas.lineage import settings_hash
+
+    if not section.no_control_embeds:
+        return ()
+    record, earlier, _ = feature_hashes(section.model_copy(update={"no_control_embeds": False}), fmt)
+    return (settings_hash(record), *earlier)
 
 
 def _check_instruction_slot(template: str) -> None:
@@ -263,11 +278,15 @@ def prepare(key: str, sample: dict[str, Any], fmt: PromptFormat, processor,
         if (too_long := caption_length_rejection(key, requests[-1].num_tokens - fmt.start_idx, meta)) is not None:
             return too_long
     if nocontrol:  # the instruction alone, no pixels
-        with lock:
-            tokens = processor.tokenizer([fmt.text_without_images(str(meta.get("caption") or ""))], return_tensors="pt")
-        requests.append(Request(key, NOCONTROL, {"input_ids": tokens["input_ids"],
-                                                 "attention_mask": tokens["attention_mask"]}))
+        requests.append(Request(key, NOCONTROL, _nocontrol_inputs(fmt, processor, lock, str(meta.get("caption") or ""))))
     return requests
+
+
+def _nocontrol_inputs(fmt: PromptFormat, processor, lock: threading.Lock, caption: str) -> dict[str, torch.Tensor]:
+    """The processor's inputs for the instruction without the control images (no pixels)."""
+    with lock:  # the fast tokenizer is not safe to call from two threads at once
+        tokens = processor.tokenizer([fmt.text_without_images(caption)], return_tensors="pt")
+    return {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]}
 
 
 def caption_length_rejection(key: str, text_tokens: int, meta: dict[str, Any]) -> Rejected | None:
@@ -370,6 +389,9 @@ def text_schema(job: EncodeJob, fmt: PromptFormat, hidden_size: int, dtype: str,
             "hidden_size": hidden_size,
             "encoder_dtype": dtype,
             "embeds": "Qwen2.5-VL last hidden state, valid tokens only, [length, hidden_size] bf16",
+            # rows may hold the stored part of a sample encoded under one of these (`_complete_nocontrol`)
+            **({PART_LINEAGES_ATTR: {"columns": list(CARRIED_PART), "feature_lineages": list(job.partial_lineages)}}
+               if nocontrol and job.partial_lineages else {}),
         },
     )
 
@@ -402,7 +424,8 @@ def run(
     job = open_job(store, STAGE, TABLE, settings, model, FEATURE_REVISION, ranks, components=COMPONENTS,
                    on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction,
                    earlier_hashes=earlier, fixes=FIXES, serving_hashes=serving,
-                   unread=TEXT_UNREAD[fmt.variant], by_controls=by_controls)
+                   unread=TEXT_UNREAD[fmt.variant], by_controls=by_controls,
+                   partial_hashes=without_nocontrol_hashes(section, fmt))
     job.prompt_fits = prompt_fits
     say_other_images(job, cfg)
     if job.up_to_date:
@@ -431,15 +454,18 @@ def _encode(job, section, fmt, model: str, target, by_controls) -> Summary:
     nocontrol = section.no_control_embeds
     kinds = KINDS + ((NOCONTROL,) if nocontrol else ())
     schema = text_schema(job, fmt, text_encoder.config.text_config.hidden_size, section.dtype, nocontrol)
-    todo = job.open_writer(schema, section.shard_size_mb)
     lock = threading.Lock()
+    forward = MemoryBoundForward(
+        lambda part: encode_batch(text_encoder, part, fmt.start_idx, processor.tokenizer.pad_token_id), STAGE,
+        lambda r: f"sample {r.key} ({r.num_tokens} tokens)", target, "encode_text.batch_size")
+    if nocontrol:  # a sample a table without them holds: only its nocontrol_embeds computed
+        job.complete_rows = lambda version, rows: _complete_nocontrol(
+            job, version, rows, lambda caption: _nocontrol_inputs(fmt, processor, lock, caption), forward, section)
+    todo = job.open_writer(schema, section.shard_size_mb)
     samples = prefetched(job.read_inputs(todo, by_controls),
                          job.unless_rejected(lambda item: prepare(*item, fmt, processor, lock, nocontrol)),
                          workers=section.num_workers)
     done: dict[str, dict[str, torch.Tensor]] = {}  # key -> kind -> embeds, until both kinds are in
-    forward = MemoryBoundForward(
-        lambda part: encode_batch(text_encoder, part, fmt.start_idx, processor.tokenizer.pad_token_id), STAGE,
-        lambda r: f"sample {r.key} ({r.num_tokens} tokens)", target, "encode_text.batch_size")
     with job.progress(len(todo)) as bar:
         requests = (r for pair in job.accepted(samples, bar) for r in pair)
         for batch in batches(requests, section.batching, section.batch_size):
@@ -450,14 +476,49 @@ def _encode(job, section, fmt, model: str, target, by_controls) -> Summary:
                 parts[req.kind] = emb.to("cpu", torch.bfloat16)
                 bar.encoded(len(kinds))
                 if len(parts) == len(kinds):
-                    _write(job, req.key, done.pop(req.key), f"encode_text.dtype {section.dtype}")
+                    job.summary.encoded += _write(job, req.key, done.pop(req.key), f"encode_text.dtype {section.dtype}")
     return job.finish()
 
 
-def _write(job: EncodeJob, key: str, parts: dict[str, torch.Tensor], dtype_setting: str) -> None:
+def _complete_nocontrol(job: EncodeJob, version: int, rows, inputs, forward, section: EncodeTextConfig) -> set[str]:
+    """The samples of `rows` (stored rows of `version`, a table encoded without no_control_embeds) written with
+    their stored prompt and empty embeddings and their nocontrol ones computed now (`inputs`: caption -> the
+    processor's inputs; the forward and batching a full encode uses, so the table is the one it makes). Returns
+    the keys done (written, or quarantined as a full encode quarantines them); a stored sample found damaged is
+    left out (encoded whole)."""
+    from stages.encode.output import completing
+
+    return completing(job, version, rows.column("key").to_pylist(), PADDED_WINDOW * section.batch_size,
+                      lambda reader, keys: _complete_some(job, reader, keys, inputs, forward, section))
+
+
+def _complete_some(job: EncodeJob, reader, keys: list[str], inputs, forward, section: EncodeTextConfig) -> set[str]:
+    """`_complete_nocontrol` for a few `keys` of `reader`'s version."""
+    from store.integrity import DamagedData
+
+    stored: dict[str, dict[str, torch.Tensor]] = {}
+    for key in keys:
+        try:
+            stored[key] = reader.tensors(key)
+        except DamagedData:  # encoded whole instead
+            continue
+    requests = [Request(k, NOCONTROL, inputs(str(job.images.cells(k, ("caption",)).get("caption") or "")))
+                for k in stored]
+    for batch in batches(requests, section.batching, section.batch_size):
+        with job.timed_forward(len(batch)):
+            embeds = forward(batch)
+        for req, emb in zip(batch, embeds):
+            parts = {"prompt": stored[req.key]["prompt_embeds"], "empty": stored[req.key]["empty_embeds"],
+                     NOCONTROL: emb.to("cpu", torch.bfloat16)}
+            job.summary.completed += _write(job, req.key, parts, f"encode_text.dtype {section.dtype}")
+    return set(stored)
+
+
+def _write(job: EncodeJob, key: str, parts: dict[str, torch.Tensor], dtype_setting: str) -> bool:
+    """Add the sample (True), or quarantine it for a non-finite embedding (False)."""
     if (rejected := nonfinite_rejection(key, {f"{k}_embeds": t for k, t in parts.items()}, dtype_setting)):
         job.quarantine(key, rejected.reason, rejected.detail)
-        return
+        return False
     meta = job.images.cells(key, ("split", "img_shapes", "num_controls"))
     job.writer.add(
         key,
@@ -471,4 +532,4 @@ def _write(job: EncodeJob, key: str, parts: dict[str, torch.Tensor], dtype_setti
             "num_controls": int(meta.get("num_controls", 0)),
         },
     )
-    job.summary.encoded += 1
+    return True

@@ -94,8 +94,9 @@ def check_control_dropout(cfg: TrainConfig, has_nocontrol_embeds: bool, text_tab
     if cfg.control_dropout > 0 and not has_nocontrol_embeds:
         raise UserError(f"train.control_dropout {cfg.control_dropout} needs the text table's nocontrol_embeds, which "
                         f"{text_table} without: set encode_text.no_control_embeds: true and re-run encode-text (a "
-                        "new text version: every sample encoded again, also without its control images; the vae "
-                        "table is kept), or set train.control_dropout: 0")
+                        "new text version: each sample's stored embeddings are carried and only its instruction "
+                        "without the control images is encoded; the vae table is kept), or set "
+                        "train.control_dropout: 0")
 
 
 def check_checkpointing(cfg: TrainConfig) -> None:

@@ -42,10 +42,11 @@ def test_no_control_embeds_and_control_dropout_training(tiny_plus_model, plus_st
     assert "train.control_dropout 1.0 needs the text table's nocontrol_embeds" in out and "v1" in out, out
     assert "encode_text.no_control_embeds: true" in out and "transformer" not in loaded, (out, loaded)
     monkeypatch.setattr(models.loading, "load_component", real_load)
-    assert "every sample encoded again" in out, out  # what following it costs (it once said "reusing the rest")
+    # what following it costs (it once said "reusing the rest", then "every sample encoded again")
+    assert "only its instruction without the control images is encoded" in out, out
     again = _cli("run", "encode-text", "--store", plus_store, "--model", tiny_plus_model, *f32,
                  "--set", "encode_text.no_control_embeds=true")
-    assert "reused 0," in again, again
+    assert "encoded 0, reused 0, completed " in again, again  # the stored embeddings carried, nocontrol computed
     st = Store(plus_store)
     assert st.tables()["text"] == 2  # the option is in the lineage: a new version
 

@@ -1,6 +1,6 @@
 """`encode_text.no_control_embeds` only adds columns (`schemas.lineage.adds_columns`): a complete `text` version
 encoded with it true serves a run with it false (up to date, made current, nothing encoded), and train reads the
-same data from it; false -> true still encodes (the column is missing)."""
+same data from it; false -> true still makes a new version (the column is missing)."""
 
 from __future__ import annotations
 
@@ -60,10 +60,11 @@ def test_turning_no_control_embeds_off_reuses_the_table_and_trains_the_same_lora
     assert all(torch.equal(lora[f][k], lora_off[f][k]) for f in lora for k in lora[f])
     assert list(trained.losses) == list(other.losses)
 
-    # false -> true must encode (the column is missing): a new version, and train's run no longer matches it
+    # false -> true must compute the missing column (each sample completed: test_encode_text_nocontrol_complete.py):
+    # a new version, and train's run no longer matches it
     assert train_current(off, off_store, tiny_plus_model, tmp_path / "run-off")
     turned_on = encode_text.run(load_config(None, ON), off_store, tiny_plus_model)
-    assert not turned_on.up_to_date and turned_on.encoded == n and turned_on.version == 2
+    assert not turned_on.up_to_date and turned_on.completed == n and turned_on.version == 2
     assert not train_current(off, off_store, tiny_plus_model, tmp_path / "run-off")
 
 
@@ -77,7 +78,7 @@ def test_a_21_table_with_reference_dropout_embeds_serves_a_run_without(tiny_21_m
     other = write_store21(tmp_path / "other")
     first = encode_text.run(load_config(None, F32), other, tiny_21_model)
     turned_on = encode_text.run(load_config(None, ON), other, tiny_21_model)
-    assert not turned_on.up_to_date and turned_on.encoded == first.encoded and turned_on.version == 2
+    assert not turned_on.up_to_date and turned_on.completed == first.encoded and turned_on.version == 2
 
 
 def test_on_a_store_url_a_version_encoded_with_it_on_serves_from_the_cache_and_from_the_remote(
