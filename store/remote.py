@@ -512,9 +512,10 @@ class Remote:
     def read(self, rel: str, small: bool = False) -> bytes:
         """The whole object; read again once when it arrived other than the server's checksum of it (botocore's
         FlexibleChecksumError: damaged on the way), then refused in one line naming it (damaged on the server).
-        `small`: one GET on S3 (s3fs first asks the size, a HEAD - and a listing when there is no such object -
-        to split a large object into parallel reads)."""
-        one_get = {"max_concurrency": 1} if small and self.is_s3 else {}
+        `small`: one GET on S3 (s3fs from 2026.3 first asks the size, a HEAD - and a listing when there is no such
+        object - to split a large object into parallel reads; an earlier one takes no `max_concurrency` and reads
+        with one GET anyway)."""
+        one_get = {"max_concurrency": 1} if small and self._cat_takes_concurrency() else {}
         for attempt in range(2):
             try:
                 return self.fs.cat_file(self.path(rel), **one_get)
@@ -526,6 +527,10 @@ class Remote:
                                     f"checksum of it ({_first_line(e)}); push it again from an intact store, or "
                                     f"`pipeline store repair {self.url}`") from None
         raise AssertionError("not reached")
+
+    def _cat_takes_concurrency(self) -> bool:
+        """Does this S3 back end's whole-object read take `max_concurrency` (s3fs 2026.3 on)?"""
+        return self.is_s3 and "max_concurrency" in inspect.signature(self.fs._cat_file).parameters
 
     def write(self, rel: str, data: bytes, crc: str | None = None) -> None:
         if self.is_local:

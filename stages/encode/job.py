@@ -52,6 +52,9 @@ class EncodeJob:
     # no_control_embeds), and how the stage completes such rows: (version, its stored rows) -> the keys it wrote,
     # each with its stored part and the missing one computed now (stages/encode/output.py `_completed`)
     partial_lineages: tuple[str, ...] = ()
+    # of those, what the version's schema records (`attrs.part_lineages`): the one of the settings as hashed now, so
+    # the schema depends on the settings and inputs alone (`plan.JobLineages.part_record`)
+    part_record: tuple[str, ...] = ()
     complete_rows: Callable[[int, Any], set[str]] | None = None
     # encode-text: (stored length, img_shapes now) -> does the prompt fit next to the images now? Set, a
     # carried row takes the images' img_shapes now (its encoder does not read the target: a new target size

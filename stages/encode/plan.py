@@ -196,7 +196,7 @@ def _open_job(store_path: str | Path, stage: str, table: str, settings: dict[str
                         lease=lease, on_damaged=on_damaged, settings=settings,
                         max_damaged_fraction=max_damaged_fraction, changed_by_fixes=lineages.changed_by_fixes,
                         serving=lineages.serving, model_files=lineages.model_files,
-                        partial_lineages=lineages.partial)
+                        partial_lineages=lineages.partial, part_record=lineages.part_record)
         weakref.finalize(job, lease.release)
         found = _reusable_version(job, lineages.hashed_before, fixes, feature_revision)
         if found is None and ranks.rank == 0 and not repair_context.active():
@@ -225,6 +225,10 @@ class JobLineages(NamedTuple):
     serving: tuple[Lineage, ...]  # versions of settings that store more (extra columns): they serve this run too
     model_files: tuple  # the model's files (schemas/model_files.py), recorded in the version's schema
     partial: tuple[str, ...] = ()  # feature lineages of samples holding part of this run's columns (completed)
+    # what the version records of them: that of the settings as hashed now, as `feature_lineage` names its own;
+    # not the earlier spellings' (which follow `device`) nor those of the store's other `images` versions: the
+    # schema, compared whole on a store URL, would differ between runs and caches of the very same settings
+    part_record: tuple[str, ...] = ()
 
 
 def _job_lineages(store: Store, images, images_id: str, stage: str, table: str, feature_hash: str, model: str,
@@ -271,7 +275,8 @@ def _job_lineages(store: Store, images, images_id: str, stage: str, table: str, 
     return JobLineages(lineage=lineage, feature=fl, earlier=tuple(dict.fromkeys((*earlier, *same_reads, *changed))),
                        changed_by_fixes={**partial_changed, **changed}, hashed_before=[old for old, _ in hashed_before],
                        serving=tuple(serving), model_files=files,
-                       partial=tuple(dict.fromkeys((*partial, *partial_reads, *partial_changed))))
+                       partial=tuple(dict.fromkeys((*partial, *partial_reads, *partial_changed))),
+                       part_record=tuple(partial[:1]))
 
 
 @dataclass(frozen=True)

@@ -228,9 +228,9 @@ def text_schema(job, hidden_size: int, dtype: str, nocontrol: bool = False) -> T
                       "latent tokens of its reference, in order)",
             "length": "text tokens of the joint sequence (prompt rows minus image slots): with the image tokens "
                       "of img_shapes, the sample's exact joint sequence length",
-            # rows may hold the stored part of a sample encoded under one of these (`_complete_nocontrol`)
+            # rows may hold the stored part of a sample encoded under these settings (`_complete_nocontrol`)
             **({PART_LINEAGES_ATTR: {"columns": [f.name for f in CARRIED_PART], "feature_lineages":
-                                     list(job.partial_lineages)}} if nocontrol and job.partial_lineages else {}),
+                                     list(job.part_record)}} if nocontrol and job.partial_lineages else {}),
         },
     )
 

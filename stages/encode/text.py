@@ -389,8 +389,8 @@ def text_schema(job: EncodeJob, fmt: PromptFormat, hidden_size: int, dtype: str,
             "hidden_size": hidden_size,
             "encoder_dtype": dtype,
             "embeds": "Qwen2.5-VL last hidden state, valid tokens only, [length, hidden_size] bf16",
-            # rows may hold the stored part of a sample encoded under one of these (`_complete_nocontrol`)
-            **({PART_LINEAGES_ATTR: {"columns": list(CARRIED_PART), "feature_lineages": list(job.partial_lineages)}}
+            # rows may hold the stored part of a sample encoded under these settings (`_complete_nocontrol`)
+            **({PART_LINEAGES_ATTR: {"columns": list(CARRIED_PART), "feature_lineages": list(job.part_record)}}
                if nocontrol and job.partial_lineages else {}),
         },
     )

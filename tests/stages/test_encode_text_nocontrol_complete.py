@@ -45,7 +45,7 @@ def test_turning_it_on_computes_only_the_nocontrol_embeds_and_equals_a_fresh_enc
     st = Store(plus_store)
     off_lineage = st.reader("text", off.version).schema.attrs["feature_lineage"]
     part = st.reader("text", on.version).schema.attrs[PART_LINEAGES_ATTR]
-    assert off_lineage in part["feature_lineages"] and "prompt_embeds" in part["columns"]
+    assert part["feature_lineages"] == [off_lineage] and "prompt_embeds" in part["columns"]
 
     whole = encode_text.run(load_config(None, ON), fresh, tiny_plus_model)
     assert (whole.encoded, whole.completed) == (n, 0) and whole.forward_items == 3 * n
@@ -114,3 +114,34 @@ def test_two_launched_ranks_complete_their_shares(tiny_edit_model, edit_store, t
     assert f"encode-text [2 ranks]: table 'text' v2: encoded 0, reused 0, completed {n} " in out0, out0
     encode_text.run(load_config(None, {"encode_text.no_control_embeds": True}), fresh, tiny_edit_model, device="cpu")
     _same_tables(edit_store, fresh)
+
+
+def test_on_a_store_url_a_version_completed_under_another_device_setting_is_adopted(
+        s3_env, edit_store: Path, tiny_edit_model, tmp_path: Path) -> None:
+    """A version's schema names the lineage its completed rows' part was stored under as the settings hash it now
+    (device is not hashed): a complete version with it on, no longer current on the remote, is found and made
+    current by a run of the very same settings from a fresh cache with another `device` spelling. Before, the
+    schema listed the lineages of every earlier spelling, which follow the configured device, so that run's
+    schema differed: the version was passed over and every sample encoded again into a new one."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+    from store.remote_push import push
+
+    url = s3_env.url("complete")
+    push(edit_store, url)
+
+    def run(cache: str, *args: str) -> dict:
+        res = CliRunner().invoke(app, ["run", "encode-text", "--model", tiny_edit_model, "--json", *args,
+                                       "--store", url, "--cache-dir", str(tmp_path / cache)])
+        assert res.exit_code == 0, res.output
+        return json.JSONDecoder().raw_decode(res.output[res.output.index("{"):])[0]
+
+    off = run("node-a", "--device", "cpu")
+    on = run("node-a", "--device", "cpu", "--set", "encode_text.no_control_embeds=true")
+    assert (on["version"], on["completed"], on["encoded"]) == (2, off["encoded"], 0)
+    assert run("node-a", "--device", "cpu", "--set", "encode_text.batching=padded")["version"] == 3
+    again = run("node-b", "--set", "encode_text.device=auto", "--set", "encode_text.no_control_embeds=true")
+    assert (again["version"], again["up_to_date"], again["encoded"], again.get("completed", 0)) == (2, True, 0, 0)

@@ -145,3 +145,21 @@ def test_the_versions_are_looked_at_several_at_a_time(s3_env, monkeypatch) -> No
     monkeypatch.setattr(remote_mod.Remote, "read", read)
     assert on_remote(url, "vae", A, 2).committed == 1
     assert len(met) == 2
+
+
+def test_the_look_works_with_an_s3fs_whose_cat_file_takes_no_concurrency(s3_env, monkeypatch) -> None:
+    """s3fs before 2026.3 (pyproject allows 2024.3 on) reads an object with one GET and takes no `max_concurrency`:
+    a small read asks for one GET only where it is taken. Before, every look at a store URL on such an s3fs stopped
+    with a TypeError (an unexpected keyword argument)."""
+    import s3fs
+
+    url = s3_env.url("look")
+    _filled(remote_mod.open_remote(url))
+    real = s3fs.S3FileSystem._cat_file
+
+    async def old_cat_file(self, path, version_id=None, start=None, end=None):  # s3fs 2024.3 - 2026.2
+        return await real(self, path, version_id=version_id, start=start, end=end)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", old_cat_file)
+    assert on_remote(url, "vae", A, 2) == (set(FOLDERS) - {4}, 1, ROWS, 10)
+    assert committed_on_remote(url, "vae", lambda schema: schema == A) == 1
