@@ -107,7 +107,7 @@ def _watch(clients: list, key: str, stop: threading.Event, alive: str | None = N
                 look = time.monotonic() + timing.LIVENESS_SECONDS
                 _frozen(client, key, seen)
         except Exception:  # noqa: BLE001 - a hiccup, the store gone (its host ended: the launch is over) or silent
-            if not _reconnect(clients, stop):
+            if not _connect_again(clients, stop):
                 return
             beat = 0.0  # a sign of life at once: the outage took some of the waiting ranks' LOST_SECONDS
             continue
@@ -126,6 +126,21 @@ def _watch(clients: list, key: str, stop: threading.Event, alive: str | None = N
         return
     if report_once(message):
         os._exit(1)  # the main thread may be inside a collective that never returns
+
+
+def _connect_again(clients: list, stop: threading.Event) -> bool:
+    """`_reconnect` until the store answers (True). A store out of reach past STORE_RETRY_SECONDS (a switch
+    rebooting: its port does not answer a connect) is tried on: a watch thread that ended there counted no more
+    signs of life for this live rank, whom the others then named frozen (`_frozen`) or lost (`arrive_together`),
+    and saw no failure they published. False where the store is gone (its port refuses: its host ended), where it
+    accepted but never answered for as long (its host stopped, hung: each such try leaves a connect blocked), or
+    where this process exits (`stop`)."""
+    while True:
+        state.found.silent = None  # this round's finding (`_outcome`)
+        if _reconnect(clients, stop):
+            return True
+        if state.found.gone or state.found.silent or store_host_gone() or stop.wait(timing.POLL_SECONDS):
+            return False
 
 
 def _frozen(client, key: str, seen: dict[int, tuple[int, float]]) -> None:
