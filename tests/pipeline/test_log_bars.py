@@ -138,6 +138,28 @@ def test_a_bad_progress_seconds_is_a_usage_error():
     assert "error: PIPELINE_PROGRESS_SECONDS='often' is not a number of seconds; set it to e.g. 30" in proc.stderr
 
 
+def test_a_bad_progress_seconds_is_refused_on_a_terminal_too(monkeypatch):
+    """A bad setting tried on a terminal (where no bar writes lines) is refused there, not first in the batch job
+    it was meant for (a SLURM log: the job then failed at its start, after its wait in the queue)."""
+    import fcntl
+    import struct
+    import termios
+
+    from schemas.errors import UserError
+
+    main, side = os.openpty()
+    fcntl.ioctl(side, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    terminal = os.fdopen(side, "w")
+    try:
+        monkeypatch.setattr(sys, "stderr", terminal)
+        monkeypatch.setenv(bars.SECONDS_ENV, "often")
+        with pytest.raises(UserError, match="PIPELINE_PROGRESS_SECONDS='often' is not a number of seconds"):
+            bars.for_this_stderr()
+    finally:
+        terminal.close()
+        os.close(main)
+
+
 def _cli_stderr(args: list[str], stderr, tmp_path: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], env=env, stdout=subprocess.DEVNULL,
