@@ -19,11 +19,13 @@ DEFAULT_SECONDS = 30.0
 
 
 def for_this_stderr() -> None:
-    """Set the bars up for what stderr is: a terminal without a size, a log, or a terminal (nothing to do)."""
+    """Set the bars up for what stderr is: a terminal without a size, a log, or a terminal (nothing to do). A bad
+    PIPELINE_PROGRESS_SECONDS is refused on a terminal too: tried there, not first in the batch job it is for."""
+    seconds = line_seconds()
     try:
         columns = os.get_terminal_size(sys.stderr.fileno()).columns
     except (OSError, ValueError, AttributeError):  # no terminal (a pipe, a file, a closed or replaced stderr)
-        as_log_lines(line_seconds())
+        as_log_lines(seconds)
         return
     if columns <= 0:
         bars_on_a_terminal_without_size()

@@ -49,7 +49,9 @@ def _bar_mid_line() -> bool:
     tq = sys.modules.get("tqdm.std")
     if tq is None:
         return False
-    if len(getattr(tq.tqdm, "_instances", ())):  # open bars (tqdm keeps no disabled bar there)
+    # open bars (tqdm keeps no disabled bar there), but for those writing a log's whole lines (pipeline/bars.py
+    # marks them `_log_lines`): before them a newline left a blank line in the log before each error line
+    if any(not vars(bar).get("_log_lines") for bar in list(getattr(tq.tqdm, "_instances", ()))):
         return True
     closing, me = tq.tqdm.close.__code__, threading.get_ident()
     for ident, frame in sys._current_frames().items():  # the closing bar is on another thread's stack

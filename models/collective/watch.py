@@ -18,7 +18,7 @@ from models.collective.counting import _known_by_all
 from models.collective.exit import _count_exit
 from models.collective.reconnect import _reconnect
 from models.collective.report import _bar_mid_line, report_once
-from models.collective.store_client import _alive_key, _call, _failure_key, _store_client
+from models.collective.store_client import _agent_store, _alive_key, _call, _failure_key, _store_client
 from schemas.interruptible import received
 
 
@@ -107,7 +107,9 @@ def _watch(clients: list, key: str, stop: threading.Event, alive: str | None = N
                 look = time.monotonic() + timing.LIVENESS_SECONDS
                 _frozen(client, key, seen)
         except Exception:  # noqa: BLE001 - a hiccup, the store gone (its host ended: the launch is over) or silent
-            if not _reconnect(clients, stop):
+            if not _connect_again(clients, stop):
+                if state.found.silent:
+                    _store_host_frozen(stop)
                 return
             beat = 0.0  # a sign of life at once: the outage took some of the waiting ranks' LOST_SECONDS
             continue
@@ -126,6 +128,38 @@ def _watch(clients: list, key: str, stop: threading.Event, alive: str | None = N
         return
     if report_once(message):
         os._exit(1)  # the main thread may be inside a collective that never returns
+
+
+def _connect_again(clients: list, stop: threading.Event) -> bool:
+    """`_reconnect` until the store answers (True). A store out of reach past STORE_RETRY_SECONDS (a switch
+    rebooting: its port does not answer a connect) is tried on: a watch thread that ended there counted no more
+    signs of life for this live rank, whom the others then named frozen (`_frozen`) or lost (`arrive_together`),
+    and saw no failure they published. False where the store is gone (its port refuses: its host ended), where it
+    accepted but never answered for as long (its host stopped, hung: each such try leaves a connect blocked), or
+    where this process exits (`stop`)."""
+    while True:
+        state.found.silent = None  # this round's finding (`_outcome`)
+        if _reconnect(clients, stop):
+            return True
+        if state.found.gone or state.found.silent or store_host_gone() or stop.wait(timing.POLL_SECONDS):
+            return False
+
+
+def _store_host_frozen(stop: threading.Event) -> None:
+    """The store stopped answering (it accepts connections: its host stopped or hung) while this rank trains in
+    lockstep. Where rank 0 serves it (a plain env:// launch, `_agent_store` not) a frozen rank 0 silences its own
+    signs of life with the store, so no peer's look (`_frozen`) could name it, and the ranks waited in the
+    all-reduce for the process group's timeout: once this rank's steps have stalled for LOST_SECONDS too, it ends
+    with rank 0's frozen line, said by each rank itself (no store to publish it through). Steps that go on never
+    stall that long; training that ends first (out of lockstep) ends this wait."""
+    if _agent_store() or not frozen.stalled(0.0):
+        return
+    while not stop.wait(timing.POLL_SECONDS):
+        if not frozen.stalled(0.0):  # out of lockstep: no collective waits for rank 0 here
+            return
+        if frozen.stalled(timing.LOST_SECONDS):
+            report_once(frozen.frozen_line([0], state.run["world"]))
+            os._exit(1)  # the main thread waits in a collective that never returns
 
 
 def _frozen(client, key: str, seen: dict[int, tuple[int, float]]) -> None:

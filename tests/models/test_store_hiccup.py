@@ -9,6 +9,7 @@ test serves (tests/models/test_failure_lines.py `_as_rank_1`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -286,3 +287,127 @@ def test_a_rank_counted_through_a_store_hiccup_is_counted_once(monkeypatch, own_
     collective.counting._count_and_wait(collective.store_client._store_client(), counter, 2, wait=False)
     [(code, out, err)] = outcomes([rank0], TIMEOUT)
     assert budget["left"] == 0 and (code, out) == (0, "every rank counted\n"), err[-3000:]
+
+
+def test_the_watch_thread_outlasts_a_store_out_of_reach_longer_than_its_retries(monkeypatch, own_collective) -> None:
+    """The store out of this rank's reach past STORE_RETRY_SECONDS (a switch rebooting, its host overloaded), its
+    host alive (its port does not refuse): before, the watch thread ended for good, so this live rank counted no more
+    signs of life - the others named it frozen at their next stall in training (`_frozen`) or lost at the next
+    arrival, stopping a healthy launch - and a failure another rank published never reached it. It tries on."""
+    collective = own_collective
+    store = _as_rank_1(monkeypatch)
+    out = {"of_reach": False}
+    budget = {"fails": lambda *_: out["of_reach"], "left": float("inf")}
+    real = collective.store_client._store_client
+
+    def connect(timeout=10.0):
+        if out["of_reach"]:
+            raise TimeoutError(f"no store answered within {timeout:.0f} s, the last try: DistStoreError: timeout")
+        return FlakyClient(real(timeout), budget)
+
+    patch_where_used(monkeypatch, "_store_client", connect)
+    monkeypatch.setattr(collective.timing, "STORE_RETRY_SECONDS", 0.5)
+    tries: list[bool] = []
+    reconnect = collective.watch._reconnect
+    monkeypatch.setattr(collective.watch, "_reconnect", lambda *a: tries.append(reconnect(*a)) or tries[-1])
+    exits: list[int] = []
+    monkeypatch.setattr(collective.watch.os, "_exit", exits.append)
+    collective.watch_failures(2)
+    alive = collective.store_client._alive_key(1)
+    _wait_for(lambda: store.add(alive, 0) >= 1, "the watch thread never counted this rank alive")
+    out["of_reach"] = True
+    _wait_for(lambda: False in tries, "the watch thread's reconnect never gave up")
+    out["of_reach"] = False
+    beats = store.add(alive, 0)
+    _wait_for(lambda: store.add(alive, 0) >= beats + 2, "no sign of life once the store was in reach again")
+    store.compare_set(collective.store_client._failure_key(), "", "rank 0 ran out of memory in the forward")
+    store.set(f"{collective.store_client._failure_key()}/known/0", "1")
+    _wait_for(lambda: exits == [1], "a published failure went unseen after the store was out of reach")
+
+
+def test_a_store_that_accepts_but_never_answers_still_ends_the_watch(monkeypatch, own_collective) -> None:
+    """Its host stopped (SIGSTOP, a Ctrl-Z on rank 0's terminal) or hung: each connect tried leaves a thread blocked
+    in torch's client until it answers; tried on for ever, a night's stop left hundreds, each with a socket. Such a
+    store is given STORE_RETRY_SECONDS, as before, where one out of reach is tried on (above)."""
+    collective = own_collective
+    store = _as_rank_1(monkeypatch)
+    silent = {"on": False}
+    budget = {"fails": lambda *_: silent["on"], "left": float("inf")}
+    real = collective.store_client._store_client
+
+    def connect(timeout=10.0):
+        if silent["on"]:  # as `_connect`'s bound running out on a connect left unanswered
+            collective.state.found.silent = "the launch's store at 127.0.0.1 did not answer"
+            raise collective.store_client.StoreSilent(collective.state.found.silent)
+        return FlakyClient(real(timeout), budget)
+
+    patch_where_used(monkeypatch, "_store_client", connect)
+    monkeypatch.setattr(collective.timing, "STORE_RETRY_SECONDS", 0.5)
+    collective.watch_failures(2)
+    alive = collective.store_client._alive_key(1)
+    _wait_for(lambda: store.add(alive, 0) >= 1, "the watch thread never counted this rank alive")
+    silent["on"] = True
+    stop, watcher = collective.state.run["watcher"]
+    _wait_for(lambda: not watcher.is_alive(), "the watch thread tried a silent store on and on")
+
+
+def _store_host_silent(monkeypatch, collective, agent_store: bool) -> tuple[dict, list[int]]:
+    """This rank's watch thread counting alive through a store the test then silences (`silent["on"]`), in a
+    launch whose store rank 0 serves (`agent_store` False: a plain env:// launch) or torchrun's agent."""
+    store = _as_rank_1(monkeypatch)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", str(agent_store))
+    silent = {"on": False}
+    budget = {"fails": lambda *_: silent["on"], "left": float("inf")}
+    real = collective.store_client._store_client
+
+    def connect(timeout=10.0):
+        if silent["on"]:  # as `_connect`'s bound running out on a connect left unanswered
+            collective.state.found.silent = "the launch's store at 127.0.0.1 did not answer"
+            raise collective.store_client.StoreSilent(collective.state.found.silent)
+        return FlakyClient(real(timeout), budget)
+
+    patch_where_used(monkeypatch, "_store_client", connect)
+    monkeypatch.setattr(collective.timing, "STORE_RETRY_SECONDS", 0.5)
+    monkeypatch.setattr(collective.timing, "LOST_SECONDS", 2.0)
+    exits: list[int] = []
+    monkeypatch.setattr(collective.watch.os, "_exit", exits.append)
+    collective.watch_failures(2)
+    alive = collective.store_client._alive_key(1)
+    _wait_for(lambda: store.add(alive, 0) >= 1, "the watch thread never counted this rank alive")
+    silent["on"] = True
+    silent["store"] = store  # held: the server lives with its object
+    return silent, exits
+
+
+def test_a_frozen_rank_0_serving_the_store_is_named_by_the_ranks_stalled_in_training(monkeypatch, own_collective,
+                                                                                      capsys) -> None:
+    """A plain env:// launch: rank 0 serves the store, so when it freezes (SIGSTOP, a hung node) its store falls
+    silent with it, and no peer can read that its signs of life stopped. Before, the peers' watch threads gave up
+    on the silent store and the peers, stalled in the gradient all-reduce, waited for the process group's timeout
+    (NCCL: 10 minutes, then an abort naming no rank). Now a peer stalled in lockstep for LOST_SECONDS names rank 0."""
+    collective = own_collective
+    with collective.frozen.lockstep():  # this rank's all-reduce waits for rank 0 from here on
+        silent, exits = _store_host_silent(monkeypatch, collective, agent_store=False)
+        _wait_for(lambda: exits == [1], "a peer stalled on a frozen store host never named it")
+    err = capsys.readouterr().err
+    assert "error: rank(s) 0 of 2 gave no sign of life for 2 s while the others waited for them in a training step" \
+        in err, err
+
+
+def test_a_silent_store_outside_training_names_no_rank(monkeypatch, own_collective) -> None:
+    """Not in lockstep (no collective waits for rank 0 here): the watch ends as before, naming none."""
+    _silent_watch_names_none(monkeypatch, own_collective, agent_store=False, training=False)
+
+
+def test_a_silent_agent_store_names_no_rank(monkeypatch, own_collective) -> None:
+    """torchrun's agent serves the store: rank 0's freeze leaves it answering (the peers' look names rank 0 as any
+    peer), and a silent one is no rank's: the watch ends as before, naming none."""
+    _silent_watch_names_none(monkeypatch, own_collective, agent_store=True, training=True)
+
+
+def _silent_watch_names_none(monkeypatch, collective, agent_store: bool, training: bool) -> None:
+    with collective.frozen.lockstep() if training else contextlib.nullcontext():
+        _silent, exits = _store_host_silent(monkeypatch, collective, agent_store)
+        stop, watcher = collective.state.run["watcher"]
+        _wait_for(lambda: not watcher.is_alive(), "the watch thread went on against a silent store")
+    assert exits == [], exits

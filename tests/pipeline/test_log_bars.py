@@ -130,12 +130,52 @@ def test_a_bar_on_a_terminal_still_draws_frames(log_lines, monkeypatch):
     assert drawn.count("\r") >= 4 and "train:  30%|" in drawn and "3/10" in drawn, repr(drawn)
 
 
+def test_an_error_line_in_a_log_follows_an_open_bars_line_without_a_blank_line(log_lines):
+    """A bar writing a log's lines ends each one: an error line then starts without the newline a terminal's
+    frame needs before it (a blank line in the log before every error)."""
+    from models.collective import report
+
+    bars.as_log_lines(30)
+    log = io.StringIO()
+    bar = tqdm.std.tqdm(total=10, desc="train", unit="step", file=log)
+    try:
+        assert not report._bar_mid_line()
+        frame = tqdm.std.tqdm(total=10, desc="frames", file=io.StringIO())
+        frame.__dict__["_log_lines"] = False  # a bar drawing a terminal's frames, stopped mid-line
+        assert report._bar_mid_line()
+        frame.close()
+    finally:
+        bar.close()
+
+
 def test_a_bad_progress_seconds_is_a_usage_error():
     env = {**os.environ, "PYTHONPATH": str(REPO), bars.SECONDS_ENV: "often"}
     proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "--help"], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "error: PIPELINE_PROGRESS_SECONDS='often' is not a number of seconds; set it to e.g. 30" in proc.stderr
+
+
+def test_a_bad_progress_seconds_is_refused_on_a_terminal_too(monkeypatch):
+    """A bad setting tried on a terminal (where no bar writes lines) is refused there, not first in the batch job
+    it was meant for (a SLURM log: the job then failed at its start, after its wait in the queue)."""
+    import fcntl
+    import struct
+    import termios
+
+    from schemas.errors import UserError
+
+    main, side = os.openpty()
+    fcntl.ioctl(side, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    terminal = os.fdopen(side, "w")
+    try:
+        monkeypatch.setattr(sys, "stderr", terminal)
+        monkeypatch.setenv(bars.SECONDS_ENV, "often")
+        with pytest.raises(UserError, match="PIPELINE_PROGRESS_SECONDS='often' is not a number of seconds"):
+            bars.for_this_stderr()
+    finally:
+        terminal.close()
+        os.close(main)
 
 
 def _cli_stderr(args: list[str], stderr, tmp_path: Path) -> subprocess.CompletedProcess:
