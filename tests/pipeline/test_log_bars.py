@@ -212,3 +212,36 @@ def _read_some(fd: int) -> bytes:
         return os.read(fd, 65536)
     except OSError:  # the pty's other side closed (EIO): all read
         return b""
+
+
+def test_a_bar_in_a_log_says_each_count_once_at_every_redraw(log_lines):
+    """PIPELINE_PROGRESS_SECONDS=0 (a line at every redraw): an outer bar redrawn by its inner bars and by lines
+    written between them, its count unchanged but its rate moved on, said that count once (before: `outer: 33%
+    1/3` twice, the redraws differing only in their rate)."""
+    bars.as_log_lines(0)
+    log = io.StringIO()
+    outer = tqdm.std.tqdm(total=3, desc="outer", unit="ckpt", file=log)
+    for step in range(3):
+        for _ in tqdm.std.tqdm(range(2), desc="inner", leave=False, file=log):
+            log_lines.now += 1
+        tqdm.std.tqdm.write(f"checkpoint {step}: done", file=log)
+        log_lines.now += 1
+        outer.update()
+    outer.close()
+    counts = [line.split("[")[0].split()[-1] for line in _bar_lines(log.getvalue(), "outer")]
+    assert counts == ["0/3", "1/3", "2/3", "3/3"], log.getvalue()
+
+
+def test_the_encode_bar_in_a_log_says_its_reads_while_its_count_waits(log_lines):
+    """encode's count waits for a batch to fill (minutes on a big model) while its postfix counts the samples read:
+    a log still gets a line every PIPELINE_PROGRESS_SECONDS with the reads so far."""
+    from stages.encode.progress import SampleProgress
+
+    bars.as_log_lines(30)
+    log = io.StringIO()
+    with SampleProgress(100, "encode-vae", file=log) as progress:
+        for _ in range(100):
+            log_lines.now += 1
+            progress.sample_read()
+    lines = _bar_lines(log.getvalue(), "encode-vae")
+    assert [line.rsplit(" ", 1)[-1] for line in lines[:3]] == ["30]", "60]", "90]"], lines
