@@ -116,12 +116,18 @@ def _display(bar, msg=None, pos=None):
         return False
     if last is not None and now - last < _Lines.seconds:
         return False
-    line = msg or _line(bar)
-    if line == bar.__dict__.get("_log_said"):  # a redraw of an unchanged bar (a tqdm.write, a set_postfix)
+    said = _said(bar)
+    if said == bar.__dict__.get("_log_said"):  # a redraw (a tqdm.write, a nested bar's) whose rate moved on alone
         return False
-    bar._log_line_t, bar._log_said, bar._log_said_n = now, line, bar.n
-    _write(bar, line)
+    bar._log_line_t, bar._log_said = now, said
+    _write(bar, msg or _line(bar))
     return True
+
+
+def _said(bar) -> tuple:
+    """What a bar's line says apart from its clock (elapsed, rate, ETA): its count, total, description and
+    postfix (encode's `read N`, which moves while the count waits for a batch to fill)."""
+    return bar.n, bar.total, bar.desc, bar.postfix
 
 
 def _clear(bar, nolock=False) -> None:
@@ -135,9 +141,9 @@ def _close(bar) -> None:
     if getattr(bar, "disable", True) or not _to_log(bar):
         return bar._terminal_close()
     keep = abs(bar.pos) == 0 if bar.leave is None else bar.leave
-    said = bar.__dict__.get("_log_said_n")
+    said = bar.__dict__.get("_log_said")
     last = None
-    if (keep or said is not None) and said != bar.n:
+    if (keep or said is not None) and (said is None or said[0] != bar.n):
         bar._ema_dt = lambda: None  # the whole run's rate, as tqdm's own last frame
         last = _line(bar)
     bar.disable = True

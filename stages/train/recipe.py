@@ -292,7 +292,7 @@ def _stop_after_checkpoint(r: Run, stats: StepStats, saved: bool) -> None:
     without one more step."""
     if r.step < r.cfg.max_steps and (stats.stop or saved and r.stop.pending(r.world)):
         log_point(r, stats)  # this start's curve ends where its checkpoint does, as a finished run's
-        r.stop.stop_now(f"stopped by a signal after optimizer step {r.step}: its checkpoint "
+        r.stop.stop_now(f"stopped by {r.stop.by()} after optimizer step {r.step}: its checkpoint "
                         f"{r.checkpoints / f'step-{r.step}'} is written; {r.rerun} to continue from it"
                         if r.main else None)
 
@@ -305,10 +305,10 @@ def _stop_mid_step(r: Run, last: StepStats | None, saved_at: int) -> None:
     if last is not None:
         log_point(r, last)  # this start's curve ends where its checkpoint does
     if r.step == 0:
-        line = (f"stopped by a signal during optimizer step 1, before any step completed: nothing is kept; "
+        line = (f"stopped by {r.stop.by()} during optimizer step 1, before any step completed: nothing is kept; "
                 f"{r.rerun} to start again")
     else:
-        line = (f"stopped by a signal during optimizer step {r.step + 1} (its partial gradients dropped): the "
+        line = (f"stopped by {r.stop.by()} during optimizer step {r.step + 1} (its partial gradients dropped): the "
                 f"checkpoint of optimizer step {r.step}, {r.checkpoints / f'step-{r.step}'}, is written; "
                 f"{r.rerun} to continue from it")
     r.stop.stop_now(line if r.main else None)
@@ -416,7 +416,7 @@ def stopped_late(r: Run) -> None:
     from models.collective import all_max
 
     if all_max(r.world, [int(r.stop is not None and r.stop.signum is not None)])[0]:
-        r.stop.stop_now(f"stopped by a signal after the last optimizer step {r.step}: the run is complete "
+        r.stop.stop_now(f"stopped by {r.stop.by()} after the last optimizer step {r.step}: the run is complete "
                         f"({r.result.lora_dir})" if r.main else None)
 
 

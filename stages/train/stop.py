@@ -116,6 +116,13 @@ class StopOnSignal:
 
         return bool(all_max(world, [int(self.requested())])[0])
 
+    def by(self) -> str:
+        """What the stop lines name as the stop's cause: this process's own signal ("SIGTERM", "SIGINT (Ctrl-C)",
+        as the CLI's stop lines do), or "a signal" where the stop was agreed on another rank's."""
+        if self.signum is None:
+            return "a signal"
+        return "SIGINT (Ctrl-C)" if self.signum == signal.SIGINT else signal.Signals(self.signum).name
+
     def stop_now(self, line: str | None = None) -> None:
         """End the process as the replaced handler would have for the signal (all ranks: the agreed stop).
         `line`: what the main process says of the stop (printed here, in place of the CLI's own line)."""

@@ -14,6 +14,7 @@ import pytest
 import tqdm.std
 
 from pipeline import bars
+from pty_terminal import pty_terminal
 
 REPO = Path(__file__).resolve().parents[2]
 PATCHED = ("__init__", "display", "clear", "close")
@@ -107,26 +108,15 @@ def test_the_encode_bar_in_a_log_keeps_its_own_fields(log_lines):
 
 def test_a_bar_on_a_terminal_still_draws_frames(log_lines, monkeypatch):
     """The rule is per stream: a bar on a terminal (a pty here) is tqdm's, `\\r` frames included."""
-    import fcntl
-    import struct
-    import termios
-
-    main, side = os.openpty()
-    fcntl.ioctl(side, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-    terminal = os.fdopen(side, "w")
-    try:
-        monkeypatch.setattr(sys, "stderr", terminal)
+    with pty_terminal() as terminal:
+        monkeypatch.setattr(sys, "stderr", terminal.stream)
         bars.as_log_lines(30)
-        bar = tqdm.std.tqdm(total=10, desc="train", unit="step", file=terminal, mininterval=0)
+        bar = tqdm.std.tqdm(total=10, desc="train", unit="step", file=terminal.stream, mininterval=0)
         for _ in range(3):
             log_lines.now += 1
             bar.update()
         bar.close()
-        terminal.flush()
-        drawn = os.read(main, 65536).decode()
-    finally:
-        terminal.close()
-        os.close(main)
+        drawn = terminal.drawn()
     assert drawn.count("\r") >= 4 and "train:  30%|" in drawn and "3/10" in drawn, repr(drawn)
 
 
@@ -159,23 +149,13 @@ def test_a_bad_progress_seconds_is_a_usage_error():
 def test_a_bad_progress_seconds_is_refused_on_a_terminal_too(monkeypatch):
     """A bad setting tried on a terminal (where no bar writes lines) is refused there, not first in the batch job
     it was meant for (a SLURM log: the job then failed at its start, after its wait in the queue)."""
-    import fcntl
-    import struct
-    import termios
-
     from schemas.errors import UserError
 
-    main, side = os.openpty()
-    fcntl.ioctl(side, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-    terminal = os.fdopen(side, "w")
-    try:
-        monkeypatch.setattr(sys, "stderr", terminal)
+    with pty_terminal() as terminal:
+        monkeypatch.setattr(sys, "stderr", terminal.stream)
         monkeypatch.setenv(bars.SECONDS_ENV, "often")
         with pytest.raises(UserError, match="PIPELINE_PROGRESS_SECONDS='often' is not a number of seconds"):
             bars.for_this_stderr()
-    finally:
-        terminal.close()
-        os.close(main)
 
 
 def _cli_stderr(args: list[str], stderr, tmp_path: Path) -> subprocess.CompletedProcess:
@@ -186,29 +166,44 @@ def _cli_stderr(args: list[str], stderr, tmp_path: Path) -> subprocess.Completed
 
 def test_the_cli_draws_bars_on_a_terminal_and_lines_into_a_file(tmp_path):
     """The same command: on a terminal (a pty with a size) tqdm's frames; into a file one plain line."""
-    import fcntl
-    import struct
-    import termios
-
-    main, side = os.openpty()
-    fcntl.ioctl(side, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-    try:
-        proc = _cli_stderr(["make-demo-data", str(tmp_path / "a"), "--n", "5"], side, tmp_path)
-        os.close(side)
-        drawn = b""
-        while chunk := _read_some(main):
-            drawn += chunk
-    finally:
-        os.close(main)
-    assert proc.returncode == 0 and b"\rdemo samples: 100%|" in drawn, drawn
+    with pty_terminal() as terminal:
+        proc = _cli_stderr(["make-demo-data", str(tmp_path / "a"), "--n", "5"], terminal.stream, tmp_path)
+        drawn = terminal.drawn()
+    assert proc.returncode == 0 and "\rdemo samples: 100%|" in drawn, repr(drawn)
     with open(tmp_path / "log", "w") as log:
         assert _cli_stderr(["make-demo-data", str(tmp_path / "b"), "--n", "5"], log, tmp_path).returncode == 0
     text = (tmp_path / "log").read_text()
     assert _bar_lines(text, "demo samples") == [text.strip()] and text.startswith("demo samples: 100% 5/5 ["), text
 
 
-def _read_some(fd: int) -> bytes:
-    try:
-        return os.read(fd, 65536)
-    except OSError:  # the pty's other side closed (EIO): all read
-        return b""
+def test_a_bar_in_a_log_says_each_count_once_at_every_redraw(log_lines):
+    """PIPELINE_PROGRESS_SECONDS=0 (a line at every redraw): an outer bar redrawn by its inner bars and by lines
+    written between them, its count unchanged but its rate moved on, said that count once (before: `outer: 33%
+    1/3` twice, the redraws differing only in their rate)."""
+    bars.as_log_lines(0)
+    log = io.StringIO()
+    outer = tqdm.std.tqdm(total=3, desc="outer", unit="ckpt", file=log)
+    for step in range(3):
+        for _ in tqdm.std.tqdm(range(2), desc="inner", leave=False, file=log):
+            log_lines.now += 1
+        tqdm.std.tqdm.write(f"checkpoint {step}: done", file=log)
+        log_lines.now += 1
+        outer.update()
+    outer.close()
+    counts = [line.split("[")[0].split()[-1] for line in _bar_lines(log.getvalue(), "outer")]
+    assert counts == ["0/3", "1/3", "2/3", "3/3"], log.getvalue()
+
+
+def test_the_encode_bar_in_a_log_says_its_reads_while_its_count_waits(log_lines):
+    """encode's count waits for a batch to fill (minutes on a big model) while its postfix counts the samples read:
+    a log still gets a line every PIPELINE_PROGRESS_SECONDS with the reads so far."""
+    from stages.encode.progress import SampleProgress
+
+    bars.as_log_lines(30)
+    log = io.StringIO()
+    with SampleProgress(100, "encode-vae", file=log) as progress:
+        for _ in range(100):
+            log_lines.now += 1
+            progress.sample_read()
+    lines = _bar_lines(log.getvalue(), "encode-vae")
+    assert [line.rsplit(" ", 1)[-1] for line in lines[:3]] == ["30]", "60]", "90]"], lines

@@ -9,41 +9,26 @@ import sys
 import tqdm.std
 
 from pipeline.bars import for_this_stderr
+from pty_terminal import pty_terminal
 
 
 def test_a_bar_on_a_terminal_of_zero_columns_shows_its_counts(monkeypatch):
     monkeypatch.setattr(tqdm.std, "_screen_shape_wrapper", tqdm.std._screen_shape_wrapper)  # put back after
-    main, side = os.openpty()  # a new pty has no size: 0 x 0
-    terminal = os.fdopen(side, "w")
-    try:
-        assert os.get_terminal_size(side).columns == 0
-        monkeypatch.setattr(sys, "stderr", terminal)
+    with pty_terminal(columns=None) as terminal:  # a new pty has no size: 0 x 0
+        assert os.get_terminal_size(terminal.stream.fileno()).columns == 0
+        monkeypatch.setattr(sys, "stderr", terminal.stream)
         for_this_stderr()
-        bar = tqdm.std.tqdm(total=10, desc="train", unit="step", file=terminal, dynamic_ncols=True)
+        bar = tqdm.std.tqdm(total=10, desc="train", unit="step", file=terminal.stream, dynamic_ncols=True)
         bar.update(3)
         bar.close()
-        terminal.flush()
-        drawn = os.read(main, 65536).decode()
-    finally:
-        terminal.close()
-        os.close(main)
+        drawn = terminal.drawn()
     assert "train:  30%" in drawn and "3/10" in drawn and "step/s" in drawn, repr(drawn)
 
 
 def test_a_terminal_with_a_size_is_left_to_tqdm(monkeypatch):
     monkeypatch.setattr(tqdm.std, "_screen_shape_wrapper", tqdm.std._screen_shape_wrapper)
     before = tqdm.std._screen_shape_wrapper
-    main, side = os.openpty()
-    import fcntl
-    import struct
-    import termios
-
-    fcntl.ioctl(side, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-    terminal = os.fdopen(side, "w")
-    try:
-        monkeypatch.setattr(sys, "stderr", terminal)
+    with pty_terminal() as terminal:
+        monkeypatch.setattr(sys, "stderr", terminal.stream)
         for_this_stderr()
-    finally:
-        terminal.close()
-        os.close(main)
     assert tqdm.std._screen_shape_wrapper is before

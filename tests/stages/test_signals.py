@@ -52,7 +52,7 @@ def test_a_signal_releases_the_read_lease(tiny_edit_model, tmp_path, sig):
         # start: pyarrow's lazy import of pandas, which the store's code now spares it,
         # tests/store/test_pandas_import_error.py), the CLI's line naming that error (pipeline/cli.py: the signal the
         # cause, everything unwound)
-        lost = re.search(r"stopped by a signal after optimizer step \d+: its checkpoint .* is written", out + err)
+        lost = re.search(r"stopped by SIGINT \(Ctrl-C\) after optimizer step \d+: its checkpoint .* is written", out + err)
         made_other = re.search(r"stopped by SIGINT \(\w+ while stopping\)$", err.rstrip())
         # (before the run folder holds its train_config.yaml, the line advises the same command: no --resume yet)
         assert lost or made_other or err.rstrip().endswith((
@@ -277,8 +277,9 @@ def test_a_signal_lost_in_a_finalizer_still_stops_training(tiny_edit_model, tmp_
                            str(store), "--model", tiny_edit_model, "--out", str(out), "--max-steps", "20", "--device",
                            "cpu"], timeout=600)
     assert proc.returncode == 128 + sig, (proc.returncode, proc.stderr[-2000:])
-    assert "stopped by a signal after optimizer step 1" in proc.stdout + proc.stderr, proc.stderr[-2000:]
-    assert "stopped by SIG" not in proc.stderr, proc.stderr[-2000:]  # the loop's line, not a second one
+    said = f"stopped by {'SIGINT (Ctrl-C)' if sig == signal.SIGINT else sig.name}"  # the signal, named
+    assert f"{said} after optimizer step 1" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    assert f"{said}:" not in proc.stderr, proc.stderr[-2000:]  # the loop's line, not the CLI's second one
     assert (out / "checkpoints" / "step-1").is_dir() and not (out / "lora").exists()
     assert not list((store / LEASES_DIR).glob("*.json"))
 
@@ -365,7 +366,7 @@ def test_the_training_stop_line_comes_after_the_training_bar(monkeypatch):
     monkeypatch.setattr(stop, "ANNOUNCED", [])
     bar = tqdm(total=10, desc="train", file=screen)
     bar.update(3)
-    line = "stopped by a signal after optimizer step 3: its checkpoint RUN/checkpoints/step-3 is written"
+    line = "stopped by SIGTERM after optimizer step 3: its checkpoint RUN/checkpoints/step-3 is written"
     try:
         with pytest.raises(SystemExit) as e:
             stop.StopOnSignal().stop_now(line)
@@ -373,3 +374,16 @@ def test_the_training_stop_line_comes_after_the_training_bar(monkeypatch):
         bar.close()
     assert e.value.code == 128 + signal.SIGTERM
     assert screen.getvalue().endswith(f"\n{line}\n"), repr(screen.getvalue()[-300:])
+
+
+def test_the_training_stop_line_names_the_signal_this_process_got():
+    """Train's stop lines name the signal as the CLI's own stop lines do ("stopped by SIGTERM: ..."); a rank
+    stopped on another rank's signal has none of its own to name."""
+    from stages.train.stop import StopOnSignal
+
+    stop = StopOnSignal()
+    assert stop.by() == "a signal"
+    stop.signum = signal.SIGTERM
+    assert stop.by() == "SIGTERM"
+    stop.signum = signal.SIGINT
+    assert stop.by() == "SIGINT (Ctrl-C)"

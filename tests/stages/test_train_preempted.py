@@ -59,7 +59,7 @@ def test_sigterm_checkpoints_the_step_under_way_and_resume_loses_nothing(tiny_ed
             proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
-    assert f"stopped by a signal after optimizer step 3: its checkpoint {out / 'checkpoints' / 'step-3'}" in output
+    assert f"stopped by SIGTERM after optimizer step 3: its checkpoint {out / 'checkpoints' / 'step-3'}" in output
     assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [3]  # no step 4 run
 
     cfg = load_config(None, {**SETS, "train.max_steps": 6})
@@ -96,6 +96,7 @@ def test_a_sigterm_on_one_rank_checkpoints_the_same_step_on_every_rank(tiny_edit
     for p, (stdout, stderr) in zip(procs, outs):
         assert p.returncode == 128 + signal.SIGTERM, (p.returncode, stderr[-3000:])
         assert "Traceback" not in stdout + stderr, stderr[-3000:]
+    # rank 0 says the stop, agreed on rank 1's signal: not one of its own to name
     assert "stopped by a signal after optimizer step 3" in outs[0][0], outs[0]
     assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [3]
     step3 = out / "checkpoints" / "step-3"
@@ -243,7 +244,7 @@ def test_a_sigterm_mid_accumulation_stops_before_the_update_and_resumes_bit_for_
     assert len(calls) == 6  # not one micro-batch more
     assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [1]
     said = capsys.readouterr()
-    assert (f"stopped by a signal during optimizer step 2 (its partial gradients dropped): the checkpoint of "
+    assert (f"stopped by SIGTERM during optimizer step 2 (its partial gradients dropped): the checkpoint of "
             f"optimizer step 1, {out / 'checkpoints' / 'step-1'}, is written") in said.out + said.err
     monkeypatch.undo()
     cfg = load_config(None, {**ACCUMULATED, "train.max_steps": 5})
@@ -294,7 +295,7 @@ def test_a_sigterm_mid_accumulation_on_one_rank_stops_every_rank_at_that_micro_b
         assert code == 128 + signal.SIGTERM, (code, stderr[-3000:])
         assert "Traceback" not in stdout + stderr, stderr[-3000:]
         assert results(stdout)["micro-batches"] == "6", stdout[-2000:]
-    assert "stopped by a signal during optimizer step 2" in outs[0][1], outs[0]
+    assert "stopped by a signal during optimizer step 2" in outs[0][1], outs[0]  # rank 1's signal, not rank 0's
     assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [1]
     step1 = out / "checkpoints" / "step-1"
     assert {p.name for p in step1.glob("rng-rank*")} == {"rng-rank00.safetensors", "rng-rank01.safetensors"}
