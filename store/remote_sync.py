@@ -173,6 +173,6 @@ def remote_record(remote: Remote, listing: dict[str, int] | None) -> dict[str, A
     if listing is not None and fmt.STORE_JSON not in listing:
         return None
     try:
-        return _parse_record(remote.read(fmt.STORE_JSON), remote.url)
+        return _parse_record(remote.read(fmt.STORE_JSON, small=True), remote.url)
     except FileNotFoundError:
         return None
