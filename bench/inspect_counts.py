@@ -212,8 +212,8 @@ def url_inspect(args: argparse.Namespace) -> None:
     fetched = [0]
     real_read = remote_mod.Remote.read
 
-    def read(self, rel):
-        data = real_read(self, rel)
+    def read(self, rel, small=False):
+        data = real_read(self, rel, small)
         fetched[0] += len(data)
         return data
 

@@ -328,7 +328,7 @@ def lost_version(remote: "Remote", table: str, version: int) -> UserError | None
     if remote.exists(f"{table}/v{version}/{fmt.MANIFEST}"):
         return None
     try:
-        current = int(unseal(remote.read(fmt.STORE_JSON))["tables"][table]["current"])
+        current = int(unseal(remote.read(fmt.STORE_JSON, small=True))["tables"][table]["current"])
     except (FileNotFoundError, SealError, ValueError, KeyError, TypeError):
         return None
     if current != version:
@@ -639,7 +639,7 @@ class Remote:
         if self.is_local:
             with remote_local.exclusive(self.root, rel):
                 try:
-                    old = self.read(rel)
+                    old = self.read(rel, small=True)
                 except FileNotFoundError:
                     old = None
                 if (new := update(old)) is not None:
@@ -649,7 +649,7 @@ class Remote:
             self.fs.invalidate_cache()
             try:
                 etag = self.fs.info(self.path(rel)).get("ETag")
-                old = self.read(rel)
+                old = self.read(rel, small=True)
             except FileNotFoundError:
                 etag, old = None, None
             new = update(old)

@@ -125,7 +125,7 @@ def read_once(remote: Remote) -> Callable[[str], bytes]:
 
     def read(rel: str) -> bytes:
         if rel not in got:
-            got[rel] = remote.read(rel)
+            got[rel] = remote.read(rel, small=True)
         return got[rel]
 
     return read

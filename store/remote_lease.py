@@ -274,7 +274,7 @@ def leases(remote: Remote, listing: dict[str, tuple[int, float]], now: float | N
         if not (rel.startswith(LEASES_DIR + "/") and rel.endswith(".json")):
             continue
         try:
-            record, damaged = local_lease.parse_record(remote.read(rel))
+            record, damaged = local_lease.parse_record(remote.read(rel, small=True))
         except FileNotFoundError:  # released meanwhile
             continue
         out.append(local_lease.judge(PurePosixPath(rel), record, mtime, now, damaged))  # type: ignore[arg-type]

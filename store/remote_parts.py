@@ -158,7 +158,7 @@ def adopt_uploaded(writer: TableWriter) -> None:
             shard = f"{rel[: -len(INDEX_SUFFIX)]}.tar"
             if (writer.dir / name).is_file() or shard not in listing:
                 return
-            data = remote.read(rel)
+            data = remote.read(rel, small=True)
             sizes = pq.read_table(pa.BufferReader(data), columns=["shard_nbytes"]).column("shard_nbytes").to_pylist()
             if sizes and int(sizes[0]) == listing[shard]:
                 fmt.atomic_write_bytes(writer.dir / name, data)
@@ -269,7 +269,7 @@ def _gather(writer: TableWriter, remote, listing: dict[str, int],
             missing.append(r)
             continue
         own = r == writer.rank
-        data = (writer.dir / done).read_bytes() if own else remote.read(f"{base}/{done}")
+        data = (writer.dir / done).read_bytes() if own else remote.read(f"{base}/{done}", small=True)
         (staging / done).write_bytes(data)
         dones.append(_rank_done(data, r, str(writer.dir / done) if own else f"{url}/{base}/{done}"))
         recorded.update(dones[-1]["files"])
@@ -288,7 +288,7 @@ def _gather(writer: TableWriter, remote, listing: dict[str, int],
 
     def fetch(item: tuple[str, dict[str, Any]]) -> None:
         name, entry = item
-        data = (writer.dir / name).read_bytes() if name.startswith(mine) else remote.read(f"{base}/{name}")
+        data = (writer.dir / name).read_bytes() if name.startswith(mine) else remote.read(f"{base}/{name}", small=True)
         (staging / name).write_bytes(data)
         if (len(data), crc_hex(data)) != (entry["nbytes"], entry["crc32c"]):  # the bytes fetched, not read again
             raise UserError(f"{url}/{base}/{name} does not match its rank's record; rerun every node")
@@ -585,7 +585,8 @@ def manifest_keys(url: str, table: str, version: int):
 
     remote, base = open_remote(url), f"{table}/v{version}"
     with remote_errors(url, f"reading table '{table}' v{version}'s manifest"):
-        entry = version_files(remote.read(f"{base}/{fmt.CHECKSUMS}"), f"{url}/{base}/{fmt.CHECKSUMS}")[fmt.MANIFEST]
+        record = remote.read(f"{base}/{fmt.CHECKSUMS}", small=True)
+        entry = version_files(record, f"{url}/{base}/{fmt.CHECKSUMS}")[fmt.MANIFEST]
         data = remote.read(f"{base}/{fmt.MANIFEST}")
     if (len(data), crc_hex(data)) != (int(entry["nbytes"]), entry["crc32c"]):
         raise UserError(f"{url}/{base}/{fmt.MANIFEST} is damaged ({len(data)} bytes, crc32c {crc_hex(data)}; "
@@ -601,7 +602,7 @@ def remote_quarantine(url: str):
 
     with remote_errors(url, f"reading {fmt.QUARANTINE}"):
         try:
-            data = open_remote(url).read(fmt.QUARANTINE)
+            data = open_remote(url).read(fmt.QUARANTINE, small=True)
         except FileNotFoundError:
             return quarantine.empty()
     rows, why = quarantine.parsed(data)

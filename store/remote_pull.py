@@ -266,7 +266,7 @@ def _read_checksums(remote: Remote, table: str, version: int, read: Callable[[st
     would fail the same way for ever."""
     rel = f"{table}/v{version}/{fmt.CHECKSUMS}"
     try:
-        return (read or remote.read)(rel)
+        return read(rel) if read else remote.read(rel, small=True)
     except FileNotFoundError as e:
         lost = lost_object(remote, rel, e)
         if lost is None:  # the bucket gone, or the version with a gc: remote_errors says rerun
@@ -443,7 +443,7 @@ def pull_quarantine(remote: Remote, dst: Path, damaged_ok: bool = False) -> int:
     from store import quarantine
 
     try:
-        data = remote.read(fmt.QUARANTINE)
+        data = remote.read(fmt.QUARANTINE, small=True)
     except FileNotFoundError:
         return 0
     rows, why = quarantine.parsed(data)

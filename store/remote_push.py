@@ -279,7 +279,7 @@ def check_quarantine(remote: Remote, src: Path) -> None:
     if not (src / fmt.QUARANTINE).is_file():
         return  # nothing to merge: push_quarantine does not read the remote file
     try:
-        data = remote.read(fmt.QUARANTINE)
+        data = remote.read(fmt.QUARANTINE, small=True)
     except FileNotFoundError:
         return
     rows, why = quarantine.parsed(data)

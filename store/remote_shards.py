@@ -145,7 +145,7 @@ def _refetch_metadata(vdir: Path, url: str, base: str, fixed: list[str]) -> bool
         try:
             sums = integrity.read_version_checksums(vdir) or {}
         except integrity.DamagedData:  # damaged, or missing (a cached copy always has one)
-            record = remote.read(f"{base}/{fmt.CHECKSUMS}")
+            record = remote.read(f"{base}/{fmt.CHECKSUMS}", small=True)
             try:
                 unseal(record)
             except SealError:  # the URL's own is damaged: refused as before (the caller's line)
@@ -560,7 +560,7 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
         _opened_with.pop(url.rstrip("/"), None)
     with remote_errors(url, "open"):
         try:
-            rec = _parse_record(remote.read(fmt.STORE_JSON), url)
+            rec = _parse_record(remote.read(fmt.STORE_JSON, small=True), url)
         except FileNotFoundError:
             rec = None
         # tables=None (repair's working copy): every complete version not retired; else the current ones (a warm
@@ -714,7 +714,8 @@ def mark_copies(url: str, root: Path, storage_options: dict[str, Any] | None = N
         for t, v in unmarked:
             vdir = fmt.version_dir(root, t, v)
             try:
-                there = version_files(remote.read(f"{t}/v{v}/{fmt.CHECKSUMS}"), f"{url}/{t}/v{v}/{fmt.CHECKSUMS}")
+                rel = f"{t}/v{v}/{fmt.CHECKSUMS}"
+                there = version_files(remote.read(rel, small=True), f"{url}/{rel}")
             except (FileNotFoundError, UserError):  # not pushed; or damaged there: not a copy to refetch from
                 continue
             if there[fmt.MANIFEST]["crc32c"] == known_crc(vdir / fmt.MANIFEST)[0] and \

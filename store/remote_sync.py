@@ -123,7 +123,9 @@ def version_record(record: bytes, where: str) -> dict[str, Any]:
 
 
 def _conflict(table: str, version: int, url: str, local: Path, remote: Remote | None = None) -> UserError:
-    if remote is not None and not remote.fs.exists(remote.path(f"{table}/v{version}/{fmt.MANIFEST}")):
+    # asked of the server (a HEAD): an earlier listing of the version in this process, kept by s3fs, lacks a
+    # manifest written since and would name a complete version incomplete
+    if remote is not None and not remote.exists(f"{table}/v{version}/{fmt.MANIFEST}"):
         if pushes := _other_pushes(remote, table, version):
             return UserError(f"{table} v{version} at {url} is being pushed right now, with other contents than "
                              f"{local}'s, by {'; '.join(pushes)}: two different stores pushed into one prefix at "
@@ -173,6 +175,6 @@ def remote_record(remote: Remote, listing: dict[str, int] | None) -> dict[str, A
     if listing is not None and fmt.STORE_JSON not in listing:
         return None
     try:
-        return _parse_record(remote.read(fmt.STORE_JSON), remote.url)
+        return _parse_record(remote.read(fmt.STORE_JSON, small=True), remote.url)
     except FileNotFoundError:
         return None

@@ -57,12 +57,12 @@ def verify_url(url: str, storage_options: dict[str, Any] | None = None, progress
     UserError when there is no store there or the connection is lost."""
     url = url.rstrip("/")
     with listed_store(url, storage_options, "verify") as (remote, root, listing):
-        (root / fmt.STORE_JSON).write_bytes(remote.read(fmt.STORE_JSON))  # as it is: verify checks it
+        (root / fmt.STORE_JSON).write_bytes(remote.read(fmt.STORE_JSON, small=True))  # as it is: verify checks it
         # the copy of `url`'s metadata, as a cache is: what cannot be repaired is advised as at a URL (push again)
         (root / SOURCE_URL).write_text(url)
         damaged: list[str] = []
         if fmt.QUARANTINE in listing:  # damaged: named by its URL (as pull, push say it), versions still checked
-            data = remote.read(fmt.QUARANTINE)
+            data = remote.read(fmt.QUARANTINE, small=True)
             if why := quarantine.parsed(data)[1]:
                 damaged.append(str(damaged_quarantine(url, why)))
             else:

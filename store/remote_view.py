@@ -65,7 +65,7 @@ def metadata_copy(url: str, storage_options: dict[str, Any] | None = None) -> It
     with listed_store(url, storage_options, "inspect") as (remote, root, listing):
         for name in (fmt.STORE_JSON, fmt.QUARANTINE):
             if name in listing:
-                data = remote.read(name)
+                data = remote.read(name, small=True)
                 if name == fmt.QUARANTINE and (why := quarantine.parsed(data)[1]):  # named by its URL, not tmp
                     raise damaged_quarantine(url, why)
                 (root / name).write_bytes(data)

@@ -206,7 +206,7 @@ def _marked(url: str, table: str, version: int, storage_options: dict[str, Any] 
 
     with remote_errors(url, "gc"):
         try:
-            open_remote(url, storage_options).read(marker_rel(table, version))
+            open_remote(url, storage_options).read(marker_rel(table, version), small=True)
             return True
         except FileNotFoundError:
             return False
@@ -220,7 +220,7 @@ def _published_from(url: str, root: Path, table: str, version: int,
         return False
     with remote_errors(url, "gc"):
         try:
-            there = open_remote(url, storage_options).read(f"{table}/v{version}/{fmt.CHECKSUMS}")
+            there = open_remote(url, storage_options).read(f"{table}/v{version}/{fmt.CHECKSUMS}", small=True)
         except FileNotFoundError:
             return False
     return (vdir / fmt.CHECKSUMS).read_bytes() == there

@@ -27,7 +27,8 @@ def test_a_warm_open_lists_nothing_and_refuses_a_changed_version(s3_env, store: 
     read: list[str] = []
     real_read, real_listing = remote_mod.Remote.read, remote_mod.Remote.listing
     monkeypatch.setattr(remote_mod.Remote, "listing", lambda self: pytest.fail("a warm open listed the prefix"))
-    monkeypatch.setattr(remote_mod.Remote, "read", lambda self, rel: read.append(rel) or real_read(self, rel))
+    monkeypatch.setattr(remote_mod.Remote, "read",
+                        lambda self, rel, small=False: read.append(rel) or real_read(self, rel, small))
     assert local_store(s3_env.url(), ["vae"], cache) == root
     assert read == ["store.json", "vae/v1/checksums.json"]
     monkeypatch.setattr(remote_mod.Remote, "listing", real_listing)

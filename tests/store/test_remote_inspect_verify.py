@@ -31,7 +31,8 @@ def test_inspect_of_a_url_matches_the_local_store_and_fetches_no_shard(s3_env, s
     push_every_version(store, s3_env.url())
     read: list[str] = []
     real_read = remote_mod.Remote.read
-    monkeypatch.setattr(remote_mod.Remote, "read", lambda self, rel: read.append(rel) or real_read(self, rel))
+    monkeypatch.setattr(remote_mod.Remote, "read",
+                        lambda self, rel, small=False: read.append(rel) or real_read(self, rel, small))
     monkeypatch.setattr(remote_mod.Remote, "download", lambda *a: pytest.fail("inspect downloaded a file"))
     remote = runner.invoke(app, ["store", "inspect", s3_env.url(), "--json"])
     assert remote.exit_code == 0, remote.output
@@ -55,8 +56,8 @@ def _fetched(monkeypatch) -> list[tuple[str, int]]:
     out: list[tuple[str, int]] = []
     real_read = remote_mod.Remote.read
 
-    def read(self, rel):
-        data = real_read(self, rel)
+    def read(self, rel, small=False):
+        data = real_read(self, rel, small)
         out.append((rel, len(data)))
         return data
 

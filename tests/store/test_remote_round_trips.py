@@ -73,8 +73,8 @@ def test_a_ranks_upload_and_the_commits_index_reads_run_several_at_a_time(s3_env
         m.setattr(remote_mod.Remote, "upload", lambda self, *a: uploads(self, *a))
         _finished(tmp_path / "node1", url, 1)
     assert uploads.overlapped and uploads.calls > 4
-    reads = Overlap(remote_mod.Remote.read, only=lambda self, rel: rel.endswith(".index.parquet"))
-    monkeypatch.setattr(remote_mod.Remote, "read", lambda self, rel: reads(self, rel))
+    reads = Overlap(remote_mod.Remote.read, only=lambda self, rel, *_: rel.endswith(".index.parquet"))
+    monkeypatch.setattr(remote_mod.Remote, "read", lambda self, rel, small=False: reads(self, rel, small))
     assert _writer(tmp_path / "node0", url, 0).commit() == 1
     assert reads.overlapped and reads.calls > 2
     pulled = tmp_path / "pulled"
@@ -96,8 +96,8 @@ def test_a_node_that_lost_its_cache_adopts_its_uploaded_indexes_several_at_a_tim
     url = s3_env.url("adopt")
     _finished(tmp_path / "node1", url, 1)
     shutil.rmtree(tmp_path / "node1")
-    reads = Overlap(remote_mod.Remote.read, only=lambda self, rel: rel.endswith(".index.parquet"))
-    monkeypatch.setattr(remote_mod.Remote, "read", lambda self, rel: reads(self, rel))
+    reads = Overlap(remote_mod.Remote.read, only=lambda self, rel, *_: rel.endswith(".index.parquet"))
+    monkeypatch.setattr(remote_mod.Remote, "read", lambda self, rel, small=False: reads(self, rel, small))
     fresh = Store(tmp_path / "node1-new").writer("vae", vae_schema(), rank=1, world_size=2, shard_size_mb=0.004,
                                                   version=1, remote_url=url)
     assert fresh.done_keys == {key_of(i) for i in range(1, N, 2)}

@@ -411,3 +411,19 @@ def test_a_lazy_open_with_an_endpoint_option_fetches_its_shards_through_it(s3_en
             for k in local.keys():
                 got, want = cached.tensors(k), local.tensors(k)
                 assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_a_conflict_on_a_version_completed_after_this_process_listed_it_is_not_named_incomplete(s3_env,
+                                                                                                tmp_path) -> None:
+    """A push's conflict on an object of a version another push completed meanwhile: the manifest is asked of the
+    server, never of s3fs's cache of an earlier listing of the version in this process (which lacks it: the
+    version was named incomplete, "gc removes it, then push again" - a gc never removes a complete version)."""
+    from store.remote_sync import _conflict
+
+    url = s3_env.url("completed")
+    remote = remote_mod.open_remote(url)
+    remote.write("vae/v1/schema.json", b"{}")
+    assert list(remote.listing("vae/v1")) == ["vae/v1/schema.json"]  # listed: s3fs keeps the folder's listing
+    s3_env.client().put_object(Bucket=s3_env.bucket, Key="completed/vae/v1/manifest.parquet", Body=b"m")
+    why = str(_conflict("vae", 1, url, tmp_path / "local", remote))
+    assert "differs between" in why and "incomplete" not in why, why
