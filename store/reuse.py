@@ -11,8 +11,9 @@ folder holds every shard it references), so readers, `verify` and `gc` need no c
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -26,6 +27,7 @@ from store.manifest_files import checked_manifest, read_schema
 from store.row_rule import RowRule
 
 if TYPE_CHECKING:
+    from store.reader import TableReader
     from store.store import Store
     from store.writer import TableWriter
 
@@ -258,18 +260,13 @@ def carry_forward(writer: TableWriter, src_version: int, rows: pa.Table,
     samples are copied into the writer's own shards."""
     from tqdm.auto import tqdm
 
-    from store.lease import hold
     from store.manifest import rows_by_shard
 
     src_dir = fmt.version_dir(writer.store.root, writer.table, src_version)
     parts = rows_by_shard(with_columns(rows, views or {}))  # grouped by one sort: a filter per shard was minutes
     n = 0
-    # A read lease while linking: a `store gc` meanwhile keeps the source version (store/lease.py).
-    lease = hold(writer.store.root, {writer.table: src_version}, f"carry forward into '{writer.table}'")
-    try:
-        if lease.version(writer.table) is None:
-            raise UserError(f"table '{writer.table}' v{src_version} was removed (`store gc`) while this stage chose "
-                            "samples to carry forward from it; rerun the stage (it resumes)")
+    with source_held(writer.store.root, writer.table, src_version, f"carry forward into '{writer.table}'",
+                     "carry forward"):
         plan = damage_scan(writer.store, writer.table, src_version) if checking_needed(writer.store, writer.table) \
             else None
         for shard, part in tqdm(parts.items(), desc=f"carry forward '{writer.table}'", unit="shard", leave=False):
@@ -278,9 +275,37 @@ def carry_forward(writer: TableWriter, src_version: int, rows: pa.Table,
             else:
                 _copy_samples(writer, src_dir, src_version, part)
             n += part.num_rows
+    return n
+
+
+@contextmanager
+def source_held(root: str | Path, table: str, version: int, holder: str, taking: str) -> Iterator[None]:
+    """A read lease on `table` v`version` while a stage takes samples from it (`taking`: "carry forward", ...): a
+    `store gc` meanwhile keeps the version (store/lease.py); refused in one line where gc removed it after the stage
+    chose it."""
+    from store.lease import hold
+
+    lease = hold(root, {table: version}, holder)
+    try:
+        if lease.version(table) is None:
+            raise UserError(f"table '{table}' v{version} was removed (`store gc`) while this stage chose samples to "
+                            f"{taking} from it; rerun the stage (it resumes)")
+        yield
     finally:
         lease.release()
-    return n
+
+
+@contextmanager
+def source_reader(root: str | Path, table: str, version: int, holder: str, taking: str) -> Iterator[TableReader]:
+    """`table` v`version` open checked (a damaged sample raises `DamagedData` when read) under `source_held`."""
+    from store.reader import TableReader
+
+    with source_held(root, table, version, holder, taking):
+        reader = TableReader(fmt.version_dir(root, table, version), table, version, on_damaged="skip")
+        try:
+            yield reader
+        finally:
+            reader.close()
 
 
 def _copy_samples(writer: TableWriter, src_dir: Path, src_version: int, rows: pa.Table) -> None:

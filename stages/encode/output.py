@@ -108,26 +108,14 @@ def completing(job: EncodeJob, version: int, keys: list[str], step: int,
     raises `DamagedData` when read: the stage leaves it to be encoded whole) under a read lease; the keys done."""
     from tqdm.auto import tqdm
 
-    from store import format as fmt
-    from store.lease import hold
-    from store.reader import TableReader
+    from store.reuse import source_reader
 
     table, done = job.summary.table, set()
-    # a read lease while reading: a `store gc` meanwhile keeps the source version (store/lease.py)
-    lease = hold(job.store.root, {table: version}, f"complete samples of '{table}' v{version}")
-    try:
-        if lease.version(table) is None:
-            raise UserError(f"table '{table}' v{version} was removed (`store gc`) while this stage chose samples to "
-                            "complete from it; rerun the stage (it resumes)")
-        reader = TableReader(fmt.version_dir(job.store.root, table, version), table, version, on_damaged="skip")
-        try:
-            for i in tqdm(range(0, len(keys), max(1, step)), desc=f"{job.summary.stage}: completing samples of "
-                          f"'{table}' v{version}", unit="part", leave=False):
-                done |= complete_some(reader, keys[i : i + max(1, step)])
-        finally:
-            reader.close()
-    finally:
-        lease.release()
+    with source_reader(job.store.root, table, version, f"complete samples of '{table}' v{version}",
+                       "complete") as reader:
+        for i in tqdm(range(0, len(keys), max(1, step)), desc=f"{job.summary.stage}: completing samples of "
+                      f"'{table}' v{version}", unit="part", leave=False):
+            done |= complete_some(reader, keys[i : i + max(1, step)])
     return done
 
 

@@ -158,32 +158,20 @@ def _earlier_keys(store, now: set[str], raw_hashes: list[Any], by_hashes: set[st
 def _copy(job: EncodeJob, version: int, copies: list[tuple[dict[str, Any], str, str]]) -> set[str]:
     """Each (stored row of `version`, key, split now) added under that key from the row's checked bytes (a damaged
     sample is not copied: encoded instead); returns the keys added."""
-    from store import format as fmt
     from store.integrity import DamagedData
-    from store.lease import hold
     from store.manifest import RESERVED_COLUMNS
-    from store.reader import TableReader
+    from store.reuse import source_reader
 
     writer, table = job.writer, job.summary.table
     added: set[str] = set()
-    # a read lease while copying: a `store gc` meanwhile keeps the source version (store/lease.py)
-    lease = hold(writer.store.root, {table: version}, f"carry latents of the same pictures into '{table}'")
-    try:
-        if lease.version(table) is None:
-            raise UserError(f"table '{table}' v{version} was removed (`store gc`) while this stage chose samples to "
-                            "carry forward from it; rerun the stage (it resumes)")
-        reader = TableReader(fmt.version_dir(writer.store.root, table, version), table, version, on_damaged="skip")
-        try:
-            for row, key, split in copies:
-                try:
-                    s = reader.get(row["key"])
-                except DamagedData:
-                    continue
-                meta = {c: v for c, v in row.items() if c not in RESERVED_COLUMNS and c != "key" and v is not None}
-                writer.add(key, tensors=s["tensors"], files=s["files"], meta={**meta, "split": split})
-                added.add(key)
-        finally:
-            reader.close()
-    finally:
-        lease.release()
+    with source_reader(writer.store.root, table, version, f"carry latents of the same pictures into '{table}'",
+                       "carry forward") as reader:
+        for row, key, split in copies:
+            try:
+                s = reader.get(row["key"])
+            except DamagedData:
+                continue
+            meta = {c: v for c, v in row.items() if c not in RESERVED_COLUMNS and c != "key" and v is not None}
+            writer.add(key, tensors=s["tensors"], files=s["files"], meta={**meta, "split": split})
+            added.add(key)
     return added

@@ -129,3 +129,25 @@ def test_a_shard_copied_where_links_fail_has_its_bytes_fsynced_before_its_name(t
     after = st.reader("t", 2)
     assert [after.files(k)["a"] for k in keys] == [bytes([i]) * 300 for i in range(40)]
     after.close()
+
+
+def test_a_source_version_gc_removed_after_it_was_chosen_is_refused_in_one_line(tmp_path):
+    """`source_held` / `source_reader` (carry forward, encode's same-pictures copy and its completion): a version
+    `store gc` removed between the stage's choice and its read is one line saying to rerun, its lease released; a
+    version there is read under a lease gc respects, released after."""
+    import pytest
+
+    from schemas.errors import UserError
+    from store.lease import leases
+    from store.reuse import source_held, source_reader
+
+    st, keys = _store_of_forty(tmp_path)
+    with source_reader(st.root, "t", 1, "a test's read", "carry forward") as reader:
+        assert reader.files(keys[3])["a"] == bytes([3]) * 300
+        assert [(f.live, f.record["versions"]) for f in leases(st.root)] == [(True, {"t": [1]})]
+    assert leases(st.root) == []
+    with pytest.raises(UserError) as gone, source_held(st.root, "t", 7, "a test's read", "complete"):
+        raise AssertionError("a removed version's block ran")
+    assert str(gone.value) == ("table 't' v7 was removed (`store gc`) while this stage chose samples to complete "
+                               "from it; rerun the stage (it resumes)")
+    assert leases(st.root) == []
