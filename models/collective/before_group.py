@@ -16,7 +16,7 @@ from models.collective import state, timing
 from models.collective.canary import forget_store_hosts
 from models.collective.counting import _all_set, _count_and_wait
 from models.collective.errors import RankFailed, _first_line, _mark, _message, agreed
-from models.collective.store_client import StoreSilent, _agent_store, _call, _hosts_store, _launch_key, _store_client
+from models.collective.store_client import StoreSilent, _call, _ends_store, _hosts_store, _launch_key, _store_client
 from models.collective.watch import watch_failures
 from schemas.errors import UserError
 
@@ -69,11 +69,13 @@ def gather_before_group(world: int, what: str, text: str, timeout: float | None 
         raise UserError(f"{what}: the ranks decide it together through the launch's store at {where}, which "
                         f"went away meanwhile ({_first_line(e)}): see rank 0's log (it serves the store when no "
                         "launcher does) or the launcher's") from None
-    # every rank counts itself as having read the texts; the store's host waits for them (the store ends with its
-    # process, when the decision is a refusal: the others read first), and so does every rank under an agent's store:
-    # the agent ends it once its node's worker exits, and a rank on another node one poll behind met a reset
-    # connection instead of the texts (CI: "the launch's store ... went away meanwhile" in place of the refusal)
-    _count_and_wait(store, f"{key}/read", world, wait=state.before["hosted"] or _agent_store())
+    # every rank counts itself as having read the texts; a process whose exit may end the store waits for them
+    # (`_ends_store`: when the decision is a refusal, the others read first): its host, or under an agent's store
+    # a worker of the node whose agent serves it: the agent ends it once its worker exits, and a rank on another
+    # node one poll behind met a reset connection instead of the texts (CI: "the launch's store ... went away
+    # meanwhile" in place of the refusal). The others do not wait: a rank polling for a read mark while the store
+    # ended printed torch's C++ warning and stack
+    _count_and_wait(store, f"{key}/read", world, wait=state.before["hosted"] or _ends_store())
     return texts
 
 

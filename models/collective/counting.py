@@ -10,7 +10,7 @@ from typing import Callable
 
 from models.collective import state, timing
 from models.collective.reconnect import _read
-from models.collective.store_client import _hosts_store
+from models.collective.store_client import _ends_store, _hosts_store
 
 
 def _known_by_all(client, key: str, world: int, ranks: list[int] | None = None) -> None:
@@ -70,16 +70,17 @@ def _left_together(clients: list, counter: str, world: int, rank: int, counted: 
                    ranks: list[int] | None = None) -> None:
     """After the wait for every rank to count under `counter` (`_count_and_wait`; `counted`: all did): a rank that
     does not host the store says it stopped waiting and calls the store no more (also when its wait ran out: the
-    host waits for its word); the host, where all counted, waits at most HOST_WAIT_SECONDS more until each of them
-    has. Before, the host ended the store as soon as it saw every rank counted, while a rank still polling to see
-    the same got its connection reset: torch's C++ warning and stack after that rank's last line (CI, seen once).
-    That bound is its own: shared with the wait for the counts, a last rank counted near its end left the host
-    one look at the others' words before it ended the store under a rank still polling. `ranks`: the only ranks
-    waited for (None: all)."""
+    host waits for its word); a process whose exit may end the store (`_ends_store`: its host, or under torchrun
+    a worker of the node whose agent serves it), where all counted, waits at most HOST_WAIT_SECONDS more until
+    each of the others has. Before, the host ended the store as soon as it saw every rank counted, while a rank
+    still polling to see the same got its connection reset: torch's C++ warning and stack after that rank's last
+    line (CI, seen once); under torchrun, before that rank's error line (CI: node 0's worker exited at once, its
+    agent with it). That bound is its own: shared with the wait for the counts, a last rank counted near its end
+    left the host one look at the others' words before it ended the store under a rank still polling. `ranks`:
+    the only ranks waited for (None: all)."""
     if not _hosts_store():
         _read(clients, lambda c: c.set(f"{counter}/left/{rank}", "1"))
-        return
-    if counted:
+    if _ends_store() and counted:
         others = [f"{counter}/left/{r}" for r in (range(world) if ranks is None else ranks) if r != rank]
         _all_set(lambda k: _read(clients, lambda c: c.check([k])), others, time.monotonic() + timing.HOST_WAIT_SECONDS)
 

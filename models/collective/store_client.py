@@ -179,6 +179,15 @@ def _hosts_store() -> bool:
     return os.environ.get("RANK") == "0" and not _agent_store()
 
 
+def _ends_store() -> bool:
+    """May this process's exit end the launch's store? Its host's does (`_hosts_store`); under torchrun the agent
+    of the node of group rank 0 serves it (static rendezvous: --node-rank 0; c10d: the store group rank 0's agent
+    shares) and ends it once one of that node's workers ended: a worker of that node ends it. Not knowing the node
+    (no GROUP_RANK), yes: such a rank waits for the others' words, where the wrong guess ended the store under a
+    rank still polling it (torch's C++ warning and stack before that rank's last line; CI, node 1 of a refusal)."""
+    return _hosts_store() or (_agent_store() and os.environ.get("GROUP_RANK", "0") == "0")
+
+
 def _alive_key(rank: int) -> str:
     return f"{_launch_key('alive')}/{rank}"
 

@@ -18,11 +18,12 @@ from own_collective import own_collective  # noqa: F401  (the fixture)
 from test_launch_devices import TIMEOUT, _env
 
 
-def _as_rank(monkeypatch, rank: int) -> dist.TCPStore:
+def _as_rank(monkeypatch, rank: int, agent_store: bool = False) -> dist.TCPStore:
+    """Rank `rank` of 2 (one a node under `agent_store`: the store, this test's, is node 0's agent's)."""
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    for name, value in _env(rank, store.port, agent_store=False).items():
+    for name, value in _env(rank, store.port, agent_store=agent_store).items():
         monkeypatch.setenv(name, value)
     return store
 
@@ -43,6 +44,51 @@ def test_the_host_ends_only_once_every_rank_saw_all_counted(monkeypatch, own_col
     assert not returned.wait(1.0), "the host went on (ending the store) before rank 1 saw every rank counted"
     store.set(f"{key}/known/left/1", "1")  # rank 1 saw it and calls the store no more
     assert returned.wait(TIMEOUT)
+
+
+def test_under_torchrun_node_0s_worker_ends_only_once_every_rank_saw_all_counted(monkeypatch,
+                                                                                 own_collective) -> None:  # noqa: F811
+    """Under torchrun node 0's agent serves the store and ends it once its worker exits: that worker waits as a
+    store's own host does. Before, it counted, saw rank 1 counted and exited at once: rank 1 (node 1, the
+    publisher of a refusal) one poll behind met a reset connection, and torch's client printed a C++ warning and
+    stack before its error line (CI: test_start_one_node, node 1's --out holding other files)."""
+    collective = own_collective
+    store = _as_rank(monkeypatch, 0, agent_store=True)
+    key = collective.store_client._failure_key()
+    store.set(f"{key}/known/1", "1")  # rank 1 published, counted itself and polls to see rank 0 counted
+    returned = threading.Event()
+    client = collective.store_client._store_client()
+    rank0 = threading.Thread(target=lambda: (collective.counting._known_by_all(client, key, 2), returned.set()),
+                             daemon=True)
+    rank0.start()
+    store.wait([f"{key}/known/0", f"{key}/known/left/0"], timedelta(seconds=TIMEOUT))  # its word for node 0's others
+    assert not returned.wait(1.0), "node 0's worker went on (its exit ends the agent's store) before rank 1 saw it"
+    store.set(f"{key}/known/left/1", "1")
+    assert returned.wait(TIMEOUT)
+
+
+def test_under_torchrun_another_nodes_rank_neither_waits_for_words_nor_polls_for_reads(monkeypatch,
+                                                                                      own_collective) -> None:  # noqa: F811,E501
+    """Node 1's rank does not end the store: it says its word and returns; before a group it counts its read and
+    goes on, where it polled for node 0's read mark (a poll in flight when node 0's worker exited printed the
+    C++ warning). A clock of the test's own: no pause taken."""
+    collective = own_collective
+    store = _as_rank(monkeypatch, 1, agent_store=True)
+    key = collective.store_client._failure_key()
+    store.set(f"{key}/known/0", "1")
+    now, pauses = [0.0], []
+
+    def pause(seconds: float) -> None:
+        pauses.append(now[0])
+        now[0] += seconds
+
+    monkeypatch.setattr(collective.counting, "time", SimpleNamespace(monotonic=lambda: now[0], sleep=pause))
+    collective.counting._known_by_all(collective.store_client._store_client(), key, 2)
+    assert store.check([f"{key}/known/1", f"{key}/known/left/1"]) and pauses == []
+    texts = f"{collective.store_client._launch_key('before-group')}/the paths/1"
+    store.set(f"{texts}/0", "")  # rank 0's outcome, read before its read mark
+    assert collective.gather_before_group(2, "the paths", "") == ["", ""]
+    assert store.check([f"{texts}/read/1"]) and pauses == [], "rank 1 polled for node 0's read mark"
 
 
 def test_a_rank_that_saw_all_counted_says_so_and_returns(monkeypatch, own_collective) -> None:  # noqa: F811

@@ -36,8 +36,10 @@ def _env(rank: int, port: int, agent_store: bool, nodes: int = 2) -> dict[str, s
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(REPO), *suite])}
     env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    if agent_store:  # as torchrun's workers: the store is the agent's (here: this test's)
+    env.pop("GROUP_RANK", None)
+    if agent_store:  # as torchrun's workers: the store is the agent's (here: this test's), node 0's
         env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+        env["GROUP_RANK"] = str(rank if nodes == 2 else 0)
     return env
 
 
