@@ -34,6 +34,7 @@ from pathlib import Path
 from PIL import Image
 
 from schemas.file_digest import file_sha256
+from schemas.lineage import settings_digest
 from store.loss_array import GRID
 
 FOLDER = "base-images"
@@ -143,7 +144,7 @@ def machine(cfg) -> dict:
 
 
 def _digest(inputs: dict) -> str:
-    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+    return settings_digest(inputs, default=str)
 
 
 def extra_prompt_bytes(cfg) -> list[dict]:
