@@ -22,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.file_hashes import FileHashes, file_sha256  # noqa: E402
+from models.file_hashes import FileHashes  # noqa: E402
+from schemas.file_digest import file_sha256  # noqa: E402
 
 
 class JsonFileHashes:

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from schemas import interruptible
+from schemas.file_digest import file_sha256
 from schemas.host import host_id
 
 log = logging.getLogger("models")
@@ -78,12 +79,6 @@ _INT64 = 1 << 63  # sqlite's INTEGER: a larger inode number is not recorded
 # xfs, btrfs, tmpfs) are trusted as they are.
 RACY_NS = 2_000_000_000
 _SECOND_NS = 1_000_000_000
-
-
-def file_sha256(path: str | Path) -> str:
-    """The one file hasher (stdlib `hashlib.file_digest`: chunked, no copy through Python)."""
-    with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 _OPEN_WAIT_S = 30.0  # as long as the busy timeout a write waits

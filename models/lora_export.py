@@ -100,7 +100,13 @@ def export_lora(lora: str | Path, fmt: str, out: str | Path, overwrite: bool = F
     if out.suffix != ".safetensors":
         raise UserError(f"--out {out}: the export is one .safetensors file; name it *.safetensors")
     check_name_fits(out, "--out")
-    check_export_out(lora_weight_file(lora), out, overwrite)  # the CLI's usage check too; other callers here
+    check_export_out(lora_weight_file(lora), out, overwrite)
+    return write_export(lora, out, overwrite)
+
+
+def write_export(lora: str | Path, out: Path, overwrite: bool) -> Path:
+    """`export_lora`'s write, for a caller that has checked OUT itself (`pipeline lora export`, before the LoRA is
+    read: `check_export_out`), in comfyui, the one format."""
     state = comfyui_state_dict(lora)
     out.parent.mkdir(parents=True, exist_ok=True)
     # A folder of its own, the file in it: safetensors writes its own temp file (`.tmpXXXXXX`) beside the path it

@@ -15,7 +15,7 @@ accelerate launch: WORLD_SIZE > 1 in every rank's environment). Each command doe
   and `launch`, which starts ranks (a platform may set WORLD_SIZE for the launchers it starts on each node, as
   Kubeflow's PyTorchJob does).
 
-tests/pipeline/test_launched_commands.py holds every command's entry and checks that none is missing.
+`UNDER_A_LAUNCHER` holds every command's entry; tests/pipeline/test_launched_commands.py checks that none is missing.
 """
 
 from __future__ import annotations
@@ -27,11 +27,30 @@ from typing import Callable, TypeVar
 T = TypeVar("T")
 
 
-# The commands that run on several ranks (they share their work, run on rank 0 while the others wait, or read and
-# print): `pipeline launch` refuses any other before a rank starts (`refused_launch`), in one line rather than one
-# per rank (`one_process`) and then the launcher's. `run evaluate` of one LoRA is left to its own refusal.
-LAUNCHABLE = frozenset({"run encode-text", "run encode-vae", "run train", "run all", "run evaluate",
-                        "run resize-bucket", "config show", "plan", "store inspect"})
+# Each command's behaviour under a launcher (the module's docstring says what each does). `pipeline launch` starts
+# the commands that run on several ranks and refuses the others before a rank starts (`refused_launch`), in one line
+# rather than one per rank (`one_process`) and then the launcher's; `one_process` refuses only the commands named
+# ONE_PROCESS here (or SHARES_OR_REFUSED), so the two cannot disagree. A new command must be added.
+SHARES = "shares its work between the ranks"
+SHARES_OR_REFUSED = "shares its work in one mode, refuses the others on every rank (`one_process`)"
+RANK_0_ALONE = "runs on rank 0 alone while the others wait"
+RANK_0_PRINTS = "reads and prints on rank 0 alone, the others exit quietly"
+EVERY_RANK_PRINTS = "reads a little and prints on every rank"
+ONE_PROCESS = "refused on every rank (`one_process`)"
+STARTS_RANKS = "starts the ranks"
+UNDER_A_LAUNCHER = {
+    "run encode-text": SHARES, "run encode-vae": SHARES, "run train": SHARES, "run all": SHARES,
+    "run evaluate": SHARES_OR_REFUSED,  # --all-checkpoints shares; one LoRA is refused by the command
+    "run resize-bucket": RANK_0_ALONE,
+    "store inspect": RANK_0_PRINTS,
+    "config show": EVERY_RANK_PRINTS, "plan": EVERY_RANK_PRINTS,
+    "launch": STARTS_RANKS,
+    **dict.fromkeys(["store verify", "store gc", "store repair", "store push", "store pull", "migrate v1-to-v2",
+                     "predict", "lora merge", "lora export", "make-tiny-model", "make-demo-data", "compare",
+                     "demo"], ONE_PROCESS),
+}
+# what `pipeline launch` starts (`run evaluate` of one LoRA is left to the command's refusal, naming --all-checkpoints)
+SEVERAL_RANKS = frozenset({SHARES, SHARES_OR_REFUSED, RANK_0_ALONE, RANK_0_PRINTS, EVERY_RANK_PRINTS})
 
 
 def refused_launch(words: list[str], root) -> str | None:
@@ -42,7 +61,7 @@ def refused_launch(words: list[str], root) -> str | None:
     if group is None or subcommands is not None and (len(words) < 2 or words[1] not in subcommands):
         return None
     path = " ".join(words[:2]) if subcommands is not None else words[0]
-    if path in LAUNCHABLE:
+    if UNDER_A_LAUNCHER.get(path) in SEVERAL_RANKS:
         return None
     return (f"`pipeline {path}` runs in one process (it shares no work between ranks): run it without "
             "`pipeline launch`")
@@ -81,7 +100,12 @@ def rank_0_only() -> None:
 def one_process(command: str, instead: str = "") -> None:
     """Refuse a launch of several ranks for `pipeline COMMAND`, which does its whole work in one process: one
     red line naming what to run instead, exit 1 (as `run evaluate` of one LoRA refuses). Every rank sees the
-    same launcher environment and refuses alike, before any work, so no rank waits for another."""
+    same launcher environment and refuses alike, before any work, so no rank waits for another. COMMAND must be
+    refused in `UNDER_A_LAUNCHER` (a command that refuses where `pipeline launch` starts it would be an error per
+    rank): otherwise a programming error, in any process."""
+    if UNDER_A_LAUNCHER.get(command) not in (ONE_PROCESS, SHARES_OR_REFUSED):
+        raise AssertionError(f"`pipeline {command}` calls one_process, but pipeline/launched.py's UNDER_A_LAUNCHER "
+                             f"has it as {UNDER_A_LAUNCHER.get(command)!r}: list it there as ONE_PROCESS")
     world, _ = launched()
     if world <= 1:
         return

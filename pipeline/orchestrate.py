@@ -174,7 +174,7 @@ def report_of_kept_run(run: Path) -> Callable[[Path], str | None]:
     report's last checkpoint's sha256 against that step's LoRA in each kept run, newest first: one file hashed
     per kept run, and only when the report is not current (evaluate hashes every checkpoint then anyway)."""
     def whose(report: Path) -> str | None:
-        from models.file_hashes import file_sha256
+        from schemas.file_digest import file_sha256
         from models.lora import WEIGHT_NAME
         from stages.train.previous import kept_runs
 

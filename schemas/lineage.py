@@ -196,9 +196,17 @@ def unhashed_names(section: BaseModel, scope: Scope = "output") -> set[str]:
     return {name for name, info in type(section).model_fields.items() if unhashed(name, info)}
 
 
+def settings_digest(settings: Any, default: Callable[[Any], Any] | None = None) -> str:
+    """The one settings hash: sha256 (64 hex chars) over the settings' sorted-key JSON. Full length keys evaluate's
+    loss groups and base images and train's validation curve; `default` spells a value JSON has none for (`str`: a
+    path), None refuses one."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=default).encode()).hexdigest()
+
+
 def settings_hash(settings: Any) -> str:
-    """The one settings hash: 16 hex chars of sha256 over sorted-key JSON."""
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    """`settings_digest` at the 16 hex chars every stored lineage key holds (another length would make every
+    store's tables out of date)."""
+    return settings_digest(settings)[:16]
 
 
 def section_fingerprint(section: BaseModel, scope: Scope = "output") -> str:

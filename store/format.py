@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas.errors import UserError
+from schemas.file_digest import file_sha256
 from schemas import atomic_write, interruptible
 from schemas.newer import refuse_newer
 from schemas.temp_files import remove_dead_temps, siblings, temp_of, temp_stem
@@ -123,11 +124,8 @@ def version_id(version: int, manifest: bytes | memoryview | Path | io.BufferedRe
     """`v<N>-<sha256 of its manifest>`, the name of one immutable version (`Store.version_id`). A path (or an open
     file) is hashed as it is read, never held whole: a manifest is ~140 MB at 1M samples, read by evaluate for each
     table."""
-    if isinstance(manifest, Path):
-        with manifest.open("rb") as f:
-            return f"v{version}-{hashlib.file_digest(f, 'sha256').hexdigest()[:16]}"
-    if isinstance(manifest, io.BufferedReader):
-        return f"v{version}-{hashlib.file_digest(manifest, 'sha256').hexdigest()[:16]}"
+    if isinstance(manifest, (Path, io.BufferedReader)):
+        return f"v{version}-{file_sha256(manifest)[:16]}"
     return f"v{version}-{hashlib.sha256(manifest).hexdigest()[:16]}"
 
 

@@ -22,7 +22,6 @@ other file's exact bytes are covered by a CRC32C in checksums.json, and a CRC de
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import math
 import os
@@ -36,6 +35,7 @@ from tqdm import tqdm
 
 from schemas.byte_bar import byte_bar
 from schemas.errors import UserError
+from schemas.file_digest import file_sha256
 from schemas.img_shapes import normalize_img_shapes
 from schemas.newer import WrittenByNewer
 from schemas.table import SCHEMA_V1
@@ -275,9 +275,9 @@ def _check_shard(path: Path, name: str, rows: list[dict[str, Any]], whole_file_c
         problems.append(f"{name}: size {size} bytes, manifest records {nbytes}")
     with open(path, "rb") as f:
         if not whole_file_checked:  # format 1: the shard's sha256 (format 2: its CRC32C, already checked)
-            h = hashlib.file_digest(f, "sha256")  # stdlib, chunked: the one way a whole file is hashed
-            if h.hexdigest() != sha:
-                problems.append(f"{name}: sha256 mismatch (recorded {sha[:12]}…, found {h.hexdigest()[:12]}…): shard is corrupt")
+            found = file_sha256(f)
+            if found != sha:
+                problems.append(f"{name}: sha256 mismatch (recorded {sha[:12]}…, found {found[:12]}…): shard is corrupt")
         for r in rows:
             try:
                 problems += [f"{name}: key {r['key']}: {p}" for p in _check_row(f, size, r, as_written)]

@@ -153,9 +153,9 @@ def export(
         check_export_out(lora, out, overwrite)
     with user_errors(out):
         checked_lora(lora)  # before torch's import: a mistyped --lora is told at once
-        from models.lora_export import export_lora
+        from models.lora_export import write_export
 
-        path = export_lora(lora, format, out, overwrite=overwrite)
+        path = write_export(lora, out, overwrite)  # --format and --out checked above, once
         widen_private_file(path)  # safetensors writes 0600: readable as the umask says (by ComfyUI's user too)
     echo(f"wrote {format} LoRA to {path}")
 

@@ -33,6 +33,8 @@ from pathlib import Path
 
 from PIL import Image
 
+from schemas.file_digest import file_sha256
+from schemas.lineage import settings_digest
 from store.loss_array import GRID
 
 FOLDER = "base-images"
@@ -142,7 +144,7 @@ def machine(cfg) -> dict:
 
 
 def _digest(inputs: dict) -> str:
-    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+    return settings_digest(inputs, default=str)
 
 
 def extra_prompt_bytes(cfg) -> list[dict]:
@@ -155,7 +157,7 @@ def extra_prompt_bytes(cfg) -> list[dict]:
 def _file_sha256(path) -> str | None:
     """None for a file that cannot be read: its generation then stops with the decoder's one line naming it."""
     try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        return file_sha256(path)
     except OSError:
         return None
 
@@ -166,7 +168,7 @@ def _sources_digest() -> str:
     for package in SOURCE_PACKAGES:
         for f in sorted((SOURCE_ROOT / package).rglob("*.py")):
             h.update(f"{f.relative_to(SOURCE_ROOT).as_posix()}\0".encode())
-            h.update(hashlib.sha256(f.read_bytes()).digest())
+            h.update(bytes.fromhex(file_sha256(f)))
     return h.hexdigest()
 
 

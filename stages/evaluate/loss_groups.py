@@ -6,7 +6,6 @@ into an --all-checkpoints array (`note_computed_on`, every rank's machine `on_ev
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -14,10 +13,12 @@ from pathlib import Path
 
 import numpy as np
 
+from schemas.lineage import settings_digest
+
 
 def group_hash(settings: dict) -> str:
     """The key of a loss group: sha256 over the settings' sorted-key JSON (full length: the group's name holds 12)."""
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    return settings_digest(settings)
 
 
 def cells_line(known: np.ndarray) -> str:

@@ -24,7 +24,7 @@ def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: st
     The tables are named by what evaluate reads from them (`read_table_ids`; `tables`: the val split's join when
     open, else opened here), or `table_ids` when the caller has them (without `tables`: the split is not opened,
     and `max_loss_samples` is hashed as set, `config_fingerprint`)."""
-    from models.file_hashes import file_sha256
+    from schemas.file_digest import file_sha256
     from models.loading import model_files, model_fingerprint
     from stages.evaluate.base_images import extra_prompt_bytes
     from stages.evaluate.loss_fingerprint import EVALUATION_REVISION

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from models.file_hashes import FileHashes, file_sha256
+from models.file_hashes import FileHashes
+from schemas.file_digest import file_sha256
 
 from stages.resize.first_read import stamp
 from stages.resize.shards import is_shard_list, remote_listing, remote_source_files

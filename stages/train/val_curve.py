@@ -14,8 +14,6 @@ under today's.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +21,7 @@ import numpy as np
 from models.held_out import bucket_of
 from models.sample import TrainSample
 from schemas.config import TrainConfig, held_out_axes
+from schemas.lineage import settings_digest
 
 
 class ValidationCurve:
@@ -119,7 +118,7 @@ class ValidationCurve:
 
 
 def _fingerprint(settings: dict) -> str:
-    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+    return settings_digest(settings, default=str)
 
 
 def measured(cfg: TrainConfig, attention_backend: str | None = None) -> dict:

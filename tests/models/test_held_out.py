@@ -13,10 +13,10 @@ import torch
 from models.flow import flow_loss
 from models.held_out import has_two_regions, loss_grid
 from models.loading import load_component
-from models.lora import add_lora
 from models.multires import install_multires
 from models.randomness import eval_noise
-from schemas.config import EvaluateConfig, LoraConfig
+from lora_writer import add_random_b_lora
+from schemas.config import EvaluateConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stages"))
 from train_store import make_train_store, mixed_specs, open_split  # noqa: E402
@@ -36,12 +36,7 @@ def val_samples(tiny_edit_model, tmp_path_factory):
 def transformer(tiny_edit_model):
     t = load_component(tiny_edit_model, "transformer")
     install_multires(t)
-    add_lora(t, LoraConfig(rank=4, alpha=8.0))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in t.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.2)
+    add_random_b_lora(t)
     return t
 
 

@@ -330,23 +330,7 @@ def test_a_store_that_accepts_but_never_answers_still_ends_the_watch(monkeypatch
     in torch's client until it answers; tried on for ever, a night's stop left hundreds, each with a socket. Such a
     store is given STORE_RETRY_SECONDS, as before, where one out of reach is tried on (above)."""
     collective = own_collective
-    store = _as_rank_1(monkeypatch)
-    silent = {"on": False}
-    budget = {"fails": lambda *_: silent["on"], "left": float("inf")}
-    real = collective.store_client._store_client
-
-    def connect(timeout=10.0):
-        if silent["on"]:  # as `_connect`'s bound running out on a connect left unanswered
-            collective.state.found.silent = "the launch's store at 127.0.0.1 did not answer"
-            raise collective.store_client.StoreSilent(collective.state.found.silent)
-        return FlakyClient(real(timeout), budget)
-
-    patch_where_used(monkeypatch, "_store_client", connect)
-    monkeypatch.setattr(collective.timing, "STORE_RETRY_SECONDS", 0.5)
-    collective.watch_failures(2)
-    alive = collective.store_client._alive_key(1)
-    _wait_for(lambda: store.add(alive, 0) >= 1, "the watch thread never counted this rank alive")
-    silent["on"] = True
+    _store_host_silent(monkeypatch, collective, agent_store=True)
     stop, watcher = collective.state.run["watcher"]
     _wait_for(lambda: not watcher.is_alive(), "the watch thread tried a silent store on and on")
 

@@ -39,13 +39,6 @@ def test_resize_bucket_under_a_launcher_runs_on_rank_0_while_rank_1_waits(tmp_pa
     assert "rank 1: resize-bucket ran on rank 0 alone; this rank waited for it" in text, text[-4000:]
 
 
-# What each command does launched on several ranks (pipeline/launched.py); a new command must be added here.
-SHARES = {"run encode-text", "run encode-vae", "run train", "run all",
-          "run evaluate"}  # --all-checkpoints shares; one LoRA is refused (the test below)
-RANK_0_ALONE = {"run resize-bucket"}  # the test above
-READS_AND_PRINTS = {"config show", "plan"}  # every rank prints the same; nothing written
-RANK_0_PRINTS = {"store inspect"}  # rank 0 reads and prints, the others exit 0 quietly (the test below)
-STARTS_RANKS = {"launch"}
 # refused on every rank before any work: the arguments each needs to get past its parser
 REFUSED = {
     "store verify": ["store", "verify", "{tmp}/store"],
@@ -76,15 +69,27 @@ def test_every_command_has_its_behaviour_under_a_launcher_decided():
     import typer
 
     from pipeline.cli import app
+    from pipeline.launched import ONE_PROCESS, UNDER_A_LAUNCHER
 
-    decided = SHARES | RANK_0_ALONE | READS_AND_PRINTS | RANK_0_PRINTS | STARTS_RANKS | set(REFUSED)
-    assert _command_paths(typer.main.get_command(app)) == decided
+    assert _command_paths(typer.main.get_command(app)) == set(UNDER_A_LAUNCHER)
+    assert {c for c, b in UNDER_A_LAUNCHER.items() if b == ONE_PROCESS} == set(REFUSED)  # each tested below
 
 
-def test_pipeline_launch_starts_the_commands_that_run_on_several_ranks_and_no_other():
-    from pipeline.launched import LAUNCHABLE
+def test_launch_and_the_commands_refusal_read_one_table(monkeypatch):
+    """`pipeline launch` and a command's own refusal (`one_process`) both read UNDER_A_LAUNCHER: a command moved
+    out of ONE_PROCESS is started by `pipeline launch`, and its left-over refusal is an error in any process."""
+    import typer
 
-    assert LAUNCHABLE == SHARES | RANK_0_ALONE | READS_AND_PRINTS | RANK_0_PRINTS
+    import pipeline.launched as launched
+    from pipeline.cli import app
+
+    root = typer.main.get_command(app)
+    assert launched.refused_launch(["predict"], root) is not None
+    launched.one_process("predict")  # one process: goes on
+    monkeypatch.setitem(launched.UNDER_A_LAUNCHER, "predict", launched.SHARES)
+    assert launched.refused_launch(["predict"], root) is None
+    with pytest.raises(AssertionError, match="UNDER_A_LAUNCHER"):
+        launched.one_process("predict")
 
 
 @pytest.mark.parametrize("command", sorted(REFUSED) + ["launch"])

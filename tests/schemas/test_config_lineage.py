@@ -247,3 +247,17 @@ def test_every_setting_acting_while_training_declares_it():
     assert all(role_of(C.TrainConfig, n) is WHILE_TRAINING for n in while_training_names(C.TrainConfig))
     changed = C.TrainConfig(validate_every=3, sample_every=2, checkpoint_every=7, log_with=[], profile=1)
     assert section_fingerprint(changed) == section_fingerprint(C.TrainConfig())
+
+
+def test_settings_hashes_keep_their_stored_values_and_lengths():
+    """Stored lineage keys hold 16 hex chars, evaluate's loss groups / base images and train's validation curve 64:
+    the same settings give the digests stores and reports already hold (another would recompute them all)."""
+    from pathlib import Path
+
+    from schemas.lineage import settings_digest, settings_hash
+
+    s = {"b": [1, 2.5, None], "a": {"x": "y"}}
+    assert settings_hash(s) == "de1d1916aa08c248"
+    assert settings_digest(s) == "de1d1916aa08c248192cb1f1f2749488473c5def104449a608da819fbb9b02f2"
+    assert settings_digest({**s, "p": Path("/a")}, default=str) == \
+        "df67bafdf02832f716ae305378b1ac61fd13d38fe2c8625b807f84025b708f64"

@@ -12,25 +12,21 @@ import torch
 from PIL import Image
 
 from models.loading import load_component
-from models.lora import add_lora, save_lora
+from models.lora import save_lora
 from models.multires import install_multires
-from schemas.config import EvaluateConfig, LoraConfig
+from schemas.config import EvaluateConfig
 from stages.evaluate.checkpoint_report import _Job
 from stages.evaluate.sample_images import conditioning, paired_rows
 from models.lora import attach_lora
 from models.sample import TrainSample
+from lora_writer import add_random_b_lora
 
 
 @pytest.fixture(scope="module")
 def tiny_lora(tiny_edit_model, tmp_path_factory):
     """A LoRA written by the trainer's own saver (alpha != rank, non-zero B so it changes outputs)."""
     transformer = load_component(tiny_edit_model, "transformer")
-    add_lora(transformer, LoraConfig(rank=4, alpha=8.0))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in transformer.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.2)
+    add_random_b_lora(transformer)
     out = tmp_path_factory.mktemp("lora") / "lora"
     save_lora(transformer, out)
     return str(out)

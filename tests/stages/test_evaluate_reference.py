@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from models.randomness import eval_noise
-from schemas.config import EvaluateConfig, LoraConfig
+from lora_writer import add_random_b_lora
+from schemas.config import EvaluateConfig
 from train_store import make_train_store, mixed_specs, open_split
 
 SEEDS, SIGMAS = [0, 3], [0.25, 0.8]
@@ -19,17 +20,12 @@ SEEDS, SIGMAS = [0, 3], [0.25, 0.8]
 @pytest.fixture(scope="module")
 def setup(tiny_edit_model, tmp_path_factory):
     from models.loading import load_component
-    from models.lora import add_lora, save_lora
+    from models.lora import save_lora
 
     root = tmp_path_factory.mktemp("reference")
     make_train_store(root / "store", tiny_edit_model, mixed_specs(1, 5, masks=True))
     transformer = load_component(tiny_edit_model, "transformer")
-    add_lora(transformer, LoraConfig(rank=4, alpha=8.0))  # alpha != rank: the scale must be read
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in transformer.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.2)
+    add_random_b_lora(transformer)  # alpha != rank: the scale must be read
     save_lora(transformer, root / "lora")
     return root
 
@@ -108,7 +104,7 @@ def test_qwen21_held_out_losses_equal_a_hand_loop_over_the_stock_21_transformer(
     from diffusers import QwenImage21Pipeline
 
     from models.loading import load_component, model_fingerprint
-    from models.lora import add_lora, save_lora
+    from models.lora import save_lora
     from models.qwen21_multires import joint_image_mask, latent_tokens
     from pipeline.config import load_config
     from stages.encode import text as encode_text
@@ -121,12 +117,7 @@ def test_qwen21_held_out_losses_equal_a_hand_loop_over_the_stock_21_transformer(
     encode_text.run(load_config(None, F32), store, tiny_21_model)
     encode_vae.run(load_config(None, F32), store, tiny_21_model)
     transformer = load_component(tiny_21_model, "transformer").float()
-    add_lora(transformer, LoraConfig(rank=4, alpha=8.0))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in transformer.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.2)
+    add_random_b_lora(transformer)
     save_lora(transformer, tmp_path / "lora", base_fingerprint=model_fingerprint(tiny_21_model))
 
     cfg = EvaluateConfig(noise_seeds=SEEDS, timesteps=SIGMAS, batch_size=3, num_samples=0, device="cpu",

@@ -250,6 +250,27 @@ def test_export_refuses_a_lora_with_no_weight_pairs(tmp_path):
     assert not out.exists() and not out.parent.exists()
 
 
+def test_export_checks_its_out_once_on_the_command_line_and_export_lora_still_checks_it(tmp_path, monkeypatch):
+    """`lora export` checked --out on the command line, then again inside `export_lora`: once per command now,
+    and `export_lora`'s other callers are still refused an --out that is the LoRA."""
+    import models.lora_export as lora_export
+    import models.lora_files as lora_files
+    from schemas.errors import UserError
+
+    q = "transformer.transformer_blocks.0.attn.to_q"
+    src, out = tmp_path / "lora.safetensors", tmp_path / "comfy.safetensors"
+    save_file({f"{q}.lora_A.weight": torch.ones(2, 8), f"{q}.lora_B.weight": torch.ones(8, 2)}, src)
+    checks, real = [], lora_files.check_export_out
+    spy = lambda *a: checks.append(a) or real(*a)  # noqa: E731
+    monkeypatch.setattr(lora_files, "check_export_out", spy)
+    monkeypatch.setattr(lora_export, "check_export_out", spy)
+    _cli("lora", "export", src, "--out", out)
+    assert len(checks) == 1 and out.is_file(), checks
+    with pytest.raises(UserError, match="is the LoRA being exported"):
+        lora_export.export_lora(src, "comfyui", src, overwrite=True)
+    assert len(checks) == 2
+
+
 def test_an_exported_lora_still_names_its_model_to_this_projects_loaders(tiny_21_model, tmp_path):
     """The export kept none of the metadata naming the model the LoRA was trained on: an Edit LoRA exported and
     merged (or predicted with) on a Qwen-Image-2.1 model of the same module shapes applied without a word, where
