@@ -47,7 +47,8 @@ def weight_file_name(lora: str | Path) -> Path:
 def check_export_out(lora: str | Path, out: str | Path, overwrite: bool) -> None:
     """`lora export`'s --out as the command line names it, before the LoRA is read: not the LoRA being exported
     (even with `overwrite`), not a folder, and no file there unless `overwrite`. UserError naming what to pass."""
-    out, source = Path(out), weight_file_name(lora)  # the name, not looked up: a missing --lora is told after
+    # the name, not looked up (a missing --lora is told after), but a folder is a folder whatever its name ends in
+    out, source = Path(out), Path(lora) / WEIGHT_NAME if Path(lora).is_dir() else weight_file_name(lora)
     if out.resolve() == source.resolve() or (out.exists() and source.exists() and out.samefile(source)):
         raise UserError(f"--out {out} is the LoRA being exported ({source}): the export would replace it; pass "
                         "another --out")

@@ -239,6 +239,22 @@ def test_export_refuses_a_cut_lora_and_an_out_that_is_the_lora(tmp_path):
         "lone-A.safetensors", "lone-B.safetensors", "ranks.safetensors", "whole.safetensors"]
 
 
+def test_export_refuses_an_out_that_is_the_weight_file_of_a_lora_folder_named_like_a_file(tmp_path):
+    """A LoRA folder whose name ends in .safetensors: --out naming the weight file inside it is the LoRA being
+    exported, with --overwrite too (the command line's one check took the folder's name for the weight file)."""
+    from models.lora_files import WEIGHT_NAME
+
+    q = "transformer.transformer_blocks.0.attn.to_q"
+    folder = tmp_path / "mine.safetensors"
+    folder.mkdir()
+    save_file({f"{q}.lora_A.weight": torch.ones(2, 8), f"{q}.lora_B.weight": torch.ones(8, 2)}, folder / WEIGHT_NAME)
+    before = (folder / WEIGHT_NAME).read_bytes()
+    result = CliRunner().invoke(app, ["lora", "export", str(folder), "--out", str(folder / WEIGHT_NAME),
+                                      "--overwrite"])
+    assert result.exit_code == 2 and "is the LoRA being exported" in result.output, result.output
+    assert (folder / WEIGHT_NAME).read_bytes() == before
+
+
 def test_export_refuses_a_lora_with_no_weight_pairs(tmp_path):
     """A LoRA file of no tensors exported an empty ComfyUI file and reported success: one line naming the file now,
     and nothing is written."""
