@@ -85,15 +85,18 @@ class MemoryBoundForward:
                  device: object, setting: str) -> None:
         self.forward, self.stage, self.name_of, self.device, self.setting = forward, stage, name_of, device, setting
         self.cap: int | None = None  # the largest part that may run, after an out-of-memory
+        self.ran = 0  # the forwards the last call completed: one per part (the summary's mean batch counts each)
 
     def __call__(self, batch: list[T]) -> list[R]:
         results: list[R] = []
+        self.ran = 0
         size = len(batch) if self.cap is None else min(len(batch), self.cap)
         while len(results) < len(batch):
             part = batch[len(results) : len(results) + size]
             done = self._try(part)
             if done is not None:
                 results.extend(done)
+                self.ran += 1
                 continue
             if len(part) == 1:
                 from schemas.errors import UserError

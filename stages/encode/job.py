@@ -23,6 +23,7 @@ from stages.encode.summary import Summary
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from stages.encode.batching import MemoryBoundForward
     from stages.encode.progress import SampleProgress
 
 T = TypeVar("T")
@@ -114,14 +115,16 @@ class EncodeJob:
         return SampleProgress(total, desc, position=r.rank)
 
     @contextmanager
-    def timed_forward(self, items: int) -> Iterator[None]:
-        """Time spent in the model (a GPU is synchronised so its queued work counts here, not after)."""
+    def timed_forward(self, items: int, forward: MemoryBoundForward | None = None) -> Iterator[None]:
+        """Time spent in the model (a GPU is synchronised so its queued work counts here, not after). `forward`: the
+        one the block calls once; each part it ran counts as a forward (a batch halved after an out-of-memory ran
+        as two or more), else the block is one."""
         t0 = time.perf_counter()
         yield
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         self.summary.forward_seconds += time.perf_counter() - t0
-        self.summary.forwards += 1
+        self.summary.forwards += 1 if forward is None else forward.ran
         self.summary.forward_items += items
 
     # ------------------------------------------------------------ the end (stages/encode/commit.py)

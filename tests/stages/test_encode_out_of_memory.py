@@ -51,6 +51,8 @@ def test_a_batch_out_of_memory_is_halved_and_the_table_is_whole(module, tiny_edi
     sizes = _limited(monkeypatch, module, most=2)
     summary = module.run(load_config(None, F32), halved, tiny_edit_model, batch_size=8)
     assert summary.encoded == len(samples) and max(sizes) == 2
+    # the mean batch counts each forward that ran (a halved batch is two), not the batch given
+    assert (summary.forwards, summary.forward_items) == (len(sizes), sum(sizes))
     _tables_equal(two, halved, module.TABLE)
     out = capsys.readouterr().out
     assert "ran out of memory on a batch of" in out and "batches of at most 2 from now on" in out
