@@ -17,6 +17,7 @@ from schemas.lineage import Lineage
 from schemas.table import TableSchema
 from store import Store, TableReader, TableWriter
 from stages.encode import commit, intake, output
+from stages.encode.batching import TooLargeAlone
 from stages.encode.ranks import Ranks
 from stages.encode.summary import Summary
 
@@ -148,6 +149,12 @@ class EncodeJob:
         images reader and its lease too)."""
         try:
             yield
+        except TooLargeAlone as e:
+            # a killed run's resume keeps every committed shard: this stop keeps the open one's finished samples too
+            if self.writer is not None:
+                self.writer.keep_open_shard()
+            self.failed(e)
+            raise
         except BaseException as e:
             self.failed(e)
             raise
