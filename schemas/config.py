@@ -200,6 +200,12 @@ class ResizeConfig(Section):
         "every frame: a hostile file of millions held a worker for half an hour)")
     max_file_bytes: Annotated[FileBytes, added_later("identity")] = Field(
         1 << 30, description="larger source files are quarantined unread (only regular files are read at all)")
+    # identity: which samples a table holds. Added later: the default is hashed as unset, so a store made before keeps
+    # its fingerprint (a caption over it there is refused when its source is read again, docs/resize-bucket.md)
+    max_caption_bytes: Annotated[FileBytes, added_later("identity")] = Field(
+        64 * 1024, description="a sample whose caption (file, tar member, JSONL field or parquet cell) is larger, "
+        "in UTF-8 bytes as read, is quarantined as caption-too-long, a file or tar member unread. The transformer "
+        "holds at most 4096 text tokens (less next to large images): ~16 KB of English, far below the default")
     keep_alpha: Annotated[bool, added_later()] = Field(
         False, description="store images with transparency as RGBA instead of composited over white (Qwen-Image-2.1: "
         "its VAE reads the alpha channel)")

@@ -163,6 +163,13 @@ class TableWriter:
 
     # ------------------------------------------------------------ finishing
 
+    def keep_open_shard(self) -> None:
+        """Commit the open shard without finishing the rank: a stage that stops keeps the samples it added (the
+        rerun resumes past them, as past any committed shard); the rank is still not done."""
+        self._check_open()
+        self._shards.commit()
+        self._shards.sync()
+
     def finish_rank(self, rejected: int = 0) -> None:
         """Commit the open shard and mark this rank done (multi-rank: every rank calls this, then a barrier).
         `rejected`: how many of the `given` keys the caller left out (quarantined)."""

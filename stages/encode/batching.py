@@ -9,6 +9,7 @@ from typing import Callable, Hashable, Iterable, Iterator, TypeVar
 
 
 from models.ordered_map import ordered_map
+from schemas.errors import UserError
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -69,13 +70,18 @@ def out_of_memory(error: BaseException) -> bool:
                                                                       "STATUS_ALLOC_FAILED"))
 
 
+class TooLargeAlone(UserError):
+    """A single item that runs the device out of memory: the stage stops, keeping what it finished
+    (`EncodeJob.working` commits the open shard first), so the rerun encodes only what is left."""
+
+
 class MemoryBoundForward:
     """`forward(batch) -> one result per item`, run on parts of the batch small enough for the device's memory.
 
     A batch that runs out of memory is halved and its parts run in turn; the smaller size holds for the rest of
     the run (said once per halving), so the next batches do not fail first. A single item that does not fit stops
-    with one line naming it: the shards written so far are kept (the open one, up to `shard_size_mb`, is not) and a
-    rerun resumes from them.
+    with one line naming it (`TooLargeAlone`): every sample finished before it is kept (the open shard committed)
+    and a rerun resumes from them.
     Before, one batch too large (a few big images together) stopped the stage with a traceback, and the rerun
     failed on the same batch. A smaller batch changes the last float32 bits of the VAE latents (within one bf16
     step, docs/encode.md) and, on a GPU, of the text embeddings.
@@ -85,23 +91,24 @@ class MemoryBoundForward:
                  device: object, setting: str) -> None:
         self.forward, self.stage, self.name_of, self.device, self.setting = forward, stage, name_of, device, setting
         self.cap: int | None = None  # the largest part that may run, after an out-of-memory
+        self.ran = 0  # the forwards the last call completed: one per part (the summary's mean batch counts each)
 
     def __call__(self, batch: list[T]) -> list[R]:
         results: list[R] = []
+        self.ran = 0
         size = len(batch) if self.cap is None else min(len(batch), self.cap)
         while len(results) < len(batch):
             part = batch[len(results) : len(results) + size]
             done = self._try(part)
             if done is not None:
                 results.extend(done)
+                self.ran += 1
                 continue
             if len(part) == 1:
-                from schemas.errors import UserError
-
-                raise UserError(f"{self.stage}: {self.device} ran out of memory encoding {self.name_of(part[0])} "
-                                "alone: free the device (another process on it?), use one with more memory, or a "
-                                "lower-precision dtype; the shards written so far are kept and a rerun resumes "
-                                "from them")
+                raise TooLargeAlone(f"{self.stage}: {self.device} ran out of memory encoding {self.name_of(part[0])} "
+                                    "alone: free the device (another process on it?), use one with more memory, or "
+                                    "a lower-precision dtype; the samples encoded so far are kept and a rerun "
+                                    "encodes only the rest")
             size = self.cap = (len(part) + 1) // 2
             from tqdm import tqdm
 

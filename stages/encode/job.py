@@ -17,12 +17,14 @@ from schemas.lineage import Lineage
 from schemas.table import TableSchema
 from store import Store, TableReader, TableWriter
 from stages.encode import commit, intake, output
+from stages.encode.batching import TooLargeAlone
 from stages.encode.ranks import Ranks
 from stages.encode.summary import Summary
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from stages.encode.batching import MemoryBoundForward
     from stages.encode.progress import SampleProgress
 
 T = TypeVar("T")
@@ -114,14 +116,16 @@ class EncodeJob:
         return SampleProgress(total, desc, position=r.rank)
 
     @contextmanager
-    def timed_forward(self, items: int) -> Iterator[None]:
-        """Time spent in the model (a GPU is synchronised so its queued work counts here, not after)."""
+    def timed_forward(self, items: int, forward: MemoryBoundForward | None = None) -> Iterator[None]:
+        """Time spent in the model (a GPU is synchronised so its queued work counts here, not after). `forward`: the
+        one the block calls once; each part it ran counts as a forward (a batch halved after an out-of-memory ran
+        as two or more), else the block is one."""
         t0 = time.perf_counter()
         yield
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         self.summary.forward_seconds += time.perf_counter() - t0
-        self.summary.forwards += 1
+        self.summary.forwards += 1 if forward is None else forward.ran
         self.summary.forward_items += items
 
     # ------------------------------------------------------------ the end (stages/encode/commit.py)
@@ -145,6 +149,12 @@ class EncodeJob:
         images reader and its lease too)."""
         try:
             yield
+        except TooLargeAlone as e:
+            # a killed run's resume keeps every committed shard: this stop keeps the open one's finished samples too
+            if self.writer is not None:
+                self.writer.keep_open_shard()
+            self.failed(e)
+            raise
         except BaseException as e:
             self.failed(e)
             raise

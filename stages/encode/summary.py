@@ -38,7 +38,7 @@ class Summary:
     seconds: float = 0.0  # the whole run, model loading included
     loop_seconds: float = 0.0  # the encode loop: read, preprocess, forward, write
     forward_seconds: float = 0.0  # inside the model forward (bench: the rest of the loop is overhead)
-    forwards: int = 0
+    forwards: int = 0  # model forwards that ran (a batch halved after an out-of-memory: each part)
     forward_items: int = 0  # prompts (text) or images (vae) through the model; / forwards = mean batch
     rank: int = 0
     world_size: int = 1

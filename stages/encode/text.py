@@ -469,7 +469,7 @@ def _encode(job, section, fmt, model: str, target, by_controls) -> Summary:
     with job.progress(len(todo)) as bar:
         requests = (r for pair in job.accepted(samples, bar) for r in pair)
         for batch in batches(requests, section.batching, section.batch_size):
-            with job.timed_forward(len(batch)):
+            with job.timed_forward(len(batch), forward):
                 embeds = forward(batch)
             for req, emb in zip(batch, embeds):
                 parts = done.setdefault(req.key, {})
@@ -505,7 +505,7 @@ def _complete_some(job: EncodeJob, reader, keys: list[str], inputs, forward, sec
     requests = [Request(k, NOCONTROL, inputs(str(job.images.cells(k, ("caption",)).get("caption") or "")))
                 for k in stored]
     for batch in batches(requests, section.batching, section.batch_size):
-        with job.timed_forward(len(batch)):
+        with job.timed_forward(len(batch), forward):
             embeds = forward(batch)
         for req, emb in zip(batch, embeds):
             parts = {"prompt": stored[req.key]["prompt_embeds"], "empty": stored[req.key]["empty_embeds"],

@@ -195,7 +195,7 @@ def run(
         with job.progress(len(todo)) as bar:
             requests = (r for prepared in job.accepted(samples, bar) for r in prepared.requests)
             for batch in batches_by_shape(requests, lambda r: r.shape, section.batch_size):
-                with job.timed_forward(len(batch)):
+                with job.timed_forward(len(batch), forward):
                     latents = forward(batch)
                 for req, lat in zip(batch, latents):
                     parts = done.setdefault(req.key, {})

@@ -44,6 +44,19 @@ def not_utf8(raw: bytes, e: UnicodeDecodeError) -> str:
     return f"caption is not valid UTF-8 (byte {e.start}); re-save it as UTF-8"
 
 
+CAPTION_TOO_LONG = "caption-too-long"  # the quarantine reason
+TOO_LONG_MARK = "over resize.max_caption_bytes"  # in `caption_too_long`'s line: a tar's problems tell it apart
+
+
+def caption_too_long(where: str, size: int, limit: int) -> str:
+    """The quarantine line of a caption over resize.max_caption_bytes (`where`: its file or tar member, "" for a
+    field or cell: the row's source names it). Such a caption is no instruction (a log or a book named like one),
+    and stored it bloated the images table and every version after it; encode-text refused it only later."""
+    return (f"caption{' ' + where if where else ''} is {size} bytes, {TOO_LONG_MARK} ({limit}): a "
+            "file named like a caption (a log, a whole text)? shorten it, or raise resize.max_caption_bytes if it "
+            "is meant")
+
+
 def clean_prompt(text: str) -> str:
     """A user's prompt (`pipeline predict --prompt`, a config's `evaluate.extra_prompts`, a negative prompt) by the
     caption's rule: its line endings and control characters as `clean_caption` makes them; its outer whitespace

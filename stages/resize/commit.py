@@ -36,7 +36,8 @@ def commit_version(st: Store, writer: Any, source: str | Path, intake: Intake) -
         from stages.resize.known_tars import note_value
         from store.version_notes import write_note
 
-        write_note(st, TABLE, summary.version, intake.tars.kind.note, note_value(intake.tars, intake.max_file_bytes))
+        value = note_value(intake.tars, intake.max_file_bytes, intake.max_caption_bytes)
+        write_note(st, TABLE, summary.version, intake.tars.kind.note, value)
     if intake.max_image_pixels:  # every row rendered, resumed or carried is within it (pixel_limit.py)
         from stages.resize.pixel_limit import NOTE as PIXEL_NOTE
         from store.version_notes import write_note

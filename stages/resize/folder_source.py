@@ -15,9 +15,9 @@ from typing import Any
 
 from schemas.errors import UserError
 from stages.resize.folder_listing import Scan, scan, stem_suffix
-from stages.resize.sources import (CONTROL_DIR, DEFAULT_MAX_FILE_BYTES, IMAGE_SUFFIXES, Done, ReadProblem,
-                                   SourceSample, not_regular, printable, printable_names, read_heads,
-                                   read_source_file, resumed_key)
+from stages.resize.sources import (CONTROL_DIR, DEFAULT_MAX_CAPTION_BYTES, DEFAULT_MAX_FILE_BYTES, IMAGE_SUFFIXES,
+                                   Done, ReadProblem, SourceSample, not_regular, printable, printable_names,
+                                   read_heads, read_source_file, resumed_key)
 
 
 # Folders a user meant as control/ or mask/ but named otherwise (masks/, controls/, Control/, control1/,
@@ -182,8 +182,8 @@ def folder_leftovers(root: Path, layout: _FolderLayout) -> list[SourceSample]:
     return out
 
 
-def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                done: Done | None = None, known: Any = None) -> Iterator[SourceSample]:
+def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, done: Done | None = None,
+                known: Any = None, max_caption_bytes: int = DEFAULT_MAX_CAPTION_BYTES) -> Iterator[SourceSample]:
     layout = folder_layout(root)
     targets, controls, control_dirs, masks = layout.targets, layout.controls, layout.control_dirs, layout.masks
     for stem in sorted(targets):
@@ -214,7 +214,7 @@ def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
             continue
         files = _FolderFiles(root, found[0], [[control_dirs[i] / name for name in controls[i][stem]] for i in present],
                              [root / "target" / name for name in layout.captions.get(stem, ())],
-                             root / "mask" / masks[stem][0] if stem in masks else None)
+                             root / "mask" / masks[stem][0] if stem in masks else None, max_caption_bytes)
         if known and _known_folder_sample(s, files, known, max_file_bytes):
             yield s
             continue
@@ -234,6 +234,7 @@ class _FolderFiles:
     controls: list[list[Path]]
     captions: list[Path]  # its caption files as listed (`x.txt`, `x.TXT`): none, one, or several (refused)
     mask: Path | None
+    max_caption_bytes: int  # resize.max_caption_bytes: a larger caption file is refused from its size, unread
 
 
 def _read_folder_sample(s: SourceSample, f: _FolderFiles, max_file_bytes: int) -> SourceSample:
@@ -250,7 +251,8 @@ def _read_folder_sample(s: SourceSample, f: _FolderFiles, max_file_bytes: int) -
             s.files.append(str(cands[0]))
         if len(f.captions) > 1:
             raise ReadProblem(f"several caption files: {', '.join(c.name for c in f.captions)}; keep one")
-        s.caption = read(f.captions[0], "caption") if f.captions else None
+        s.caption = read_source_file(f.captions[0], f.root, max_file_bytes, "caption",
+                                     f.max_caption_bytes) if f.captions else None
         if f.mask is not None:
             s.mask = read(f.mask, "mask")
             s.files.append(str(f.mask))
@@ -265,7 +267,7 @@ def _known_folder_sample(s: SourceSample, f: _FolderFiles, known: Any, max_file_
     if any(len(c) != 1 for c in f.controls) or not known.recorded(printable(s.source)) or len(f.captions) != 1:
         return False
     try:
-        caption = read_source_file(f.captions[0], f.root, max_file_bytes, "caption")
+        caption = read_source_file(f.captions[0], f.root, max_file_bytes, "caption", f.max_caption_bytes)
     except ReadProblem:
         return False
     images = [f.target, *(c[0] for c in f.controls)]

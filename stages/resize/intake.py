@@ -43,6 +43,7 @@ class Intake:
     masks: Any = None  # resumed_sources.ResumedMasks of the resumed version, read when first needed
     tars: Any = None  # known_tars.KnownTars of a webdataset or parquet source: its files' record, with the version
     max_file_bytes: int = 0  # resize.max_file_bytes the tars were read under (recorded with them)
+    max_caption_bytes: int = 0  # resize.max_caption_bytes, as max_file_bytes
     max_image_pixels: int = 0  # the limit every row of the version is within (recorded with it: pixel_limit.py)
     # local files a read error kept from being read whole (`read-error`): the version's listing does not count
     # them as read (first_read.settle_listing), so a rerun reads them again

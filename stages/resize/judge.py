@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from schemas.config import ResizeConfig
 from schemas.errors import Rejected
-from stages.resize.caption_text import clean_caption, not_utf8
+from stages.resize.caption_text import CAPTION_TOO_LONG, caption_too_long, clean_caption, not_utf8
 from stages.resize.images_table import sample_key
 from stages.resize.sources import SourceSample
 
@@ -17,6 +17,7 @@ def judge(rec: SourceSample, rc: ResizeConfig, first_source: dict[str, str]) -> 
     assert rec.target is not None
     if rec.caption is None:
         raise Rejected("missing-caption", "no caption (.txt / caption field) for this sample")
+    _check_caption_size(rec, rc)
     try:
         caption = clean_caption(rec.caption)
     except UnicodeDecodeError as e:
@@ -33,9 +34,17 @@ def judge(rec: SourceSample, rc: ResizeConfig, first_source: dict[str, str]) -> 
 
 def judge_known(rec: SourceSample, rc: ResizeConfig, first_source: dict[str, str]) -> str:
     """`judge` of a sample found with its recorded key (its caption checked against the recorded one)."""
+    _check_caption_size(rec, rc)  # a folder's or JSONL line's caption, read again (a tar's: known_tars.py)
     _check_count(rec.known.controls, rc, rec.known.key)
     claim(rec.known.key, rec.source, first_source)
     return rec.known.key
+
+
+def _check_caption_size(rec: SourceSample, rc: ResizeConfig) -> None:
+    """A caption read over resize.max_caption_bytes (a JSONL field, a parquet cell: read with their line or row;
+    a folder's file and a tar's member are refused from their size, unread, by the readers)."""
+    if rec.caption is not None and len(rec.caption) > rc.max_caption_bytes:
+        raise Rejected(CAPTION_TOO_LONG, caption_too_long("", len(rec.caption), rc.max_caption_bytes))
 
 
 def _check_count(n: int, rc: ResizeConfig, key: str) -> None:

@@ -8,7 +8,7 @@ every local tar there already (one pass, cached), so recording it costs no read;
 is hashed from the bytes the reader streams instead (first_read.py). Each run records, beside the
 version it commits (store/version_notes.py, note `source-tars`), each local tar it read whole or carried: its
 sha256 before and after it was streamed (unchanged meanwhile) and how many samples the reader yielded from it,
-problem samples included, and the resize.max_file_bytes it read them under.
+problem samples included, and the resize.max_file_bytes and max_caption_bytes it read them under.
 
 A rerun carries a tar unread only when its sha256 is the recorded one and every one of its samples has a row in
 that version, offered as known_sources offers rows (rendered with the settings in force): as many rows under
@@ -36,6 +36,9 @@ rewritten parquet file's row groups shift, and their bytes are not hashed apart:
 take a read of each anyway). Its note also records resize.columns (not in the render lineage: another mapping reads
 other cells, so a note of another one carries nothing). A parquet file at a URL is judged too, by the
 sha256 of its URL, size and content tag, as a tar at a URL.
+
+Under a higher resize.max_caption_bytes than recorded (or none: a note made before the setting), a file holding a
+row whose stored caption is over now's is read again (its sample refused as a fresh run refuses it).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from models.file_hashes import FileHashes
 from schemas.errors import UserError
 from stages.resize.known_sources import TABLE, Known
 from stages.resize.shards import RemoteTag
+from stages.resize.sources import DEFAULT_MAX_CAPTION_BYTES
 from store.remote import is_url
 
 if TYPE_CHECKING:
@@ -177,12 +181,13 @@ class KnownTars:
 
 
 def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, max_file_bytes: int,
-               kind: Kind = Kind()) -> KnownTars:
+               kind: Kind = Kind(), max_caption_bytes: int = DEFAULT_MAX_CAPTION_BYTES) -> KnownTars:
     """The tars (`kind`: or parquet files) recorded with the newest complete `images` version and unchanged now,
     with their offered rows. A sample whose headers must be checked (a lowered pixel limit, a transparent colour
     since revision 4, header_checks.py) is offered too: checked from its tar members' first bytes
     (picture_heads.TarIndex) or its parquet row group's image cells (parquet_source._RowGroups), the file
-    carried."""
+    carried. A row whose stored caption is over `max_caption_bytes` is not offered where the note records no lower
+    caption limit (`_captions_checked`): its file is read whole and the sample refused, as a fresh run refuses it."""
     import pyarrow.compute as pc
 
     from store.integrity import DamagedData
@@ -200,7 +205,9 @@ def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, m
     if not unchanged:
         return empty
     try:
-        rows = checked_manifest(st.version_dir(TABLE, newest[0]), ["key", "source", "source_hashes", "mask_sha256"])
+        captions = [] if _captions_checked(value, max_caption_bytes) else ["caption"]
+        rows = checked_manifest(st.version_dir(TABLE, newest[0]),
+                                ["key", "source", "source_hashes", "mask_sha256", *captions])
     except (UserError, DamagedData):  # unreadable or damaged: every tar read, as before
         return empty
     if not {"source", "source_hashes", "mask_sha256"} <= set(rows.column_names):
@@ -213,10 +220,11 @@ def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, m
     i = 0
     for batch in rows.to_batches(max_chunksize=65536):
         n_hashes = pc.fill_null(pc.list_value_length(batch.column("source_hashes")), 0).to_pylist()
-        for key, source, n, mask in zip(batch.column("key").to_pylist(), batch.column("source").to_pylist(),
-                                        n_hashes, batch.column("mask_sha256").to_pylist()):
+        fits = _captions_fit(batch, max_caption_bytes)
+        for key, source, n, mask, fit in zip(batch.column("key").to_pylist(), batch.column("source").to_pylist(),
+                                             n_hashes, batch.column("mask_sha256").to_pylist(), fits):
             tar = _tar_of(source, unchanged) if isinstance(source, str) else None
-            if tar is not None and n and mask is not None and rendered_before.get(key) == mask:
+            if tar is not None and n and mask is not None and rendered_before.get(key) == mask and fit:
                 by_tar.setdefault(tar, []).append(i)
             i += 1
     known = KnownTars(hashes, {t: recorded[t] for t in unchanged}, rows,
@@ -260,9 +268,28 @@ def _identity_of(url: str, asked: RemoteTag | None) -> tuple[str | None, str | N
     return hashlib.sha256(f"{url}\0{asked.size} {asked.text}".encode()).hexdigest(), asked.strong_etag
 
 
-def note_value(known: KnownTars, max_file_bytes: int) -> dict:
+def _captions_checked(value: object, max_caption_bytes: int) -> bool:
+    """Were the note's files read under a resize.max_caption_bytes no higher than now's? A note made before the
+    setting records none: its rows' stored captions are checked instead (`_captions_fit`)."""
+    limit = value.get("max_caption_bytes") if isinstance(value, dict) else None
+    return isinstance(limit, int) and limit <= max_caption_bytes
+
+
+def _captions_fit(batch: Any, max_caption_bytes: int) -> list[bool]:
+    """Each row's stored caption within the limit (all, where the caption column was not read). The stored caption
+    is the one read less a BOM, outer whitespace and control characters (caption_text.py): never longer."""
+    import pyarrow.compute as pc
+
+    if "caption" not in batch.schema.names:
+        return [True] * batch.num_rows
+    sizes = pc.fill_null(pc.binary_length(batch.column("caption")), 0)
+    return pc.less_equal(sizes, max_caption_bytes).to_pylist()
+
+
+def note_value(known: KnownTars, max_file_bytes: int, max_caption_bytes: int) -> dict:
     """What a run records beside the version it commits."""
-    return {"tars": known.seen, "max_file_bytes": max_file_bytes, "reader": known.kind.reader,
+    return {"tars": known.seen, "max_file_bytes": max_file_bytes, "max_caption_bytes": max_caption_bytes,
+            "reader": known.kind.reader,
             **({"mask_rule": MASK_RULE} if known.kind.note == PARQUET_NOTE else {}), **(known.kind.settings or {})}
 
 

@@ -37,7 +37,7 @@ def render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, r
     holds it."""
     from models.file_hashes import FileHashes
     from stages.resize.known_sources import known_sources
-    from stages.resize.known_tars import known_tars, parquet_kind
+    from stages.resize.known_tars import Kind, known_tars, parquet_kind
     from stages.resize.frame_limit import frames_over
     from stages.resize.header_checks import HeaderChecks
     from stages.resize.pixel_limit import PixelLimit, pixel_limit
@@ -57,9 +57,10 @@ def render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, r
         # samples of a folder or JSONL source the newest version holds, their files unchanged: carried, not read;
         # of a webdataset or parquet source, whole tars / parquet files (known_tars.py)
         known = known_sources(st, rendered_before, hashes, rc.max_file_bytes) if fmt in ("folder", "jsonl") else \
-            known_tars(st, rendered_before, hashes, rc.max_file_bytes) if fmt == "webdataset" else \
-            known_tars(st, rendered_before, hashes, rc.max_file_bytes, parquet_kind(rc.columns))
+            known_tars(st, rendered_before, hashes, rc.max_file_bytes,
+                       Kind() if fmt == "webdataset" else parquet_kind(rc.columns), rc.max_caption_bytes)
         intake.tars, intake.max_file_bytes = (known if fmt in ("webdataset", "parquet") else None), rc.max_file_bytes
+        intake.max_caption_bytes = rc.max_caption_bytes
         if intake.tars is not None:
             intake.tars.pending = pending
         return _render_samples(source, fmt, rc, writer, rendered_before, intake, known, header_checks, read_columns)
@@ -78,7 +79,7 @@ def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any,
     columns = read_columns if read_columns is not None else rc.columns
     with tqdm(desc=f"{STAGE} ({fmt})", unit="sample", total=count_samples(source, fmt, known),
               dynamic_ncols=True) as bar:
-        records = iter_source(source, rc.max_file_bytes, columns, done, known)
+        records = iter_source(source, rc.max_file_bytes, columns, done, known, rc.max_caption_bytes)
         # at most 2 x workers samples in flight: memory stays bounded whatever the dataset size; a worker that
         # dies (out of memory, a crash in an image library) costs its sample, not the run (render_pool.py)
         for (rec, key, _), out in rendered_in_order(render_one, triage.to_render(bar, records), rc.workers,

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from schemas.errors import UserError
+from stages.resize.caption_text import CAPTION_TOO_LONG, caption_too_long
 from stages.resize.folder_listing import _inside
 from stages.resize.jsonl_text import checked_manifest
 from stages.resize.shards import is_shard_list, shard_urls
@@ -50,6 +51,7 @@ from store.remote import is_url
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".bmp", ".gif")  # = features.decode.ALLOWED_FORMATS
 CONTROL_DIR = re.compile(r"^control(?:_(\d+))?$")
 DEFAULT_MAX_FILE_BYTES = 1 << 30  # = ResizeConfig.max_file_bytes' default
+DEFAULT_MAX_CAPTION_BYTES = 64 * 1024  # = ResizeConfig.max_caption_bytes' default
 
 
 class Done(Protocol):
@@ -140,19 +142,22 @@ def refuse_no_file(root: Path, files: list[Path], links: bool = False) -> None:
                             "replace it with the file or remove it")
 
 
-def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                columns: Any = None, done: Done | None = None, known: Any = None) -> Iterator[SourceSample]:
+def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, columns: Any = None,
+                done: Done | None = None, known: Any = None,
+                max_caption_bytes: int = DEFAULT_MAX_CAPTION_BYTES) -> Iterator[SourceSample]:
     """The samples of a source; `columns` is `resize.columns` (a parquet source's column mapping). `done`: {source:
     key} of the samples a resumed run holds (resumed_sources.py): yielded with `done_key`, their files not read
     (a parquet row is read with its batch anyway). `known` (known_sources.KnownSources; a folder or JSONL source): samples
     an earlier version holds with unchanged files, yielded with `known`, their images not read; a webdataset or
-    parquet source's: known_tars.KnownTars (unchanged tars not opened, unchanged parquet files not read)."""
+    parquet source's: known_tars.KnownTars (unchanged tars not opened, unchanged parquet files not read).
+    `max_caption_bytes`: a larger caption file or tar member is not read (a JSONL field's or parquet cell's, read with
+    its line or row, `judge` refuses)."""
     fmt = detect_format(source)
     done = done or {}
     if fmt == "webdataset":
         from stages.resize.webdataset_source import iter_webdataset
 
-        samples = iter_webdataset(source, max_file_bytes, done, known)
+        samples = iter_webdataset(source, max_file_bytes, done, known, max_caption_bytes)
     elif fmt == "parquet":
         from stages.resize.parquet_source import iter_parquet
 
@@ -160,7 +165,7 @@ def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     elif fmt == "folder":
         from stages.resize.folder_source import iter_folder
 
-        samples = iter_folder(Path(source), max_file_bytes, done, known)
+        samples = iter_folder(Path(source), max_file_bytes, done, known, max_caption_bytes)
     else:
         from stages.resize.jsonl_source import iter_jsonl
 
@@ -247,9 +252,11 @@ def _read_failed(what: str, path: Path, e: OSError) -> ReadProblem:
                     "read-error", path)
 
 
-def read_source_file(path: Path, root: Path | None, max_bytes: int, what: str = "file") -> bytes:
+def read_source_file(path: Path, root: Path | None, max_bytes: int, what: str = "file",
+                     max_caption_bytes: int | None = None) -> bytes:
     """The bytes of a regular file of at most `max_bytes`, within `root` (None: anywhere, for an absolute JSONL
-    path); `ReadProblem` naming the reason otherwise."""
+    path); `ReadProblem` naming the reason otherwise. `max_caption_bytes`: the file is a caption, refused over it
+    from its size, unread (`caption-too-long`)."""
     if "\0" in str(path):  # a JSON "\u0000" in a path: no OS call takes it (ValueError, the run's traceback)
         raise ReadProblem(f"{what} path {str(path)!r} holds a NUL character: no file has such a name; fix the path")
     if root is not None and not _inside(path, root):
@@ -264,9 +271,13 @@ def read_source_file(path: Path, root: Path | None, max_bytes: int, what: str = 
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ReadProblem(f"{what} {path} is not a regular file ({_file_kind(st.st_mode)}): not read", "not-a-file")
+        if max_caption_bytes is not None and st.st_size > max_caption_bytes:
+            raise ReadProblem(caption_too_long(str(path), st.st_size, max_caption_bytes), CAPTION_TOO_LONG)
         if st.st_size > max_bytes:
             raise ReadProblem(f"{what} {path} is {st.st_size} bytes, over resize.max_file_bytes ({max_bytes})",
                            "file-too-large")
+        if max_caption_bytes is not None:  # a file that grows while read stops at the caption's limit
+            max_bytes = min(max_bytes, max_caption_bytes)
         with os.fdopen(os.dup(fd), "rb") as f:
             # the size read, not the limit: read(n) allocates n bytes up front (1 GiB of address space per file,
             # refused where memory is not overcommitted); more only when the file grew since the fstat
@@ -274,6 +285,8 @@ def read_source_file(path: Path, root: Path | None, max_bytes: int, what: str = 
             if len(data) > st.st_size:
                 data += f.read(max_bytes + 1 - len(data))
         if len(data) > max_bytes:  # grew while read
+            if max_caption_bytes is not None and len(data) > max_caption_bytes:
+                raise ReadProblem(caption_too_long(str(path), len(data), max_caption_bytes), CAPTION_TOO_LONG)
             raise ReadProblem(f"{what} {path} is over resize.max_file_bytes ({max_bytes})", "file-too-large")
         return data
     except OSError as e:

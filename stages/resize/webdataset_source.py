@@ -15,6 +15,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
 from schemas.errors import UserError
+from stages.resize.caption_text import CAPTION_TOO_LONG, TOO_LONG_MARK, caption_too_long
 from stages.resize.shards import open_shard, shard_urls
 from stages.resize.sources import (CONTROL_DIR, DEFAULT_MAX_FILE_BYTES, IMAGE_SUFFIXES, READ_ERROR_HINT, Done,
                                    SourceSample, is_read_error, printable, printable_names, resumed_key)
@@ -61,7 +62,8 @@ def sample_from_members(key: str, where: str, members: dict[str, bytes], bad: li
         return s
     if bad:
         s.problem = "; ".join(bad)
-        s.problem_kind = "unsafe-path" if any(b.startswith("unsafe member path") for b in bad) else "bad-source"
+        s.problem_kind = ("unsafe-path" if any(b.startswith("unsafe member path") for b in bad) else
+                          CAPTION_TOO_LONG if all(TOO_LONG_MARK in b for b in bad) else "bad-source")
         return s
     targets = [ext for ext in members if "." not in ext and f".{ext}" in IMAGE_SUFFIXES]
     ctrl_ext: dict[int, list[str]] = {}
@@ -114,10 +116,12 @@ def sample_from_members(key: str, where: str, members: dict[str, bytes], bad: li
 
 
 def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                    done: Done | None = None, known: Any = None) -> Iterator[SourceSample]:
+                    done: Done | None = None, known: Any = None,
+                    max_caption_bytes: int | None = None) -> Iterator[SourceSample]:
     """Every shard of the source (shards.py: local, http(s), s3, brace lists), streamed once, in order. `known`
     (known_tars.KnownTars): a tar unchanged since the newest version, every sample of it there, is not opened: its
-    samples are yielded with `known`; each tar read whole is recorded in it (its hash, its sample count)."""
+    samples are yielded with `known`; each tar read whole is recorded in it (its hash, its sample count).
+    `max_caption_bytes`: a larger `.txt` member is not read (its sample `caption-too-long`)."""
     for tar in shard_urls(root):
         carried = known.unchanged(tar) if known is not None else None
         if carried is not None:
@@ -135,11 +139,12 @@ def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYT
             known.note(tar, sha, len(samples), index.headers or known.headers(tar))
             continue
         if known is not None and str(Path(tar)) in known.pending:  # read for the first time: hashed as streamed
-            yield from _hashed_shard(tar, max_file_bytes, done or {}, known)
+            yield from _hashed_shard(tar, max_file_bytes, done or {}, known, max_caption_bytes)
             continue
         before = known.identity(tar) if known is not None else None
         count, failed, headers = 0, False, [] if is_url(tar) else None  # a URL's header offsets (known_tars.py)
-        for s in _shard_samples(tar, max_file_bytes, done or {}, headers=headers):
+        for s in _shard_samples(tar, max_file_bytes, done or {}, headers=headers,
+                                max_caption_bytes=max_caption_bytes):
             count, failed = count + 1, failed or s.problem_kind == "read-error"
             yield s
         # not changed while it was streamed, and read whole (a read error: not noted, so a rerun reads it again)
@@ -147,7 +152,8 @@ def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYT
             known.note(tar, before, count, headers)
 
 
-def _hashed_shard(tar: str, max_file_bytes: int, done: Done, known: Any) -> Iterator[SourceSample]:
+def _hashed_shard(tar: str, max_file_bytes: int, done: Done, known: Any,
+                  max_caption_bytes: int | None = None) -> Iterator[SourceSample]:
     """A local tar's samples, its sha256 taken from the same bytes (first_read.py): noted as read, and kept for
     the cache, when it was streamed whole and is unchanged since its stream began."""
     from stages.resize.first_read import HashingStream, file_stamp
@@ -160,7 +166,7 @@ def _hashed_shard(tar: str, max_file_bytes: int, done: Done, known: Any) -> Iter
 
     started = time.time_ns()  # the file-hash cache judges a whole-second stamp by it (models/file_hashes.RACY_NS)
     before, count, failed = file_stamp(tar), 0, False
-    for s in _shard_samples(tar, max_file_bytes, done, opener=opened):
+    for s in _shard_samples(tar, max_file_bytes, done, opener=opened, max_caption_bytes=max_caption_bytes):
         count, failed = count + 1, failed or s.problem_kind == "read-error"
         yield s
     digest = streams[0].digest() if streams else None
@@ -170,8 +176,8 @@ def _hashed_shard(tar: str, max_file_bytes: int, done: Done, known: Any) -> Iter
 
 
 def _shard_samples(tar: str, max_file_bytes: int, done: Done,
-                   opener: Callable[[str], Any] | None = None,
-                   headers: list[int] | None = None) -> Iterator[SourceSample]:
+                   opener: Callable[[str], Any] | None = None, headers: list[int] | None = None,
+                   max_caption_bytes: int | None = None) -> Iterator[SourceSample]:
     stream = None
     try:
         stream = (opener or open_shard)(tar)
@@ -184,7 +190,7 @@ def _shard_samples(tar: str, max_file_bytes: int, done: Done,
             return
         yield SourceSample(name=Path(tar).stem, source=tar, problem=f"cannot open tar: {e}")
         return
-    yield from _tar_samples(tar, tf, stream, max_file_bytes, done, headers)
+    yield from _tar_samples(tar, tf, stream, max_file_bytes, done, headers, max_caption_bytes)
 
 
 def reread_tar(tar: str, source: str, max_file_bytes: int) -> SourceSample:
@@ -203,9 +209,10 @@ def reread_tar(tar: str, source: str, max_file_bytes: int) -> SourceSample:
                         f"{tar} (the tar changed while this run read it); rerun")
 
 
-def _tar_samples(tar: str, tf: tarfile.TarFile, stream: Any, max_file_bytes: int,
-                 done: Done, headers: list[int] | None = None) -> Iterator[SourceSample]:
-    """`headers`: each member header's offset appended (a tar at a URL's, recorded: known_tars.py)."""
+def _tar_samples(tar: str, tf: tarfile.TarFile, stream: Any, max_file_bytes: int, done: Done,
+                 headers: list[int] | None = None, max_caption_bytes: int | None = None) -> Iterator[SourceSample]:
+    """`headers`: each member header's offset appended (a tar at a URL's, recorded: known_tars.py).
+    `max_caption_bytes`: a larger `.txt` member is passed over unread (None: read, `judge` refuses it)."""
     key: str | None = None
     members: dict[str, bytes] = {}
     bad: list[str] = []
@@ -232,6 +239,8 @@ def _tar_samples(tar: str, tf: tarfile.TarFile, stream: Any, max_file_bytes: int
                     bad.append(f"member {m.name!r} is not a regular file (link or device)")
                 elif ext in members:  # webdataset would keep the last copy silently
                     bad.append(f"member {m.name!r} appears twice in the run of key {k!r}")
+                elif ext == "txt" and max_caption_bytes is not None and m.size > max_caption_bytes:
+                    bad.append(caption_too_long(f"member {m.name!r}", m.size, max_caption_bytes))
                 elif m.size > max_file_bytes:
                     bad.append(f"member {m.name!r} is {m.size} bytes, over resize.max_file_bytes ({max_file_bytes})")
                 else:

@@ -51,6 +51,8 @@ def test_a_batch_out_of_memory_is_halved_and_the_table_is_whole(module, tiny_edi
     sizes = _limited(monkeypatch, module, most=2)
     summary = module.run(load_config(None, F32), halved, tiny_edit_model, batch_size=8)
     assert summary.encoded == len(samples) and max(sizes) == 2
+    # the mean batch counts each forward that ran (a halved batch is two), not the batch given
+    assert (summary.forwards, summary.forward_items) == (len(sizes), sum(sizes))
     _tables_equal(two, halved, module.TABLE)
     out = capsys.readouterr().out
     assert "ran out of memory on a batch of" in out and "batches of at most 2 from now on" in out
@@ -68,6 +70,33 @@ def test_one_sample_that_does_not_fit_stops_in_one_line_and_the_rerun_resumes(ti
     monkeypatch.undo()
     summary = encode_vae.run(load_config(None, F32), store, tiny_edit_model, batch_size=4)
     assert summary.encoded == len(keys) and sorted(Store(store).reader("vae").keys()) == sorted(keys)
+
+
+@pytest.mark.parametrize("module", [encode_text, encode_vae], ids=["text", "vae"])
+def test_a_stop_out_of_memory_keeps_the_samples_encoded_before_it(module, tiny_edit_model, tmp_path, images_fixture,
+                                                                  monkeypatch):
+    """Two samples encoded (two forwards each at batch 1: prompt and empty, or target and control), the third
+    runs out of memory alone: the stop commits the open shard (one shard holds all three), so the rerun encodes
+    only the third. Before, the open shard was dropped and the rerun encoded all three again."""
+    fx = images_fixture
+    store = tmp_path / "s"
+    keys = list(fx.write(store, [fx.Sample(f"make the square {c}", (64, 64), [(160, 160)], [(160, 160)])
+                                 for c in "rgb"]))
+    real, calls = module.encode_batch, []
+
+    def forward(model, batch, *args, **kwargs):
+        calls.append(len(batch))
+        if len(calls) > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(model, batch, *args, **kwargs)
+
+    monkeypatch.setattr(module, "encode_batch", forward)
+    with pytest.raises(UserError, match="the samples encoded so far are kept and a rerun encodes only the rest"):
+        module.run(load_config(None, F32), store, tiny_edit_model, batch_size=1)
+    monkeypatch.undo()
+    summary = module.run(load_config(None, F32), store, tiny_edit_model, batch_size=1)
+    assert (summary.skipped, summary.encoded) == (2, 1)
+    assert sorted(Store(store).reader(module.TABLE).keys()) == sorted(keys)
 
 
 def test_other_errors_are_not_taken_for_out_of_memory():
