@@ -8,11 +8,10 @@ from typing import Any, Collection, Mapping
 from schemas.errors import UserError
 from schemas.newer import WrittenByNewer
 from schemas.resize_sizes import sizes_in_force
-from schemas.units import count_text
+from schemas.units import count_text, size_text
 from store import format as fmt
 from store import integrity, quarantine, version_counts
 from store.integrity import DamagedData
-from store.io_errors import size_text
 from store.manifest_files import checked_manifest, checked_schema, mapped_checked
 from store.store import Store
 

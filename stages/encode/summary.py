@@ -8,8 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from schemas.stage import few, quarantined_line, summary_record
-from schemas.units import count_text
-from store.io_errors import size_text
+from schemas.units import count_text, size_text
 
 DAMAGED_INPUT = "damaged-input"  # quarantine reason of an `images` sample whose bytes fail their checksum
 # summed over the ranks; the ranks run side by side, so the summed line's times are the slowest rank's (its wall time):
