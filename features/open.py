@@ -19,6 +19,7 @@ from features.images_versions import check_images_versions
 from features.tables import PRODUCER
 from schemas.errors import UserError
 from schemas.model_files import MODEL_FILES_ATTR, ModelFile, differing_files, fingerprint_of
+from schemas.units import count_text
 from store import format as fmt
 from store.join import JoinedTables, sequence_lengths_of
 from store.manifest_files import checked_groups, checked_manifest
@@ -213,7 +214,8 @@ def dropped_beyond(rep: dict[str, Any], max_dropped_fraction: float, section: st
     evaluate refuse to open their split on it; `run all` applies evaluate's to the 'val' split after each encoder."""
     if rep["dropped_fraction"] <= max_dropped_fraction:
         return None
-    return (f"{rep['dropped']} of {rep['samples']} samples ({100 * rep['dropped_fraction']:.1f}%) are not in "
+    return (f"{rep['dropped']} of {count_text(rep['samples'], 'sample')} ({100 * rep['dropped_fraction']:.1f}%) "
+            "are not in "
             f"{held_by}, above {section}.max_dropped_fraction = {max_dropped_fraction}: {reasons_text(rep)} "
             f"(rows in {rep['quarantine_file']})")
 

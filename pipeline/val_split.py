@@ -16,6 +16,7 @@ from pathlib import Path
 
 from schemas.config import PipelineConfig
 from schemas.errors import UserError
+from schemas.units import count_text
 from store import format as fmt
 
 # the stage after which each check is made, and the stages still to run then (named in the way out)
@@ -50,7 +51,8 @@ def _check(stage: str, cfg: PipelineConfig, store: str) -> None:
     rep = split_report(store, tables, "val")
     where = f"(rows in {rep['quarantine_file']})"
     if not rep["joined"]:
-        _refuse(f"{rep['samples']} of {samples} samples went to the 'val' split that evaluate (its last stage) "
+        _refuse(f"{rep['samples']} of {count_text(samples, 'sample')} went to the 'val' split that evaluate (its "
+                "last stage) "
                 f"reads, and {who} left out all {rep['samples']} (none is in {held_by}): {reasons_text(rep)} "
                 f"{where}; fix those inputs, add samples or raise resize.val_fraction", stage)
     too_many = dropped_beyond(rep, cfg.evaluate.max_dropped_fraction, "evaluate", held_by)
@@ -81,12 +83,14 @@ def _why_empty(cfg: PipelineConfig, store: str, samples: int, version: int) -> s
     if would_be:
         counts = Counter(would_be.values())
         why = ", ".join(f"{r} {n}" for r, n in sorted(counts.items()))
-        return (f"0 of {samples} samples are in the 'val' split that evaluate (its last stage) reads: the hash "
+        return (f"0 of {count_text(samples, 'sample')} are in the 'val' split that evaluate (its last stage) reads: "
+                "the hash "
                 f"split with resize.val_fraction {fraction} put {len(would_be)} there, and resize-bucket "
                 f"quarantined all {len(would_be)} ({why}; rows in {Path(store) / fmt.QUARANTINE}, store "
                 f"{store}, images v{version}); fix those inputs, add samples or raise resize.val_fraction")
     of = "key" if rule == "key" else "pictures"
-    return (f"0 of {samples} samples went to the 'val' split that evaluate (its last stage) reads: the hash split "
+    return (f"0 of {count_text(samples, 'sample')} went to the 'val' split that evaluate (its last stage) reads: "
+            "the hash split "
             f"of each sample's {of} with resize.val_fraction {fraction} put none of the {samples} there (store "
             f"{store}, images v{version}); raise resize.val_fraction or add samples")
 

@@ -49,10 +49,10 @@ from typing import Callable
 from schemas import atomic_write
 from schemas.errors import UserError
 from schemas.newer import WrittenByNewer
+from schemas.units import size_text
 from store import format as fmt
 from store import integrity
 from store import lease as leases
-from store.io_errors import size_text
 from store.manifest_files import checked_schema
 from store.version_notes import notes_of
 

@@ -8,10 +8,10 @@ from typing import Any, Collection, Mapping
 from schemas.errors import UserError
 from schemas.newer import WrittenByNewer
 from schemas.resize_sizes import sizes_in_force
+from schemas.units import count_text, size_text
 from store import format as fmt
 from store import integrity, quarantine, version_counts
 from store.integrity import DamagedData
-from store.io_errors import size_text
 from store.manifest_files import checked_manifest, checked_schema, mapped_checked
 from store.store import Store
 
@@ -86,13 +86,15 @@ def render(info: dict[str, Any]) -> str:
         for v in t["versions"]:
             mark = "*" if v["version"] == t["current"] else " "
             if not v["complete"]:
-                lines.append(f"   {mark} v{v['version']}: incomplete ({v.get('committed_shards', 0)} shards committed)")
+                shards = count_text(v.get("committed_shards", 0), "shard")
+                lines.append(f"   {mark} v{v['version']}: incomplete ({shards} committed)")
                 continue
             if "damaged" in v:
                 lines.append(f"   {mark} v{v['version']}: damaged: {v['damaged']}")
                 continue
-            lines.append(f"   {mark} v{v['version']}: schema v{v['schema_version']}, {v['samples']} samples, "
-                         f"{v['shards']} shards, {size_text(v['bytes'])}"
+            lines.append(f"   {mark} v{v['version']}: schema v{v['schema_version']}, "
+                         f"{count_text(v['samples'], 'sample')}, {count_text(v['shards'], 'shard')}, "
+                         f"{size_text(v['bytes'])}"
                          + (f", splits {_in_order(v['splits'])}" if "splits" in v else ""))
             if v["buckets"]:
                 lines.append("       buckets: " + ", ".join(f"{b} ({n})" for b, n in v["buckets"].items()))
@@ -108,7 +110,8 @@ def render(info: dict[str, Any]) -> str:
                          f"code {lin['code_version'] or '-'}")
     q = info["quarantine"]
     samples = q.get("samples", q["rows"])
-    lines.append(f"  quarantine: {q['rows']} rows" + (f" ({samples} samples)" if samples != q["rows"] else "")
+    lines.append(f"  quarantine: {count_text(q['rows'], 'row')}"
+                 + (f" ({count_text(samples, 'sample')})" if samples != q["rows"] else "")
                  + (f" {q['by_reason']} (each file's reason and detail: {info['store'].rstrip('/')}/"
                     f"{fmt.QUARANTINE})" if q["rows"] else ""))
     return "\n".join(lines)

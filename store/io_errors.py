@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterator
 
 from schemas.errors import UserError
+from schemas.units import size_text
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
@@ -48,17 +49,6 @@ def is_not_writable(e: BaseException) -> bool:
         return True
     text = str(e)  # safetensors (Rust): SafetensorError("... Permission denied (os error 13) at path ...")
     return any(f"(os error {n})" in text for n in _READ_ONLY)
-
-
-def size_text(nbytes: int) -> str:
-    """kB below 0.1 MB (a manifest's 30 kB is no "0.0 MB"), MB below 10 GB, GB below 10 TB, then TB: one decimal,
-    at most four digits before it (a 1.2 TB store is "1234.6 GB", not "1234567.9 MB")."""
-    if nbytes < 100_000:
-        return f"{nbytes / 1e3:.0f} kB"
-    for unit, scale in (("MB", 1e6), ("GB", 1e9)):
-        if round(nbytes / scale, 1) < 10_000:  # by the shown figure: 9999.96 MB is "10.0 GB", not "10000.0 MB"
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes / 1e12:.1f} TB"
 
 
 def _free(where: Path) -> str:

@@ -23,6 +23,7 @@ from schemas import atomic_write
 from schemas.errors import UserError
 from schemas.img_shapes import img_shapes_from_v1
 from schemas.table import SCHEMA_V1, SCHEMA_V2, FieldSpec, TableSchema
+from schemas.units import count_text
 from store import format as fmt
 from store.integrity import DamagedData, write_version_checksums
 from store.manifest_files import checked_manifest, checked_schema
@@ -87,8 +88,9 @@ def migrate_v1_to_v2(root: Path, dry_run: bool = False, echo: Callable[[str], No
         echo("nothing to do: every table's current version is schema v2")
         return []
     for s in steps:
-        how = "already built, will verify and switch" if s.reuse else f"{s.shards} shard(s) hard-linked, not copied"
-        echo(f"{s.table}: v{s.old} (schema v1) -> v{s.new} (schema v2), {s.samples} samples, {how}")
+        how = ("already built, will verify and switch" if s.reuse
+               else f"{count_text(s.shards, 'shard')} hard-linked, not copied")
+        echo(f"{s.table}: v{s.old} (schema v1) -> v{s.new} (schema v2), {count_text(s.samples, 'sample')}, {how}")
     if dry_run:
         echo("dry run: nothing changed")
         return steps

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas.errors import UserError
+from schemas.units import size_text
 from store import format as fmt
 from store import lease as leases
 from store.io_errors import CACHE_FULL, writing
@@ -440,6 +441,11 @@ def _write_usage(cache: Path, total: int) -> None:
     (cache / USAGE).write_text(json.dumps({"bytes": int(total)}))
 
 
+def limit_text(limit: int) -> str:
+    """The cache's limit as shown, and as the user set it: --cache-gb counts GB of 10^9 bytes."""
+    return f"{size_text(limit)} (--cache-gb {limit / 1e9:g})"
+
+
 def evict(cache: Path, limit: int, keep: set[tuple[Path, str, int]]) -> list[Path]:
     """Remove least recently used shards of lazily cached versions and whole such versions not in use until the
     cache holds at most `limit` bytes (call under the cache lock). Kept: the metadata of `keep` and of versions with
@@ -450,12 +456,12 @@ def evict(cache: Path, limit: int, keep: set[tuple[Path, str, int]]) -> list[Pat
     _write_usage(cache, total)
     owed = sum(n for _, n in unpushed)
     if total > limit and total - owed <= limit:
-        log.warning("the store cache %s holds %.2f GB over its limit of %.2f GB: versions committed only there, never "
+        log.warning("the store cache %s holds %s over its limit of %s: versions committed only there, never "
                     "pushed to their URL (%s); kept until the rerun of their stage pushes them",
-                    cache, (total - limit) / 1e9, limit / 1e9, ", ".join(str(p) for p, _ in unpushed))
+                    cache, size_text(total - limit), limit_text(limit), ", ".join(str(p) for p, _ in unpushed))
     elif total > limit:
-        raise UserError(f"the store cache {cache} needs {(total - owed) / 1e9:.2f} GB for the versions in use, over "
-                        f"its limit of {limit / 1e9:.2f} GB; raise the limit (--cache-gb) or use a bigger --cache-dir")
+        raise UserError(f"the store cache {cache} needs {size_text(total - owed)} for the versions in use, over "
+                        f"its limit of {limit_text(limit)}; raise the limit (--cache-gb) or use a bigger --cache-dir")
     return removed
 
 

@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from schemas.errors import UserError
+from schemas.units import size_text
 from store import format as fmt
 from store import remote_endpoint, remote_lease
 from store.gc import all_current, kept_closure, unknown_lines, unswitched, unswitched_lines
-from store.io_errors import size_text
 from store.lease import Found, live_versions
 from store.manifest_files import checked_schema
 from store.remote import CLOCK_DIR, Remote, open_remote, remote_errors

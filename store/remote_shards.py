@@ -39,6 +39,7 @@ import numpy as np
 from schemas import interruptible
 from schemas.byte_bar import byte_bar
 from schemas.errors import UserError
+from schemas.units import size_text
 from store import format as fmt
 from store import remote_download
 from store.checksum import RunningCrc
@@ -502,10 +503,12 @@ def fetch_all(root: Path, versions: set[tuple[str, int]]) -> None:
             f, shard = item
             problem = f.fetch_whole(shard)
             if problem == NO_ROOM:
+                from store.remote_cache import limit_text
+
                 limit = _limits.get(str(f.cache), 0)
                 raise UserError(f"the store cache {f.cache} has no room for {f.base}/{shard} "
-                                f"({int(f.sums[shard]['nbytes']) / 1e9:.2f} GB) under its limit of {limit / 1e9:.2f} "
-                                "GB; raise the limit (--cache-gb) or use a bigger --cache-dir")
+                                f"({size_text(int(f.sums[shard]['nbytes']))}) under its limit of {limit_text(limit)}; "
+                                "raise the limit (--cache-gb) or use a bigger --cache-dir")
             if problem == DISK_FULL and f.full is not None:
                 raise f.full
             if problem is not None:

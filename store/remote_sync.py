@@ -23,6 +23,7 @@ from typing import Any
 
 from schemas.errors import UserError
 from schemas.newer import refuse_newer
+from schemas.units import size_text
 from store import format as fmt
 from store import integrity, remote_endpoint, remote_lease
 from store.checksum import SealError, crc_hex, unseal
@@ -74,7 +75,7 @@ class SyncSummary:
     def __str__(self) -> str:
         what = ", ".join(self.copied) or "nothing new"
         return (f"{self.direction} {self.url}: copied {what}; {len(self.present)} version(s) already there; "
-                f"{self.objects_sent} file(s), {self.bytes_sent / 2**20:.1f} MiB "
+                f"{self.objects_sent} file(s), {size_text(self.bytes_sent)} "
                 f"{'sent' if self.direction == 'push' else 'fetched'}, {self.objects_skipped} "
                 "already there" + (f"; kept the remote's newer current {', '.join(self.newer)}" if self.newer else "")
                 + "".join(f"; {fmt.QUARANTINE} (damaged) set aside as {name}" for name in self.set_aside)

@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from schemas.errors import UserError
+from schemas.units import size_text
 from store import format as fmt
 from store import remote_lease
-from store.io_errors import size_text
 from store.remote import open_remote, remote_errors
 from store.remote_cache import default_cache_dir, recount
 from store.remote_parts import SOURCE_URL

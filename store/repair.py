@@ -39,6 +39,7 @@ from schemas.errors import UserError
 from schemas.newer import WrittenByNewer
 from schemas.table import TableSchema
 from schemas.temp_files import writer_alive
+from schemas.units import count_text
 from store import format as fmt
 from store import integrity, quarantine, repair_context, version_counts
 from store.checksum import file_crc
@@ -331,7 +332,7 @@ def describe(plan: RepairPlan) -> list[str]:
         if t.unrepairable:
             lines.append(f"{name}: CANNOT REPAIR: {t.unrepairable}")
         elif not t.needs_repair:
-            lines.append(f"{name}: intact ({t.samples} samples)")
+            lines.append(f"{name}: intact ({count_text(t.samples, 'sample')})")
         else:
             extra = ", manifest rebuilt from the shard indexes" if t.manifest_rebuilt else ""
             if t.trimmed:

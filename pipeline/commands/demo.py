@@ -20,6 +20,7 @@ import typer
 from pipeline.commands.common import SetOpt, echo, usage_errors, user_errors
 from pipeline.commands.store_remote import CacheGbOpt
 from pipeline.launched import one_process
+from schemas.units import count_text
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 DEMO_SAMPLES = 24
@@ -145,7 +146,8 @@ def summary_lines(cfg, result, store: Path, effective: Path, rerun_flags: str = 
         lines.append("train loss  " + loss_phrase(result.train_losses, result.train_epochs).removeprefix("train loss"))
     lines.append(
         f"val loss     base {loss['overall']['base']:.4f} -> LoRA {loss['overall']['lora']:.4f} "
-        f"(held-out, {loss['overall']['n']} samples x {len(loss['noise_seeds'])} seeds x {len(loss['timesteps'])} σ)"
+        f"(held-out, {count_text(loss['overall']['n'], 'sample')} x {count_text(len(loss['noise_seeds']), 'seed')} "
+        f"x {len(loss['timesteps'])} σ)"
     )
     if mask:
         lines.append(

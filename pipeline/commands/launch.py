@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from typing import Collection
 
 import typer
 
@@ -56,12 +57,12 @@ def command(ctx: typer.Context) -> None:
         parse_min_max_nnodes(args.nnodes)
     except ValueError:  # torchrun's own words name no option: "invalid literal for int() with base 10: 'x'"
         _refused(f"--nnodes {args.nnodes}: a number of nodes or MIN:MAX")
-    _drop_agent_lines_ours_says()
+    agent_lines = _drop_agent_lines_ours_says()
     try:
         run(args)
     except ChildFailedError as e:
-        typer.secho(f"error: {e.name} stopped: {failed_line(e.failures, _rerun(args))}", fg=typer.colors.RED,
-                    err=True)
+        typer.secho(f"error: {e.name} stopped: {failed_line(e.failures, _rerun(args), agent_lines.forced)}",
+                    fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
     except SignalException as e:  # SIGTERM (a scheduler's preemption) or Ctrl-C: torchrun's agent has stopped the ranks
         name = signal.Signals(e.sigval).name
@@ -74,20 +75,33 @@ def command(ctx: typer.Context) -> None:
         _refused(str(e) or type(e).__name__)  # `--nproc-per-node abc` (or gpu without CUDA), `--rdzv-conf bad`
 
 
+_FORCED = "Unable to shutdown process %s via %s, forcefully exiting via %s"
+
+
 class _AgentLinesOursSays(logging.Filter):
     """torchrun's agent logs the rank that failed first ("E... failed (exitcode: 1) local_rank: 0 (pid: N) of
-    binary: ...") and each rank it then stops ("W... Sending process N closing signal SIGTERM"): what the
-    launcher's one line says (`failed_line`), printed between the ranks' `error:` line and it, so that its "the
-    ranks' own error is the line above" pointed at torchrun's log line. Only these two: its others still show."""
+    binary: ..."), each rank it then stops ("W... Sending process N closing signal SIGTERM") and each it SIGKILLs
+    when its grace period is over ("Unable to shutdown process N via ..."): what the launcher's one line says
+    (`failed_line`), printed between the ranks' `error:` line and it, so that its "the ranks' own error is the line
+    above" pointed at torchrun's log line. Only these three: its others still show. The pids it SIGKILLed are kept
+    in `forced`: such a rank was not killed from outside (`kill -9`, the out-of-memory killer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forced: set[int] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(("failed (exitcode: ", "Sending process %s closing signal"))
+        if record.msg == _FORCED and record.args:
+            self.forced.add(int(record.args[0]))
+        return not str(record.msg).startswith(("failed (exitcode: ", "Sending process %s closing signal", _FORCED))
 
 
-def _drop_agent_lines_ours_says() -> None:
+def _drop_agent_lines_ours_says() -> _AgentLinesOursSays:
     logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    if not any(isinstance(f, _AgentLinesOursSays) for f in logger.filters):
-        logger.addFilter(_AgentLinesOursSays())
+    ours = next((f for f in logger.filters if isinstance(f, _AgentLinesOursSays)), None)
+    if ours is None:
+        logger.addFilter(ours := _AgentLinesOursSays())
+    return ours
 
 
 def _rerun(args) -> str:
@@ -99,22 +113,30 @@ def _rerun(args) -> str:
 _STOPS = (signal.SIGTERM, signal.SIGINT)
 
 
-def failed_line(failures: dict, rerun: str) -> str:
+def failed_line(failures: dict, rerun: str, forced: Collection[int] = ()) -> str:
     """Which ranks exited how (torchrun's `ChildFailedError.failures`: rank -> exit code, negative for a signal).
     A rank that printed its error exits 1 and the line is above; a rank killed by a signal printed nothing (a
-    `kill -9`, the out-of-memory killer, a crash in native code), so the line says that and what to do."""
-    parts, killed = [], []
+    `kill -9`, the out-of-memory killer, a crash in native code), so the line says that and what to do. `forced`:
+    the pids torchrun SIGKILLed itself, still running when its grace period after the stop signal it sent the
+    ranks was over (a frozen rank): told as such, not as a kill from outside."""
+    parts, killed, stopped = [], [], {}
     for rank, f in sorted(failures.items()):
         sig = -f.exitcode if f.exitcode < 0 else None
         if sig is None:
             parts.append(f"rank {rank} exit {f.exitcode}")
+            stopped[rank] = f
             continue
         name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
+        if sig == signal.SIGKILL and getattr(f, "pid", None) in forced:
+            parts.append(f"rank {rank} killed by SIGKILL from torchrun (it had not ended within torchrun's grace "
+                         "period after its stop signal)")
+            continue
         parts.append(f"rank {rank} killed by {name}")
+        stopped[rank] = f
         if sig not in _STOPS:
             killed.append((rank, name))
     if not killed:
-        return f"{', '.join(parts)}{_why_exited(failures, rerun)}"
+        return f"{', '.join(parts)}{_why_exited(stopped or failures, rerun)}"
     rank, name = killed[0]
     why = ("printed nothing: a `kill -9`, or the kernel's out-of-memory killer (`dmesg` on its node says which)"
            if name == "SIGKILL" else "printed nothing of its own: a crash in native code (a driver, a library)")

@@ -44,7 +44,8 @@ def command(
     model: str = typer.Option(..., "--model", help="Model folder or hub id."),
     image: Optional[list[Path]] = typer.Option(None, "--image", metavar="<path>", help="Control image; repeat for Edit-Plus (any number, as its stock pipeline; trained with up to 3) or Qwen-Image-2.1 (0 to 10 references: none is text-to-image)."),
     prompt: str = typer.Option(..., "--prompt", help="Edit instruction."),
-    out: Path = typer.Option(..., "--out", callback=_image_file, help="Output PNG."),
+    out: Path = typer.Option(..., "--out", callback=_image_file, help="Output PNG (must not exist, unless --overwrite)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file (never a control image)."),
     lora: Optional[Path] = typer.Option(None, "--lora", help="LoRA folder (RUN/lora) or .safetensors file."),
     lora_scale: float = typer.Option(1.0, "--lora-scale", callback=finite(), help="LoRA strength."),
     negative_prompt: Optional[str] = typer.Option(None, "--negative-prompt", help="Negative prompt of true CFG (predict.negative_prompt)."),
@@ -82,7 +83,7 @@ def command(
             from schemas.errors import UserError
 
             raise UserError(empty_prompt("--prompt"))
-        check_out_path(out, images)
+        check_out_path(out, images, overwrite)
     _check_local_model(model, len(images), out, cfg.predict.steps, height, width)
     with user_errors(out):
         if lora:  # the LoRA's family from the model's config alone: before anything loads (a processor, below)
@@ -98,9 +99,10 @@ def command(
     echo(f"wrote {path}")
 
 
-def check_out_path(out: Path, images: list[Path]) -> None:
+def check_out_path(out: Path, images: list[Path], overwrite: bool) -> None:
     """A UserError when OUT names one of the control images (the edit replaced the user's own photo, without a
-    word) or an existing folder (PIL's IsADirectoryError, a traceback after every denoising step)."""
+    word), an existing folder (PIL's IsADirectoryError, a traceback after every denoising step), or, unless
+    `overwrite`, any existing file (an earlier result at that name was replaced without a word)."""
     from schemas.errors import UserError
 
     out = Path(out)
@@ -111,6 +113,9 @@ def check_out_path(out: Path, images: list[Path]) -> None:
                             "pass another --out")
     if out.is_dir():
         raise UserError(f"--out {out} is a folder; pass the image file to write, e.g. {out / 'edited.png'}")
+    if not overwrite and (out.exists() or out.is_symlink()):
+        raise UserError(f"--out {out} exists: predict would replace it; pass another --out, or --overwrite to "
+                        "replace it")
 
 
 def save_image(image, out: Path) -> None:
@@ -174,7 +179,7 @@ def checked_controls(cfg, model: str, images: list[Path], prompt: str, out: Path
     from models.loading import model_variant
     from store.io_errors import check_writable
 
-    check_out_path(out, images)
+    check_out_path(out, images, overwrite=True)  # an existing file: the CLI's --overwrite, judged when parsed
     check_writable(Path(out).parent, f"--out {out}")  # so is the folder it goes to (before it was found at the save)
     # before minutes of loading and denoising (the CLI: when parsed, and for a model folder here right after)
     check_for_model(model, len(images), out, cfg.steps, height, width)

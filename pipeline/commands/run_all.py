@@ -9,6 +9,7 @@ import typer
 
 from pipeline.commands.common import SetOpt, config_from, echo, json_mode, usage_errors, user_errors
 from pipeline.commands.store_remote import CacheDirOpt, CacheGbOpt
+from schemas.units import count_text
 
 
 def command(
@@ -46,5 +47,6 @@ def command(
     if not result.metrics:  # a rank other than 0 under a launcher: rank 0 prints the report's line
         return
     overall = result.metrics["loss"]["overall"]
-    echo(f"held-out loss (val, {overall['n']} samples): base {overall['base']:.4f} -> LoRA {overall['lora']:.4f}")
+    echo(f"held-out loss (val, {count_text(overall['n'], 'sample')}): base {overall['base']:.4f} -> "
+         f"LoRA {overall['lora']:.4f}")
     echo(f"report: {result.report}")

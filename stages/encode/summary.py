@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from schemas.stage import few, quarantined_line, summary_record
-from store.io_errors import size_text
+from schemas.units import count_text, size_text
 
 DAMAGED_INPUT = "damaged-input"  # quarantine reason of an `images` sample whose bytes fail their checksum
 # summed over the ranks; the ranks run side by side, so the summed line's times are the slowest rank's (its wall time):
@@ -82,7 +82,7 @@ class Summary:
                                                   f" [rank {self.rank}/{self.world_size}]")
         if self.up_to_date:
             return (f"{self.stage}{where}: table '{self.table}' v{self.version} is up to date "
-                    f"({self.skipped} samples; no damage recorded, its bytes were not re-read: "
+                    f"({count_text(self.skipped, 'sample')}; no damage recorded, its bytes were not re-read: "
                     f"`pipeline store verify {self.store}` checks them); nothing written")
         rate = self.encoded / self.loop_seconds if self.loop_seconds > 0 else 0.0
         line = (

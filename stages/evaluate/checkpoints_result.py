@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from models.lora_files import KEEPS_NEWEST
+from schemas.units import count_text
 from stages.evaluate.best_checkpoint import near_best_steps
 from stages.evaluate.ema_curve import label as ema_label
 from stages.evaluate.paired import NOISE_SE, signed
@@ -50,9 +51,9 @@ class CheckpointsResult:
     def __str__(self) -> str:
         b, c = self.best, self.metrics["checkpoints"]
         if self.up_to_date:
-            head = f"report {self.report.parent} is up to date ({len(c['steps'])} checkpoints)"
+            head = f"report {self.report.parent} is up to date ({count_text(len(c['steps']), 'checkpoint')})"
         else:
-            head = (f"evaluated {self.evaluated} of {len(c['steps'])} checkpoints "
+            head = (f"evaluated {self.evaluated} of {count_text(len(c['steps']), 'checkpoint')} "
                     f"({len(c['steps']) - self.evaluated} already in {c['losses']}"
                     + (f"; {len(self.pruned)} deleted meanwhile, skipped: {KEEPS_NEWEST}" if self.pruned else "")
                     + ")")

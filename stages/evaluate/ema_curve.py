@@ -18,6 +18,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from schemas.units import count_text
+
 FOLDER = "ema-losses"
 BEST_LORA = "best-ema-lora"  # the best checkpoint's EMA as a LoRA, when the EMA is the best
 
@@ -53,7 +55,7 @@ def todo_line(out: Path, settings: dict, ema_shas: dict[int, str]) -> str:
         return ""
     recorded = recorded_steps(out / FOLDER, ema_settings(settings)[0]) or {}
     todo = sum(1 for step, sha in ema_shas.items() if recorded.get(step) != sha)
-    return f"; scoring the EMA of {todo} of {len(ema_shas)} checkpoints" if todo else ""
+    return f"; scoring the EMA of {todo} of {count_text(len(ema_shas), 'checkpoint')}" if todo else ""
 
 
 def write_best_lora(out: Path, transformer, best: dict, scale: float, data: bytes | None, sha: str | None) -> None:

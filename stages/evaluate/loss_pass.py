@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from models.held_out import loss_grid
 from schemas.config import EvaluateConfig
+from schemas.units import count_text
 from stages.evaluate.checkpoint_load import PRUNED, load_checkpoint
 from stages.evaluate.loss_fingerprint import known_fingerprint, spelled_as
 from stages.evaluate.loss_groups import cells_line, note_computed_on, recorded_on
@@ -271,7 +272,7 @@ def _grid(ranks, transformer, samples, mine: list[int], seeds: list[int], sigmas
 
     # One bar, rank 0's, said to be its share: every rank's progress would take a collective per batch, and the
     # ranks' batch counts differ (shares of unequal size), so they could not all reach it
-    shown = f"{desc} [rank 0's share: {len(mine)} of {len(samples)} samples]"
+    shown = f"{desc} [rank 0's share: {len(mine)} of {count_text(len(samples), 'sample')}]"
     with fails_alone(ranks.world, desc, "lower evaluate.batch_size"):
         part = loss_grid(transformer, [samples[i] for i in mine], seeds, sigmas, batch_size, shown, show=ranks.main,
                          cells=cells)

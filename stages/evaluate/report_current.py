@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from schemas import up_to_date as current
 from schemas.config import EvaluateConfig
 from schemas.lineage import hashed_settings, settings_hash, unhashed_names
+from schemas.units import count_text
 from stages.evaluate.base_images import extra_prompt_bytes
 from stages.evaluate.ema_curve import best_lora_input
 from stages.evaluate.loss_fingerprint import spelled_as
@@ -226,11 +227,11 @@ def redone(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], sha
     todo = [step for step, _ in checkpoints if recorded.get(step) != shas[step]]
     # steps pruned since stay on the curve, as the end line counts them ("evaluated 1 of 3 (2 already in ...)")
     n = len([step for step in recorded if step not in todo])
-    kept = (f"the losses of {n} checkpoint{'s' if n != 1 else ''} in {where}"
+    kept = (f"the losses of {count_text(n, 'checkpoint')} in {where}"
             f"{', taken back,' if where.name != GROUP else ''} kept")
     if not todo:
         return f"writing the report again ({kept}: no checkpoint evaluated again)"
-    return f"evaluating {len(todo)} of {n + len(todo)} checkpoints ({kept})"
+    return f"evaluating {len(todo)} of {count_text(n + len(todo), 'checkpoint')} ({kept})"
 
 
 def _grown(out: Path, checkpoints: list[tuple[int, Path]], shas: dict[int, str], settings: dict | None,
@@ -254,7 +255,7 @@ def _grown(out: Path, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
     held = sum(1 for step, _ in checkpoints if donor.holds(step, shas[step]))
     rest = len(checkpoints) - held
     return (f"{cells_line(donor.known)} for {'the base and ' if base and donor.has_base() else ''}{held} of "
-            f"{len(checkpoints)} checkpoints (the cells {donor.path} holds reused)"
+            f"{count_text(len(checkpoints), 'checkpoint')} (the cells {donor.path} holds reused)"
             + (f", evaluating {rest} other{'s' if rest != 1 else ''} whole" if rest else ""))
 
 

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from schemas.config import ResizeConfig
 from schemas.resize_sizes import sizes_in_force
 from schemas.stage import quarantined_line
+from schemas.units import count_text
 from stages.resize.images_table import STAGE, TABLE
 from stages.resize.moved_source import recorded_source
 
@@ -92,7 +93,8 @@ class ResizeSummary:
                 "version: samples move between splits, the encoders carry their features; train and evaluate anew)")
 
     def _identity_line(self) -> str:
-        return (f"{self.identity_edits} of {self.splits.total()} samples have a control identical to their target "
+        return (f"{self.identity_edits} of {count_text(self.splits.total(), 'sample')} have a control identical to "
+                "their target "
                 "(an identity edit: the LoRA learns to change nothing there), e.g. "
                 f"{', '.join(self.identity_examples)}; check the control column/folder")
 
@@ -133,10 +135,11 @@ class ResizeSummary:
     def _written_lines(self) -> list[str]:
         """A new version: what it holds, what was quarantined or converted, and the sizes."""
         lines = [
-            f"images v{self.version}: {self.written} samples written"
+            f"images v{self.version}: {count_text(self.written, 'sample')} written"
             + (f", {self.reused} reused (carried forward, not re-rendered)" if self.reused else "")
             + (f", {self.resumed} kept from an interrupted run" if self.resumed else "")
-            + f" (train {self.splits['train']}, val {self.splits['val']}), {len(self.buckets)} target buckets",
+            + f" (train {self.splits['train']}, val {self.splits['val']}), "
+            + count_text(len(self.buckets), "target bucket"),
         ]
         if self.source_before:
             lines.append(f"source: v{self.version} was begun from {self.source_before} and resumed from {self.source} "

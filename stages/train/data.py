@@ -12,6 +12,7 @@ from pathlib import Path
 
 from features.open import open_features
 from models.sample import TrainSample, from_features
+from schemas.units import count_text
 from stages.train.epoch_plan import EpochPlan
 from stages.train.sampler import LengthAwareBatchSampler
 from store.join import JoinedTables
@@ -46,10 +47,12 @@ def write_data_report(run_dir: Path, tables: JoinedTables) -> str:
     rep = tables.report
     atomic_write_json(Path(run_dir) / "data.json", rep)
     if not rep.get("dropped"):
-        return f"training on all {rep.get('joined', len(tables))} samples of the '{rep.get('split')}' split"
+        return (f"training on all {count_text(rep.get('joined', len(tables)), 'sample')} of the "
+                f"'{rep.get('split')}' split")
     reasons = "; ".join(f"{st}: " + ", ".join(f"{r} {n}" for r, n in sorted(rs.items()))
                         for st, rs in sorted(rep["reasons"].items()))
-    return (f"training on {rep['joined']} of {rep['samples']} samples of the '{rep['split']}' split: {rep['dropped']} "
+    return (f"training on {rep['joined']} of {count_text(rep['samples'], 'sample')} of the '{rep['split']}' split: "
+            f"{rep['dropped']} "
             f"not in both the text and vae tables ({reasons}; rows in {rep['quarantine_file']})")
 
 

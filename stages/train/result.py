@@ -6,6 +6,7 @@ from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from schemas.units import count_text
 from stages.train.summary import train_line
 
 
@@ -47,7 +48,7 @@ class TrainResult:
 
     def __str__(self) -> str:
         if self.up_to_date:
-            line = f"LoRA {self.lora_dir} is up to date ({self.steps} steps on the current tables)"
+            line = f"LoRA {self.lora_dir} is up to date ({count_text(self.steps, 'step')} on the current tables)"
             if self.unapplied:
                 line += (f"; not applied, nothing was trained: {', '.join(self.unapplied)} (they act while training: "
                          f"`pipeline run train --new-run` trains again with them)")

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from models.collective import together
 from models.ema_file import LORA_EMA
 from models.lora import save_lora
+from schemas.units import count_text
 from stages.train import guard, state as train_state
 from stages.train.prefetch import data_wait_line
 from stages.train.result import TrainResult
@@ -85,7 +86,7 @@ def finish(r: Run) -> TrainResult:
                     atomic_dir(r.result.lora_dir, r.run_dir / ".lora.tmp") as tmp:
                 _save_final_lora(r, tmp)
             r.writer.close()
-            tqdm.write(f"LoRA after {r.step} steps: {r.result.lora_dir}")
+            tqdm.write(f"LoRA after {count_text(r.step, 'step')}: {r.result.lora_dir}")
             if (waited := data_wait_line(r.result.step_data_times, r.result.step_times, r.cfg.prefetch)) is not None:
                 tqdm.write(waited)
             if r.damage is not None and r.damage.damaged:

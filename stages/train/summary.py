@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from schemas.units import count_text
+
 
 @dataclass(frozen=True)
 class EpochLoss:
@@ -42,12 +44,8 @@ def loss_phrase(losses: list[float], epochs: list[int]) -> str:
         if first.steps == 1:
             return f"train loss {first.mean:.4f} (the one step of epoch {first.epoch})"
         return f"train loss {first.mean:.4f} (mean of {first.steps} steps in epoch {first.epoch})"
-    return (f"train loss {first.mean:.4f} (epoch {first.epoch} mean, {_steps(first.steps)}) -> "
-            f"{last.mean:.4f} (epoch {last.epoch} mean, {_steps(last.steps)})")
-
-
-def _steps(n: int) -> str:
-    return "1 step" if n == 1 else f"{n} steps"
+    return (f"train loss {first.mean:.4f} (epoch {first.epoch} mean, {count_text(first.steps, 'step')}) -> "
+            f"{last.mean:.4f} (epoch {last.epoch} mean, {count_text(last.steps, 'step')})")
 
 
 def train_line(start_step: int, steps: int, losses: list[float], epochs: list[int], lora_dir,

@@ -39,6 +39,7 @@ from models.sample import TrainSample
 from schemas.config import TrainConfig
 from schemas.errors import UserError
 from schemas.img_shapes import PIXELS_PER_PATCH
+from schemas.units import count_text
 from features.damaged import read_intact
 from stages.train.data import load_at
 from stages.train.guard import one_line_errors
@@ -288,7 +289,7 @@ class Validator:
                     with one_line_errors("the validation losses", self.run_dir / "losses.zarr"):
                         self.record(step, grid)
                     r.writer.add_scalar("val/loss", loss, step)
-                    r.bar.write(f"step {step}: val loss {loss:.4f} ({len(self.samples)} samples)")
+                    r.bar.write(f"step {step}: val loss {loss:.4f} ({count_text(len(self.samples), 'sample')})")
                     if ema is not None:
                         r.writer.add_scalar("val/loss_ema", ema, step)
             if do_samples:

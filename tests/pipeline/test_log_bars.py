@@ -207,3 +207,18 @@ def test_the_encode_bar_in_a_log_says_its_reads_while_its_count_waits(log_lines)
             progress.sample_read()
     lines = _bar_lines(log.getvalue(), "encode-vae")
     assert [line.rsplit(" ", 1)[-1] for line in lines[:3]] == ["30]", "60]", "90]"], lines
+
+
+def test_a_byte_bar_in_a_log_says_its_figures_in_the_one_size_rule(log_lines):
+    """A byte bar's line keeps its own fields (count, total, rate in KiB / MiB / GiB), the drawn bar dropped."""
+    from schemas.byte_bar import byte_bar
+
+    bars.as_log_lines(0)
+    out = io.StringIO()
+    with byte_bar(10 * 2**20, "pull") as bar:
+        bar.fp = out
+        log_lines.now += 2
+        bar.update(10 * 2**20)
+    last = _bar_lines(out.getvalue(), "pull")[-1]
+    assert last.startswith("pull: 100% 10.0 MiB/10.0 MiB [00:02<00:00, 5.0 MiB/s"), last
+

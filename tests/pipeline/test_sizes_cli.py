@@ -3,6 +3,8 @@ and the controls' VAE views together, through the CLI."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from typer.testing import CliRunner
 
@@ -78,7 +80,7 @@ def test_store_inspect_of_a_small_store_says_its_size_and_where_the_quarantine_r
          "--val-fraction", "0.5")
     inspect = _cli("store", "inspect", str(tmp_path / "st"))
     version = next(line for line in inspect.splitlines() if "* v1:" in line)
-    assert version.split(" shards, ")[1].split(" kB")[0].isdigit() and "0.0 MB" not in version, version
+    assert re.search(r" shards?, \d+ KiB", version) and "0.0 MiB" not in version, version
     splits = version.split("splits ")[1]
     assert splits.index("'train'") < splits.index("'val'"), version
     assert f"{{'orphan-file': 1}} (each file's reason and detail: {tmp_path / 'st'}/quarantine.parquet)" in inspect

@@ -38,7 +38,7 @@ def test_three_ranks_sum_their_counts_and_name_each_ranks_first_damaged(monkeypa
     # (33 / 8 s, not rank 0's 4 s), the mean batch every rank's items over every rank's forwards
     assert (one.seconds, one.loop_seconds, one.forward_seconds) == (22.0, 8.0, 6.0)
     assert (one.forwards, one.forward_items) == (15, 33)
-    assert "3 kB written in 22.0 s (encoding 4.1 samples/s)" in str(one)
+    assert "3 KiB written in 22.0 s (encoding 4.1 samples/s)" in str(one)
     named = sorted(one.damaged)
     assert named == [f"r0-{i:02d}" for i in range(NAMED_PER_RANK)] + ["r2-00", "r2-01", "r2-02"]
     assert one.damaged["r2-01"] == "crc of r2-01"

@@ -448,6 +448,25 @@ def test_predict_out_naming_its_control_or_a_folder_is_refused_before_loading(ti
     assert sorted(p.name for p in tmp_path.iterdir()) == ["folder.png", "link.png", "photo.png"]
 
 
+def test_predict_refuses_an_existing_out_before_loading_unless_overwrite(tiny_edit_model, tmp_path, small_vae_view):
+    """An existing --out (an earlier result, or any file at that name) was replaced without a word. Now a usage
+    mistake (exit 2) before anything loads, as `lora export --out` is; --overwrite replaces it."""
+    from models.loading import LOAD_LOG
+
+    control = _control(tmp_path / "control.png")
+    out = _control(tmp_path / "earlier.png", seed=1)
+    earlier = out.read_bytes()
+    args = ["predict", "--model", tiny_edit_model, "--image", str(control), "--prompt", PROMPT, "--steps", "2",
+            "--height", "64", "--width", "64", "--out", str(out)]
+    LOAD_LOG.clear()
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and f"--out {out} exists" in result.output and "--overwrite" in result.output, (
+        result.output, result.exception)
+    assert LOAD_LOG == [] and out.read_bytes() == earlier
+    _cli(*args, "--overwrite")
+    assert out.read_bytes() != earlier and Image.open(out).size == (64, 64)
+
+
 def test_a_disk_filling_while_predict_saves_keeps_the_previous_image(tiny_edit_model, tmp_path, small_vae_view,
                                                                     monkeypatch):
     """PIL wrote the edit straight into --out: a disk that filled mid-write left a cut PNG where the previous
@@ -487,7 +506,8 @@ def test_a_disk_filling_while_predict_saves_keeps_the_previous_image(tiny_edit_m
 
     monkeypatch.setattr(builtins, "open", filling_open)
     result = CliRunner().invoke(app, ["predict", "--model", tiny_edit_model, "--image", str(control), "--prompt",
-                                      PROMPT, "--steps", "2", "--height", "64", "--width", "64", "--out", str(out)])
+                                      PROMPT, "--steps", "2", "--height", "64", "--width", "64", "--out", str(out),
+                                      "--overwrite"])
     monkeypatch.undo()
     assert result.exit_code == 1 and "disk full" in result.output and "Traceback" not in result.output, result.output
     assert out.read_bytes() == previous and [p.name for p in out.parent.iterdir()] == ["edited.png"]

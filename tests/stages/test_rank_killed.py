@@ -71,6 +71,10 @@ def test_a_rank_frozen_in_a_training_step_stops_every_rank_with_a_line_naming_it
     assert "Traceback" not in p.stderr + p.stdout, p.stderr[-4000:]
     assert ("error: rank(s) 1 of 2 gave no sign of life for 5 s while the others waited for them in a training "
             "step") in p.stderr, p.stderr[-3000:]
+    # torchrun SIGKILLs the frozen rank once its grace period after the SIGTERM is over: no `kill -9` from outside
+    last = [line for line in p.stderr.splitlines() if line.startswith("error: ")][-1]
+    assert "rank 1 killed by SIGKILL from torchrun (it had not ended within torchrun's grace period" in last, last
+    assert "out-of-memory" not in last and "Unable to shutdown process" not in p.stderr, p.stderr[-3000:]
 
 def test_a_rank_that_lost_a_killed_peer_says_so_in_one_line(monkeypatch, capsys) -> None:
     """The surviving rank's side (whether gloo's error or torchrun's SIGTERM reaches it first is a race, so the
@@ -109,6 +113,27 @@ def test_the_launchers_line_tells_a_rank_that_failed_from_one_that_was_killed() 
     assert said.startswith("rank 0 killed by SIGTERM, rank 1 killed by SIGSEGV; rank 1 printed nothing of its own: "
                            "a crash in native code"), said
     assert said.endswith("What they committed stays: rerun the same command to continue"), said
+
+
+def test_a_rank_torchrun_sigkilled_after_its_grace_period_is_not_blamed_on_a_kill_from_outside() -> None:
+    """torchrun's agent SIGKILLs a rank still running when the grace period after its SIGTERM is over (a frozen
+    rank): the line blamed "a `kill -9`, or the kernel's out-of-memory killer" for it. The agent's log line
+    names the pid it SIGKILLed; a rank killed by SIGKILL from outside is still told as before."""
+    import logging
+
+    from pipeline.commands.launch import _drop_agent_lines_ours_says, failed_line
+
+    agent = _drop_agent_lines_ours_says()
+    # torchrun's own words (torch/distributed/elastic/multiprocessing/api.py, `_close`)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").warning(
+        "Unable to shutdown process %s via %s, forcefully exiting via %s", 4242, signal.SIGTERM, signal.SIGKILL)
+    assert 4242 in agent.forced
+    failures = {0: SimpleNamespace(exitcode=1, pid=4241), 1: SimpleNamespace(exitcode=-signal.SIGKILL, pid=4242)}
+    said = failed_line(failures, "rerun with --resume", agent.forced)
+    assert said == ("rank 0 exit 1, rank 1 killed by SIGKILL from torchrun (it had not ended within torchrun's "
+                    "grace period after its stop signal) (the ranks' own error is the line above)"), said
+    said = failed_line(failures, "rerun with --resume", set())
+    assert "rank 1 printed nothing: a `kill -9`, or the kernel's out-of-memory killer" in said, said
 
 
 def test_a_peer_lost_inside_a_ranks_own_step_is_the_lost_peer_line(monkeypatch) -> None:

@@ -386,7 +386,7 @@ def test_an_unreadable_file_costs_its_sample_and_is_read_once_permitted(tmp_path
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).parents[2])
     assert out.returncode == 0, out.stderr
     # a permission error is the file system's, not bad data: `read-error`, and the summary says a rerun adds it
-    assert "1 samples written" in out.stdout and "quarantined 1: read-error 1" in out.stdout
+    assert "1 sample written" in out.stdout and "quarantined 1: read-error 1" in out.stdout
     assert "could not read 1 sample(s)" in out.stdout
     [q] = Store(store).quarantine().to_pylist()
     assert q["source"].endswith("locked.png") and "Permission denied" in q["detail"]

@@ -197,7 +197,7 @@ def test_the_rows_an_early_read_error_keeps_out_are_one_quarantine_row_counting_
     info = describe(out)
     assert info["quarantine"]["rows"] == 1 and info["quarantine"]["samples"] == unread
     assert info["quarantine"]["by_reason"] == {"read-error": unread}
-    assert f"quarantine: 1 rows ({unread} samples)" in render(info)
+    assert f"quarantine: 1 row ({unread} samples)" in render(info)
 
     again = stage.run(cfg, src, out)  # the disk reads again: exactly the unread rows added
     assert again.written == unread and again.reused == group and not again.quarantined

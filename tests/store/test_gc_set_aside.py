@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from store import Store
 from store import format as fmt
-from store.io_errors import size_text
+from schemas.units import size_text
 from store.lease import LEASES_DIR, process_identity
 from store_samples import fill
 

@@ -203,3 +203,15 @@ def _keys(st: Store) -> list[str]:
         return list(r.keys())
     finally:
         r.close()
+
+
+def test_render_says_one_shard_one_sample_and_one_row_in_the_singular(tmp_path):
+    """`store inspect` printed "1 samples, 1 shards" and "quarantine: 1 rows"."""
+    st = Store(tmp_path / "s")
+    fill(st, 1)
+    info = describe(st.root)
+    assert info["tables"]["vae"]["versions"][0]["shards"] == 1
+    info["quarantine"] = {"rows": 1, "samples": 1, "by_reason": {"read-error": 1}}
+    shown = render(info)
+    assert ": schema v" in shown and "1 sample, 1 shard, " in shown and "quarantine: 1 row {" in shown, shown
+    assert "1 samples" not in shown and "1 shards" not in shown and "1 rows" not in shown, shown

@@ -365,8 +365,8 @@ def test_the_summary_of_a_pull_says_fetched_not_sent():
     from store.remote_sync import SyncSummary
 
     pull, push = SyncSummary("pull", "s3://b/p"), SyncSummary("push", "s3://b/p")
-    assert "0.0 MiB fetched" in str(pull) and "sent" not in str(pull)
-    assert "0.0 MiB sent" in str(push)
+    assert "0 B fetched" in str(pull) and "sent" not in str(pull)
+    assert "0 B sent" in str(push)
 
 
 def test_push_and_pull_reach_the_server_by_the_endpoint_option_alone(s3_env, store: Store, tmp_path: Path,

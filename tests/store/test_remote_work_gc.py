@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from pipeline.cli import app
 from store import Store
-from store.io_errors import size_text
+from schemas.units import size_text
 from store.remote_work import work_root
 from test_remote_maintenance import KILLED_REPAIR, _pushed_with_a_grown_shard, remote_current
 
