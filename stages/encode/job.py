@@ -150,10 +150,10 @@ class EncodeJob:
         try:
             yield
         except TooLargeAlone as e:
+            self.failed(e)  # first: the other ranks stop whatever keeping the shard meets (a full disk)
             # a killed run's resume keeps every committed shard: this stop keeps the open one's finished samples too
             if self.writer is not None:
                 self.writer.keep_open_shard()
-            self.failed(e)
             raise
         except BaseException as e:
             self.failed(e)

@@ -108,3 +108,22 @@ def test_other_errors_are_not_taken_for_out_of_memory():
     forward = MemoryBoundForward(lambda part: 1 / 0, "encode-vae", str, "cpu", "encode_vae.batch_size")
     with pytest.raises(ZeroDivisionError):
         forward([1, 2])
+
+
+def test_a_stop_whose_open_shard_cannot_be_kept_still_stops_the_other_ranks():
+    """Keeping the open shard meets a full disk: the other ranks are told of the stop all the same (`failed`), not
+    left waiting at the commit for a rank that is gone. Before, the keep came first and its error skipped it."""
+    from types import SimpleNamespace
+
+    from stages.encode.batching import TooLargeAlone
+    from stages.encode.job import EncodeJob
+
+    def full_disk():
+        raise UserError("table 'vae' v1: No space left on device")
+
+    told: list[BaseException] = []
+    job = SimpleNamespace(writer=SimpleNamespace(keep_open_shard=full_disk), failed=told.append, close=lambda: None)
+    with pytest.raises(UserError, match="No space left"):
+        with EncodeJob.working(job):
+            raise TooLargeAlone("encode-vae: cpu ran out of memory encoding sample k's target alone")
+    assert [type(e) for e in told] == [TooLargeAlone]
