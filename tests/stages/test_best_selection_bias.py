@@ -116,3 +116,22 @@ def test_a_checkpoint_with_a_non_finite_loss_is_never_picked():
     grids[1, 0] = np.nan  # one sample overflowed, on whichever half
     got = pick_and_confirm(keys, base, grids, [10, 20], [-1.0, math.nan], [0, 1])
     assert got["best"] == 0 and got["runner_up"] is None and got["vs_best"][1] is None
+
+
+def test_the_words_say_which_samples_and_when_the_confirmed_difference_is_not_told_apart():
+    from stages.evaluate.selection import described, record
+
+    keys = ["a", "b", "c", "d", "e"]
+    select, confirm, how = split(keys, 3)
+    halves = record(keys, select, confirm, how)
+    noise = {"difference": -0.01, "standard_error": 0.01, "n": 2}
+    assert verdict(noise) == "not told apart from the base"
+    assert described(halves, noise) == ("over 2 val samples that did not pick it (the other 3 did): not told apart "
+                                        "from the base (within about two standard errors)")
+    assert verdict({"difference": -0.03, "standard_error": 0.01, "n": 2}) == "better than the base"
+    assert verdict({"difference": 0.03, "standard_error": 0.01, "n": 2}) == "worse than the base"
+    assert verdict({"difference": -0.03, "standard_error": None, "n": 1}) is None
+    every = np.ones(3, dtype=bool)
+    few = record(keys[:3], every, every, TOO_FEW)
+    assert described(few, noise).startswith("over the same 3 val samples that picked it: optimistic")
+    assert described(None, noise) == ""  # a report written before the halves: its line as before
