@@ -300,8 +300,9 @@ def _which_checkpoint(metrics: dict) -> list[str]:
 
 
 def _steps_table(c: dict) -> str:
-    """The base and every step (metrics.json's `checkpoints`, `c`): held-out loss, the EMA's beside it, the
-    difference to the best paired ± s.e., inside / outside the mask."""
+    """The base and every step (metrics.json's `checkpoints`, `c`): held-out loss, the EMA's beside it, the loss
+    over the samples that pick the best (where halves were made: `selection`), the difference to the best paired
+    ± s.e., inside / outside the mask."""
     best = c["best"]
     ema = c.get("ema")
     on_ema = best.get("weights") == "ema"
@@ -312,8 +313,8 @@ def _steps_table(c: dict) -> str:
     paired_col = any("vs_best" in per for per in c["per_step"])
     # each step's loss over the samples that pick the best (reports written before it have none: no column)
     pick_col = (c.get("selection") or {}).get("how") == "split" and any("selecting" in per for per in c["per_step"])
-    table_rows = [["base (no LoRA)", "–", c["base"]["overall"], *extra, *(["–"] * pick_col), *(["–"] * paired_col),
-                   c["base"]["inside"], c["base"]["outside"]]]
+    table_rows = [["base (no LoRA)", "–", c["base"]["overall"], *extra, *(["–"] * pick_col),
+                   *(["–"] * paired_col), c["base"]["inside"], c["base"]["outside"]]]
     on_disk = c.get("on_disk") or [True] * len(c["steps"])  # reports written before it was recorded
     for s, p, here, per in zip(c["steps"], c["paths"], on_disk, c["per_step"]):
         mark = (" ★ best (EMA)" if on_ema else " ★ best") if s == best["step"] else ""
@@ -326,8 +327,11 @@ def _steps_table(c: dict) -> str:
                            per["inside"], per["outside"]])
     return _table(["checkpoint", "path", "held-out loss", *([] if ema_at is None else ["EMA held-out loss"]),
                    *(["loss on the samples that pick"] * pick_col),
-                   *(["vs best (paired over the confirming samples ± s.e.)" if pick_col else "vs best (paired ± s.e.)"]
-                     * paired_col), "inside mask", "outside mask"], table_rows)
+                   *([_VS_BEST_CONFIRMED if pick_col else "vs best (paired ± s.e.)"] * paired_col),
+                   "inside mask", "outside mask"], table_rows)
+
+
+_VS_BEST_CONFIRMED = "vs best (paired over the confirming samples ± s.e.)"
 
 
 def _number(x) -> object:
