@@ -136,7 +136,7 @@ def listed_on_disk(c: dict, named: list[int]) -> list[int]:
 
 
 # what a report's recorded inputs are called in the line that says why it is recomputed (`differences`)
-_INPUT_LABELS = {"selection": "how the best checkpoint is picked and confirmed",
+_INPUT_LABELS = {"selection": "best checkpoint",
                  "named_on_disk": "checkpoints the report names (best, next best, last) still on disk",
                  "listed_on_disk": "other checkpoints the report lists as on disk still there",
                  "fingerprint": "held-out loss inputs", "steps": "checkpoints in the loss array",

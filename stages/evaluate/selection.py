@@ -27,8 +27,8 @@ from stages.evaluate.paired import NOISE_SE, paired, per_sample, vs_best
 
 #: how the halves are made (`split`); recorded in metrics.json (`checkpoints.selection.rule`): a report of another
 #: rule, or of none (`UNRECORDED`: written before it), is summarised again (`report_current`)
-RULE = "halves by sha256 of the sample keys"
-UNRECORDED = "picked and stated on the same samples"
+RULE = "picked on half the val samples, stated on the other (halves by sha256 of their keys)"
+UNRECORDED = "picked and stated on the same val samples"
 MIN_HALF = 2  # samples per half: a standard error needs two
 
 SPLIT, ONE_CANDIDATE, TOO_FEW = "split", "one candidate", "too few samples"

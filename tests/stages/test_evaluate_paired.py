@@ -242,6 +242,6 @@ def test_a_report_that_stated_the_winners_own_numbers_is_summarised_again(run_an
     with redirect_stdout(said):
         res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out, skip_if_done=True)
     assert not res.up_to_date and res.evaluated == 0
-    assert "how the best checkpoint is picked and confirmed picked and stated on the same samples -> halves" in \
-        said.getvalue()
+    assert ("best checkpoint picked and stated on the same val samples -> picked on half the val samples, stated on "
+            "the other (halves by sha256 of their keys)") in said.getvalue()
     assert json.loads((out / "metrics.json").read_text())["checkpoints"]["selection"]["how"] == "split"
