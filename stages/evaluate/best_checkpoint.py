@@ -1,8 +1,9 @@
 """Which checkpoint is best, for `evaluate --all-checkpoints`: metrics.json's `loss` and `checkpoints` sections
 from the loss array (and the EMA's: `ema_curve`) over the checkpoints still on disk (`summary_held`, `_summary`):
-per step overall, per bucket, inside / outside (`step_summaries`); best = the lowest overall held-out loss (ties:
-the earlier step, then the raw LoRA); how sure: paired against the base and the next best, and every checkpoint
-within noise of it (`near_best_steps`)."""
+per step overall, per bucket, inside / outside (`step_summaries`); best = the lowest held-out loss over the
+selecting half of the val samples (ties: the earlier step, then the raw LoRA); how sure: paired over the other,
+confirming half against the base and the next best, and every checkpoint within noise of it (`near_best_steps`).
+The halves and why: `stages.evaluate.selection`."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from schemas.errors import UserError
 from stages.evaluate.base_images import extra_prompt_bytes
 from stages.evaluate.checkpoint_files import checkpoint_gone
 from stages.evaluate.checkpoint_load import held_bytes
-from stages.evaluate.curves import pick_best
 from stages.evaluate.ema_curve import label as ema_label
-from stages.evaluate.paired import paired, per_sample, vs_best, within_noise
+from stages.evaluate.paired import within_noise
+from stages.evaluate.selection import pick_and_confirm, verdict
 from store.loss_array import LossStore
 
 
@@ -72,29 +73,31 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
               for step, path, numbers in zip(steps, paths, per_step["steps"])]
     curve = _ema_curve(ema, kept, base, samples, present) if ema is not None else None
     points, candidates, all_grids = _with_ema(points, alive, grids, curve)
-    best_i = _best_of(points, candidates, losses.path)
+    picked = _best_of(samples, base, points, candidates, all_grids, losses.path)
+    best_i = picked["best"]
     loss = _loss_section(cfg, samples, base, all_grids[best_i], nonfinite)
 
-    diffs = vs_best(all_grids, [p["loss"] for p in points], best_i)
-    best = {**_best(points, all_grids, base, candidates, best_i, diffs),
-            "weights": points[best_i].get("weights", "lora")}
-    best["within_noise"] = _note_vs_best(points, diffs, candidates,
+    best = {**_best(points, picked), "weights": points[best_i].get("weights", "lora")}
+    best["within_noise"] = _note_vs_best(points, picked, candidates,
                                          per_step["steps"] + (curve["section"]["per_step"] if curve else []))
-    loss["lora_minus_base"] = best["vs_base"]
+    loss["lora_minus_base"] = best["vs_base"]  # the confirmed difference, as the summary states it
     last = points[alive[-1]]
     metrics = {"loss": loss,
                "checkpoints": _checkpoints_section(losses, cfg, fingerprint, steps, paths, alive, per_step, best, last,
                                                        curve)}
+    metrics["checkpoints"]["selection"] = picked["record"]
     return metrics, best, dict(last)  # a dict apart from metrics' "last"
 
 
-def _best_of(points: list[dict], candidates: list[int], where: Path) -> int:
-    """The index of the best point among `candidates` (`curves.pick_best`: the lowest finite loss, ties to the
-    earlier step); none finite: one line naming the loss array (`where`)."""
-    best_i = pick_best([points[i]["step"] for i in candidates], [points[i]["loss"] for i in candidates])
-    if best_i is None:
+def _best_of(samples, base: np.ndarray, points: list[dict], candidates: list[int], grids: np.ndarray,
+             where: Path) -> dict:
+    """`selection.pick_and_confirm` over the points: the best picked on the selecting half of the val samples,
+    what is stated of it paired over the confirming half; none finite: one line naming the loss array (`where`)."""
+    picked = pick_and_confirm([s.key for s in samples], base, grids, [p["step"] for p in points],
+                              [p["loss"] for p in points], candidates)
+    if picked is None:
         raise UserError(f"no checkpoint in {where} has a finite held-out loss; check the run's training loss")
-    return candidates[best_i]
+    return picked
 
 
 def _loss_section(cfg: EvaluateConfig, samples, base: np.ndarray, best: np.ndarray, nonfinite) -> dict:
@@ -130,9 +133,11 @@ def _checkpoints_section(losses: LossStore, cfg: EvaluateConfig, fingerprint: st
     return section
 
 
-BEST_NOTE = ("best = lowest overall held-out loss among the checkpoints still on disk (ties: earlier step); "
-             "best.vs_base and best.runner_up: differences paired over the val samples (same noise and σ) ± their "
-             "standard error; within about two standard errors this held-out set does not tell the two apart")
+BEST_NOTE = ("best = lowest held-out loss over the selecting half of the val samples (checkpoints.selection: "
+             "selected_on), among the checkpoints still on disk (ties: earlier step); best.vs_base, best.runner_up and "
+             "each step's vs_best: differences paired over the other, confirming half (confirmed_on; same noise and "
+             "σ) ± their standard error, free of the optimism of stating the winner's own numbers; within about two "
+             "standard errors this held-out set does not tell the two apart")
 
 
 EMA_NOTE = ("; each checkpoint's EMA (train.ema_decay) is scored on the same val samples, noise and σ, and competes "
@@ -194,27 +199,28 @@ def _ema_curve(ema: LossStore, kept, base: np.ndarray, samples, present: dict[in
     return {"points": points, "grids": grids, "alive": alive, "section": section}
 
 
-def _note_vs_best(points: list[dict], diffs: list[dict | None], alive: list[int], per_step: list[dict]) -> list[dict]:
-    """Each step's `vs_best` (`diffs[i]`: its loss minus the best's, paired over the val samples ± s.e.;
-    `per_step[i]` is `points[i]`'s numbers, the raw curve's then the EMA's) and the checkpoints still on disk within
-    noise of the best, [{step, weights}]. The runner-up alone did not say it: the next best by mean may be told
-    apart (+0.010 ± 0.001) while a later one (+0.020 ± 0.030) is not, and "best" was read as settled."""
-    for numbers, diff in zip(per_step, diffs):
+def _note_vs_best(points: list[dict], picked: dict, alive: list[int], per_step: list[dict]) -> list[dict]:
+    """Each step's `vs_best` (its loss minus the best's, paired over the confirming val samples ± s.e.) and its
+    loss over the selecting ones (`selecting`: what picked the best) into `per_step[i]` (`points[i]`'s numbers,
+    the raw curve's then the EMA's); and the checkpoints still on disk within noise of the best, [{step,
+    weights}]. The runner-up alone did not say it: the next best may be told apart (+0.010 ± 0.001) while a later
+    one (+0.020 ± 0.030) is not, and "best" was read as settled."""
+    diffs = picked["vs_best"]
+    for numbers, diff, selecting in zip(per_step, diffs, picked["selecting"]):
         numbers["vs_best"] = diff
+        numbers["selecting"] = selecting if math.isfinite(selecting) else None  # strict JSON: no NaN
     return [{"step": points[i]["step"], "weights": points[i].get("weights", "lora")}
             for i in sorted(alive, key=lambda i: (points[i]["step"], i)) if within_noise(diffs[i])]
 
 
-def _best(points: list[dict], grids: np.ndarray, base: np.ndarray, alive: list[int], best_i: int,
-          diffs: list[dict | None]) -> dict:
-    """The best checkpoint's point (`points[best_i]`: step, path, overall loss) and how sure "best" is: paired over
-    the val samples against the base (`vs_base`) and the next best checkpoint still on disk (`runner_up`, its
-    `diffs` entry: `vs_best`, runner-up minus best)."""
-    best = {**points[best_i], "vs_base": paired(per_sample(grids[best_i]), per_sample(base))}
-    others = [i for i in alive if i != best_i and math.isfinite(points[i]["loss"])]
-    if others:  # a tie: the earlier step, as for the best
-        nxt = min(others, key=lambda i: (points[i]["loss"], points[i]["step"]))
-        best["runner_up"] = {**points[nxt], "weights": points[nxt].get("weights", "lora"), **diffs[nxt]}
+def _best(points: list[dict], picked: dict) -> dict:
+    """The best checkpoint's point (step, path, overall loss over every val sample) and how sure "best" is:
+    paired over the confirming val samples against the base (`vs_base`, and what it says: `verdict`) and the
+    next best checkpoint still on disk by the selecting samples (`runner_up`: runner-up minus best)."""
+    best_i, nxt = picked["best"], picked["runner_up"]
+    best = {**points[best_i], "vs_base": picked["vs_base"], "verdict": verdict(picked["vs_base"])}
+    if nxt is not None:
+        best["runner_up"] = {**points[nxt], "weights": points[nxt].get("weights", "lora"), **picked["vs_best"][nxt]}
     return best
 
 

@@ -287,7 +287,8 @@ def _which_checkpoint(metrics: dict) -> list[str]:
         "<h2>Which checkpoint</h2>",
         f"<p class='best'>Best checkpoint: <b>step {best['step']}{' (EMA)' if on_ema else ''}</b>, held-out loss "
         f"{_fmt(best['loss'])} (base {_fmt(c['base']['overall'])}, last step {last['step']}: {_fmt(last['loss'])})"
-        f"<br>{_sureness(best, ema is not None)}{whose}<code>{html.escape(best['path'])}</code></p>",
+        f"<br>{_sureness(best, ema is not None, c.get('selection'))}{whose}<code>{html.escape(best['path'])}</code>"
+        "</p>",
         f"<p>{html.escape(metrics['loss']['protocol'])}. {html.escape(c['note'])}. Every number is in "
         f"<code>{html.escape(c['losses'])}</code>"
         + (f", the EMA's in <code>{html.escape(ema['losses'])}</code>" if ema is not None else "")
@@ -299,8 +300,9 @@ def _which_checkpoint(metrics: dict) -> list[str]:
 
 
 def _steps_table(c: dict) -> str:
-    """The base and every step (metrics.json's `checkpoints`, `c`): held-out loss, the EMA's beside it, the
-    difference to the best paired ± s.e., inside / outside the mask."""
+    """The base and every step (metrics.json's `checkpoints`, `c`): held-out loss, the EMA's beside it, the loss
+    over the samples that pick the best (where halves were made: `selection`), the difference to the best paired
+    ± s.e., inside / outside the mask."""
     best = c["best"]
     ema = c.get("ema")
     on_ema = best.get("weights") == "ema"
@@ -309,18 +311,32 @@ def _steps_table(c: dict) -> str:
     extra = [] if ema_at is None else ["–"]
     # each step's loss minus the best's, paired ± s.e. (reports written before it have none: no column)
     paired_col = any("vs_best" in per for per in c["per_step"])
-    table_rows = [["base (no LoRA)", "–", c["base"]["overall"], *extra, *(["–"] * paired_col),
-                   c["base"]["inside"], c["base"]["outside"]]]
+    # each step's loss over the samples that pick the best (reports written before it have none: no column)
+    pick_col = (c.get("selection") or {}).get("how") == "split" and any("selecting" in per for per in c["per_step"])
+    table_rows = [["base (no LoRA)", "–", c["base"]["overall"], *extra, *(["–"] * pick_col),
+                   *(["–"] * paired_col), c["base"]["inside"], c["base"]["outside"]]]
     on_disk = c.get("on_disk") or [True] * len(c["steps"])  # reports written before it was recorded
     for s, p, here, per in zip(c["steps"], c["paths"], on_disk, c["per_step"]):
         mark = (" ★ best (EMA)" if on_ema else " ★ best") if s == best["step"] else ""
         # a pruned checkpoint keeps its point on the curves; its path names no file any more
         path = p if here else f"{p} (removed: {KEEPS_NEWEST}; or the folder was moved)"
         extra = [] if ema_at is None else [ema_at.get(s, "–")]
-        table_rows.append([f"step {s}{mark}", path, per["overall"], *extra, *([_vs_best(per, here)] * paired_col),
+        picking = [_number(per.get("selecting"))] * pick_col
+        table_rows.append([f"step {s}{mark}", path, per["overall"], *extra, *picking,
+                           *([_vs_best(per, here)] * paired_col),
                            per["inside"], per["outside"]])
     return _table(["checkpoint", "path", "held-out loss", *([] if ema_at is None else ["EMA held-out loss"]),
-                   *(["vs best (paired ± s.e.)"] * paired_col), "inside mask", "outside mask"], table_rows)
+                   *(["loss on the samples that pick"] * pick_col),
+                   *([_VS_BEST_CONFIRMED if pick_col else "vs best (paired ± s.e.)"] * paired_col),
+                   "inside mask", "outside mask"], table_rows)
+
+
+_VS_BEST_CONFIRMED = "vs best (paired over the confirming samples ± s.e.)"
+
+
+def _number(x) -> object:
+    """A table cell: a number as itself, None (a non-finite loss) as '–'."""
+    return "–" if x is None else x
 
 
 def _samples(metrics: dict, rows: list[OutputsRow], grid: Image.Image) -> list[str]:
@@ -360,24 +376,30 @@ def _vs_best(per: dict, on_disk: bool) -> str:
     return "–" if p is None else signed(p) + (" ≈ best" if on_disk and within_noise(p) else "")
 
 
-def _sureness(best: dict, scored_ema: bool = False) -> str:
-    """The best's paired differences (vs the base, the next best checkpoint ± standard error) as one line."""
+def _sureness(best: dict, scored_ema: bool = False, selection: dict | None = None) -> str:
+    """The best's paired differences (vs the base, the next best checkpoint ± standard error) as one line, with
+    which val samples picked it and which confirmed it (`selection`: metrics.json's `checkpoints.selection`; a
+    report written before it: the line without)."""
     from stages.evaluate.best_checkpoint import near_best_steps
     from stages.evaluate.ema_curve import label
     from stages.evaluate.paired import signed
+    from stages.evaluate.selection import described
 
     if "vs_base" not in best:
         return ""
     v = best["vs_base"]
-    text = f"vs base {signed(v)}"
+    confirmed = described(selection, v)
+    text = f"vs base {signed(v)}" + (f" {confirmed}" if confirmed else "")
     if "runner_up" in best:
         r = best["runner_up"]
         text += f"; next best, step {r['step']}{label(r, scored_ema)}: {signed(r)}"
     near = near_best_steps(best, scored_ema)
     if near:  # every checkpoint still on disk within noise of the best, not only the next best
         text += f"; not told apart from it: {', '.join(near)}"
-    return (f"{html.escape(text)} (paired over {v['n']} val samples, ± standard error; within about two standard "
-            "errors the held-out set does not tell them apart)<br>")
+    over = "" if confirmed else f" over {v['n']} val samples"
+    listed = "; the samples that picked and confirmed it: metrics.json checkpoints.selection" if confirmed else ""
+    return (f"{html.escape(text)} (paired{over}, ± standard error; within about two standard errors the held-out "
+            f"set does not tell them apart{listed})<br>")
 
 
 def write_checkpoint_report(out: str | Path, metrics: dict, rows: list[OutputsRow]) -> Path:

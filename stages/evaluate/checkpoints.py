@@ -3,8 +3,9 @@
 Read top to bottom: fingerprint the evaluation (store tables, model, protocol) -> open REPORT/losses.zarr
 (`store.loss_array`) -> read the val samples -> load the transformer once -> base losses (when the group has none)
 -> per checkpoint not yet in the group: swap its LoRA weights into the one adapter, one `loss_grid`, one append
-(a checkpoint already recorded with the same bytes is skipped) -> best = lowest overall held-out loss (ties to
-the earlier step) -> generate the val samples with base, best and last -> metrics.json, index.html with curves.
+(a checkpoint already recorded with the same bytes is skipped) -> best = lowest held-out loss over the selecting
+half of the val samples, stated over the other half (`selection`; ties to the earlier step) -> generate the val
+samples with base, best and last -> metrics.json, index.html with curves.
 
 metrics.json keeps evaluate's `loss` section (base vs the best checkpoint), so whatever read a single-LoRA
 report reads this one too; `checkpoints` adds the per-step curves and `best` / `last`.

@@ -11,6 +11,7 @@ from schemas.units import count_text
 from stages.evaluate.best_checkpoint import near_best_steps
 from stages.evaluate.ema_curve import label as ema_label
 from stages.evaluate.paired import NOISE_SE, signed
+from stages.evaluate.selection import described
 from store.loss_array import GROUP
 
 
@@ -43,7 +44,8 @@ class CheckpointsResult:
                               best_weights=self.best.get("weights", "lora"),
                               ema_losses=absolute(Path(c["ema"]["losses"])) if c.get("ema") else None,
                               loss_best=self.best["loss"], loss_base=c["base"]["overall"],
-                              best_vs_base=self.best.get("vs_base"), runner_up=self.best.get("runner_up"),
+                              best_vs_base=self.best.get("vs_base"), best_verdict=self.best.get("verdict"),
+                              selection=_selection_counts(c.get("selection")), runner_up=self.best.get("runner_up"),
                               within_noise_of_best=self.best.get("within_noise"),
                               last_step=c["last"]["step"], damaged_samples=sorted(self.metrics["run"]["damaged_samples"]),
                               checkpoints_pruned=self.pruned, checkpoints_newer=self.newer)
@@ -59,11 +61,13 @@ class CheckpointsResult:
                     + ")")
         sure = ""
         if b.get("vs_base"):  # paired over val samples (reports written before these numbers have none)
-            sure = f"; vs base {signed(b['vs_base'])}"
+            confirmed = described(c.get("selection"), b["vs_base"])  # which samples; none before it was recorded
+            sure = f"; vs base {signed(b['vs_base'])}" + (f" {confirmed}" if confirmed else "")
             if b.get("runner_up"):
                 sure += (f", next best step {b['runner_up']['step']}{ema_label(b['runner_up'], 'ema' in c)} "
                          f"{signed(b['runner_up'])}")
-            sure += _near_best(b, "ema" in c) + f" (paired over {b['vs_base']['n']} val samples, ± s.e.)"
+            sure += _near_best(b, "ema" in c) + (" (paired ± s.e.)" if confirmed else
+                                                  f" (paired over {b['vs_base']['n']} val samples, ± s.e.)")
         newer = ""
         if self.newer:
             n = len(self.newer)
@@ -93,3 +97,12 @@ def _beside(best: dict, c: dict) -> str:
     if best["step"] not in steps:
         return ""
     return f"; its {'raw LoRA' if on_ema else 'EMA'} {per[steps.index(best['step'])]['overall']:.4f}"
+
+
+def _selection_counts(selection: dict | None) -> dict | None:
+    """--json's `selection`: how the best was picked and confirmed, with counts where metrics.json lists the
+    keys (None: a report written before it recorded them)."""
+    if not selection:
+        return None
+    return {"how": selection.get("how"), "selected_on": len(selection.get("selected_on") or []),
+            "confirmed_on": len(selection.get("confirmed_on") or []), "optimistic": selection.get("optimistic")}

@@ -73,17 +73,42 @@ class RunCurves:
     @property
     def best(self) -> tuple[str, int] | None:
         """(weights: "lora" or "ema", index into that curve) by the report's rule
-        (stages/evaluate/best_checkpoint.py `_summary`): the lowest finite loss among the checkpoints still on disk,
-        raw LoRAs and EMAs alike (a tie: the earlier step, then the raw LoRA); a pruned one keeps its point on the
-        curve but is never named. A report looked at away from its run (copied, none of its checkpoints here) names
-        its curves' minimum."""
+        (stages/evaluate/best_checkpoint.py `_summary`, `selection.pick_and_confirm`): the lowest loss over the
+        selecting half of the val samples among the checkpoints still on disk whose overall loss is finite, raw
+        LoRAs and EMAs alike (a tie: the earlier step, then the raw LoRA); a pruned one keeps its point on the
+        curve but is never named. A report looked at away from its run (copied, none of its checkpoints here)
+        names its curves' minimum by the same rule."""
         points = [("lora", i, self.steps[i], self.overall[i], self.on_disk[i]) for i in range(len(self.steps))]
         if self.ema is not None:  # after the raw points: pick_best's stable sort gives a tie to the raw LoRA
             e = self.ema
             points += [("ema", i, e.steps[i], e.overall[i], e.on_disk[i]) for i in range(len(e.steps))]
         rows = [p for p in points if p[4] is not False] or points
-        best = pick_best([p[2] for p in rows], [p[3] for p in rows])
+        best = pick_best([p[2] for p in rows], self._selecting(rows))
         return None if best is None else rows[best][:2]
+
+    def _selecting(self, rows: list[tuple]) -> list[float]:
+        """Each candidate point's loss over the selecting half of the samples the numbers are over
+        (`selection.split`); the overall loss where no per-sample losses are read."""
+        halves = self.halves(len(rows))
+        if halves is None:
+            return [p[3] for p in rows]
+        curves = {"lora": self.per_sample, "ema": self.ema.per_sample if self.ema is not None else None}
+        return [float(curves[w][i][halves[0]].mean()) if math.isfinite(loss) else math.nan
+                for w, i, _, loss, _ in rows]
+
+    def halves(self, candidates: int) -> tuple[np.ndarray, str] | None:
+        """([sample] bool: the samples that pick this run's best among `candidates` points, how:
+        `selection.split` over the samples its numbers are over, `kept`); None where no per-sample losses are
+        read."""
+        from stages.evaluate.selection import split
+
+        if self.per_sample is None or self.kept is None:
+            return None
+        keys = [k for k, here in zip(self.held_out["val samples"], self.kept) if here]
+        select, _, how = split(keys, candidates)
+        out = np.zeros(self.kept.size, dtype=bool)
+        out[np.flatnonzero(self.kept)] = select
+        return out, how
 
     def point(self, weights: str, i: int) -> dict:
         """One point of the raw curve ("lora") or the EMA's: step, checkpoint, loss, on_disk."""
@@ -280,15 +305,18 @@ def _per_sample(loss: np.ndarray, r: dict) -> np.ndarray:
 
 
 def paired_to_best(runs: list[RunCurves]) -> list[dict | None]:
-    """Per run, its best point minus the best run's best (the lowest best loss; a tie: the first given), paired
-    over the val samples both curves' numbers hold, ± its standard error (`stages.evaluate.paired`, as evaluate
+    """Per run, its best point minus the best run's best, paired over the val samples both curves' numbers hold
+    that picked neither best (`selection`: each run's best is picked on the selecting half, so the confirming
+    half states it without the winner's optimism), ± its standard error (`stages.evaluate.paired`, as evaluate
     states its best checkpoint against the next best): None for the best run itself and a run without a finite
-    best. Every run is measured on one held-out set (`check_same_held_out`: the same samples, noise and σ), so the
-    runs differ sample by sample by their weights alone."""
+    best. The best run: the lowest best loss over the selecting samples (a tie: the first given), picked as
+    evaluate picks a checkpoint. Every run is measured on one held-out set (`check_same_held_out`: the same
+    samples, noise and σ), so the runs differ sample by sample by their weights alone."""
     from stages.evaluate.paired import paired
 
     values = [r.best_per_sample() for r in runs]
-    losses = [p["loss"] if (p := r.best_point) is not None else math.inf for r in runs]
+    picked = [_picking(r, v) for r, v in zip(runs, values)]
+    losses = [loss for loss, _ in picked]
     if not any(math.isfinite(x) for x in losses):
         return [None] * len(runs)
     top = losses.index(min(losses))
@@ -297,9 +325,25 @@ def paired_to_best(runs: list[RunCurves]) -> list[dict | None]:
         if i == top or v is None or not math.isfinite(losses[i]):
             out.append(None)
             continue
-        both = np.isfinite(v) & np.isfinite(values[top])
+        both = np.isfinite(v) & np.isfinite(values[top]) & ~picked[i][1] & ~picked[top][1]
         out.append({"run": runs[top].label, **paired(v[both], values[top][both])})
     return out
+
+
+def _picking(r: RunCurves, values: np.ndarray | None) -> tuple[float, np.ndarray]:
+    """(a run's best loss over the samples that picked it, [sample] the samples its pick spent: none where no
+    halves were made, one candidate or too few samples); inf without a finite best."""
+    from stages.evaluate.selection import SPLIT
+
+    point = r.best_point
+    if point is None or not math.isfinite(point["loss"]):
+        return math.inf, np.zeros(0, dtype=bool)
+    points = [*r.on_disk, *(r.ema.on_disk if r.ema is not None else [])]
+    halves = r.halves(sum(here is not False for here in points) or len(points))  # `best`'s candidates
+    if halves is None or values is None:
+        return point["loss"], np.zeros(0 if values is None else values.size, dtype=bool)
+    select, how = halves
+    return float(values[select].mean()), select if how == SPLIT else np.zeros(select.size, dtype=bool)
 
 
 def _revision(settings: dict) -> int | None:
@@ -486,9 +530,9 @@ def _best_row(r: RunCurves, emas: bool, vs_best: dict | None) -> str:
             f"{' (not on disk)' if b['on_disk'] is False else ''}</td></tr>")
 
 
-SURENESS_NOTE = ("vs best run: this run's best minus the best run's, paired over the val samples (same noise and σ) "
-                 "± its standard error; within about two standard errors this held-out set does not tell the two "
-                 "runs apart")
+SURENESS_NOTE = ("vs best run: this run's best minus the best run's, paired over the val samples that picked "
+                 "neither best (same noise and σ) ± its standard error; within about two standard errors this "
+                 "held-out set does not tell the two runs apart")
 
 
 def render(runs: list[RunCurves], vs_best: list[dict | None] | None = None) -> str:

@@ -16,6 +16,7 @@ from schemas.units import count_text
 from stages.evaluate.base_images import extra_prompt_bytes
 from stages.evaluate.ema_curve import best_lora_input
 from stages.evaluate.loss_fingerprint import spelled_as
+from stages.evaluate import selection
 from stages.evaluate.loss_groups import cells_line
 from stages.evaluate.whose_losses import other_weights, this_runs, this_runs_kept
 from store.loss_array import GROUP, Axes, LossGroup, cell_donor, kept_groups, recorded_steps
@@ -51,6 +52,9 @@ def current_metrics(metrics: dict | None, out: Path, fingerprint: str, checkpoin
                            "extra_prompts_sha256": c.get("extra_prompts_sha256"),
                            "loras": {str(step): reported.get(step) for step, _ in checkpoints},
                            "paths": {str(step): recorded_paths.get(step) for step, _ in checkpoints}}
+        # the best picked on half the val samples and confirmed on the other (`selection`): a report from before
+        # stated the winner's own, optimistic numbers; summarised again, no checkpoint evaluated again
+        recorded_inputs["selection"] = (c.get("selection") or {}).get("rule") or selection.UNRECORDED
         named = named_steps(c)
         listed = listed_on_disk(c, named)
         ema_inputs = _ema_inputs(c, checkpoints, ema_shas or {})
@@ -59,7 +63,8 @@ def current_metrics(metrics: dict | None, out: Path, fingerprint: str, checkpoin
     present = {"fingerprint": fingerprint, "steps": sorted(recorded) if recorded is not None else c.get("steps"),
                "config_fingerprint": cfg.fingerprint(), "extra_prompts_sha256": extra_prompt_bytes(cfg) or None,
                "loras": {str(step): shas[step] for step, _ in checkpoints},
-               "paths": {str(step): str(Path(path).resolve()) for step, path in checkpoints}}
+               "paths": {str(step): str(Path(path).resolve()) for step, path in checkpoints},
+               "selection": selection.RULE}
     # the checkpoints the report names (best, next best, last) are still there: one removed since (pruned, or
     # deleted by hand) left the report "up to date" naming a path that is gone as the best
     recorded_inputs["named_on_disk"] = named
@@ -132,7 +137,8 @@ def listed_on_disk(c: dict, named: list[int]) -> list[int]:
 
 
 # what a report's recorded inputs are called in the line that says why it is recomputed (`differences`)
-_INPUT_LABELS = {"named_on_disk": "checkpoints the report names (best, next best, last) still on disk",
+_INPUT_LABELS = {"selection": "best checkpoint",
+                 "named_on_disk": "checkpoints the report names (best, next best, last) still on disk",
                  "listed_on_disk": "other checkpoints the report lists as on disk still there",
                  "fingerprint": "held-out loss inputs", "steps": "checkpoints in the loss array",
                  "ema_scored": "checkpoints' EMA (train.ema_decay) scored", "ema": "checkpoint EMA weights (sha256)",

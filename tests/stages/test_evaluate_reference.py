@@ -150,3 +150,69 @@ def test_qwen21_held_out_losses_equal_a_hand_loop_over_the_stock_21_transformer(
         for i, s in enumerate(samples):
             np.testing.assert_allclose(loss["per_sample"][s.key][name], grid[i].mean(), rtol=2e-5)
         np.testing.assert_allclose(loss["overall"][name], grid.mean(), rtol=2e-5)
+
+
+
+def _checkpoint(model: str, folder, seed: int, std: float) -> None:
+    """A LoRA (rank 4, alpha 8) with lora_B ~ N(0, std) drawn under `seed`, at FOLDER/lora with the resume.json
+    that marks a committed checkpoint."""
+    from models.loading import load_component
+    from models.lora import add_lora, save_lora
+
+    transformer = load_component(model, "transformer")
+    add_lora(transformer, LoraConfig(rank=4, alpha=8.0))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in transformer.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, std)
+    save_lora(transformer, folder / "lora")
+    (folder / "resume.json").write_text("{}")
+
+
+def test_best_checkpoint_picked_and_confirmed_on_halves_equals_the_hand_loop(setup, tiny_edit_model, tmp_path):
+    """`evaluate --all-checkpoints` over two checkpoints against the stock transformer + peft hand loop: the halves
+    of the val samples made here from their keys (sha256 order: even positions select, odd ones confirm), the
+    best = the lower mean loss over the selecting half, its difference to the base and the other checkpoint's to
+    it paired over the confirming half by numpy."""
+    import hashlib
+
+    from stages.evaluate import checkpoints as ev
+
+    steps = {10: (1, 0.2), 20: (2, 0.05)}
+    ckpts = []
+    for step, (seed, std) in steps.items():
+        folder = tmp_path / "run" / "checkpoints" / f"step-{step}"
+        _checkpoint(tiny_edit_model, folder, seed, std)
+        ckpts.append((step, folder / "lora"))
+    cfg = EvaluateConfig(noise_seeds=SEEDS, timesteps=SIGMAS, batch_size=3, num_samples=0, device="cpu",
+                         dtype="float32")
+    c = ev.run(cfg, setup / "store", tiny_edit_model, ckpts, tmp_path / "report").metrics["checkpoints"]
+
+    grids = {}
+    for step, path in ckpts:
+        samples, base, grids[step] = _reference_grids(tiny_edit_model, setup / "store", path)
+    keys = [s.key for s in samples]
+    order = sorted(range(len(keys)), key=lambda i: hashlib.sha256(keys[i].encode()).hexdigest())
+    select = np.zeros(len(keys), dtype=bool)
+    select[order[0::2]] = True
+    confirm = ~select
+    per = {step: g[..., 0].mean(axis=(1, 2)) for step, g in grids.items()}  # [sample]
+    b = base[..., 0].mean(axis=(1, 2))
+    assert abs(per[10][select].mean() - per[20][select].mean()) > 1e-4  # the pick is not a tie
+
+    sel = c["selection"]
+    assert sel["how"] == "split" and sel["optimistic"] is False
+    assert sorted(sel["selected_on"]) == sorted(k for k, s in zip(keys, select) if s)
+    assert sorted(sel["confirmed_on"]) == sorted(k for k, s in zip(keys, confirm) if s)
+    for i, step in enumerate(c["steps"]):
+        np.testing.assert_allclose(c["per_step"][i]["overall"], grids[step][..., 0].mean(), rtol=2e-5)
+        np.testing.assert_allclose(c["per_step"][i]["selecting"], per[step][select].mean(), rtol=2e-5)
+    best = min(steps, key=lambda step: (per[step][select].mean(), step))
+    other = 30 - best
+    assert c["best"]["step"] == best and c["best"]["runner_up"]["step"] == other
+    for got, d in ((c["best"]["vs_base"], per[best] - b), (c["best"]["runner_up"], per[other] - per[best])):
+        d = d[confirm]
+        assert got["n"] == int(confirm.sum()) == 2
+        np.testing.assert_allclose(got["difference"], d.mean(), rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(got["standard_error"], d.std(ddof=1) / np.sqrt(d.size), rtol=1e-3, atol=1e-7)
