@@ -30,9 +30,9 @@ def add_checkpoint_lora(transformer) -> None:
         add_lora(transformer, LoraConfig(rank=4, alpha=4.0))
 
 
-def add_random_b_lora(transformer) -> None:
+def add_random_b_lora(transformer, seed: int = 0, std: float = 0.2) -> None:
     """The trainer's adapter at rank 4, alpha 8 (alpha != rank: a loader must read the scale), lora_B drawn
-    N(0, 0.2) under seed 0: peft's B = 0 would leave every output the base model's, and 0.2 is a trained
+    N(0, `std`) under `seed`: peft's B = 0 would leave every output the base model's, and 0.2 is a trained
     adapter's size, its effect far above float32 rounding."""
     import torch
 
@@ -40,11 +40,11 @@ def add_random_b_lora(transformer) -> None:
     from schemas.config import LoraConfig
 
     add_lora(transformer, LoraConfig(rank=4, alpha=8.0))
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in transformer.named_parameters():
             if "lora_B" in name:
-                p.normal_(0, 0.2)
+                p.normal_(0, std)
 
 
 def write_checkpoint(transformer, folder: Path, scale: float) -> None:

@@ -157,15 +157,10 @@ def _checkpoint(model: str, folder, seed: int, std: float) -> None:
     """A LoRA (rank 4, alpha 8) with lora_B ~ N(0, std) drawn under `seed`, at FOLDER/lora with the resume.json
     that marks a committed checkpoint."""
     from models.loading import load_component
-    from models.lora import add_lora, save_lora
+    from models.lora import save_lora
 
     transformer = load_component(model, "transformer")
-    add_lora(transformer, LoraConfig(rank=4, alpha=8.0))
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in transformer.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, std)
+    add_random_b_lora(transformer, seed, std)
     save_lora(transformer, folder / "lora")
     (folder / "resume.json").write_text("{}")
 
