@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from schemas.errors import UserError
+from schemas.newer import WrittenByNewer
 from store import format as fmt
 from store import remote_endpoint
 from store.checksum import SealError, seal, unseal
@@ -64,6 +65,8 @@ def _damage(data: bytes, url: str) -> str | None:
         return f"is damaged ({e})"
     try:
         fmt.check_store_record(rec, f"{url}/{fmt.STORE_JSON}")
+    except WrittenByNewer:  # not damage: a newer release's record, never rewritten in this format
+        raise
     except UserError as e:
         return f"does not read ({e})"
     return None

@@ -81,3 +81,20 @@ def test_a_damaged_store_json_over_no_versions_is_no_store(s3_env, store: Store,
     repaired = _cli("store", "repair", url, *(["--dry-run"] if dry_run else []))
     assert repaired.exit_code == 1, repaired.output
     assert "holds no table versions to rebuild it from" in repaired.output, repaired.output
+
+
+def test_a_newer_releases_store_json_at_a_url_is_not_rebuilt(s3_env, store: Store) -> None:
+    """Intact, of a later format: not damage, never rewritten in this format (its record would be lost)."""
+    from store.checksum import seal, unseal
+
+    fill(store, 4)
+    url = s3_env.url()
+    push(store.root, url)
+    client, key = s3_env.client(), "store/store.json"
+    rec = unseal(client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read())
+    newer = seal({**rec, "format_version": fmt.STORE_FORMAT_VERSION + 1})
+    client.put_object(Bucket=s3_env.bucket, Key=key, Body=newer)
+
+    repaired = _cli("store", "repair", url)
+    assert repaired.exit_code == 1 and "rebuilt" not in repaired.output, repaired.output
+    assert client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read() == newer
