@@ -76,7 +76,7 @@ def _wait_notice(call: Callable, key: str, world: int, waited: float, what: str)
     system read) keeps counting signs of life, so the others wait on without an end; the line says who they wait
     for, so a user sees it and can stop the job. `call(op)`: one store call (`_read`): one `get` of every arrival
     (`{key}/ranks`, which each rank appends itself to), whoever is missing: asking each rank's own mark cost the
-    store calls that grew with the ranks missing (512 ranks, 256 missing: 66,046 calls; bench/frozen_look.py)."""
+    store calls that grew with the ranks missing (512 ranks, 256 missing: 66,046 calls; bench/wait_notice.py)."""
     from models.agreement import few
 
     arrived = {int(r) for r in call(lambda c: c.get(f"{key}/ranks")).decode().split(",") if r}
