@@ -32,7 +32,8 @@ A kill -9 leaves the file behind; it must not block gc for ever. Liveness:
   and counts as live until `STALE_SECONDS` after its last refresh (15 min: a margin of several missed refreshes
   and of clock skew between hosts; a reader may record a longer one, `stale_s`, from `LEASE_MINUTES_ENV`: read
   once, when the lease is held, and kept for its life - an environment changed later moves no live lease's margin).
-gc removes the files of dead leases (`remove_dead`), and so does every lease's start (`_remove_dead_met`).
+gc removes the files of dead leases (`remove_dead`), and so does every lease's start (`_remove_dead_met`: this
+host's only).
 - a damaged lease (its seal fails: a flipped byte could name another pid or version) says nobody's pid: judged by its
   refresh age alone, at the default margin. While live, which versions it keeps cannot be told, so gc stops with one
   line, removing nothing (the URL cache's eviction, housekeeping, keeps every version of its cached store whole
@@ -466,16 +467,18 @@ def hold(root: str | Path, tables: dict[str, int | None], what: str, owner: obje
 
 
 def _remove_dead_met(root: Path) -> None:
-    """At a lease's start, under the store lock: remove the files of the dead leases in .leases/ (a killed
+    """At a lease's start, under the store lock: remove the files of this host's dead leases in .leases/ (a killed
     reader's stayed until the next `store gc`), through `remove_dead`. Cheap: one listing; a file is read and
-    judged only where its name's pid is gone on this host or it was not refreshed for `STALE_SECONDS` (a live
-    reader refreshes every `REFRESH_SECONDS`). A failure here (a read-only folder) leaves them to gc."""
-    dead, asides, now, me = [], False, time.time(), socket.gethostname()
+    judged only where its name's pid is gone on this host. Another host's lease is left to gc (and to its own
+    host's starts): telling its age is a stat of its file, a metadata round trip on a shared file system, for every
+    other host's lease at every start, all under the store lock (64 ranks' starts: ~4,000 of them, one after the
+    other). A failure here (a read-only folder) leaves them to gc."""
+    dead, asides, me = [], False, socket.gethostname()
     try:
         with os.scandir(root / LEASES_DIR) as listing:
             for entry in listing:
                 asides |= ASIDE in entry.name  # a killed remover's leftover: remove_dead removes it too
-                if entry.name.endswith(".json") and _maybe_dead(entry, me, now):
+                if entry.name.endswith(".json") and _gone_here(entry.name, me):
                     found = _judged_file(Path(entry.path))
                     dead += [found] if found is not None and not found.live else []
         if dead or asides:
@@ -484,15 +487,12 @@ def _remove_dead_met(root: Path) -> None:
         log.debug("store %s: dead leases left for gc (%s)", root, e.strerror or e)
 
 
-def _maybe_dead(entry: os.DirEntry, me: str, now: float) -> bool:
-    """Whether the lease file `entry` may be dead, by its name (`<host>-<pid>-<random>.json`) and age alone."""
-    host, pid, _ = (entry.name[:-len(".json")].rsplit("-", 2) + ["", ""])[:3]
-    if host == me and pid.isdigit() and (len(pid) > 9 or pid_gone(int(pid), None) is not None):
-        return True  # (no pid has 10 digits: judged, as a name not of this host's reader)
-    try:
-        return entry.stat().st_mtime < now - STALE_SECONDS
-    except FileNotFoundError:  # released meanwhile
-        return False
+def _gone_here(name: str, me: str) -> bool:
+    """Whether the lease file `name` (`<host>-<pid>-<random>.json`) is of this host (`me`) by its name, and its pid
+    no longer runs here (its record then judges it: another node of the same host name is no reader here)."""
+    host, pid, _ = (name[:-len(".json")].rsplit("-", 2) + ["", ""])[:3]
+    # (no pid has 10 digits: such a name is judged by its record)
+    return host == me and pid.isdigit() and (len(pid) > 9 or pid_gone(int(pid), None) is not None)
 
 
 # ---------------------------------------------------------------- what gc reads

@@ -166,7 +166,8 @@ def _parse_record(data: bytes, url: str) -> dict[str, Any]:
     except SealError as e:
         if (line := remote_endpoint.not_s3(url)) is not None:  # the HTML page read as its bytes
             raise UserError(line) from None
-        raise UserError(f"{where} is damaged ({e}); push the store again into an empty prefix") from None
+        raise UserError(f"{where} is damaged ({e}); run `pipeline store repair {url}` (rebuilt from the versions "
+                        "there)") from None
     fmt.check_store_record(rec, where)
     return rec
 

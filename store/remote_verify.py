@@ -90,7 +90,7 @@ def verify_url(url: str, storage_options: dict[str, Any] | None = None, progress
             raise objects.lost
         current = current_versions(root)
         record = str(root / fmt.STORE_JSON)
-        # a damaged store.json of a URL: what push and the stages say (`store repair URL` cannot rebuild it)
+        # a damaged store.json of a URL: what push and the stages say (`store repair URL` rebuilds it)
         problems = [_record_problem(root, url) if p.startswith(record) else p for p in problems]
     return damaged + [p.replace(str(root), url) for p in problems], current
 
@@ -100,7 +100,7 @@ def _record_problem(root: Path, url: str) -> str:
         _parse_record((root / fmt.STORE_JSON).read_bytes(), url)
     except UserError as e:
         return str(e)
-    return f"{url}/{fmt.STORE_JSON} is unreadable; push the store again into an empty prefix"
+    return f"{url}/{fmt.STORE_JSON} is unreadable; run `pipeline store repair {url}` (rebuilt from the versions there)"
 
 
 class RemoteObjects:

@@ -43,18 +43,19 @@ def arrive_together(world: int, what: str) -> None:
     state.run["arrivals"] = state.run.get("arrivals", 0) + 1
     key = f"{_launch_key('arrived')}/{state.run['arrivals']}"
     _call(client, lambda c: c.set(f"{key}/{rank}", "1"))
-    _call(client, lambda c: c.add(key, 1))  # bounded, not tried again (`_read`): an add applied twice counts two
+    _call(client, lambda c: c.append(f"{key}/ranks", f"{rank},"))  # every arrival in one value (`_wait_notice`)
+    # bounded, not tried again (`_read`): an add applied twice counts two
+    first = _call(client, lambda c: c.add(key, 1)) == 1
     seen: dict[int, tuple[int, float]] = {}  # rank -> (its signs of life, when they last changed here)
     look, began = 0.0, time.monotonic()
     notice = began + timing.WAIT_NOTICE_SECONDS
     clients = [client]
     while _read(clients, lambda c: c.add(key, 0)) < world:
-        if time.monotonic() >= notice:
+        if first and time.monotonic() >= notice:
             notice += timing.WAIT_NOTICE_SECONDS
-            line = _wait_notice(lambda op: _read(clients, op), key, world, rank, time.monotonic() - began, what)
-            if line:
-                sys.stderr.write(line + "\n")
-                sys.stderr.flush()
+            waited = time.monotonic() - began
+            sys.stderr.write(_wait_notice(lambda op: _read(clients, op), key, world, waited, what) + "\n")
+            sys.stderr.flush()
         if time.monotonic() >= look:
             look = time.monotonic() + timing.LIVENESS_SECONDS
             lost = _lost_ranks(lambda op: _read(clients, op), key, world, seen)
@@ -69,21 +70,19 @@ def arrive_together(world: int, what: str) -> None:
         time.sleep(timing.POLL_SECONDS)
 
 
-def _wait_notice(call: Callable, key: str, world: int, rank: int, waited: float, what: str) -> str | None:
-    """The line a long wait prints (every WAIT_NOTICE_SECONDS), by the lowest rank arrived only (one line, not one
-    per rank): a rank alive but stuck (a hung network file system read) keeps counting signs of life, so the
-    others wait on without an end; the line says who they wait for, so a user sees it and can stop the job.
-    `call(op)`: one store call (`_read`): one per rank below this one, up to the first arrived, and the lowest
-    arrived asks the rest (every waiting rank asks at once: all of them each, 512 ranks would be 262,144 calls)."""
-    for r in range(rank):
-        if call(lambda c: c.check([f"{key}/{r}"])):
-            return None  # a lower rank arrived: it says it
+def _wait_notice(call: Callable, key: str, world: int, waited: float, what: str) -> str:
+    """The line a long wait prints (every WAIT_NOTICE_SECONDS), by the first rank arrived only (its `add` counted
+    1: one line, not one per rank, known without asking the store): a rank alive but stuck (a hung network file
+    system read) keeps counting signs of life, so the others wait on without an end; the line says who they wait
+    for, so a user sees it and can stop the job. `call(op)`: one store call (`_read`): one `get` of every arrival
+    (`{key}/ranks`, which each rank appends itself to), whoever is missing: asking each rank's own mark cost the
+    store calls that grew with the ranks missing (512 ranks, 256 missing: 66,046 calls; bench/wait_notice.py)."""
     from models.agreement import few
 
-    missing = list(range(rank)) + [r for r in range(rank + 1, world) if not call(lambda c: c.check([f"{key}/{r}"]))]
-    arrived = world - len(missing)
-    return (f"{what}: {arrived} of {world} ranks have waited {waited / 60:.0f} min for rank(s) {few(missing)}, "
-            "still alive (working, or stuck: its node's logs say which)")
+    arrived = {int(r) for r in call(lambda c: c.get(f"{key}/ranks")).decode().split(",") if r}
+    missing = [r for r in range(world) if r not in arrived]
+    return (f"{what}: {world - len(missing)} of {world} ranks have waited {waited / 60:.0f} min for rank(s) "
+            f"{few(missing)}, still alive (working, or stuck: its node's logs say which)")
 
 
 def _lost_ranks(call: Callable, key: str, world: int, seen: dict[int, tuple[int, float]]) -> list[int]:

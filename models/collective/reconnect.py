@@ -65,7 +65,7 @@ def _read(clients: list, read: Callable[[object], T]) -> T:
     ignored; a store still silent after `_reconnect`'s tries ends the wait in one line (`StoreSilent`): those tries'
     own finding (`state.found`, this thread's), not the process's, which the watch thread's poll answered meanwhile
     clears.
-    A batch of calls (`_lost_ranks`' look, `_wait_notice`'s one per rank) is one `_read` per call, each bounded
+    A batch of calls (`_lost_ranks`' look) is one `_read` per call, each bounded
     and tried again on its own: one bound for the whole batch ran out on a busy store of many ranks, and the batch
     was tried again for ever."""
     while True:

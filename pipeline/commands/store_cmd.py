@@ -112,8 +112,9 @@ def _verify_advice(store: str, current: dict[str, int], problems: list[str]) -> 
     found = [re.match(r"([A-Za-z0-9_]+)/v(\d+)/", p) for p in problems_]
     old = sorted({f"{m[1]}/v{m[2]}" for m in found if m and current.get(m[1]) != int(m[2])})
     if is_url(store) and any(p.startswith(f"{store.rstrip('/')}/store.json ") for p in problems):
-        # a remote's store.json: no repair rebuilds it (`store repair URL` opens the store through it first)
-        advice.append("push the store again into an empty prefix (from the local store it was pushed from)")
+        # a remote's store.json: rebuilt from the versions there first (store/remote_record_repair.py)
+        advice.append(f"`pipeline store repair {store}` rebuilds its store.json from the versions there, then "
+                      "repairs the rest")
     elif mended := [p for p, m in zip(problems_, found) if m is None or current.get(m[1]) == int(m[2])]:
         # current versions, store.json, litter: the stage's --model / --config only where samples may be recomputed
         if any(needs_recompute(p) for p in mended):
@@ -186,6 +187,8 @@ def repair(
     url = store if is_url(store) else None
     cfg = config_from(config, {"paths.model": model, "paths.source": source}, set_)
     with user_errors(), ExitStack() as held:
+        if url is not None and _rebuilt_record(url, dry_run):
+            return
         if url is not None:  # repaired in a working copy, then pushed back (store/remote_work.py)
             from store.remote_work import publish, replaced_here, working_copy
 
@@ -220,6 +223,18 @@ def repair(
     echo(f"ok: {url or store} repaired and verified")
     if after:
         echo(after)
+
+
+def _rebuilt_record(url: str, dry_run: bool) -> bool:
+    """A damaged store.json at `url`, rebuilt there from its versions first (the working copy opens the store
+    through it): True where this ends the command (a dry run, which scans the rest once it reads)."""
+    from store.remote_record_repair import rebuild_damaged_record
+
+    if not rebuild_damaged_record(url, dry_run, echo):
+        return False
+    if dry_run:
+        echo("dry run: nothing changed (the rest of the store is scanned once its store.json is rebuilt)")
+    return dry_run
 
 
 def _nothing_to_repair(url: str | None, store: Path, todo: bool, dry_run: bool) -> None:

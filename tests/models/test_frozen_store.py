@@ -258,9 +258,17 @@ class SlowStore:
         self._op()
         return [str(self.values[k]).encode() for k in keys]
 
+    def append(self, key: str, value: str) -> None:
+        self._op()
+        self.values[key] = self.values.get(key, "") + value
+
+    def get(self, key: str) -> bytes:
+        self._op()
+        return str(self.values[key]).encode()
+
 
 def test_a_wait_of_many_ranks_on_a_busy_store_bounds_each_call_not_the_batch(monkeypatch, own_collective) -> None:
-    """`arrive_together` looks at every rank not arrived (`_lost_ranks`: two calls per rank; `_wait_notice`: one)
+    """`arrive_together` looks at every rank not arrived (`_lost_ranks`: two calls per rank; `_wait_notice`: one in all)
     through a store whose calls take 2 ms each: 512 ranks' batch takes ~2 s, past a bound of 1 s. Bounded as a
     whole, the batch ended in `StoreSilent`, a new connection (`_reconnect`) and the same batch again (for ever
     where the store answers, each lap leaving a blocked thread and a connection); each call bounded on its own, the
