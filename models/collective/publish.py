@@ -80,6 +80,13 @@ def peer_failure() -> str | None:
     return None
 
 
+def ending_line() -> str | None:
+    """The line this process ends on, for a stop that lands before it printed it (the CLI's SIGTERM handler:
+    torchrun's agent stops a node's other workers once one exited): the agreed failure it is reporting
+    (`failure_line`), else a line another rank published (`peer_failure`)."""
+    return state.run.get("ending") or peer_failure()
+
+
 # what gloo says on this side of a connection whose other process is gone (its TCP pairs are closed by the kernel)
 _LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
@@ -105,6 +112,10 @@ def failure_line(error: BaseException, line: str) -> str:
     """The line a process prints at its top level for `error` (one-line text `line`). With several ranks, an error
     the others do not know of yet is published first (they stop with it), and a line published before (another
     rank's failure, of which this error may be a consequence) wins, so every rank prints the same."""
+    if agreed(error):
+        # the line a SIGTERM landing from here on ends this rank with (`ending_line`): under torchrun another worker
+        # of this node that printed it first exits, and the agent stops this one at once (nothing published to find)
+        state.run["ending"] = line
     if agreed(error) and state.run.get("stop_watching") is not None:
         # every rank knows and is about to exit: nothing left to watch for, and a poll of a store whose host
         # (rank 0) exited first logged a C++ stack after this line (its last line was no longer the error)
