@@ -8,6 +8,7 @@ import os
 from typing import Callable
 
 from models.collective import state, timing
+from models.collective.canary import store_host_gone
 from models.collective.counting import _known_by_all
 from models.collective.errors import _mark, agreed
 from models.collective.reconnect import _read
@@ -36,6 +37,8 @@ def _write_failure(message: str, world: int, timeout: float = 10.0, watching_onl
     `watching_only`: wait only for the ranks watching already (`_watching_ranks`), for a publisher that cannot
     know whether any rank waits for it (one stopped before its own first exchange)."""
     state.run["published"] = True
+    if store_host_gone():  # its port refuses: `_store_client` took that for a store still starting, `timeout` long
+        return None
     try:
         client = _store_client(_again_timeout(timeout))
         if client is None:
@@ -67,7 +70,7 @@ def _watching_ranks(call: Callable, world: int) -> list[int]:
 def peer_failure() -> str | None:
     """The line another rank published, if any (for a main thread that met a collective error first: a peer's
     exit closes the gloo connections)."""
-    if not state.run["watching"]:
+    if not state.run["watching"] or store_host_gone():  # gone: nothing to read (a connect retried it for 10 s)
         return None
     try:
         client = _store_client(_again_timeout(10.0))
