@@ -115,7 +115,7 @@ def failure_line(error: BaseException, line: str) -> str:
     """The line a process prints at its top level for `error` (one-line text `line`). With several ranks, an error
     the others do not know of yet is published first (they stop with it), and a line published before (another
     rank's failure, of which this error may be a consequence) wins, so every rank prints the same."""
-    if agreed(error):
+    if agreed(error) and state.run["watching"]:
         # the line a SIGTERM landing from here on ends this rank with (`ending_line`): under torchrun another worker
         # of this node that printed it first exits, and the agent stops this one at once (nothing published to find)
         state.run["ending"] = line
