@@ -130,9 +130,10 @@ def _terminate(signum, frame) -> None:
     earlier = _loaded("stages.train.stop", "EARLIER")  # the training loop acts on it if this exit is lost
     if earlier is not None:
         earlier.append(signum)
-    peer_failure = _loaded("models.collective", "peer_failure")  # never imported here (a signal may come mid-import)
-    if peer_failure is not None and (line := peer_failure()) is not None:
-        # torchrun stops the other ranks once one exits: they print its line too (models/collective/)
+    ending_line = _loaded("models.collective", "ending_line")  # never imported here (a signal may come mid-import)
+    if ending_line is not None and (line := ending_line()) is not None:
+        # torchrun stops the other ranks once one exits: they print its line too (models/collective/), or the line
+        # of a failure all ranks agreed on that this one was about to print
         sys.modules["models.collective"].report_once(line)
     raise SystemExit(128 + signum)
 

@@ -46,14 +46,14 @@ from models.collective.canary import forget_store_hosts, store_host_gone
 from models.collective.errors import RankFailed, agreed
 from models.collective.exit import close_at_exit
 from models.collective.interrupt import publish_interrupt
-from models.collective.publish import (failure_line, lost_peer_line, peer_failure, peer_line, publish_failure,
-                                       publish_uncaught, rank_error_line)
+from models.collective.publish import (ending_line, failure_line, lost_peer_line, peer_failure, peer_line,
+                                       publish_failure, publish_uncaught, rank_error_line)
 from models.collective.report import report_once
 from models.collective.store_client import StoreSilent
 from models.collective.watch import new_run, watch_failures
 
 __all__ = ["MESSAGE_BYTES", "RankFailed", "StoreSilent", "agreed", "all_max", "all_sum", "arrive_together",
-           "close_at_exit", "differing_ranks", "fails_alone", "failure_line", "forget_store_hosts",
+           "close_at_exit", "differing_ranks", "ending_line", "fails_alone", "failure_line", "forget_store_hosts",
            "gather_before_group", "gather_texts", "lost_peer_line", "main_alone", "new_run", "out_of_memory",
            "peer_failure", "peer_line", "publish_failure", "publish_interrupt", "publish_uncaught", "rank_error_line",
            "ranks_differ", "report_once", "share_failure", "spread", "store_host_gone", "together",

@@ -10,7 +10,7 @@ import os
 import socket
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 from models.collective import state, timing
 from models.collective.canary import forget_store_hosts
@@ -21,7 +21,8 @@ from models.collective.watch import watch_failures
 from schemas.errors import UserError
 
 
-def gather_before_group(world: int, what: str, text: str, timeout: float | None = None) -> list[str]:
+def gather_before_group(world: int, what: str, text: str, timeout: float | None = None,
+                        ending: Callable[[list[str]], str | None] | None = None) -> list[str]:
     """Every rank's `text`, in rank order, on every rank, before any process group exists, so that all ranks can
     decide together what the group is made of (its backend): through the launcher's store, under keys of this
     launch attempt and of `what` (the decision, e.g. train.device; every rank calls it as often with the same
@@ -29,7 +30,8 @@ def gather_before_group(world: int, what: str, text: str, timeout: float | None 
     those that never came.
     Without a launcher's store (a plain env:// launch: a platform set WORLD_SIZE, RANK, MASTER_*), rank 0 serves
     the store, and the process group later serves from it too. One process, or a launch that names no store
-    (then no env:// group can form either): [text], this rank's alone."""
+    (then no env:// group can form either): [text], this rank's alone. `ending(texts)`: the line the texts end
+    the command with, if any, this process's line for a SIGTERM from here on (publish.py `ending_line`)."""
     if world <= 1 or not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
         return [text]
     from models.agreement import few
@@ -69,6 +71,10 @@ def gather_before_group(world: int, what: str, text: str, timeout: float | None 
         raise UserError(f"{what}: the ranks decide it together through the launch's store at {where}, which "
                         f"went away meanwhile ({_first_line(e)}): see rank 0's log (it serves the store when no "
                         "launcher does) or the launcher's") from None
+    if ending is not None and (line := ending(texts)) is not None:
+        # under torchrun another worker of this node may end on it first: the agent then SIGTERMs this one in the
+        # wait below, which ended it silently
+        state.run["ending"] = line
     # every rank counts itself as having read the texts; a process whose exit may end the store waits for them
     # (`_ends_store`: when the decision is a refusal, the others read first): its host, or under an agent's store
     # a worker of the node whose agent serves it: the agent ends it once its worker exits, and a rank on another
@@ -106,14 +112,24 @@ def together_before_group(world: int, what: str) -> Iterator[None]:
         if agreed(e):
             raise
         error = e
-    texts = gather_before_group(world, what, "" if error is None else _message(error, what))
-    failed = [r for r, text in enumerate(texts) if text]
-    if not failed:
+    texts = gather_before_group(world, what, "" if error is None else _message(error, what),
+                                ending=lambda texts: _refusal(texts, world))
+    line = _refusal(texts, world)
+    if line is None:
         return
     if error is not None and not isinstance(error, UserError):
         raise _mark(error)
+    raise RankFailed(line) from None
+
+
+def _refusal(texts: list[str], world: int) -> str | None:
+    """The line of `together_before_group`'s outcome, None where no rank failed: the lowest failing rank's text,
+    named by its rank where some ranks did not fail."""
+    failed = [r for r, text in enumerate(texts) if text]
+    if not failed:
+        return None
     first = texts[failed[0]]
-    raise RankFailed(first if len(failed) == world else f"rank {failed[0]}: {first}") from None
+    return first if len(failed) == world else f"rank {failed[0]}: {first}"
 
 
 def _before_group_store(timeout: float):

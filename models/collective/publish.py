@@ -8,6 +8,7 @@ import os
 from typing import Callable
 
 from models.collective import state, timing
+from models.collective.canary import store_host_gone
 from models.collective.counting import _known_by_all
 from models.collective.errors import _mark, agreed
 from models.collective.reconnect import _read
@@ -36,6 +37,8 @@ def _write_failure(message: str, world: int, timeout: float = 10.0, watching_onl
     `watching_only`: wait only for the ranks watching already (`_watching_ranks`), for a publisher that cannot
     know whether any rank waits for it (one stopped before its own first exchange)."""
     state.run["published"] = True
+    if store_host_gone():  # its port refuses: `_store_client` took that for a store still starting, `timeout` long
+        return None
     try:
         client = _store_client(_again_timeout(timeout))
         if client is None:
@@ -67,7 +70,7 @@ def _watching_ranks(call: Callable, world: int) -> list[int]:
 def peer_failure() -> str | None:
     """The line another rank published, if any (for a main thread that met a collective error first: a peer's
     exit closes the gloo connections)."""
-    if not state.run["watching"]:
+    if not state.run["watching"] or store_host_gone():  # gone: nothing to read (a connect retried it for 10 s)
         return None
     try:
         client = _store_client(_again_timeout(10.0))
@@ -78,6 +81,13 @@ def peer_failure() -> str | None:
     except Exception:  # noqa: BLE001
         pass
     return None
+
+
+def ending_line() -> str | None:
+    """The line this process ends on, for a stop that lands before it printed it (the CLI's SIGTERM handler:
+    torchrun's agent stops a node's other workers once one exited): the agreed failure it is reporting
+    (`failure_line`), else a line another rank published (`peer_failure`)."""
+    return state.run.get("ending") or peer_failure()
 
 
 # what gloo says on this side of a connection whose other process is gone (its TCP pairs are closed by the kernel)
@@ -105,6 +115,10 @@ def failure_line(error: BaseException, line: str) -> str:
     """The line a process prints at its top level for `error` (one-line text `line`). With several ranks, an error
     the others do not know of yet is published first (they stop with it), and a line published before (another
     rank's failure, of which this error may be a consequence) wins, so every rank prints the same."""
+    if agreed(error) and state.run["watching"]:
+        # the line a SIGTERM landing from here on ends this rank with (`ending_line`): under torchrun another worker
+        # of this node that printed it first exits, and the agent stops this one at once (nothing published to find)
+        state.run["ending"] = line
     if agreed(error) and state.run.get("stop_watching") is not None:
         # every rank knows and is about to exit: nothing left to watch for, and a poll of a store whose host
         # (rank 0) exited first logged a C++ stack after this line (its last line was no longer the error)
