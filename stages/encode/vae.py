@@ -169,6 +169,7 @@ def run(
                    on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction,
                    earlier_hashes=earlier_config_hashes(section), fixes=fixes, unread=VAE_UNREAD, by_controls=rule)
     job.match_columns = ("mask_sha256",)
+    job.mask_only_carry = True  # the mask is not in the key, nor in the latents: an edited mask keeps them
     job.same_inputs_carry = True  # the caption is in the key, never in the latents: a recaption carries them
     say_other_images(job, cfg)
     if variant == "qwen-image-2.1":  # its VAE reads RGBA: pictures flattened over white are said
