@@ -88,6 +88,8 @@ def _weight_now(files: dict[str, bytes]) -> Any:
 def _write(job: EncodeJob, key: str, stored: dict[str, Any], weight: Any) -> bool:
     """Add the sample as `stages.encode.vae._write` adds a fresh one; False (nothing added) where the stored row
     is not one of its latents."""
+    from stages.encode.vae import LATENTS_COLUMN, latents_sha256
+
     tensors, meta = stored["tensors"], stored["meta"]
     names = ["target"] + [f"control_{i}" for i in range(int(meta.get("num_controls", -1)))]
     if set(tensors) - {"mask_weight"} != set(names):
@@ -103,5 +105,6 @@ def _write(job: EncodeJob, key: str, stored: dict[str, Any], weight: Any) -> boo
         "latent_shapes": [list(out[n].shape) for n in names],
         "has_mask": weight is not None,
         "mask_sha256": now.get("mask_sha256") or "",
+        LATENTS_COLUMN: latents_sha256(out, names),
     })
     return True

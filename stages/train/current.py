@@ -13,7 +13,7 @@ from models.lora import WEIGHT_NAME
 from schemas import up_to_date as current
 from schemas.config import PipelineConfig, TrainConfig
 from stages.train import damaged_log, shorter, state as train_state
-from stages.train.settings import (config_fingerprint, has_masks, known_fingerprint, training_revision,
+from stages.train.settings import (config_fingerprint, has_masks, known_fingerprint, name_tables, training_revision,
                                    init_lora_sha256, planned_device, recorded_backend, resolve_precision,
                                    run_backend, weighed)
 from stages.train.state import ResumeRecord
@@ -135,6 +135,7 @@ def _inputs(cfg: PipelineConfig, store: str | Path, model: str,
     tables = open_configured(cfg.train, "train", store, model, files, "train",  # as training does
                              say_dropped=False)  # the trainer says it (a run that is not current trains)
     masked = has_masks(tables)
+    name_tables(train, tables)
     tables.close()  # only its versions (or contents: from the manifests it holds) are compared
     return {
         "step": cfg.train.max_steps,

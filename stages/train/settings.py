@@ -141,6 +141,17 @@ def has_masks(tables: Any) -> bool:
     return bool(pc.any(reader.view.column("has_mask").fill_null(True)).as_py())
 
 
+def name_tables(cfg: TrainConfig, tables: Any) -> None:
+    """Where the mask weighs nothing in this run (weights 1 / 1, or no masked sample: `weighed`), the run names its
+    vae table by each sample's latents alone (`JoinedTables.stand_in`): an edited mask (its weights rewritten, the
+    latents kept: stages/encode/mask_only.py) keeps the run current. Before the first `content_ids`."""
+    from schemas.config import MaskWeight
+    from schemas.table import VAE_LATENTS_COLUMN
+
+    if weighed(cfg, has_masks(tables)).loss.mask_weight == MaskWeight():
+        tables.stand_in("vae", VAE_LATENTS_COLUMN)
+
+
 def run_fingerprint(cfg: TrainConfig, tables: Any) -> str:
     """The fingerprint a run of `cfg` on `tables` records: `config_fingerprint` of `weighed`."""
     return config_fingerprint(weighed(cfg, has_masks(tables)))

@@ -24,7 +24,7 @@ from stages.train.current import damaged_current, nonfinite_current
 from stages.train.data import DataStream, write_data_report
 from stages.train.resume import CONFIG_FILE, changed_settings
 from stages.train.settings import (check_control_dropout, has_masks, init_lora_sha256, known_fingerprint,
-                                   recorded_backend, run_fingerprint, training_revision)
+                                   name_tables, recorded_backend, run_fingerprint, training_revision)
 from stages.train.state import ResumeRecord
 from store.format import atomic_write_bytes, atomic_write_json
 from store.join import JoinedTables
@@ -41,6 +41,7 @@ def open_tables(tc: TrainConfig, store: str | Path, model: str, accelerator) -> 
     with together(world, "opening the store"):
         # the trainer prints the join's one line itself (`data.write_data_report`)
         tables = open_configured(tc, "train", store, model, files, "train", say_dropped=False)
+    name_tables(tc, tables)
     try:
         check_same_versions(world, tables.versions(), tables.store_root, "train")
         with together(world, "train.control_dropout"):  # of the text table opened: its columns
