@@ -16,6 +16,9 @@ SCHEMA_V2 = 2
 CURRENT_SCHEMA_VERSION = SCHEMA_V2
 KNOWN_SCHEMA_VERSIONS = (SCHEMA_V1, SCHEMA_V2)
 
+# the vae table's column of each sample's latents' sha256 without its mask weights (encode-vae writes it; train
+# names the table by it where the mask weighs nothing)
+VAE_LATENTS_COLUMN = "latents_sha256"
 TENSOR_DTYPES = ("bfloat16", "float16", "float32", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 FieldKind = Literal["tensor", "file", "column"]
 

@@ -136,6 +136,8 @@ class JoinedTables:
     `keys` (sorted) and `rows[table]` (each key's row number in that table) are Arrow / numpy arrays, so a join
     of two million-sample tables costs a few hash lookups per key in C, not Python sets and dicts."""
 
+    stand_ins: dict[str, str] = {}  # `stand_in`: table -> column hashed for its samples' checksums (never mutated)
+
     def __init__(self, readers: dict[str, TableReader], split: str | None = None, store_root: Path | None = None,
                  say_unmatched: bool = True):
         """`say_unmatched`: the warning line for keys only in some table; False where the caller counts them and
@@ -266,6 +268,13 @@ class JoinedTables:
             self._contents = _content_ids(self)
         return dict(self._contents) if self._contents else None
 
+    def stand_in(self, table: str, column: str) -> None:
+        """`content_ids` of `table` hash `column` in place of its samples' checksums where every joined row holds a
+        value there (a checksum of the part of each sample its reader reads: train's vae latents without the mask
+        weights, where they weigh nothing); else the checksums, as without. Set before the first `content_ids`."""
+        self.stand_ins = {**self.stand_ins, table: column}
+        self._contents, self._prefix_contents = False, {}
+
     def content_names(self, first: int | None = None) -> dict[str, str]:
         """The joined tables as a record of what was read from them names them: `content:<id>` (`content_ids`,
         of the first `first` rows where given), so an `images` rerun that changed no sample keeps the record
@@ -373,7 +382,7 @@ def _content_ids(j: JoinedTables, first: int | None = None) -> dict[str, str] | 
             h = common.copy()
             h.update(b"\0table\0" + t.encode())
             rows = np.asarray(j.rows[t])[:n]
-            for name in CONTENT_COLUMNS:
+            for name in _content_columns(r.view, j.stand_ins.get(t), rows, h):
                 h.update(b"\0column\0" + name.encode())
                 if not r.view.has_column(name):
                     h.update(b"\0absent")
@@ -387,6 +396,16 @@ def _content_ids(j: JoinedTables, first: int | None = None) -> dict[str, str] | 
     finally:
         release_memory()
     return out
+
+
+def _content_columns(view: Any, stand_in: str | None, rows: np.ndarray, h: "hashlib._Hash") -> tuple[str, ...]:
+    """The columns hashed for a table: `CONTENT_COLUMNS`, or with `stand_in` (a column every one of `rows` holds a
+    value in) that column in place of the sample checksums, its name hashed first (never the id of the checksums)."""
+    if stand_in is None or not view.has_column(stand_in) or len(rows) == 0 or \
+            view.column_at(stand_in, rows).null_count:
+        return CONTENT_COLUMNS
+    h.update(b"\0stand-in\0" + stand_in.encode())
+    return (stand_in, *(c for c in CONTENT_COLUMNS if c not in ("sample_sha256", "sample_crc32c")))
 
 
 def split_keys(r: ReaderManifest, split: str | None) -> list[str]:

@@ -50,6 +50,8 @@ class EncodeJob:
     match_columns: tuple[str, ...] = ()  # images columns a carried row must still match (vae: mask_sha256)
     # a key not carried is carried from an earlier row of the same pictures under another key (vae: a recaption)
     same_inputs_carry: bool = False
+    # a key whose mask alone changed keeps its stored latents, its mask weights computed now (vae: mask_only.py)
+    mask_only_carry: bool = False
     # feature lineages of samples holding part of this run's columns (encode-text: encoded without
     # no_control_embeds), and how the stage completes such rows: (version, its stored rows) -> the keys it wrote,
     # each with its stored part and the missing one computed now (stages/encode/output.py `_completed`)

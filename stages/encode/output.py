@@ -78,6 +78,13 @@ def _carried_forward(job: EncodeJob, todo: list[str]) -> tuple[list[str], np.nda
         completed = _completed(job, carriable)
         todo, at = _left(todo, at, completed)
         carriable = [k for k in carriable if k not in completed]
+    if job.mask_only_carry and carriable:  # encode-vae: a sample whose mask alone changed (stages/encode/mask_only.py)
+        from stages.encode.mask_only import recompute_masks
+
+        masks = recompute_masks(job, carriable)
+        job.summary.completed += len(masks)
+        todo, at = _left(todo, at, masks)
+        carriable = [k for k in carriable if k not in masks]
     if job.same_inputs_carry and carriable:  # encode-vae: a recaptioned sample's latents (stages/encode/same_inputs.py)
         from stages.encode.same_inputs import carry_same_inputs
 

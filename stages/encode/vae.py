@@ -21,7 +21,7 @@ import torch
 from schemas.config import PipelineConfig
 from schemas.img_shapes import PIXELS_PER_PATCH
 from schemas.pictures_lineage import VAE_UNREAD
-from schemas.table import FieldSpec, TableSchema
+from schemas.table import VAE_LATENTS_COLUMN, FieldSpec, TableSchema
 from schemas.errors import Rejected
 from stages.encode.common import (
     EncodeJob,
@@ -57,6 +57,7 @@ FEATURE_REVISION = "vae.2"
 FIXES = Fixes(own=((1, lambda meta, row: has_alpha_picture(meta)),),
               by_images=((1, lambda meta, row: mask_was_turned(meta)),
                          (3, lambda meta, row: took_transparent_colour(meta))), reads=("conversions",))
+LATENTS_COLUMN = VAE_LATENTS_COLUMN  # `latents_sha256` of each sample
 COMPONENTS = ("vae",)  # what the latents depend on: another model with the same VAE files reuses them
 
 
@@ -78,6 +79,19 @@ class Prepared:
     names: list[str]  # "target", "control_0", ... in order
     mask_weight: torch.Tensor | None
     requests: list[Request] = field(default_factory=list)
+
+
+def latents_sha256(latents: dict[str, torch.Tensor], names: list[str]) -> str:
+    """sha256 of the sample's latents alone (each name, dtype, shape and bytes, in order): its stored bytes without
+    the mask weights, which train names its tables by where the mask weighs nothing (`store.join`'s stand-ins)."""
+    import hashlib
+
+    h = hashlib.sha256(b"vae-latents-1")
+    for n in names:
+        t = latents[n].contiguous().cpu()
+        h.update(f"\0{n}\0{t.dtype}\0{list(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def mask_weight(mask, height: int, width: int) -> torch.Tensor:
@@ -131,6 +145,7 @@ def vae_schema(job: EncodeJob, vae, dtype: str) -> TableSchema:
             FieldSpec("latent_shapes", "json", kind="column"),
             FieldSpec("has_mask", "bool", kind="column"),
             FieldSpec("mask_sha256", "string", kind="column", optional=True),
+            FieldSpec(LATENTS_COLUMN, "string", kind="column", optional=True),
         ],
         attrs={
             "latents_mean": list(vae.config.latents_mean),
@@ -169,6 +184,7 @@ def run(
                    on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction,
                    earlier_hashes=earlier_config_hashes(section), fixes=fixes, unread=VAE_UNREAD, by_controls=rule)
     job.match_columns = ("mask_sha256",)
+    job.mask_only_carry = True  # the mask is not in the key, nor in the latents: an edited mask keeps them
     job.same_inputs_carry = True  # the caption is in the key, never in the latents: a recaption carries them
     say_other_images(job, cfg)
     if variant == "qwen-image-2.1":  # its VAE reads RGBA: pictures flattened over white are said
@@ -247,6 +263,7 @@ def _write(job: EncodeJob, prepared: Prepared, latents: dict[str, torch.Tensor],
             "latent_shapes": [list(latents[n].shape) for n in names],
             "has_mask": prepared.mask_weight is not None,
             "mask_sha256": meta.get("mask_sha256") or "",  # reuse compares it: the mask is not in the key
+            LATENTS_COLUMN: latents_sha256(tensors, names),
         },
     )
     job.summary.encoded += 1

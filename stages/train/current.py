@@ -13,9 +13,9 @@ from models.lora import WEIGHT_NAME
 from schemas import up_to_date as current
 from schemas.config import PipelineConfig, TrainConfig
 from stages.train import damaged_log, shorter, state as train_state
-from stages.train.settings import (config_fingerprint, earlier_config_fingerprints, training_revision,
+from stages.train.settings import (config_fingerprint, has_masks, known_fingerprint, name_tables, training_revision,
                                    init_lora_sha256, planned_device, recorded_backend, resolve_precision,
-                                   run_backend)
+                                   run_backend, weighed)
 from stages.train.state import ResumeRecord
 from store.join import JoinedTables
 
@@ -84,7 +84,7 @@ def _same_run(record: ResumeRecord, cfg: PipelineConfig, store: str | Path, mode
     train = train or resolved_train(cfg)
     if not damaged_current(Path(out), train, record.step) or not nonfinite_current(record, train):
         return False
-    now, tables = _inputs(cfg, store, model, train)
+    now, tables, masked = _inputs(cfg, store, model, train)
     if not step:
         now["step"] = record.step
     now["attention_backend"] = backend or run_backend(train, model, planned_device(train))
@@ -96,8 +96,8 @@ def _same_run(record: ResumeRecord, cfg: PipelineConfig, store: str | Path, mode
     recorded["tables"], now["tables"] = train_state.compared_tables(record.tables, record.table_contents,
                                                                     now["tables"], tables.content_ids)
     # an earlier spelling (a backend hashed by name: the one resolved now)
-    if recorded["config_fingerprint"] in earlier_config_fingerprints(train, now["attention_backend"]):
-        recorded["config_fingerprint"] = now["config_fingerprint"]
+    recorded["config_fingerprint"] = known_fingerprint(recorded["config_fingerprint"], train, now["attention_backend"],
+                                                       masked)
     recorded["init_lora_sha256"] = train_state.known_init_lora(record.init_lora_sha256, now["init_lora_sha256"])
     return current.is_current(recorded, now)
 
@@ -125,24 +125,27 @@ def run_inputs(cfg: PipelineConfig, store: str | Path, model: str) -> dict[str, 
 
 
 def _inputs(cfg: PipelineConfig, store: str | Path, model: str,
-            train: TrainConfig) -> tuple[dict[str, Any], JoinedTables]:
-    """`run_inputs`, and the joined tables (closed) for their content identities."""
+            train: TrainConfig) -> tuple[dict[str, Any], JoinedTables, bool]:
+    """`run_inputs`, the joined tables (closed) for their content identities, and whether the vae table holds a
+    masked sample (`settings.has_masks`)."""
     from models.loading import model_files
     from schemas.model_files import fingerprint_of
 
     files = model_files(model)  # one walk: the tables' check and the record's fingerprint
     tables = open_configured(cfg.train, "train", store, model, files, "train",  # as training does
                              say_dropped=False)  # the trainer says it (a run that is not current trains)
+    masked = has_masks(tables)
+    name_tables(train, tables)
     tables.close()  # only its versions (or contents: from the manifests it holds) are compared
     return {
         "step": cfg.train.max_steps,
         # the run records its resolved precision (dtype auto -> float32 / bfloat16 for its device)
-        "config_fingerprint": config_fingerprint(train),
+        "config_fingerprint": config_fingerprint(weighed(train, masked)),
         "tables": tables.versions(),
         "model_fingerprint": fingerprint_of(files),
         "init_lora_sha256": init_lora_sha256(cfg.train),
         "training_revision": training_revision(cfg.train),
-    }, tables
+    }, tables, masked
 
 
 def resolved_train(cfg: PipelineConfig, world: int = 1) -> TrainConfig:

@@ -357,11 +357,13 @@ def take_back_kept(cfg: PipelineConfig, store: str | Path, model: str, out: Path
     OUT's lock is taken again after a swap (`locks`): the one held moved away with the run OUT held."""
     from stages.train import previous
     from stages.train.current import resumable_step
-    from stages.train.settings import config_fingerprint, earlier_config_fingerprints, planned_device
+    from stages.train.settings import config_fingerprint, earlier_config_fingerprints, planned_device, weighed
 
     train = resolved_train(cfg)
     backend = run_backend(train, model, planned_device(train))
-    fingerprints = {config_fingerprint(train), *earlier_config_fingerprints(train, backend)}
+    # a cheap look: the weights named as their default too (a run on tables without masks, `weighed`)
+    fingerprints = {config_fingerprint(train), config_fingerprint(weighed(train, False)),
+                    *earlier_config_fingerprints(train, backend)}
     partial: list[tuple[int, Path]] = []
     for kept in previous.kept_runs(out):
         latest = train_state.latest_checkpoint(kept / "checkpoints")

@@ -119,6 +119,44 @@ def config_fingerprint(cfg: TrainConfig) -> str:
     return section_fingerprint(cfg)
 
 
+def weighed(cfg: TrainConfig, masked: bool) -> TrainConfig:
+    """`cfg` as its run's fingerprint names it: with no masked sample in the vae table (`masked` False: neither
+    split, so the validation's weighted losses neither) every token weighs 1 whatever `loss.mask_weight` is, so the
+    weights are named as their default (a change to them retrains nothing there)."""
+    from schemas.config import MaskWeight
+
+    if masked or cfg.loss.mask_weight == MaskWeight():
+        return cfg
+    return cfg.model_copy(update={"loss": cfg.loss.model_copy(update={"mask_weight": MaskWeight()})})
+
+
+def has_masks(tables: Any) -> bool:
+    """Whether the joined vae table (every split) holds a masked sample; True where it does not say (no
+    `has_mask` column: no other table lets the weights go)."""
+    reader = getattr(tables, "readers", {}).get("vae")
+    if reader is None or not reader.view.has_column("has_mask"):
+        return True
+    import pyarrow.compute as pc
+
+    return bool(pc.any(reader.view.column("has_mask").fill_null(True)).as_py())
+
+
+def name_tables(cfg: TrainConfig, tables: Any) -> None:
+    """Where the mask weighs nothing in this run (weights 1 / 1, or no masked sample: `weighed`), the run names its
+    vae table by each sample's latents alone (`JoinedTables.stand_in`): an edited mask (its weights rewritten, the
+    latents kept: stages/encode/mask_only.py) keeps the run current. Before the first `content_ids`."""
+    from schemas.config import MaskWeight
+    from schemas.table import VAE_LATENTS_COLUMN
+
+    if weighed(cfg, has_masks(tables)).loss.mask_weight == MaskWeight():
+        tables.stand_in("vae", VAE_LATENTS_COLUMN)
+
+
+def run_fingerprint(cfg: TrainConfig, tables: Any) -> str:
+    """The fingerprint a run of `cfg` on `tables` records: `config_fingerprint` of `weighed`."""
+    return config_fingerprint(weighed(cfg, has_masks(tables)))
+
+
 # Memory settings the fingerprint held before they were declared throughput (the same weights): a run made then
 # resumes and stays current whatever they were, as the OOM advice asks a resume to change them.
 _MEMORY_AS_BEFORE = tuple((gc, off) for gc in (False, True) for off in ("none", "blocks"))
@@ -184,11 +222,16 @@ def recorded_backend(record_backend: str | None, record_fingerprint: str, cfg: T
     return now if cfg.attention_backend is None else None
 
 
-def known_fingerprint(record_fingerprint: str, cfg: TrainConfig, backend: str | None = None) -> str:
-    """The record's fingerprint, read as this config's when it is one of its earlier spellings (`backend`: the one
-    this run resolves to)."""
-    return config_fingerprint(cfg) if record_fingerprint in earlier_config_fingerprints(cfg, backend) else \
-        record_fingerprint
+def known_fingerprint(record_fingerprint: str, cfg: TrainConfig, backend: str | None = None,
+                      masked: bool = True) -> str:
+    """The record's fingerprint, read as this config's (`weighed` by `masked`) when it is one of its earlier
+    spellings (`backend`: the one this run resolves to), or, its mask weights named by the data (`weighed`), one
+    with the weights as set (a run recorded before they were)."""
+    now = weighed(cfg, masked)
+    spellings = set(earlier_config_fingerprints(now, backend))
+    if now is not cfg:
+        spellings |= {config_fingerprint(cfg), *earlier_config_fingerprints(cfg, backend)}
+    return config_fingerprint(now) if record_fingerprint in spellings else record_fingerprint
 
 
 def init_lora_sha256(cfg: TrainConfig) -> str | None:

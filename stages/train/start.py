@@ -23,8 +23,8 @@ from stages.train import damaged_log, elastic, guard, previous, shorter, state a
 from stages.train.current import damaged_current, nonfinite_current
 from stages.train.data import DataStream, write_data_report
 from stages.train.resume import CONFIG_FILE, changed_settings
-from stages.train.settings import (check_control_dropout, config_fingerprint, init_lora_sha256, known_fingerprint,
-                                   recorded_backend, training_revision)
+from stages.train.settings import (check_control_dropout, has_masks, init_lora_sha256, known_fingerprint,
+                                   name_tables, recorded_backend, run_fingerprint, training_revision)
 from stages.train.state import ResumeRecord
 from store.format import atomic_write_bytes, atomic_write_json
 from store.join import JoinedTables
@@ -41,6 +41,7 @@ def open_tables(tc: TrainConfig, store: str | Path, model: str, accelerator) -> 
     with together(world, "opening the store"):
         # the trainer prints the join's one line itself (`data.write_data_report`)
         tables = open_configured(tc, "train", store, model, files, "train", say_dropped=False)
+    name_tables(tc, tables)
     try:
         check_same_versions(world, tables.versions(), tables.store_root, "train")
         with together(world, "train.control_dropout"):  # of the text table opened: its columns
@@ -80,7 +81,7 @@ def start_record(tc: TrainConfig, tables: JoinedTables, model: str, world_size: 
     from models.loading import model_fingerprint
 
     return ResumeRecord(
-        step=0, epoch=0, batch_in_epoch=0, config_fingerprint=config_fingerprint(tc),
+        step=0, epoch=0, batch_in_epoch=0, config_fingerprint=run_fingerprint(tc, tables),
         tables=tables.versions(), store=str(Path(tables.store_root).resolve()),
         model_fingerprint=model_fingerprint(model), world_size=world_size, init_lora_sha256=init_lora_sha256(tc),
         training_revision=training_revision(tc), attention_backend=attention_backend,
@@ -222,7 +223,7 @@ def _as_this_start_reads_it(r: Run, record: ResumeRecord) -> ResumeRecord:
     if record.attention_backend is None and r.world > 1:  # each rank read RUN/attention.json: one decision of all
         (differs,) = all_max(r.world, [int(backend != r.record.attention_backend)])
         backend = None if differs else r.record.attention_backend
-    known = known_fingerprint(record.config_fingerprint, r.cfg, r.record.attention_backend)
+    known = known_fingerprint(record.config_fingerprint, r.cfg, r.record.attention_backend, has_masks(r.tables))
     return replace(record, config_fingerprint=known,
                    init_lora_sha256=train_state.known_init_lora(record.init_lora_sha256, r.record.init_lora_sha256),
                    attention_backend=backend)

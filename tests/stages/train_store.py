@@ -105,7 +105,7 @@ def make_train_store(
                 m = torch.zeros(th // 2, tw_ // 2)
                 m[: th // 4] = 0.0 if s.empty_mask else 1.0
                 tensors["mask_weight"] = m.flatten()
-            vw.add(key, tensors=tensors, meta={**meta_common, "num_controls": len(controls)})
+            vw.add(key, tensors=tensors, meta={**meta_common, "num_controls": len(controls), "has_mask": s.mask})
     tw.commit()
     vw.commit()
     return st
