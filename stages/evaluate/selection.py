@@ -22,6 +22,7 @@ import math
 
 import numpy as np
 
+from schemas.units import count_text
 from stages.evaluate.curves import pick_best
 from stages.evaluate.paired import NOISE_SE, paired, per_sample, vs_best
 
@@ -136,13 +137,14 @@ def described(selection: dict | None, vs_base: dict | None) -> str:
         return ""
     n = len(selection.get("confirmed_on") or [])
     how = selection.get("how")
+    over = count_text(n, "val sample")
     if how == SPLIT:
-        where = f"over {n} val samples that did not pick it (the other {len(selection.get('selected_on') or [])} did)"
+        where = f"over {over} that did not pick it (the other {len(selection.get('selected_on') or [])} did)"
     elif how == ONE_CANDIDATE:
-        where = f"over all {n} val samples (one checkpoint: nothing picked)"
+        where = f"over {'all ' if n > 1 else 'the '}{over} (one checkpoint: nothing picked)"
     else:
-        where = (f"over the same {n} val samples that picked it: optimistic (fewer than {2 * MIN_HALF} val "
-                 "samples, too few to confirm on others)")
+        where = (f"over the same {over} that picked it: optimistic (fewer than {2 * MIN_HALF} val samples, too "
+                 "few to confirm on others)")
     said = verdict(vs_base)
     return where + (f": {said}" + (_within(vs_base) if said.startswith("not") else "")
                     if said else ": no standard error, nothing can be said")

@@ -165,3 +165,18 @@ def test_few_confirming_samples_need_more_standard_errors_to_call_the_best_bette
     assert said / 2000 < 2 * NOMINAL  # two standard errors: 0.092
     noise = {"difference": -0.03, "standard_error": 0.01, "n": 3}  # 3 s.e.: beyond 2, within t's 4.5
     assert verdict(noise) == "not told apart from the base"
+
+
+def test_one_val_sample_is_named_in_its_number():
+    """The line's counts through count_text, as every other count: 'over the same 1 val samples' read wrong."""
+    from stages.evaluate.selection import described, record
+
+    one = np.ones(1, dtype=bool)
+    alone = {"difference": -0.1, "standard_error": None, "n": 1}
+    assert described(record(["a"], one, one, TOO_FEW), alone).startswith(
+        "over the same 1 val sample that picked it: optimistic")
+    assert described(record(["a"], one, one, ONE_CANDIDATE), alone).startswith(
+        "over the 1 val sample (one checkpoint: nothing picked)")
+    five = np.array([True, False, True, False, True])
+    assert described(record(list("abcde"), five, ~five, SPLIT), alone).startswith(
+        "over 2 val samples that did not pick it (the other 3 did)")
