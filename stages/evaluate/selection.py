@@ -24,7 +24,7 @@ import numpy as np
 
 from schemas.units import count_text
 from stages.evaluate.curves import pick_best
-from stages.evaluate.paired import NOISE_SE, paired, per_sample, vs_best
+from stages.evaluate.paired import beyond, paired, per_sample, vs_best
 
 #: how the halves are made (`split`); recorded in metrics.json (`checkpoints.selection.rule`): a report of another
 #: rule, or of none (`UNRECORDED`: written before it), is summarised again (`report_current`)
@@ -87,28 +87,9 @@ def record(keys: list[str], select: np.ndarray, confirm: np.ndarray, how: str) -
             "optimistic": how == TOO_FEW}
 
 
-#: Student's t beyond which a difference over 2, 3, 4 samples (1-3 degrees of freedom) is as rare under no
-#: difference as one beyond NOISE_SE standard errors over many (P(z < -2) ≈ 2.3%, one side); `beyond` below
-_FEW_T = (13.968, 4.527, 3.307)
-
-
-def beyond(n: int) -> float:
-    """How many standard errors a paired difference over `n` samples must reach to be told apart from none: the
-    one-sided Student's t quantile at P(z < -NOISE_SE) for n - 1 degrees of freedom (4.53 over 3 samples, 2.09
-    over 32, toward 2 for many; a Cornish-Fisher expansion from 4 degrees of freedom, within 0.01 of the exact
-    quantile). Two standard errors over 3 confirming samples said "better than the base" of a best no better in
-    9% of trials, over 2 in 14%, where two standard errors promise ~2%."""
-    df = n - 1
-    if df <= len(_FEW_T):
-        return _FEW_T[df - 1]
-    z = NOISE_SE
-    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2) + (
-        3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3)
-
-
 def verdict(vs_base: dict | None) -> str | None:
     """What the best's confirmed difference to the base says: "better than the base" / "worse than the base"
-    beyond `beyond(n)` standard errors (about NOISE_SE over many samples, more over few), "not told apart from
+    beyond `beyond(n)` standard errors (about two over many samples, more over few), "not told apart from
     the base" within them, None without a standard error."""
     if not vs_base or vs_base.get("standard_error") is None or vs_base.get("difference") is None:
         return None

@@ -180,3 +180,13 @@ def test_one_val_sample_is_named_in_its_number():
     five = np.array([True, False, True, False, True])
     assert described(record(list("abcde"), five, ~five, SPLIT), alone).startswith(
         "over 2 val samples that did not pick it (the other 3 did)")
+
+
+def test_a_checkpoint_is_within_noise_of_the_best_by_the_same_t_as_the_verdict():
+    """'≈ best' and 'not told apart from it' over few confirming samples by the verdict's t: +0.03 ± 0.01 over 3
+    samples is within 4.5 s.e. (it was told apart by 2 s.e., while the same 3 s.e. to the base were not)."""
+    from stages.evaluate.paired import within_noise, within_text
+
+    assert within_noise({"difference": 0.03, "standard_error": 0.01, "n": 3})
+    assert not within_noise({"difference": 0.03, "standard_error": 0.01, "n": 64})
+    assert within_text(3) == "within 4.5 s.e." and within_text(64) == "within 2 s.e."
