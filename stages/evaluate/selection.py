@@ -31,6 +31,10 @@ from stages.evaluate.paired import beyond, paired, per_sample, vs_best
 RULE = "picked on half the val samples, stated on the other (halves by sha256 of their keys)"
 UNRECORDED = "picked and stated on the same val samples"
 MIN_HALF = 2  # samples per half: a standard error needs two
+#: what tells a difference apart (`verdict`, `paired.within_noise`); recorded (`checkpoints.selection.verdict`): a
+#: report of another threshold, or of none (`VERDICT_UNRECORDED`: 2 s.e. at any size), is summarised again
+VERDICT = "beyond Student's t of the two-standard-error rarity (one side, ~2.3%) over the confirming samples"
+VERDICT_UNRECORDED = "beyond two standard errors at any number of samples"
 
 SPLIT, ONE_CANDIDATE, TOO_FEW = "split", "one candidate", "too few samples"
 
@@ -80,7 +84,7 @@ def record(keys: list[str], select: np.ndarray, confirm: np.ndarray, how: str) -
     the best (`selected_on`; none when nothing was picked) and of those its paired differences are over
     (`confirmed_on`)."""
     picked = how != ONE_CANDIDATE
-    return {"rule": RULE, "how": how,
+    return {"rule": RULE, "verdict": VERDICT, "how": how,
             "selected_on": [k for k, s in zip(keys, select) if s] if picked else [],
             "confirmed_on": [k for k, c in zip(keys, confirm) if c],
             # the confirming samples took part in the pick: the difference to the base is optimistic
