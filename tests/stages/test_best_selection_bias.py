@@ -190,3 +190,17 @@ def test_a_checkpoint_is_within_noise_of_the_best_by_the_same_t_as_the_verdict()
     assert within_noise({"difference": 0.03, "standard_error": 0.01, "n": 3})
     assert not within_noise({"difference": 0.03, "standard_error": 0.01, "n": 64})
     assert within_text(3) == "within 4.5 s.e." and within_text(64) == "within 2 s.e."
+
+
+def test_the_page_says_how_many_standard_errors_over_few_confirming_samples():
+    """The report page's sentence under the best said 'within about two standard errors' whatever the number of
+    confirming samples; over 3 the verdict and '≈ best' take 4.5."""
+    from stages.evaluate.checkpoint_report import _sureness
+    from stages.evaluate.selection import record
+
+    five = np.array([True, False, True, False, True, False])
+    halves = record(list("abcdef"), five, ~five, SPLIT)
+    few = _sureness({"vs_base": {"difference": -0.03, "standard_error": 0.01, "n": 3}}, False, halves)
+    assert "within 4.5 standard errors (Student's t over 3 samples) the held-out set" in few, few
+    many = _sureness({"vs_base": {"difference": -0.03, "standard_error": 0.01, "n": 64}}, False, halves)
+    assert "within about two standard errors the held-out set" in many, many
