@@ -1,10 +1,10 @@
 """The one progress bar over bytes (hashing model files, checksumming, pushing, pulling, verifying, writing a merged
 transformer): its count, total and rate in the package's one size rule (`schemas.units.size_text`: KiB, MiB, GiB,
 TiB), as the summaries after it say them, so a local and a URL store's verify of the same version count the same
-figures: `1.5 MiB/3.0 GiB [00:02<01:10, 43.1 MiB/s]`. tqdm's own scaling read its count in powers of 1024 and its
-rate in powers of 1000 under the same letters (`1.50M/3.00G`, `11.3MB/s`). tqdm.auto's bar, as every other bar of
-the package: a widget in Jupyter, text in a terminal. Here because models/, store/ and pipeline/ all may import
-schemas/."""
+figures: `1.5 MiB/3072.0 MiB [00:02<01:10, 43.1 MiB/s]` (a 3 GiB total: GiB only from 10000 MiB). tqdm's own
+scaling read its count in powers of 1024 and its rate in powers of 1000 under the same letters (`1.50M/3.00G`,
+`11.3MB/s`). tqdm.auto's bar, as every other bar of the package: a widget in Jupyter, text in a terminal. Here
+because models/, store/ and pipeline/ all may import schemas/."""
 
 from __future__ import annotations
 

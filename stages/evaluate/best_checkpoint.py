@@ -137,7 +137,8 @@ BEST_NOTE = ("best = lowest held-out loss over the selecting half of the val sam
              "selected_on), among the checkpoints still on disk (ties: earlier step); best.vs_base, best.runner_up and "
              "each step's vs_best: differences paired over the other, confirming half (confirmed_on; same noise and "
              "σ) ± their standard error, free of the optimism of stating the winner's own numbers; within about two "
-             "standard errors this held-out set does not tell the two apart")
+             "standard errors (more over few samples: Student's t, checkpoints.selection.verdict) this held-out set "
+             "does not tell the two apart")
 
 
 EMA_NOTE = ("; each checkpoint's EMA (train.ema_decay) is scored on the same val samples, noise and σ, and competes "

@@ -382,7 +382,7 @@ def _sureness(best: dict, scored_ema: bool = False, selection: dict | None = Non
     report written before it: the line without)."""
     from stages.evaluate.best_checkpoint import near_best_steps
     from stages.evaluate.ema_curve import label
-    from stages.evaluate.paired import signed
+    from stages.evaluate.paired import NOISE_SE, beyond, signed
     from stages.evaluate.selection import described
 
     if "vs_base" not in best:
@@ -398,8 +398,10 @@ def _sureness(best: dict, scored_ema: bool = False, selection: dict | None = Non
         text += f"; not told apart from it: {', '.join(near)}"
     over = "" if confirmed else f" over {v['n']} val samples"
     listed = "; the samples that picked and confirmed it: metrics.json checkpoints.selection" if confirmed else ""
-    return (f"{html.escape(text)} (paired{over}, ± standard error; within about two standard errors the held-out "
-            f"set does not tell them apart{listed})<br>")
+    t = beyond(v["n"]) if confirmed else NOISE_SE  # over few samples: the t the verdict and '≈ best' are told by
+    within = "about two standard errors" if t < 2.1 else f"{t:.1f} standard errors (Student's t over {v['n']} samples)"
+    return (f"{html.escape(text)} (paired{over}, ± standard error; within {within} the held-out set does not tell "
+            f"them apart{listed})<br>")
 
 
 def write_checkpoint_report(out: str | Path, metrics: dict, rows: list[OutputsRow]) -> Path:

@@ -10,7 +10,7 @@ from models.lora_files import KEEPS_NEWEST
 from schemas.units import count_text
 from stages.evaluate.best_checkpoint import near_best_steps
 from stages.evaluate.ema_curve import label as ema_label
-from stages.evaluate.paired import NOISE_SE, signed
+from stages.evaluate.paired import NOISE_SE, signed, within_text
 from stages.evaluate.selection import described
 from store.loss_array import GROUP
 
@@ -83,7 +83,8 @@ def _near_best(best: dict, scored_ema: bool, most: int = 10) -> str:
     near = near_best_steps(best, scored_ema)
     if not near:
         return ""
-    return (f", not told apart from it (within {NOISE_SE:g} s.e.): " + ", ".join(near[:most])
+    within = within_text(best["vs_base"]["n"]) if best.get("vs_base") else f"within {NOISE_SE:g} s.e."
+    return (f", not told apart from it ({within}): " + ", ".join(near[:most])
             + (f" … ({len(near)} in all)" if len(near) > most else ""))
 
 

@@ -309,14 +309,15 @@ def paired_to_best(runs: list[RunCurves]) -> list[dict | None]:
     that picked neither best (`selection`: each run's best is picked on the selecting half, so the confirming
     half states it without the winner's optimism), ± its standard error (`stages.evaluate.paired`, as evaluate
     states its best checkpoint against the next best): None for the best run itself and a run without a finite
-    best. The best run: the lowest best loss over the selecting samples (a tie: the first given), picked as
-    evaluate picks a checkpoint. Every run is measured on one held-out set (`check_same_held_out`: the same
-    samples, noise and σ), so the runs differ sample by sample by their weights alone."""
+    best. The best run: the lowest best loss over one set of samples for every run (`_run_pick`: those that
+    picked the runs' bests; a tie: the first given), as evaluate picks a checkpoint. Every run is measured on
+    one held-out set (`check_same_held_out`: the same samples, noise and σ), so the runs differ sample by sample
+    by their weights alone."""
     from stages.evaluate.paired import paired
 
     values = [r.best_per_sample() for r in runs]
-    picked = [_picking(r, v) for r, v in zip(runs, values)]
-    losses = [loss for loss, _ in picked]
+    spent = [_spent(r, v) for r, v in zip(runs, values)]
+    losses = _run_pick(runs, values, spent)
     if not any(math.isfinite(x) for x in losses):
         return [None] * len(runs)
     top = losses.index(min(losses))
@@ -325,25 +326,42 @@ def paired_to_best(runs: list[RunCurves]) -> list[dict | None]:
         if i == top or v is None or not math.isfinite(losses[i]):
             out.append(None)
             continue
-        both = np.isfinite(v) & np.isfinite(values[top]) & ~picked[i][1] & ~picked[top][1]
+        both = np.isfinite(v) & np.isfinite(values[top]) & ~spent[i] & ~spent[top]
         out.append({"run": runs[top].label, **paired(v[both], values[top][both])})
     return out
 
 
-def _picking(r: RunCurves, values: np.ndarray | None) -> tuple[float, np.ndarray]:
-    """(a run's best loss over the samples that picked it, [sample] the samples its pick spent: none where no
-    halves were made, one candidate or too few samples); inf without a finite best."""
+def _run_pick(runs: list[RunCurves], values: list[np.ndarray | None],
+              spent: list[np.ndarray]) -> list[float]:
+    """Each run's best loss the best run is picked on (inf without a finite best), every run's over the same
+    samples: those every run with a finite best holds that picked some run's best (`spent`: each run's selecting
+    half; all of them where no run's pick spent any). A run of one checkpoint picked its best on no sample: its
+    loss over every sample beside another run's over its selecting half compared two sample sets, not two runs.
+    Without per-sample losses: each best's overall loss."""
+    finite = [r.best_point is not None and math.isfinite(r.best_point["loss"]) for r in runs]
+    if any(f and v is None for f, v in zip(finite, values)):
+        return [r.best_point["loss"] if f else math.inf for r, f in zip(runs, finite)]
+    held = [i for i, f in enumerate(finite) if f]
+    if not held:
+        return [math.inf] * len(runs)
+    common = np.logical_and.reduce([np.isfinite(values[i]) for i in held])
+    chose = common & np.logical_or.reduce([spent[i] for i in held])
+    chose = chose if chose.any() else common
+    return [float(values[i][chose].mean()) if finite[i] else math.inf for i in range(len(runs))]
+
+
+def _spent(r: RunCurves, values: np.ndarray | None) -> np.ndarray:
+    """[sample] the samples a run's pick of its best spent (its selecting half); none where no halves were made
+    (one candidate, too few samples) or no per-sample losses are read."""
     from stages.evaluate.selection import SPLIT
 
-    point = r.best_point
-    if point is None or not math.isfinite(point["loss"]):
-        return math.inf, np.zeros(0, dtype=bool)
+    if values is None:
+        return np.zeros(0, dtype=bool)
     points = [*r.on_disk, *(r.ema.on_disk if r.ema is not None else [])]
     halves = r.halves(sum(here is not False for here in points) or len(points))  # `best`'s candidates
-    if halves is None or values is None:
-        return point["loss"], np.zeros(0 if values is None else values.size, dtype=bool)
-    select, how = halves
-    return float(values[select].mean()), select if how == SPLIT else np.zeros(select.size, dtype=bool)
+    if halves is None or halves[1] != SPLIT:
+        return np.zeros(values.size, dtype=bool)
+    return halves[0]
 
 
 def _revision(settings: dict) -> int | None:

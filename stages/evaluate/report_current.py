@@ -55,6 +55,8 @@ def current_metrics(metrics: dict | None, out: Path, fingerprint: str, checkpoin
         # the best picked on half the val samples and confirmed on the other (`selection`): a report from before
         # stated the winner's own, optimistic numbers; summarised again, no checkpoint evaluated again
         recorded_inputs["selection"] = (c.get("selection") or {}).get("rule") or selection.UNRECORDED
+        # its verdict and '≈ best' by the threshold of now: a report told apart by 2 s.e. over 3 samples
+        recorded_inputs["verdict"] = (c.get("selection") or {}).get("verdict") or selection.VERDICT_UNRECORDED
         named = named_steps(c)
         listed = listed_on_disk(c, named)
         ema_inputs = _ema_inputs(c, checkpoints, ema_shas or {})
@@ -64,7 +66,7 @@ def current_metrics(metrics: dict | None, out: Path, fingerprint: str, checkpoin
                "config_fingerprint": cfg.fingerprint(), "extra_prompts_sha256": extra_prompt_bytes(cfg) or None,
                "loras": {str(step): shas[step] for step, _ in checkpoints},
                "paths": {str(step): str(Path(path).resolve()) for step, path in checkpoints},
-               "selection": selection.RULE}
+               "selection": selection.RULE, "verdict": selection.VERDICT}
     # the checkpoints the report names (best, next best, last) are still there: one removed since (pruned, or
     # deleted by hand) left the report "up to date" naming a path that is gone as the best
     recorded_inputs["named_on_disk"] = named
@@ -137,7 +139,7 @@ def listed_on_disk(c: dict, named: list[int]) -> list[int]:
 
 
 # what a report's recorded inputs are called in the line that says why it is recomputed (`differences`)
-_INPUT_LABELS = {"selection": "best checkpoint",
+_INPUT_LABELS = {"selection": "best checkpoint", "verdict": "differences told apart",
                  "named_on_disk": "checkpoints the report names (best, next best, last) still on disk",
                  "listed_on_disk": "other checkpoints the report lists as on disk still there",
                  "fingerprint": "held-out loss inputs", "steps": "checkpoints in the loss array",

@@ -22,14 +22,19 @@ import math
 
 import numpy as np
 
+from schemas.units import count_text
 from stages.evaluate.curves import pick_best
-from stages.evaluate.paired import NOISE_SE, paired, per_sample, vs_best
+from stages.evaluate.paired import beyond, paired, per_sample, vs_best
 
 #: how the halves are made (`split`); recorded in metrics.json (`checkpoints.selection.rule`): a report of another
 #: rule, or of none (`UNRECORDED`: written before it), is summarised again (`report_current`)
 RULE = "picked on half the val samples, stated on the other (halves by sha256 of their keys)"
 UNRECORDED = "picked and stated on the same val samples"
 MIN_HALF = 2  # samples per half: a standard error needs two
+#: what tells a difference apart (`verdict`, `paired.within_noise`); recorded (`checkpoints.selection.verdict`): a
+#: report of another threshold, or of none (`VERDICT_UNRECORDED`: 2 s.e. at any size), is summarised again
+VERDICT = "beyond Student's t of the two-standard-error rarity (one side, ~2.3%) over the confirming samples"
+VERDICT_UNRECORDED = "beyond two standard errors at any number of samples"
 
 SPLIT, ONE_CANDIDATE, TOO_FEW = "split", "one candidate", "too few samples"
 
@@ -79,7 +84,7 @@ def record(keys: list[str], select: np.ndarray, confirm: np.ndarray, how: str) -
     the best (`selected_on`; none when nothing was picked) and of those its paired differences are over
     (`confirmed_on`)."""
     picked = how != ONE_CANDIDATE
-    return {"rule": RULE, "how": how,
+    return {"rule": RULE, "verdict": VERDICT, "how": how,
             "selected_on": [k for k, s in zip(keys, select) if s] if picked else [],
             "confirmed_on": [k for k, c in zip(keys, confirm) if c],
             # the confirming samples took part in the pick: the difference to the base is optimistic
@@ -88,15 +93,25 @@ def record(keys: list[str], select: np.ndarray, confirm: np.ndarray, how: str) -
 
 def verdict(vs_base: dict | None) -> str | None:
     """What the best's confirmed difference to the base says: "better than the base" / "worse than the base"
-    beyond NOISE_SE standard errors, "not told apart from the base" within them, None without a standard error."""
+    beyond `beyond(n)` standard errors (about two over many samples, more over few), "not told apart from
+    the base" within them, None without a standard error."""
     if not vs_base or vs_base.get("standard_error") is None or vs_base.get("difference") is None:
         return None
-    d, se = vs_base["difference"], vs_base["standard_error"]
-    if d < -NOISE_SE * se:
+    d, se, t = vs_base["difference"], vs_base["standard_error"], beyond(vs_base["n"])
+    if d < -t * se:
         return "better than the base"
-    if d > NOISE_SE * se:
+    if d > t * se:
         return "worse than the base"
     return "not told apart from the base"
+
+
+def _within(vs_base: dict) -> str:
+    """' (within about two standard errors)', or over few samples the t it takes: ' (within 4.5 standard
+    errors: over 3 samples a difference must reach that)'."""
+    t = beyond(vs_base["n"])
+    if t < 2.1:
+        return " (within about two standard errors)"
+    return f" (within {t:.1f} standard errors: over {vs_base['n']} samples a difference must reach that)"
 
 
 def described(selection: dict | None, vs_base: dict | None) -> str:
@@ -107,13 +122,14 @@ def described(selection: dict | None, vs_base: dict | None) -> str:
         return ""
     n = len(selection.get("confirmed_on") or [])
     how = selection.get("how")
+    over = count_text(n, "val sample")
     if how == SPLIT:
-        where = f"over {n} val samples that did not pick it (the other {len(selection.get('selected_on') or [])} did)"
+        where = f"over {over} that did not pick it (the other {len(selection.get('selected_on') or [])} did)"
     elif how == ONE_CANDIDATE:
-        where = f"over all {n} val samples (one checkpoint: nothing picked)"
+        where = f"over {'all ' if n > 1 else 'the '}{over} (one checkpoint: nothing picked)"
     else:
-        where = (f"over the same {n} val samples that picked it: optimistic (fewer than {2 * MIN_HALF} val "
-                 "samples, too few to confirm on others)")
+        where = (f"over the same {over} that picked it: optimistic (fewer than {2 * MIN_HALF} val samples, too "
+                 "few to confirm on others)")
     said = verdict(vs_base)
-    return where + (f": {said}" + (" (within about two standard errors)" if said.startswith("not") else "")
+    return where + (f": {said}" + (_within(vs_base) if said.startswith("not") else "")
                     if said else ": no standard error, nothing can be said")

@@ -116,3 +116,20 @@ def test_a_path_that_does_not_exist_is_named_as_such(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no losses.zarr there"):
         find_group(tmp_path / "empty")
+
+
+def test_the_best_run_is_picked_on_the_same_samples_for_every_run(tmp_path):
+    """A run of one checkpoint picks nothing (its best's loss is over every sample) while a run of two picks on its
+    selecting half: the best run must still be picked on one set of samples for both. Here the selecting half is
+    the harder one and run a is better than run b by 0.5 on every sample; picking the best run by a's selecting
+    loss (9.0) against b's loss over every sample (5.0) named b, which every sample says is worse."""
+    order = sorted(range(len(KEYS)), key=lambda i: hashlib.sha256(KEYS[i].encode()).hexdigest())
+    base = np.ones((6, 2))
+    base[sorted(order[0::2])] = 10.0  # the selecting half: the hard samples
+    base += np.random.default_rng(3).normal(0, 0.01, base.shape)
+    a = _array(tmp_path / "a", {10: base - 1.0, 20: base - 0.2}, base)
+    b = _array(tmp_path / "b", {10: base - 0.5}, base)
+    record = write_compare([str(b), str(a)], tmp_path / "cmp").to_json()["runs"]
+    assert record[1]["vs_best_run"] is None, record  # a is the best run
+    vs = record[0]["vs_best_run"]
+    assert vs["run"] == "a" and vs["difference"] == pytest.approx(0.5, abs=1e-5) and vs["n"] == 3

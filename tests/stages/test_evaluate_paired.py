@@ -151,7 +151,8 @@ def test_every_checkpoint_within_noise_of_the_best_is_named_not_only_the_next_be
     _, confirm = _halves(group)
     offsets = {10: _offsets(confirm, [0.02 - 0.1, 0.02 + 0.1], [0.02 - 0.05, 0.02 + 0.05, 0.02]),
                20: np.zeros(5),
-               30: _offsets(confirm, [0.01 + 0.001, 0.01 - 0.001], [0.01, 0.01, 0.01])}
+               # 100 s.e.: told apart over the 2 confirming samples (Student's t: beyond 14.0 s.e.)
+               30: _offsets(confirm, [0.01 + 0.0001, 0.01 - 0.0001], [0.01, 0.01, 0.01])}
     for step, off in offsets.items():
         group["loss"][row[step]] = (base + off[:, None, None, None]).astype("float32")
 
@@ -169,7 +170,7 @@ def test_every_checkpoint_within_noise_of_the_best_is_named_not_only_the_next_be
     assert per_step[2]["vs_best"]["difference"] > 2 * per_step[2]["vs_best"]["standard_error"]  # 30: told apart
 
     assert res.best["within_noise"] == [{"step": 10, "weights": "lora"}]
-    assert "not told apart from it (within 2 s.e.): step 10 (paired ± s.e.)" in str(res)
+    assert "not told apart from it (within 14.0 s.e.): step 10 (paired ± s.e.)" in str(res)  # t over 2 samples
     assert res.to_json()["within_noise_of_best"] == [{"step": 10, "weights": "lora"}]
     assert json.loads((out / "metrics.json").read_text())["checkpoints"]["best"]["within_noise"] == [
         {"step": 10, "weights": "lora"}]
@@ -245,3 +246,28 @@ def test_a_report_that_stated_the_winners_own_numbers_is_summarised_again(run_an
     assert ("best checkpoint picked and stated on the same val samples -> picked on half the val samples, stated on "
             "the other (halves by sha256 of their keys)") in said.getvalue()
     assert json.loads((out / "metrics.json").read_text())["checkpoints"]["selection"]["how"] == "split"
+
+
+def test_a_report_told_apart_by_two_standard_errors_at_any_size_is_summarised_again(run_and_store, tiny_edit_model,
+                                                                                    tmp_path):
+    """A report whose verdict and '≈ best' were told by 2 s.e. over any number of samples (no
+    `checkpoints.selection.verdict`) is not current: rerun, it is summarised again, no checkpoint evaluated."""
+    import io
+    from contextlib import redirect_stdout
+
+    root, out = run_and_store, tmp_path / "report"
+    ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
+    metrics = json.loads((out / "metrics.json").read_text())
+    del metrics["checkpoints"]["selection"]["verdict"]
+    metrics.pop("checksum", None)  # edited by hand: unsealed, as a report of an earlier release
+    (out / "metrics.json").write_text(json.dumps(metrics))
+    said = io.StringIO()
+    with redirect_stdout(said):
+        res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out, skip_if_done=True)
+    assert not res.up_to_date and res.evaluated == 0
+    assert "differences told apart beyond two standard errors at any number of samples -> beyond Student's t" in (
+        said.getvalue()), said.getvalue()
+    assert json.loads((out / "metrics.json").read_text())["checkpoints"]["selection"]["verdict"].startswith(
+        "beyond Student's t")
+    again = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out, skip_if_done=True)
+    assert again.up_to_date
