@@ -40,25 +40,42 @@ def recompute_masks(job: EncodeJob, keys: list[str]) -> set[str]:
     return done
 
 
+# keys whose `images` files are held at once: `files_of` reads every picture of a sample (checked whole), and a
+# dataset whose masks were all redone would hold a rank's whole share of targets and controls in memory
+STEP = 64
+
+
 def _rewrite(job: EncodeJob, version: int, keys: list[str]) -> set[str]:
     """The `keys` stored in `version` written with the mask weights of the `images` mask now (see the module)."""
-    from store.integrity import DamagedData
+    from tqdm.auto import tqdm
+
     from store.reuse import source_reader
 
-    damaged: dict[str, str] = {}
-    files = job.images.files_of(keys, damaged)
     table, written = job.summary.table, set()
     with source_reader(job.store.root, table, version, f"carry latents whose mask changed into '{table}'",
                        "carry forward") as reader:
-        for key in keys:
-            if key in damaged or (weight := _weight_now(files.get(key) or {})) is False:
-                continue
-            try:
-                stored = reader.get(key)
-            except DamagedData:
-                continue
-            if _write(job, key, stored, weight):
-                written.add(key)
+        for i in tqdm(range(0, len(keys), STEP), desc=f"{job.summary.stage}: mask weights of edited masks "
+                      f"('{table}' v{version} latents kept)", unit="part", leave=False, disable=len(keys) <= STEP):
+            written |= _rewrite_some(job, reader, keys[i : i + STEP])
+    return written
+
+
+def _rewrite_some(job: EncodeJob, reader: Any, keys: list[str]) -> set[str]:
+    """`_rewrite` of a few keys, their `images` files read together."""
+    from store.integrity import DamagedData
+
+    damaged: dict[str, str] = {}
+    files = job.images.files_of(keys, damaged)
+    written = set()
+    for key in keys:
+        if key in damaged or (weight := _weight_now(files.pop(key, None) or {})) is False:
+            continue
+        try:
+            stored = reader.get(key)
+        except DamagedData:
+            continue
+        if _write(job, key, stored, weight):
+            written.add(key)
     return written
 
 

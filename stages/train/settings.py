@@ -152,6 +152,18 @@ def name_tables(cfg: TrainConfig, tables: Any) -> None:
         tables.stand_in("vae", VAE_LATENTS_COLUMN)
 
 
+def masks_came(record_fingerprint: str, cfg: TrainConfig, masked: bool) -> str | None:
+    """Why a run's record is not this config's when no setting changed: it was made on tables without a masked
+    sample (its fingerprint names `cfg`'s mask weights as their default, `weighed`) and the tables hold one now,
+    which weights other than 1 / 1 weigh. None otherwise."""
+    w = cfg.loss.mask_weight
+    if not masked or weighed(cfg, False) is cfg or record_fingerprint != config_fingerprint(weighed(cfg, False)):
+        return None
+    return (f"the vae table now holds masked samples, which train.loss.mask_weight (foreground {w.foreground}, "
+            f"background {w.background}) weighs; the run was trained on tables without any, where they weighed "
+            "nothing")
+
+
 def run_fingerprint(cfg: TrainConfig, tables: Any) -> str:
     """The fingerprint a run of `cfg` on `tables` records: `config_fingerprint` of `weighed`."""
     return config_fingerprint(weighed(cfg, has_masks(tables)))

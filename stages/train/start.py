@@ -23,7 +23,7 @@ from stages.train import damaged_log, elastic, guard, previous, shorter, state a
 from stages.train.current import damaged_current, nonfinite_current
 from stages.train.data import DataStream, write_data_report
 from stages.train.resume import CONFIG_FILE, changed_settings
-from stages.train.settings import (check_control_dropout, has_masks, init_lora_sha256, known_fingerprint,
+from stages.train.settings import (check_control_dropout, has_masks, init_lora_sha256, known_fingerprint, masks_came,
                                    name_tables, recorded_backend, run_fingerprint, training_revision)
 from stages.train.state import ResumeRecord
 from store.format import atomic_write_bytes, atomic_write_json
@@ -190,7 +190,7 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
     try:
         _check_resumable(r, record, latest)
     except train_state.ResumeMismatch as e:
-        return _not_resumable(r, resume, cfg, e)
+        return _not_resumable(r, resume, cfg, e, record.config_fingerprint)
     r.resume_bytes = kept
     _carry_records(r, earlier, unrecorded)
     return latest, record
@@ -229,8 +229,8 @@ def _as_this_start_reads_it(r: Run, record: ResumeRecord) -> ResumeRecord:
                    attention_backend=backend)
 
 
-def _not_resumable(r: Run, resume: bool, cfg: PipelineConfig,
-                   e: train_state.ResumeMismatch) -> tuple[Path | None, ResumeRecord | None]:
+def _not_resumable(r: Run, resume: bool, cfg: PipelineConfig, e: train_state.ResumeMismatch,
+                   fingerprint: str = "") -> tuple[Path | None, ResumeRecord | None]:
     """A checkpoint this start cannot continue (every rank raised `e`: the newest step was agreed, `seen_run`):
     with --new-run the run is kept aside (a run past a lower max_steps under a constant LR: kept whole and its
     checkpoints up to it carried over, then resumed), else refused naming what changed."""
@@ -242,6 +242,9 @@ def _not_resumable(r: Run, resume: bool, cfg: PipelineConfig,
                       then=lambda kept: shorter.seed(kept, r.run_dir, r.cfg.max_steps))
         return resume_point(r, resume, cfg)  # the fresh folder's newest checkpoint, checked as any resume's
     changed = _changed(r, cfg)
+    came = masks_came(fingerprint, r.cfg, has_masks(r.tables))
+    if came is not None and not any(c.startswith("train.loss.mask_weight") for c in changed):  # else named there
+        changed.append(came)
     why = f"{e}\nchanged since {r.run_dir / CONFIG_FILE}:\n  " + "\n  ".join(changed) if changed else str(e)
     if r.new_run:
         return keep_previous(r, "; ".join([e.reason, *changed]))

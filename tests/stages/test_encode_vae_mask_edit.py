@@ -94,3 +94,30 @@ def test_a_mask_edit_retrains_only_where_the_mask_weighs(tiny_edit_model, tmp_pa
     _mask(src, "s0", seed=2)
     encode()
     assert up_to_date(cfg, store, tiny_edit_model, out) == (not weights)
+
+
+def test_edited_masks_read_their_pictures_a_few_samples_at_a_time(tiny_edit_model, monkeypatch, tmp_path):
+    """Every edited sample's `images` files (target, controls, mask) were read in one call and held together: a
+    dataset's masks redone held a rank's whole share of pictures in memory. Now `mask_only.STEP` at a time."""
+    from stages.encode import mask_only
+    from store.reader import TableReader
+
+    src, store = tmp_path / "src", tmp_path / "store"
+    _source(src, CAPTIONS)
+    cfg = load_config(None, SMALL)
+    resize_stage.run(cfg, src, store)
+    encode_vae.run(cfg, store, tiny_edit_model, batch_size=2)
+    for i in range(3):
+        _mask(src, f"s{i}", seed=10 + i)
+    resize_stage.run(cfg, src, store)
+    monkeypatch.setattr(mask_only, "STEP", 2, raising=False)
+    held, real = [], TableReader.files_of
+
+    def files_of(self, keys, *a):
+        held.append(len(keys))
+        return real(self, keys, *a)
+
+    monkeypatch.setattr(TableReader, "files_of", files_of)
+    vae = encode_vae.run(cfg, store, tiny_edit_model, batch_size=2)
+    assert (vae.encoded, vae.completed) == (0, 3) and held == [2, 1]
+    _same(_tables(store, "vae"), _tables(_fresh_at(cfg, src, tmp_path / "fresh", tiny_edit_model), "vae"))

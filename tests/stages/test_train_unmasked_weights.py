@@ -70,3 +70,17 @@ def test_a_run_on_tables_without_masks_resumes_with_other_weights(tiny_edit_mode
     longer = load_config(None, {**TRAIN, "train.max_steps": 3, "train.checkpoint_every": 3, **weights})
     result = run(longer, root / "store", tiny_edit_model, root / "run", resume=True)
     assert result.steps == 3 and not result.up_to_date
+
+
+def test_masks_added_refuse_the_resume_naming_them(tiny_edit_model, tmp_path):
+    """Masks added to tables that had none, under weights other than 1 / 1: the resume is refused (its steps weighed
+    no mask), and the refusal says why; before, it named a changed config fingerprint and no changed setting."""
+    from stages.train.recipe import run
+    from stages.train.state import ResumeMismatch
+
+    root = _trained(tmp_path, tiny_edit_model, masks=False, **WEIGHTS)
+    make_train_store(root / "store", tiny_edit_model, mixed_specs(3, 2, masks=True))
+    longer = load_config(None, {**TRAIN, "train.max_steps": 3, "train.checkpoint_every": 3, **WEIGHTS})
+    with pytest.raises(ResumeMismatch, match="the vae table now holds masked samples, which "
+                                             r"train.loss.mask_weight \(foreground 2.0, background 0.5\) weighs"):
+        run(longer, root / "store", tiny_edit_model, root / "run", resume=True)
