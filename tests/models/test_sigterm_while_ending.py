@@ -15,11 +15,15 @@ from test_known_left_together import _as_rank
 
 
 def _sigterm_lands(monkeypatch):
-    """The CLI's SIGTERM handler, its records of its own (the process's signals) left alone."""
+    """The CLI's SIGTERM handler, its records of its own (the process's signals) left alone: the training loop's
+    too (`stages.train.stop.EARLIER`, which the handler appends to where train is imported): left there, a later
+    test's in-process training in this worker stopped "by SIGTERM" after its first step (CI)."""
     from pipeline import cli
+    from stages.train import stop
 
     monkeypatch.setattr(cli, "_signalled", [])
     monkeypatch.setattr(cli, "note_signal", lambda signum: None)
+    monkeypatch.setattr(stop, "EARLIER", [])
     return lambda *args, **kwargs: cli._terminate(signal.SIGTERM, None)
 
 

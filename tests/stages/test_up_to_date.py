@@ -108,7 +108,7 @@ def test_evaluate_says_why_it_evaluates_again(trained, tiny_edit_model, tmp_path
     assert "; evaluate config fingerprint " in why and why.count("evaluate.noise_seeds: [0] -> [0, 1]") == 1, why
     # a seed added: its (seed, σ) cells alone are computed (tests/stages/test_evaluate_grown_grid.py)
     assert "batch_size" not in why and re.search(r"\): computing 1 new \(seed, σ\) cell of 2 for the base and "
-                                                 r"\d+ of \d+ checkpoints \(the cells \S+ holds reused\)$", why), why
+                                                 r"\d+ of \d+ checkpoints? \(the cells \S+ holds reused\)$", why), why
     # a setting of the pictures only: the line says the report is written again, not that anything is evaluated
     res = ev.run(EvaluateConfig(**{**EVAL, "noise_seeds": [0, 1], "num_samples": 1, "num_inference_steps": 2}),
                  store, tiny_edit_model, ckpts, out, skip_if_done=True)

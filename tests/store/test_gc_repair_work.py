@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 import warm_start
 from pipeline.cli import app
+from schemas.units import size_text
 from store import Store, gc
 from store.verify import verify_store
 from store_samples import fill
@@ -56,8 +57,8 @@ def test_gc_removes_the_working_folder_of_a_killed_repair_and_the_rerun_complete
     lines: list[str] = []
     done = gc.collect(store.root, echo=lines.append)
     assert not work.exists() and done.freed[work] == shard.stat().st_size - 700
-    # a few kB, said in kB (it read "0.0 MB freed")
-    freed = f"{(shard.stat().st_size - 700) / 1e3:.0f} kB"
+    # a few KiB, said in KiB (it read "0.0 MB freed")
+    freed = size_text(shard.stat().st_size - 700)
     assert f"remove vae/.trim-v1 (the working folder of a store repair that was killed; {freed} freed)" in lines, lines
     assert store.versions("vae") == [1]  # (the killed repair's v2 is incomplete: gc removed it with no writer live)
 

@@ -211,26 +211,27 @@ def test_verify_of_a_file_url_streams_it_too(store: Store, tmp_path: Path, monke
 
 
 def test_verify_of_a_url_counts_bytes_in_1024s_as_the_local_one(store: Store, tmp_path: Path, monkeypatch) -> None:
-    """Every byte bar of `store verify URL` in KiB / MiB (unit_divisor 1024), as the local verify's: before, the URL's
-    counted in 1000s, so the same version showed other figures on the two."""
+    """Every byte bar of `store verify URL` is the package's byte bar (schemas/byte_bar.py: KiB / MiB, as the local
+    verify's): before, the URL's counted in 1000s, so the same version showed other figures on the two."""
     import tqdm
 
+    from schemas.byte_bar import BAR_FORMAT
     from store.remote_verify import verify_url
 
     fill(store, 10)
     url = f"file://{tmp_path / 'remote'}"
     push(store.root, url)
-    divisors = []
+    formats = []
     real = tqdm.tqdm.__init__
 
     def record(self, *a, **kw):
         if kw.get("unit") == "B":
-            divisors.append(kw.get("unit_divisor", 1000))
+            formats.append(kw.get("bar_format"))
         real(self, *a, **kw)
 
     monkeypatch.setattr(tqdm.tqdm, "__init__", record)
     assert verify_url(url, progress=True)[0] == []
-    assert divisors and set(divisors) == {1024}, divisors
+    assert formats and set(formats) == {BAR_FORMAT}, formats
 
 
 def test_verify_that_loses_the_server_says_so_in_one_line_not_as_damage(s3_env, store: Store, monkeypatch) -> None:
