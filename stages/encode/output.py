@@ -67,8 +67,9 @@ def _carried_forward(job: EncodeJob, todo: list[str]) -> tuple[list[str], np.nda
     of them (`_model_takes`), else None."""
     at = key_rows(job, todo) if refuses_any(job, job.by_controls) else None
     carriable = _model_takes(job, todo, at)
-    for version, rows in reusable(job.store, job.summary.table, (job.feature_lineage, *job.earlier_lineages),
-                                  carriable, changed=job.changed_by_fixes).items():
+    found = reusable(job.store, job.summary.table, (job.feature_lineage, *job.earlier_lineages), carriable,
+                     changed=job.changed_by_fixes)
+    for version, rows in found.items():
         job.summary.reused += carry_forward(job.writer, version, carried_rows(job, rows))
     if job.summary.reused:
         todo, at = _left(todo, at, job.writer.carried_keys)
@@ -81,7 +82,7 @@ def _carried_forward(job: EncodeJob, todo: list[str]) -> tuple[list[str], np.nda
     if job.mask_only_carry and carriable:  # encode-vae: a sample whose mask alone changed (stages/encode/mask_only.py)
         from stages.encode.mask_only import recompute_masks
 
-        masks = recompute_masks(job, carriable)
+        masks = recompute_masks(job, carriable, found)  # the rows found above: no manifest read again
         job.summary.completed += len(masks)
         todo, at = _left(todo, at, masks)
         carriable = [k for k in carriable if k not in masks]
