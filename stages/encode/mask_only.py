@@ -4,7 +4,8 @@ through the VAE again for the same latents.
 
 Same latents: an earlier vae row under the same key (the key hashes the target and control bytes and the caption,
 never the mask) of a feature lineage carried by key (the render settings the VAE reads, the VAE files, the code:
-`store.reuse.reusable`, fixes included). Under those the same source bytes render the same pixels, whatever the
+`store.reuse.reusable`, fixes included; a row a fix changed the mask of alone, `Fixes.mask_only`, is taken here,
+never carried whole). Under those the same source bytes render the same pixels, whatever the
 mask is (resize-bucket fits the mask onto the target, never the target to the mask). The sample is written as a
 fresh encode writes it - the same tensors in the same order, the same meta - from the stored latents' checked
 bytes and the `images` mask now. Anything a fresh encode would refuse or could read otherwise (a mask that does not
