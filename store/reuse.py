@@ -97,11 +97,12 @@ def same_features(attrs: dict[str, Any], accepted: Iterable[str]) -> bool:
 
 
 def reusable(store: Store, table: str, lineage_hash: str | Iterable[str], keys: Iterable[str],
-             changed: Changed | None = None) -> dict[int, pa.Table]:
+             changed: Changed | None = None, lineages: dict[int, str | None] | None = None) -> dict[int, pa.Table]:
     """version -> manifest rows of the wanted keys found there; complete versions with this feature lineage (or
     any of these: the same features hashed by an earlier scheme), newest first, each key taken once. A version
     whose lineage is in `changed` (one from before a fix) gives only the rows that fix leaves unchanged (the
-    others are looked for in older versions, else recomputed).
+    others are looked for in older versions, else recomputed). `lineages`, where given, is filled with each
+    returned version's feature lineage.
 
     Integrity: a version's manifest is read checked against its checksums.json (a damaged one is skipped);
     samples of shards missing or of the wrong size are not carried. When `checking_needed` (store repair runs
@@ -128,6 +129,8 @@ def reusable(store: Store, table: str, lineage_hash: str | Iterable[str], keys: 
             rows = _unchanged(rows, fix)
         if rows.num_rows:
             found[v] = rows
+            if lineages is not None:
+                lineages[v] = lineage
             wanted = wanted.filter(pc.invert(pc.is_in(wanted, value_set=rows.column("key"))))
     return found
 

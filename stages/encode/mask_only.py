@@ -4,7 +4,8 @@ through the VAE again for the same latents.
 
 Same latents: an earlier vae row under the same key (the key hashes the target and control bytes and the caption,
 never the mask) of a feature lineage carried by key (the render settings the VAE reads, the VAE files, the code:
-`store.reuse.reusable`, fixes included). Under those the same source bytes render the same pixels, whatever the
+`store.reuse.reusable`, fixes included; a row a fix changed the mask of alone, `Fixes.mask_only`, is taken here,
+never carried whole). Under those the same source bytes render the same pixels, whatever the
 mask is (resize-bucket fits the mask onto the target, never the target to the mask). The sample is written as a
 fresh encode writes it - the same tensors in the same order, the same meta - from the stored latents' checked
 bytes and the `images` mask now. Anything a fresh encode would refuse or could read otherwise (a mask that does not
@@ -23,18 +24,15 @@ if TYPE_CHECKING:
     from stages.encode.job import EncodeJob
 
 
-def recompute_masks(job: EncodeJob, keys: list[str]) -> set[str]:
+def recompute_masks(job: EncodeJob, keys: list[str], found: dict[int, pa.Table]) -> set[str]:
     """Write each key of `keys` (not carried whole: its mask changed) from its stored latents and its mask now;
-    returns the keys so written."""
-    from store.reuse import reusable
-
+    returns the keys so written. `found`: `store.reuse.reusable`'s rows for this job's lineages and fixes over
+    `keys` and more (each key in one version at most); those of `keys` are rewritten."""
     if not keys or not job.images.has_column("mask_sha256"):
         return set()
-    done: set[str] = set()
-    lineages = (job.feature_lineage, *job.earlier_lineages)
-    for version, rows in reusable(job.store, job.summary.table, lineages, keys, changed=job.changed_by_fixes).items():
-        if done:
-            rows = rows.filter(pc.invert(pc.is_in(rows.column("key"), value_set=pa.array(sorted(done)))))
+    wanted, done = pa.array(sorted(keys), pa.string()), set()
+    for version, rows in found.items():
+        rows = rows.filter(pc.is_in(rows.column("key"), value_set=wanted))
         if rows.num_rows:
             done |= _rewrite(job, version, rows.column("key").to_pylist())
     return done

@@ -67,9 +67,13 @@ def _carried_forward(job: EncodeJob, todo: list[str]) -> tuple[list[str], np.nda
     of them (`_model_takes`), else None."""
     at = key_rows(job, todo) if refuses_any(job, job.by_controls) else None
     carriable = _model_takes(job, todo, at)
-    for version, rows in reusable(job.store, job.summary.table, (job.feature_lineage, *job.earlier_lineages),
-                                  carriable, changed=job.changed_by_fixes).items():
-        job.summary.reused += carry_forward(job.writer, version, carried_rows(job, rows))
+    # encode-vae: a row a fix changed the mask of alone is found too, and left to `recompute_masks`
+    changed, lineages = _changed_beyond_mask(job) if job.mask_only_carry else job.changed_by_fixes, {}
+    found = reusable(job.store, job.summary.table, (job.feature_lineage, *job.earlier_lineages), carriable,
+                     changed=changed, lineages=lineages)
+    for version, rows in found.items():
+        whole = _without_masks_changed(job, rows, lineages[version]) if job.mask_only_carry else rows
+        job.summary.reused += carry_forward(job.writer, version, carried_rows(job, whole))
     if job.summary.reused:
         todo, at = _left(todo, at, job.writer.carried_keys)
         carriable = [k for k in carriable if k not in job.writer.carried_keys]
@@ -81,7 +85,7 @@ def _carried_forward(job: EncodeJob, todo: list[str]) -> tuple[list[str], np.nda
     if job.mask_only_carry and carriable:  # encode-vae: a sample whose mask alone changed (stages/encode/mask_only.py)
         from stages.encode.mask_only import recompute_masks
 
-        masks = recompute_masks(job, carriable)
+        masks = recompute_masks(job, carriable, found)  # the rows found above: no manifest read again
         job.summary.completed += len(masks)
         todo, at = _left(todo, at, masks)
         carriable = [k for k in carriable if k not in masks]
@@ -92,6 +96,20 @@ def _carried_forward(job: EncodeJob, todo: list[str]) -> tuple[list[str], np.nda
         job.summary.reused += len(same)
         todo, at = _left(todo, at, same)
     return todo, at
+
+
+def _changed_beyond_mask(job: EncodeJob) -> dict[str, Callable[[pa.Table], np.ndarray]]:
+    """`job.changed_by_fixes` where a fix that changes the mask alone (`Fixes.mask_only`) does not count."""
+    return {lineage: getattr(rule, "beyond_mask", rule) for lineage, rule in job.changed_by_fixes.items()}
+
+
+def _without_masks_changed(job: EncodeJob, rows: pa.Table, lineage: str | None) -> pa.Table:
+    """`rows` (found under `_changed_beyond_mask`) but those a fix changed the mask of: their mask weights are
+    not the stored ones (the mask's source, `mask_sha256`, may be the same), so they are never carried whole."""
+    alone = getattr(job.changed_by_fixes.get(lineage), "mask_alone", None)
+    if alone is None or not rows.num_rows:
+        return rows
+    return rows.filter(pa.array(~alone(rows), pa.bool_()))
 
 
 def _completed(job: EncodeJob, keys: list[str]) -> set[str]:

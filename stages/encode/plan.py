@@ -51,6 +51,10 @@ class Fixes:
     # the images meta columns the rules read (the meta they get holds only these): each is called once per
     # distinct value of them and of `ROW_COLUMNS` over a whole version (`changed_rows`), never per row
     reads: tuple[str, ...] = ()
+    # those of the rules above whose yes says the sample's mask alone changed, its pictures rendered the same (so
+    # its latents, which never read the mask): encode-vae keeps such a row's latents and computes its mask columns
+    # (stages/encode/mask_only.py) instead of encoding it whole
+    mask_only: tuple[Rule, ...] = ()
 
 
 def own_revisions(fixes: Fixes, feature_revision: str) -> list[tuple[str, int]]:
@@ -390,7 +394,7 @@ def _lineages_before_fixes(images, fixes: Fixes, stage: str, feature_hashes: tup
     upstreams = [(upstream, None)] + [(up, since) for up, since in upstreams_before if up != upstream]
 
     def changed_by(own_since: int | None, images_since: int | None) -> Callable[[pa.Table], np.ndarray]:
-        return lambda rows: changed_rows(images, fixes, rows, own_since, images_since)
+        return ChangedRows(images, fixes, own_since, images_since)
 
     return {feature_lineage(stage, h, fingerprint, code_version(rev), up): changed_by(own_since, images_since)
             for h in feature_hashes for rev, own_since in revisions for up, images_since in upstreams
@@ -421,15 +425,41 @@ def _images_fixes_since(fixes: Fixes, revision: int | None) -> list[Rule]:
     return made_since(fixes.by_images, revision)
 
 
-def changed_rows(images, fixes: Fixes, rows: pa.Table, own_since: int | None, images_since: int | None) -> np.ndarray:
+@dataclass(frozen=True)
+class ChangedRows:
+    """stored rows -> does a fix change each (`changed_rows`); `beyond_mask` / `mask_alone`: the same split by
+    the fixes' `mask_only` rules (encode-vae: rows whose mask alone a fix changed keep their latents)."""
+
+    images: Any
+    fixes: Fixes
+    own_since: int | None
+    images_since: int | None
+
+    def __call__(self, rows: pa.Table) -> np.ndarray:
+        return changed_rows(self.images, self.fixes, rows, self.own_since, self.images_since)
+
+    def beyond_mask(self, rows: pa.Table) -> np.ndarray:
+        """Does a fix change more of each row than its mask (a rule not `mask_only` says yes)?"""
+        return changed_rows(self.images, self.fixes, rows, self.own_since, self.images_since, mask_only=False)
+
+    def mask_alone(self, rows: pa.Table) -> np.ndarray:
+        """Of rows no fix changes `beyond_mask`: does a `mask_only` rule say yes (its mask changed)?"""
+        return changed_rows(self.images, self.fixes, rows, self.own_since, self.images_since, mask_only=True)
+
+
+def changed_rows(images, fixes: Fixes, rows: pa.Table, own_since: int | None, images_since: int | None,
+                 mask_only: bool | None = None) -> np.ndarray:
     """Per stored row (`key`, `ROW_COLUMNS`): does a fix change it (this stage's own made since its revision
     `own_since`; the images' made since their revision `images_since`; None: none)? Yes for a key `images` lacks.
+    `mask_only`: only the rules that are (True) or are not (False) among `fixes.mask_only`; None: every one.
     The rules see the images' `Fixes.reads` and the row's `ROW_COLUMNS` and are called once per distinct value of
     those (store/row_rule.py): row by row, each row's whole images meta as Python objects, it was ~80-100 s and
     2.8 GB at 1M rows, now ~2.6 s (bench/fix_rules.py)."""
     from store.row_rule import Declared, per_distinct
 
     rules = made_since(fixes.own, own_since) + _images_fixes_since(fixes, images_since)
+    if mask_only is not None:
+        rules = [rule for rule in rules if any(rule is m for m in fixes.mask_only) == mask_only]
     at = images.rows_of_keys(rows.column("key"))
     out = at < 0
     there = np.flatnonzero(~out)

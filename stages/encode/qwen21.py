@@ -56,9 +56,11 @@ TEXT_REVISION = "text21.2"
 # the RGBA fix of the Edit encoders (vae.2) does not concern them, the images' EXIF mask fix does (a copy the
 # images' revision 3 keeps instead: its mask compared, as encode-vae's FIXES says)
 VAE_REVISION = "vae.1"
-# and its revision 4 (a picture's one transparent colour taken as alpha: such a sample's pictures changed)
-VAE_FIXES = Fixes(by_images=((1, lambda meta, row: mask_was_turned(meta)),
-                             (3, lambda meta, row: took_transparent_colour(meta))), reads=("conversions",))
+# and its revision 4 (a picture's one transparent colour taken as alpha: such a sample's pictures changed); a
+# turned mask keeps the latents, its mask columns computed again (`mask_only`, as encode-vae's FIXES)
+_MASK_TURNED = lambda meta, row: mask_was_turned(meta)  # noqa: E731 - named: `mask_only` holds this very rule
+VAE_FIXES = Fixes(by_images=((1, _MASK_TURNED), (3, lambda meta, row: took_transparent_colour(meta))),
+                  reads=("conversions",), mask_only=(_MASK_TURNED,))
 
 
 def _caption_now_too_long(meta: dict[str, Any], row: dict[str, Any]) -> bool:

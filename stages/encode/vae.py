@@ -53,10 +53,12 @@ FEATURE_REVISION = "vae.2"
 # of another aspect (once stretched) has another mask: its `mask_sha256` differs (`match_columns`), so it is
 # encoded again; one kept instead before too (caption '' then, which the VAE never reads) is carried.
 # Revision 4 takes a picture's one transparent colour as alpha: those samples' pictures changed.
-# Qwen-Image-2.1 (RGBA read as RGBA) has its own.
+# Qwen-Image-2.1 (RGBA read as RGBA) has its own. A turned mask changed the mask alone (its target rendered the
+# same): such a row keeps its latents, its mask columns computed again (`mask_only`, stages/encode/mask_only.py).
+_MASK_TURNED = lambda meta, row: mask_was_turned(meta)  # noqa: E731 - named: `mask_only` holds this very rule
 FIXES = Fixes(own=((1, lambda meta, row: has_alpha_picture(meta)),),
-              by_images=((1, lambda meta, row: mask_was_turned(meta)),
-                         (3, lambda meta, row: took_transparent_colour(meta))), reads=("conversions",))
+              by_images=((1, _MASK_TURNED), (3, lambda meta, row: took_transparent_colour(meta))),
+              reads=("conversions",), mask_only=(_MASK_TURNED,))
 LATENTS_COLUMN = VAE_LATENTS_COLUMN  # `latents_sha256` of each sample
 COMPONENTS = ("vae",)  # what the latents depend on: another model with the same VAE files reuses them
 

@@ -121,3 +121,29 @@ def test_edited_masks_read_their_pictures_a_few_samples_at_a_time(tiny_edit_mode
     vae = encode_vae.run(cfg, store, tiny_edit_model, batch_size=2)
     assert (vae.encoded, vae.completed) == (0, 3) and held == [2, 1]
     _same(_tables(store, "vae"), _tables(_fresh_at(cfg, src, tmp_path / "fresh", tiny_edit_model), "vae"))
+
+
+def test_edited_masks_read_the_stored_manifest_once(tiny_edit_model, monkeypatch, tmp_path):
+    """The search for carriable rows found the edited samples' stored rows; the mask-only rewrite searched every
+    carriable key again (the stored manifest read twice). Now it takes the rows the first search found."""
+    from store import reuse
+
+    src, store = tmp_path / "src", tmp_path / "store"
+    _source(src, CAPTIONS)
+    cfg = load_config(None, SMALL)
+    resize_stage.run(cfg, src, store)
+    encode_vae.run(cfg, store, tiny_edit_model, batch_size=2)
+    _mask(src, "s0", seed=4)
+    resize_stage.run(cfg, src, store)
+    reads, real = [], reuse._wanted_rows
+
+    def wanted_rows(store_, table, version, *a):
+        found = real(store_, table, version, *a)
+        if found is not None:  # a version of this lineage: its manifest's rows read
+            reads.append((table, version))
+        return found
+
+    monkeypatch.setattr(reuse, "_wanted_rows", wanted_rows)
+    vae = encode_vae.run(cfg, store, tiny_edit_model, batch_size=2)
+    assert (vae.encoded, vae.completed, vae.reused) == (0, 1, 2) and reads == [("vae", 1)]
+    _same(_tables(store, "vae"), _tables(_fresh_at(cfg, src, tmp_path / "fresh", tiny_edit_model), "vae"))

@@ -114,7 +114,10 @@ def test_tables_no_fix_changes_stay_current(tiny_plus_model, monkeypatch, tmp_pa
         assert s.up_to_date and s.version == before.version and read == [], stage.STAGE
 
 
-def test_the_mask_fix_reencodes_exactly_the_latents_of_turned_masks(tiny_plus_model, monkeypatch, tmp_path):
+def test_the_mask_fix_recomputes_exactly_the_mask_weights_of_turned_masks(tiny_plus_model, monkeypatch, tmp_path):
+    """A turned mask changed the mask alone (its target rendered the same): the stored latents are kept and the
+    mask weights computed from the mask now, as a fresh encode computes them. Before, the sample was encoded whole
+    (its target and controls through the VAE again, for the same latents)."""
     cfg = load_config(None, {**MASK_SMALL, **F32})
     n = _source(tmp_path / "src", with_affected=True)
     _build_before_fix(monkeypatch, cfg, tmp_path / "src", tmp_path / "store")
@@ -124,7 +127,7 @@ def test_the_mask_fix_reencodes_exactly_the_latents_of_turned_masks(tiny_plus_mo
     text = encode_text.run(cfg, tmp_path / "store", tiny_plus_model, batch_size=1)
     assert (text.encoded, text.reused) == (0, n)  # the text encoder reads no mask
     vae = encode_vae.run(cfg, tmp_path / "store", tiny_plus_model, batch_size=1)
-    assert (vae.encoded, vae.reused) == (1, n - 1)
+    assert (vae.encoded, vae.completed, vae.reused) == (0, 1, n - 1)
 
     resize_stage.run(cfg, tmp_path / "src", tmp_path / "fresh")
     for stage in (encode_text, encode_vae):

@@ -143,9 +143,10 @@ def test_revision_3_renders_and_encodes_again_exactly_what_it_changed(tiny_plus_
     text = encode_text.run(cfg, tmp_path / "store", tiny_plus_model, batch_size=1)
     vae = encode_vae.run(cfg, tmp_path / "store", tiny_plus_model, batch_size=1)
     # the two new keys and one copy kept instead each: text the one stored with caption '' (revived_dup; its prompt
-    # was the empty one), vae the one with another mask (misfit_dup); before, both copies in both (one needlessly)
+    # was the empty one), vae the one with another mask (misfit_dup: its latents kept, its mask weights computed,
+    # stages/encode/mask_only.py); before, both copies in both (one needlessly)
     assert (text.version, text.encoded, text.reused) == (old_text.version + 1, 3, 6)
-    assert (vae.version, vae.encoded, vae.reused) == (old_vae.version + 1, 3, 6)
+    assert (vae.version, vae.encoded, vae.completed, vae.reused) == (old_vae.version + 1, 2, 1, 6)
     new_features = _tables(tmp_path / "store", "text", "vae")
     for caption in ("edit 0", "edit 1", "edit 2", "mask it", "half mask"):
         key = after[caption][0]

@@ -86,6 +86,23 @@ def test_the_columnar_fix_rules_keep_exactly_the_rows_the_row_by_row_rule_keeps(
     assert [KEYS[i] for i, keep in zip(order, got) if keep] == [KEYS[i] for i in (6, 0, 2, 5, 4)]
 
 
+def test_a_turned_mask_alone_changes_only_the_mask_of_a_vae_row(tmp_path):
+    """encode-vae's rows the EXIF mask fix changed the mask of alone keep their latents (`ChangedRows.mask_alone`);
+    one another fix changes too (an alpha picture under the RGBA fix), or one whose key the images lack, is
+    changed beyond its mask (encoded whole)."""
+    from stages.encode.plan import ChangedRows
+
+    images = _images(Store(tmp_path / "store"), "images", True)
+    rows = pa.table({"key": KEYS, "shard": ["s"] * 10})
+    # [TURNED] alone: 2 (9 too, but the images lack its key); [ALPHA, TURNED]: 3, under vae's own RGBA fix too
+    for fix, want in ((vae.FIXES, [2]), (qwen21.VAE_FIXES, [2, 3])):
+        changed = ChangedRows(images, fix, own_since=1, images_since=1)
+        beyond = changed.beyond_mask(rows)
+        alone = ~beyond & changed.mask_alone(rows)
+        assert [i for i in range(10) if alone[i]] == want
+        assert list(changed(rows)) == list(beyond | alone) and beyond[8] and beyond[9]
+
+
 def test_encode_text_redoes_a_copy_kept_instead_only_where_its_prompt_was_the_empty_one():
     """Revision 2 stored a copy kept instead of its rejected first copy with caption '': its prompt was the empty
     prompt (same length); a key whose first copy revision 2 kept (its mask refused now) was encoded from its caption."""
