@@ -52,11 +52,7 @@ def current_metrics(metrics: dict | None, out: Path, fingerprint: str, checkpoin
                            "extra_prompts_sha256": c.get("extra_prompts_sha256"),
                            "loras": {str(step): reported.get(step) for step, _ in checkpoints},
                            "paths": {str(step): recorded_paths.get(step) for step, _ in checkpoints}}
-        # the best picked on half the val samples and confirmed on the other (`selection`): a report from before
-        # stated the winner's own, optimistic numbers; summarised again, no checkpoint evaluated again
-        recorded_inputs["selection"] = (c.get("selection") or {}).get("rule") or selection.UNRECORDED
-        # its verdict and '≈ best' by the threshold of now: a report told apart by 2 s.e. over 3 samples
-        recorded_inputs["verdict"] = (c.get("selection") or {}).get("verdict") or selection.VERDICT_UNRECORDED
+        picked = _selection_inputs(c)
         named = named_steps(c)
         listed = listed_on_disk(c, named)
         ema_inputs = _ema_inputs(c, checkpoints, ema_shas or {})
@@ -65,8 +61,7 @@ def current_metrics(metrics: dict | None, out: Path, fingerprint: str, checkpoin
     present = {"fingerprint": fingerprint, "steps": sorted(recorded) if recorded is not None else c.get("steps"),
                "config_fingerprint": cfg.fingerprint(), "extra_prompts_sha256": extra_prompt_bytes(cfg) or None,
                "loras": {str(step): shas[step] for step, _ in checkpoints},
-               "paths": {str(step): str(Path(path).resolve()) for step, path in checkpoints},
-               "selection": selection.RULE, "verdict": selection.VERDICT}
+               "paths": {str(step): str(Path(path).resolve()) for step, path in checkpoints}}
     # the checkpoints the report names (best, next best, last) are still there: one removed since (pruned, or
     # deleted by hand) left the report "up to date" naming a path that is gone as the best
     recorded_inputs["named_on_disk"] = named
@@ -75,8 +70,9 @@ def current_metrics(metrics: dict | None, out: Path, fingerprint: str, checkpoin
     # other (metrics.json's on_disk true), not marked removed; rewritten, no checkpoint is evaluated again
     recorded_inputs["listed_on_disk"] = listed
     present["listed_on_disk"] = [step for step in listed if step in dict(checkpoints)]
-    recorded_inputs.update(ema_inputs[0])
-    present.update(ema_inputs[1])
+    for recorded_part, present_part in (picked, ema_inputs):
+        recorded_inputs.update(recorded_part)
+        present.update(present_part)
     from stages.evaluate.config_spellings import same_config
 
     if same_config(recorded_inputs["config_fingerprint"], cfg, n, metrics):  # the same settings, spelled otherwise
@@ -87,6 +83,17 @@ def current_metrics(metrics: dict | None, out: Path, fingerprint: str, checkpoin
     if why is not None:
         why += differences(recorded_inputs, present, metrics, cfg, settings)
     return None
+
+
+def _selection_inputs(c: dict) -> tuple[dict, dict]:
+    """(recorded, present) of how the best was picked: on half the val samples, confirmed on the other (a report
+    from before stated the winner's own, optimistic numbers), its verdict and '≈ best' by the threshold of now (a
+    report told apart by 2 s.e. over 3 samples). A report of another rule is summarised again, no checkpoint
+    evaluated again."""
+    chosen = c.get("selection") or {}
+    return ({"selection": chosen.get("rule") or selection.UNRECORDED,
+             "verdict": chosen.get("verdict") or selection.VERDICT_UNRECORDED},
+            {"selection": selection.RULE, "verdict": selection.VERDICT})
 
 
 def damaged_current(metrics: dict, cfg: EvaluateConfig) -> bool:
