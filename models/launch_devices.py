@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from schemas.errors import UserError
 
@@ -28,21 +28,26 @@ def agreed_cpu(world: int, what: str, how: str = "is unset") -> bool:
     sees a GPU of its own (cuda:LOCAL_RANK): no (NCCL, as accelerate chooses); no rank sees any GPU: yes; some do
     and some do not: the same `UserError` on every rank, naming the ranks without one and their hosts. A
     collective: every launched rank calls it."""
-    ranks = _gather(world, what, _view())
+    ranks = _gather(world, what, _view(), lambda ranks: _mixed(ranks, world, what, how))
+    if (line := _mixed(ranks, world, what, how)) is not None:
+        from models.collective import RankFailed  # taken by every rank from the same data: nothing to publish
+
+        raise RankFailed(line)
+    return all(r["gpus"] == 0 for r in ranks)
+
+
+def _mixed(ranks: list[dict], world: int, what: str, how: str) -> str | None:
+    """`agreed_cpu`'s refusal where some ranks see a GPU of their own and some do not, else None."""
     without = [r for r in ranks if r["gpus"] <= r["local_rank"]]
-    if not without:
-        return False
-    if all(r["gpus"] == 0 for r in ranks):
-        return True
+    if not without or all(r["gpus"] == 0 for r in ranks):
+        return None
     fewer = any(r["gpus"] for r in without)  # a node with fewer GPUs than processes
     one = len(without) == 1
-    from models.collective import RankFailed  # taken by every rank from the same data: nothing to publish
-
-    raise RankFailed(f"{what} {how} and {_named(without)} (of {world}) {'has' if one else 'have'} no GPU of "
-                     f"{'its' if one else 'their'} own while the other ranks do (NCCL and gloo ranks cannot train "
-                     "together): fix the GPU driver there (nvidia-smi)"
-                     + (" or launch as many processes per node as it has GPUs" if fewer else "")
-                     + f", or set {what}=cpu to train every rank on the CPU")
+    return (f"{what} {how} and {_named(without)} (of {world}) {'has' if one else 'have'} no GPU of "
+            f"{'its' if one else 'their'} own while the other ranks do (NCCL and gloo ranks cannot train "
+            "together): fix the GPU driver there (nvidia-smi)"
+            + (" or launch as many processes per node as it has GPUs" if fewer else "")
+            + f", or set {what}=cpu to train every rank on the CPU")
 
 
 def check_devices(spec: DeviceSpec, what: str, world: int) -> None:
@@ -73,11 +78,17 @@ def check_devices(spec: DeviceSpec, what: str, world: int) -> None:
         error = None
     except UserError as e:
         error = " ".join(str(e).splitlines())
-    failed = [r for r in _gather(world, what, {**_view(), "error": error}) if r["error"]]
-    if failed:
+    ranks = _gather(world, what, {**_view(), "error": error}, lambda ranks: _missing(ranks, world))
+    if (line := _missing(ranks, world)) is not None:
         from models.collective import RankFailed  # taken by every rank from the same data: nothing to publish
 
-        raise RankFailed(f"{failed[0]['error']} (on {_named(failed)}, of {world})")
+        raise RankFailed(line)
+
+
+def _missing(ranks: list[dict], world: int) -> str | None:
+    """`check_devices`' refusal where a rank's device is not there: the lowest such rank's error, else None."""
+    failed = [r for r in ranks if r["error"]]
+    return f"{failed[0]['error']} (on {_named(failed)}, of {world})" if failed else None
 
 
 def _view() -> dict:
@@ -87,10 +98,15 @@ def _view() -> dict:
             "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0, "host": socket.gethostname()}
 
 
-def _gather(world: int, what: str, view: dict) -> list[dict]:
+def _gather(world: int, what: str, view: dict, refusal: Callable[[list[dict]], str | None]) -> list[dict]:
+    """Every rank's `view`, in rank order. `refusal(ranks)`: the line they end the command with, if any, recorded
+    before the exchange's last wait (`gather_before_group`'s `ending`): a SIGTERM there ends the rank with it."""
     from models.collective import gather_before_group
 
-    return [json.loads(text) for text in gather_before_group(world, what, json.dumps(view))]
+    def parsed(texts: list[str]) -> list[dict]:
+        return [json.loads(text) for text in texts]
+
+    return parsed(gather_before_group(world, what, json.dumps(view), ending=lambda texts: refusal(parsed(texts))))
 
 
 def _named(ranks: list[dict]) -> str:

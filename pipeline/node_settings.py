@@ -51,14 +51,25 @@ def refuse_differing_settings(world: int, cfg: PipelineConfig) -> None:
     digests = gather_before_group(world, WHAT, hashlib.sha256(text.encode()).hexdigest())
     if len(set(digests)) == 1:
         return
-    ranks = [json.loads(t) for t in gather_before_group(world, WHAT, text)]  # every rank takes this branch
-    rank = next(r for r in range(1, world) if ranks[r] != ranks[0])
+    # every rank takes this branch; the refusal is recorded before the exchange's last wait (`ending`): under
+    # torchrun a SIGTERM there (another worker of the node ended on it first) ends this rank with it too
+    ranks = _parsed(gather_before_group(world, WHAT, text, ending=lambda texts: _differing(_parsed(texts))))
+    # taken by every rank from the same data (nothing to publish): ends the ranks' watch for failures too
+    raise RankFailed(_differing(ranks))
+
+
+def _parsed(texts: list[str]) -> list[dict[str, str]]:
+    return [json.loads(t) for t in texts]
+
+
+def _differing(ranks: list[dict[str, str]]) -> str:
+    """The line naming the first rank whose settings differ from rank 0's, and its first differing key."""
+    rank = next(r for r in range(1, len(ranks)) if ranks[r] != ranks[0])
     theirs, first = ranks[rank], ranks[0]
     key = next(k for k in [*first, *theirs] if first.get(k) != theirs.get(k))
-    # taken by every rank from the same data (nothing to publish): ends the ranks' watch for failures too
-    raise RankFailed(f"the ranks do not run with the same settings: rank {rank}'s {key} is {_shown(theirs.get(key))}, "
-                     f"rank 0's {_shown(first.get(key))} (each node reads --config and --set itself, and the nodes' "
-                     "copies of the config or their flags differ); use one config and the same flags on every node")
+    return (f"the ranks do not run with the same settings: rank {rank}'s {key} is {_shown(theirs.get(key))}, "
+            f"rank 0's {_shown(first.get(key))} (each node reads --config and --set itself, and the nodes' "
+            "copies of the config or their flags differ); use one config and the same flags on every node")
 
 
 def _shown(value: str | None) -> str:

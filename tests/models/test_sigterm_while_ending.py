@@ -2,10 +2,13 @@
 agent SIGTERMs before it printed its line - another worker of its node exited first, and the agent stops the node's
 other workers at once - still ends with that line. Before, the SIGTERM's handler found no published line and the rank
 exited 143 silently (a real launch of 2 nodes x 2 workers: node 0's rank 0 said nothing where 3 ranks printed the
-refusal; likewise node 0's rank 0 held in its wait for the read marks of a refusal before the group)."""
+refusal; likewise node 0's rank 0 held in its wait for the read marks of a refusal before the group, and of the
+refusals of launch_devices.py and node_settings.py decided through that exchange)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import signal
 
 import pytest
@@ -63,3 +66,76 @@ def test_a_sigterm_in_node_0s_wait_for_the_read_marks_of_a_refusal_ends_the_rank
             pass
     assert stopped.value.code == 128 + signal.SIGTERM
     assert capsys.readouterr().err.splitlines() == ["error: rank 1: no such folder"]
+
+
+def _refused_by_rank_1(monkeypatch, collective, what: str, texts: dict[int, str]) -> None:
+    """Rank 0 of 2 under torchrun, on node 0 (its agent's store: this worker waits for the read marks), with rank
+    1's text of each exchange of `what` there (`texts`, by exchange): node 0's other worker ends on the refusal of
+    the last first, and the agent's SIGTERM lands in this rank's read-mark wait of that exchange."""
+    store = _as_rank(monkeypatch, 0, agent_store=True)
+    key = f"{collective.store_client._launch_key('before-group')}/{what}"
+    for exchange, text in texts.items():
+        store.set(f"{key}/{exchange}/1", text)
+    sigterm = _sigterm_lands(monkeypatch)
+
+    def read_wait(client, counter: str, *args, _store=store, **kwargs) -> None:  # _store: the test's, kept serving
+        if counter == f"{key}/{max(texts)}/read":
+            sigterm()
+
+    monkeypatch.setattr(collective.before_group, "_count_and_wait", read_wait)
+
+
+def _ends_with(capsys, stopped, line: str) -> None:
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.splitlines() == [f"error: {line}"]
+
+
+def _view(gpus: int, rank: int = 0, **more) -> dict:
+    return {"rank": rank, "local_rank": 0, "gpus": gpus, "host": f"node-{rank}", **more}
+
+
+def test_a_sigterm_in_the_wait_of_a_refused_device_decision_ends_the_rank_with_its_line(monkeypatch, capsys,
+                                                                                      own_collective):  # noqa: F811
+    """train.device unset, node 1's rank without a GPU (models/launch_devices.py `agreed_cpu`): the refusal's line
+    was formed after that wait, so the SIGTERM there ended node 0's rank with exit 143 and no line."""
+    from models import launch_devices
+
+    _refused_by_rank_1(monkeypatch, own_collective, "train.device", {1: json.dumps(_view(0, rank=1))})
+    monkeypatch.setattr(launch_devices, "_view", lambda: _view(1))
+    with pytest.raises(SystemExit) as stopped:
+        launch_devices.agreed_cpu(2, "train.device")
+    _ends_with(capsys, stopped, "train.device is unset and rank 1 on node-1 (of 2) has no GPU of its own while the "
+               "other ranks do (NCCL and gloo ranks cannot train together): fix the GPU driver there (nvidia-smi), "
+               "or set train.device=cpu to train every rank on the CPU")
+
+
+def test_a_sigterm_in_the_wait_of_a_refused_device_setting_ends_the_rank_with_its_line(monkeypatch, capsys,
+                                                                                     own_collective):  # noqa: F811
+    """train.device=cuda:0, not there on node 1 (`check_devices`): silent before, likewise."""
+    from models import launch_devices, loading
+
+    missing = "train.device is cuda:0, which this machine does not have"
+    _refused_by_rank_1(monkeypatch, own_collective, "train.device", {1: json.dumps(_view(0, rank=1, error=missing))})
+    monkeypatch.setattr(launch_devices, "_view", lambda: _view(1))
+    monkeypatch.setattr(loading, "check_device", lambda device, what: device)  # there on this rank
+    with pytest.raises(SystemExit) as stopped:
+        launch_devices.check_devices("cuda:0", "train.device", 2)
+    _ends_with(capsys, stopped, f"{missing} (on rank 1 on node-1, of 2)")
+
+
+def test_a_sigterm_in_the_wait_of_a_settings_refusal_ends_the_rank_with_its_line(monkeypatch, capsys,
+                                                                               own_collective):  # noqa: F811
+    """Node 1 runs with another train.max_steps (pipeline/node_settings.py): the digests differ (exchange 1), then
+    the settings themselves name the key (exchange 2), in whose read-mark wait the SIGTERM lands. Silent before."""
+    from pipeline import node_settings
+    from schemas.config import PipelineConfig
+
+    mine = PipelineConfig()
+    theirs = json.dumps({**node_settings.shared_settings(mine), "train.max_steps": "7"})
+    _refused_by_rank_1(monkeypatch, own_collective, node_settings.WHAT,
+                       {1: hashlib.sha256(theirs.encode()).hexdigest(), 2: theirs})
+    with pytest.raises(SystemExit) as stopped:
+        node_settings.refuse_differing_settings(2, mine)
+    _ends_with(capsys, stopped, "the ranks do not run with the same settings: rank 1's train.max_steps is 7, rank "
+               f"0's {mine.train.max_steps} (each node reads --config and --set itself, and the nodes' copies of the "
+               "config or their flags differ); use one config and the same flags on every node")
