@@ -34,8 +34,6 @@ def gather_before_group(world: int, what: str, text: str, timeout: float | None 
     the command with, if any, this process's line for a SIGTERM from here on (publish.py `ending_line`)."""
     if world <= 1 or not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
         return [text]
-    from models.agreement import few
-
     timeout = timing.BEFORE_GROUP_SECONDS if timeout is None else timeout
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
@@ -56,21 +54,7 @@ def gather_before_group(world: int, what: str, text: str, timeout: float | None 
         _wait_keys(store, keys, timeout)
         texts = [_call(store, lambda c: c.get(k)).decode("utf-8", "replace") for k in keys]
     except Exception as e:  # noqa: BLE001 - timed out (DistStoreError), or the store went away: named below
-        if isinstance(e, StoreSilent):
-            raise UserError(f"{what}: the ranks decide it together through the launch's store, but {e}: see that "
-                            "host (rank 0's when no launcher serves the store) or the launcher's log") from None
-        try:
-            missing = [r for r, k in enumerate(keys) if not _call(store, lambda c: c.check([k]))]
-        except Exception:  # noqa: BLE001 - the store is gone (its host ended): not the ranks' silence
-            missing = []
-        if missing:
-            raise UserError(f"{what}: the ranks decide it together before training, but rank(s) {few(missing)} of "
-                            f"{world} did not report within {timeout:.0f} s: see their logs (a rank that failed "
-                            "earlier, or launched with another command)") from None
-        # e.g. rank 0 of a plain env:// launch, which serves the store, ended (killed, or failed) meanwhile
-        raise UserError(f"{what}: the ranks decide it together through the launch's store at {where}, which "
-                        f"went away meanwhile ({_first_line(e)}): see rank 0's log (it serves the store when no "
-                        "launcher does) or the launcher's") from None
+        raise _exchange_failed(e, what, store, keys, timeout) from None
     if ending is not None and (line := ending(texts)) is not None:
         # under torchrun another worker of this node may end on it first: the agent then SIGTERMs this one in the
         # wait below, which ended it silently
@@ -83,6 +67,29 @@ def gather_before_group(world: int, what: str, text: str, timeout: float | None 
     # ended printed torch's C++ warning and stack
     _count_and_wait(store, f"{key}/read", world, wait=state.before["hosted"] or _ends_store())
     return texts
+
+
+def _exchange_failed(e: Exception, what: str, store, keys: list[str], timeout: float) -> UserError:
+    """The one line for an exchange of `gather_before_group` that failed with `e`: the store silent, ranks that
+    never reported within `timeout` (named), or the store gone meanwhile."""
+    from models.agreement import few
+
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    if isinstance(e, StoreSilent):
+        return UserError(f"{what}: the ranks decide it together through the launch's store, but {e}: see that host "
+                         "(rank 0's when no launcher serves the store) or the launcher's log")
+    try:
+        missing = [r for r, k in enumerate(keys) if not _call(store, lambda c: c.check([k]))]
+    except Exception:  # noqa: BLE001 - the store is gone (its host ended): not the ranks' silence
+        missing = []
+    if missing:
+        return UserError(f"{what}: the ranks decide it together before training, but rank(s) {few(missing)} of "
+                         f"{len(keys)} did not report within {timeout:.0f} s: see their logs (a rank that failed "
+                         "earlier, or launched with another command)")
+    # e.g. rank 0 of a plain env:// launch, which serves the store, ended (killed, or failed) meanwhile
+    return UserError(f"{what}: the ranks decide it together through the launch's store at {where}, which went away "
+                     f"meanwhile ({_first_line(e)}): see rank 0's log (it serves the store when no launcher does) or "
+                     "the launcher's")
 
 
 def _wait_keys(store, keys: list[str], timeout: float) -> None:
