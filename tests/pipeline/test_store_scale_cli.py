@@ -202,8 +202,9 @@ def test_another_model_with_the_same_vae_files_reuses_the_latents(tmp_path, tiny
 
 
 def test_a_changed_mask_is_recomputed_where_it_matters(tmp_path, tiny_plus_model):
-    """The mask is not part of the sample key: a new mask re-renders that sample and re-encodes its latents
-    (mask_weight), while its text features are reused."""
+    """The mask is not part of the sample key: a new mask re-renders that sample and recomputes its mask_weight,
+    its latents kept (the same pictures: stages/encode/mask_only.py, counted "completed") and its text features
+    reused."""
     from pipeline.demo_data import make_demo_data
 
     src, store = tmp_path / "src", tmp_path / "store"
@@ -221,7 +222,7 @@ def test_a_changed_mask_is_recomputed_where_it_matters(tmp_path, tiny_plus_model
     r = run_json("resize-bucket", "--source", src, "--store", store)
     t, v = run_json("encode-text", *enc), run_json("encode-vae", *enc)
     assert (r["encoded"], r["reused"]) == (1, 3)
-    assert (t["encoded"], t["reused"]) == (0, 4) and (v["encoded"], v["reused"]) == (1, 3)
+    assert (t["encoded"], t["reused"]) == (0, 4) and (v["encoded"], v["completed"], v["reused"]) == (0, 1, 3), v
     vae = Store(store).reader("vae")
     changed = [k for k in weights if not (vae.tensors(k)["mask_weight"] == weights[k]).all()]
     assert len(changed) == 1 and (vae.tensors(changed[0])["mask_weight"] == 1).all()  # the new mask, all edited
