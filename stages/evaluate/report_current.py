@@ -62,6 +62,9 @@ def current_metrics(metrics: dict | None, out: Path, fingerprint: str, checkpoin
                "config_fingerprint": cfg.fingerprint(), "extra_prompts_sha256": extra_prompt_bytes(cfg) or None,
                "loras": {str(step): shas[step] for step, _ in checkpoints},
                "paths": {str(step): str(Path(path).resolve()) for step, path in checkpoints}}
+    # in this order (the line saying why a report is redone lists its inputs in the present's order)
+    recorded_inputs.update(picked[0])
+    present.update(picked[1])
     # the checkpoints the report names (best, next best, last) are still there: one removed since (pruned, or
     # deleted by hand) left the report "up to date" naming a path that is gone as the best
     recorded_inputs["named_on_disk"] = named
@@ -70,9 +73,8 @@ def current_metrics(metrics: dict | None, out: Path, fingerprint: str, checkpoin
     # other (metrics.json's on_disk true), not marked removed; rewritten, no checkpoint is evaluated again
     recorded_inputs["listed_on_disk"] = listed
     present["listed_on_disk"] = [step for step in listed if step in dict(checkpoints)]
-    for recorded_part, present_part in (picked, ema_inputs):
-        recorded_inputs.update(recorded_part)
-        present.update(present_part)
+    recorded_inputs.update(ema_inputs[0])
+    present.update(ema_inputs[1])
     from stages.evaluate.config_spellings import same_config
 
     if same_config(recorded_inputs["config_fingerprint"], cfg, n, metrics):  # the same settings, spelled otherwise

@@ -959,6 +959,32 @@ def test_a_removed_best_checkpoint_makes_the_report_out_of_date(run_and_store, t
                   skip_if_done=True).up_to_date
 
 
+def test_why_a_report_is_redone_names_its_inputs_in_one_order(run_and_store, tiny_edit_model, tmp_path):
+    """The line saying why a report is summarised again lists the stale inputs in one order: the best's selection
+    rule before the named checkpoints still on disk (as before `_selection_inputs`, which moved it after them)."""
+    import io
+    import shutil
+    from contextlib import redirect_stdout
+
+    root = run_and_store
+    copies = _own_run(root, tmp_path)
+    out = tmp_path / "report"
+    assert ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, copies, out).best["step"] == 20
+    metrics = json.loads((out / "metrics.json").read_text())
+    del metrics["checkpoints"]["selection"]
+    metrics.pop("checksum", None)  # edited by hand: unsealed, as a report of an earlier release
+    (out / "metrics.json").write_text(json.dumps(metrics))
+    shutil.rmtree(copies[1][1].parent)  # the best, step 20, deleted
+    said = io.StringIO()
+    with redirect_stdout(said):
+        res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, [copies[0], copies[2]], out,
+                     skip_if_done=True)
+    assert not res.up_to_date and res.evaluated == 0
+    text = said.getvalue()
+    rule, named = text.find("best checkpoint picked and stated"), text.find("checkpoints the report names")
+    assert 0 <= rule < named, text
+
+
 def test_json_names_every_path_absolute_with_a_relative_out(run_and_store, tiny_edit_model, tmp_path, monkeypatch):
     """--out given relative: `report` and `losses` (on an up-to-date rerun too, where `losses` came from the
     recorded metrics.json) were relative while `best_checkpoint` was absolute; every path is absolute now."""
