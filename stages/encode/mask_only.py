@@ -44,18 +44,11 @@ STEP = 64
 
 
 def _rewrite(job: EncodeJob, version: int, keys: list[str]) -> set[str]:
-    """The `keys` stored in `version` written with the mask weights of the `images` mask now (see the module)."""
-    from tqdm.auto import tqdm
+    """The `keys` stored in `version` written with the mask weights of the `images` mask now (see the module): a
+    completion (`output.completing`: the stored latents carried, the mask columns computed), STEP at a time."""
+    from stages.encode.output import completing
 
-    from store.reuse import source_reader
-
-    table, written = job.summary.table, set()
-    with source_reader(job.store.root, table, version, f"carry latents whose mask changed into '{table}'",
-                       "carry forward") as reader:
-        for i in tqdm(range(0, len(keys), STEP), desc=f"{job.summary.stage}: mask weights of edited masks "
-                      f"('{table}' v{version} latents kept)", unit="part", leave=False, disable=len(keys) <= STEP):
-            written |= _rewrite_some(job, reader, keys[i : i + STEP])
-    return written
+    return completing(job, version, keys, STEP, lambda reader, part: _rewrite_some(job, reader, part))
 
 
 def _rewrite_some(job: EncodeJob, reader: Any, keys: list[str]) -> set[str]:
